@@ -1,0 +1,181 @@
+"""Configuration dataclasses for model, training and data, with named model presets.
+
+Every constraint that ties configs to a parallel layout is checked by `validate_job`,
+which the CLI calls before any process is launched, so a bad combination fails with
+one line instead of a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from megatronapp.parallel.layout import LayoutError, ParallelLayout
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT decoder shape. Positions are rotary (RoPE): no position table to shard or pipe."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 0  # 0 -> 4 * hidden_size
+    vocab_size: int = 257  # tokenizer vocabulary before padding
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 64
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    rotary_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ConfigError(
+                f"hidden size {self.hidden_size} is not divisible by "
+                f"num attention heads {self.num_attention_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"head dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        # Padding does not depend on TP (unlike Megatron), so every layout trains the
+        # same model; divisibility by TP is checked in validate_job instead.
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+    def num_parameters(self) -> int:
+        h, f, v, n = self.hidden_size, self.ffn_size, self.padded_vocab_size, self.num_layers
+        per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        return n * per_layer + 2 * v * h + 2 * h  # untied embedding and output, final norm
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 * params + 12 * layers * hidden * seq (attention)."""
+        return 6.0 * self.num_parameters() + 12.0 * self.num_layers * self.hidden_size * self.seq_length
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32),
+    "demo": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128),
+    "small": ModelConfig(num_layers=12, hidden_size=512, num_attention_heads=8, seq_length=256),
+    "125m": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024),
+    "350m": ModelConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=2048),
+    "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048),
+}
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose from {', '.join(MODEL_PRESETS)}")
+    return replace(MODEL_PRESETS[name], **overrides)
+
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    train_iters: int = 10
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int = 0  # 0 -> train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    seed: int = 1234
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (interleaved needs virtual stages)
+    bf16: bool = False
+    overlap_grad_reduce: bool = True
+    grad_bucket_mb: float = 25.0
+    log_interval: int = 1
+    save: str | None = None
+    load: str | None = None
+    save_interval: int = 0
+    metrics_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "train_iters"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    layout: ParallelLayout = field(default_factory=lambda: ParallelLayout(world_size=1))
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.layout.dp_size)
+
+
+def validate_job(job: JobConfig) -> None:
+    """Check every model x train x layout constraint; raise ConfigError with one line."""
+    m, t, lay = job.model, job.train, job.layout
+    if m.num_attention_heads % lay.tp_size:
+        raise ConfigError(
+            f"num attention heads {m.num_attention_heads} is not divisible by "
+            f"tensor-parallel size {lay.tp_size}"
+        )
+    if m.ffn_size % lay.tp_size:
+        raise ConfigError(f"ffn hidden size {m.ffn_size} is not divisible by tensor-parallel size {lay.tp_size}")
+    if m.padded_vocab_size % lay.tp_size:
+        raise ConfigError(
+            f"padded vocab size {m.padded_vocab_size} is not divisible by tensor-parallel size {lay.tp_size}"
+        )
+    stages = lay.pp_size * lay.virtual_pp_size
+    if m.num_layers % stages:
+        raise ConfigError(
+            f"num layers {m.num_layers} is not divisible by pipeline-parallel size {lay.pp_size} "
+            f"x virtual stages {lay.virtual_pp_size}"
+        )
+    per_step = t.micro_batch_size * lay.dp_size
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"global batch size {t.global_batch_size} is not divisible by micro batch size "
+            f"{t.micro_batch_size} x data-parallel size {lay.dp_size}"
+        )
+    if lay.virtual_pp_size > 1 and t.schedule != "interleaved":
+        raise ConfigError(f"virtual pipeline stages need the interleaved schedule, not {t.schedule!r}")
+    if t.schedule == "interleaved":
+        if lay.virtual_pp_size < 2:
+            raise ConfigError("the interleaved schedule needs --num-layers-per-virtual-pipeline-stage "
+                              "giving >= 2 virtual stages per pipeline rank")
+        if job.num_microbatches % lay.pp_size:
+            raise ConfigError(
+                f"interleaved schedule needs the number of microbatches ({job.num_microbatches}) "
+                f"to be a multiple of pipeline-parallel size {lay.pp_size}"
+            )
+
+
+def build_layout(world_size: int, tp_size: int, pp_size: int, virtual_pp_size: int = 1) -> ParallelLayout:
+    try:
+        return ParallelLayout(world_size, tp_size, pp_size, virtual_pp_size)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,35 @@
+"""What the engine expects from an observer (a tracer), and a do-nothing default.
+
+The engine never imports a module such as MegaScan: the CLI builds a tracer that implements
+this small protocol and hands it to the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+class NullTracer:
+    """Tracing disabled: every hook is a no-op that allocates nothing."""
+
+    enabled = False
+
+    def span(self, name: str, cat: str = "compute", **attrs):
+        return _NULL_CONTEXT
+
+    def context(self, **attrs):
+        return _NULL_CONTEXT
+
+    def step_begin(self, iteration: int) -> None:
+        pass
+
+    def step_end(self, iteration: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NULL_TRACER = NullTracer()

@@ -1,0 +1,106 @@
+"""The training loop: one object that owns model chunks, optimizer, grads and the schedule.
+
+One optimizer step = fetch this DP rank's microbatches, run the pipeline schedule
+(forward/backward with DP reduction overlapped), reduce the gradients' global norm, clip,
+AdamW step. Metrics are gathered with one scalar all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.config import JobConfig
+from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
+from megatronapp.engine.hooks import NULL_TRACER
+from megatronapp.engine.optim import build_optimizer, compute_lr, set_lr
+from megatronapp.model.gpt import TPContext, build_model_chunks
+from megatronapp.parallel.groups import ParallelGroups
+from megatronapp.pipeline.runtime import PipelineRuntime
+from megatronapp.pipeline.schedules import build_schedule
+from megatronapp.pipeline.validate import validate_schedule
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    iteration: int  # 1-based count of completed optimizer steps
+    loss: float  # mean over microbatches and DP ranks
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    tokens_per_s: float
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Trainer:
+    def __init__(self, job: JobConfig, groups: ParallelGroups, device: torch.device, data, *,
+                 tracer=NULL_TRACER, injector=None, schedule=None):
+        self.job, self.groups, self.device, self.data = job, groups, device, data
+        self.tracer = tracer
+        lay = job.layout
+        tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank)
+        self.chunks = build_model_chunks(job.model, pp_rank=groups.pp_rank, pp_size=lay.pp_size,
+                                         num_chunks=lay.virtual_pp_size, tp=tp, seed=job.train.seed, device=device)
+        self.reducer = GradReducer(self.chunks, groups.dp, lay.dp_size, overlap=job.train.overlap_grad_reduce,
+                                   bucket_mb=job.train.grad_bucket_mb)
+        self.optimizer = build_optimizer(self.chunks, job.train)
+        self.schedule = schedule or build_schedule(job.train.schedule, lay.pp_size, lay.virtual_pp_size,
+                                                   job.num_microbatches)
+        validate_schedule(self.schedule)
+        act_shape = (job.train.micro_batch_size, job.model.seq_length, job.model.hidden_size)
+        self.runtime = PipelineRuntime(self.chunks, groups, self.schedule, act_shape=act_shape, device=device,
+                                       tracer=tracer, reducer=self.reducer, injector=injector,
+                                       autocast_dtype=torch.bfloat16 if job.train.bf16 else None)
+        self.iteration = 0  # optimizer steps completed
+
+    def set_layer_tracer(self, tracer) -> None:
+        """Per-layer attention/MLP spans (full trace granularity)."""
+        for c in self.chunks:
+            c.tracer = tracer
+
+    def train_step(self) -> StepMetrics:
+        t0 = time.perf_counter()
+        it = self.iteration
+        self.tracer.step_begin(it)
+        with self.tracer.span("iteration", cat="step", iteration=it), self.tracer.context(iteration=it):
+            lr = compute_lr(it, self.job.train)
+            set_lr(self.optimizer, lr)
+            self.reducer.zero_grad()
+            microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
+            loss = self.runtime.run(microbatches)
+            with self.tracer.span("grad_reduce", cat="comm"):
+                self.reducer.finish()
+            with self.tracer.span("optimizer"):
+                grad_norm = compute_grad_norm(self.chunks, self.groups.tp_rank, self.groups.model_parallel)
+                clip_grads(self.chunks, grad_norm, self.job.train.clip_grad)
+                self.optimizer.step()
+            loss_value = self._reduce_loss(loss)
+        self.tracer.step_end(it)
+        self.iteration += 1
+        dt = time.perf_counter() - t0
+        tokens = self.job.train.global_batch_size * self.job.model.seq_length
+        return StepMetrics(self.iteration, loss_value, lr, float(grad_norm), dt, tokens / dt)
+
+    def _reduce_loss(self, loss: torch.Tensor | None) -> float:
+        """Mean loss over DP ranks, known on every rank (one scalar all-reduce over the world)."""
+        counts_here = loss is not None and self.groups.tp_rank == 0
+        value = loss.detach().float().reshape(1) if counts_here else torch.zeros(1, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(value)
+        return value.item() / self.job.layout.dp_size
+
+    def train(self, num_steps: int | None = None, on_step=None) -> list[StepMetrics]:
+        """Run until train_iters (or num_steps more steps); on_step(metrics) after each."""
+        end = self.job.train.train_iters if num_steps is None else self.iteration + num_steps
+        history = []
+        while self.iteration < end:
+            m = self.train_step()
+            history.append(m)
+            if on_step is not None:
+                on_step(m)
+        return history

@@ -1,0 +1,78 @@
+"""Process groups for a layout, built in one place and passed explicitly.
+
+`build_process_groups` must run on every rank in the same order (torch.distributed.new_group
+is collective over the world). When a group has a single member we store None: every
+communication helper treats None as "nothing to communicate", so one code path serves one
+process and many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatronapp.parallel.layout import ParallelLayout, RankCoords
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    layout: ParallelLayout
+    rank: int
+    coords: RankCoords
+    tp: dist.ProcessGroup | None
+    dp: dist.ProcessGroup | None
+    pp: dist.ProcessGroup | None
+    model_parallel: dist.ProcessGroup | None  # tp x pp of one replica: grad-norm reduction
+    pp_ranks: tuple[int, ...]  # global rank of each pipeline stage of my pipeline
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.layout.pp_size - 1
+
+
+def single_process_groups(layout: ParallelLayout | None = None) -> ParallelGroups:
+    """Groups for a run without torch.distributed (world size 1)."""
+    layout = layout or ParallelLayout(world_size=1)
+    return ParallelGroups(layout, 0, layout.coords(0), None, None, None, None, (0,))
+
+
+def _new_groups(all_ranks: list[list[int]], rank: int) -> dist.ProcessGroup | None:
+    mine = None
+    for ranks in all_ranks:
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def build_process_groups(layout: ParallelLayout, rank: int) -> ParallelGroups:
+    """Create TP, DP, PP and model-parallel groups; collective over the default group."""
+    if layout.world_size == 1:
+        return single_process_groups(layout)
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"layout expects world size {layout.world_size}, "
+                         f"torch.distributed has {dist.get_world_size()}")
+    coords = layout.coords(rank)
+    tp = _new_groups(layout.tp_group_ranks(), rank)
+    dp = _new_groups(layout.dp_group_ranks(), rank)
+    pp = _new_groups(layout.pp_group_ranks(), rank)
+    mp = _new_groups(layout.model_parallel_group_ranks(), rank)
+    pp_ranks = tuple(layout.rank_of(coords.tp, coords.dp, p) for p in range(layout.pp_size))
+    return ParallelGroups(layout, rank, coords, tp, dp, pp, mp, pp_ranks)

@@ -1,0 +1,155 @@
+"""Executes a validated PipelineSchedule on one rank: compute, asynchronous P2P, DP overlap.
+
+The runtime makes no decisions: the schedule says what to run and in which order. Each
+maximal run of communication actions is posted as one `batch_isend_irecv` (NCCL groups it,
+so paired send/recv between neighbours cannot deadlock); a received tensor is waited for
+only right before the compute that consumes it. Sends are completed at the end of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.parallel.groups import ParallelGroups
+from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
+
+
+class NullInjector:
+    """Fault-injection hooks; the real one lives in the engine (megatronapp.engine.faults)."""
+
+    def compute(self):
+        return contextlib.nullcontext()
+
+    def before_recv_wait(self, src_global: int) -> None:
+        pass
+
+
+class _PostedBatch:
+    """Works of one batch_isend_irecv. NCCL may return one work for the whole group, so a recv
+    waits for its whole batch; gloo must not be waited twice, hence the flag."""
+
+    def __init__(self, works):
+        self.works, self.done = works, False
+
+    def wait(self) -> None:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.done = True
+
+
+@dataclass
+class _StepState:
+    inputs: dict = field(default_factory=dict)  # (c, m) -> input activation (requires grad)
+    outputs: dict = field(default_factory=dict)  # (c, m) -> output activation or scaled loss
+    to_send: dict = field(default_factory=dict)  # (kind, c, m) -> tensor to send
+    recvs: dict = field(default_factory=dict)  # (kind, c, m) -> (buffer, batch, src)
+    batches: list = field(default_factory=list)  # every posted batch, completed at step end
+    backwards_done: dict = field(default_factory=dict)  # chunk -> count
+    losses: list = field(default_factory=list)
+
+
+class PipelineRuntime:
+    """Runs one optimizer step's forward/backward passes for the chunks of this rank."""
+
+    def __init__(self, chunks, groups: ParallelGroups, schedule: PipelineSchedule, *, act_shape,
+                 device, tracer, reducer=None, injector=None, autocast_dtype=None):
+        self.chunks, self.groups, self.schedule = chunks, groups, schedule
+        self.actions = schedule.for_rank(groups.pp_rank)
+        self.batch_end = {start: end for start, end in comm_batches(self.actions)}
+        self.act_shape, self.device = tuple(act_shape), device
+        self.tracer, self.reducer = tracer, reducer
+        self.injector = injector or NullInjector()
+        self.autocast_dtype = autocast_dtype
+        self.num_vstages = schedule.pp_size * schedule.num_chunks
+
+    def _vstage(self, chunk: int) -> int:
+        return virtual_stage(chunk, self.groups.pp_rank, self.schedule.pp_size)
+
+    def run(self, microbatches: list[torch.Tensor]) -> torch.Tensor | None:
+        """Forward+backward over all microbatches; returns the summed (1/M-scaled) loss on the last stage."""
+        if len(microbatches) != self.schedule.num_microbatches:
+            raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, got {len(microbatches)}")
+        st = _StepState()
+        i = 0
+        while i < len(self.actions):
+            if i in self.batch_end:
+                self._post_batch(self.actions[i:self.batch_end[i]], st)
+                i = self.batch_end[i]
+                continue
+            action = self.actions[i]
+            with self.tracer.context(chunk=action.chunk, microbatch=action.microbatch):
+                if action.kind is ActionKind.FORWARD:
+                    self._forward(action, microbatches, st)
+                else:
+                    self._backward(action, st)
+            i += 1
+        for batch in st.batches:
+            batch.wait()
+        if st.inputs or st.outputs or st.to_send or st.recvs:
+            raise RuntimeError("pipeline step ended with unconsumed tensors: schedule and runtime disagree")
+        return torch.stack(st.losses).sum() if st.losses else None
+
+    # -- compute -------------------------------------------------------------------------
+    def _wait_recv(self, key, st: _StepState) -> torch.Tensor:
+        buf, batch, src = st.recvs.pop(key)
+        self.injector.before_recv_wait(src)
+        batch.wait()
+        return buf
+
+    def _forward(self, a: Action, microbatches, st: _StepState) -> None:
+        vs = self._vstage(a.chunk)
+        tokens = microbatches[a.microbatch]
+        is_first, is_last = vs == 0, vs == self.num_vstages - 1
+        x = tokens[:, :-1] if is_first else self._wait_recv((ActionKind.RECV_FORWARD, a.chunk, a.microbatch), st)
+        if not is_first:
+            x.requires_grad_(True)
+            st.inputs[(a.chunk, a.microbatch)] = x
+        labels = tokens[:, 1:] if is_last else None
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                    else contextlib.nullcontext())
+        with self.tracer.span("forward"), self.injector.compute(), autocast:
+            out = self.chunks[a.chunk](x, labels)
+        if is_last:
+            out = out / self.schedule.num_microbatches
+            st.losses.append(out.detach())
+        else:
+            st.to_send[(ActionKind.SEND_FORWARD, a.chunk, a.microbatch)] = out.detach()
+        st.outputs[(a.chunk, a.microbatch)] = out
+
+    def _backward(self, a: Action, st: _StepState) -> None:
+        vs = self._vstage(a.chunk)
+        done = st.backwards_done.get(a.chunk, 0)
+        if self.reducer is not None and done == self.schedule.num_microbatches - 1:
+            self.reducer.mark_final_microbatch(a.chunk)
+        st.backwards_done[a.chunk] = done + 1
+        out = st.outputs.pop((a.chunk, a.microbatch))
+        grad = None
+        if vs != self.num_vstages - 1:
+            grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
+        with self.tracer.span("backward"), self.injector.compute():
+            torch.autograd.backward(out, grad)
+        if vs != 0:
+            x = st.inputs.pop((a.chunk, a.microbatch))
+            st.to_send[(ActionKind.SEND_BACKWARD, a.chunk, a.microbatch)] = x.grad
+
+    # -- communication -------------------------------------------------------------------
+    def _post_batch(self, batch: tuple[Action, ...], st: _StepState) -> None:
+        ops, recv_keys = [], []
+        for a in batch:
+            peer = self.groups.pp_ranks[a.peer]
+            key = (a.kind, a.chunk, a.microbatch)
+            if a.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
+                ops.append(dist.P2POp(dist.isend, st.to_send.pop(key).contiguous(), peer))
+            else:
+                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buf, peer))
+                recv_keys.append((key, buf, peer))
+        batch = _PostedBatch(dist.batch_isend_irecv(ops))
+        for key, buf, peer in recv_keys:
+            st.recvs[key] = (buf, batch, peer)
+        st.batches.append(batch)

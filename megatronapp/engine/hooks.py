@@ -19,11 +19,14 @@ class NullTracer:
     def span(self, name: str, cat: str = "compute", **attrs):
         return _NULL_CONTEXT
 
+    def layer_span(self, name: str, layer: int, **attrs):
+        return _NULL_CONTEXT
+
     def context(self, **attrs):
         return _NULL_CONTEXT
 
     def step_begin(self, iteration: int) -> None:
-        pass
+        """Begin an optimizer step; a real tracer opens the step's "iteration" span here."""
 
     def step_end(self, iteration: int) -> None:
         pass

@@ -67,19 +67,18 @@ class Trainer:
         t0 = time.perf_counter()
         it = self.iteration
         self.tracer.step_begin(it)
-        with self.tracer.span("iteration", cat="step", iteration=it), self.tracer.context(iteration=it):
-            lr = compute_lr(it, self.job.train)
-            set_lr(self.optimizer, lr)
-            self.reducer.zero_grad()
-            microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
-            loss = self.runtime.run(microbatches)
-            with self.tracer.span("grad_reduce", cat="comm"):
-                self.reducer.finish()
-            with self.tracer.span("optimizer"):
-                grad_norm = compute_grad_norm(self.chunks, self.groups.tp_rank, self.groups.model_parallel)
-                clip_grads(self.chunks, grad_norm, self.job.train.clip_grad)
-                self.optimizer.step()
-            loss_value = self._reduce_loss(loss)
+        lr = compute_lr(it, self.job.train)
+        set_lr(self.optimizer, lr)
+        self.reducer.zero_grad()
+        microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
+        loss = self.runtime.run(microbatches)
+        with self.tracer.span("grad_reduce", cat="comm"):
+            self.reducer.finish()
+        with self.tracer.span("optimizer"):
+            grad_norm = compute_grad_norm(self.chunks, self.groups.tp_rank, self.groups.model_parallel)
+            clip_grads(self.chunks, grad_norm, self.job.train.clip_grad)
+            self.optimizer.step()
+        loss_value = self._reduce_loss(loss)
         self.tracer.step_end(it)
         self.iteration += 1
         dt = time.perf_counter() - t0

@@ -103,9 +103,9 @@ class Block(nn.Module):
         if tracer is None:
             x = x + self.attn(self.ln1(x), cos, sin)
             return x + self.mlp(self.ln2(x))
-        with tracer.span("attention", layer=self.layer):
+        with tracer.layer_span("attention", self.layer):
             x = x + self.attn(self.ln1(x), cos, sin)
-        with tracer.span("mlp", layer=self.layer):
+        with tracer.layer_span("mlp", self.layer):
             return x + self.mlp(self.ln2(x))
 
 
@@ -147,6 +147,12 @@ class GPTChunk(nn.Module):
             x = block(x, cos, sin, self.tracer)
         if not self.has_head or labels is None:
             return x
+        if self.tracer is None:
+            return self._loss(x, labels)
+        with self.tracer.span("loss"):
+            return self._loss(x, labels)
+
+    def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.output(self.final_norm(x))  # (B, S, V/TP)
         vocab_start = self.tp.rank * logits.shape[-1]
         losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp.group, vocab_start)

@@ -1,0 +1,104 @@
+"""Launching local ranks through torch's own launcher, and the end-of-run report.
+
+`--nproc-per-node N` hands the same command line (minus that flag) to
+torch.distributed.run in standalone mode, so every rank runs exactly what `torchrun`
+would run. If any rank raises, the elastic agent stops the others and we print that
+rank's error and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc-per-node":
+            skip = True
+            continue
+        if a.startswith("--nproc-per-node="):
+            continue
+        out.append(a)
+    return out
+
+
+def prepare_trace_dir(args: argparse.Namespace) -> None:
+    """Remove rank files of an earlier run, so a smaller world does not merge stale ranks."""
+    if not args.trace:
+        return
+    d = Path(args.trace_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    for f in d.glob("rank*.mscan"):
+        f.unlink()
+
+
+def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    prepare_trace_dir(args)
+    summary = Path(tempfile.mkdtemp(prefix="megatronapp-")) / "summary.json"
+    worker_argv = _strip_nproc(argv) + ["--summary-file", str(summary)]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    os.environ.setdefault("LOGLEVEL", "ERROR")
+    run_args = get_args_parser().parse_args(
+        ["--standalone", "--nproc-per-node", str(world), "--monitor-interval", "0.1",
+         "--module", "megatronapp.cli.main", *worker_argv])
+    try:
+        run(run_args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {failure.message}",
+              file=sys.stderr)
+        return 1
+    history = json.loads(summary.read_text())["history"] if summary.is_file() else []
+    return report_run(args, history, world)
+
+
+def report_run(args: argparse.Namespace, history: list[dict], world: int) -> int:
+    """Print the run summary; with --trace also merge the timeline and run detection."""
+    console = Console()
+    if history:
+        steady = history[1:] or history
+        table = Table(title="megatronapp train: summary", show_header=False)
+        table.add_row("ranks", str(world))
+        table.add_row("iterations", str(history[-1]["iteration"]))
+        table.add_row("loss first -> last", f"{history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
+        table.add_row("mean step time", f"{sum(m['step_time_s'] for m in steady) / len(steady) * 1e3:.1f} ms")
+        table.add_row("mean tokens/s", f"{sum(m['tokens_per_s'] for m in steady) / len(steady):,.0f}")
+        if args.save:
+            table.add_row("checkpoint", args.save)
+        if args.metrics_file:
+            table.add_row("metrics", args.metrics_file)
+        console.print(table)
+    if args.trace:
+        return _report_trace(args, console)
+    return 0
+
+
+def _report_trace(args: argparse.Namespace, console: Console) -> int:
+    from megatronapp.scan.align import align_traces
+    from megatronapp.scan.detect import detect, render_report
+    from megatronapp.scan.format import load_trace_dir
+    from megatronapp.scan.merge import merge_traces
+
+    out = Path(args.trace_dir) / "timeline.json"
+    summary = merge_traces(args.trace_dir, out)
+    console.print(f"[bold]MegaScan[/bold]: merged {len(summary.ranks)} ranks, {summary.events} events -> {out}")
+    console.print("  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
+    aligned, _ = align_traces(load_trace_dir(args.trace_dir))
+    report = detect(aligned)
+    console.print(render_report(report))
+    return 0

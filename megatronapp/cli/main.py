@@ -1,0 +1,89 @@
+"""`megatronapp` command line: train (launching local processes when asked) and trace tools.
+
+    megatronapp train --nproc-per-node 4 --tensor-model-parallel-size 2 ...   # launches 4 ranks
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m megatronapp.cli.main train ... # multi-node
+    megatronapp trace merge DIR -o timeline.json
+    megatronapp trace detect DIR [--json]
+
+Every configuration error is reported in one line, with exit code 2, before any process
+is launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from megatronapp.cli.args import add_train_arguments, build_job_config
+from megatronapp.config import ConfigError
+from megatronapp.engine.faults import FaultSpecError, parse_fault_plan
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatronapp", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a GPT with TP/PP/DP (Megatron-LM flag names)")
+    add_train_arguments(train)
+    train.add_argument("--summary-file", default=None, help=argparse.SUPPRESS)
+    from megatronapp.scan.cli import add_trace_subcommands
+
+    add_trace_subcommands(sub)
+    return parser
+
+
+def _under_launcher() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def check_train_args(args: argparse.Namespace) -> int:
+    """Validate everything that can be validated before launching; returns the world size."""
+    from megatronapp.data.tokenizer import load_tokenizer
+
+    world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
+    vocab = load_tokenizer(args.tokenizer_model).vocab_size
+    build_job_config(args, world, vocab)
+    parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(world)
+    if args.load and not os.path.isfile(os.path.join(args.load, "latest")):
+        raise ConfigError(f"--load {args.load}: no complete checkpoint there (missing 'latest')")
+    for path in args.data_path or []:
+        if not os.path.exists(path):
+            raise ConfigError(f"--data-path {path} does not exist")
+    return world
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    try:
+        world = check_train_args(args)
+    except (ConfigError, FaultSpecError, ValueError, FileNotFoundError) as exc:
+        print(f"megatronapp: error: {exc}", file=sys.stderr)
+        return 2
+    if _under_launcher() or not args.nproc_per_node:
+        from megatronapp.cli.train import run_worker
+
+        if not _under_launcher():
+            from megatronapp.cli.launch import prepare_trace_dir, report_run
+
+            prepare_trace_dir(args)
+            history = run_worker(args)
+            return report_run(args, history, world)
+        run_worker(args)
+        return 0
+    from megatronapp.cli.launch import launch_local
+
+    return launch_local(args, argv, world)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        return _train(args, argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The body of one training process: under torchrun, under our launcher, or alone.
+
+Reads the torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK), builds groups,
+data, model and (optionally) a MegaScan tracer, trains, checkpoints, and on global rank 0
+shows progress and writes the metrics file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.cli.args import build_job_config
+from megatronapp.cli.progress import TrainProgress
+from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
+from megatronapp.data.tokenizer import load_tokenizer
+from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
+from megatronapp.engine.faults import FaultInjector, parse_fault_plan
+from megatronapp.engine.trainer import Trainer
+from megatronapp.parallel.groups import build_process_groups
+
+
+def select_device(requested: str | None, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SystemExit("megatronapp: --device cuda requested but CUDA is not available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _build_data(args, tokenizer, job, groups):
+    seq = job.model.seq_length
+    dataset = (build_text_dataset(tokenizer, args.data_path, seq) if args.data_path
+               else build_default_dataset(tokenizer, seq, job.train.seed))
+    return DistributedBatchIterator(dataset, micro_batch_size=job.train.micro_batch_size,
+                                    global_batch_size=job.train.global_batch_size, dp_rank=groups.dp_rank,
+                                    dp_size=job.layout.dp_size, seed=job.train.seed)
+
+
+def _build_tracer(args, job, groups, device):
+    """MegaScan tracer + torch.distributed instrumentation, or (None, None) when off."""
+    if not args.trace:
+        return None, None
+    from megatronapp.scan.format import build_rank_meta
+    from megatronapp.scan.instrument import install_distributed_instrumentation
+    from megatronapp.scan.tracer import TraceConfig, Tracer
+
+    lay = job.layout
+    meta = build_rank_meta(
+        rank=groups.rank, world_size=lay.world_size, coords=groups.coords.as_dict(),
+        layout={"tp_size": lay.tp_size, "pp_size": lay.pp_size, "dp_size": lay.dp_size,
+                "virtual_pp_size": lay.virtual_pp_size},
+        host=socket.gethostname(), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        run_id=os.environ.get("MEGATRONAPP_RUN_ID", "local"), clock="cuda" if device.type == "cuda" else "monotonic",
+        run={"model": asdict(job.model), "schedule": job.train.schedule,
+             "inject_slowdown": args.inject_slowdown, "inject_link_delay": args.inject_link_delay})
+    skew = int(os.environ.get("MEGATRONAPP_TRACE_CLOCK_SKEW_NS", "0"))  # tests skew clocks per rank
+    cfg = TraceConfig(enabled=True, trace_dir=args.trace_dir, interval=args.trace_interval,
+                      continuous_iterations=args.continuous_trace_iterations,
+                      granularity=args.trace_granularity, clock_skew_ns=skew)
+    tracer = Tracer(cfg, meta, device)
+    return tracer, install_distributed_instrumentation(tracer)
+
+
+def run_worker(args: argparse.Namespace) -> list[dict]:
+    """Train in this process as one rank of the job; returns the metrics history."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    tokenizer = load_tokenizer(args.tokenizer_model)
+    job = build_job_config(args, world, tokenizer.vocab_size)
+    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
+    plan.check(world)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                device_id=device if device.type == "cuda" else None)
+    groups = build_process_groups(job.layout, rank)
+    data = _build_data(args, tokenizer, job, groups)
+    tracer, instrumentation = _build_tracer(args, job, groups, device)
+    injector = FaultInjector(plan, rank, device) if (plan.slowdowns or plan.link_delays_ms) else None
+    trainer = Trainer(job, groups, device, data, injector=injector, **({"tracer": tracer} if tracer else {}))
+    if tracer:
+        trainer.set_layer_tracer(tracer)
+    if args.load:
+        load_checkpoint(args.load, trainer, data)
+    history = _train_loop(args, job, trainer, data, rank)
+    if tracer:
+        instrumentation.uninstall()
+        tracer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return history
+
+
+def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
+    metrics_out = open(args.metrics_file, "a") if (args.metrics_file and rank == 0) else None
+    history = []
+    with TrainProgress(job, enabled=rank == 0, log_interval=args.log_interval) as progress:
+        while trainer.iteration < job.train.train_iters:
+            m = trainer.train_step().as_dict()
+            history.append(m)
+            progress.update(m)
+            if metrics_out:
+                metrics_out.write(json.dumps(m) + "\n")
+                metrics_out.flush()
+            if args.save and args.save_interval and trainer.iteration % args.save_interval == 0:
+                save_checkpoint(args.save, trainer, data)
+    if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
+        save_checkpoint(args.save, trainer, data)
+    if metrics_out:
+        metrics_out.close()
+    if rank == 0 and args.summary_file:
+        Path(args.summary_file).write_text(json.dumps({"layout": job.layout.describe(), "history": history}))
+    return history
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,164 @@
+"""Checkpoints that resume exactly and load under any other TP x PP x DP layout.
+
+Layout on disk (one folder per saved iteration):
+
+    SAVE/latest                      text: the newest complete iteration (written last)
+    SAVE/iter_0000020/meta.json      iteration, job config, layout
+    SAVE/iter_0000020/model_tp{t}_pp{p}.pt   params + AdamW state of one (tp, pp) shard,
+                                     keyed by layout-independent names, with each tensor's
+                                     tp split dim (written by DP rank 0 only)
+    SAVE/iter_0000020/rank{r:05d}.pt RNG states and data position of one rank
+
+Loading under the same layout reads one shard; under another layout every shard holding
+a needed name is read (memory-mapped), full tensors are re-assembled along their split dim
+and sliced for the new TP rank. Every file is written to a temp name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _named_params(chunks) -> dict:
+    return {name: p for c in chunks for name, p in c.named_parameters()}
+
+
+def _shard_state(trainer) -> dict:
+    params, split, optim = {}, {}, {}
+    for name, p in _named_params(trainer.chunks).items():
+        params[name] = p.detach().cpu()
+        split[name] = p.tp_split_dim
+        st = trainer.optimizer.state.get(p)
+        if st:
+            optim[name] = {"exp_avg": st["exp_avg"].cpu(), "exp_avg_sq": st["exp_avg_sq"].cpu(),
+                           "step": float(st["step"])}
+    return {"params": params, "split": split, "optim": optim}
+
+
+def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
+    """Collective: every rank calls it after the same optimizer step."""
+    g, it = trainer.groups, trainer.iteration
+    folder = Path(save_dir) / f"iter_{it:07d}"
+    if g.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"iteration": it, "layout": asdict(trainer.job.layout),
+                "model": asdict(trainer.job.model), "train": asdict(trainer.job.train)}
+        _atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))
+    _barrier()
+    if g.dp_rank == 0:
+        _atomic_torch_save(_shard_state(trainer), folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()[1],
+           "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None}
+    _atomic_torch_save({"rng": rng, "data": data.state_dict()}, folder / f"rank{g.rank:05d}.pt")
+    _barrier()
+    if g.rank == 0:
+        _atomic_write_text(Path(save_dir) / "latest", str(it))
+    return folder
+
+
+def find_latest(load_dir: str | os.PathLike) -> Path:
+    marker = Path(load_dir) / "latest"
+    if not marker.is_file():
+        raise FileNotFoundError(f"no complete checkpoint in {load_dir} (missing 'latest')")
+    return Path(load_dir) / f"iter_{int(marker.read_text().strip()):07d}"
+
+
+class _ShardReader:
+    """Full tensors by name from the shards of a saved layout (memory-mapped)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        meta = json.loads((folder / "meta.json").read_text())
+        self.tp_size = meta["layout"]["tp_size"]
+        self.pp_size = meta["layout"]["pp_size"]
+        self._shards = {}
+
+    def _shard(self, tp: int, pp: int) -> dict:
+        if (tp, pp) not in self._shards:
+            path = self.folder / f"model_tp{tp}_pp{pp}.pt"
+            self._shards[(tp, pp)] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return self._shards[(tp, pp)]
+
+    def _find_pp(self, name: str) -> int:
+        for pp in range(self.pp_size):
+            if name in self._shard(0, pp)["params"]:
+                return pp
+        raise KeyError(f"parameter {name} not found in checkpoint {self.folder}")
+
+    def full(self, name: str, field: str, key: str | None = None):
+        pp = self._find_pp(name)
+        parts = []
+        for tp in range(self.tp_size):
+            shard = self._shard(tp, pp)
+            value = shard[field][name] if key is None else shard[field][name][key]
+            parts.append(value)
+        dim = self._shard(0, pp)["split"][name]
+        if key == "step":
+            return parts[0]
+        return parts[0] if dim is None else torch.cat(parts, dim=dim)
+
+
+def _slice(full: torch.Tensor, dim: int | None, tp_size: int, tp_rank: int) -> torch.Tensor:
+    return full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
+    """Load the latest checkpoint into `trainer` (any saved layout); returns its iteration."""
+    folder = find_latest(load_dir)
+    reader = _ShardReader(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    g, lay = trainer.groups, trainer.job.layout
+    has_optim = True
+    with torch.no_grad():
+        for name, p in _named_params(trainer.chunks).items():
+            p.copy_(_slice(reader.full(name, "params"), p.tp_split_dim, lay.tp_size, g.tp_rank))
+            try:
+                reader.full(name, "optim", "step")
+            except KeyError:
+                has_optim = False
+                continue
+            state = {key: _slice(reader.full(name, "optim", key), p.tp_split_dim, lay.tp_size, g.tp_rank)
+                     .to(p.device).clone() for key in ("exp_avg", "exp_avg_sq")}
+            step = reader.full(name, "optim", "step")
+            state["step"] = torch.tensor(step, dtype=torch.float32, device=p.device if p.is_cuda else "cpu")
+            trainer.optimizer.state[p] = state
+    trainer.iteration = meta["iteration"]
+    _restore_rank_state(folder, trainer, data, same_world=meta["layout"]["world_size"] == lay.world_size)
+    return trainer.iteration if has_optim else trainer.iteration
+
+
+def _restore_rank_state(folder: Path, trainer, data, same_world: bool) -> None:
+    # The data position is global (consumed samples), so any rank's file serves any layout.
+    own = folder / f"rank{trainer.groups.rank:05d}.pt"
+    path = own if (same_world and own.is_file()) else folder / "rank00000.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if data is not None:
+        data.load_state_dict(state["data"])
+    if same_world:
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and trainer.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"])

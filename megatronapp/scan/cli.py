@@ -1,0 +1,98 @@
+"""`megatronapp trace ...` subcommands: merge (here) and detect (scan/detect.py).
+
+The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser sets
+`func`, which takes the parsed namespace and returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatronapp.scan.format import TraceFormatError
+from megatronapp.scan.merge import merge_traces
+
+_NO_END = 2**31 - 1
+
+
+def parse_iteration_range(text: str) -> range:
+    """"A:B" -> iterations A..B-1 (half-open, like Python slices); "A:" and ":B" leave a
+    side open; "A" is the single iteration A."""
+    try:
+        if ":" not in text:
+            start = int(text)
+            return range(start, start + 1)
+        lo, hi = text.split(":", 1)
+        start, stop = int(lo) if lo else 0, int(hi) if hi else _NO_END
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"iterations must look like A:B, A: , :B or A, got {text!r}") from None
+    if stop <= start:
+        raise argparse.ArgumentTypeError(f"iteration range {text!r} is empty (B must be greater than A)")
+    return range(start, stop)
+
+
+def parse_rank_list(text: str) -> list[int]:
+    """"0,1,4-7" -> [0, 1, 4, 5, 6, 7] (ranges inclusive)."""
+    ranks: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            lo, _, hi = part.partition("-")
+            ranks.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ranks must look like 0,1,4-7, got {text!r}") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"ranks must be non-negative integers, got {text!r}")
+    return sorted(ranks)
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """Handler of `trace merge`: write the Chrome trace and print a summary."""
+    try:
+        summary = merge_traces(args.dir, args.out, iterations=args.iterations, ranks=args.ranks)
+    except (TraceFormatError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report = summary.report
+    print(f"wrote {summary.out}: {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow events")
+    print(f"merged in {summary.seconds:.2f} s ({summary.events_per_s:,.0f} events/s)")
+    print(
+        f"alignment: {report.anchors} collective anchors, {report.p2p_messages} p2p messages, "
+        f"median residual {report.median_residual_ns / 1e3:.1f} us, "
+        f"{report.violations} causality violations left (of {report.violations_before})"
+    )
+    print("open it at https://ui.perfetto.dev or chrome://tracing")
+    return 0
+
+
+def _detect_unavailable(reason: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"error: `trace detect` is unavailable: cannot import megatronapp.scan.detect ({reason})", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def _add_detect(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("detect", help="find slow ranks and slow links in a trace directory")
+    try:
+        from megatronapp.scan.detect import add_detect_arguments, run_detect
+    except ImportError as exc:
+        parser.set_defaults(func=_detect_unavailable(str(exc)))
+        return
+    add_detect_arguments(parser)
+    parser.set_defaults(func=run_detect)
+
+
+def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `trace merge` and `trace detect` under `subparsers`; returns the `trace` parser."""
+    trace = subparsers.add_parser("trace", help="MegaScan traces: merge into one timeline, detect slow ranks")
+    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect}", required=True)
+    merge = sub.add_parser("merge", help="merge rank*.mscan files into a Chrome/Perfetto trace JSON")
+    merge.add_argument("dir", help="trace directory holding rank*.mscan files")
+    merge.add_argument("-o", "--out", required=True, help="output JSON path (gzipped when it ends in .gz)")
+    merge.add_argument("--iterations", type=parse_iteration_range, default=None,
+                       help="A:B merges iterations A..B-1 (also A:, :B, A)")
+    merge.add_argument("--ranks", type=parse_rank_list, default=None, help="ranks to merge, e.g. 0,1,4-7")
+    merge.set_defaults(func=run_merge)
+    _add_detect(sub)
+    return trace

@@ -1,0 +1,366 @@
+"""MegaScan slow-node / slow-link detection: name the root cause, not the victims.
+
+A slow rank makes everybody around it wait: pipeline neighbours in recv, TP peers inside
+their TP all-reduces, DP replicas in grad_reduce. Waiting is therefore never evidence
+against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligned traces):
+
+  0. Iterations: those with an "iteration" span on every rank, inside `config.iterations`
+     (half-open [A, B)); without an explicit range, warm-up iterations (index <
+     `warmup_iterations`) are skipped unless nothing else is left.
+  1. Compute (detect_rules.compare_compute). Pure compute of every forward/backward span
+     (nested comm and loss spans subtracted) is divided by the median of the *same*
+     (iteration, chunk, microbatch, kind) on peers doing identical work: DP replicas (same
+     tp, pp); with dp_size 1, TP peers (same dp, pp); with tp_size 1 too, the other
+     pipeline stages (weak: first/last stages need `edge_stage_allowance` more and get a
+     lower weight). `config.compute_rule` decides; the default wants a median ratio >=
+     `compute_min_ratio` in >= `compute_min_consistency` of >= `min_samples` samples with a
+     robust (median/MAD) z >= `compute_min_z`.
+  2. Collectives (detect_rules.collect_collectives). Each (group, seq) instance splits into
+     wait (last start - my start) and transfer (end - last start). Chronic last arrival
+     (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence)
+     but never makes one: a rank held up by its own pipeline arrives last too, as a victim.
+  3. P2P (detect_rules.compare_links). Effective transfer per directed link against links
+     carrying same-size messages; `config.link_rule` decides (default: ratio >=
+     `link_min_ratio`, excess >= `link_min_excess_ns`, consistency >= `link_min_consistency`).
+     A slow link is reported with rank = its source, by convention.
+  4. Combine. Suspects are ranks whose own compute or own link is slow, so pure victims are
+     never listed. Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
+     (ratio - 1) / (strong ratio - 1) capped at 1. Order: confidence, then saving.
+  5. What-if (detect_path): the iteration time if the suspect were as fast as its peers,
+     from each iteration's critical path.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatronapp.scan import detect_path as paths
+from megatronapp.scan import detect_rules as rules
+
+CAUSES = ("slow_compute", "slow_link")
+_BASIS_WEIGHT = {"dp_replicas": 1.0, "tp_peers": 0.9, "pipeline_stages": 0.6}
+_LINK_WEIGHT = 0.9
+_VICTIM_MIN_SHARE = 0.05  # of the iteration time spent waiting, to be listed as a victim
+
+
+class DetectInputError(ValueError):
+    """Traces that cannot be analysed together; the message names the file."""
+
+
+def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
+    """Default compute rule (see the module docstring, step 1)."""
+    edge = stats.basis == "pipeline_stages" and stats.edge_stage
+    threshold = config.compute_min_ratio * (config.edge_stage_allowance if edge else 1.0)
+    return (stats.samples >= config.min_samples and stats.ratio >= threshold
+            and stats.consistency >= config.compute_min_consistency and stats.z >= config.compute_min_z)
+
+
+def is_slow_link(stats: rules.LinkStats, config: DetectConfig) -> bool:
+    """Default link rule (see the module docstring, step 3)."""
+    return (stats.samples >= config.min_samples and stats.ratio >= config.link_min_ratio
+            and stats.excess_ns >= config.link_min_excess_ns and stats.consistency >= config.link_min_consistency)
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """Thresholds of the detector. Margins are wide on purpose: CPU runs of tiny models jitter
+    by tens of percent per span, so verdicts rest on medians over many microbatches."""
+
+    compute_min_ratio: float = 1.15  # rank / peer median of pure compute
+    compute_min_consistency: float = 0.6  # share of samples at or above compute_min_ratio
+    compute_min_z: float = 3.0  # robust significance of the median log-ratio
+    strong_compute_ratio: float = 1.5  # ratio at which the effect size saturates
+    edge_stage_allowance: float = 1.1  # extra ratio first/last stages need in cross-stage comparisons
+    min_samples: int = 4
+    link_min_ratio: float = 1.5  # link transfer / peer links' median
+    link_min_excess_ns: int = 1_000_000  # and at least this much slower (tiny messages jitter)
+    link_min_consistency: float = 0.6
+    strong_link_ratio: float = 3.0
+    straggler_min_share: float = 0.6  # share of last arrivals that corroborates a slow rank
+    warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
+    iterations: tuple[int, int] | None = None  # half-open [A, B); None: all, warm-up skipped
+    compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
+    link_rule: Callable[[rules.LinkStats, DetectConfig], bool] = is_slow_link
+
+    def __post_init__(self) -> None:
+        for name in ("compute_min_ratio", "strong_compute_ratio", "link_min_ratio", "strong_link_ratio",
+                     "edge_stage_allowance"):
+            if getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
+        for name in ("compute_min_consistency", "link_min_consistency", "straggler_min_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
+        if self.min_samples < 1 or self.warmup_iterations < 0 or self.link_min_excess_ns < 0:
+            raise ValueError("min_samples must be >= 1, warmup_iterations and link_min_excess_ns >= 0")
+        if self.iterations is not None and self.iterations[1] <= self.iterations[0]:
+            raise ValueError(f"iteration range {self.iterations[0]}:{self.iterations[1]} is empty; give A:B with B > A")
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """One root-cause candidate. For a slow link, rank is the link's source (convention)."""
+
+    rank: int
+    coords: dict
+    cause: str  # one of CAUSES
+    confidence: float  # 0..1
+    evidence: dict  # numbers plus a one-line "summary"
+    link: tuple[int, int] | None = None
+    iteration_ns: float = 0.0  # median iteration time (critical path)
+    what_if_iteration_ns: float = 0.0  # estimated iteration time were the suspect as fast as its peers
+
+    @property
+    def saving_ns(self) -> float:
+        return self.iteration_ns - self.what_if_iteration_ns
+
+
+@dataclass(frozen=True)
+class DetectionReport:
+    suspects: tuple[Suspect, ...]  # most likely first
+    iterations_analyzed: tuple[int, ...]
+    iteration_ns: float  # median iteration time over the analysed iterations
+    what_if_all_fixed_ns: float  # all suspects fixed at once (savings added up)
+    world_size: int
+    layout: dict
+    victims: tuple[tuple[int, float], ...]  # (rank, wait ns per iteration) of non-suspects, when suspects exist
+    notes: tuple[str, ...]
+
+
+def _check_traces(traces: list) -> tuple[dict[int, rules.RankEvents], dict, int]:
+    if not traces:
+        raise DetectInputError("no traces to analyse")
+    first = traces[0]
+    events: dict[int, rules.RankEvents] = {}
+    for tr in traces:
+        for key in ("rank", "world_size", "coords", "layout"):
+            if key not in tr.meta:
+                raise DetectInputError(f"{tr.path}: trace meta lacks {key!r}")
+        if tr.meta["world_size"] != first.meta["world_size"] or tr.meta["layout"] != first.meta["layout"]:
+            raise DetectInputError(f"{tr.path}: world size/layout differ from {first.path}: traces of different runs")
+        if int(tr.meta["rank"]) in events:
+            raise DetectInputError(f"{tr.path}: rank {tr.meta['rank']} appears twice")
+        events[int(tr.meta["rank"])] = rules.build_rank_events(tr)
+    return events, dict(first.meta["layout"]), int(first.meta["world_size"])
+
+
+def select_iterations(iteration_spans: dict[int, dict], config: DetectConfig) -> tuple[tuple[int, ...], list[str]]:
+    """Iterations complete on every rank, in config.iterations, warm-up skipped (step 0)."""
+    common = set.intersection(*(set(s) for s in iteration_spans.values())) if iteration_spans else set()
+    notes = []
+    if config.iterations is not None:
+        a, b = config.iterations
+        return tuple(sorted(i for i in common if a <= i < b)), notes
+    warm = sorted(i for i in common if i < config.warmup_iterations)
+    rest = sorted(i for i in common if i >= config.warmup_iterations)
+    if warm and rest:
+        notes.append(f"skipped warm-up iteration(s) {warm}")
+    return tuple(rest or warm), notes
+
+
+def _confidence(weight: float, ratio: float, strong: float, consistency: float) -> float:
+    effect = min(1.0, max(0.0, (ratio - 1.0) / max(strong - 1.0, 1e-9)))
+    return round(float(min(1.0, weight * (0.5 + 0.5 * effect) * consistency)), 3)
+
+
+def _ms(ns: float) -> float:
+    return round(float(ns) / 1e6, 3)
+
+
+def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, config: DetectConfig) -> Suspect:
+    strag = stragglers.get(st.rank)
+    shares = {fam: round(strag.share(fam), 3) for fam in strag.instances} if strag else {}
+    corroborated = any(s >= config.straggler_min_share for s in shares.values())
+    conf = _confidence(_BASIS_WEIGHT[st.basis], st.ratio, config.strong_compute_ratio, st.consistency)
+    conf = round(min(1.0, conf + (0.1 if corroborated else 0.0)), 3)
+    peers = {"dp_replicas": "DP replicas", "tp_peers": "TP peers", "pipeline_stages": "other pipeline stages"}
+    summary = (f"rank {st.rank} forward/backward compute is {st.ratio:.2f}x its {peers[st.basis]} "
+               f"{list(st.peers)} in {st.consistency:.0%} of {st.samples} microbatch samples")
+    if corroborated:
+        summary += f"; last to arrive at {max(shares.values()):.0%} of its collectives"
+    evidence = {"summary": summary, "basis": st.basis, "peers": list(st.peers), "ratio": round(st.ratio, 3),
+                "consistency": round(st.consistency, 3), "z": round(min(st.z, 1e6), 2), "samples": st.samples,
+                "rank_median_ms": _ms(st.rank_median_ns), "peer_median_ms": _ms(st.peer_median_ns),
+                "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration), "last_arrival_share": shares}
+    return Suspect(st.rank, coords[st.rank], "slow_compute", conf, evidence)
+
+
+def _link_suspect(st: rules.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
+    conf = _confidence(_LINK_WEIGHT, st.ratio, config.strong_link_ratio, st.consistency)
+    summary = (f"link {st.src}->{st.dst} takes {_ms(st.median_ns)} ms per message vs {_ms(st.peer_median_ns)} ms "
+               f"on {st.peer_links} comparable links ({st.ratio:.1f}x) in {st.consistency:.0%} of {st.samples} "
+               f"messages; rank {st.src} is the link's source (convention), its compute is not implicated")
+    evidence = {"summary": summary, "transfer_median_ms": _ms(st.median_ns), "peer_median_ms": _ms(st.peer_median_ns),
+                "ratio": round(st.ratio, 3), "excess_ms": _ms(st.excess_ns), "consistency": round(st.consistency, 3),
+                "samples": st.samples, "peer_links": st.peer_links,
+                "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration)}
+    return Suspect(st.src, coords.get(st.src, {}), "slow_link", conf, evidence, link=(st.src, st.dst))
+
+
+def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], spans: dict, links: dict) -> Suspect:
+    if not crit:
+        return s
+    if s.cause == "slow_compute":
+        savings = [paths.estimate_compute_saving(p, s.rank, spans.get(s.rank, []), s.evidence["ratio"]) for p in crit]
+    else:
+        savings = [paths.estimate_link_saving(p, s.link, links[s.link].peer_median_ns) for p in crit]
+    t = float(np.median([p.duration_ns for p in crit]))
+    what_if = float(np.median([p.duration_ns - v for p, v in zip(crit, savings)]))
+    return Suspect(s.rank, s.coords, s.cause, s.confidence, s.evidence, s.link, t, what_if)
+
+
+def _victims(instances, messages, n_iterations: int, iteration_ns: float, exclude: set) -> tuple:
+    wait = defaultdict(float)
+    for inst in instances:
+        for r, (start, _) in inst.spans.items():
+            wait[r] += inst.last_start - start
+    for m in messages:
+        wait[m.dst] += max(0, m.send_start - m.wait_start)
+    per_it = {r: w / max(n_iterations, 1) for r, w in wait.items() if r not in exclude}
+    keep = [(r, round(w, 1)) for r, w in per_it.items() if w >= _VICTIM_MIN_SHARE * iteration_ns]
+    return tuple(sorted(keep, key=lambda x: -x[1]))
+
+
+def _coverage_notes(layout: dict, world: int, events: dict, basis: str, instances, messages) -> list[str]:
+    notes = []
+    missing = sorted(set(range(world)) - set(events))
+    if missing:
+        notes.append(f"no trace for ranks {missing}: they cannot be judged and their peers have fewer references")
+    if basis == "pipeline_stages":
+        notes.append("no DP replicas or TP peers: compute compared across pipeline stages (weak evidence)")
+    elif basis == "none":
+        notes.append("a single rank: no peers to compare compute against")
+    if layout.get("tp_size", 1) > 1 and not any(i.family == "tp" for i in instances):
+        notes.append("tp_size > 1 but no TP collectives traced: TP peers of a slow rank will look slow too")
+    if layout.get("pp_size", 1) > 1 and not messages:
+        notes.append("no matched send/recv pairs: slow links cannot be detected")
+    return notes
+
+
+def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionReport:
+    """Root-cause suspects of slowness in aligned per-rank traces (algorithm: module docstring).
+
+    Raises DetectInputError when the traces do not belong together or no iteration is
+    complete on every rank."""
+    events, layout, world = _check_traces(traces)
+    iter_spans = {r: rules.compute_iteration_spans(ev) for r, ev in events.items()}
+    iterations, notes = select_iterations(iter_spans, config)
+    if not iterations:
+        raise DetectInputError(f"no iteration is complete on all {len(events)} ranks "
+                               f"(first trace: {traces[0].path}); nothing to analyse")
+    its = set(iterations)
+    coords = {r: ev.coords for r, ev in events.items()}
+    spans = {r: rules.compute_pure_spans(ev, its) for r, ev in events.items()}
+    basis, peers = rules.build_compute_peers(coords, layout)
+    compute = rules.compare_compute(spans, peers, basis, layout.get("pp_size", 1), coords, config.compute_min_ratio)
+    instances = rules.collect_collectives(events, its)
+    stragglers = rules.compute_straggler_stats(instances)
+    messages = rules.collect_p2p_messages(events, its)
+    links = rules.compare_links(messages, config.link_min_ratio, config.link_min_excess_ns)
+    suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
+                if config.compute_rule(st, config)]
+    suspects += [_link_suspect(st, coords, config) for st in links.values() if config.link_rule(st, config)]
+    crit = [paths.compute_critical_path(i, {r: s[i] for r, s in iter_spans.items()},
+                                        paths.build_blocking_events(i, messages, instances)) for i in iterations]
+    suspects = [_with_what_if(s, crit, spans, links) for s in suspects]
+    suspects.sort(key=lambda s: (-s.confidence, -s.saving_ns, s.rank))
+    t = float(np.median([p.duration_ns for p in crit]))
+    fixed = t - sum(max(0.0, s.saving_ns) for s in suspects)
+    # Pipeline bubbles make every clean run "wait": victims only mean something next to a culprit.
+    victims = _victims(instances, messages, len(iterations), t, {s.rank for s in suspects}) if suspects else ()
+    notes += _coverage_notes(layout, world, events, basis, instances, messages)
+    return DetectionReport(tuple(suspects), iterations, t, max(fixed, 0.0), world, layout, victims, tuple(notes))
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def report_to_json(report: DetectionReport) -> dict:
+    """JSON-ready dict: suspects (most likely first), iterations_analyzed, what_if, victims, notes."""
+    suspects = [{"rank": s.rank, "coords": dict(s.coords), "cause": s.cause,
+                 "link": list(s.link) if s.link else None, "confidence": s.confidence,
+                 "evidence": dict(s.evidence),
+                 "what_if": {"iteration_ms": _ms(s.iteration_ns), "iteration_if_fixed_ms": _ms(s.what_if_iteration_ns),
+                             "saving_ms": _ms(s.saving_ns)}}
+                for s in report.suspects]
+    return {
+        "suspects": suspects,
+        "iterations_analyzed": list(report.iterations_analyzed),
+        "what_if": {"iteration_ms": _ms(report.iteration_ns),
+                    "iteration_if_all_fixed_ms": _ms(report.what_if_all_fixed_ns)},
+        "victims": [{"rank": r, "wait_ms_per_iteration": _ms(w)} for r, w in report.victims],
+        "world_size": report.world_size,
+        "layout": dict(report.layout),
+        "notes": list(report.notes),
+    }
+
+
+def render_report(report: DetectionReport, width: int = 120) -> str:
+    """The report as terminal text (a rich table of suspects, then victims and notes)."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=io.StringIO(), width=width, record=True, force_terminal=False)
+    lay = report.layout
+    its = report.iterations_analyzed
+    console.print(f"MegaScan detect: {report.world_size} ranks (TP={lay.get('tp_size')} PP={lay.get('pp_size')} "
+                  f"DP={lay.get('dp_size')}), iterations {its[0]}..{its[-1]} ({len(its)}), "
+                  f"iteration time {_ms(report.iteration_ns)} ms", markup=False)
+    if not report.suspects:
+        console.print("No slow rank or slow link found.")
+    else:
+        table = Table(show_lines=False)
+        for col in ("#", "rank", "coords (tp,dp,pp)", "cause", "conf.", "iter. if fixed (ms)", "evidence"):
+            table.add_column(col, overflow="fold")
+        for i, s in enumerate(report.suspects, 1):
+            c = s.coords
+            cause = f"slow_link {s.link[0]}->{s.link[1]}" if s.link else s.cause
+            table.add_row(str(i), str(s.rank), f"({c.get('tp')},{c.get('dp')},{c.get('pp')})", cause,
+                          f"{s.confidence:.2f}", f"{_ms(s.what_if_iteration_ns)} (-{_ms(s.saving_ns)})",
+                          s.evidence["summary"])
+        console.print(table)
+        if report.victims:
+            console.print("Waiting on them (victims, ms/iteration): "
+                          + ", ".join(f"rank {r} {_ms(w)}" for r, w in report.victims), markup=False)
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False)
+    return console.export_text()
+
+
+# -- CLI glue --------------------------------------------------------------------------------
+
+
+def add_detect_arguments(parser) -> None:
+    """Arguments of `megatronapp trace detect`."""
+    parser.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    from megatronapp.scan.cli import parse_iteration_range  # same A:B syntax as `trace merge`
+
+    parser.add_argument("--iterations", type=parse_iteration_range, default=None, metavar="A:B",
+                        help="analyse iterations A..B-1 only (also A:, :B, A); "
+                             "default: every complete iteration, warm-up skipped")
+
+
+def run_detect(args) -> int:
+    """Load, align, detect, print. Exit code: 0 nobody found, 3 suspects found, 2 bad input."""
+    import json
+    import sys
+
+    from megatronapp.scan.align import align_traces
+    from megatronapp.scan.format import load_trace_dir
+
+    try:
+        traces = load_trace_dir(args.trace_dir)
+        aligned, _ = align_traces(traces)
+        its = args.iterations  # a range from parse_iteration_range, or None
+        report = detect(aligned, config=DetectConfig(iterations=None if its is None else (its.start, its.stop)))
+    except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
+        print(f"megatronapp trace detect: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report_to_json(report), indent=2) if args.json else render_report(report), end="\n")
+    return 3 if report.suspects else 0

@@ -1,0 +1,64 @@
+"""Online slow-rank warning: the engine feeds per-iteration compute times, we say who lags.
+
+The engine already gathers each rank's forward+backward compute seconds per iteration (for
+its own logging); `OnlineDetector.update` only does arithmetic on that list, so it adds no
+collective and no I/O. Rule: a rank is lagging in an iteration when its time is >=
+`min_ratio` x the median of its peers (ranks of the same pipeline stage, which do identical
+work; all other ranks when its stage has no other rank). A warning is returned once, when a
+rank has lagged for `patience` consecutive iterations; it re-arms after the rank recovers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatronapp.parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class OnlineDetectConfig:
+    min_ratio: float = 1.2  # my compute / peers' median that counts as lagging
+    patience: int = 3  # consecutive lagging iterations before warning
+
+    def __post_init__(self) -> None:
+        if self.min_ratio <= 1.0:
+            raise ValueError(f"min_ratio must be > 1.0 (a ratio to the peers' median), got {self.min_ratio}")
+        if self.patience < 1:
+            raise ValueError(f"patience must be >= 1 iteration, got {self.patience}")
+
+
+class OnlineDetector:
+    """Stateful but pure: the same sequence of updates always yields the same warnings."""
+
+    def __init__(self, layout: ParallelLayout, config: OnlineDetectConfig = OnlineDetectConfig()) -> None:
+        self.layout, self.config = layout, config
+        stage = [layout.coords(r).pp for r in range(layout.world_size)]
+        self._peers = []
+        for r in range(layout.world_size):
+            same_stage = [p for p in range(layout.world_size) if p != r and stage[p] == stage[r]]
+            self._peers.append(same_stage or [p for p in range(layout.world_size) if p != r])
+        self._streak = [0] * layout.world_size
+        self._warned = [False] * layout.world_size
+
+    def update(self, iteration: int, compute_s: Sequence[float]) -> str | None:
+        """Feed one iteration's compute seconds, indexed by global rank; returns a warning or None."""
+        if len(compute_s) != self.layout.world_size:
+            raise ValueError(f"expected {self.layout.world_size} compute times (one per rank), got {len(compute_s)}")
+        values = np.asarray(compute_s, dtype=float)
+        lines = []
+        for r, peers in enumerate(self._peers):
+            ref = float(np.median(values[peers])) if peers else 0.0
+            ratio = values[r] / ref if ref > 0 else 1.0
+            self._streak[r] = self._streak[r] + 1 if ratio >= self.config.min_ratio else 0
+            if self._streak[r] == 0:
+                self._warned[r] = False
+            elif self._streak[r] >= self.config.patience and not self._warned[r]:
+                self._warned[r] = True
+                c = self.layout.coords(r)
+                lines.append(f"iteration {iteration}: rank {r} (tp={c.tp} dp={c.dp} pp={c.pp}) compute "
+                             f"{values[r]:.3f}s is {ratio:.2f}x its peers' median for {self._streak[r]} "
+                             f"iterations in a row; run `megatronapp trace detect` on a trace to confirm")
+        return "\n".join(lines) if lines else None

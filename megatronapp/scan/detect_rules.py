@@ -1,0 +1,362 @@
+"""The evidence MegaScan's detector weighs: per-rank compute, collective arrivals, p2p links.
+
+Each function here is pure (traces in, numbers out) and documented with the exact quantity it
+measures; `detect.py` turns the numbers into suspects. Times are nanoseconds on the aligned
+timeline. Three quantities matter:
+
+  * pure compute of a forward/backward span = its duration minus the union of the comm spans
+    and "loss" spans fully nested in it. A TP victim waits *inside* its forward (in the TP
+    all-reduce), so without the subtraction it would look as slow as the culprit. Async ops
+    that outlive the span (overlapped DP bucket reduces) are not fully nested and stay.
+  * a collective instance (group, seq): member i's span splits into wait = last_start -
+    start_i and transfer = end_i - last_start; the last member to arrive is the straggler.
+  * a p2p message: effective transfer = recv_end - max(send_start, recv_wait_start), where
+    recv_wait_start is when the receiver stopped doing other work (the later of the recv's
+    posting and the end of any local compute inside the recv span). A slow *sender* posts
+    late, so its messages still transfer quickly: only a slow link inflates this number.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+COMPUTE_KINDS = ("forward", "backward")
+P2P_OPS = ("send", "recv")
+NESTED_NON_COMPUTE = ("loss",)  # nested compute spans whose work differs between stages
+# A comm span named like this without group/seq is a DP collective the tracer did not key
+# (the engine's "grad_reduce" wraps the wait on bucketed all-reduces); one instance per iteration.
+UNKEYED_DP_COLLECTIVES = ("grad_reduce",)
+_MAD_TO_SIGMA = 1.4826
+_MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
+
+
+@dataclass(frozen=True)
+class RankEvents:
+    """One rank's events as numpy columns: the detector's working view of a RankTrace."""
+
+    rank: int
+    coords: dict
+    path: str
+    cols: dict  # column name -> np.ndarray (strings as object arrays)
+
+    def mask(self, **equal) -> np.ndarray:
+        m = np.ones(len(self.cols["start_ns"]), dtype=bool)
+        for key, value in equal.items():
+            m &= self.cols[key] == value
+        return m
+
+
+def build_rank_events(trace) -> RankEvents:
+    """Decode a RankTrace's table once (dictionary strings become plain object arrays)."""
+    cols = {}
+    for name in trace.events.column_names:
+        col = trace.events.column(name)
+        if name in ("name", "cat", "op", "group"):
+            cols[name] = np.array(col.to_pylist(), dtype=object)
+        else:
+            cols[name] = col.to_numpy().astype(np.int64)
+    return RankEvents(rank=int(trace.meta["rank"]), coords=dict(trace.meta["coords"]),
+                      path=str(trace.path), cols=cols)
+
+
+def compute_iteration_spans(ev: RankEvents) -> dict[int, tuple[int, int]]:
+    """iteration -> (start, end) of this rank's "iteration" step span."""
+    c, m = ev.cols, ev.mask(cat="step", name="iteration")
+    return {int(i): (int(s), int(e)) for i, s, e in zip(c["iteration"][m], c["start_ns"][m], c["end_ns"][m])
+            if e >= s}
+
+
+# -- compute ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComputeSpan:
+    key: tuple[int, int, int, str]  # (iteration, chunk, microbatch, kind)
+    start: int
+    end: int
+    pure_ns: int
+
+
+def _union_length(intervals: list[tuple[int, int]]) -> int:
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            total += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (0 if cur_e is None else cur_e - cur_s)
+
+
+def compute_pure_spans(ev: RankEvents, iterations: set[int]) -> list[ComputeSpan]:
+    """Forward/backward spans of `iterations` with their pure compute time (module docstring)."""
+    c = ev.cols
+    it_ok = np.isin(c["iteration"], list(iterations))
+    nested_ok = (c["cat"] == "comm") | np.isin(c["name"], NESTED_NON_COMPUTE)
+    order = np.argsort(c["start_ns"][nested_ok], kind="stable")
+    n_start, n_end = c["start_ns"][nested_ok][order], c["end_ns"][nested_ok][order]
+    spans = []
+    for i in np.flatnonzero(it_ok & (c["cat"] == "compute") & np.isin(c["name"], COMPUTE_KINDS)):
+        s, e = int(c["start_ns"][i]), int(c["end_ns"][i])
+        lo, hi = np.searchsorted(n_start, s, "left"), np.searchsorted(n_start, e, "right")
+        inside = [(int(a), int(b)) for a, b in zip(n_start[lo:hi], n_end[lo:hi]) if b <= e]
+        key = (int(c["iteration"][i]), int(c["chunk"][i]), int(c["microbatch"][i]), str(c["name"][i]))
+        spans.append(ComputeSpan(key, s, e, max(0, e - s - _union_length(inside))))
+    return spans
+
+
+@dataclass(frozen=True)
+class ComputeStats:
+    """One rank's compute against peers doing identical work (per-sample ratios to the peer median)."""
+
+    rank: int
+    basis: str  # "dp_replicas" | "tp_peers" | "pipeline_stages"
+    peers: tuple[int, ...]
+    samples: int
+    ratio: float  # median over samples of my / median(peers)
+    consistency: float  # fraction of samples with ratio >= the rule's threshold
+    z: float  # robust significance of log(ratio) > 0 (median / its MAD-based standard error)
+    rank_median_ns: float
+    peer_median_ns: float
+    excess_ns_per_iteration: float  # median over iterations of sum(my - peer median)
+    edge_stage: bool  # first/last pipeline stage (extra embedding/loss work)
+
+
+def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int, tuple[int, ...]],
+                    basis: str, pp_size: int, coords: dict[int, dict], threshold: float) -> dict[int, ComputeStats]:
+    """Per rank: its pure compute per (iteration, chunk, microbatch, kind) over the peers' median.
+
+    `threshold` is the per-sample ratio counted by `consistency`. Ranks without peers or
+    without any matching sample are left out."""
+    values = {r: {s.key: s.pure_ns for s in spans} for r, spans in spans_by_rank.items()}
+    out = {}
+    for rank, mine in values.items():
+        ratios, excess, my_vals, peer_vals = [], defaultdict(float), [], []
+        for key, v in mine.items():
+            others = [values[p][key] for p in peers.get(rank, ()) if p in values and key in values[p]]
+            if not others:
+                continue
+            ref = float(np.median(others))
+            if ref <= 0 or v <= 0:
+                continue
+            ratios.append(v / ref)
+            excess[key[0]] += v - ref
+            my_vals.append(v)
+            peer_vals.append(ref)
+        if not ratios:
+            continue
+        logs = np.log(ratios)
+        mad = float(np.median(np.abs(logs - np.median(logs))))
+        se = _MEDIAN_SE * _MAD_TO_SIGMA * mad / np.sqrt(len(logs))
+        med = float(np.median(logs))
+        z = med / se if se > 0 else (np.inf if med > 0 else 0.0)
+        pp = coords[rank]["pp"]
+        out[rank] = ComputeStats(
+            rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios),
+            ratio=float(np.exp(med)), consistency=float(np.mean(np.asarray(ratios) >= threshold)), z=float(z),
+            rank_median_ns=float(np.median(my_vals)), peer_median_ns=float(np.median(peer_vals)),
+            excess_ns_per_iteration=float(np.median(list(excess.values()))),
+            edge_stage=pp_size > 1 and pp in (0, pp_size - 1))
+    return out
+
+
+def build_compute_peers(coords: dict[int, dict], layout: dict) -> tuple[str, dict[int, tuple[int, ...]]]:
+    """Peers doing identical work, by the strongest basis the layout offers.
+
+    DP replicas (same tp, pp) when dp_size > 1; else TP peers (same dp, pp); else the other
+    pipeline stages (weak: first/last stages carry embedding/loss work)."""
+    if layout["dp_size"] > 1:
+        basis, same = "dp_replicas", ("tp", "pp")
+    elif layout["tp_size"] > 1:
+        basis, same = "tp_peers", ("dp", "pp")
+    elif layout["pp_size"] > 1:
+        basis, same = "pipeline_stages", ("tp", "dp")
+    else:
+        return "none", {}
+    peers = {r: tuple(sorted(p for p, pc in coords.items() if p != r and all(pc[k] == c[k] for k in same)))
+             for r, c in coords.items()}
+    return basis, peers
+
+
+# -- collectives -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CollectiveInstance:
+    group: str
+    family: str  # which axis the group spans: "tp", "dp", "pp", "mp", "world" or "mixed"
+    seq: int
+    iteration: int
+    spans: dict  # rank -> (start, end)
+    last_rank: int
+    last_start: int
+
+
+def _group_family(members, coords: dict[int, dict]) -> str:
+    varying = {k for k in ("tp", "dp", "pp") if len({coords[r][k] for r in members if r in coords}) > 1}
+    if len(varying) == 1:
+        return varying.pop()
+    return {frozenset({"tp", "pp"}): "mp", frozenset({"tp", "dp", "pp"}): "world"}.get(frozenset(varying), "mixed")
+
+
+def collect_collectives(events: dict[int, RankEvents], iterations: set[int]) -> list[CollectiveInstance]:
+    """Complete collective instances of `iterations` (every member of the group present).
+
+    Keyed by (group, seq); unkeyed DP spans (UNKEYED_DP_COLLECTIVES) become one instance per
+    iteration among the DP replicas that recorded it."""
+    coords = {r: ev.coords for r, ev in events.items()}
+    raw: dict[tuple, dict] = defaultdict(dict)
+    members: dict[str, set] = defaultdict(set)
+    iteration_of: dict[tuple, int] = {}
+    for r, ev in events.items():
+        c = ev.cols
+        keyed = (c["cat"] == "comm") & ~np.isin(c["op"], P2P_OPS) & (c["group"] != "") & (c["seq"] >= 0)
+        unkeyed = (c["cat"] == "comm") & np.isin(c["name"], UNKEYED_DP_COLLECTIVES) & (c["group"] == "")
+        for i in np.flatnonzero((keyed | unkeyed) & np.isin(c["iteration"], list(iterations))):
+            if keyed[i]:
+                group, seq = str(c["group"][i]), int(c["seq"][i])
+            else:
+                dp_peers = sorted(p for p, pc in coords.items() if pc["tp"] == ev.coords["tp"]
+                                  and pc["pp"] == ev.coords["pp"])
+                group, seq = f"{c['name'][i]}:{dp_peers}", int(c["iteration"][i])
+            raw[(group, seq)][r] = (int(c["start_ns"][i]), int(c["end_ns"][i]))
+            members[group].add(r)
+            iteration_of[(group, seq)] = int(c["iteration"][i])
+    out = []
+    for (group, seq), spans in raw.items():
+        if len(spans) < 2 or len(spans) < len(members[group]):
+            continue  # a member's span is missing (partial trace): no honest split possible
+        last_rank = max(spans, key=lambda r: (spans[r][0], r))
+        out.append(CollectiveInstance(group, _group_family(members[group], coords), seq,
+                                      iteration_of[(group, seq)], spans, last_rank, spans[last_rank][0]))
+    return out
+
+
+@dataclass
+class StragglerStats:
+    """How often a rank arrived last at its collectives, per group family."""
+
+    instances: dict = field(default_factory=lambda: defaultdict(int))
+    last: dict = field(default_factory=lambda: defaultdict(int))
+    imposed_wait_ns: dict = field(default_factory=lambda: defaultdict(int))  # others' wait on me
+    own_wait_ns: int = 0
+    expected_share: dict = field(default_factory=lambda: defaultdict(float))
+
+    def share(self, family: str) -> float:
+        return self.last[family] / self.instances[family] if self.instances[family] else 0.0
+
+
+def compute_straggler_stats(instances: list[CollectiveInstance]) -> dict[int, StragglerStats]:
+    """Per rank and family: instances, last arrivals, wait imposed on others, own wait."""
+    stats: dict[int, StragglerStats] = defaultdict(StragglerStats)
+    for inst in instances:
+        for r, (start, _) in inst.spans.items():
+            st = stats[r]
+            st.instances[inst.family] += 1
+            st.expected_share[inst.family] += 1.0 / len(inst.spans)
+            st.own_wait_ns += inst.last_start - start
+        last = stats[inst.last_rank]
+        last.last[inst.family] += 1
+        last.imposed_wait_ns[inst.family] += sum(inst.last_start - s for s, _ in inst.spans.values())
+    for st in stats.values():
+        for fam, n in st.instances.items():
+            st.expected_share[fam] /= n
+    return dict(stats)
+
+
+# -- point-to-point --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class P2PMessage:
+    src: int
+    dst: int
+    iteration: int
+    seq: int
+    bytes: int
+    send_start: int
+    recv_start: int
+    wait_start: int  # when the receiver stopped doing other work and waited
+    recv_end: int
+
+    @property
+    def transfer_ns(self) -> int:
+        return max(0, self.recv_end - max(self.send_start, self.wait_start))
+
+    @property
+    def waited_on_sender(self) -> bool:
+        return self.send_start > self.wait_start
+
+
+def _recv_wait_start(ev: RankEvents, compute_ends: np.ndarray, start: int, end: int) -> int:
+    lo, hi = np.searchsorted(compute_ends, start, "right"), np.searchsorted(compute_ends, end, "right")
+    return int(compute_ends[hi - 1]) if hi > lo else start
+
+
+def collect_p2p_messages(events: dict[int, RankEvents], iterations: set[int]) -> list[P2PMessage]:
+    """Matched send/recv pairs of `iterations`: the k-th send src->dst with the k-th recv on dst from src."""
+    sends = {}
+    for r, ev in events.items():
+        c = ev.cols
+        for i in np.flatnonzero((c["op"] == "send") & (c["cat"] == "comm")):
+            sends[(r, int(c["peer"][i]), int(c["iteration"][i]), int(c["seq"][i]))] = int(c["start_ns"][i])
+    out = []
+    for r, ev in events.items():
+        c = ev.cols
+        comp = (c["cat"] == "compute") & np.isin(c["name"], COMPUTE_KINDS)
+        compute_ends = np.sort(c["end_ns"][comp])
+        for i in np.flatnonzero((c["op"] == "recv") & (c["cat"] == "comm") & np.isin(c["iteration"], list(iterations))):
+            key = (int(c["peer"][i]), r, int(c["iteration"][i]), int(c["seq"][i]))
+            if key not in sends:
+                continue
+            start, end = int(c["start_ns"][i]), int(c["end_ns"][i])
+            out.append(P2PMessage(key[0], r, key[2], key[3], int(c["bytes"][i]), sends[key], start,
+                                  _recv_wait_start(ev, compute_ends, start, end), end))
+    return out
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """One directed link's effective transfer time against links carrying same-size messages."""
+
+    src: int
+    dst: int
+    samples: int
+    median_ns: float
+    peer_median_ns: float  # median of the other comparable links' medians
+    ratio: float
+    excess_ns: float  # median_ns - peer_median_ns
+    consistency: float  # fraction of messages slower than the rule's ratio and excess
+    excess_ns_per_iteration: float  # median over iterations of sum(max(0, transfer - peer median))
+    peer_links: int
+
+
+def compare_links(messages: list[P2PMessage], min_ratio: float, min_excess_ns: int) -> dict[tuple, LinkStats]:
+    """Per directed link with at least one comparable link: its transfer against theirs.
+
+    Links are comparable when their median message size has the same power of two (forward
+    activations and their gradients have equal size); the reference is robust to one bad link."""
+    by_link: dict[tuple, list[P2PMessage]] = defaultdict(list)
+    for m in messages:
+        by_link[(m.src, m.dst)].append(m)
+    medians = {link: float(np.median([m.transfer_ns for m in ms])) for link, ms in by_link.items()}
+    size_class = {link: int(np.round(np.log2(max(1.0, float(np.median([m.bytes for m in ms]))))))
+                  for link, ms in by_link.items()}
+    out = {}
+    for link, ms in by_link.items():
+        others = [medians[o] for o in by_link if o != link and size_class[o] == size_class[link]]
+        if not others:
+            continue
+        ref = max(float(np.median(others)), 1.0)
+        transfers = np.array([m.transfer_ns for m in ms], dtype=float)
+        slow = (transfers >= min_ratio * ref) & (transfers - ref >= min_excess_ns)
+        per_it = defaultdict(float)
+        for m, t in zip(ms, transfers):
+            per_it[m.iteration] += max(0.0, t - ref)
+        out[link] = LinkStats(link[0], link[1], len(ms), medians[link], ref, medians[link] / ref,
+                              medians[link] - ref, float(slow.mean()), float(np.median(list(per_it.values()))),
+                              len(others))
+    return out

@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic", action="store_true", help="simulate the jobs instead of training (no engine)")
     p.add_argument("--min-factor", type=float, default=1.3)
     p.add_argument("--max-factor", type=float, default=2.0)
-    p.add_argument("--min-delay-ms", type=float, default=2.0)
+    p.add_argument("--min-delay-ms", type=float, default=4.0)
     p.add_argument("--max-delay-ms", type=float, default=20.0)
     p.add_argument("--noise", type=float, default=0.15, help="--synthetic: log-normal sigma of durations")
     p.add_argument("--hiccup-prob", type=float, default=0.03, help="--synthetic: chance of a 1.5-3x stretch")

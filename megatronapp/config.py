@@ -104,6 +104,7 @@ class TrainConfig:
     seed: int = 1234
     schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (interleaved needs virtual stages)
     bf16: bool = False
+    compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
     grad_bucket_mb: float = 25.0
     log_interval: int = 1

@@ -165,13 +165,14 @@ def test_stages_linked_only_by_p2p_are_shifted_minimally_to_causality():
     gaps = p2p_gaps(aligned)
     assert report.violations_before > 0 and report.violations == 0
     assert min(gaps) == 0  # the minimal shift makes the tightest message just causal
-    shifts = {report.offset_ns[r] - report.offset_ns[0] for r in stage1}
-    assert len(shifts) == 1  # the stage moved rigidly, its collectives stay aligned
+    shifts = [report.offset_ns[r] - report.offset_ns[0] for r in stage1]
+    assert max(shifts) - min(shifts) < 40_000  # the stage moved as one, its collectives stay aligned
+    assert all(abs(s - 40 * MS) < 400_000 for s in shifts)  # ~40 ms back, up to the transfer times
     assert report.median_residual_ns < 40_000
     # A stage that reads late breaks nothing, so the wall clock is kept.
     _, untouched = align_traces(job.traces({r: 40 * MS for r in stage1}))
     assert untouched.violations_before == 0
-    assert {untouched.offset_ns[r] - untouched.offset_ns[0] for r in range(8)} == {0}
+    assert all(abs(untouched.offset_ns[r] - untouched.offset_ns[0]) < 40_000 for r in range(8))
 
 
 def test_drift_is_fitted_when_calibration_spans_long():

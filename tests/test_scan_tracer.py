@@ -75,11 +75,16 @@ def test_untraced_iteration_spans_are_one_shared_object_and_retain_nothing(tmp_p
     tracer = Tracer(TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1000), META)
     tracer.step_begin(3)  # not traced
     assert tracer.span("forward") is tracer.span("backward", chunk=1) is NOOP_SPAN
-    tracemalloc.start()
-    try:
-        for _ in range(20_000):
+
+    def loop(n: int) -> None:
+        for _ in range(n):
             with tracer.span("forward"):
                 pass
+
+    loop(2_000)  # one-time interpreter caches are not the tracer's
+    tracemalloc.start()
+    try:
+        loop(20_000)
         current, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -158,10 +163,15 @@ def test_misuse_is_reported(tmp_path):
         tracer.step_begin(1)
         with pytest.raises(TypeError, match="unknown span attributes"):
             tracer.span("forward", micro_batch=1)
+        with pytest.raises(ValueError, match="span category"):
+            tracer.span("clock", cat="calib")
         with pytest.raises(ValueError, match=r"step_end\(2\)"):
             tracer.step_end(2)
         tracer.step_end(1)
-    assert (tmp_path / trace_file_name(0)).exists()
+        with tracer.step(2), tracer.span("loss", cat="user"):
+            pass
+    names = [(r["name"], r["iteration"]) for r in rows_of(tracer) if r["cat"] != "calib"]
+    assert sorted(names) == [("iteration", 1), ("iteration", 2), ("loss", 2)]
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU); fp32 otherwise")
+    g.add_argument("--compile", action="store_true", help="torch.compile each block's local math")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help=".txt / Megatron-style .jsonl files or folders; "
@@ -106,7 +107,7 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
         train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, seed=args.seed,
-        schedule=schedule, bf16=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
+        schedule=schedule, bf16=args.bf16, compile=args.compile, overlap_grad_reduce=args.overlap_grad_reduce,
         log_interval=args.log_interval, save=args.save, load=args.load, save_interval=args.save_interval,
         metrics_file=args.metrics_file)
     layout = build_layout(world_size, args.tensor_model_parallel_size, pp, vpp)

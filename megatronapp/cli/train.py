@@ -88,8 +88,6 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     tracer, instrumentation = _build_tracer(args, job, groups, device)
     injector = FaultInjector(plan, rank, device) if (plan.slowdowns or plan.link_delays_ms) else None
     trainer = Trainer(job, groups, device, data, injector=injector, **({"tracer": tracer} if tracer else {}))
-    if tracer:
-        trainer.set_layer_tracer(tracer)
     if args.load:
         load_checkpoint(args.load, trainer, data)
     history = _train_loop(args, job, trainer, data, rank)

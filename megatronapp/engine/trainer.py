@@ -17,7 +17,7 @@ from megatronapp.config import JobConfig
 from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.optim import build_optimizer, compute_lr, set_lr
-from megatronapp.model.gpt import TPContext, build_model_chunks
+from megatronapp.model.gpt import TPContext, apply_compile, build_model_chunks
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.runtime import PipelineRuntime
 from megatronapp.pipeline.schedules import build_schedule
@@ -41,11 +41,12 @@ class Trainer:
     def __init__(self, job: JobConfig, groups: ParallelGroups, device: torch.device, data, *,
                  tracer=NULL_TRACER, injector=None, schedule=None):
         self.job, self.groups, self.device, self.data = job, groups, device, data
-        self.tracer = tracer
         lay = job.layout
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank)
         self.chunks = build_model_chunks(job.model, pp_rank=groups.pp_rank, pp_size=lay.pp_size,
                                          num_chunks=lay.virtual_pp_size, tp=tp, seed=job.train.seed, device=device)
+        if job.train.compile:
+            apply_compile(self.chunks)
         self.reducer = GradReducer(self.chunks, groups.dp, lay.dp_size, overlap=job.train.overlap_grad_reduce,
                                    bucket_mb=job.train.grad_bucket_mb)
         self.optimizer = build_optimizer(self.chunks, job.train)
@@ -57,11 +58,13 @@ class Trainer:
                                        tracer=tracer, reducer=self.reducer, injector=injector,
                                        autocast_dtype=torch.bfloat16 if job.train.bf16 else None)
         self.iteration = 0  # optimizer steps completed
+        self.set_tracer(tracer)
 
-    def set_layer_tracer(self, tracer) -> None:
-        """Per-layer attention/MLP spans (full trace granularity)."""
+    def set_tracer(self, tracer) -> None:
+        """Attach an observer (see engine.hooks) to the loop, the runtime and the model chunks."""
+        self.tracer = self.runtime.tracer = tracer
         for c in self.chunks:
-            c.tracer = tracer
+            c.tracer = None if tracer is NULL_TRACER else tracer
 
     def train_step(self) -> StepMetrics:
         t0 = time.perf_counter()

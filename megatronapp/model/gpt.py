@@ -159,6 +159,21 @@ class GPTChunk(nn.Module):
         return losses.mean()
 
 
+def apply_compile(chunks: list[GPTChunk]) -> None:
+    """torch.compile the local math of every block (attention, MLP) and the output head.
+
+    Regional compilation: blocks of one class share one compiled graph, TP communication is
+    excluded from the graphs (see parallel.mappings), and tracer spans stay in eager code
+    around the compiled regions.
+    """
+    for chunk in chunks:
+        for block in chunk.layers.values():
+            block.attn.compile()
+            block.mlp.compile()
+        if chunk.has_head:
+            chunk._loss = torch.compile(chunk._loss)
+
+
 def chunk_layer_ranges(num_layers: int, pp_size: int, num_chunks: int) -> list[list[tuple[int, int]]]:
     """[pp_rank][chunk] -> (first, last) layer range, Megatron's interleaved assignment.
 

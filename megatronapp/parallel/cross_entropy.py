@@ -41,9 +41,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None, None
 
 
+@torch.compiler.disable
+def _vocab_parallel_ce(logits, target, group, vocab_start):
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
                                  vocab_start: int) -> torch.Tensor:
     """Per-token loss (N,) for logits (N, V/TP) sharded over `group`; plain CE when group is None."""
     if group is None:
         return F.cross_entropy(logits.float(), target, reduction="none")
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
+    return _vocab_parallel_ce(logits, target, group, vocab_start)

@@ -40,9 +40,21 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+# Communication stays outside torch.compile regions: compiled code between two mappings is
+# purely local, and with no group (TP=1) a whole attention or MLP block compiles as one graph.
+@torch.compiler.disable
+def _copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToTP.apply(x, group)
+
+
+@torch.compiler.disable
+def _reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group)
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _CopyToTP.apply(x, group)
+    return x if group is None else _copy_to_tp(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _ReduceFromTP.apply(x, group)
+    return x if group is None else _reduce_from_tp(x, group)

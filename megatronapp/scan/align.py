@@ -30,6 +30,7 @@ from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from megatronapp.scan.format import RankTrace
 
@@ -89,6 +90,12 @@ class AlignmentReport:
         }
 
 
+def _is_category(events: pa.Table, cat: str) -> np.ndarray:
+    """Boolean mask of rows whose cat is `cat`."""
+    mask = pc.equal(events.column("cat").cast(pa.string()), cat)
+    return np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
+
+
 def _column(events: pa.Table, name: str) -> list:
     col = events.column(name)
     if pa.types.is_dictionary(col.type):
@@ -105,7 +112,7 @@ def _int_median(values: np.ndarray) -> int:
 def compute_wall_mapping(trace: RankTrace, min_drift_span_ns: int = DEFAULT_MIN_DRIFT_SPAN_NS) -> ClockMapping:
     """Device -> wall-clock mapping from the rank's calibration pairs (identity if none)."""
     events = trace.events
-    is_calib = np.array([c == "calib" for c in _column(events, "cat")], dtype=bool)
+    is_calib = _is_category(events, "calib")
     device = events.column("start_ns").to_numpy()[is_calib]
     wall = events.column("end_ns").to_numpy()[is_calib]
     if len(device) == 0:
@@ -136,7 +143,7 @@ def collect_comm_events(traces: list[RankTrace], mappings: dict[int, ClockMappin
     found = _CommEvents()
     for trace in traces:
         ev = trace.events
-        is_comm = np.array([c == "comm" for c in _column(ev, "cat")], dtype=bool)
+        is_comm = _is_category(ev, "comm")
         if not is_comm.any():
             continue
         sub = ev.filter(pa.array(is_comm))
@@ -288,7 +295,7 @@ def apply_alignment(trace: RankTrace, mapping: ClockMapping, correction_ns: int)
     """Copy of `trace` with start_ns/end_ns of all non-calib rows on the aligned
     timeline (calib rows keep their raw device/wall pair)."""
     events = trace.events
-    is_calib = np.array([c == "calib" for c in _column(events, "cat")], dtype=bool)
+    is_calib = _is_category(events, "calib")
     for name in ("start_ns", "end_ns"):
         raw = events.column(name).to_numpy()
         aligned = np.where(is_calib, raw, mapping.apply(raw) + np.int64(correction_ns))

@@ -16,9 +16,10 @@ Algorithm (a backward walk in the style of HTA's critical-path analysis):
 
 A suspect's saving is then the part of the path it is responsible for: for a slow rank with
 compute ratio F, the pure compute on the path times (1 - 1/F); for a slow link, the transfer
-on the path above the peer links' median. What-if iteration time = T - saving. This is an
-estimate: once the suspect is fixed another path may become critical, so the true gain is
-at most the estimate.
+on the path above the peer links' median. What-if iteration time = max(T - saving, busiest
+other rank), where a rank's busy time is its iteration minus its waits on others and on
+incoming transfers: once the suspect is fixed another path may become critical (in DP, the
+next-slowest replica), and no rank can finish before its own work is done.
 """
 
 from __future__ import annotations
@@ -98,6 +99,23 @@ def compute_critical_path(iteration: int, iteration_spans: dict[int, tuple[int, 
     if seg_hi > lo:
         segments.append((rank, lo, seg_hi))
     return CriticalPath(iteration, begin, end, tuple(s for s in segments if s[2] > s[1]), tuple(links))
+
+
+def compute_busy_ns(iteration: int, iteration_spans: dict[int, tuple[int, int]], messages: list[P2PMessage],
+                    instances: list[CollectiveInstance]) -> dict[int, int]:
+    """Per rank: its iteration span minus the time it waited on other ranks and on incoming
+    transfers. No schedule can finish the iteration faster than the busiest rank, so the
+    what-if estimate is never allowed below that of the ranks it does not speed up."""
+    busy = {r: e - s for r, (s, e) in iteration_spans.items()}
+    for m in messages:
+        if m.iteration == iteration and m.dst in busy:
+            busy[m.dst] -= m.recv_end - m.wait_start
+    for inst in instances:
+        if inst.iteration == iteration:
+            for r, (start, _) in inst.spans.items():
+                if r in busy:
+                    busy[r] -= inst.last_start - start
+    return busy
 
 
 def estimate_compute_saving(path: CriticalPath, rank: int, spans: list[ComputeSpan], ratio: float) -> float:

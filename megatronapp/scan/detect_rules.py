@@ -116,8 +116,10 @@ class ComputeStats:
     basis: str  # "dp_replicas" | "tp_peers" | "pipeline_stages"
     peers: tuple[int, ...]
     samples: int
+    iterations: int
     ratio: float  # median over samples of my / median(peers)
-    consistency: float  # fraction of samples with ratio >= the rule's threshold
+    consistency: float  # fraction of iterations whose median sample ratio >= threshold
+    sample_share: float  # fraction of single samples with ratio >= threshold (noisier)
     z: float  # robust significance of log(ratio) > 0 (median / its MAD-based standard error)
     rank_median_ns: float
     peer_median_ns: float
@@ -125,38 +127,42 @@ class ComputeStats:
     edge_stage: bool  # first/last pipeline stage (extra embedding/loss work)
 
 
+def _robust_z(logs: np.ndarray) -> float:
+    med = float(np.median(logs))
+    se = _MEDIAN_SE * _MAD_TO_SIGMA * float(np.median(np.abs(logs - med))) / np.sqrt(len(logs))
+    return med / se if se > 0 else (np.inf if med > 0 else 0.0)
+
+
 def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int, tuple[int, ...]],
                     basis: str, pp_size: int, coords: dict[int, dict], threshold: float) -> dict[int, ComputeStats]:
     """Per rank: its pure compute per (iteration, chunk, microbatch, kind) over the peers' median.
 
-    `threshold` is the per-sample ratio counted by `consistency`. Ranks without peers or
-    without any matching sample are left out."""
+    Consistency is judged per iteration (the median of its samples against `threshold`):
+    single spans on a shared CPU jitter too much to be counted one by one. Ranks without
+    peers or without any matching sample are left out."""
     values = {r: {s.key: s.pure_ns for s in spans} for r, spans in spans_by_rank.items()}
     out = {}
     for rank, mine in values.items():
-        ratios, excess, my_vals, peer_vals = [], defaultdict(float), [], []
+        per_it: dict[int, list[float]] = defaultdict(list)
+        excess, my_vals, peer_vals = defaultdict(float), [], []
         for key, v in mine.items():
             others = [values[p][key] for p in peers.get(rank, ()) if p in values and key in values[p]]
-            if not others:
-                continue
-            ref = float(np.median(others))
+            ref = float(np.median(others)) if others else 0.0
             if ref <= 0 or v <= 0:
                 continue
-            ratios.append(v / ref)
+            per_it[key[0]].append(v / ref)
             excess[key[0]] += v - ref
             my_vals.append(v)
             peer_vals.append(ref)
-        if not ratios:
+        if not per_it:
             continue
-        logs = np.log(ratios)
-        mad = float(np.median(np.abs(logs - np.median(logs))))
-        se = _MEDIAN_SE * _MAD_TO_SIGMA * mad / np.sqrt(len(logs))
-        med = float(np.median(logs))
-        z = med / se if se > 0 else (np.inf if med > 0 else 0.0)
+        ratios = np.concatenate([np.asarray(r) for r in per_it.values()])
         pp = coords[rank]["pp"]
         out[rank] = ComputeStats(
-            rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios),
-            ratio=float(np.exp(med)), consistency=float(np.mean(np.asarray(ratios) >= threshold)), z=float(z),
+            rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios), iterations=len(per_it),
+            ratio=float(np.exp(np.median(np.log(ratios)))),
+            consistency=float(np.mean([np.median(r) >= threshold for r in per_it.values()])),
+            sample_share=float(np.mean(ratios >= threshold)), z=float(_robust_z(np.log(ratios))),
             rank_median_ns=float(np.median(my_vals)), peer_median_ns=float(np.median(peer_vals)),
             excess_ns_per_iteration=float(np.median(list(excess.values()))),
             edge_stage=pp_size > 1 and pp in (0, pp_size - 1))

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatronapp.scan.align import SYNC_COLLECTIVES, AlignmentReport, align_traces
+from megatronapp.scan.align import AlignmentReport, align_traces
 from megatronapp.scan.format import RankTrace, load_trace_dir
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
@@ -70,7 +71,8 @@ def format_rank_label(meta: dict) -> str:
 def assign_lanes(starts: Sequence[int], ends: Sequence[int]) -> list[int]:
     """Lane per span so that spans sharing a lane nest properly (Chrome "X" events on
     one thread must). Greedy over spans sorted by (start, -end); lane 0 first."""
-    order = sorted(range(len(starts)), key=lambda k: (starts[k], -ends[k]))
+    order = np.lexsort((-np.asarray(ends, dtype=np.int64), np.asarray(starts, dtype=np.int64))).tolist()
+    starts, ends = list(starts), list(ends)
     stacks: list[list[int]] = []  # per lane: ends of currently open spans
     lanes = [0] * len(starts)
     for k in order:
@@ -92,19 +94,6 @@ def _us(ns: int) -> str:
     return f"{ns / 1000:.3f}"
 
 
-class _JsonNames:
-    """JSON-escaped strings, computed once per distinct value."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, str] = {}
-
-    def __call__(self, text: str) -> str:
-        out = self._cache.get(text)
-        if out is None:
-            out = self._cache[text] = json.dumps(text)
-        return out
-
-
 def _metadata_events(meta: dict, sort_index: int, threads: dict[int, str]) -> list[str]:
     pid = meta["rank"]
     out = [
@@ -119,56 +108,94 @@ def _metadata_events(meta: dict, sort_index: int, threads: dict[int, str]) -> li
     return out
 
 
-def _rank_columns(trace: RankTrace) -> dict[str, list]:
+# Event lines are formatted column-wise with Arrow compute: a per-event Python loop
+# is what limits merge speed on large traces.
+def _join(*parts) -> pa.Array:
+    return pc.binary_join_element_wise(*parts, "")
+
+
+def _json_strings(col: pa.DictionaryArray) -> pa.Array:
+    """Dictionary column -> JSON string literals, escaping each distinct value once."""
+    quoted = pa.array([json.dumps(v) for v in col.dictionary.to_pylist()], pa.string())
+    return pa.DictionaryArray.from_arrays(col.indices, quoted).cast(pa.string())
+
+
+def _us_strings(ns: np.ndarray) -> pa.Array:
+    """Non-negative ns -> microseconds with 3 decimals, exactly (no float rounding)."""
+    whole, frac = pa.array(ns // 1000), pa.array(ns % 1000)
+    return _join(pc.cast(whole, pa.string()), ".", pc.utf8_lpad(pc.cast(frac, pa.string()), width=3, padding="0"))
+
+
+def _args_strings(events: pa.Table) -> pa.Array:
+    """The "args" object body of each event: every column that is not -1 / ""."""
+    fragments = []
+    for key in _ARG_COLUMNS:
+        col = events.column(key).chunk(0)
+        if pa.types.is_dictionary(col.type):
+            absent, text = pc.equal(col.cast(pa.string()), ""), _json_strings(col)
+        else:
+            absent, text = pc.equal(col, -1), pc.cast(col, pa.string())
+        fragments.append(pc.if_else(absent, "", _join(f'"{key}":', text, ",")))
+    return pc.utf8_rtrim(_join(*fragments), characters=",")
+
+
+def _span_table(trace: RankTrace) -> pa.Table:
     events = trace.events
     events = events.filter(pc.not_equal(events.column("cat").cast(pa.string()), "calib"))
-    cols = {}
-    for name in events.column_names:
-        col = events.column(name)
-        cols[name] = (col.cast(pa.string()) if pa.types.is_dictionary(col.type) else col).to_pylist()
-    return cols
+    return events.unify_dictionaries().combine_chunks()
 
 
-def _span_args(cols: dict[str, list], k: int, names: _JsonNames) -> str:
-    parts = []
-    for key in _ARG_COLUMNS:
-        value = cols[key][k]
-        if value == -1 or value == "":
+def _track_lanes(events: pa.Table, origin: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
+    """Per event: start and end in ns since origin and its tid; plus tid -> thread name."""
+    cat = events.column("cat").chunk(0)
+    track_of_value = np.array([TRACKS.index(v) if v in TRACKS else TRACKS.index("user")
+                               for v in cat.dictionary.to_pylist()] or [0], dtype=np.int64)
+    track = track_of_value[cat.indices.to_numpy(zero_copy_only=False)]
+    starts = events.column("start_ns").to_numpy() - origin
+    ends = np.maximum(events.column("end_ns").to_numpy() - origin, starts)
+    tids, threads = np.zeros(len(starts), dtype=np.int64), {}
+    for index, name in enumerate(TRACKS):
+        rows = np.nonzero(track == index)[0]
+        lanes = np.asarray(assign_lanes(starts[rows], ends[rows]), dtype=np.int64)
+        tids[rows] = index * _LANES_PER_TRACK + lanes + 1
+        for lane in np.unique(lanes).tolist():
+            threads[index * _LANES_PER_TRACK + lane + 1] = name if lane == 0 else f"{name} {lane + 1}"
+    return starts, ends, tids, threads
+
+
+def _remember_comm(placed: _Placed, rank: int, events: pa.Table, starts, ends, tids) -> None:
+    """Note where each comm span landed, keyed for matching across ranks."""
+    rows = np.nonzero(tids // _LANES_PER_TRACK == TRACKS.index("comm"))[0]
+    comm = events.take(pa.array(rows, pa.int64()))
+    columns = [comm.column(c).cast(pa.string()) if c in ("op", "group") else comm.column(c)
+               for c in ("op", "group", "seq", "peer")]
+    for (op, group, seq, peer), k in zip(zip(*(c.to_pylist() for c in columns)), rows.tolist()):
+        where = (rank, int(tids[k]), int(starts[k]), int(ends[k]))
+        if seq < 0:
             continue
-        parts.append(f'"{key}":{names(value) if isinstance(value, str) else value}')
-    return "{" + ",".join(parts) + "}"
+        if op == "send" and peer >= 0:
+            placed.sends[rank, peer, seq] = where
+        elif op == "recv" and peer >= 0:
+            placed.recvs[peer, rank, seq] = where
+        elif op and group:
+            placed.collectives[group, seq].append(where)
 
 
-def _remember_comm(placed: _Placed, rank: int, cols: dict[str, list], k: int, where: tuple) -> None:
-    op, seq, peer = cols["op"][k], cols["seq"][k], cols["peer"][k]
-    if seq < 0:
-        return
-    if op == "send" and peer >= 0:
-        placed.sends[rank, peer, seq] = where
-    elif op == "recv" and peer >= 0:
-        placed.recvs[peer, rank, seq] = where
-    elif op and cols["group"][k]:
-        placed.collectives[cols["group"][k], seq].append(where)
-
-
-def _rank_span_events(trace: RankTrace, origin: int, names: _JsonNames, placed: _Placed) -> tuple[list[str], dict[int, str]]:
+def _rank_span_events(trace: RankTrace, origin: int, placed: _Placed) -> tuple[list[str], dict[int, str]]:
     """Chrome "X" lines of one rank and the threads (tid -> name) they use."""
-    cols = _rank_columns(trace)
-    pid, lines, threads = trace.rank, [], {}
-    for index, track in enumerate(TRACKS):
-        rows = [k for k, cat in enumerate(cols["cat"]) if (cat if cat in TRACKS else "user") == track]
-        starts = [cols["start_ns"][k] - origin for k in rows]
-        ends = [max(cols["end_ns"][k] - origin, starts[i]) for i, k in enumerate(rows)]
-        for i, (k, lane) in enumerate(zip(rows, assign_lanes(starts, ends))):
-            tid = index * _LANES_PER_TRACK + lane + 1
-            threads[tid] = track if lane == 0 else f"{track} {lane + 1}"
-            lines.append(
-                f'{{"ph":"X","name":{names(cols["name"][k])},"cat":{names(track)},"pid":{pid},"tid":{tid},'
-                f'"ts":{_us(starts[i])},"dur":{_us(ends[i] - starts[i])},"args":{_span_args(cols, k, names)}}}'
-            )
-            if track == "comm":
-                _remember_comm(placed, pid, cols, k, (pid, tid, starts[i], ends[i]))
-    return lines, threads
+    events = _span_table(trace)
+    if events.num_rows == 0:
+        return [], {}
+    starts, ends, tids, threads = _track_lanes(events, origin)
+    track_names = pa.array(TRACKS, pa.string()).take(pa.array(tids // _LANES_PER_TRACK))
+    lines = _join(
+        '{"ph":"X","name":', _json_strings(events.column("name").chunk(0)),
+        ',"cat":"', track_names, f'","pid":{trace.rank},"tid":', pc.cast(pa.array(tids), pa.string()),
+        ',"ts":', _us_strings(starts), ',"dur":', _us_strings(ends - starts),
+        ',"args":{', _args_strings(events), "}}",
+    )
+    _remember_comm(placed, trace.rank, events, starts, ends, tids)
+    return lines.to_pylist(), threads
 
 
 def _flow(ph: str, fid: int, name: str, where: tuple, ts: int) -> str:
@@ -244,10 +271,10 @@ def _other_data(traces: list[RankTrace], report: AlignmentReport, origin: int, s
 
 def _write_events(out: IO[str], traces: list[RankTrace], origin: int) -> tuple[int, int]:
     """Write every trace event line; returns (span events, flow events)."""
-    names, placed, spans, first = _JsonNames(), _Placed(), 0, True
+    placed, spans, first = _Placed(), 0, True
     sort_index = _sort_indices(traces)
     for trace in traces:
-        lines, threads = _rank_span_events(trace, origin, names, placed)
+        lines, threads = _rank_span_events(trace, origin, placed)
         spans += len(lines)
         lines = _metadata_events(trace.meta, sort_index[trace.rank], threads) + lines
         out.write(("" if first else ",\n") + ",\n".join(lines))

@@ -50,10 +50,11 @@ class SimulatedJob:
     optimizer_ns: int = 300_000
     loss_ns: int = 300_000  # "loss" span nested at the end of the last stage's forward
     first_stage_extra: float = 0.03  # embedding work on pipeline stage 0
-    last_stage_extra: float = 0.05  # output head outside the loss span
+    last_stage_extra: float = 0.15  # output head outside the loss span
     activation_bytes: int = 8192
     noise: float = 0.08  # sigma of the log-normal factor on every duration
     hiccup_prob: float = 0.02  # chance that a duration is stretched 1.5-3x (preemption)
+    rank_bias: float = 0.03  # sigma of a per-rank log-normal factor on all its compute (unfair CPU sharing)
     seed: int = 0
     slow_rank: int | None = None
     slow_factor: float = 1.0  # forward/backward compute of slow_rank takes this many times longer
@@ -73,8 +74,8 @@ class SimulatedJob:
             if not (0 <= src < self.world_size and 0 <= dst < self.world_size) or src == dst:
                 raise ValueError(f"slow_link {self.slow_link} must name two distinct ranks "
                                  f"of a world of size {self.world_size}")
-        if self.link_delay_ns < 0 or not 0 <= self.noise < 1 or not 0 <= self.hiccup_prob < 1:
-            raise ValueError("link_delay_ns must be >= 0, noise and hiccup_prob in [0, 1)")
+        if self.link_delay_ns < 0 or not all(0 <= v < 1 for v in (self.noise, self.hiccup_prob, self.rank_bias)):
+            raise ValueError("link_delay_ns must be >= 0; noise, hiccup_prob and rank_bias in [0, 1)")
 
     @property
     def world_size(self) -> int:
@@ -137,6 +138,8 @@ class _ProgramBuilder:
     def __init__(self, job: SimulatedJob):
         self.job, self.layout = job, job.layout
         self.rng = np.random.default_rng(job.seed)
+        bias_rng = np.random.default_rng([job.seed, 1])  # own stream: the same noise draws with or without bias
+        self.bias = bias_rng.lognormal(0.0, job.rank_bias, job.world_size) if job.rank_bias else np.ones(job.world_size)
         self.groups = _groups_of(self.layout)
         self.schedule = build_1f1b_schedule(job.pp_size, job.num_microbatches)
         self.coll_seq: dict[str, int] = {}
@@ -164,8 +167,7 @@ class _ProgramBuilder:
         forward = kind is ActionKind.FORWARD
         work = job.forward_ns * (1.0 if forward else job.backward_ratio)
         work *= 1 + (job.first_stage_extra if pp == 0 else 0) + (job.last_stage_extra if pp == job.pp_size - 1 else 0)
-        if rank == job.slow_rank:
-            work *= job.slow_factor
+        work *= self.bias[rank] * (job.slow_factor if rank == job.slow_rank else 1.0)
         segments = job.tp_collectives_per_pass if job.tp_size > 1 else 1
         span = _Event("forward" if forward else "backward", "compute", 0, iteration=it, chunk=chunk, microbatch=mb)
         ops: list[tuple] = [("begin", span)]

@@ -18,12 +18,14 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatronapp.scan.format import (
+    CATEGORIES,
     SCHEMA_VERSION,
     TraceWriter,
     build_event_batch_from_columns,
@@ -34,6 +36,8 @@ GRANULARITIES = ("base", "full")
 # Span attributes a caller may set, in record order; values default to -1 / "".
 SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")
 _ATTR_DEFAULTS = (-1, -1, -1, "", "", -1, -1, -1)
+_SPAN_CATEGORIES = tuple(c for c in CATEGORIES if c != "calib")
+_RECORDS_PER_GIL_SLICE = 64
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,11 @@ def _build_window_batch(records: list, clock: Any, calib: tuple[int, int] | None
     """Columns of one flushed window (plus an optional calibration row) as a batch."""
     cols: dict[str, list] = {c: [] for c in ("name", "cat", "start_ns", "end_ns", "iteration", *SPAN_ATTRS)}
     markers = []
-    for name, cat, start, end, iteration, attrs in records:
+    for k, (name, cat, start, end, iteration, attrs) in enumerate(records):
+        if k % _RECORDS_PER_GIL_SLICE == 0:
+            # Hand the GIL back between slices so the training thread, which launches
+            # the next step meanwhile, never waits a whole switch interval for it.
+            time.sleep(0)
         cols["name"].append(name)
         cols["cat"].append(cat)
         cols["start_ns"].append(clock.to_ns(start))
@@ -352,12 +360,23 @@ class Tracer:
         if iteration % self.config.interval == self.config.continuous_iterations - 1:
             self._flush()  # last iteration of this window
 
+    @contextmanager
+    def step(self, iteration: int) -> Iterator[None]:
+        """`with tracer.step(i):` is step_begin(i) ... step_end(i), for plain scripts."""
+        self.step_begin(iteration)
+        try:
+            yield
+        finally:
+            self.step_end(iteration)
+
     def _flush(self) -> None:
         records, self._records = self._records, []
         if records:
             self._background.submit(records)
 
     def _open(self, name: str, cat: str, attrs: dict) -> _Span:
+        if cat not in _SPAN_CATEGORIES:
+            raise ValueError(f"span category must be one of {_SPAN_CATEGORIES}, got {cat!r}")
         if attrs:
             _check_attrs(attrs)
         merged = {**self._defaults, **attrs} if self._defaults else attrs

@@ -1,0 +1,182 @@
+"""GPU benchmarks, side by side in one process: engine MFU vs a plain PyTorch GPT, and
+MegaScan tracing overhead (off / base / full) on a compute-bound and a launch-bound model.
+
+    python benchmarks/gpu_bench.py --out results.json [--compile-baseline]
+
+Modes are interleaved in rounds (A B C A B C ...) so clock/thermal drift hits all alike;
+each figure is the median over rounds of (wall time of `--steps` steps / steps), measured
+with torch.cuda.synchronize around the steps. Traced rounds include closing the tracer,
+i.e. writing the trace files. MFU counts 6*params + 12*layers*hidden*seq FLOPs per token
+against 989 TFLOP/s (H200 dense bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plain_gpt import PlainGPT, plain_train_step  # noqa: E402
+
+from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
+from megatronapp.engine.hooks import NULL_TRACER  # noqa: E402
+from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.parallel.groups import single_process_groups  # noqa: E402
+from megatronapp.scan.format import build_rank_meta  # noqa: E402
+from megatronapp.scan.tracer import TraceConfig, Tracer  # noqa: E402
+
+PEAK_FLOPS = 989e12
+
+
+class GpuRandomBatches:
+    def __init__(self, job: JobConfig, device):
+        t, m = job.train, job.model
+        self.mbs = [torch.randint(0, m.padded_vocab_size, (t.micro_batch_size, m.seq_length + 1), device=device)
+                    for _ in range(job.num_microbatches)]
+
+    def next_microbatches(self):
+        return self.mbs
+
+
+def make_job(preset: str, micro_batch: int, num_micro: int) -> JobConfig:
+    model = model_preset(preset, vocab_size=50304)
+    train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * num_micro,
+                        train_iters=10**6, lr=1e-4, bf16=True)
+    return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
+
+
+def compiled_job(job: JobConfig) -> JobConfig:
+    return replace(job, train=replace(job.train, compile=True))
+
+
+def timed(fn, steps: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def new_tracer(granularity: str, trace_dir: str) -> Tracer:
+    meta = build_rank_meta(rank=0, world_size=1, coords={"tp": 0, "dp": 0, "pp": 0},
+                           layout={"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
+                           host="device", device=torch.cuda.get_device_name(), run_id="bench", clock="cuda")
+    cfg = TraceConfig(enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1, granularity=granularity)
+    return Tracer(cfg, meta, torch.device("cuda"))
+
+
+def bench_mfu(args, results: dict) -> None:
+    job = make_job("1.3b", 4, args.num_micro)
+    dev = torch.device("cuda")
+    tokens = job.train.global_batch_size * job.model.seq_length
+    flops = job.model.flops_per_token() * tokens
+    data = GpuRandomBatches(job, dev)
+    trainer = Trainer(job, single_process_groups(), dev, data)
+    ctrainer = Trainer(compiled_job(job), single_process_groups(), dev, data)
+    plain = PlainGPT(job.model, dev)
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
+    compiled = torch.compile(plain)
+    modes = {"engine": trainer.train_step, "engine_compiled": ctrainer.train_step,
+             "plain": lambda: plain_train_step(plain, popt, data.mbs),
+             "plain_compiled": lambda: plain_train_step(compiled, popt, data.mbs)}
+    for fn in modes.values():
+        for _ in range(args.warmup):
+            fn()
+    times = {k: [] for k in modes}
+    for _ in range(args.rounds):
+        for k, fn in modes.items():
+            times[k].append(timed(fn, args.steps))
+    out = {}
+    for k, ts in times.items():
+        t = statistics.median(ts)
+        out[k] = {"step_s": t, "tokens_per_s": tokens / t, "mfu": flops / t / PEAK_FLOPS,
+                  "spread": (max(ts) - min(ts)) / t}
+    out["params"] = job.model.num_parameters()
+    out["engine_vs_plain"] = out["plain"]["step_s"] / out["engine"]["step_s"]
+    out["engine_compiled_vs_plain_compiled"] = out["plain_compiled"]["step_s"] / out["engine_compiled"]["step_s"]
+    out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    results["mfu_1.3b"] = out
+    del trainer, ctrainer, plain, popt, compiled
+    torch.cuda.empty_cache()
+
+
+def bench_trace_overhead(args, results: dict, preset: str, micro_batch: int, label: str, steps: int) -> None:
+    """Step time with tracing off / base / full on the compiled engine, rounds interleaved.
+
+    Each traced round creates a tracer, runs `steps` traced steps (the background writer
+    appends every window meanwhile) and closes it; close time is reported apart and also
+    folded into the per-step figure ("with_close")."""
+    from megatronapp.scan.format import load_rank_trace
+
+    job = compiled_job(make_job(preset, micro_batch, args.num_micro))
+    dev = torch.device("cuda")
+    trainer = Trainer(job, single_process_groups(), dev, GpuRandomBatches(job, dev))
+    for _ in range(args.warmup):
+        trainer.train_step()
+    times = {"off": [], "base": [], "full": []}
+    closes = {"base": [], "full": []}
+    sizes = {}
+    for _ in range(args.rounds):
+        for mode in times:
+            if mode == "off":
+                trainer.set_tracer(NULL_TRACER)
+                times[mode].append(timed(trainer.train_step, steps))
+                continue
+            d = tempfile.mkdtemp(prefix=f"trace-{mode}-")
+            tracer = new_tracer(mode, d)
+            trainer.set_tracer(tracer)
+            trainer.iteration = 1  # tracing windows start at iteration 1 with interval 1
+            times[mode].append(timed(trainer.train_step, steps))
+            closes[mode].append(timed(tracer.close, 1))
+            f = next(Path(d).glob("*.mscan"))
+            sizes[mode] = (f.stat().st_size, load_rank_trace(f).events.num_rows)
+    trainer.set_tracer(NULL_TRACER)
+    off = statistics.median(times["off"])
+    res = {"off_step_s": off, "steps_per_round": steps}
+    for mode in ("base", "full"):
+        t, c = statistics.median(times[mode]), statistics.median(closes[mode])
+        size, n = sizes[mode]
+        res[mode] = {"step_s": t, "overhead": t / off - 1.0, "close_s": c,
+                     "overhead_with_close": (t + c / steps) / off - 1.0,
+                     "events_per_step": n / steps, "bytes_per_event": size / max(n, 1)}
+    res["rounds"] = times
+    results[f"trace_overhead_{label}"] = res
+    del trainer
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="gpu_bench.json")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--num-micro", type=int, default=2)
+    p.add_argument("--only", default="mfu,trace_big,trace_small")
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+    only = args.only.split(",")
+    if "mfu" in only:
+        bench_mfu(args, results)
+        print(json.dumps(results["mfu_1.3b"], indent=1), flush=True)
+    if "trace_small" in only:
+        bench_trace_overhead(args, results, "small", 2, "small", steps=20)
+        print(json.dumps({k: v for k, v in results["trace_overhead_small"].items() if k != "rounds"}), flush=True)
+    if "trace_big" in only:
+        bench_trace_overhead(args, results, "1.3b", 4, "1.3b", steps=5)
+        print(json.dumps({k: v for k, v in results["trace_overhead_1.3b"].items() if k != "rounds"}), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

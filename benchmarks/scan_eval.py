@@ -128,9 +128,11 @@ def execute_synthetic_run(run: PlannedRun, args: argparse.Namespace, layout: Par
     if run.kind == "slow_compute":
         fault = {"slow_rank": run.rank, "slow_factor": run.factor}
     elif run.kind == "slow_link":
-        fault = {"slow_link": (run.rank, run.dst), "link_delay_ns": int(run.delay_ms * 1e6)}
+        fault = {"slow_link": (run.rank, run.dst), "link_delay_ns": int(run.delay_ms * 1e6),
+                 "link_delay_mode": args.link_delay_mode}
     job = SimulatedJob(tp_size=layout.tp_size, pp_size=layout.pp_size, dp_size=layout.dp_size,
                        iterations=args.train_iters, noise=args.noise, hiccup_prob=args.hiccup_prob,
+                       rank_bias=args.rank_bias,
                        seed=args.seed * 1000 + run.index, **fault)
     t0 = time.perf_counter()
     report = detect(simulate_job_traces(job), config=DetectConfig())
@@ -214,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-delay-ms", type=float, default=20.0)
     p.add_argument("--noise", type=float, default=0.15, help="--synthetic: log-normal sigma of durations")
     p.add_argument("--hiccup-prob", type=float, default=0.03, help="--synthetic: chance of a 1.5-3x stretch")
+    p.add_argument("--rank-bias", type=float, default=0.03, help="--synthetic: sigma of a per-rank speed factor")
+    p.add_argument("--link-delay-mode", choices=("transfer", "before_wait"), default="transfer",
+                   help="--synthetic: a slow wire, or the engine's CPU injection (receiver sleeps before waiting)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per training job")
     return p
 

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from megatronapp.scan import detect_path as paths
 from megatronapp.scan import detect_rules as rules
 from megatronapp.scan.detect import (
     DetectConfig,
@@ -120,6 +121,30 @@ def test_slow_link_is_named_with_its_source(layout, link, delay_ms):
     s = report.suspects[0]
     assert s.evidence["excess_ms"] == pytest.approx(delay_ms, rel=0.3)
     assert s.what_if_iteration_ns < s.iteration_ns
+
+
+def test_slow_link_is_found_under_the_engines_receiver_sleep_injection():
+    # megatronapp.engine.faults sleeps on the receiver before it waits: only messages whose
+    # sender is not already later than the delay show it, which is enough here.
+    job = _job("TP2xPP2xDP2", slow_link=(6, 2), link_delay_ns=6_000_000, link_delay_mode="before_wait", seed=2)
+    assert [(s.cause, s.link) for s in _run(job).suspects] == [("slow_link", (6, 2))]
+
+
+def test_critical_path_follows_the_wait_to_the_sender():
+    # rank 0 computes 0..10 ms and sends; rank 1 posts its recv at 1 ms, gets the data at
+    # 12 ms (2 ms on the wire), computes until 20 ms. The path is rank 1's tail, the wire,
+    # then rank 0's compute: rank 1's idle 1..10 ms is not on it.
+    ms = 1_000_000
+    msg = rules.P2PMessage(src=0, dst=1, iteration=0, seq=0, bytes=8, send_start=10 * ms, recv_start=1 * ms,
+                           wait_start=1 * ms, recv_end=12 * ms)
+    spans = {0: (0, 11 * ms), 1: (1 * ms, 20 * ms)}
+    path = paths.compute_critical_path(0, spans, paths.build_blocking_events(0, [msg], []))
+    assert path.duration_ns == 20 * ms
+    assert sorted(path.segments) == [(0, 0, 10 * ms), (1, 12 * ms, 20 * ms)]
+    assert path.link_transfers == ((0, 1, 2 * ms),)
+    assert paths.estimate_link_saving(path, (0, 1), 0.5 * ms) == 1.5 * ms
+    busy = paths.compute_busy_ns(0, spans, [msg], [])
+    assert busy == {0: 11 * ms, 1: 8 * ms}
 
 
 # -- clean runs ------------------------------------------------------------------------------

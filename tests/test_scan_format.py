@@ -135,6 +135,11 @@ def test_truncated_stream_returns_complete_batches_and_warns(tmp_path):
 
 
 def test_unclosed_writer_leaves_readable_partial_file(tmp_path):
+    fresh = TraceWriter(tmp_path / trace_file_name(7), make_meta(rank=7))  # crashed before any event
+    with pytest.warns(UserWarning, match="rank00007.mscan"):
+        empty = load_rank_trace(fresh.path)
+    assert empty.partial and empty.events.num_rows == 0 and empty.rank == 7
+    fresh.close()
     path = tmp_path / trace_file_name(1)
     write_trace(path, make_meta(rank=1), [rows_for(1, ["forward", "backward"])], close=False)
     with pytest.warns(UserWarning, match="end-of-stream"):

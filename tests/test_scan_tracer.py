@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 import tracemalloc
+import warnings
 
 import pytest
 import torch
@@ -26,6 +27,18 @@ META = {"rank": 0, "world_size": 1, "coords": {"tp": 0, "dp": 0, "pp": 0},
 
 def rows_of(tracer: Tracer) -> list[dict]:
     return load_rank_trace(tracer.path).events.to_pylist()
+
+
+def wait_for_rows(tracer: Tracer, done, timeout: float = 5.0) -> list[dict]:
+    """Rows of a tracer's still-open file once `done(rows)` holds (the writer is a thread)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an open stream has no end-of-stream marker yet
+            rows = rows_of(tracer)
+        if done(rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.01)
 
 
 def run_iterations(tracer: Tracer, iterations, body) -> None:
@@ -82,6 +95,7 @@ def test_untraced_iteration_spans_are_one_shared_object_and_retain_nothing(tmp_p
                 pass
 
     loop(2_000)  # one-time interpreter caches are not the tracer's
+    wait_for_rows(tracer, lambda rows: len(rows) == 1)  # the writer thread is idle again
     tracemalloc.start()
     try:
         loop(20_000)
@@ -137,13 +151,9 @@ def test_window_is_written_before_close_with_calibration(tmp_path):
                          clock_skew_ns=skew)
     tracer = Tracer(config, META)
     run_iterations(tracer, range(1, 3), nested_body)  # window [2] ends at step_end(2)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with pytest.warns(UserWarning, match="end-of-stream"):
-            rows = rows_of(tracer)
-        if any(r["iteration"] == 2 for r in rows):
-            break
-        time.sleep(0.01)
+    with pytest.warns(UserWarning, match="end-of-stream"):
+        load_rank_trace(tracer.path)  # still open: readable, flagged partial
+    rows = wait_for_rows(tracer, lambda rows: any(r["iteration"] == 2 for r in rows))
     assert any(r["iteration"] == 2 for r in rows), "background writer did not flush the window"
     run_iterations(tracer, range(3, 5), nested_body)
     tracer.close()

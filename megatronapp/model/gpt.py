@@ -89,24 +89,44 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+class ResidualAttention(nn.Module):
+    """x + Attn(LN(x)): the unit compiled as one region (norm and residual fused in)."""
+
+    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device):
+        super().__init__()
+        self.norm = _norm(cfg.hidden_size, cfg.layernorm_epsilon, device)
+        self.attn = Attention(name, cfg, tp, seed, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x), cos, sin)
+
+
+class ResidualMLP(nn.Module):
+    """x + MLP(LN(x))."""
+
+    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device):
+        super().__init__()
+        self.norm = _norm(cfg.hidden_size, cfg.layernorm_epsilon, device)
+        self.mlp = MLP(name, cfg, tp, seed, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
 class Block(nn.Module):
     def __init__(self, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device):
         super().__init__()
-        name = f"layers.{layer}"
         self.layer = layer
-        self.ln1 = _norm(cfg.hidden_size, cfg.layernorm_epsilon, device)
-        self.attn = Attention(f"{name}.attn", cfg, tp, seed, device)
-        self.ln2 = _norm(cfg.hidden_size, cfg.layernorm_epsilon, device)
-        self.mlp = MLP(f"{name}.mlp", cfg, tp, seed, device)
+        self.attention = ResidualAttention(f"layers.{layer}.attn", cfg, tp, seed, device)
+        self.mlp = ResidualMLP(f"layers.{layer}.mlp", cfg, tp, seed, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None) -> torch.Tensor:
         if tracer is None:
-            x = x + self.attn(self.ln1(x), cos, sin)
-            return x + self.mlp(self.ln2(x))
+            return self.mlp(self.attention(x, cos, sin))
         with tracer.layer_span("attention", self.layer):
-            x = x + self.attn(self.ln1(x), cos, sin)
+            x = self.attention(x, cos, sin)
         with tracer.layer_span("mlp", self.layer):
-            return x + self.mlp(self.ln2(x))
+            return self.mlp(x)
 
 
 class GPTChunk(nn.Module):
@@ -168,7 +188,7 @@ def apply_compile(chunks: list[GPTChunk]) -> None:
     """
     for chunk in chunks:
         for block in chunk.layers.values():
-            block.attn.compile()
+            block.attention.compile()
             block.mlp.compile()
         if chunk.has_head:
             chunk._loss = torch.compile(chunk._loss)

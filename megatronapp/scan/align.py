@@ -12,13 +12,19 @@ Algorithm (pure functions over RankTrace lists; no process group involved):
    measurement of their relative offset; a weighted least-squares solve over that
    graph gives one correction per rank, the lowest rank of each connected component
    held at 0.
-3. P2P causality. A recv cannot finish before its matching send (same src, dst, seq)
-   starts: x_dst - x_src >= send_start - recv_end. Violated constraints are fixed by
-   the smallest shift: first moving whole collective components rigidly, then single
-   ranks, by alternating projections (each projection splits the violation between
-   the two ends).
-4. The timeline is re-anchored so that rank 0 (or the lowest rank) keeps its
-   wall-clock mapping, and the residuals and remaining violations are reported.
+3. Keep the wall clock where the trace agrees with it. For each component, if no
+   rank's correction is significant (> 5 standard errors of the fit, noise from the
+   pooled MAD, at least 20 us) and the wall clock breaks no causality bound (step 4),
+   the wall clock is kept: on one host it is exact, while collective ends on a busy
+   machine carry scheduling noise.
+4. Causality. A recv cannot finish before its matching send starts
+   (x_dst - x_src >= send_start - recv_end), and nobody leaves a synchronising
+   collective before its last member arrived (x_i - x_j >= start_j - end_i).
+   Violated bounds are fixed by the smallest shift: whole collective components
+   first (keeping their internal agreement), then single ranks, by alternating
+   projections (each projection splits the violation between the two ends).
+5. The timeline is re-anchored so that rank 0 (or the lowest rank) keeps its
+   wall-clock mapping, and the residuals and remaining p2p violations are reported.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ from megatronapp.scan.format import RankTrace
 SYNC_COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier"})
 DEFAULT_MIN_DRIFT_SPAN_NS = 30_000_000_000  # shorter calibration spans cannot see ppm drift
 _MAX_PROJECTION_ROUNDS = 2000
+_MAX_PROJECTION_WORK = 2_000_000  # constraint visits
+_WALL_CLOCK_Z = 5.0  # standard errors a correction must exceed to overrule the wall clock
+# Floor of that standard error: corrections under 100 us never overrule the wall clock,
+# since members of one collective legitimately finish that far apart.
+_MIN_EDGE_SE_NS = 20_000
+_ALL_PAIRS_MAX_MEMBERS = 32  # larger collectives get O(members) causality bounds
 
 
 @dataclass(frozen=True)
@@ -133,7 +145,7 @@ def compute_wall_mapping(trace: RankTrace, min_drift_span_ns: int = DEFAULT_MIN_
 class _CommEvents:
     """Comm events of all ranks on the wall-mapped timeline, keyed for matching."""
 
-    collectives: dict = field(default_factory=lambda: defaultdict(list))  # (group, seq) -> [(rank, end)]
+    collectives: dict = field(default_factory=lambda: defaultdict(list))  # (group, seq) -> [(rank, start, end)]
     sends: dict = field(default_factory=dict)  # (src, dst, seq) -> start
     recvs: dict = field(default_factory=dict)  # (src, dst, seq) -> end
 
@@ -154,7 +166,7 @@ def collect_comm_events(traces: list[RankTrace], mappings: dict[int, ClockMappin
             if seq < 0:
                 continue
             if op in SYNC_COLLECTIVES and group:
-                found.collectives[group, seq].append((trace.rank, end))
+                found.collectives[group, seq].append((trace.rank, start, end))
             elif op == "send" and peer >= 0:
                 found.sends[trace.rank, peer, seq] = start
             elif op == "recv" and peer >= 0:
@@ -170,8 +182,8 @@ def compute_pairwise_end_differences(collectives: dict) -> dict[tuple[int, int],
         if len(members) < 2:
             continue
         members = sorted(members)
-        ref_rank, ref_end = members[0]
-        for rank, end in members[1:]:
+        ref_rank, _, ref_end = members[0]
+        for rank, _, end in members[1:]:
             if rank != ref_rank:
                 diffs[ref_rank, rank].append(end - ref_end)
     return diffs
@@ -194,17 +206,26 @@ def _components(ranks: list[int], edges: Iterable[tuple[int, int]]) -> dict[int,
     return {r: find(r) for r in ranks}
 
 
-def compute_collective_offsets(ranks: list[int], diffs: dict[tuple[int, int], list[int]]) -> tuple[dict[int, float], dict[int, int]]:
+@dataclass(frozen=True)
+class CollectiveFit:
+    """Least-squares corrections from collective ends: x per rank (its component's root
+    at 0), component root per rank, and var_units[r] = Var(x_r) / Var(one instance's
+    end difference), from the inverse of the weighted graph Laplacian."""
+
+    x: dict[int, float]
+    comp: dict[int, int]
+    var_units: dict[int, float]
+
+
+def compute_collective_offsets(ranks: list[int], diffs: dict[tuple[int, int], list[int]]) -> CollectiveFit:
     """Corrections x (to add to each rank's times) making collective ends coincide.
 
     Solves min sum_e w_e (x_j - x_i + d_e)^2, d_e the median end difference of edge e
-    and w_e its number of instances, with each component's lowest rank fixed at 0.
-    Returns (x, component of each rank)."""
+    and w_e its number of instances, with each component's lowest rank fixed at 0."""
     comp = _components(ranks, diffs)
     index = {r: k for k, r in enumerate(ranks)}
     n = len(ranks)
-    lap = np.zeros((n, n))
-    rhs = np.zeros(n)
+    lap, rhs = np.zeros((n, n)), np.zeros(n)
     for (i, j), values in diffs.items():
         a, b, w = index[i], index[j], float(len(values))
         d = float(np.median(np.asarray(values, dtype=np.float64)))
@@ -212,34 +233,74 @@ def compute_collective_offsets(ranks: list[int], diffs: dict[tuple[int, int], li
         lap[b, b] += w
         lap[a, b] -= w
         lap[b, a] -= w
-        # gradient of w (x_b - x_a + d)^2: x_b - x_a = -d
-        rhs[b] -= w * d
+        rhs[b] -= w * d  # normal equations of w (x_b - x_a + d)^2
         rhs[a] += w * d
     for root in set(comp.values()):  # pin each component's root at 0
         k = index[root]
         lap[k, :] = 0.0
         lap[k, k] = 1.0
         rhs[k] = 0.0
-    x = np.linalg.solve(lap, rhs) if n else np.zeros(0)
-    return {r: float(x[index[r]]) for r in ranks}, comp
+    inverse = np.linalg.inv(lap) if n else np.zeros((0, 0))
+    x = inverse @ rhs
+    return CollectiveFit(
+        x={r: float(x[index[r]]) for r in ranks},
+        comp=comp,
+        var_units={r: 0.0 if comp[r] == r else float(inverse[index[r], index[r]]) for r in ranks},
+    )
 
 
-def _p2p_bounds(comm: _CommEvents) -> dict[tuple[int, int], int]:
-    """(src, dst) -> largest send_start - recv_end over matched messages: the lower
-    bound on x_dst - x_src."""
+def _raise_bound(bounds: dict, src: int, dst: int, lower: int) -> None:
+    if lower > bounds.get((src, dst), lower - 1):
+        bounds[src, dst] = lower
+
+
+def compute_causality_bounds(comm: _CommEvents) -> dict[tuple[int, int], int]:
+    """(a, b) -> lower bound on x_b - x_a implied by causality: p2p (a sent to b) and
+    synchronising collectives (a's arrival precedes b's departure)."""
     bounds: dict[tuple[int, int], int] = {}
-    for key, start in comm.sends.items():
-        end = comm.recvs.get(key)
-        if end is None:
+    for (src, dst, seq), start in comm.sends.items():
+        end = comm.recvs.get((src, dst, seq))
+        if end is not None:
+            _raise_bound(bounds, src, dst, start - end)
+    for members in comm.collectives.values():
+        if len(members) < 2:
             continue
-        pair = key[:2]
-        bounds[pair] = max(bounds.get(pair, start - end), start - end)
+        if len(members) <= _ALL_PAIRS_MAX_MEMBERS:
+            pairs = [(a, b) for a in members for b in members if a[0] != b[0]]
+        else:  # the tightest bounds: the last arrival and the first departure
+            last, first_out = max(members, key=lambda m: m[1]), min(members, key=lambda m: m[2])
+            pairs = [(last, m) for m in members if m[0] != last[0]]
+            pairs += [(m, first_out) for m in members if m[0] != first_out[0]]
+        for (j, start_j, _), (i, _, end_i) in pairs:
+            _raise_bound(bounds, j, i, start_j - end_i)
     return bounds
 
 
+def keep_wall_clock(fit: CollectiveFit, diffs: dict, bounds: dict) -> dict[int, float | None]:
+    """fit.x with every component where the wall clock is consistent with the trace set
+    to None (keep the wall-clock mapping): no rank's correction exceeds _WALL_CLOCK_Z
+    standard errors and the wall clock breaks no causality bound.
+
+    The noise of one instance's end difference is pooled over all edges (MAD around
+    each edge's median, x1.2533 for a median's efficiency): per-edge MADs of a handful
+    of instances are too unstable to judge by."""
+    if not diffs:
+        return {r: None for r in fit.x}
+    spread = np.concatenate([np.abs(np.asarray(v, dtype=np.float64) - np.median(v)) for v in diffs.values()])
+    sigma = 1.2533 * 1.4826 * float(np.median(spread))
+    rejected = {
+        fit.comp[r] for r, v in fit.x.items()
+        if abs(v) > _WALL_CLOCK_Z * max(sigma * math.sqrt(fit.var_units[r]), _MIN_EDGE_SE_NS)
+    }
+    rejected |= {fit.comp[a] for (a, b), lower in bounds.items() if fit.comp[a] == fit.comp[b] and lower > 0}
+    return {r: v if fit.comp[r] in rejected else None for r, v in fit.x.items()}
+
+
 def _project(values: dict, bounds: dict[tuple, int], node_of) -> None:
-    """Alternating projections in integer ns until every bound holds (or give up)."""
-    for _ in range(_MAX_PROJECTION_ROUNDS):
+    """Alternating projections in integer ns until every bound holds. Feasible inputs
+    (true clocks are causal) converge quickly; the work is capped for inconsistent ones."""
+    rounds = min(_MAX_PROJECTION_ROUNDS, max(50, _MAX_PROJECTION_WORK // max(len(bounds), 1)))
+    for _ in range(rounds):
         moved = False
         for (src, dst), lower in bounds.items():
             a, b = node_of(src), node_of(dst)
@@ -254,8 +315,8 @@ def _project(values: dict, bounds: dict[tuple, int], node_of) -> None:
             return
 
 
-def enforce_p2p_causality(x: dict[int, int], comp: dict[int, int], bounds: dict[tuple[int, int], int]) -> dict[int, int]:
-    """Shift x minimally so x_dst - x_src >= bound for every p2p pair: whole collective
+def enforce_causality(x: dict[int, int], comp: dict[int, int], bounds: dict[tuple[int, int], int]) -> dict[int, int]:
+    """Shift x minimally so x_b - x_a >= bound for every bound (a, b): whole collective
     components first (keeping their internal agreement), then single ranks."""
     shifts = {root: 0 for root in set(comp.values())}
     comp_bounds = {
@@ -282,9 +343,9 @@ def compute_collective_residuals(collectives: dict, x: dict[int, int]) -> tuple[
     for members in collectives.values():
         if len(members) < 2:
             continue
-        ends = np.array([end + x[r] for r, end in members], dtype=np.int64)
+        ends = np.array([end + x[r] for r, _, end in members], dtype=np.int64)
         centre = _int_median(ends)
-        for (rank, _), end in zip(members, ends):
+        for (rank, _, _), end in zip(members, ends):
             per_rank[rank].append(abs(int(end) - centre))
     residual = {r: float(np.median(v)) for r, v in per_rank.items()}
     everything = [d for v in per_rank.values() for d in v]
@@ -314,11 +375,13 @@ def align_traces(
     mappings = {t.rank: compute_wall_mapping(t, min_drift_span_ns) for t in traces}
     comm = collect_comm_events(traces, mappings)
     diffs = compute_pairwise_end_differences(comm.collectives)
-    x_float, comp = compute_collective_offsets(ranks, diffs)
-    x = {r: int(round(v)) for r, v in x_float.items()}
-    bounds = _p2p_bounds(comm)
+    fit = compute_collective_offsets(ranks, diffs)
+    comp = fit.comp
+    bounds = compute_causality_bounds(comm)
+    x_float = keep_wall_clock(fit, diffs, bounds)
+    estimated = {r: 0 if v is None else int(round(v)) for r, v in x_float.items()}
     before = count_p2p_violations(comm, {})  # with the wall-clock mapping alone
-    x = enforce_p2p_causality(x, comp, bounds)
+    x = enforce_causality(estimated, comp, bounds)
     anchor = 0 if 0 in x else (min(ranks) if ranks else 0)
     base = x.get(anchor, 0)
     x = {r: v - base for r, v in x.items()}
@@ -332,14 +395,15 @@ def align_traces(
         p2p_messages=sum(1 for k in comm.sends if k in comm.recvs),
         violations_before=before,
         violations=count_p2p_violations(comm, x),
-        method=_describe_methods(ranks, diffs, bounds),
+        method=_describe_methods(x_float, estimated, x),
     )
     return [apply_alignment(t, mappings[t.rank], x[t.rank]) for t in traces], report
 
 
-def _describe_methods(ranks: list[int], diffs: dict, bounds: dict) -> dict[int, str]:
-    in_collectives = {r for edge in diffs for r in edge}
-    in_p2p = {r for edge in bounds for r in edge}
-    return {
-        r: "collectives" if r in in_collectives else "p2p" if r in in_p2p else "wall-clock" for r in ranks
-    }
+def _describe_methods(x_float: dict[int, float | None], estimated: dict[int, int], final: dict[int, int]) -> dict[int, str]:
+    """How each rank's offset was set: "wall-clock" or "collectives", "+causality" if
+    a causality bound then moved it (relative to rank 0)."""
+    base = {r: "wall-clock" if v is None else "collectives" for r, v in x_float.items()}
+    anchor = min(final) if final else 0
+    moved = {r for r in final if final[r] - final[anchor] != estimated[r] - estimated[anchor]}
+    return {r: base[r] + ("+causality" if r in moved else "") for r in final}

@@ -173,7 +173,8 @@ def build_compute_peers(coords: dict[int, dict], layout: dict) -> tuple[str, dic
     """Peers doing identical work, by the strongest basis the layout offers.
 
     DP replicas (same tp, pp) when dp_size > 1; else TP peers (same dp, pp); else the other
-    pipeline stages (weak: first/last stages carry embedding/loss work)."""
+    pipeline stages (weak: first/last stages carry embedding/loss work, so the middle stages
+    are the reference whenever there are any)."""
     if layout["dp_size"] > 1:
         basis, same = "dp_replicas", ("tp", "pp")
     elif layout["tp_size"] > 1:
@@ -184,6 +185,11 @@ def build_compute_peers(coords: dict[int, dict], layout: dict) -> tuple[str, dic
         return "none", {}
     peers = {r: tuple(sorted(p for p, pc in coords.items() if p != r and all(pc[k] == c[k] for k in same)))
              for r, c in coords.items()}
+    if basis == "pipeline_stages":  # middle stages are the clean reference: edges do extra work
+        last = layout["pp_size"] - 1
+        for r, ps in peers.items():
+            middle = tuple(p for p in ps if 0 < coords[p]["pp"] < last)
+            peers[r] = middle or ps
     return basis, peers
 
 

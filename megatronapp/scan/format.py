@@ -192,7 +192,11 @@ class TraceWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._sink = pa.OSFile(str(self.path), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, _schema_with_meta(meta))
+        schema = _schema_with_meta(meta)
+        self._writer = pa.ipc.new_stream(self._sink, schema)
+        # Arrow writes the schema lazily; an empty batch puts it on disk now, so the
+        # file is a readable (empty) trace from the moment the writer exists.
+        self._writer.write_batch(build_event_batch([]).replace_schema_metadata(schema.metadata))
         self._sink.flush()
         self.rows_written = 0
 

@@ -7,13 +7,15 @@ all-reduces nested inside), the last stage's loss, PP send/recv, the DP grad_red
 model-parallel grad-norm all-reduce and the optimizer. Victims wait exactly as they would on
 a real job, because every dependency is simulated:
 
-  * a recv completes at max(posted, matching send posted) + transfer (+ the injected link delay);
+  * a recv completes at max(posted, matching send posted) + transfer (+ the injected link
+    delay, or not before posted + delay in the engine's "before_wait" injection mode);
   * a collective completes for all members at the last member's arrival + transfer;
   * sends are buffered: they never wait for the receiver.
 
-Every duration gets log-normal noise plus rare scheduler "hiccups", so detectors are tested
-against the jitter of small CPU runs, not clean numbers. Timestamps are already on one
-aligned timeline. Pure: the same `SimulatedJob` always gives the same traces.
+Every duration gets log-normal noise plus rare scheduler "hiccups", and optionally a fixed
+per-rank speed factor (`rank_bias`, the unfair sharing of an oversubscribed CPU), so
+detectors are tested against the jitter of small CPU runs, not clean numbers. Timestamps are
+already on one aligned timeline. Pure: the same `SimulatedJob` always gives the same traces.
 """
 
 from __future__ import annotations
@@ -54,12 +56,16 @@ class SimulatedJob:
     activation_bytes: int = 8192
     noise: float = 0.08  # sigma of the log-normal factor on every duration
     hiccup_prob: float = 0.02  # chance that a duration is stretched 1.5-3x (preemption)
-    rank_bias: float = 0.03  # sigma of a per-rank log-normal factor on all its compute (unfair CPU sharing)
+    rank_bias: float = 0.0  # sigma of a per-rank log-normal factor on all its compute (unfair CPU sharing)
     seed: int = 0
     slow_rank: int | None = None
     slow_factor: float = 1.0  # forward/backward compute of slow_rank takes this many times longer
     slow_link: tuple[int, int] | None = None  # (src, dst) global ranks
     link_delay_ns: int = 0  # added to every transfer on slow_link
+    # "transfer": each message arrives link_delay_ns later (a slow wire); "before_wait": the
+    # receiver sleeps link_delay_ns before waiting (megatronapp.engine.faults on CPU), which a
+    # sender later than the delay hides completely.
+    link_delay_mode: str = "transfer"
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "num_microbatches", "iterations"):
@@ -74,6 +80,8 @@ class SimulatedJob:
             if not (0 <= src < self.world_size and 0 <= dst < self.world_size) or src == dst:
                 raise ValueError(f"slow_link {self.slow_link} must name two distinct ranks "
                                  f"of a world of size {self.world_size}")
+        if self.link_delay_mode not in ("transfer", "before_wait"):
+            raise ValueError(f"link_delay_mode must be 'transfer' or 'before_wait', got {self.link_delay_mode!r}")
         if self.link_delay_ns < 0 or not all(0 <= v < 1 for v in (self.noise, self.hiccup_prob, self.rank_bias)):
             raise ValueError("link_delay_ns must be >= 0; noise, hiccup_prob and rank_bias in [0, 1)")
 
@@ -191,9 +199,11 @@ class _ProgramBuilder:
                         microbatch=a.microbatch, op="send" if is_send else "recv", seq=k, peer=peer,
                         bytes=self.job.activation_bytes)
             (sends if is_send else recvs).append(ev)
-        delay = self.job.link_delay_ns
-        costs = [self.noisy(self.job.p2p_ns) + (delay if (ev.peer, rank) == self.job.slow_link else 0)
-                 for ev in recvs]
+        costs = []  # (transfer after the send is posted, minimum wait after the recv is posted)
+        for ev in recvs:
+            delay = self.job.link_delay_ns if (ev.peer, rank) == self.job.slow_link else 0
+            before_wait = self.job.link_delay_mode == "before_wait"
+            costs.append((self.noisy(self.job.p2p_ns) + (0 if before_wait else delay), delay if before_wait else 0))
         return ("batch", sends, recvs, costs)
 
     def iteration(self, rank: int, it: int) -> list[tuple]:
@@ -251,8 +261,8 @@ def _step(st: _RankState, colls: dict, sends: dict) -> bool:
         if any(k not in sends for k in keys):
             return False
         end = st.posted_at + (_SEND_NS if batch_sends else 0)
-        for ev, k, cost in zip(batch_recvs, keys, costs):
-            ev_end = max(st.posted_at, sends[k]) + cost
+        for ev, k, (cost, floor) in zip(batch_recvs, keys, costs):
+            ev_end = max(max(st.posted_at, sends[k]) + cost, st.posted_at + floor)
             st.events.append(_Event(**{**ev.__dict__, "start_ns": st.posted_at, "end_ns": ev_end}))
             end = max(end, ev_end)
         st.t, st.posted_at = end, None

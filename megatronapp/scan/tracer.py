@@ -38,6 +38,7 @@ SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "byt
 _ATTR_DEFAULTS = (-1, -1, -1, "", "", -1, -1, -1)
 _SPAN_CATEGORIES = tuple(c for c in CATEGORIES if c != "calib")
 _RECORDS_PER_GIL_SLICE = 64
+_INITIAL_EVENT_POOL = 512  # CUDA timing events made at start (two per span)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ class _CudaClock:
 
         self._torch = torch
         self._device = torch.device(device)
-        self._pool: list = []
+        # Creating an event inside a step costs a driver call; start with a stock.
+        self._pool = [torch.cuda.Event(enable_timing=True) for _ in range(_INITIAL_EVENT_POOL)]
         torch.cuda.synchronize(self._device)
         # Calibration events go on their own idle stream so they complete at once.
         self._calib_stream = torch.cuda.Stream(self._device)

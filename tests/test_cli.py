@@ -1,0 +1,66 @@
+"""`megatronapp train` end to end: bad input fails fast, metrics file, failing rank stops the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+BASE = [sys.executable, "-m", "megatronapp.cli.main", "train", "--device", "cpu", "--model", "tiny"]
+
+
+def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(BASE + args, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc-per-node", "3", "--tensor-model-parallel-size", "2"], "world size 3 is not divisible"),
+    (["--tensor-model-parallel-size", "3", "--nproc-per-node", "3"], "num attention heads 4 is not divisible"),
+    (["--pipeline-model-parallel-size", "3", "--nproc-per-node", "3"], "num layers 4 is not divisible"),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"], "global batch size 10 is not divisible"),
+    (["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+      "1", "--global-batch-size", "6", "--micro-batch-size", "2"], "multiple of pipeline-parallel size"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "virtual pipeline stages need pipeline-parallel size"),
+    (["--inject-slowdown", "5:2", "--nproc-per-node", "2"], "outside world size 2"),
+    (["--inject-link-delay", "0-1-5"], "expects SRC:DST:MS"),
+    (["--load", "/nonexistent/ckpt"], "no complete checkpoint"),
+    (["--lr", "-1"], "lr must be > 0"),
+])
+def test_bad_input_fails_before_launch(args, message):
+    started = time.monotonic()
+    res = run_cli(args, timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert time.monotonic() - started < 30  # nothing was launched
+
+
+def test_metrics_file_and_summary(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    res = run_cli(["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "3",
+                   "--global-batch-size", "4", "--metrics-file", str(metrics)])
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert {"loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"} <= r.keys()
+        assert r["loss"] > 0 and r["tokens_per_s"] > 0
+    assert "summary" in res.stdout
+
+
+def test_failing_rank_stops_the_job_with_its_error(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    res = run_cli(["--nproc-per-node", "2", "--train-iters", "1", "--global-batch-size", "4", "--save", str(ckpt)])
+    assert res.returncode == 0, res.stderr
+    (ckpt / "iter_0000001" / "rank00001.pt").write_bytes(b"not a checkpoint")  # only rank 1 reads it
+    started = time.monotonic()
+    res = run_cli(["--nproc-per-node", "2", "--train-iters", "50", "--global-batch-size", "4",
+                   "--load", str(ckpt)], timeout=90)
+    assert res.returncode == 1
+    assert "rank 1 failed" in res.stderr
+    assert time.monotonic() - started < 60

@@ -148,7 +148,7 @@ def test_spans_nest_inherit_context_and_follow_granularity(tmp_path, granularity
 def test_window_is_written_before_close_with_calibration(tmp_path):
     skew = 1_000_000_000_000  # 1000 s, far beyond any real gap between the clocks read
     config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=2, continuous_iterations=1,
-                         clock_skew_ns=skew)
+                         clock_skew_ns=skew, flush_seconds=0.0)
     tracer = Tracer(config, META)
     run_iterations(tracer, range(1, 3), nested_body)  # window [2] ends at step_end(2)
     with pytest.warns(UserWarning, match="end-of-stream"):
@@ -261,3 +261,15 @@ def test_cuda_spans_use_events_on_one_device_timeline(tmp_path):
     assert all(r["end_ns"] - r["start_ns"] > 0 for r in forwards)
     starts = [r["start_ns"] for r in forwards]
     assert starts == sorted(starts)
+
+
+def test_windows_are_batched_until_flush_seconds(tmp_path):
+    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, flush_seconds=3600.0)
+    tracer = Tracer(config, META)
+    run_iterations(tracer, range(1, 4), nested_body)
+    time.sleep(0.2)
+    with pytest.warns(UserWarning, match="end-of-stream"):
+        early = load_rank_trace(tracer.path).events.num_rows
+    tracer.close()
+    assert early <= 1  # at most the start-of-run calibration row
+    assert {r["iteration"] for r in rows_of(tracer) if r["cat"] == "step"} == {1, 2, 3}

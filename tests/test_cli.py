@@ -64,3 +64,16 @@ def test_failing_rank_stops_the_job_with_its_error(tmp_path):
     assert res.returncode == 1
     assert "rank 1 failed" in res.stderr
     assert time.monotonic() - started < 60
+
+
+def test_trains_on_jsonl_with_hf_tokenizer(tmp_path):
+    from test_data import _train_tiny_bpe
+
+    tok = _train_tiny_bpe(tmp_path / "tokenizer.json", ["<unk>", "</s>"])
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"the cat {i} sat on the mat {i * 7}."}) for i in range(400)))
+    metrics = tmp_path / "m.jsonl"
+    res = run_cli(["--nproc-per-node", "2", "--train-iters", "2", "--global-batch-size", "4",
+                   "--data-path", str(data), "--tokenizer-model", str(tok), "--metrics-file", str(metrics)])
+    assert res.returncode == 0, res.stderr
+    assert len(metrics.read_text().splitlines()) == 2

@@ -10,13 +10,13 @@ import argparse
 import importlib.util
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan import detect_path as paths
 from megatronapp.scan import detect_rules as rules
 from megatronapp.scan.detect import (
@@ -31,7 +31,6 @@ from megatronapp.scan.detect import (
 from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
 from megatronapp.scan.format import TraceWriter, trace_file_name
 from megatronapp.scan.synthetic import SimulatedJob, simulate_job_traces
-from megatronapp.parallel.layout import ParallelLayout
 
 LAYOUTS = {
     "PP2xDP2": dict(pp_size=2, dp_size=2),
@@ -101,7 +100,7 @@ def test_slow_compute_does_not_make_its_links_look_slow():
     traces = simulate_job_traces(_job("TP2xPP2xDP2", slow_rank=4, slow_factor=2.0))
     ev = {t.rank: rules.build_rank_events(t) for t in traces}
     messages = rules.collect_p2p_messages(ev, {1, 2, 3, 4, 5})
-    links = rules.compare_links(messages, 1.5, 1_000_000)
+    links = rules.compare_links(messages, {t.rank: t.meta["coords"] for t in traces}, 1.5, 1_000_000)
     touching = [st for (s, d), st in links.items() if 4 in (s, d)]
     assert len(touching) == 2
     assert all(st.ratio < 1.5 for st in touching)

@@ -360,7 +360,7 @@ def traced_gloo_job(rank: int, world_size: int, trace_dir: str) -> dict:
     tp_groups = [dist.new_group(g) for g in layout.tp_group_ranks()]
     pp_groups = [dist.new_group(g) for g in layout.pp_group_ranks()]
     config = TraceConfig(enabled=True, trace_dir=trace_dir, interval=3, continuous_iterations=2,
-                         clock_skew_ns=SKEWS[rank])
+                         clock_skew_ns=SKEWS[rank], flush_seconds=0.0)
     tracer = Tracer(config, rank_meta(layout, rank))
     instrumentation = install_distributed_instrumentation(tracer)
     c = layout.coords(rank)

@@ -1,11 +1,16 @@
 """Software fault injection, for validating slow-rank and slow-link detection.
 
 --inject-slowdown RANK:FACTOR   that global rank's forward/backward compute takes FACTOR x as
-                                long: on CPU by sleeping (FACTOR-1) x the measured compute time;
+                                long: on CPU by sleeping (FACTOR-1) x the CPU time the process
+                                burned in the span (waits inside TP collectives burn none, so only
+                                compute is stretched);
                                 on GPU by extra device work on the current stream
                                 (torch.cuda._sleep spin cycles), never by touching clocks.
---inject-link-delay SRC:DST:MS  every pipeline message from SRC to DST completes MS later
-                                (applied on DST before it waits for the message).
+--inject-link-delay SRC:DST:MS  every pipeline message from SRC to DST completes MS later:
+                                on CPU, DST polls until the data has arrived, sleeps MS, then
+                                waits (so the recv ends MS after the data came, as on a slow
+                                link, whatever the sender's timing); on GPU, MS of spin work
+                                precede the stream's wait for the message.
 """
 
 from __future__ import annotations
@@ -85,9 +90,9 @@ class FaultInjector:
 
     @contextlib.contextmanager
     def _slow_cpu(self):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         yield
-        time.sleep((self.factor - 1.0) * (time.perf_counter() - t0))
+        time.sleep((self.factor - 1.0) * (time.process_time() - t0))
 
     @contextlib.contextmanager
     def _slow_cuda(self):
@@ -107,14 +112,16 @@ class FaultInjector:
             ms = s.elapsed_time(e)
             self._estimate_ms = ms if self._estimate_ms is None else 0.8 * self._estimate_ms + 0.2 * ms
 
-    def before_recv_wait(self, src_global: int) -> None:
+    def before_recv_wait(self, src_global: int, works) -> None:
         ms = self.delays_ms.get(src_global)
         if not ms:
             return
         if self.device.type == "cuda":
             torch.cuda._sleep(int(ms * self._spin_rate()))
-        else:
-            time.sleep(ms / 1000.0)
+            return
+        while not all(w.is_completed() for w in works):
+            time.sleep(1e-4)
+        time.sleep(ms / 1000.0)
 
     def _spin_rate(self) -> float:
         if not self._cycles_per_ms:

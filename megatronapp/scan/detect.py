@@ -20,9 +20,11 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence)
      but never makes one: a rank held up by its own pipeline arrives last too, as a victim.
   3. P2P (detect_rules.compare_links). Effective transfer per directed link against links
-     carrying same-size messages; `config.link_rule` decides (default: ratio >=
-     `link_min_ratio`, excess >= `link_min_excess_ns`, consistency >= `link_min_consistency`).
-     A slow link is reported with rank = its source, by convention.
+     carrying same-size messages in the same pipeline direction; `config.link_rule` decides
+     (default: median ratio >= `link_min_ratio`, excess >= `link_min_excess_ns`, and >=
+     `link_min_consistency` of messages above those bars and above the
+     `link_peer_quantile` of the peer links' own messages). A slow link is reported with
+     rank = its source, by convention.
   4. Combine. Suspects are ranks whose own compute or own link is slow, so pure victims are
      never listed. Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
      (ratio - 1) / (strong ratio - 1) capped at 1. Order: confidence, then saving.
@@ -91,6 +93,7 @@ class DetectConfig:
     link_min_ratio: float = 2.0  # link transfer / peer links' median
     link_min_excess_ns: int = 2_000_000  # and this much slower: CPU p2p medians jitter by ~1-2 ms
     link_min_consistency: float = 0.5  # of messages: a delay hides behind a sender later than it
+    link_peer_quantile: float = 0.9  # a slow message must also beat this quantile of peer links' messages
     strong_link_ratio: float = 3.0
     straggler_min_share: float = 0.6  # share of last arrivals that corroborates a slow rank
     warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
@@ -103,7 +106,7 @@ class DetectConfig:
                      "edge_stage_allowance"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
-        for name in ("compute_min_consistency", "link_min_consistency", "straggler_min_share"):
+        for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
         if self.min_samples < 1 or self.warmup_iterations < 0 or self.link_min_excess_ns < 0:
@@ -278,7 +281,8 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     instances = rules.collect_collectives(events, its)
     stragglers = rules.compute_straggler_stats(instances)
     messages = rules.collect_p2p_messages(events, its)
-    links = rules.compare_links(messages, config.link_min_ratio, config.link_min_excess_ns)
+    links = rules.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
+                                config.link_peer_quantile)
     suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
                 if config.compute_rule(st, config)]
     suspects += [_link_suspect(st, coords, config) for st in links.values() if config.link_rule(st, config)]

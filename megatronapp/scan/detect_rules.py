@@ -332,43 +332,62 @@ def collect_p2p_messages(events: dict[int, RankEvents], iterations: set[int]) ->
 
 @dataclass(frozen=True)
 class LinkStats:
-    """One directed link's effective transfer time against links carrying same-size messages."""
+    """One directed link's effective transfer time against comparable links (see compare_links)."""
 
     src: int
     dst: int
     samples: int
     median_ns: float
-    peer_median_ns: float  # median of the other comparable links' medians
+    peer_median_ns: float  # median of the comparable links' medians
+    peer_high_ns: float  # the comparable links' messages' upper quantile (their own jitter)
     ratio: float
     excess_ns: float  # median_ns - peer_median_ns
-    consistency: float  # fraction of messages slower than the rule's ratio and excess
+    consistency: float  # fraction of messages above every bar: ratio, excess and peer_high_ns
     excess_ns_per_iteration: float  # median over iterations of sum(max(0, transfer - peer median))
     peer_links: int
 
 
-def compare_links(messages: list[P2PMessage], min_ratio: float, min_excess_ns: int) -> dict[tuple, LinkStats]:
-    """Per directed link with at least one comparable link: its transfer against theirs.
+def _link_classes(by_link: dict, coords: dict[int, dict]) -> dict[tuple, tuple]:
+    """Comparable links: same message size (power of two) and, when that leaves each link a
+    peer, the same pipeline direction (downstream activations vs upstream gradients: on a
+    busy CPU the two directions jitter differently)."""
+    size = {link: int(np.round(np.log2(max(1.0, float(np.median([m.bytes for m in ms]))))))
+            for link, ms in by_link.items()}
+    direction = {(s, d): (coords.get(d, {}).get("pp", 0) > coords.get(s, {}).get("pp", 0)) for s, d in by_link}
+    fine = {link: (size[link], direction[link]) for link in by_link}
+    counts = defaultdict(int)
+    for key in fine.values():
+        counts[key] += 1
+    return {link: fine[link] if counts[fine[link]] > 1 else (size[link],) for link in by_link}
 
-    Links are comparable when their median message size has the same power of two (forward
-    activations and their gradients have equal size); the reference is robust to one bad link."""
+
+def compare_links(messages: list[P2PMessage], coords: dict[int, dict], min_ratio: float, min_excess_ns: int,
+                  peer_quantile: float = 0.9) -> dict[tuple, LinkStats]:
+    """Per directed link with at least one comparable link (_link_classes): its transfers against theirs.
+
+    The reference is the median of the other links' medians (robust to one bad link); a
+    message counts as slow when it beats min_ratio x and min_excess_ns over that reference and
+    also the `peer_quantile` of the other links' messages, so a link is only as suspicious as
+    it is unlike the jitter its peers show."""
     by_link: dict[tuple, list[P2PMessage]] = defaultdict(list)
     for m in messages:
         by_link[(m.src, m.dst)].append(m)
-    medians = {link: float(np.median([m.transfer_ns for m in ms])) for link, ms in by_link.items()}
-    size_class = {link: int(np.round(np.log2(max(1.0, float(np.median([m.bytes for m in ms]))))))
-                  for link, ms in by_link.items()}
+    transfers = {link: np.array([m.transfer_ns for m in ms], dtype=float) for link, ms in by_link.items()}
+    medians = {link: float(np.median(t)) for link, t in transfers.items()}
+    cls = _link_classes(by_link, coords)
     out = {}
     for link, ms in by_link.items():
-        others = [medians[o] for o in by_link if o != link and size_class[o] == size_class[link]]
+        others = [o for o in by_link if o != link and cls[o] == cls[link]]
         if not others:
             continue
-        ref = max(float(np.median(others)), 1.0)
-        transfers = np.array([m.transfer_ns for m in ms], dtype=float)
-        slow = (transfers >= min_ratio * ref) & (transfers - ref >= min_excess_ns)
+        ref = max(float(np.median([medians[o] for o in others])), 1.0)
+        high = float(np.quantile(np.concatenate([transfers[o] for o in others]), peer_quantile))
+        t = transfers[link]
+        slow = (t >= min_ratio * ref) & (t - ref >= min_excess_ns) & (t >= high)
         per_it = defaultdict(float)
-        for m, t in zip(ms, transfers):
-            per_it[m.iteration] += max(0.0, t - ref)
-        out[link] = LinkStats(link[0], link[1], len(ms), medians[link], ref, medians[link] / ref,
+        for m, x in zip(ms, t):
+            per_it[m.iteration] += max(0.0, x - ref)
+        out[link] = LinkStats(link[0], link[1], len(ms), medians[link], ref, high, medians[link] / ref,
                               medians[link] - ref, float(slow.mean()), float(np.median(list(per_it.values()))),
                               len(others))
     return out

@@ -38,7 +38,11 @@ SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "byt
 _ATTR_DEFAULTS = (-1, -1, -1, "", "", -1, -1, -1)
 _SPAN_CATEGORIES = tuple(c for c in CATEGORIES if c != "calib")
 _RECORDS_PER_GIL_SLICE = 64
-_INITIAL_EVENT_POOL = 512  # CUDA timing events made at start (two per span)
+_INITIAL_EVENT_POOL = 4096  # CUDA timing events made at start (two per span)
+# Hand a window to the writer once this many spans are waiting, whatever flush_seconds says:
+# on CUDA that returns events to the pool before it runs dry (a new event costs a driver
+# call inside the step); on CPU it bounds memory.
+_FLUSH_RECORDS = _INITIAL_EVENT_POOL // 4
 
 
 @dataclass(frozen=True)
@@ -141,11 +145,15 @@ class _CudaClock:
 
         self._torch = torch
         self._device = torch.device(device)
-        # Creating an event inside a step costs a driver call; start with a stock.
+        # Creating an event inside a step costs a driver call (torch creates the CUDA event
+        # lazily, at its first record), so make a stock now: record each once, off-step.
         self._pool = [torch.cuda.Event(enable_timing=True) for _ in range(_INITIAL_EVENT_POOL)]
-        torch.cuda.synchronize(self._device)
         # Calibration events go on their own idle stream so they complete at once.
         self._calib_stream = torch.cuda.Stream(self._device)
+        with torch.cuda.device(self._device), torch.cuda.stream(self._calib_stream):
+            for event in self._pool:
+                event.record()
+        torch.cuda.synchronize(self._device)
         self._anchor = torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self._device):
             self._anchor.record()
@@ -366,7 +374,9 @@ class Tracer:
         self._step_span = None
         self._active = self._layers_active = False
         window_done = iteration % self.config.interval == self.config.continuous_iterations - 1
-        if window_done and time.monotonic() - self._last_flush >= self.config.flush_seconds:
+        due = (time.monotonic() - self._last_flush >= self.config.flush_seconds
+               or len(self._records) >= _FLUSH_RECORDS)
+        if window_done and due:
             self._flush()
 
     @contextmanager

@@ -109,6 +109,9 @@ class _ShardReader:
                 return pp
         raise KeyError(f"parameter {name} not found in checkpoint {self.folder}")
 
+    def has_optim_state(self, name: str) -> bool:
+        return name in self._shard(0, self._find_pp(name))["optim"]
+
     def full(self, name: str, field: str, key: str | None = None):
         pp = self._find_pp(name)
         parts = []
@@ -132,15 +135,11 @@ def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
     reader = _ShardReader(folder)
     meta = json.loads((folder / "meta.json").read_text())
     g, lay = trainer.groups, trainer.job.layout
-    has_optim = True
     with torch.no_grad():
         for name, p in _named_params(trainer.chunks).items():
             p.copy_(_slice(reader.full(name, "params"), p.tp_split_dim, lay.tp_size, g.tp_rank))
-            try:
-                reader.full(name, "optim", "step")
-            except KeyError:
-                has_optim = False
-                continue
+            if not reader.has_optim_state(name):
+                continue  # saved before this parameter's first optimizer step
             state = {key: _slice(reader.full(name, "optim", key), p.tp_split_dim, lay.tp_size, g.tp_rank)
                      .to(p.device).clone() for key in ("exp_avg", "exp_avg_sq")}
             step = reader.full(name, "optim", "step")
@@ -148,7 +147,7 @@ def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
             trainer.optimizer.state[p] = state
     trainer.iteration = meta["iteration"]
     _restore_rank_state(folder, trainer, data, same_world=meta["layout"]["world_size"] == lay.world_size)
-    return trainer.iteration if has_optim else trainer.iteration
+    return trainer.iteration
 
 
 def _restore_rank_state(folder: Path, trainer, data, same_world: bool) -> None:

@@ -6,11 +6,12 @@
                                 compute is stretched);
                                 on GPU by extra device work on the current stream
                                 (torch.cuda._sleep spin cycles), never by touching clocks.
---inject-link-delay SRC:DST:MS  every pipeline message from SRC to DST completes MS later:
-                                on CPU, DST polls until the data has arrived, sleeps MS, then
-                                waits (so the recv ends MS after the data came, as on a slow
-                                link, whatever the sender's timing); on GPU, MS of spin work
-                                precede the stream's wait for the message.
+--inject-link-delay SRC:DST:MS  DST spends MS more inside every receive from SRC before
+                                it waits for the data (CPU: a sleep; GPU: spin work on the
+                                stream). A message that arrives later than that is not delayed
+                                further: gloo cannot poll a P2P transfer for completion
+                                without completing it, so a "data arrived + MS" model is out
+                                of reach on CPU.
 """
 
 from __future__ import annotations
@@ -112,16 +113,14 @@ class FaultInjector:
             ms = s.elapsed_time(e)
             self._estimate_ms = ms if self._estimate_ms is None else 0.8 * self._estimate_ms + 0.2 * ms
 
-    def before_recv_wait(self, src_global: int, works) -> None:
+    def before_recv_wait(self, src_global: int) -> None:
         ms = self.delays_ms.get(src_global)
         if not ms:
             return
         if self.device.type == "cuda":
             torch.cuda._sleep(int(ms * self._spin_rate()))
-            return
-        while not all(w.is_completed() for w in works):
-            time.sleep(1e-4)
-        time.sleep(ms / 1000.0)
+        else:
+            time.sleep(ms / 1000.0)
 
     def _spin_rate(self) -> float:
         if not self._cycles_per_ms:

@@ -24,7 +24,7 @@ class NullInjector:
     def compute(self):
         return contextlib.nullcontext()
 
-    def before_recv_wait(self, src_global: int, works) -> None:
+    def before_recv_wait(self, src_global: int) -> None:
         pass
 
 
@@ -97,7 +97,7 @@ class PipelineRuntime:
     # -- compute -------------------------------------------------------------------------
     def _wait_recv(self, key, st: _StepState) -> torch.Tensor:
         buf, batch, src = st.recvs.pop(key)
-        self.injector.before_recv_wait(src, batch.works)
+        self.injector.before_recv_wait(src)
         batch.wait()
         return buf
 

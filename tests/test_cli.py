@@ -77,3 +77,11 @@ def test_trains_on_jsonl_with_hf_tokenizer(tmp_path):
                    "--data-path", str(data), "--tokenizer-model", str(tok), "--metrics-file", str(metrics)])
     assert res.returncode == 0, res.stderr
     assert len(metrics.read_text().splitlines()) == 2
+
+
+def test_online_detection_warns_about_injected_slow_rank():
+    res = run_cli(["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--train-iters", "8",
+                   "--global-batch-size", "16", "--inject-slowdown", "1:2.5"])
+    assert res.returncode == 0, res.stderr
+    warnings = [line for line in res.stdout.splitlines() if line.startswith("MegaScan online:")]
+    assert warnings and "rank 1 " in warnings[0]

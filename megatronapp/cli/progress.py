@@ -43,6 +43,15 @@ class TrainProgress:
                   f"lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
                   f"step {m['step_time_s'] * 1e3:.1f} ms  {m['tokens_per_s']:,.0f} tok/s", flush=True)
 
+    def warn(self, message: str) -> None:
+        """A live slow-rank warning (online detection), shown above the progress bar."""
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(f"[yellow]MegaScan online: {message}[/yellow]")
+        else:
+            print(f"MegaScan online: {message}", flush=True)
+
     def __exit__(self, *exc) -> None:
         if self._progress is not None:
             self._progress.stop()

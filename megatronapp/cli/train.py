@@ -100,13 +100,22 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
 
 
 def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
+    from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
+
     metrics_out = open(args.metrics_file, "a") if (args.metrics_file and rank == 0) else None
+    # Online warnings: a hint during training (the trace-based detector is the verdict), so
+    # they are held to the slowdowns we promise to find (>= 1.3x) over 4 iterations in a row.
+    online = (OnlineDetector(job.layout, OnlineDetectConfig(min_ratio=1.3, patience=4))
+              if (rank == 0 and job.layout.world_size > 1) else None)
     history = []
     with TrainProgress(job, enabled=rank == 0, log_interval=args.log_interval) as progress:
         while trainer.iteration < job.train.train_iters:
             m = trainer.train_step().as_dict()
             history.append(m)
             progress.update(m)
+            warning = online.update(m["iteration"], m["rank_compute_s"]) if online else None
+            if warning:
+                progress.warn(warning)
             if metrics_out:
                 metrics_out.write(json.dumps(m) + "\n")
                 metrics_out.flush()

@@ -73,6 +73,7 @@ class FaultInjector:
         self._cycles_per_ms = self._calibrate_spin() if device.type == "cuda" and self.factor > 1 else 0.0
         self._estimate_ms: float | None = None
         self._pending: list = []
+        self.on_stall = None  # the runtime's compute timer, told about CPU stalls
 
     @staticmethod
     def _calibrate_spin() -> float:
@@ -93,7 +94,10 @@ class FaultInjector:
     def _slow_cpu(self):
         t0 = time.process_time()
         yield
-        time.sleep((self.factor - 1.0) * (time.process_time() - t0))
+        stall = (self.factor - 1.0) * (time.process_time() - t0)
+        time.sleep(stall)
+        if self.on_stall is not None:
+            self.on_stall(stall)
 
     @contextlib.contextmanager
     def _slow_cuda(self):

@@ -32,6 +32,8 @@ class StepMetrics:
     grad_norm: float
     step_time_s: float
     tokens_per_s: float
+    # forward+backward compute seconds of every global rank (the previous step's on CUDA)
+    rank_compute_s: tuple[float, ...] = ()
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -81,20 +83,28 @@ class Trainer:
             grad_norm = compute_grad_norm(self.chunks, self.groups.tp_rank, self.groups.model_parallel)
             clip_grads(self.chunks, grad_norm, self.job.train.clip_grad)
             self.optimizer.step()
-        loss_value = self._reduce_loss(loss)
+        loss_value, rank_compute = self._reduce_metrics(loss)
         self.tracer.step_end(it)
         self.iteration += 1
         dt = time.perf_counter() - t0
         tokens = self.job.train.global_batch_size * self.job.model.seq_length
-        return StepMetrics(self.iteration, loss_value, lr, float(grad_norm), dt, tokens / dt)
+        return StepMetrics(self.iteration, loss_value, lr, float(grad_norm), dt, tokens / dt, rank_compute)
 
-    def _reduce_loss(self, loss: torch.Tensor | None) -> float:
-        """Mean loss over DP ranks, known on every rank (one scalar all-reduce over the world)."""
-        counts_here = loss is not None and self.groups.tp_rank == 0
-        value = loss.detach().float().reshape(1) if counts_here else torch.zeros(1, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(value)
-        return value.item() / self.job.layout.dp_size
+    def _reduce_metrics(self, loss: torch.Tensor | None) -> tuple[float, tuple[float, ...]]:
+        """Mean loss over DP ranks and every rank's compute seconds, known on every rank.
+
+        One all-reduce of a (1 + world) vector: slot 0 sums the loss of the last stage's
+        TP-rank-0 ranks, slot 1 + r carries rank r's compute time (zero elsewhere).
+        """
+        world = self.job.layout.world_size
+        values = torch.zeros(1 + world, device=self.device)
+        if loss is not None and self.groups.tp_rank == 0:
+            values[0] = loss.detach().float()
+        values[1 + self.groups.rank] = self.runtime.compute_timer.take()
+        if world > 1:
+            dist.all_reduce(values)
+        host = values.tolist()
+        return host[0] / self.job.layout.dp_size, tuple(host[1:])
 
     def train(self, num_steps: int | None = None, on_step=None) -> list[StepMetrics]:
         """Run until train_iters (or num_steps more steps); on_step(metrics) after each."""

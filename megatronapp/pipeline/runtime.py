@@ -15,11 +15,14 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.parallel.groups import ParallelGroups
+from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
 
 
 class NullInjector:
     """Fault-injection hooks; the real one lives in the engine (megatronapp.engine.faults)."""
+
+    on_stall = None  # set by the runtime: receives seconds of simulated device stall
 
     def compute(self):
         return contextlib.nullcontext()
@@ -66,6 +69,8 @@ class PipelineRuntime:
         self.injector = injector or NullInjector()
         self.autocast_dtype = autocast_dtype
         self.num_vstages = schedule.pp_size * schedule.num_chunks
+        self.compute_timer = ComputeTimer(device)
+        self.injector.on_stall = self.compute_timer.add_stall
 
     def _vstage(self, chunk: int) -> int:
         return virtual_stage(chunk, self.groups.pp_rank, self.schedule.pp_size)
@@ -112,7 +117,7 @@ class PipelineRuntime:
         labels = tokens[:, 1:] if is_last else None
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
-        with self.tracer.span("forward"), self.injector.compute(), autocast:
+        with self.tracer.span("forward"), self.compute_timer.measure(), self.injector.compute(), autocast:
             out = self.chunks[a.chunk](x, labels)
         if is_last:
             out = out / self.schedule.num_microbatches
@@ -131,7 +136,7 @@ class PipelineRuntime:
         grad = None
         if vs != self.num_vstages - 1:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
-        with self.tracer.span("backward"), self.injector.compute():
+        with self.tracer.span("backward"), self.compute_timer.measure(), self.injector.compute():
             torch.autograd.backward(out, grad)
         if vs != 0:
             x = st.inputs.pop((a.chunk, a.microbatch))

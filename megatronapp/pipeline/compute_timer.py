@@ -1,0 +1,51 @@
+"""Per-step compute time of one rank, cheap enough to leave on.
+
+CPU: process CPU time spent inside forward/backward (time waiting in a TP collective burns
+no CPU, so a rank that only waits for a slow peer does not look slow itself). CUDA: event
+pairs around each forward/backward, read one step later (the step's own end-of-step sync
+has completed them by then), so measuring never adds a synchronisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+class ComputeTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._cpu_s = 0.0
+        self._pending: list = []  # this step's event pairs
+        self._previous: list = []  # last step's pairs: complete, since that step ended in a sync
+        self._pool: list = []  # read pairs, reused: a new CUDA event costs a driver call
+
+    @contextlib.contextmanager
+    def measure(self):
+        if self.cuda:
+            start, end = self._pool.pop() if self._pool else (
+                torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            start.record()
+            yield
+            end.record()
+            self._pending.append((start, end))
+        else:
+            t0 = time.process_time()
+            yield
+            self._cpu_s += time.process_time() - t0
+
+    def add_stall(self, seconds: float) -> None:
+        """Count a simulated slow-device stall (CPU fault injection sleeps, burning no CPU)."""
+        self._cpu_s += seconds
+
+    def take(self) -> float:
+        """Compute seconds of the step just finished (CPU), or of the step before it (CUDA)."""
+        if not self.cuda:
+            value, self._cpu_s = self._cpu_s, 0.0
+            return value
+        value = sum(s.elapsed_time(e) for s, e in self._previous) / 1e3
+        self._pool.extend(self._previous)
+        self._previous, self._pending = self._pending, []
+        return value

@@ -5,7 +5,6 @@ Skipped on CPU (see conftest); run on the GPU machine with `pytest -m gpu`.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch

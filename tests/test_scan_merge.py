@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import time
 from collections import defaultdict
 

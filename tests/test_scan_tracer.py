@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from megatronapp.scan.format import load_rank_trace, trace_file_name
+from megatronapp.scan.format import load_rank_trace
 from megatronapp.scan.instrument import (
     TracedWork,
     install_distributed_instrumentation,

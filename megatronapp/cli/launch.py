@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 from rich.console import Console
@@ -53,6 +54,7 @@ def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
     worker_argv = _strip_nproc(argv) + ["--summary-file", str(summary)]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     os.environ.setdefault("LOGLEVEL", "ERROR")
+    os.environ.setdefault("MEGATRONAPP_RUN_ID", uuid.uuid4().hex[:12])  # one id for all ranks' traces
     run_args = get_args_parser().parse_args(
         ["--standalone", "--nproc-per-node", str(world), "--monitor-interval", "0.1",
          "--module", "megatronapp.cli.main", *worker_argv])

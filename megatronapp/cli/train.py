@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import socket
-import uuid
 from dataclasses import asdict
 from pathlib import Path
 
@@ -88,8 +87,8 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     tracer, instrumentation = _build_tracer(args, job, groups, device)
     injector = FaultInjector(plan, rank, device) if (plan.slowdowns or plan.link_delays_ms) else None
     trainer = Trainer(job, groups, device, data, injector=injector, **({"tracer": tracer} if tracer else {}))
-    if args.load:
-        load_checkpoint(args.load, trainer, data)
+    if job.train.load:
+        load_checkpoint(job.train.load, trainer, data)
     history = _train_loop(args, job, trainer, data, rank)
     if tracer:
         instrumentation.uninstall()
@@ -102,13 +101,14 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
 def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
     from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
 
-    metrics_out = open(args.metrics_file, "a") if (args.metrics_file and rank == 0) else None
+    t = job.train
+    metrics_out = open(t.metrics_file, "a") if (t.metrics_file and rank == 0) else None
     # Online warnings: a hint during training (the trace-based detector is the verdict), so
     # they are held to the slowdowns we promise to find (>= 1.3x) over 4 iterations in a row.
     online = (OnlineDetector(job.layout, OnlineDetectConfig(min_ratio=1.3, patience=4))
               if (rank == 0 and job.layout.world_size > 1) else None)
     history = []
-    with TrainProgress(job, enabled=rank == 0, log_interval=args.log_interval) as progress:
+    with TrainProgress(job, enabled=rank == 0, log_interval=t.log_interval) as progress:
         while trainer.iteration < job.train.train_iters:
             m = trainer.train_step().as_dict()
             history.append(m)
@@ -119,16 +119,13 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
             if metrics_out:
                 metrics_out.write(json.dumps(m) + "\n")
                 metrics_out.flush()
-            if args.save and args.save_interval and trainer.iteration % args.save_interval == 0:
-                save_checkpoint(args.save, trainer, data)
-    if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
-        save_checkpoint(args.save, trainer, data)
+            if t.save and t.save_interval and trainer.iteration % t.save_interval == 0:
+                save_checkpoint(t.save, trainer, data)
+    if t.save and not (t.save_interval and trainer.iteration % t.save_interval == 0):
+        save_checkpoint(t.save, trainer, data)
     if metrics_out:
         metrics_out.close()
     if rank == 0 and args.summary_file:
         Path(args.summary_file).write_text(json.dumps({"layout": job.layout.describe(), "history": history}))
     return history
 
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:12]

@@ -273,3 +273,17 @@ def test_windows_are_batched_until_flush_seconds(tmp_path):
     tracer.close()
     assert early <= 1  # at most the start-of-run calibration row
     assert {r["iteration"] for r in rows_of(tracer) if r["cat"] == "step"} == {1, 2, 3}
+
+
+def test_traced_work_runs_wait_hooks_after_completion_before_span_end():
+    order = []
+
+    class FakeWork:
+        def wait(self):
+            order.append("transfer")
+            return True
+
+    work = TracedWork(FakeWork(), lambda: order.append("span end"))
+    work.add_wait_hook(lambda: order.append("hook"))
+    assert work.wait() is True
+    assert order == ["transfer", "hook", "span end"]

@@ -6,12 +6,13 @@
                                 compute is stretched);
                                 on GPU by extra device work on the current stream
                                 (torch.cuda._sleep spin cycles), never by touching clocks.
---inject-link-delay SRC:DST:MS  DST spends MS more inside every receive from SRC before
-                                it waits for the data (CPU: a sleep; GPU: spin work on the
-                                stream). A message that arrives later than that is not delayed
-                                further: gloo cannot poll a P2P transfer for completion
-                                without completing it, so a "data arrived + MS" model is out
-                                of reach on CPU.
+--inject-link-delay SRC:DST:MS  every receive on DST from SRC takes MS longer. CPU, traced
+                                iterations: DST sleeps MS after the data arrived, inside the
+                                recv (through the traced Work's wait hook), so the message
+                                completes MS late whatever the sender's timing. CPU, untraced
+                                iterations: DST sleeps before waiting (gloo cannot poll a P2P
+                                work for completion, and a second wait would hang). GPU: MS of
+                                spin work on the stream before it waits for the message.
 """
 
 from __future__ import annotations
@@ -117,12 +118,14 @@ class FaultInjector:
             ms = s.elapsed_time(e)
             self._estimate_ms = ms if self._estimate_ms is None else 0.8 * self._estimate_ms + 0.2 * ms
 
-    def before_recv_wait(self, src_global: int) -> None:
+    def before_recv_wait(self, src_global: int, work) -> None:
         ms = self.delays_ms.get(src_global)
         if not ms:
             return
         if self.device.type == "cuda":
             torch.cuda._sleep(int(ms * self._spin_rate()))
+        elif hasattr(work, "add_wait_hook"):  # a traced Work: delay after arrival, inside the recv
+            work.add_wait_hook(lambda: time.sleep(ms / 1000.0))
         else:
             time.sleep(ms / 1000.0)
 

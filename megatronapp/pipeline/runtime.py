@@ -27,7 +27,7 @@ class NullInjector:
     def compute(self):
         return contextlib.nullcontext()
 
-    def before_recv_wait(self, src_global: int) -> None:
+    def before_recv_wait(self, src_global: int, work) -> None:
         pass
 
 
@@ -50,7 +50,7 @@ class _StepState:
     inputs: dict = field(default_factory=dict)  # (c, m) -> input activation (requires grad)
     outputs: dict = field(default_factory=dict)  # (c, m) -> output activation or scaled loss
     to_send: dict = field(default_factory=dict)  # (kind, c, m) -> tensor to send
-    recvs: dict = field(default_factory=dict)  # (kind, c, m) -> (buffer, batch, src)
+    recvs: dict = field(default_factory=dict)  # (kind, c, m) -> (buffer, batch, src, op index)
     batches: list = field(default_factory=list)  # every posted batch, completed at step end
     backwards_done: dict = field(default_factory=dict)  # chunk -> count
     losses: list = field(default_factory=list)
@@ -101,8 +101,10 @@ class PipelineRuntime:
 
     # -- compute -------------------------------------------------------------------------
     def _wait_recv(self, key, st: _StepState) -> torch.Tensor:
-        buf, batch, src = st.recvs.pop(key)
-        self.injector.before_recv_wait(src)
+        buf, batch, src, index = st.recvs.pop(key)
+        # gloo returns one work per op, NCCL may return one for the whole group
+        work = batch.works[index] if index < len(batch.works) else batch.works[-1]
+        self.injector.before_recv_wait(src, work)
         batch.wait()
         return buf
 
@@ -152,9 +154,9 @@ class PipelineRuntime:
                 ops.append(dist.P2POp(dist.isend, st.to_send.pop(key).contiguous(), peer))
             else:
                 buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+                recv_keys.append((key, buf, peer, len(ops)))
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
-                recv_keys.append((key, buf, peer))
         batch = _PostedBatch(dist.batch_isend_irecv(ops))
-        for key, buf, peer in recv_keys:
-            st.recvs[key] = (buf, batch, peer)
+        for key, buf, peer, index in recv_keys:
+            st.recvs[key] = (buf, batch, peer, index)
         st.batches.append(batch)

@@ -72,15 +72,23 @@ def _arg(fn_params: dict, args: tuple, kwargs: dict, name: str, default: Any = N
 
 
 class TracedWork:
-    """A Work whose `wait()` also ends the comm spans of the call that returned it."""
+    """A Work whose `wait()` also ends the comm spans of the call that returned it.
 
-    __slots__ = ("_work", "_done")
+    `add_wait_hook(fn)` runs `fn()` after the transfer completed and before the span ends:
+    fault injection uses it to make a message complete later, inside its recv span."""
+
+    __slots__ = ("_work", "_done", "_hooks")
 
     def __init__(self, work: Any, done: Callable[[], None]) -> None:
-        self._work, self._done = work, done
+        self._work, self._done, self._hooks = work, done, []
+
+    def add_wait_hook(self, fn: Callable[[], None]) -> None:
+        self._hooks.append(fn)
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         result = self._work.wait(*args, **kwargs)
+        for hook in self._hooks:
+            hook()
         self._done()
         return result
 

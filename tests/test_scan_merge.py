@@ -270,7 +270,9 @@ def check_chrome_trace(doc: dict, ranks: list[int]) -> dict:
         phases = sorted(e["ph"] for e in chain)
         assert phases.count("s") == 1 and phases.count("f") == 1, (fid, phases)
         for e in chain:  # every flow point sits inside a slice of its own thread
-            assert any(x["pid"] == e["pid"] and x["tid"] == e["tid"] and x["ts"] <= e["ts"] <= x["ts"] + x["dur"]
+            # ts/dur are µs with ns decimals: compare within half a ns of float rounding
+            assert any(x["pid"] == e["pid"] and x["tid"] == e["tid"]
+                       and x["ts"] - 5e-4 <= e["ts"] <= x["ts"] + x["dur"] + 5e-4
                        for x in by_ph["X"]), e
     return {"by_ph": by_ph, "flows": flows}
 

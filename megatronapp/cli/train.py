@@ -109,8 +109,8 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
               if (rank == 0 and job.layout.world_size > 1) else None)
     history = []
     with TrainProgress(job, enabled=rank == 0, log_interval=t.log_interval) as progress:
-        while trainer.iteration < job.train.train_iters:
-            m = trainer.train_step().as_dict()
+        def on_step(metrics) -> None:
+            m = metrics.as_dict()
             history.append(m)
             progress.update(m)
             warning = online.update(m["iteration"], m["rank_compute_s"]) if online else None
@@ -121,6 +121,8 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
                 metrics_out.flush()
             if t.save and t.save_interval and trainer.iteration % t.save_interval == 0:
                 save_checkpoint(t.save, trainer, data)
+
+        trainer.train(on_step=on_step)
     if t.save and not (t.save_interval and trainer.iteration % t.save_interval == 0):
         save_checkpoint(t.save, trainer, data)
     if metrics_out:

@@ -4,6 +4,8 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m megatronapp.cli.main train ... # multi-node
     megatronapp trace merge DIR -o timeline.json
     megatronapp trace detect DIR [--json]
+    megatronapp generate --load CKPT --prompt TEXT [--nproc-per-node N ...]
+    megatronapp scope capture|report ...
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched.
@@ -31,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     from megatronapp.scan.cli import add_trace_subcommands
 
     add_trace_subcommands(sub)
+    from megatronapp.inference.cli import add_generate_subcommand
+    from megatronapp.scope.cli import add_scope_subcommands
+
+    add_generate_subcommand(sub)
+    add_scope_subcommands(sub)
     return parser
 
 
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args, argv)
+    if hasattr(args, "run"):  # commands that may launch ranks themselves (generate, scope capture)
+        return args.run(args, argv)
     return args.func(args)
 
 

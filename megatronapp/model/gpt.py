@@ -68,12 +68,16 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(f"{name}.qkv", h, 3 * h, std=cfg.init_method_std, **kw)
         self.proj = RowParallelLinear(f"{name}.proj", h, h, std=out_std, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, nh, S, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # inference: keys/values of earlier steps, mask from the cache (see inference.kv_cache)
+            k, v = cache.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -97,8 +101,8 @@ class ResidualAttention(nn.Module):
         self.norm = _norm(cfg.hidden_size, cfg.layernorm_epsilon, device)
         self.attn = Attention(name, cfg, tp, seed, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        return x + self.attn(self.norm(x), cos, sin, cache)
 
 
 class ResidualMLP(nn.Module):
@@ -120,7 +124,10 @@ class Block(nn.Module):
         self.attention = ResidualAttention(f"layers.{layer}.attn", cfg, tp, seed, device)
         self.mlp = ResidualMLP(f"layers.{layer}.mlp", cfg, tp, seed, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None,
+                cache=None) -> torch.Tensor:
+        if cache is not None:  # inference with a KV cache: this layer's view of it
+            return self.mlp(self.attention(x, cos, sin, cache.layer(self.layer)))
         if tracer is None:
             return self.mlp(self.attention(x, cos, sin))
         with tracer.layer_span("attention", self.layer):
@@ -135,6 +142,8 @@ class GPTChunk(nn.Module):
     forward(x, labels): x is token ids (B, S) on the chunk holding the embedding, else the
     hidden states (B, S, H) from the previous chunk. Returns hidden states (B, S, H), or on
     the chunk holding the head the mean token loss (a scalar) when labels are given.
+    `cache` (inference only, see megatronapp.inference.kv_cache) supplies per-row positions,
+    the attention mask and each layer's key/value store; without it the path is unchanged.
     """
 
     def __init__(self, cfg: ModelConfig, first_layer: int, last_layer: int, tp: TPContext,
@@ -158,13 +167,16 @@ class GPTChunk(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tracer = None  # set by the engine when per-layer spans are wanted
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         if self.has_embedding:
             x = self.embedding(x)  # (B, S) -> (B, S, H)
-        s = x.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        if cache is None:
+            s = x.shape[1]
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        else:  # per-row positions (B, S): tables (B, 1, S, D/2) broadcast over heads
+            cos, sin = self.rope_cos[cache.positions].unsqueeze(1), self.rope_sin[cache.positions].unsqueeze(1)
         for block in self.layers.values():
-            x = block(x, cos, sin, self.tracer)
+            x = block(x, cos, sin, self.tracer, cache)
         if not self.has_head or labels is None:
             return x
         if self.tracer is None:

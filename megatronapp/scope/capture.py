@@ -1,0 +1,181 @@
+"""`scope.capture`: record capture sites while a model generates, gathered to rank 0.
+
+    with scope.capture(model, sites=("q", "attn_probs", "residual", "topk"), layers=[0, 3],
+                       compress="reduce:op=absmax,width=64;quantize:dtype=fp16") as cap:
+        generate(model, prompts, sampling, ...)
+    cap.items            # CapturedItem list on the serving rank (empty elsewhere)
+    cap.save("run.safetensors")
+
+Per step: hooks stash on device; at the step's end every rank joins `gather.collect_step`
+(TP all-gather, logit lens, one packed P2P transfer per stage); the serving rank compresses
+and starts ONE asynchronous device-to-host copy of everything (a uint8 buffer), finished at
+the next step or on exit. Nothing is installed until the with-block is entered and nothing
+stays after it. With GPT chunks instead of an InferenceModel (one process, e.g. during
+training), call `cap.end_step()` after each forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatronapp.scope.compress import CapturedItem, apply_pipeline, check_pipeline, parse_pipeline
+from megatronapp.scope.gather import collect_step, stage_items
+from megatronapp.scope.hooks import CaptureHooks
+from megatronapp.scope.sites import (DEFAULT_SITES, HEAD_SITES, check_heads, check_layers, check_sites,
+                                     site_numel)
+from megatronapp.scope.target import resolve_target
+
+DIMS = {"q": ("batch", "head", "token", "dim"), "k": ("batch", "head", "token", "dim"),
+        "v": ("batch", "head", "token", "dim"), "attn_probs": ("batch", "head", "token", "key"),
+        "attn_out": ("batch", "token", "hidden"), "fc1": ("batch", "token", "ffn"),
+        "mlp_out": ("batch", "token", "hidden"), "residual": ("batch", "token", "hidden"),
+        "logit_lens": ("layer", "batch", "k"), "topk": ("batch", "k")}
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    sites: tuple[str, ...] = DEFAULT_SITES
+    layers: tuple[int, ...] | None = None  # None: every layer
+    heads: tuple[int, ...] | None = None  # q/k/v/attn_probs heads kept; None: all
+    compress: tuple[dict, ...] = ()  # applied to per-layer sites (see compress.py)
+    topk: int = 5  # next-token and logit-lens top-k
+    max_bytes_per_step: int = 1 << 30  # raw (uncompressed) capture size a step may reach
+
+
+class StepRecord(dict):
+    """{"step", "tokens", "bytes"} of one captured step."""
+
+
+class Capture:
+    def __init__(self, model, cfg: CaptureConfig):
+        self.target, self.cfg = resolve_target(model), cfg
+        mc = self.target.cfg
+        check_sites(cfg.sites)
+        self.layers = check_layers(cfg.layers, mc.num_layers)
+        self.heads = check_heads(cfg.heads, mc.num_attention_heads)
+        self.compress = check_pipeline(cfg.compress)
+        if cfg.topk < 1:
+            raise ValueError(f"topk must be >= 1, got {cfg.topk}")
+        self.want_lens = "logit_lens" in cfg.sites
+        if self.want_lens and self.target.model is None:
+            raise ValueError("logit_lens needs an InferenceModel (it runs the final norm and output layer)")
+        self.items: list[CapturedItem] = []
+        self.steps: list[StepRecord] = []
+        self.hooks, self._pending = None, None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def __enter__(self) -> "Capture":
+        self.hooks = CaptureHooks(self.target, self.layers, self.cfg.sites, self.want_lens)
+        if self.target.model is not None:
+            self.target.model.observers.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.target.model is not None and self in self.target.model.observers:
+            self.target.model.observers.remove(self)
+        self.hooks.remove()
+        self._finish_transfer()
+
+    def step_begin(self, model) -> None:
+        self._finish_transfer()
+        cache = model.cache
+        b, new, total = cache.positions.shape[0], cache.num_new, cache.start + cache.num_new
+        raw = 4 * len(self.layers) * sum(site_numel(s, model.cfg, b, new, total)
+                                         for s in self.cfg.sites if s in DIMS and s not in ("logit_lens", "topk"))
+        if raw > self.cfg.max_bytes_per_step:
+            raise ValueError(f"capture would need {raw} bytes this step, over the limit of "
+                             f"{self.cfg.max_bytes_per_step}; capture fewer sites/layers or shorter prompts")
+
+    def step_end(self, model, logits) -> None:
+        gathered = collect_step(model, self.target, self.layers, self.cfg.sites, self.hooks.stash, self.want_lens)
+        self.hooks.stash.clear()
+        if gathered is None:
+            return
+        if "topk" in self.cfg.sites:
+            probs = logits[:, :model.cfg.vocab_size].float().softmax(-1).topk(self.cfg.topk, dim=-1)
+            gathered.append(("topk", None, "topk", probs))
+        tokens = model.cache.positions.numel()
+        self._finish_step(model.step, gathered, tokens)
+
+    def end_step(self) -> None:
+        """Chunk targets (no InferenceModel): collect what the last forward stashed."""
+        gathered = stage_items(self.target, self.layers, self.cfg.sites, self.hooks.stash)
+        stash, self.hooks.stash = self.hooks.stash, {}
+        any_t = next(iter(stash.values()), None)
+        tokens = 0 if any_t is None else any_t.shape[0] * any_t.shape[-2 if any_t.dim() == 4 else 1]
+        if self.target.tp_rank == 0:
+            self._finish_step(len(self.steps), gathered, tokens)
+
+    # -- serving rank: compress, one async copy --------------------------------------------
+    def _finish_step(self, step: int, gathered, tokens: int) -> None:
+        items = [it for it in (self._build_item(step, *g) for g in gathered) if it is not None]
+        flat = [t.contiguous().reshape(-1).view(torch.uint8) for it in items for t in it.tensors.values()]
+        buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+        if buffer.is_cuda:
+            host = torch.empty(buffer.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(buffer, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = buffer, None
+        self._pending = (host, event, items)
+        self.steps.append(StepRecord(step=step, tokens=tokens, bytes=sum(it.nbytes for it in items)))
+
+    def _build_item(self, step: int, name: str, layer, site: str, data) -> CapturedItem | None:
+        if site == "topk":
+            return CapturedItem(f"step{step}/topk", site, step, None, DIMS[site],
+                                {"data": data.values, "indices": data.indices.to(torch.int32)})
+        if site == "logit_lens":
+            top = data.topk(self.cfg.topk, dim=-1)
+            return CapturedItem(f"step{step}/logit_lens", site, step, None, DIMS[site],
+                                {"data": top.values, "indices": top.indices.to(torch.int32)})
+        if self.heads is not None and site in HEAD_SITES:
+            data = data.index_select(1, torch.tensor(self.heads, device=data.device))
+        item = CapturedItem(f"step{step}/{name}", site, step, layer, DIMS[site], {"data": data.float()})
+        return apply_pipeline(item, self.compress)
+
+    def _finish_transfer(self) -> None:
+        if self._pending is None:
+            return
+        host, event, items = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        offset = 0
+        for it in items:
+            for key, t in it.tensors.items():
+                n = t.numel() * t.element_size()
+                it.tensors[key] = host[offset:offset + n].view(t.dtype).view(t.shape)
+                offset += n
+        self.items.extend(items)
+
+    # -- results -------------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> float:
+        tokens = sum(s["tokens"] for s in self.steps)
+        return sum(s["bytes"] for s in self.steps) / tokens if tokens else 0.0
+
+    def get(self, site: str, layer: int | None = None, step: int | None = None) -> list[CapturedItem]:
+        return [it for it in self.items if it.site == site and (layer is None or it.layer == layer)
+                and (step is None or it.step == step)]
+
+    def manifest(self) -> dict:
+        return {"config": {"sites": list(self.cfg.sites), "layers": list(self.layers),
+                           "heads": None if self.heads is None else list(self.heads),
+                           "compress": list(self.compress), "topk": self.cfg.topk},
+                "steps": list(self.steps), "bytes_per_token": self.bytes_per_token,
+                "items": [it.manifest() for it in self.items]}
+
+
+def capture(model, sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
+            max_bytes_per_step: int = 1 << 30) -> Capture:
+    """A capture context for `model` (InferenceModel, or GPT chunks of one process). Validates
+    everything here, installs nothing until entered. `compress`: ops or their text form."""
+    if isinstance(compress, str):
+        compress = parse_pipeline(compress)
+    cfg = CaptureConfig(sites=tuple(sites), layers=None if layers is None else tuple(layers),
+                        heads=None if heads is None else tuple(heads), compress=tuple(compress), topk=topk,
+                        max_bytes_per_step=max_bytes_per_step)
+    return Capture(model, cfg)

@@ -48,16 +48,31 @@ class StepRecord(dict):
     """{"step", "tokens", "bytes"} of one captured step."""
 
 
+def validate_capture(model_cfg, cfg: CaptureConfig) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple]:
+    """(layers, heads, compression ops) of `cfg` checked against the model; one-line ValueError."""
+    check_sites(cfg.sites)
+    layers = check_layers(cfg.layers, model_cfg.num_layers)
+    heads = check_heads(cfg.heads, model_cfg.num_attention_heads)
+    compress = check_pipeline(cfg.compress)
+    if cfg.topk < 1:
+        raise ValueError(f"topk must be >= 1, got {cfg.topk}")
+    return layers, heads, compress
+
+
+def make_capture_config(sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
+                        max_bytes_per_step: int = 1 << 30) -> CaptureConfig:
+    """CaptureConfig from loose arguments (`compress` may be the text form)."""
+    if isinstance(compress, str):
+        compress = parse_pipeline(compress)
+    return CaptureConfig(sites=tuple(sites), layers=None if layers is None else tuple(layers),
+                         heads=None if heads is None else tuple(heads), compress=tuple(compress), topk=topk,
+                         max_bytes_per_step=max_bytes_per_step)
+
+
 class Capture:
     def __init__(self, model, cfg: CaptureConfig):
         self.target, self.cfg = resolve_target(model), cfg
-        mc = self.target.cfg
-        check_sites(cfg.sites)
-        self.layers = check_layers(cfg.layers, mc.num_layers)
-        self.heads = check_heads(cfg.heads, mc.num_attention_heads)
-        self.compress = check_pipeline(cfg.compress)
-        if cfg.topk < 1:
-            raise ValueError(f"topk must be >= 1, got {cfg.topk}")
+        self.layers, self.heads, self.compress = validate_capture(self.target.cfg, cfg)
         self.want_lens = "logit_lens" in cfg.sites
         if self.want_lens and self.target.model is None:
             raise ValueError("logit_lens needs an InferenceModel (it runs the final norm and output layer)")
@@ -161,6 +176,14 @@ class Capture:
         return [it for it in self.items if it.site == site and (layer is None or it.layer == layer)
                 and (step is None or it.step == step)]
 
+    def pca(self, site: str = "residual", layer: int | None = None, k: int = 2):
+        """(coords (tokens, k), explained variance ratio) of `site` at `layer` over every
+        token captured so far (all steps, all rows)."""
+        from megatronapp.scope.pca import compute_pca, token_rows
+
+        layer = self.layers[-1] if layer is None else layer
+        return compute_pca(token_rows(self.get(site, layer)), k)
+
     def manifest(self) -> dict:
         return {"config": {"sites": list(self.cfg.sites), "layers": list(self.layers),
                            "heads": None if self.heads is None else list(self.heads),
@@ -169,13 +192,7 @@ class Capture:
                 "items": [it.manifest() for it in self.items]}
 
 
-def capture(model, sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
-            max_bytes_per_step: int = 1 << 30) -> Capture:
-    """A capture context for `model` (InferenceModel, or GPT chunks of one process). Validates
-    everything here, installs nothing until entered. `compress`: ops or their text form."""
-    if isinstance(compress, str):
-        compress = parse_pipeline(compress)
-    cfg = CaptureConfig(sites=tuple(sites), layers=None if layers is None else tuple(layers),
-                        heads=None if heads is None else tuple(heads), compress=tuple(compress), topk=topk,
-                        max_bytes_per_step=max_bytes_per_step)
-    return Capture(model, cfg)
+def capture(model, sites=DEFAULT_SITES, **kwargs) -> Capture:
+    """A capture context for `model` (InferenceModel, or GPT chunks of one process); kwargs as
+    make_capture_config. Validates everything here, installs nothing until entered."""
+    return Capture(model, make_capture_config(sites, **kwargs))

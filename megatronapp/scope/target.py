@@ -74,3 +74,13 @@ def resolve_target(obj) -> ScopeTarget:
         raise TypeError("MegaScope attaches to an InferenceModel, a GPTChunk or a list of GPTChunks")
     tp = chunks[0].tp
     return ScopeTarget(chunks[0].cfg, chunks, tp.group, tp.size, tp.rank)
+
+
+def stand_in_target(cfg) -> ScopeTarget:
+    """One real-shaped layer (no embedding when the model has > 2 layers): enough to validate
+    sites, layers and parameter names before any rank is launched."""
+    from megatronapp.model.gpt import TPContext
+
+    first = min(1, cfg.num_layers - 1)
+    chunk = GPTChunk(cfg, first, first + 1, TPContext(None, 1, 0), seed=0)
+    return ScopeTarget(cfg, [chunk], None, 1, 0)

@@ -55,7 +55,8 @@ def compute_logit_lens(model, stash) -> torch.Tensor | None:
         dist.recv(buf, g.pp_ranks[p])
         parts.append(buf)
     residuals = torch.cat(parts + [mine])  # (L, B, H)
-    return model.compute_logits(residuals).float().log_softmax(dim=-1)
+    # over the real vocabulary, like the next-token probabilities (padding ids excluded)
+    return model.compute_logits(residuals)[..., :model.cfg.vocab_size].float().log_softmax(dim=-1)
 
 
 def pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,8 +172,9 @@ class Capture:
         tokens = sum(s["tokens"] for s in self.steps)
         return sum(s["bytes"] for s in self.steps) / tokens if tokens else 0.0
 
-    def get(self, site: str, layer: int | None = None, step: int | None = None) -> list[CapturedItem]:
-        return [it for it in self.items if it.site == site and (layer is None or it.layer == layer)
+    def get(self, site: str | None, layer: int | None = None, step: int | None = None) -> list[CapturedItem]:
+        """Items of `site` (None: any site), optionally one layer and/or step."""
+        return [it for it in self.items if (site is None or it.site == site) and (layer is None or it.layer == layer)
                 and (step is None or it.step == step)]
 
     def pca(self, site: str = "residual", layer: int | None = None, k: int = 2):

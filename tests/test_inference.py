@@ -44,8 +44,7 @@ def full_recompute_greedy(model, prompt: list[int], steps: int) -> list[int]:
     seq, out = torch.tensor([prompt]), []
     with torch.no_grad():
         for _ in range(steps):
-            hidden = model.chunk(seq)
-            logits = model.chunk.output(model.chunk.final_norm(hidden[:, -1]))
+            logits = model.chunk(seq)[:, -1]  # one process: the chunk holds the head and returns logits
             nxt = int(logits[0, :VOCAB].argmax())
             if nxt == EOD:
                 break

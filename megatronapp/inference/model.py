@@ -86,12 +86,12 @@ class InferenceModel:
         else:
             x = torch.empty((b, s, self.cfg.hidden_size), dtype=self.dtype, device=self.device)
             dist.recv(x, g.pp_ranks[g.pp_rank - 1])
-        hidden = self.chunk(x, cache=self.cache)
+        out = self.chunk(x, cache=self.cache)  # hidden states (B, S, H); logits (B, S, V/TP) on the last stage
         logits = None
         if not g.is_last_stage:
-            dist.send(hidden.contiguous(), g.pp_ranks[g.pp_rank + 1])
+            dist.send(out.contiguous(), g.pp_ranks[g.pp_rank + 1])
         else:
-            logits = self.compute_logits(hidden[:, -1])
+            logits = gather_last_dim(out[:, -1], g.tp, g.layout.tp_size)
         logits = self._to_serving_rank(logits, b)
         for obs in self.observers:
             obs.step_end(self, logits)

@@ -63,6 +63,8 @@ class CaptureHooks:
         def hook(module, args, output):
             b, s, _ = output.shape
             cos, sin = self._attn_args[layer][:2]
+            if cos.dim() == 2:  # no cache: the full tables, sliced as the model does
+                cos, sin = cos[:s], sin[:s]
             qkv = output.detach().view(b, s, -1, 3, self.target.cfg.head_dim)
             q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, h, S, D)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

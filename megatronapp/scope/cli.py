@@ -18,6 +18,7 @@ from pathlib import Path
 
 from megatronapp.config import ConfigError
 from megatronapp.inference.cli import (add_layout_arguments, check_layout_args, read_prompts, run_command)
+from megatronapp.scope.capture import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
 
 
@@ -137,7 +138,8 @@ def add_scope_subcommands(sub) -> None:
     cap.add_argument("--sites", default=",".join(DEFAULT_SITES), help="comma-separated; see megatronapp/scope/sites.py")
     cap.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
     cap.add_argument("--heads", default=None, help="comma-separated heads kept for q/k/v/attn_probs")
-    cap.add_argument("--compress", default="", help="e.g. 'reduce:op=absmax,width=64;quantize:dtype=fp16'")
+    cap.add_argument("--compress", default=DEFAULT_COMPRESS,
+                     help=f"compression ops (default {DEFAULT_COMPRESS!r}; '' keeps full tensors)")
     cap.add_argument("--topk", type=int, default=5)
     cap.add_argument("--max-capture-mb", type=float, default=1024.0, help="refuse steps whose raw capture is larger")
     cap.add_argument("--perturb", action="append", default=[], help="perturbation spec JSON, or @FILE")

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 def _job(**train_kw) -> JobConfig:
     model = model_preset("small", num_layers=4, seq_length=128)
-    train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=4, lr=1e-3, **train_kw)
+    train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=4, lr=1e-3, lr_warmup_iters=0, **train_kw)
     return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
 
 

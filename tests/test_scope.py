@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -292,23 +289,26 @@ def test_pca_of_rank_one_data():
                                rtol=1e-4, atol=1e-4)
 
 
-def _cli(args, timeout=120):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "megatronapp.cli.main", "scope", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+def _cli(args: list[str], capsys) -> tuple[int, str]:
+    """`megatronapp scope ...` in this process (one rank: nothing is launched)."""
+    from megatronapp.cli.main import main
+
+    code = main(["scope", *args])
+    return code, capsys.readouterr().err
 
 
-def test_cli_capture_and_report(ckpt, tmp_path):
+def test_cli_capture_and_report(ckpt, tmp_path, capsys):
     out = tmp_path / "cap.safetensors"
-    res = _cli(["capture", "--load", ckpt, "--prompt", "Hi", "--max-new-tokens", "3", "--device", "cpu",
-                "--sites", "q,attn_probs,residual,topk,logit_lens", "--compress", "quantize:dtype=fp16",
-                "--perturb", '{"kind": "offset", "value": 0.5, "target": {"site": "residual", "layers": [0]}}',
-                "--out", str(out)])
-    assert res.returncode == 0, res.stderr
+    code, err = _cli(["capture", "--load", ckpt, "--prompt", "Hi", "--max-new-tokens", "3", "--device", "cpu",
+                      "--sites", "q,attn_probs,residual,topk,logit_lens", "--compress", "quantize:dtype=fp16",
+                      "--perturb", '{"kind": "offset", "value": 0.5, "target": {"site": "residual", "layers": [0]}}',
+                      "--out", str(out)], capsys)
+    assert code == 0, err
     manifest = json.loads((tmp_path / "cap.safetensors.json").read_text())
     assert manifest["perturbations"][0]["kind"] == "offset" and manifest["bytes_per_token"] > 0
-    res = _cli(["report", str(out), "--out", str(tmp_path / "rep")])
-    assert res.returncode == 0, res.stderr
+    assert {it["site"] for it in manifest["items"]} == {"q", "attn_probs", "residual", "topk", "logit_lens"}
+    code, err = _cli(["report", str(out), "--out", str(tmp_path / "rep")], capsys)
+    assert code == 0, err
     pngs = sorted(p.name for p in (tmp_path / "rep").glob("*.png"))
     assert {"attention_0.png", "heatmap_residual.png", "pca_residual.png", "topk.png"} <= set(pngs)
 
@@ -316,18 +316,20 @@ def test_cli_capture_and_report(ckpt, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--sites", "q,nope"], "unknown capture site"),
     (["--layers", "7"], "layer 7 is out of range"),
+    (["--compress", "reduce:op=mean"], "reduce width must be >= 1"),
     (["--perturb", '{"kind": "bitflip", "bits": [40], "target": {"site": "residual"}}'], "bit 40 is outside"),
     (["--perturb", "{not json"], "not valid JSON"),
+    (["--nproc-per-node", "2", "--pipeline-model-parallel-size", "3"], "not divisible"),
 ])
-def test_cli_capture_bad_input_one_line(ckpt, tmp_path, args, message):
-    res = _cli(["capture", "--load", ckpt, "--prompt", "Hi", "--out", str(tmp_path / "x"), *args], timeout=60)
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr
+def test_cli_capture_bad_input_one_line(ckpt, tmp_path, args, message, capsys):
+    code, err = _cli(["capture", "--load", ckpt, "--prompt", "Hi", "--out", str(tmp_path / "x"), *args], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
     assert not (tmp_path / "x").exists()
 
 
-def test_cli_report_rejects_foreign_file(tmp_path):
+def test_cli_report_rejects_foreign_file(tmp_path, capsys):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a capture")
-    res = _cli(["report", str(bad), "--out", str(tmp_path / "r")], timeout=60)
-    assert res.returncode == 2 and "not a MegaScope capture file" in res.stderr
+    code, err = _cli(["report", str(bad), "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "not a MegaScope capture file" in err

@@ -102,6 +102,23 @@ def test_layer_captures_equal_values_from_weights(model):
         torch.testing.assert_close(got[site], value, rtol=1e-5, atol=1e-5, msg=site)
 
 
+def test_chunk_capture_without_cache_equals_generation_capture(model):
+    """The training-path forward (no KV cache, full rotary tables) captures the same values."""
+    prompt = PROMPTS[0]
+    with scope.capture(model, sites=("q", "attn_probs", "fc1", "residual")) as gen_cap:
+        generate(model, [prompt], SamplingConfig(max_new_tokens=1), eod_id=EOD, vocab_size=VOCAB)
+    with scope.capture(model.chunk, sites=("q", "attn_probs", "fc1", "residual")) as chunk_cap:
+        with torch.no_grad():
+            model.chunk(torch.tensor([prompt]))
+        chunk_cap.end_step()
+    assert len(chunk_cap.items) == len(gen_cap.items) == 4 * model.cfg.num_layers
+    for a, b in zip(chunk_cap.items, gen_cap.items):
+        assert a.name == b.name
+        torch.testing.assert_close(a.tensors["data"], b.tensors["data"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="need an InferenceModel"):
+        scope.capture(model.chunk, sites=("topk",))
+
+
 def test_attention_rows_sum_to_one_and_are_causal_with_padding(model):
     with scope.capture(model, sites=("attn_probs",)) as cap:
         generate(model, PROMPTS, SamplingConfig(max_new_tokens=3), eod_id=EOD, vocab_size=VOCAB)

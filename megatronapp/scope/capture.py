@@ -48,10 +48,6 @@ class CaptureConfig:
     max_bytes_per_step: int = 1 << 30  # raw (uncompressed) capture size a step may reach
 
 
-class StepRecord(dict):
-    """{"step", "tokens", "bytes"} of one captured step."""
-
-
 def validate_capture(model_cfg, cfg: CaptureConfig) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple]:
     """(layers, heads, compression ops) of `cfg` checked against the model; one-line ValueError."""
     check_sites(cfg.sites)
@@ -78,10 +74,10 @@ class Capture:
         self.target, self.cfg = resolve_target(model), cfg
         self.layers, self.heads, self.compress = validate_capture(self.target.cfg, cfg)
         self.want_lens = "logit_lens" in cfg.sites
-        if self.want_lens and self.target.model is None:
-            raise ValueError("logit_lens needs an InferenceModel (it runs the final norm and output layer)")
+        if self.target.model is None and ({"topk", "logit_lens"} & set(cfg.sites)):
+            raise ValueError("topk and logit_lens need an InferenceModel (they read the logits / output layer)")
         self.items: list[CapturedItem] = []
-        self.steps: list[StepRecord] = []
+        self.steps: list[dict] = []  # {"step", "tokens", "bytes"} of each captured step
         self.hooks, self._pending = None, None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -140,7 +136,7 @@ class Capture:
         else:
             host, event = buffer, None
         self._pending = (host, event, items)
-        self.steps.append(StepRecord(step=step, tokens=tokens, bytes=sum(it.nbytes for it in items)))
+        self.steps.append({"step": step, "tokens": tokens, "bytes": sum(it.nbytes for it in items)})
 
     def _build_item(self, step: int, name: str, layer, site: str, data) -> CapturedItem | None:
         if site == "topk":

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.inference.model import SERVING_RANK, gather_last_dim
+from megatronapp.model.gpt import chunk_layer_ranges
 from megatronapp.scope.hooks import LENS
 from megatronapp.scope.sites import HEAD_SITES, LAYER_SITES
 
@@ -123,8 +124,6 @@ def collect_step(model, target, layers, sites, stash, want_lens: bool) -> list[t
 
 def _stage_names(model, pp_rank: int, layers, sites, want_lens: bool) -> list[tuple[str, int | None, str]]:
     """Names the stage `pp_rank` sends, in order (mirrors stage_items + logit lens)."""
-    from megatronapp.model.gpt import chunk_layer_ranges
-
     first, last = chunk_layer_ranges(model.cfg.num_layers, model.groups.layout.pp_size, 1)[pp_rank][0]
     names = [(f"layer{layer}/{site}", layer, site) for layer in sorted(set(layers) & set(range(first, last)))
              for site in LAYER_SITES if site in sites]

@@ -1,7 +1,7 @@
 """Generation benchmark: decode tokens/s of `megatronapp generate`'s engine vs Hugging Face
 `transformers` generate on the exported model, MegaScope capture off/on, bytes per token.
 
-    python benchmarks/generate_bench.py --model 1.3b --bf16 --out generate_bench.json     # GPU
+    python benchmarks/generate_bench.py --model 1.3b --bf16 [--cuda-graphs] --out generate_bench.json   # GPU
     python benchmarks/generate_bench.py --model tiny --device cpu --new-tokens 16          # CPU smoke
 
 Without --load, a checkpoint of the preset (random init, vocab 50304) is written to a temp
@@ -105,12 +105,14 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed as a CUDA graph (ours)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device, dtype = torch.device(args.device), torch.bfloat16 if args.bf16 else torch.float32
     ckpt = args.load or write_preset_checkpoint(args.model, device)
     cfg = read_model_config(ckpt)
     model = build_inference_model(cfg, single_process_groups(), device, load_dir=ckpt, dtype=dtype)
+    model.cuda_graphs = args.cuda_graphs  # capture rounds run eager (hooks), see InferenceModel
     hf = None if args.no_hf else load_hf(ckpt, device, dtype)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     new = min(args.new_tokens, cfg.seq_length - args.prompt_len)
@@ -124,6 +126,7 @@ def main() -> None:
         if hf is not None:
             results["hf"].append(time_hf(hf, prompt, new, device))
     report = {"model": args.model if not args.load else args.load, "device": str(device), "dtype": str(dtype),
+              "cuda_graphs": args.cuda_graphs,
               "prompt_len": args.prompt_len, "new_tokens": new,
               **{k: summarize(v) for k, v in results.items() if v}}
     off, on = report["ours_off"]["median"], report["ours_capture"]["median"]

@@ -130,3 +130,16 @@ def test_cli_json_tp2_matches_library(ckpt):
     expected = generate(load_model(0, 1, 1, 1, ckpt), [list(b"Hello")], SamplingConfig(max_new_tokens=6),
                         eod_id=EOD, vocab_size=VOCAB)
     assert out["tokens"] == expected.tokens and out["layout"].startswith("world=2 TP=2")
+
+
+def test_static_cache_equals_dynamic_cache(ckpt):
+    """The fixed-shape cache behind CUDA graphs (attention over every column, masked) decodes
+    the same tokens; on CUDA the graph replays exactly this computation (tests/test_gpu.py)."""
+    torch.set_num_threads(1)
+    model = load_model(0, 1, 1, 1, ckpt)
+    sampling = SamplingConfig(max_new_tokens=9)
+    dynamic = generate(model, PROMPTS, sampling, eod_id=EOD, vocab_size=VOCAB)
+    original_start = model.start
+    model.start = lambda b, n, pad: original_start(b, n, pad, static=True)
+    static = generate(model, PROMPTS, sampling, eod_id=EOD, vocab_size=VOCAB)
+    assert model.cache.static and static.tokens == dynamic.tokens

@@ -33,6 +33,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stop-on-eod", dest="stop_on_eod", action="store_false")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as a CUDA graph (one GPU)")
     p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
     add_layout_arguments(p)
 
@@ -139,6 +140,7 @@ def generate_worker(args: argparse.Namespace) -> dict | None:
     from megatronapp.inference.launch import finish_worker, start_worker
 
     model = start_worker(args)
+    model.cuda_graphs = args.cuda_graphs
     tokenizer = load_tokenizer(args.tokenizer_model)
     prompts = read_prompts(args)
     res = generate(model, [tokenizer.encode(p) for p in prompts], build_sampling_config(args),

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatronapp.config import ConfigError, JobConfig, ModelConfig, TrainConfig, validate_job
 from megatronapp.engine.checkpoint import find_latest, load_model_params
+from megatronapp.inference.graphs import DecodeGraph
 from megatronapp.inference.kv_cache import KVCache
 from megatronapp.model.gpt import GPTChunk, TPContext, build_model_chunks
 from megatronapp.parallel.groups import ParallelGroups
@@ -53,6 +54,8 @@ class InferenceModel:
         self.observers: list = []
         self.cache: KVCache | None = None
         self.step = 0  # forward steps since the last `start`
+        self.cuda_graphs = False  # replay decode steps as a CUDA graph (one process on CUDA, see graphs.py)
+        self._graph = None
         lay = groups.layout
         self.last_stage_head_rank = lay.rank_of(0, 0, lay.pp_size - 1)
 
@@ -64,13 +67,22 @@ class InferenceModel:
     def is_serving_rank(self) -> bool:
         return self.groups.rank == SERVING_RANK
 
-    def start(self, batch: int, max_len: int, pad_left: torch.Tensor) -> None:
-        """Fresh KV cache for a batch whose rows are left-padded by `pad_left` columns."""
+    def start(self, batch: int, max_len: int, pad_left: torch.Tensor, static: bool | None = None) -> None:
+        """Fresh KV cache for a batch whose rows are left-padded by `pad_left` columns. Static
+        (fixed-shape) when asked, or when CUDA graphs will be used."""
         tp = self.groups.layout.tp_size
+        graphs = self._graphs_possible()
         self.cache = KVCache(self.layers, batch=batch, local_heads=self.cfg.num_attention_heads // tp,
                              head_dim=self.cfg.head_dim, max_len=max_len, pad_left=pad_left,
-                             dtype=self.dtype, device=self.device)
-        self.step = 0
+                             dtype=self.dtype, device=self.device, static=graphs if static is None else static)
+        self.step, self._graph = 0, None
+        self._use_graph = graphs
+
+    def _graphs_possible(self) -> bool:
+        # Hooks (MegaScope) run Python per step, which a replayed graph would skip: eager then.
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self.chunk.modules())
+        return (self.cuda_graphs and self.device.type == "cuda" and self.groups.layout.world_size == 1
+                and not self.observers and not hooked)
 
     @torch.inference_mode()
     def forward_step(self, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -86,7 +98,11 @@ class InferenceModel:
         else:
             x = torch.empty((b, s, self.cfg.hidden_size), dtype=self.dtype, device=self.device)
             dist.recv(x, g.pp_ranks[g.pp_rank - 1])
-        out = self.chunk(x, cache=self.cache)  # hidden states (B, S, H); logits (B, S, V/TP) on the last stage
+        if self._use_graph and s == 1:
+            self._graph = self._graph or DecodeGraph(self._chunk_forward, b, self.device)
+            out = self._graph.run(x)
+        else:
+            out = self._chunk_forward(x)  # hidden states (B, S, H); logits (B, S, V/TP) on the last stage
         logits = None
         if not g.is_last_stage:
             dist.send(out.contiguous(), g.pp_ranks[g.pp_rank + 1])
@@ -97,6 +113,10 @@ class InferenceModel:
             obs.step_end(self, logits)
         self.step += 1
         return logits
+
+    def _chunk_forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.prepare()
+        return self.chunk(x, cache=self.cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (..., V) of last-stage hidden states (..., H); collective over TP."""

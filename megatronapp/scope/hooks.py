@@ -79,9 +79,8 @@ class CaptureHooks:
                 self.stash[(layer, "attn_out")] = output.detach()
             if "attn_probs" in self.sites:
                 cache = args[3] if len(args) > 3 else None
-                q = self.stash[(layer, "q")]
-                keys = cache.keys_so_far() if cache is not None else self.stash[(layer, "k")]
-                self.stash[(layer, "attn_probs")] = attention_probs(q, keys, None if cache is None else cache.attn_mask)
+                keys, mask = cache.keys_so_far() if cache is not None else (self.stash[(layer, "k")], None)
+                self.stash[(layer, "attn_probs")] = attention_probs(self.stash[(layer, "q")], keys, mask)
         return hook
 
     def _fc1(self, layer: int):

@@ -206,7 +206,7 @@ def test_parameter_fault_restored_bit_exactly_and_training_step(ckpt):
     def fresh():
         return Trainer(job, build_process_groups(job.layout, 0), torch.device("cpu"), RandomTokenBatches(job, 0))
 
-    ref, hit = fresh(), fresh()
+    hit = fresh()
     before = {n: p.detach().clone() for c in hit.chunks for n, p in c.named_parameters()}
     param_spec = Perturbation("bitflip", Target("param", param="layers.1.mlp.mlp.fc2.weight"), field="exponent",
                               rate=0.05, seed=4)
@@ -218,10 +218,23 @@ def test_parameter_fault_restored_bit_exactly_and_training_step(ckpt):
     for c in hit.chunks:
         for n, p in c.named_parameters():
             assert torch.equal(p.view(torch.int32), before[n].view(torch.int32)), n
+    name = "layers.1.mlp.mlp.fc2.weight"
+    weight = next(p for c in hit.chunks for n, p in c.named_parameters() if n == name)
+    start = weight.detach().clone()
+    with scope.perturb(hit.chunks, param_spec) as pert:  # around a whole training step
+        was_hit = pert.saved[name][1].clone()
+        hit.train_step()
+    assert torch.equal(weight[was_hit].view(torch.int32), start[was_hit].view(torch.int32))  # original bits back
+    assert bool((weight[~was_hit] != start[~was_hit]).all())  # the step's update is kept elsewhere
     act_spec = Perturbation("gaussian", Target("mlp_out", layers=(2,)), sigma=0.5, relative=True, seed=1)
-    with scope.perturb(hit.chunks, act_spec):
-        noisy = hit.train_step().loss
-    assert noisy != ref.train_step().loss
+    with torch.no_grad():
+        clean = hit.chunks[0](mb[:, :-1], mb[:, 1:]).mean()
+        with scope.perturb(hit.chunks, act_spec):
+            noisy = hit.chunks[0](mb[:, :-1], mb[:, 1:]).mean()
+        after = hit.chunks[0](mb[:, :-1], mb[:, 1:]).mean()
+    assert noisy != clean and torch.equal(after, clean)
+    with scope.perturb(hit.chunks, act_spec):  # through the trainer's pipeline runtime, with backward
+        assert math.isfinite(hit.train_step().loss)
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for c in hit.chunks for m in c.modules()) == 0
 
 

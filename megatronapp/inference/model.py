@@ -55,7 +55,7 @@ class InferenceModel:
         self.cache: KVCache | None = None
         self.step = 0  # forward steps since the last `start`
         self.cuda_graphs = False  # replay decode steps as a CUDA graph (one process on CUDA, see graphs.py)
-        self._graph = None
+        self._graph, self._use_graph = None, False
         lay = groups.layout
         self.last_stage_head_rank = lay.rank_of(0, 0, lay.pp_size - 1)
 

@@ -7,7 +7,8 @@ place (restored bit for bit on removal). See specs.py for the spec format.
 Layout independence: every random field is drawn at the *full* tensor's shape (all TP
 shards, every batch row and column of the step) from a generator keyed by (seed, site,
 layer, step) or (seed, parameter), then sliced to this rank's shard. Parameter faults wrap a
-forward/backward; an optimizer step inside the block would be undone for the hit elements.
+forward/backward or a whole training step: on removal the hit elements get their original
+bits back (an optimizer update of those few elements is discarded), the rest is kept.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def _local(full: torch.Tensor, shard: tuple[int, int, int] | None) -> torch.Tens
 def corrupt(x: torch.Tensor, spec: Perturbation, selected: torch.Tensor, shard, gen: torch.Generator) -> torch.Tensor:
     """New local tensor: `spec` applied to the elements of x selected (full-shape bool mask
     `selected`, sliced by `shard` = (dim, tp_size, tp_rank) or None)."""
+    return corrupt_with_mask(x, spec, selected, shard, gen)[0]
+
+
+def corrupt_with_mask(x: torch.Tensor, spec: Perturbation, selected: torch.Tensor, shard,
+                      gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(corrupted local tensor, local bool mask of the elements hit); see `corrupt`."""
     full_shape = tuple(selected.shape)
     hit = selected
     if spec.rate is not None:  # drawn first, so the same elements are hit whatever the kind
@@ -61,7 +68,7 @@ def corrupt(x: torch.Tensor, spec: Perturbation, selected: torch.Tensor, shard, 
             masks = _local(random_bit_masks(fmt, fmt.field_bits(spec.field), spec.num_bits, full_shape, gen), shard)
         op = "flip" if spec.kind == "bitflip" else f"stuck{spec.stuck}"
         new = apply_bit_op(x, fmt, hit, masks, op)
-    return torch.where(hit, new, x)
+    return torch.where(hit, new, x), hit
 
 
 def _index_mask(length: int, chosen) -> torch.Tensor:
@@ -106,9 +113,9 @@ class Perturber:
         for h in self.handles:
             h.remove()
         self.handles = []
-        with torch.no_grad():
-            for p, original in self.saved.values():
-                p.copy_(original)
+        with torch.no_grad():  # only the hit elements: a training step's update elsewhere is kept
+            for p, hit, original in self.saved.values():
+                p.copy_(torch.where(hit, original, p))
         self.saved = {}
 
     # -- parameters --------------------------------------------------------------------
@@ -126,8 +133,9 @@ class Perturber:
         shard = None if p.tp_split_dim is None else (p.tp_split_dim, self.target.tp_size, self.target.tp_rank)
         gen = keyed_generator(self.spec.seed, "param", name)
         with torch.no_grad():
-            self.saved[name] = (p, p.detach().clone())
-            p.copy_(corrupt(p.detach(), self.spec, sel, shard, gen))
+            new, hit = corrupt_with_mask(p.detach(), self.spec, sel, shard, gen)
+            self.saved[name] = (p, hit, p.detach().clone())
+            p.copy_(new)
 
     # -- activations -------------------------------------------------------------------
     def _install_hooks(self) -> None:

@@ -221,7 +221,8 @@ def test_parameter_fault_restored_bit_exactly_and_training_step(ckpt):
     name = "layers.1.mlp.mlp.fc2.weight"
     weight = next(p for c in hit.chunks for n, p in c.named_parameters() if n == name)
     start = weight.detach().clone()
-    with scope.perturb(hit.chunks, param_spec) as pert:  # around a whole training step
+    mild = Perturbation("bitflip", Target("param", param=name), field="mantissa", rate=0.05, seed=4)
+    with scope.perturb(hit.chunks, mild) as pert:  # around a whole training step
         was_hit = pert.saved[name][1].clone()
         hit.train_step()
     assert torch.equal(weight[was_hit].view(torch.int32), start[was_hit].view(torch.int32))  # original bits back

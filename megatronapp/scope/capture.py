@@ -126,7 +126,11 @@ class Capture:
     # -- serving rank: compress, one async copy --------------------------------------------
     def _finish_step(self, step: int, gathered, tokens: int) -> None:
         items = [it for it in (self._build_item(step, *g) for g in gathered) if it is not None]
-        flat = [t.contiguous().reshape(-1).view(torch.uint8) for it in items for t in it.tensors.values()]
+        flat = []
+        for t in (t for it in items for t in it.tensors.values()):
+            raw = t.contiguous().reshape(-1).view(torch.uint8)
+            # every tensor starts 8-byte aligned, so the host slices can be viewed as any dtype
+            flat += [raw, torch.zeros(-raw.numel() % 8, dtype=torch.uint8, device=raw.device)]
         buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
         if buffer.is_cuda:
             host = torch.empty(buffer.shape, dtype=torch.uint8, pin_memory=True)
@@ -163,7 +167,7 @@ class Capture:
             for key, t in it.tensors.items():
                 n = t.numel() * t.element_size()
                 it.tensors[key] = host[offset:offset + n].view(t.dtype).view(t.shape)
-                offset += n
+                offset += n + (-n % 8)
         self.items.extend(items)
 
     # -- results -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
 from megatronapp.engine.faults import FaultSpecError, parse_fault_plan
+from megatronapp.scope_ui.training import check_training_scope
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_subcommands(sub)
     from megatronapp.inference.cli import add_generate_subcommand
     from megatronapp.scope.cli import add_scope_subcommands
+    from megatronapp.scope_ui.cli import add_scope_ui_train_arguments, add_serve_subcommand
 
     add_generate_subcommand(sub)
-    add_scope_subcommands(sub)
+    add_serve_subcommand(add_scope_subcommands(sub))
+    add_scope_ui_train_arguments(train)
     return parser
 
 
@@ -55,6 +58,7 @@ def check_train_args(args: argparse.Namespace):
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
     parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(world)
+    check_training_scope(args, world)
     if args.load and has_checkpoint(args.load):
         diff = compute_model_config_mismatch(args.load, job.model)
         if diff:

@@ -26,6 +26,7 @@ from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_
 from megatronapp.engine.faults import FaultInjector, parse_fault_plan
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
+from megatronapp.scope_ui.training import training_scope
 
 
 def select_device(requested: str | None, local_rank: int) -> torch.device:
@@ -136,7 +137,8 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
             if t.save and t.save_interval and trainer.iteration % t.save_interval == 0:
                 save_checkpoint(t.save, trainer, data)
 
-        trainer.train(on_step=on_step)
+        with training_scope(args, job, trainer, on_step) as on_step:  # unchanged unless --scope
+            trainer.train(on_step=on_step)
     if t.save and not (t.save_interval and trainer.iteration % t.save_interval == 0):
         save_checkpoint(t.save, trainer, data)
     if metrics_out:

@@ -153,3 +153,4 @@ def add_scope_subcommands(sub) -> None:
     rep.add_argument("file")
     rep.add_argument("--out", required=True, help="output folder")
     rep.set_defaults(func=_report)
+    return cmds

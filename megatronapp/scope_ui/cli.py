@@ -1,0 +1,102 @@
+"""`megatronapp scope serve` and the `train --scope` flags.
+
+    megatronapp scope serve --load ckpt                    # http://127.0.0.1:8765/
+    megatronapp scope serve --load ckpt --host 0.0.0.0     # prints a generated access token
+    megatronapp scope serve                                # no checkpoint: uses ./ckpt, or trains a tiny one
+    megatronapp train --model tiny --train-iters 500 --device cpu --log-interval 1 --scope [--scope-port P]
+
+The model runs in this one process (layout flags other than one process are refused here:
+the page talks to the process that holds the whole model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatronapp.config import ConfigError
+
+DEMO_CHECKPOINTS = ("ckpt",)  # where the README's training example saves
+TINY_DEMO_DIR = Path.home() / ".cache" / "megatronapp" / "scope-demo"
+TINY_DEMO_TRAIN = ["--model", "tiny", "--train-iters", "150", "--device", "cpu", "--log-interval", "50"]
+
+
+def add_serve_subcommand(cmds) -> None:
+    p = cmds.add_parser("serve", help="live web UI: generate, look inside, perturb")
+    p.add_argument("--load", default=None, help="checkpoint folder; default: ./ckpt, or train a tiny demo model")
+    add_server_arguments(p, default_port=8765)
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--bf16", action="store_true")
+    p.set_defaults(func=serve_main)
+
+
+def add_server_arguments(p: argparse.ArgumentParser, default_port: int, prefix: str = "") -> None:
+    p.add_argument(f"--{prefix}host", default="127.0.0.1", help="bind address (non-loopback needs a token)")
+    p.add_argument(f"--{prefix}port", type=int, default=default_port, help="0: any free port")
+    p.add_argument(f"--{prefix}token", default=None, help="access token (generated for non-loopback binds)")
+
+
+def add_scope_ui_train_arguments(p: argparse.ArgumentParser) -> None:
+    """`train --scope`: serve the training view from rank 0 of a one-process run."""
+    p.add_argument("--scope", action="store_true", help="serve the MegaScope UI during training (one process)")
+    add_server_arguments(p, default_port=8766, prefix="scope-")
+    p.add_argument("--scope-probe", default="The quick brown fox", help="probe prompt shown every K steps")
+    p.add_argument("--scope-every", type=int, default=10, help="probe every K steps")
+    p.add_argument("--scope-start-paused", action="store_true", help="wait for the page before the first step")
+
+
+def server_config(host: str, port: int, token: str | None):
+    from megatronapp.scope_ui.server import ServerConfig, resolve_token
+
+    if not 0 <= port < 65536:
+        raise ConfigError(f"port must be in 0..65535, got {port}")
+    return ServerConfig(host=host, port=port, token=resolve_token(host, token))
+
+
+def find_demo_checkpoint(train_if_missing: bool) -> str:
+    for path in DEMO_CHECKPOINTS:
+        if os.path.isfile(os.path.join(path, "latest")):
+            return path
+    if not os.path.isfile(TINY_DEMO_DIR / "latest") and train_if_missing:
+        print(f"no --load given and no ./ckpt: training a tiny demo model into {TINY_DEMO_DIR} (~1 min)", flush=True)
+        code = subprocess.call([sys.executable, "-m", "megatronapp.cli.main", "train", *TINY_DEMO_TRAIN,
+                                "--save", str(TINY_DEMO_DIR)])
+        if code != 0:
+            raise ConfigError("training the demo model failed; pass --load CKPT")
+    return str(TINY_DEMO_DIR)
+
+
+def build_generation_backend(load: str, tokenizer_model, device, bf16: bool, limits):
+    import torch
+
+    from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.inference.model import build_inference_model, read_model_config
+    from megatronapp.parallel.groups import single_process_groups
+    from megatronapp.scope_ui.runner import GenerationRunner
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = build_inference_model(read_model_config(load), single_process_groups(), dev, load_dir=load,
+                                  dtype=torch.bfloat16 if bf16 else torch.float32)
+    return GenerationRunner(model, load_tokenizer(tokenizer_model), limits)
+
+
+def serve_main(args) -> int:
+    from megatronapp.scope_ui.server import Hub, RunningServer
+
+    try:
+        cfg = server_config(args.host, args.port, args.token)
+        load = args.load or find_demo_checkpoint(train_if_missing=True)
+        if not os.path.isfile(os.path.join(load, "latest")):
+            raise ConfigError(f"--load {load}: no complete checkpoint there (missing 'latest')")
+        backend = build_generation_backend(load, args.tokenizer_model, args.device, args.bf16, cfg.limits)
+        server = RunningServer(Hub(backend, cfg.limits), cfg)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"megatronapp: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"MegaScope UI ({load}): {server.url}", flush=True)
+    server.run()
+    return 0

@@ -1,0 +1,138 @@
+"""`train --scope`: the training view, plugged in through the trainer's on_step callback.
+
+    with training_scope(args, job, trainer, on_step) as on_step:   # on_step unchanged when --scope is off
+        trainer.train(on_step=on_step)
+
+After each reported step (every --log-interval steps; use 1 for a live view) the wrapped
+callback: sends loss / LR / grad norm and per-layer weight and gradient norms; every K
+steps runs the probe prompt through the same chunk (eval mode, no grad) with a capture and
+sends its top-k, attention and per-layer activation statistics; swaps in the perturbations
+set from the page (active from the next step; parameter faults restored when removed); and
+blocks while the page has paused training ("step" lets exactly one more step run).
+One process only (PP 1, TP 1, DP 1): the page talks to the process holding the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
+@contextlib.contextmanager
+def training_scope(args, job, trainer, on_step):
+    """`on_step`, wrapped with the UI when args.scope; the server stops on exit."""
+    if not getattr(args, "scope", False):
+        yield on_step
+        return
+    from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.scope_ui.cli import server_config
+    from megatronapp.scope_ui.server import Hub, RunningServer
+
+    cfg = server_config(args.scope_host, args.scope_port, args.scope_token)
+    backend = TrainingScope(trainer, load_tokenizer(args.tokenizer_model), args.scope_probe, args.scope_every,
+                            cfg.limits.max_perturbations, paused=args.scope_start_paused)
+    hub = Hub(backend, cfg.limits)
+    backend.hub = hub
+    server = RunningServer(hub, cfg).start()
+    print(f"MegaScope training view: {server.url}", flush=True)
+    try:
+        yield backend.wrap(on_step)
+    finally:
+        backend.close()
+        server.stop()
+
+
+def check_training_scope(args, world: int) -> None:
+    from megatronapp.config import ConfigError
+
+    if getattr(args, "scope", False):
+        if world != 1:
+            raise ConfigError("--scope serves one training process; run without --nproc-per-node (world size 1)")
+        if args.scope_every < 1:
+            raise ConfigError(f"--scope-every must be >= 1, got {args.scope_every}")
+
+
+class TrainingScope:
+    mode = "train"
+
+    def __init__(self, trainer, tokenizer, probe: str, every: int, max_perturbations: int, paused: bool = False):
+        from megatronapp.scope.target import resolve_target
+        from megatronapp.scope_ui.runner import PerturbationSet, describe_model
+
+        self.trainer, self.tokenizer, self.every, self.hub = trainer, tokenizer, every, None
+        self.probe_tokens = tokenizer.encode(probe)[: trainer.job.model.seq_length - 1] or [0]
+        target = resolve_target(trainer.chunks)
+        self.named_params = target.named_params()
+        shapes = target.full_param_shapes()
+        self.info = describe_model(trainer.job.model, shapes)
+        self.perturbations = PerturbationSet(trainer.job.model, shapes, max_perturbations)
+        self._active, self._stack = [], contextlib.ExitStack()
+        self.cond = threading.Condition()
+        self.paused, self.steps_allowed, self.closed = paused, 0, False
+
+    def welcome_fields(self) -> dict:
+        from megatronapp.scope_ui.runner import welcome_fields
+
+        return welcome_fields(self.info)
+
+    # -- page controls (event-loop thread) -------------------------------------------------
+    def control(self, action: str) -> None:
+        with self.cond:
+            self.paused = action != "resume"
+            self.steps_allowed = 1 if action == "step" else 0
+            self.cond.notify_all()
+        self._send_state()
+
+    def _send_state(self) -> None:
+        from megatronapp.scope_ui import protocol as P
+
+        if self.hub is not None:
+            self.hub.broadcast(P.TrainState(paused=self.paused, iteration=self.trainer.iteration))
+
+    # -- training thread -------------------------------------------------------------------
+    def wrap(self, on_step):
+        def scoped_on_step(metrics) -> None:
+            on_step(metrics)
+            self.after_step(metrics)
+        return scoped_on_step
+
+    def after_step(self, metrics) -> None:
+        from megatronapp.scope_ui import protocol as P
+        from megatronapp.scope_ui.probe import layer_norms, run_probe
+
+        weights, grads = layer_norms(self.named_params, self.trainer.job.model.num_layers)
+        self.hub.broadcast(P.TrainStep(iteration=metrics.iteration, loss=metrics.loss, lr=metrics.lr,
+                                       grad_norm=metrics.grad_norm, layer_weight_norms=weights,
+                                       layer_grad_norms=grads))
+        if metrics.iteration % self.every == 0:
+            run_probe(self.trainer, self.tokenizer, self.probe_tokens, metrics.iteration, self.hub)
+        self._swap_perturbations()
+        self._wait_while_paused()
+
+    def _swap_perturbations(self) -> None:
+        from megatronapp.scope import perturb
+
+        wanted = list(self.perturbations.specs)
+        if wanted == self._active:
+            return
+        self._stack.close()  # parameter faults get their original bits back here
+        self._stack = contextlib.ExitStack()
+        for spec in wanted:
+            self._stack.enter_context(perturb(self.trainer.chunks, spec))
+        self._active = wanted
+
+    def _wait_while_paused(self) -> None:
+        with self.cond:
+            if self.paused:
+                self._send_state()
+            while self.paused and not self.closed:
+                if self.steps_allowed:
+                    self.steps_allowed -= 1
+                    return
+                self.cond.wait(timeout=0.5)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self._stack.close()

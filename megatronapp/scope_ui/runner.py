@@ -55,6 +55,8 @@ class PerturbationSet:
         """Validated spec from `data` (a seed is drawn and recorded when none is given); ProtocolError."""
         if len(self.specs) >= self.limit:
             raise P.ProtocolError("refused", f"at most {self.limit} perturbations at once")
+        if not isinstance(data.get("target"), dict):
+            raise P.ProtocolError("refused", "perturbation: 'target' must be an object")
         data = dict(data)
         data.setdefault("seed", random.SystemRandom().randrange(2**31))
         try:

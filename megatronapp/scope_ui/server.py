@@ -193,6 +193,10 @@ def build_app(hub: Hub, cfg: ServerConfig):
             return PlainTextResponse("forbidden: wrong host or token", status_code=403)
         return HTMLResponse((static_dir / "index.html").read_text())
 
+    @app.get("/favicon.ico")
+    async def favicon():
+        return PlainTextResponse("", status_code=204)
+
     app.mount("/static", StaticFiles(directory=str(static_dir)), name="static")
 
     @app.websocket("/ws")
@@ -231,6 +235,8 @@ def _receive_one(hub: Hub, client: _Client, frame: dict) -> None:
         hub.handle(client, P.parse_client_text(frame.get("text") or "", hub.limits))
     except P.ProtocolError as e:
         hub.send(client, e.error)
+    except Exception as e:  # a bug must not end the connection or the server; say what failed
+        hub.send(client, P.Error(code="refused", message=f"internal error: {type(e).__name__}: {e}"[:300]))
 
 
 async def _send_loop(client: _Client) -> None:

@@ -1,0 +1,46 @@
+// Training view: loss / LR / grad-norm curves, per-layer weight and gradient norms, probe top-k, controls.
+import { trainControl } from "../protocol.js";
+
+const $ = (id) => document.getElementById(id);
+
+export function setupTraining(send) {
+  $("pause").onclick = () => send(trainControl("pause"));
+  $("resume").onclick = () => send(trainControl("resume"));
+  $("step").onclick = () => send(trainControl("step"));
+}
+
+function curve(svg, xs, ys, label) {
+  const W = +svg.getAttribute("width"), H = +svg.getAttribute("height");
+  const ok = ys.map((y, i) => [xs[i], y]).filter(([, y]) => Number.isFinite(y));
+  svg.dataset.points = String(ok.length);
+  if (!ok.length) { svg.innerHTML = ""; return; }
+  const x0 = ok[0][0], x1 = ok[ok.length - 1][0], lo = Math.min(...ok.map((p) => p[1])), hi = Math.max(...ok.map((p) => p[1]));
+  const sx = (x) => 40 + ((x - x0) / (x1 - x0 || 1)) * (W - 50), sy = (y) => H - 20 - ((y - lo) / (hi - lo || 1)) * (H - 40);
+  const d = ok.map(([x, y], i) => `${i ? "L" : "M"}${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join("");
+  svg.innerHTML = `<text x="40" y="12" font-size="11">${label}: ${ok[ok.length - 1][1].toPrecision(4)}</text>` +
+    `<text x="2" y="${H - 20}" font-size="9">${lo.toPrecision(3)}</text><text x="2" y="28" font-size="9">${hi.toPrecision(3)}</text>` +
+    `<path d="${d}" fill="none" stroke="#1565c0" stroke-width="1.5"/>`;
+}
+
+function bars(title, values) {
+  const max = Math.max(1e-12, ...values.filter(Number.isFinite));
+  return `<div><b>${title}</b>` + values.map((v, l) =>
+    `<div>layer ${l} <span class="bar" style="width:${Math.round(150 * Math.min(1, v / max))}px"></span> ${v.toPrecision(3)}</div>`).join("") + "</div>";
+}
+
+export function renderTraining(train) {
+  const it = train.steps.map((s) => s.iteration);
+  curve($("loss-curve"), it, train.steps.map((s) => s.loss), "loss");
+  curve($("lr-curve"), it, train.steps.map((s) => s.lr), "lr");
+  curve($("gn-curve"), it, train.steps.map((s) => s.grad_norm), "grad norm");
+  const last = train.steps[train.steps.length - 1];
+  $("train-state").textContent = train.paused ? `paused at ${train.iteration ?? last?.iteration}` : `running (step ${last ? last.iteration : 0})`;
+  $("train-state").dataset.paused = String(train.paused);
+  $("layer-stats").innerHTML = last ? `<div class="grid">${bars("weight norm", last.layer_weight_norms)}${bars("grad norm", last.layer_grad_norms)}</div>` : "";
+  const p = train.probe;
+  if (p) {
+    const act = p.layer_act_std.map((s, l) => `layer ${l}: mean ${p.layer_act_mean[l].toPrecision(3)} std ${s.toPrecision(3)}`).join("<br>");
+    $("probe").innerHTML = `<b>probe at step ${p.iteration}</b> next token: ` +
+      p.topk.map((t) => `${JSON.stringify(t.text)} ${t.p.toFixed(3)}`).join(", ") + `<br>${act}`;
+  }
+}

@@ -1,0 +1,234 @@
+"""MegaScope UI server without a browser: same tokens as `megatronapp generate`, limits, security,
+and a fuzz of >= 10,000 malformed messages (the server keeps serving, weights unchanged)."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+
+import pytest
+import torch
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
+
+from megatronapp.cli.main import main
+from megatronapp.scope_ui import protocol as P
+from megatronapp.scope_ui.server import ServerConfig, resolve_token
+from scope_ui_jobs import save_ui_checkpoint, start_generation_server, weights_digest
+
+DIRECT_REPLIES = {"error", "welcome", "perturbations", "role", "run_start"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    path = str(tmp_path_factory.mktemp("ui_ckpt"))
+    save_ui_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    srv = start_generation_server(ckpt, limits=P.Limits(max_messages_per_s=1e9, burst=10**9))
+    yield srv
+    srv.stop()
+
+
+def ws_url(srv, token=None) -> str:
+    return f"ws://127.0.0.1:{srv.port}/ws" + (f"?token={token}" if token else "")
+
+
+def recv_json(ws, timeout=60.0) -> dict:
+    while True:
+        frame = ws.recv(timeout=timeout)
+        if isinstance(frame, str):
+            return json.loads(frame)
+
+
+def generate_over_ws(srv, **settings) -> list[int]:
+    with connect(ws_url(srv), max_size=None) as ws:
+        assert recv_json(ws)["type"] == "welcome"
+        ws.send(json.dumps({"type": "generate", **settings}))
+        tokens, streamed = None, []
+        while tokens is None:
+            msg = recv_json(ws)
+            assert msg["type"] != "error", msg
+            if msg["type"] == "token" and msg["run"] == "clean":
+                streamed.append(msg["id"])
+            if msg["type"] == "run_end" and msg["run"] == "clean":
+                tokens = msg["tokens"]
+    assert streamed == tokens  # what streamed is what the run returned
+    return tokens
+
+
+@pytest.mark.parametrize("sampling", [{}, {"greedy": False, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3}])
+def test_ui_generation_equals_cli_generate(server, ckpt, capsys, sampling):
+    prompt, n = "Once upon a", 10
+    flags = ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"] if sampling else []
+    assert main(["generate", "--load", ckpt, "--prompt", prompt, "--max-new-tokens", str(n), "--device", "cpu",
+                 "--json", *flags]) == 0
+    cli_tokens = json.loads(capsys.readouterr().out)["tokens"][0]
+    ui_tokens = generate_over_ws(server, prompt=prompt, max_new_tokens=n, **sampling)
+    assert ui_tokens == cli_tokens and len(ui_tokens) > 0
+
+
+def test_bit_flip_diverges_and_second_tab_watches(server):
+    with connect(ws_url(server), max_size=None) as driver, connect(ws_url(server), max_size=None) as watcher:
+        assert (recv_json(driver)["role"], recv_json(watcher)["role"]) == ("driver", "watcher")
+        spec = {"kind": "bitflip", "bits": [30], "target": {"site": "residual", "layers": [0], "positions": [3]}}
+        watcher.send(json.dumps({"type": "perturb", "spec": spec}))
+        w = recv_json(watcher)
+        assert w["type"] == "error" and w["code"] == "not_driver"
+        driver.send(json.dumps({"type": "perturb", "spec": spec}))
+        active = recv_json(driver)
+        assert active["type"] == "perturbations" and active["active"][0]["seed"] >= 0
+        driver.send(json.dumps({"type": "generate", "prompt": "Hello there", "max_new_tokens": 6}))
+        seen = {}
+        while "compare" not in seen:
+            msg = recv_json(watcher)  # the watcher sees the whole run too
+            seen.setdefault(msg["type"], msg)
+        assert seen["compare"]["first_divergence"] == 0
+        assert seen["compare"]["layer_diff_norms"][0] > 0
+        driver.send(json.dumps({"type": "clear_perturbations"}))
+        while (msg := recv_json(driver))["type"] != "perturbations":
+            pass
+        assert msg["active"] == []
+
+
+def test_limits_refuse_and_change_nothing(server):
+    digest = weights_digest(server.hub.backend.model)
+    cases = [({"type": "generate", "prompt": "x" * 5000}, "too_large"),
+             ({"type": "generate", "prompt": "hi", "max_new_tokens": 10_000}, "too_large"),
+             ({"type": "generate", "prompt": "hi", "max_new_tokens": 200}, "refused"),  # over seq_length
+             ({"type": "perturb", "spec": {"kind": "bitflip", "target": {"site": "residual", "layers": [99]}}},
+              "refused"),
+             ({"type": "perturb", "spec": {"kind": "evil", "target": {"site": "residual"}}}, "refused"),
+             ({"type": "train_control", "action": "pause"}, "wrong_mode"),
+             ({"type": "hello", "version": 2}, "version"),
+             ({"type": "__import__('os').system('true')"}, "bad_message")]
+    with connect(ws_url(server), max_size=None) as ws:
+        recv_json(ws)
+        ws.send(json.dumps({"type": "take_drive"}))
+        recv_json(ws)
+        for msg, code in cases:
+            ws.send(json.dumps(msg))
+            reply = recv_json(ws)
+            assert reply["type"] == "error" and reply["code"] == code, (msg, reply)
+        ws.send(b"\x00\x01binary")
+        assert recv_json(ws)["code"] == "binary_not_accepted"
+    assert server.hub.backend.perturbations.specs == []
+    assert weights_digest(server.hub.backend.model) == digest
+
+
+def test_rate_limit(ckpt):
+    srv = start_generation_server(ckpt, limits=P.Limits(max_messages_per_s=5, burst=5))
+    try:
+        with connect(ws_url(srv)) as ws:
+            recv_json(ws)
+            for _ in range(20):
+                ws.send(json.dumps({"type": "hello", "version": 1}))
+            codes = [recv_json(ws).get("code") for _ in range(20)]
+        assert codes.count("rate_limited") >= 10 and codes.count(None) >= 5
+    finally:
+        srv.stop()
+
+
+def test_non_loopback_needs_token_and_wrong_token_or_origin_rejected(ckpt, capsys):
+    with pytest.raises(ValueError, match="needs an access token"):
+        ServerConfig(host="0.0.0.0", port=0, token=None)
+    assert len(resolve_token("0.0.0.0", None)) >= 20  # generated when not given
+    assert main(["scope", "serve", "--load", ckpt, "--host", "0.0.0.0", "--port", "-1"]) == 2
+    assert "port must be" in capsys.readouterr().err
+    srv = start_generation_server(ckpt, token="s3cret", host="0.0.0.0")
+    try:
+        for bad in (ws_url(srv), ws_url(srv, "wrong")):
+            with pytest.raises(InvalidStatus):
+                connect(bad)
+        with pytest.raises(InvalidStatus):
+            connect(ws_url(srv, "s3cret"), origin="http://evil.example")
+        with connect(ws_url(srv, "s3cret"), origin=f"http://127.0.0.1:{srv.port}") as ws:
+            assert recv_json(ws)["type"] == "welcome"
+    finally:
+        srv.stop()
+
+
+def _fuzz_message(rng: random.Random) -> str | bytes:
+    kind = rng.randrange(9)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(1, 300))  # binary garbage
+    if kind == 1:
+        return "".join(rng.choice('{}[]":,0123abc\\\x00') for _ in range(rng.randrange(1, 80)))  # bad JSON
+    if kind == 2:
+        return json.dumps({"type": rng.choice(["", "gen", "GENERATE", "eval", "exec", None, 3]), "x": 1})
+    if kind == 3:  # wrong types for real fields
+        bad = rng.choice([None, [], {}, "1", 1.5, -1, 10**30])  # (a valid one would start a generation)
+        field = rng.choice(["prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "greedy"])
+        return json.dumps({"type": "generate", "prompt": "hi", field: bad})
+    if kind == 4:
+        return json.dumps({"type": "generate", "prompt": "a" * rng.randrange(4097, 60_000)})  # over the limit
+    if kind == 5:
+        spec = {"kind": rng.choice(["bitflip", "gaussian", "nope", 1]), "target": rng.choice(
+            [{"site": "residual", "layers": [rng.randrange(-3, 9)]}, {"site": "param", "param": "x"}, [], "t"])}
+        return json.dumps({"type": "perturb", "spec": spec, **({"extra": 1} if rng.random() < 0.3 else {})})
+    if kind == 6:
+        return json.dumps(rng.choice([[], 1, "s", None, {"no": "type"}]))
+    if kind == 7:
+        return "[" * rng.randrange(1, 5000)  # deep nesting
+    return json.dumps({"type": rng.choice(["hello", "train_control", "take_drive", "clear_perturbations"]),
+                       "version": rng.choice([1, 2, "1"]), "action": rng.choice(["pause", "stop", 1])})
+
+
+def _abrupt_disconnect(port: int, rng: random.Random) -> None:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    head = (f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+    s.sendall(head[:rng.randrange(len(head))] if rng.random() < 0.5 else head + rng.randbytes(rng.randrange(1, 50)))
+    s.close()
+
+
+def test_fuzz_ten_thousand_malformed_messages(server):
+    rng = random.Random(1234)
+    model = server.hub.backend.model
+    digest = weights_digest(model)
+    sent = answered = closed = 0
+    while sent < 10_000:
+        try:
+            with connect(ws_url(server), max_size=None, close_timeout=0.5) as ws:
+                recv_json(ws)
+                ws.send(json.dumps({"type": "take_drive"}))
+                recv_json(ws)
+                for _ in range(10):
+                    for _ in range(100):
+                        ws.send(_fuzz_message(rng))
+                        sent += 1
+                    replies = 0
+                    while replies < 100:  # exactly one direct reply per message, in order
+                        msg = recv_json(ws, timeout=30)
+                        assert "internal error" not in msg.get("message", ""), msg
+                        replies += msg["type"] in DIRECT_REPLIES
+                    answered += replies
+        except ConnectionClosed:
+            closed += 1
+        for _ in range(5):
+            _abrupt_disconnect(server.port, rng)
+    assert sent >= 10_000 and answered == sent - closed
+    with connect(ws_url(server), max_size=None) as ws:  # an oversized frame closes that connection only
+        recv_json(ws)
+        ws.send("x" * (5 * P.Limits().max_message_bytes))
+        with pytest.raises(ConnectionClosed):
+            while True:  # (a role message may come first: the driving tab may just have left)
+                assert recv_json(ws, timeout=10)["type"] == "role"
+    server.hub.backend.perturbations.clear()
+    assert len(generate_over_ws(server, prompt="still serving", max_new_tokens=3)) >= 1
+    assert weights_digest(model) == digest
+
+
+def test_train_scope_flag_runs_and_refuses_multi_process(tmp_path, capsys):
+    base = ["train", "--model", "tiny", "--train-iters", "2", "--device", "cpu", "--log-interval", "1",
+            "--global-batch-size", "2", "--micro-batch-size", "1"]
+    assert main(base + ["--scope", "--scope-port", "0", "--scope-every", "1"]) == 0
+    assert "MegaScope training view: http://127.0.0.1:" in capsys.readouterr().out
+    assert main(base + ["--scope", "--nproc-per-node", "2"]) == 2
+    assert "--scope serves one training process" in capsys.readouterr().err

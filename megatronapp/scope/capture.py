@@ -34,10 +34,6 @@ DIMS = {"q": ("batch", "head", "token", "dim"), "k": ("batch", "head", "token", 
         "logit_lens": ("layer", "batch", "k"), "topk": ("batch", "k")}
 
 
-# The default compressed capture: 64 bucket maxima of |x| per token and site, in fp16.
-DEFAULT_COMPRESS = "reduce:op=absmax,width=64;quantize:dtype=fp16"
-
-
 @dataclass(frozen=True)
 class CaptureConfig:
     sites: tuple[str, ...] = DEFAULT_SITES

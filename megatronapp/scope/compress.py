@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The default compressed capture: 64 bucket maxima of |x| per token and site, in fp16.
+DEFAULT_COMPRESS = "reduce:op=absmax,width=64;quantize:dtype=fp16"
+
 
 @dataclass
 class CapturedItem:

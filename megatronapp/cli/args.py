@@ -52,8 +52,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU); fp32 otherwise")
     g.add_argument("--compile", action="store_true", help="torch.compile each block's local math")
+
+    _add_precision_arguments(p)
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help=".txt / Megatron-style .jsonl files or folders; "
@@ -75,6 +76,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR")
     g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS")
+
+
+def _add_precision_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed precision and optimizer (Megatron's; engine.mixed_precision)")
+    g.add_argument("--bf16", action="store_true", help="bf16 params/activations, fp32 main grads and master weights")
+    g.add_argument("--fp16", action="store_true", help="as --bf16 in fp16, with loss scaling")
+    g.add_argument("--loss-scale", type=float, default=TrainConfig.loss_scale, help="static scale; default dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=TrainConfig.initial_loss_scale)
+    g.add_argument("--min-loss-scale", type=float, default=TrainConfig.min_loss_scale)
+    g.add_argument("--loss-scale-window", type=int, default=TrainConfig.loss_scale_window)
+    g.add_argument("--hysteresis", type=int, default=TrainConfig.hysteresis)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and Adam state over DP (ZeRO-1)")
+
+
+_PRECISION_FIELDS = ("bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                     "hysteresis", "use_distributed_optimizer")
 
 
 def _positive(args, names) -> None:
@@ -107,9 +125,9 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
         train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, seed=args.seed,
-        schedule=schedule, bf16=args.bf16, compile=args.compile, overlap_grad_reduce=args.overlap_grad_reduce,
+        schedule=schedule, compile=args.compile, overlap_grad_reduce=args.overlap_grad_reduce,
         log_interval=args.log_interval, save=args.save, load=args.load, save_interval=args.save_interval,
-        metrics_file=args.metrics_file)
+        metrics_file=args.metrics_file, **{k: getattr(args, k) for k in _PRECISION_FIELDS})
     layout = build_layout(world_size, args.tensor_model_parallel_size, pp, vpp)
     job = JobConfig(model=model, train=train, layout=layout)
     validate_job(job)

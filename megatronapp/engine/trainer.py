@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.config import JobConfig
-from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
 from megatronapp.engine.hooks import NULL_TRACER
-from megatronapp.engine.optim import build_optimizer, compute_lr, set_lr
+from megatronapp.engine.mixed_precision import build_grads_and_optimizer, params_dtype
+from megatronapp.engine.optim import compute_lr, set_lr
 from megatronapp.model.gpt import TPContext, apply_compile, build_model_chunks
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.runtime import PipelineRuntime
@@ -29,11 +29,13 @@ class StepMetrics:
     iteration: int  # 1-based count of completed optimizer steps
     loss: float  # mean over microbatches and DP ranks
     lr: float
-    grad_norm: float
+    grad_norm: float  # nan when the step was skipped (fp16 overflow)
     step_time_s: float
     tokens_per_s: float
     # forward+backward compute seconds of every global rank (the previous step's on CUDA)
     rank_compute_s: tuple[float, ...] = ()
+    loss_scale: float | None = None  # fp16 / static loss scale in use for this step
+    skipped_iterations: int = 0  # steps skipped for inf/nan grads so far (Megatron counts them)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -49,16 +51,14 @@ class Trainer:
                                          num_chunks=lay.virtual_pp_size, tp=tp, seed=job.train.seed, device=device)
         if job.train.compile:
             apply_compile(self.chunks)
-        self.reducer = GradReducer(self.chunks, groups.dp, lay.dp_size, overlap=job.train.overlap_grad_reduce,
-                                   bucket_mb=job.train.grad_bucket_mb)
-        self.optimizer = build_optimizer(self.chunks, job.train)
+        self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job.train, groups, device)
         self.schedule = schedule or build_schedule(job.train.schedule, lay.pp_size, lay.virtual_pp_size,
                                                    job.num_microbatches)
         validate_schedule(self.schedule)
         act_shape = (job.train.micro_batch_size, job.model.seq_length, job.model.hidden_size)
         self.runtime = PipelineRuntime(self.chunks, groups, self.schedule, act_shape=act_shape, device=device,
                                        tracer=tracer, reducer=self.reducer, injector=injector,
-                                       autocast_dtype=torch.bfloat16 if job.train.bf16 else None)
+                                       act_dtype=params_dtype(job.train), grad_scale_func=self.optimizer.scale_loss)
         self.iteration = 0  # optimizer steps completed
         self.set_tracer(tracer)
 
@@ -72,7 +72,7 @@ class Trainer:
         t0 = time.perf_counter()
         it = self.iteration
         self.tracer.step_begin(it)
-        lr = compute_lr(it, self.job.train)
+        lr = compute_lr(it - self.optimizer.skipped_iterations, self.job.train)  # skips do not advance it
         set_lr(self.optimizer, lr)
         self.reducer.zero_grad()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
@@ -80,15 +80,15 @@ class Trainer:
         with self.tracer.span("grad_reduce", cat="comm"):
             self.reducer.finish()
         with self.tracer.span("optimizer"):
-            grad_norm = compute_grad_norm(self.chunks, self.groups.tp_rank, self.groups.model_parallel)
-            clip_grads(self.chunks, grad_norm, self.job.train.clip_grad)
-            self.optimizer.step()
+            result = self.optimizer.step()  # unscale + inf check, norm, clip, AdamW, params update
         loss_value, rank_compute = self._reduce_metrics(loss)
         self.tracer.step_end(it)
         self.iteration += 1
         dt = time.perf_counter() - t0
         tokens = self.job.train.global_batch_size * self.job.model.seq_length
-        return StepMetrics(self.iteration, loss_value, lr, float(grad_norm), dt, tokens / dt, rank_compute)
+        grad_norm = float("nan") if result.grad_norm is None else float(result.grad_norm)
+        return StepMetrics(self.iteration, loss_value, lr, grad_norm, dt, tokens / dt, rank_compute,
+                           result.loss_scale, self.optimizer.skipped_iterations)
 
     def _reduce_metrics(self, loss: torch.Tensor | None) -> tuple[float, tuple[float, ...]]:
         """Mean loss over DP ranks and every rank's compute seconds, known on every rank.

@@ -60,7 +60,8 @@ class PipelineRuntime:
     """Runs one optimizer step's forward/backward passes for the chunks of this rank."""
 
     def __init__(self, chunks, groups: ParallelGroups, schedule: PipelineSchedule, *, act_shape,
-                 device, tracer, reducer=None, injector=None, autocast_dtype=None):
+                 device, tracer, reducer=None, injector=None, autocast_dtype=None,
+                 act_dtype=torch.float32, grad_scale_func=None):
         self.chunks, self.groups, self.schedule = chunks, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = {start: end for start, end in comm_batches(self.actions)}
@@ -68,6 +69,8 @@ class PipelineRuntime:
         self.tracer, self.reducer = tracer, reducer
         self.injector = injector or NullInjector()
         self.autocast_dtype = autocast_dtype
+        self.act_dtype = act_dtype  # dtype of activations and their grads between stages
+        self.grad_scale_func = grad_scale_func  # loss scaling (fp16), applied before backward
         self.num_vstages = schedule.pp_size * schedule.num_chunks
         self.compute_timer = ComputeTimer(device)
         self.injector.on_stall = self.compute_timer.add_stall
@@ -138,6 +141,8 @@ class PipelineRuntime:
         grad = None
         if vs != self.num_vstages - 1:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
+        elif self.grad_scale_func is not None:
+            out = self.grad_scale_func(out)
         with self.tracer.span("backward"), self.compute_timer.measure(), self.injector.compute():
             torch.autograd.backward(out, grad)
         if vs != 0:
@@ -153,7 +158,7 @@ class PipelineRuntime:
             if a.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
                 ops.append(dist.P2POp(dist.isend, st.to_send.pop(key).contiguous(), peer))
             else:
-                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                 recv_keys.append((key, buf, peer, len(ops)))
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
         batch = _PostedBatch(dist.batch_isend_irecv(ops))

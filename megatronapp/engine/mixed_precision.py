@@ -64,7 +64,8 @@ def _main_params_of(reducer: GradReducer, tp_rank: int) -> list[list[MainParam]]
             for r in compute_shard_ranges(buf.offsets, [p.numel() for p in buf.params], spans,
                                           reducer.dp_size, reducer.dp_rank):
                 p = buf.params[r.param]
-                main = p.detach().view(-1)[r.start:r.end].float().clone()
+                main = p.detach().view(-1)[r.start:r.end]  # fp32: the param buffer itself
+                main = main if p.dtype == torch.float32 else main.float()
                 main.grad = p.main_grad.view(-1)[r.start:r.end]
                 mains.append(MainParam(p, main, r, _counts(p, tp_rank)))
         else:
@@ -96,6 +97,17 @@ class MixedPrecisionOptimizer:
         self.log_overflow = log_overflow
         # the groups a per-rank sum must cover to count every element once
         self._norm_groups = [groups.model_parallel] + ([groups.dp] if reducer.distributed else [])
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for model state, by kind (Adam's after the first step)."""
+        adam = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                   for t in st.values() if torch.is_tensor(t) and t.ndim > 0)
+        params = [p for buf in self.reducer.buffers for p in buf.params]
+        return {"params": sum(p.numel() * p.element_size() for p in params),
+                "main_grads": sum(buf.grad_data.numel() * 4 for buf in self.reducer.buffers),
+                "main_params": sum(m.main_param.numel() * 4 for m in self.mains
+                                   if m.model_param.dtype != torch.float32),
+                "adam": adam}
 
     @property
     def param_groups(self) -> list[dict]:
@@ -140,7 +152,7 @@ class MixedPrecisionOptimizer:
         return bool(found_inf.item() > 0)
 
     def _copy_main_to_model_params(self) -> None:
-        pairs = [(self._model_view(m), m.main_param) for m in self.mains if m.main_param is not m.model_param]
+        pairs = [(self._model_view(m), m.main_param) for m in self.mains if m.model_param.dtype != torch.float32]
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         # CPU/gloo: complete now; CUDA: each chunk waits in its first forward (pre-hook)
@@ -220,7 +232,7 @@ class MixedPrecisionOptimizer:
         None; the model params themselves must already hold the checkpoint's values."""
         for m in self.mains:
             st = state_of(m.model_param)
-            if m.main_param is not m.model_param:
+            if m.model_param.dtype != torch.float32:
                 source = st["main_param"] if (st and "main_param" in st) else m.model_param.detach()
                 m.main_param.copy_(self._slice(m, source))
             if st is None:

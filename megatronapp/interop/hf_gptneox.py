@@ -140,8 +140,10 @@ def compute_model_config(hf: dict, tokenizer_vocab: int | None = None) -> ModelC
     if vocab > padded:
         raise InteropError(f"vocab_size: {padded} is smaller than the tokenizer's {vocab} ids")
     theta, _, _ = _rope_settings(hf)
+    ffn = get("intermediate_size")
     kwargs = dict(num_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
-                  num_attention_heads=get("num_attention_heads"), ffn_hidden_size=get("intermediate_size"),
+                  num_attention_heads=get("num_attention_heads"),
+                  ffn_hidden_size=0 if ffn == 4 * get("hidden_size") else ffn,  # 0: ModelConfig's "4 x hidden"
                   vocab_size=vocab, make_vocab_size_divisible_by=compute_vocab_divisor(padded, vocab),
                   seq_length=get("max_position_embeddings"), layernorm_epsilon=float(get("layer_norm_eps")),
                   init_method_std=float(get("initializer_range")), rotary_base=theta)

@@ -269,3 +269,26 @@ def test_gptneox_defaults_match_transformers():
         theirs = {"rotary_pct": rope["partial_rotary_factor"], "rotary_emb_base": rope["rope_theta"]}.get(key) \
             if key in ("rotary_pct", "rotary_emb_base") else getattr(default, key)
         assert theirs == value, key
+
+
+def test_vocab_divisor_pads_the_tokenizer_vocab_exactly_to_the_model_vocab():
+    from megatronapp.interop.hf_gptneox import compute_vocab_divisor
+
+    for padded, vocab, expected in [(384, 257, 128), (384, 384, 128), (200, 200, 8), (200, 193, 8),
+                                    (200, 150, 200), (50304, 50277, 128), (7, 7, 1)]:
+        m = compute_vocab_divisor(padded, vocab)
+        assert m == expected and -(-vocab // m) * m == padded
+
+
+def test_expressibility_reads_both_config_styles_and_the_defaults():
+    from megatronapp.interop.hf_gptneox import InteropError, check_expressible
+
+    good = {"model_type": "gpt_neox", "use_parallel_residual": False, "hidden_act": "gelu_pytorch_tanh"}
+    check_expressible({**good, "rotary_pct": 1.0})  # transformers 4.x keys
+    check_expressible({**good, "rope_parameters": {"partial_rotary_factor": 1.0, "rope_theta": 1e4,
+                                                   "rope_type": "default"}})  # 5.x
+    for config, field in [({**good}, "rotary_pct"),  # default 0.25
+                          ({**good, "rope_parameters": {"partial_rotary_factor": 0.5}}, "rotary_pct"),
+                          ({"model_type": "gpt_neox", "rotary_pct": 1.0}, "use_parallel_residual")]:
+        with pytest.raises(InteropError, match=f"^{field}: "):
+            check_expressible(config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -45,6 +45,13 @@ def cluster():
     c.close()
 
 
+def _job(world: int, tp: int = 1, pp: int = 1, **kw):
+    """make_job without dropout (ModelConfig may carry dropout fields): the scored losses are eval-mode."""
+    job = make_job(world, tp, pp, **kw)
+    off = {f.name: 0.0 for f in fields(job.model) if f.name.endswith("dropout")}
+    return replace(job, model=replace(job.model, **off))
+
+
 def train_and_save(rank: int, world: int, job, save_dir: str) -> float:
     """Two steps, save, then the third step's loss: the forward loss of the saved weights on batch 3."""
     groups = build_process_groups(job.layout, rank)
@@ -61,7 +68,7 @@ def checkpoints(cluster, tmp_path_factory):
     out = {}
     for name, (world, tp, pp) in {"tp2_pp2": (4, 2, 2), "tp2": (2, 2, 1)}.items():
         path = str(tmp_path_factory.mktemp(name))
-        out[name] = (path, cluster.run(train_and_save, world, make_job(world, tp, pp), path)[0])
+        out[name] = (path, cluster.run(train_and_save, world, _job(world, tp, pp), path)[0])
     return out
 
 
@@ -95,7 +102,7 @@ def test_export_logits_and_loss_equal_transformers(checkpoints, tmp_path, layout
         theirs = hf(tokens).logits
     assert ours.shape == theirs.shape == (3, 16, 384)
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
-    batch = _third_batch(make_job(1))  # the batch the distributed run scored after saving
+    batch = _third_batch(_job(1))  # the batch the distributed run scored after saving
     with torch.no_grad():
         hf_loss = F.cross_entropy(hf(batch[:, :-1]).logits.flatten(0, 1), batch[:, 1:].flatten()).item()
     assert hf_loss == pytest.approx(dist_loss, rel=1e-5)
@@ -105,9 +112,10 @@ def test_compute_logits_matches_the_engine_loss(checkpoints):
     """compute_logits against the engine's own loss path (a one-process Trainer after load_checkpoint)."""
     ckpt, _ = checkpoints["tp2_pp2"]
     torch.set_num_threads(1)
-    job = make_job(1)
+    job = _job(1)
     trainer = Trainer(job, build_process_groups(job.layout, 0), CPU, RandomTokenBatches(job, 0))
     load_checkpoint(ckpt, trainer)
+    trainer.chunks[0].eval()
     batch = _third_batch(job)
     with torch.no_grad():
         engine_loss = trainer.chunks[0](batch[:, :-1], batch[:, 1:]).item()
@@ -184,7 +192,7 @@ def test_imported_checkpoint_loads_under_tp2_pp2(cluster, tmp_path):
     """The one-shard import re-shards like any checkpoint: TP2 x PP2 scores a batch as transformers does."""
     hf = _random_gptneox(tmp_path / "hf", num_hidden_layers=4)
     assert main(["import", "hf", "--from", str(tmp_path / "hf"), "--save", str(tmp_path / "ck")]) == 0
-    job = replace(make_job(4, 2, 2), model=load_model_config(resolve_checkpoint_folder(tmp_path / "ck")))
+    job = replace(_job(4, 2, 2), model=load_model_config(resolve_checkpoint_folder(tmp_path / "ck")))
     validate_job(job)
     dist_loss = cluster.run(load_and_score, 4, job, str(tmp_path / "ck"))[0]
     data = RandomTokenBatches(job, 0, vocab=200)

@@ -20,7 +20,8 @@ from megatronapp.config import ConfigError, ModelConfig
 # its defaults, so an imported checkpoint that differs there needs a warning.
 _TRAIN_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
-                "seq_length": "--seq-length", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by"}
+                "seq_length": "--seq-length", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
+                "hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout"}
 
 
 def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +65,7 @@ def run_export_hf(args: argparse.Namespace) -> int:
 
 def compute_train_hint(cfg: ModelConfig, save: str, has_tokenizer: bool) -> tuple[str, list[str]]:
     """(the `megatronapp train` flags that rebuild `cfg`, fields no flag can set that differ from defaults)."""
-    flags = [f"{flag} {getattr(cfg, name)}" for name, flag in _TRAIN_FLAGS.items()]
+    flags = [f"{flag} {getattr(cfg, name)}" for name, flag in _TRAIN_FLAGS.items() if hasattr(cfg, name)]
     if has_tokenizer:
         flags.append(f"--tokenizer-model {save}/tokenizer.json")
     default = ModelConfig()

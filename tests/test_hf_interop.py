@@ -118,7 +118,7 @@ def test_compute_logits_matches_the_engine_loss(checkpoints):
     trainer.chunks[0].eval()
     batch = _third_batch(job)
     with torch.no_grad():
-        engine_loss = trainer.chunks[0](batch[:, :-1], batch[:, 1:]).item()
+        engine_loss = trainer.chunks[0](batch[:, :-1], batch[:, 1:]).mean().item()  # per-token losses
     logits = compute_logits(load_full_model(ckpt), batch[:, :-1])
     assert F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item() == pytest.approx(engine_loss, rel=1e-6)
 
@@ -248,9 +248,10 @@ def test_missing_weight_and_bad_paths_are_one_line_errors(checkpoints, tmp_path,
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     del tensors["gpt_neox.layers.1.mlp.dense_4h_to_h.bias"]
     save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    cases = [(["import", "hf", "--from", str(tmp_path / "hf"), "--save", str(tmp_path / "ck")], "dense_4h_to_h.bias"),
-             (["import", "hf", "--from", str(tmp_path / "nowhere"), "--save", str(tmp_path / "ck")], "not found"),
-             (["export", "hf", "--load", str(tmp_path / "hf"), "--out", str(tmp_path / "out")], "no complete checkpoint")]
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    cases = [(["import", "hf", "--from", str(tmp_path / "hf"), "--save", ck], "dense_4h_to_h.bias"),
+             (["import", "hf", "--from", str(tmp_path / "nowhere"), "--save", ck], "not found"),
+             (["export", "hf", "--load", str(tmp_path / "hf"), "--out", out], "no complete checkpoint")]
     for argv, words in cases:
         capsys.readouterr()
         assert main(argv) == 2

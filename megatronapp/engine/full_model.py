@@ -86,15 +86,18 @@ def build_full_model(cfg: ModelConfig, state: dict[str, torch.Tensor],
 
 @torch.no_grad()
 def compute_logits(chunks: list[GPTChunk], tokens: torch.Tensor) -> torch.Tensor:
-    """Full-sequence logits (B, S, padded vocab) of one-process chunks (TP 1) for ids (B, S)."""
-    x = tokens
-    for chunk in chunks:
-        x = chunk(x)  # hidden states (B, S, H) after the chunk's layers; no labels -> no loss
+    """Full-sequence logits (B, S, padded vocab) of one-process chunks (TP 1) for ids (B, S).
+
+    No dropout key is passed, so no hidden dropout; put the chunks in eval mode (as
+    load_full_model does) to turn attention dropout off too.
+    """
     last = chunks[-1]
     if not last.has_head or last.tp.size != 1:
         raise ValueError("compute_logits needs one-process chunks ending with the output head (TP 1)")
-    return last.output(last.final_norm(x))
-
+    x = tokens
+    for chunk in chunks:
+        x = chunk(x)  # hidden states (B, S, H); the head chunk returns logits when given no labels
+    return x
 
 def save_full_checkpoint(save_dir: str | os.PathLike, chunks: list[GPTChunk], *, seed: int = 1234) -> Path:
     """Write one-process `chunks` as an iteration-0 checkpoint in the engine's format.

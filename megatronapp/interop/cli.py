@@ -14,7 +14,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from megatronapp.config import ConfigError, ModelConfig
+from megatronapp.config import MODEL_PRESETS, ConfigError, ModelConfig
 
 # ModelConfig fields `megatronapp train` sets from flags (cli/args.py); the others come from
 # its defaults, so an imported checkpoint that differs there needs a warning.
@@ -41,7 +41,9 @@ def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
     hf = formats.add_parser("hf", help="Hugging Face GPT-NeoX folder the engine's GPT can express")
     hf.add_argument("--from", dest="src", required=True, help="folder with config.json and model.safetensors")
     hf.add_argument("--save", required=True, help="checkpoint folder to create (must not hold one)")
-    hf.set_defaults(func=run_import_hf)
+    train = sub.choices.get("train")  # registered first by cli/main.py; its flags make the printed hint
+    known = {s for a in train._actions for s in a.option_strings} if train else set()
+    hf.set_defaults(func=run_import_hf, train_flags=known, train_preset=train.get_default("model") if train else None)
 
 
 def _fail(exc: Exception) -> int:
@@ -63,14 +65,17 @@ def run_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def compute_train_hint(cfg: ModelConfig, save: str, has_tokenizer: bool) -> tuple[str, list[str]]:
-    """(the `megatronapp train` flags that rebuild `cfg`, fields no flag can set that differ from defaults)."""
-    flags = [f"{flag} {getattr(cfg, name)}" for name, flag in _TRAIN_FLAGS.items() if hasattr(cfg, name)]
+def compute_train_hint(cfg: ModelConfig, save: str, has_tokenizer: bool, train_flags: set[str],
+                       train_preset: str | None) -> tuple[str, list[str]]:
+    """(the `megatronapp train` command that rebuilds `cfg` with the flags it has, the fields
+    no flag sets that differ from those of the preset `train` starts from)."""
+    settable = {name: flag for name, flag in _TRAIN_FLAGS.items() if flag in train_flags and hasattr(cfg, name)}
+    flags = [f"{flag} {getattr(cfg, name)}" for name, flag in settable.items()]
     if has_tokenizer:
         flags.append(f"--tokenizer-model {save}/tokenizer.json")
-    default = ModelConfig()
+    default = MODEL_PRESETS.get(train_preset) or ModelConfig()
     unsettable = [f"{f.name}={getattr(cfg, f.name)}" for f in fields(ModelConfig)
-                  if f.name not in _TRAIN_FLAGS and f.name != "vocab_size"
+                  if f.name not in settable and f.name != "vocab_size"
                   and getattr(cfg, f.name) != getattr(default, f.name)]
     return f"megatronapp train --load {save} " + " ".join(flags), unsettable
 
@@ -84,7 +89,8 @@ def run_import_hf(args: argparse.Namespace) -> int:
         cfg = import_hf(args.src, args.save)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return _fail(exc)
-    hint, unsettable = compute_train_hint(cfg, args.save, (Path(args.save) / "tokenizer.json").is_file())
+    hint, unsettable = compute_train_hint(cfg, args.save, (Path(args.save) / "tokenizer.json").is_file(),
+                                          args.train_flags, args.train_preset)
     if unsettable:
         print(f"megatronapp: warning: {', '.join(unsettable)} differ from the train defaults and have no "
               "`megatronapp train` flag", file=sys.stderr)

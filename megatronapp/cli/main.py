@@ -1,4 +1,4 @@
-"""`megatronapp` command line: train (launching local processes when asked) and trace tools.
+"""`megatronapp` command line: train (launching local processes when asked), trace tools, export/import.
 
     megatronapp train --nproc-per-node 4 --tensor-model-parallel-size 2 ...   # launches 4 ranks
     torchrun --nnodes 2 --nproc-per-node 8 ... -m megatronapp.cli.main train ... # multi-node
@@ -6,6 +6,8 @@
     megatronapp trace detect DIR [--json]
     megatronapp generate --load CKPT --prompt TEXT [--nproc-per-node N ...]
     megatronapp scope capture|report ...
+    megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
+    megatronapp import hf --from DIR --save CKPT
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched.
@@ -37,8 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     from megatronapp.inference.cli import add_generate_subcommand
     from megatronapp.scope.cli import add_scope_subcommands
 
+    from megatronapp.interop.cli import add_interop_subcommands
+
     add_generate_subcommand(sub)
     add_scope_subcommands(sub)
+    add_interop_subcommands(sub)
     return parser
 
 

@@ -143,3 +143,25 @@ def test_static_cache_equals_dynamic_cache(ckpt):
     model.start = lambda b, n, pad: original_start(b, n, pad, static=True)
     static = generate(model, PROMPTS, sampling, eod_id=EOD, vocab_size=VOCAB)
     assert model.cache.static and static.tokens == dynamic.tokens
+
+
+def test_greedy_equals_transformers_on_hf_export(ckpt, tmp_path):
+    """Our batched greedy output equals transformers' GPTNeoX generate on the exported model
+    (left-padded batch with an attention mask on their side, both stopping at end-of-text)."""
+    transformers = pytest.importorskip("transformers")
+    from megatronapp.inference.reference import greedy_generate_from_checkpoint
+    from megatronapp.interop.hf_checkpoint import export_hf
+
+    torch.set_num_threads(1)
+    export_hf(ckpt, tmp_path / "hf")
+    hf = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    width = max(map(len, PROMPTS))
+    ids = torch.full((len(PROMPTS), width), EOD)
+    mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    for i, p in enumerate(PROMPTS):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=EOD)
+    theirs = [row[:row.index(EOD)] if EOD in row else row for row in out[:, width:].tolist()]
+    ours = greedy_generate_from_checkpoint(ckpt, PROMPTS, 9, eod_id=EOD, vocab_size=VOCAB)
+    assert ours == theirs

@@ -79,7 +79,8 @@ class Trainer:
         validate_schedule(self.schedule)
         self.model = GPTPipelineModel(self.chunks, job.model, seed=t.seed, dp_rank=groups.dp_rank,
                                       num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
-                                      tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel)
+                                      tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
+                                      attention_backend=t.attention_backend)
         self.runtime = PipelineRuntime(self.model, groups, self.schedule, device=device, tracer=tracer,
                                        reducer=self.reducer, injector=injector,
                                        grad_scale_func=self.optimizer.scale_loss)

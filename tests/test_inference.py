@@ -33,10 +33,10 @@ def ckpt(tmp_path_factory):
     return str(path)
 
 
-def generate_job(rank: int, world: int, tp: int, pp: int, load_dir: str, sampling: SamplingConfig) -> dict:
+def generate_job(rank: int, world: int, tp: int, pp: int, load_dir: str, samplings) -> list[list[list[int]]]:
+    """New tokens of PROMPTS for each sampling config, on this rank of the layout."""
     model = load_model(rank, world, tp, pp, load_dir)
-    res = generate(model, PROMPTS, sampling, eod_id=EOD, vocab_size=VOCAB)
-    return {"tokens": res.tokens, "finished": res.finished}
+    return [generate(model, PROMPTS, s, eod_id=EOD, vocab_size=VOCAB).tokens for s in samplings]
 
 
 def full_recompute_greedy(model, prompt: list[int], steps: int) -> list[int]:
@@ -63,13 +63,15 @@ def test_kv_cache_batched_equals_full_recompute(ckpt):
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 1), (2, 1, 2), (4, 2, 2)], ids=["tp2", "pp2", "tp2_pp2"])
-def test_greedy_identical_across_layouts(cluster, ckpt, layout):
+def test_greedy_and_seeded_sampling_identical_across_layouts(cluster, ckpt, layout):
     torch.set_num_threads(1)
-    sampling = SamplingConfig(max_new_tokens=9)
-    reference = generate_job(0, 1, 1, 1, ckpt, sampling)
-    results = cluster.run(generate_job, layout[0], *layout[1:], ckpt, sampling)
+    samplings = (SamplingConfig(max_new_tokens=9),
+                 SamplingConfig(max_new_tokens=9, greedy=False, temperature=1.5, top_k=40, top_p=0.95, seed=7))
+    reference = generate_job(0, 1, 1, 1, ckpt, samplings)
+    assert reference[0] != reference[1]  # sampling really samples
+    results = cluster.run(generate_job, layout[0], *layout[1:], ckpt, samplings)
     for r in results:  # every rank reports the same tokens (broadcast from the serving rank)
-        assert r["tokens"] == reference["tokens"]
+        assert r == reference
 
 
 def test_sampling_is_seeded_and_filters():

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
+
 TRAIN = [sys.executable, "-m", "megatronapp.cli.main", "train", "--device", "cpu", "--model", "tiny",
          "--seq-length", "64", "--hidden-size", "64"]
 
@@ -52,6 +54,10 @@ def test_traced_tp2_pp2_dp2_run_merges_into_one_timeline(tmp_path):
     assert {"iteration", "forward", "backward", "optimizer", "send", "recv", "all_reduce"} <= spans
     flows = [e for e in events if e.get("ph") in ("s", "f")]
     assert flows, "expected flow arrows for sends and collectives"
+    assert_flows_forward(trace)
+    stats = trace["otherData"]["megascan"]["merge"]
+    assert stats["arrivals"] == trace["otherData"]["megascan"]["alignment"]["p2p_messages"] > 0
+    assert_perfetto_reads_flows(out, stats["flows"])
 
 
 @pytest.fixture(scope="module")

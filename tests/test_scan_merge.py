@@ -26,6 +26,7 @@ from megatronapp.scan.format import (
     trace_file_name,
 )
 from megatronapp.scan.merge import assign_lanes, merge_traces
+from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 EPOCH_NS = 1_700_000_000_000_000_000  # wall clock of the synthetic hosts at true time 0
 MS = 1_000_000
@@ -274,6 +275,7 @@ def check_chrome_trace(doc: dict, ranks: list[int]) -> dict:
             assert any(x["pid"] == e["pid"] and x["tid"] == e["tid"]
                        and x["ts"] - 5e-4 <= e["ts"] <= x["ts"] + x["dur"] + 5e-4
                        for x in by_ph["X"]), e
+    assert_flows_forward(doc)
     return {"by_ph": by_ph, "flows": flows}
 
 
@@ -286,9 +288,9 @@ def test_merge_writes_valid_gzipped_chrome_trace_atomically(tmp_path):
     doc = load_json(out)
     parts = check_chrome_trace(doc, list(range(8)))
     n_rows = sum(len(rows) for rows in job.rows.values())
-    assert summary.events == len(parts["by_ph"]["X"]) == n_rows and summary.events_per_s > 0
     p2p = [f for f in parts["flows"].values() if f[0]["name"] == "p2p"]
-    assert len(p2p) == sum(1 for k in job.seq if isinstance(k, tuple) for _ in range(job.seq[k]))
+    assert len(p2p) == summary.arrivals == sum(n for k, n in job.seq.items() if isinstance(k, tuple))
+    assert summary.events == n_rows == len(parts["by_ph"]["X"]) - summary.arrivals and summary.events_per_s > 0
     assert len(parts["flows"]) - len(p2p) == 3 * len(job.groups)
     sort = {e["pid"]: e["args"]["sort_index"] for e in parts["by_ph"]["M"] if e["name"] == "process_sort_index"}
     coords = {r: layout.coords(r) for r in range(8)}
@@ -312,7 +314,7 @@ def test_merge_filters_iterations_and_ranks(tmp_path):
     summary = merge_traces(tmp_path, out, iterations=range(2, 4), ranks=[1, 3])
     doc = load_json(out)
     check_chrome_trace(doc, [1, 3])
-    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] != "arrival"]
     assert {e["args"]["iteration"] for e in spans} == {2, 3}
     expected = sum(1 for r in (1, 3) for row in job.rows[r] if row["iteration"] in (2, 3))
     assert summary.events == len(spans) == expected and summary.ranks == [1, 3]
@@ -421,6 +423,8 @@ def test_four_ranks_traced_merged_and_aligned(tmp_path, cluster):
         kinds[chain[0]["name"]] += 1
     assert kinds["p2p"] == (2 + 4) * len(traced)  # 0->2, 1->3 and the 4-message ring
     assert kinds["collective"] == (2 + 2 + 1) * len(traced)  # 2 tp, 2 pp groups, world barrier
+    assert summary.flows == (2 + 4) * len(traced) + (2 + 2 + 3) * len(traced)  # arrows: barrier has 3 hops
+    assert_perfetto_reads_flows(out, summary.flows)
     report = summary.report
     assert report.violations_before > 0 and report.violations == 0
     for r, got in recovered_skews(report).items():

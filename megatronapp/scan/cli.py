@@ -53,7 +53,8 @@ def run_merge(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = summary.report
-    print(f"wrote {summary.out}: {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow events")
+    print(f"wrote {summary.out}: {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows "
+          f"({summary.arrivals} p2p messages)")
     print(f"merged in {summary.seconds:.2f} s ({summary.events_per_s:,.0f} events/s)")
     print(
         f"alignment: {report.anchors} collective anchors, {report.p2p_messages} p2p messages, "

@@ -33,7 +33,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatronapp.parallel.layout import ParallelLayout
+from megatronapp.scan.analysis import analyze_trace_dir
 from megatronapp.scan.detect import DetectConfig, detect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the trace simulator lives with the tests
 
 KINDS = ("none", "slow_compute", "slow_link")
 FAULT_KINDS = KINDS[1:]
@@ -99,9 +102,6 @@ def _suspects_json(report) -> list[dict]:
 
 
 def execute_real_run(run: PlannedRun, args: argparse.Namespace, work: Path) -> RunResult:
-    from megatronapp.scan.align import align_traces
-    from megatronapp.scan.format import load_trace_dir
-
     trace_dir = work / f"run{run.index:03d}"
     t0 = time.perf_counter()
     cmd = build_train_command(run, args, trace_dir)
@@ -114,15 +114,14 @@ def execute_real_run(run: PlannedRun, args: argparse.Namespace, work: Path) -> R
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         return RunResult(run, seconds=time.perf_counter() - t0, error=f"training exited {proc.returncode}: {tail}")
     try:
-        aligned, _ = align_traces(load_trace_dir(trace_dir))
-        report = detect(aligned, config=DetectConfig())
+        report = analyze_trace_dir(trace_dir, DetectConfig()).detection
     except (OSError, ValueError) as exc:
         return RunResult(run, seconds=time.perf_counter() - t0, error=f"detect failed: {exc}")
     return RunResult(run, _suspects_json(report), time.perf_counter() - t0)
 
 
 def execute_synthetic_run(run: PlannedRun, args: argparse.Namespace, layout: ParallelLayout) -> RunResult:
-    from megatronapp.scan.synthetic import SimulatedJob, simulate_job_traces
+    from scan_simulation import SimulatedJob, simulate_job_traces  # tests/, on sys.path above
 
     fault = {}
     if run.kind == "slow_compute":

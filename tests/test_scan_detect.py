@@ -22,15 +22,15 @@ from megatronapp.scan import detect_rules as rules
 from megatronapp.scan.detect import (
     DetectConfig,
     DetectInputError,
-    add_detect_arguments,
     detect,
     render_report,
     report_to_json,
-    run_detect,
 )
+from megatronapp.scan.cli import add_trace_subcommands
 from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
 from megatronapp.scan.format import TraceWriter, trace_file_name
-from megatronapp.scan.synthetic import SimulatedJob, simulate_job_traces
+from megatronapp.scan.matching import index_comm_events
+from scan_simulation import SimulatedJob, simulate_job_traces
 
 LAYOUTS = {
     "PP2xDP2": dict(pp_size=2, dp_size=2),
@@ -99,7 +99,7 @@ def test_tp_victim_waits_inside_forward_but_its_pure_compute_is_normal():
 def test_slow_compute_does_not_make_its_links_look_slow():
     traces = simulate_job_traces(_job("TP2xPP2xDP2", slow_rank=4, slow_factor=2.0))
     ev = {t.rank: rules.build_rank_events(t) for t in traces}
-    messages = rules.collect_p2p_messages(ev, {1, 2, 3, 4, 5})
+    messages = rules.collect_p2p_messages(index_comm_events(traces), ev, {1, 2, 3, 4, 5})
     links = rules.compare_links(messages, {t.rank: t.meta["coords"] for t in traces}, 1.5, 1_000_000)
     touching = [st for (s, d), st in links.items() if 4 in (s, d)]
     assert len(touching) == 2
@@ -260,8 +260,9 @@ def _write_trace_dir(path: Path, traces, skew_ns: dict[int, int]) -> None:
 
 def _cli(argv):
     parser = argparse.ArgumentParser()
-    add_detect_arguments(parser)
-    return run_detect(parser.parse_args(argv))
+    add_trace_subcommands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["trace", "detect", *argv])
+    return args.func(args)
 
 
 def test_cli_aligns_skewed_clocks_and_reports(tmp_path, capsys):

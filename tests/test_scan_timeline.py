@@ -11,7 +11,7 @@ import pytest
 from megatronapp.scan.format import TraceWriter, trace_file_name
 from megatronapp.scan.matching import CommEnd, index_comm_events
 from megatronapp.scan.merge import ARRIVAL_NS, merge_traces, place_arrival
-from megatronapp.scan.synthetic import SimulatedJob, simulate_job_traces
+from scan_simulation import SimulatedJob, simulate_job_traces
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatronapp import spans
 from megatronapp.config import JobConfig
 from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
 from megatronapp.engine.hooks import NULL_TRACER
@@ -77,9 +78,9 @@ class Trainer:
         self.reducer.zero_grad()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
         loss = self.runtime.run(microbatches)
-        with self.tracer.span("grad_reduce", cat="comm"):
+        with self.tracer.span(spans.GRAD_REDUCE, cat=spans.CAT_COMM):
             self.reducer.finish()
-        with self.tracer.span("optimizer"):
+        with self.tracer.span(spans.OPTIMIZER):
             grad_norm = compute_grad_norm(self.chunks, self.groups.tp_rank, self.groups.model_parallel)
             clip_grads(self.chunks, grad_norm, self.job.train.clip_grad)
             self.optimizer.step()

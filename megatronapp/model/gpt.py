@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronapp import spans
 from megatronapp.config import ModelConfig
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.parallel.layers import (
@@ -123,9 +124,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None) -> torch.Tensor:
         if tracer is None:
             return self.mlp(self.attention(x, cos, sin))
-        with tracer.layer_span("attention", self.layer):
+        with tracer.layer_span(spans.ATTENTION, self.layer):
             x = self.attention(x, cos, sin)
-        with tracer.layer_span("mlp", self.layer):
+        with tracer.layer_span(spans.MLP, self.layer):
             return self.mlp(x)
 
 
@@ -169,7 +170,7 @@ class GPTChunk(nn.Module):
             return x
         if self.tracer is None:
             return self._loss(x, labels)
-        with self.tracer.span("loss"):
+        with self.tracer.span(spans.LOSS):
             return self._loss(x, labels)
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatronapp import spans
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
@@ -119,7 +120,7 @@ class PipelineRuntime:
         labels = tokens[:, 1:] if is_last else None
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
-        with self.tracer.span("forward"), self.compute_timer.measure(), self.injector.compute(), autocast:
+        with self.tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute(), autocast:
             out = self.chunks[a.chunk](x, labels)
         if is_last:
             out = out / self.schedule.num_microbatches
@@ -138,7 +139,7 @@ class PipelineRuntime:
         grad = None
         if vs != self.num_vstages - 1:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
-        with self.tracer.span("backward"), self.compute_timer.measure(), self.injector.compute():
+        with self.tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute():
             torch.autograd.backward(out, grad)
         if vs != 0:
             x = st.inputs.pop((a.chunk, a.microbatch))

@@ -1,4 +1,5 @@
-"""`megatronapp trace ...` subcommands: merge (here) and detect (scan/detect.py).
+"""`megatronapp trace ...` subcommands: argument parsing and printing; the work is in the
+analysis modules (merge.py, analysis.py -> align.py, detect.py).
 
 The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser sets
 `func`, which takes the parsed namespace and returns the process exit code.
@@ -7,8 +8,11 @@ The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
+from megatronapp.scan.analysis import analyze_trace_dir
+from megatronapp.scan.detect import DetectConfig, render_report, report_to_json
 from megatronapp.scan.format import TraceFormatError
 from megatronapp.scan.merge import merge_traces
 
@@ -65,22 +69,27 @@ def run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _detect_unavailable(reason: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"error: `trace detect` is unavailable: cannot import megatronapp.scan.detect ({reason})", file=sys.stderr)
+def run_detect(args: argparse.Namespace) -> int:
+    """Handler of `trace detect`: load, align, detect, print. Exit code 0 nobody found, 3 suspects
+    found, 2 bad input."""
+    its = args.iterations  # a range from parse_iteration_range, or None
+    try:
+        config = DetectConfig(iterations=None if its is None else (its.start, its.stop))
+        report = analyze_trace_dir(args.trace_dir, config).detection
+    except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
+        print(f"megatronapp trace detect: {exc}", file=sys.stderr)
         return 2
-
-    return run
+    print(json.dumps(report_to_json(report), indent=2) if args.json else render_report(report), end="\n")
+    return 3 if report.suspects else 0
 
 
 def _add_detect(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("detect", help="find slow ranks and slow links in a trace directory")
-    try:
-        from megatronapp.scan.detect import add_detect_arguments, run_detect
-    except ImportError as exc:
-        parser.set_defaults(func=_detect_unavailable(str(exc)))
-        return
-    add_detect_arguments(parser)
+    parser.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--iterations", type=parse_iteration_range, default=None, metavar="A:B",
+                        help="analyse iterations A..B-1 only (also A:, :B, A); "
+                             "default: every complete iteration, warm-up skipped")
     parser.set_defaults(func=run_detect)
 
 

@@ -35,10 +35,8 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
-import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +47,7 @@ from rich.table import Table
 
 from megatronapp.scan import detect_path as paths
 from megatronapp.scan import detect_rules as rules
-from megatronapp.scan.align import align_traces
-from megatronapp.scan.format import load_trace_dir
+from megatronapp.scan.matching import index_comm_events
 
 CAUSES = ("slow_compute", "slow_link")
 _BASIS_WEIGHT = {"dp_replicas": 1.0, "tp_peers": 0.9, "pipeline_stages": 0.6}
@@ -278,9 +275,10 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     spans = {r: rules.compute_pure_spans(ev, its) for r, ev in events.items()}
     basis, peers = rules.build_compute_peers(coords, layout)
     compute = rules.compare_compute(spans, peers, basis, layout.get("pp_size", 1), coords, config.compute_min_ratio)
-    instances = rules.collect_collectives(events, its)
+    index = index_comm_events(traces)
+    instances = rules.collect_collectives(index, events, its)
     stragglers = rules.compute_straggler_stats(instances)
-    messages = rules.collect_p2p_messages(events, its)
+    messages = rules.collect_p2p_messages(index, events, its)
     links = rules.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
                                 config.link_peer_quantile)
     suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
@@ -355,31 +353,3 @@ def render_report(report: DetectionReport, width: int | None = None) -> str:
     for note in report.notes:
         console.print(f"note: {note}", markup=False)
     return console.export_text()
-
-
-# -- CLI glue --------------------------------------------------------------------------------
-
-
-def add_detect_arguments(parser) -> None:
-    """Arguments of `megatronapp trace detect`."""
-    parser.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    from megatronapp.scan.cli import parse_iteration_range  # same A:B syntax as `trace merge`
-
-    parser.add_argument("--iterations", type=parse_iteration_range, default=None, metavar="A:B",
-                        help="analyse iterations A..B-1 only (also A:, :B, A); "
-                             "default: every complete iteration, warm-up skipped")
-
-
-def run_detect(args) -> int:
-    """Load, align, detect, print. Exit code: 0 nobody found, 3 suspects found, 2 bad input."""
-    try:
-        traces = load_trace_dir(args.trace_dir)
-        aligned, _ = align_traces(traces)
-        its = args.iterations  # a range from parse_iteration_range, or None
-        report = detect(aligned, config=DetectConfig(iterations=None if its is None else (its.start, its.stop)))
-    except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
-        print(f"megatronapp trace detect: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report_to_json(report), indent=2) if args.json else render_report(report), end="\n")
-    return 3 if report.suspects else 0

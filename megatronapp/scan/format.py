@@ -33,10 +33,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from megatronapp.spans import CATEGORIES
+
 SCHEMA_VERSION = 1
 META_FIELD = b"megascan"
 FILE_SUFFIX = ".mscan"
-CATEGORIES = ("step", "compute", "comm", "user", "calib")
 META_KEYS = (
     "schema_version", "rank", "world_size", "coords", "layout",
     "host", "device", "run_id", "clock", "run",

@@ -32,23 +32,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from megatronapp import spans as S
 from megatronapp.scan.tracer import NOOP_SPAN
 
 # Wrapped function -> (op name in the trace, name of the argument whose bytes count).
 COLLECTIVES = {
-    "all_reduce": ("all_reduce", "tensor"),
-    "all_gather": ("all_gather", "tensor"),
-    "all_gather_into_tensor": ("all_gather", "input_tensor"),
-    "all_gather_single": ("all_gather", "input_tensor"),  # newer name of the above
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter": ("reduce_scatter", "input_list"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "broadcast": ("broadcast", "tensor"),
-    "barrier": ("barrier", None),
-    "all_to_all_single": ("all_to_all", "input"),
-    "all_to_all": ("all_to_all", "input_tensor_list"),
+    "all_reduce": (S.ALL_REDUCE, "tensor"),
+    "all_gather": (S.ALL_GATHER, "tensor"),
+    "all_gather_into_tensor": (S.ALL_GATHER, "input_tensor"),
+    "all_gather_single": (S.ALL_GATHER, "input_tensor"),  # newer name of the above
+    "reduce_scatter_single": (S.REDUCE_SCATTER, "input"),
+    "reduce_scatter": (S.REDUCE_SCATTER, "input_list"),
+    "reduce_scatter_tensor": (S.REDUCE_SCATTER, "input"),
+    "broadcast": (S.BROADCAST, "tensor"),
+    "barrier": (S.BARRIER, None),
+    "all_to_all_single": (S.ALL_TO_ALL, "input"),
+    "all_to_all": (S.ALL_TO_ALL, "input_tensor_list"),
 }
-P2P = {"send": "send", "recv": "recv", "isend": "send", "irecv": "recv"}
+P2P = {"send": S.SEND, "recv": S.RECV, "isend": S.SEND, "irecv": S.RECV}
 _MODULES = (dist, c10d)
 # Only the names this torch version has (the *_single ones are recent).
 _WRAPPED = tuple(n for n in (*COLLECTIVES, *P2P, "batch_isend_irecv") if hasattr(c10d, n))
@@ -206,7 +207,7 @@ class DistributedInstrumentation:
     def wrap_p2p(self, fn_name: str, original: Callable) -> Callable:
         op = P2P[fn_name]
         is_async = fn_name.startswith("i")
-        peer_arg = "dst" if op == "send" else "src"
+        peer_arg = "dst" if op == S.SEND else "src"
         params = {p: i for i, p in enumerate(inspect.signature(original).parameters)}
 
         @functools.wraps(original)
@@ -224,7 +225,7 @@ class DistributedInstrumentation:
                 bytes=_nbytes(_arg(params, args, kwargs, "tensor")) if active else 0,
             )
             result = self._call(original, *args, **kwargs)
-            if op == "recv" and not is_async and peer < 0 and isinstance(result, int) and result >= 0:
+            if op == S.RECV and not is_async and peer < 0 and isinstance(result, int) and result >= 0:
                 # recv from any source: the sender is known only now.
                 self.counters.next_p2p(result, self.rank)
             return self._end([span], result, is_async)
@@ -232,7 +233,7 @@ class DistributedInstrumentation:
         return wrapper
 
     def _pair(self, op: str, peer: int) -> tuple[int, int]:
-        return (self.rank, peer) if op == "send" else (peer, self.rank)
+        return (self.rank, peer) if op == S.SEND else (peer, self.rank)
 
     def wrap_batch(self, original: Callable) -> Callable:
         @functools.wraps(original)
@@ -250,7 +251,7 @@ class DistributedInstrumentation:
                     ))
                 # torch tells sends from recvs by `op is isend` against the module global,
                 # which is our wrapper now; ops built before install hold the original.
-                current = getattr(c10d, "isend" if op == "send" else "irecv")
+                current = getattr(c10d, "isend" if op == S.SEND else "irecv")
                 restore.append((p2p_op, p2p_op.op))
                 p2p_op.op = current
             try:

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatronapp.engine.spans import P2P_OPS, SYNC_COLLECTIVES
+from megatronapp.spans import P2P_OPS, SYNC_COLLECTIVES
 
 MessageKey = tuple[int, int, int]  # (src, dst, seq)
 InstanceKey = tuple[str, int]  # (group, seq)

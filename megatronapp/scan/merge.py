@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatronapp.engine.spans import ARRIVAL
+from megatronapp.spans import ARRIVAL
 from megatronapp.scan.align import AlignmentReport, align_traces
 from megatronapp.scan.format import RankTrace, build_event_batch, load_trace_dir
 from megatronapp.scan.matching import CommEnd, CommIndex, MessageKey, add_rank_comm, comm_rows

@@ -1,8 +1,9 @@
 """The span vocabulary: every category, span name and comm op the engine records and MegaScan reads.
 
-Defined here, in the engine, because the engine emits these names and must not import the
-scanner; MegaScan (megatronapp.scan) imports them from here. A new span kind is added once,
-in this file, and both sides see it.
+Defined here, at the bottom of the import graph next to config.py, because the engine, the
+pipeline runtime and the model emit these names and must not import the scanner; MegaScan
+(megatronapp.scan) imports them from here too. A new span kind is added once, in this file,
+and both sides see it.
 """
 
 from __future__ import annotations

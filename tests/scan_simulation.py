@@ -63,7 +63,8 @@ class SimulatedJob:
     slow_link: tuple[int, int] | None = None  # (src, dst) global ranks
     link_delay_ns: int = 0  # added to every transfer on slow_link
     # "transfer": each message arrives link_delay_ns later (a slow wire); "before_wait": the
-    # receiver sleeps link_delay_ns before waiting (megatronapp.engine.faults on CPU), which a
+    # receiver sleeps link_delay_ns before waiting (the engine's CPU injection before late-arrival
+    # Works, kept to compare), which a
     # sender later than the delay hides completely.
     link_delay_mode: str = "transfer"
 

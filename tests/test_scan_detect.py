@@ -129,6 +129,13 @@ def test_slow_link_is_found_under_the_engines_receiver_sleep_injection():
     assert [(s.cause, s.link) for s in _run(job).suspects] == [("slow_link", (6, 2))]
 
 
+@pytest.mark.parametrize("layout,slow_rank,link", [("TP2xPP2xDP2", 1, (6, 2)), ("PP2xDP2", 3, (0, 2))])
+def test_two_simultaneous_faults_are_both_named(layout, slow_rank, link):
+    job = _job(layout, slow_rank=slow_rank, slow_factor=1.8, slow_link=link, link_delay_ns=8_000_000, seed=5)
+    found = {(s.cause, s.rank if s.cause == "slow_compute" else s.link) for s in _run(job).suspects}
+    assert found == {("slow_compute", slow_rank), ("slow_link", link)}
+
+
 def test_critical_path_follows_the_wait_to_the_sender():
     # rank 0 computes 0..10 ms and sends; rank 1 posts its recv at 1 ms, gets the data at
     # 12 ms (2 ms on the wire), computes until 20 ms. The path is rank 1's tail, the wire,

@@ -15,6 +15,7 @@ from megatronapp.scan.analysis import analyze_trace_dir
 from megatronapp.scan.detect import DetectConfig, render_report, report_to_json
 from megatronapp.scan.format import TraceFormatError
 from megatronapp.scan.merge import merge_traces
+from megatronapp.scan.trace_run import add_trace_run_arguments
 
 _NO_END = 2**31 - 1
 
@@ -96,7 +97,7 @@ def _add_detect(sub: argparse._SubParsersAction) -> None:
 def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `trace merge` and `trace detect` under `subparsers`; returns the `trace` parser."""
     trace = subparsers.add_parser("trace", help="MegaScan traces: merge into one timeline, detect slow ranks")
-    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect}", required=True)
+    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect,run}", required=True)
     merge = sub.add_parser("merge", help="merge rank*.mscan files into a Chrome/Perfetto trace JSON")
     merge.add_argument("dir", help="trace directory holding rank*.mscan files")
     merge.add_argument("-o", "--out", required=True, help="output JSON path (gzipped when it ends in .gz)")
@@ -105,4 +106,5 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.Ar
     merge.add_argument("--ranks", type=parse_rank_list, default=None, help="ranks to merge, e.g. 0,1,4-7")
     merge.set_defaults(func=run_merge)
     _add_detect(sub)
+    add_trace_run_arguments(sub.add_parser("run", help="trace an unmodified PyTorch program: run -- SCRIPT.py ARGS"))
     return trace

@@ -13,8 +13,8 @@ active. Async calls (async_op=True, isend/irecv, batch_isend_irecv) return a
 Calls made from inside a wrapped call (send -> isend, batch_isend_irecv -> isend)
 are passed straight through, so each user-visible call is counted once.
 
-Limits: only the Python API is seen (DDP's C++ reducer and functional collectives are
-not); `isinstance(work, torch.distributed.Work)` is False for a wrapped Work; a
+Limits: only the Python API is seen (functional collectives are not; DDP's C++ reducer
+only through the comm hook that zero-code tracing installs, see autotrace.py); `isinstance(work, torch.distributed.Work)` is False for a wrapped Work; a
 `P2POp` built while instrumented holds the wrapper as its op and should not be
 reused after uninstalling.
 """
@@ -93,12 +93,20 @@ class TracedWork:
         self._done()
         return result
 
+    def get_future(self) -> Any:
+        """The Work's future; the spans end when it completes, for callers that never wait()
+        (DDP comm hooks, FSDP2 on some paths)."""
+        future = self._work.get_future()
+        future.add_done_callback(lambda _: self._done())
+        return future
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
 def _finisher(spans: list, parts: int) -> Callable[[], None]:
-    """Callback ending `spans` once it has been called `parts` times (once per Work)."""
+    """Callback ending `spans` once it has been called `parts` times (once per Work; later
+    calls, e.g. wait() after the future completed, change nothing)."""
     remaining = [parts]
 
     def done() -> None:
@@ -169,7 +177,7 @@ class DistributedInstrumentation:
             return result  # untraced iteration: hand back torch's own objects
         if is_async and isinstance(result, list) and result:
             if len(result) == len(spans):  # one Work per op: time each op on its own
-                return [TracedWork(w, s.finish) for w, s in zip(result, spans)]
+                return [TracedWork(w, _finisher([s], 1)) for w, s in zip(result, spans)]
             done = _finisher(spans, len(result))  # coalesced: spans end with the last Work
             return [TracedWork(w, done) for w in result]
         if is_async and result is not None and not isinstance(result, list):

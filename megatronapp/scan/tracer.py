@@ -396,6 +396,16 @@ class Tracer:
         if window_done and due:
             self._flush()
 
+    def cancel_step(self) -> None:
+        """Close the current iteration without recording it (its spans are dropped too): for
+        the unfinished tail of a program, whose teardown is not an iteration."""
+        if self._active:
+            dropped = [r for r in self._records if r[4] == self._iteration]
+            self._records = [r for r in self._records if r[4] != self._iteration]
+            self._clock.release([m for r in dropped for m in (r[2], r[3])])
+        self._step_span = None
+        self._active = self._layers_active = False
+
     @contextmanager
     def step(self, iteration: int) -> Iterator[None]:
         """`with tracer.step(i):` is step_begin(i) ... step_end(i), for plain scripts."""

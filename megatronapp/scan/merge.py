@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from megatronapp.spans import ARRIVAL
 from megatronapp.scan.align import AlignmentReport, align_traces
-from megatronapp.scan.format import RankTrace, build_event_batch, load_trace_dir
+from megatronapp.scan.format import RankTrace, build_event_batch, filter_iterations, load_trace_dir
 from megatronapp.scan.matching import CommEnd, CommIndex, MessageKey, add_rank_comm, comm_rows
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
@@ -330,6 +330,13 @@ def merge_traces(
     complete file. Raises what load_trace_dir raises for missing or malformed files."""
     began = time.perf_counter()
     traces, report = align_traces(load_trace_dir(trace_dir, ranks=ranks, iterations=iterations))
+    return write_merged(traces, report, out, began)
+
+
+def write_merged(traces: list[RankTrace], report: AlignmentReport, out: str | os.PathLike,
+                 began: float | None = None) -> MergeSummary:
+    """Write aligned `traces` as one Chrome trace JSON at `out`, atomically (gzip if .gz)."""
+    began = time.perf_counter() if began is None else began
     origin = compute_time_origin(traces)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -350,3 +357,27 @@ def merge_traces(
         raise
     return MergeSummary(out=str(path), ranks=[t.rank for t in traces], events=spans, arrivals=written.arrivals,
                         flows=written.flows, seconds=seconds, report=report)
+
+
+def split_output_name(out: str | os.PathLike, first: int, last: int) -> Path:
+    """timeline.json.gz -> timeline.iter00010-00019.json.gz (iterations first..last)."""
+    path = Path(out)
+    name, dot, rest = path.name.partition(".")
+    return path.with_name(f"{name}.iter{first:05d}-{last:05d}{dot}{rest}")
+
+
+def merge_traces_split(trace_dir: str | os.PathLike, out: str | os.PathLike, per_file: int,
+                       ranks: Sequence[int] | None = None) -> list[MergeSummary]:
+    """Like merge_traces, but one file per `per_file` consecutive traced iterations (named by
+    split_output_name), so each stays small enough for the Perfetto UI. Clocks are aligned
+    once, on the whole trace. Messages and collectives crossing a file boundary get no arrow."""
+    if per_file < 1:
+        raise ValueError(f"iterations per file must be >= 1, got {per_file}")
+    traces, report = align_traces(load_trace_dir(trace_dir, ranks=ranks))
+    present = sorted(set().union(*(set(pc.unique(t.events.column("iteration")).to_pylist()) for t in traces)) - {-1})
+    summaries = []
+    for k in range(0, len(present), per_file):
+        chunk = present[k:k + per_file]
+        part = [replace(t, events=filter_iterations(t.events, set(chunk))) for t in traces]
+        summaries.append(write_merged(part, report, split_output_name(out, chunk[0], chunk[-1])))
+    return summaries

@@ -29,6 +29,7 @@ from megatronapp.spans import COMPUTE_KINDS, ITERATION, NESTED_NON_COMPUTE, UNKE
 
 _MAD_TO_SIGMA = 1.4826
 _MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
+_EXACT_PEER_LINKS = 32  # link classes up to this size compare each link with the others only
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,10 @@ def build_compute_peers(coords: dict[int, dict], layout: dict) -> tuple[str, dic
         basis, same = "pipeline_stages", ("tp", "dp")
     else:
         return "none", {}
-    peers = {r: tuple(sorted(p for p, pc in coords.items() if p != r and all(pc[k] == c[k] for k in same)))
-             for r, c in coords.items()}
+    by_key: dict[tuple, list[int]] = defaultdict(list)  # grouped once: linear in the ranks
+    for r in sorted(coords):
+        by_key[tuple(coords[r][k] for k in same)].append(r)
+    peers = {r: tuple(p for p in by_key[tuple(c[k] for k in same)] if p != r) for r, c in coords.items()}
     if basis == "pipeline_stages":  # middle stages are the clean reference: edges do extra work
         last = layout["pp_size"] - 1
         for r, ps in peers.items():
@@ -372,13 +375,25 @@ def compare_links(messages: list[P2PMessage], coords: dict[int, dict], min_ratio
     transfers = {link: np.array([m.transfer_ns for m in ms], dtype=float) for link, ms in by_link.items()}
     medians = {link: float(np.median(t)) for link, t in transfers.items()}
     cls = _link_classes(by_link, coords)
+    members: dict[tuple, list] = defaultdict(list)
+    for link in by_link:
+        members[cls[link]].append(link)
+    pooled = {}  # large classes: one link barely moves the class's reference, so include it (linear time)
+    for key, links in members.items():
+        if len(links) > _EXACT_PEER_LINKS:
+            pooled[key] = (float(np.median([medians[o] for o in links])),
+                           float(np.quantile(np.concatenate([transfers[o] for o in links]), peer_quantile)))
     out = {}
     for link, ms in by_link.items():
-        others = [o for o in by_link if o != link and cls[o] == cls[link]]
+        others = [o for o in members[cls[link]] if o != link]
         if not others:
             continue
-        ref = max(float(np.median([medians[o] for o in others])), 1.0)
-        high = float(np.quantile(np.concatenate([transfers[o] for o in others]), peer_quantile))
+        if cls[link] in pooled:
+            ref, high = pooled[cls[link]]
+            ref = max(ref, 1.0)
+        else:
+            ref = max(float(np.median([medians[o] for o in others])), 1.0)
+            high = float(np.quantile(np.concatenate([transfers[o] for o in others]), peer_quantile))
         t = transfers[link]
         slow = (t >= min_ratio * ref) & (t - ref >= min_excess_ns) & (t >= high)
         per_it = defaultdict(float)

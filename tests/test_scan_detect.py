@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -318,29 +316,3 @@ def test_online_detector_ignores_noise_and_checks_input():
         det.update(50, [1.0, 1.0])
     with pytest.raises(ValueError):
         OnlineDetectConfig(min_ratio=1.0)
-
-
-# -- evaluation harness ----------------------------------------------------------------------
-
-
-def test_eval_harness_synthetic_mode(tmp_path, capsys, monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scan_eval.py"
-    spec = importlib.util.spec_from_file_location("scan_eval", path)
-    scan_eval = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "scan_eval", scan_eval)  # dataclasses look their module up
-    spec.loader.exec_module(scan_eval)
-    assert scan_eval.main(["--synthetic", "--runs", "6", "--seed", "3", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "scan_eval.json").read_text())
-    assert [r["kind"] for r in doc["runs"]] == ["none", "slow_compute", "slow_link"] * 2
-    for kind in ("slow_compute", "slow_link"):
-        assert doc["scores"][kind]["runs"] == 2
-        assert doc["scores"][kind]["recall"] == 1.0
-        assert doc["scores"][kind]["false_alarms"] == 0
-    assert "top-1 accuracy" in capsys.readouterr().out
-    # Scoring counts a wrong culprit as a miss and a clean-run suspect as a false alarm.
-    runs = [scan_eval.PlannedRun(0, "none"), scan_eval.PlannedRun(1, "slow_compute", rank=3, factor=1.5)]
-    fake = [scan_eval.RunResult(runs[0], [{"rank": 1, "cause": "slow_compute", "link": None, "confidence": .5}]),
-            scan_eval.RunResult(runs[1], [{"rank": 2, "cause": "slow_compute", "link": None, "confidence": .9},
-                                          {"rank": 3, "cause": "slow_compute", "link": None, "confidence": .8}])]
-    s = scan_eval.compute_scores(fake)["slow_compute"]
-    assert (s["recall"], s["top1_accuracy"], s["precision"], s["false_alarms"]) == (1.0, 0.0, round(1 / 3, 3), 1)

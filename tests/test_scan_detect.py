@@ -1,6 +1,6 @@
 """MegaScan detection on simulated jobs: the culprit is named, victims and clean runs are not.
 
-Traces come from megatronapp.scan.synthetic, which simulates the waiting of every victim
+Traces come from tests/scan_simulation.py, which simulates the waiting of every victim
 (recv, TP all-reduce, grad_reduce) around an injected slow rank or slow link, with noise.
 """
 

@@ -118,8 +118,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-interval", type=int, default=1, help="trace K iterations every N")
     g.add_argument("--continuous-trace-iterations", type=int, default=1)
     g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
-    g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR")
-    g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS")
+    g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
+    g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
 
 
 def _positive(args, names) -> None:

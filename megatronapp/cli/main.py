@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args, argv)
-    if hasattr(args, "run"):  # commands that may launch ranks themselves (generate, scope capture)
-        return args.run(args, argv)
+    if hasattr(args, "run_with_argv"):  # commands that may launch ranks themselves (generate, scope capture)
+        return args.run_with_argv(args, argv)
     return args.func(args)
 
 

@@ -148,7 +148,7 @@ def add_scope_subcommands(sub) -> None:
     cap.add_argument("--json", action="store_true")
     cap.add_argument("--tokenizer-model", default=None)
     add_layout_arguments(cap)
-    cap.set_defaults(run=lambda args, argv: run_command(args, argv, check_capture_args, capture_worker,
+    cap.set_defaults(run_with_argv=lambda args, argv: run_command(args, argv, check_capture_args, capture_worker,
                                                         render_capture))
     rep = cmds.add_parser("report", help="render PNG heatmaps, attention maps and PCA of a capture file")
     rep.add_argument("file")

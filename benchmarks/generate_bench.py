@@ -8,7 +8,7 @@ Without --load, a checkpoint of the preset (random init, vocab 50304) is written
 folder. Variants are interleaved in rounds (ours-off, ours-capture, hf, ours-off, ...); each
 figure is the median over rounds with min/max. Decode tokens/s counts new tokens after the
 first (prefill excluded), batch 1, no stop at end-of-text. "capture" is the default
-compressed capture (scope.sites.DEFAULT_SITES, scope.capture.DEFAULT_COMPRESS).
+compressed capture (scope.sites.DEFAULT_SITES, scope.compress.DEFAULT_COMPRESS).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from megatronapp.engine.trainer import Trainer
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model, read_model_config
 from megatronapp.parallel.groups import single_process_groups
-from megatronapp.scope.capture import DEFAULT_COMPRESS, capture
+from megatronapp.scope.capture import capture
+from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
 
 

@@ -33,10 +33,10 @@ def ckpt(tmp_path_factory):
     return str(path)
 
 
-def generate_job(rank: int, world: int, tp: int, pp: int, load_dir: str, sampling: SamplingConfig) -> dict:
+def generate_job(rank: int, world: int, tp: int, pp: int, load_dir: str, samplings) -> list[list[list[int]]]:
+    """New tokens of PROMPTS for each sampling config, on this rank of the layout."""
     model = load_model(rank, world, tp, pp, load_dir)
-    res = generate(model, PROMPTS, sampling, eod_id=EOD, vocab_size=VOCAB)
-    return {"tokens": res.tokens, "finished": res.finished}
+    return [generate(model, PROMPTS, s, eod_id=EOD, vocab_size=VOCAB).tokens for s in samplings]
 
 
 def full_recompute_greedy(model, prompt: list[int], steps: int) -> list[int]:
@@ -63,13 +63,15 @@ def test_kv_cache_batched_equals_full_recompute(ckpt):
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 1), (2, 1, 2), (4, 2, 2)], ids=["tp2", "pp2", "tp2_pp2"])
-def test_greedy_identical_across_layouts(cluster, ckpt, layout):
+def test_greedy_and_seeded_sampling_identical_across_layouts(cluster, ckpt, layout):
     torch.set_num_threads(1)
-    sampling = SamplingConfig(max_new_tokens=9)
-    reference = generate_job(0, 1, 1, 1, ckpt, sampling)
-    results = cluster.run(generate_job, layout[0], *layout[1:], ckpt, sampling)
+    samplings = (SamplingConfig(max_new_tokens=9),
+                 SamplingConfig(max_new_tokens=9, greedy=False, temperature=1.5, top_k=40, top_p=0.95, seed=7))
+    reference = generate_job(0, 1, 1, 1, ckpt, samplings)
+    assert reference[0] != reference[1]  # sampling really samples
+    results = cluster.run(generate_job, layout[0], *layout[1:], ckpt, samplings)
     for r in results:  # every rank reports the same tokens (broadcast from the serving rank)
-        assert r["tokens"] == reference["tokens"]
+        assert r == reference
 
 
 def test_sampling_is_seeded_and_filters():
@@ -143,3 +145,25 @@ def test_static_cache_equals_dynamic_cache(ckpt):
     model.start = lambda b, n, pad: original_start(b, n, pad, static=True)
     static = generate(model, PROMPTS, sampling, eod_id=EOD, vocab_size=VOCAB)
     assert model.cache.static and static.tokens == dynamic.tokens
+
+
+def test_greedy_equals_transformers_on_hf_export(ckpt, tmp_path):
+    """Our batched greedy output equals transformers' GPTNeoX generate on the exported model
+    (left-padded batch with an attention mask on their side, both stopping at end-of-text)."""
+    transformers = pytest.importorskip("transformers")
+    from megatronapp.inference.reference import greedy_generate_from_checkpoint
+    from megatronapp.interop.hf_checkpoint import export_hf
+
+    torch.set_num_threads(1)
+    export_hf(ckpt, tmp_path / "hf")
+    hf = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    width = max(map(len, PROMPTS))
+    ids = torch.full((len(PROMPTS), width), EOD)
+    mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    for i, p in enumerate(PROMPTS):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=EOD)
+    theirs = [row[:row.index(EOD)] if EOD in row else row for row in out[:, width:].tolist()]
+    ours = greedy_generate_from_checkpoint(ckpt, PROMPTS, 9, eod_id=EOD, vocab_size=VOCAB)
+    assert ours == theirs

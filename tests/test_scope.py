@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from megatronapp.scope.bits import FORMATS
 from megatronapp.scope.pca import compute_pca
 from megatronapp.scope.perturb import corrupt, keyed_generator
 from megatronapp.scope.specs import Perturbation, PerturbSpecError, Target
+from megatronapp.scope.store import load_capture
 
 EOD, VOCAB = 256, 257
 
@@ -364,3 +368,23 @@ def test_cli_report_rejects_foreign_file(tmp_path, capsys):
     bad.write_bytes(b"not a capture")
     code, err = _cli(["report", str(bad), "--out", str(tmp_path / "r")], capsys)
     assert code == 2 and "not a MegaScope capture file" in err
+
+
+def test_cli_capture_launched_on_pp2_equals_one_process(ckpt, tmp_path, capsys):
+    """`scope capture --nproc-per-node 2` (PP2 ranks through torch.distributed.run) writes the
+    same file contents as the in-process run."""
+    args = ["capture", "--load", ckpt, "--prompt", "Hello", "--prompt", "abc", "--max-new-tokens", "3",
+            "--device", "cpu", "--sites", "q,attn_probs,fc1,residual,topk,logit_lens"]
+    code, err = _cli([*args, "--out", str(tmp_path / "one.safetensors")], capsys)
+    assert code == 0, err
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "megatronapp.cli.main", "scope", *args, "--out",
+                          str(tmp_path / "pp2.safetensors"), "--nproc-per-node", "2",
+                          "--pipeline-model-parallel-size", "2"], capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr
+    _, one = load_capture(tmp_path / "one.safetensors")
+    manifest, pp2 = load_capture(tmp_path / "pp2.safetensors")
+    assert manifest["layout"].startswith("world=2 TP=1 PP=2") and [i.name for i in pp2] == [i.name for i in one]
+    for a, b in zip(one, pp2):
+        for key in a.tensors:
+            torch.testing.assert_close(b.tensors[key].float(), a.tensors[key].float(), rtol=1e-3, atol=1e-4)

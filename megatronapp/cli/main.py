@@ -1,4 +1,4 @@
-"""`megatronapp` command line: train (launching local processes when asked) and trace tools.
+"""`megatronapp` command line: train (launching local processes when asked), trace tools, export/import.
 
     megatronapp train --nproc-per-node 4 --tensor-model-parallel-size 2 ...   # launches 4 ranks
     torchrun --nnodes 2 --nproc-per-node 8 ... -m megatronapp.cli.main train ... # multi-node
@@ -6,6 +6,8 @@
     megatronapp trace detect DIR [--json]
     megatronapp generate --load CKPT --prompt TEXT [--nproc-per-node N ...]
     megatronapp scope capture|report ...
+    megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
+    megatronapp import hf --from DIR --save CKPT
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched.
@@ -22,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
-from megatronapp.engine.faults import FaultSpecError, parse_fault_plan
+from megatronapp.engine.faults import FaultSpecError, fault_plan_from_env, parse_fault_plan
 from megatronapp.scope_ui.training import check_training_scope
 
 
@@ -39,9 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     from megatronapp.scope.cli import add_scope_subcommands
     from megatronapp.scope_ui.cli import add_scope_ui_train_arguments, add_serve_subcommand
 
+    from megatronapp.interop.cli import add_interop_subcommands
+
     add_generate_subcommand(sub)
     add_serve_subcommand(add_scope_subcommands(sub))
     add_scope_ui_train_arguments(train)
+    add_interop_subcommands(sub)
     return parser
 
 
@@ -57,7 +62,8 @@ def check_train_args(args: argparse.Namespace):
     world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
-    parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(world)
+    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
+    (fault_plan_from_env() if plan.empty else plan).check(world)
     check_training_scope(args, world)
     if args.load and has_checkpoint(args.load):
         diff = compute_model_config_mismatch(args.load, job.model)
@@ -110,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args, argv)
-    if hasattr(args, "run"):  # commands that may launch ranks themselves (generate, scope capture)
-        return args.run(args, argv)
+    if hasattr(args, "run_with_argv"):  # commands that may launch ranks themselves (generate, scope capture)
+        return args.run_with_argv(args, argv)
     return args.func(args)
 
 

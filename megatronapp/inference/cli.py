@@ -166,5 +166,5 @@ def render_generation(args: argparse.Namespace, result: dict) -> str:
 def add_generate_subcommand(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint (any TP x PP layout)")
     add_generate_arguments(p)
-    p.set_defaults(run=lambda args, argv: run_command(args, argv, check_generate_args, generate_worker,
+    p.set_defaults(run_with_argv=lambda args, argv: run_command(args, argv, check_generate_args, generate_worker,
                                                      render_generation))

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronapp import spans
 from megatronapp.config import ModelConfig
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.model.recompute import RecomputeConfig, compute_full_recompute_groups, recompute
@@ -94,7 +95,7 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask)
         elif self.options.recompute.granularity == "selective" and self.training:
-            y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker)
+            y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker if self.dropout_p else None)
         else:
             y = self._core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
@@ -133,7 +134,9 @@ class ResidualAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 dropout_key: DropoutKey | None = None, cache=None) -> torch.Tensor:
         y = self.attn(self.norm(x), cos, sin, cache)
-        return x + keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
+        if dropout_key is not None:  # never touch self.layer otherwise: compile would specialise per layer
+            y = keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
+        return x + y
 
 
 class ResidualMLP(nn.Module):
@@ -146,7 +149,10 @@ class ResidualMLP(nn.Module):
         self.mlp = MLP(name, cfg, tp, seed, device)
 
     def forward(self, x: torch.Tensor, dropout_key: DropoutKey | None = None) -> torch.Tensor:
-        return x + keyed_dropout(self.mlp(self.norm(x)), self.dropout_p, dropout_key, self.layer, "mlp")
+        y = self.mlp(self.norm(x))
+        if dropout_key is not None:
+            y = keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "mlp")
+        return x + y
 
 
 class Block(nn.Module):
@@ -164,9 +170,9 @@ class Block(nn.Module):
         key = dropout_key if self.mlp.dropout_p else None
         if tracer is None:
             return self.mlp(self.attention(x, cos, sin, key), key)
-        with tracer.layer_span("attention", self.layer):
+        with tracer.layer_span(spans.ATTENTION, self.layer):
             x = self.attention(x, cos, sin, key)
-        with tracer.layer_span("mlp", self.layer):
+        with tracer.layer_span(spans.MLP, self.layer):
             return self.mlp(x, key)
 
 
@@ -215,7 +221,7 @@ class GPTChunk(nn.Module):
             return x
         if self.tracer is None:
             return self._head(x, labels)
-        with self.tracer.span("loss"):
+        with self.tracer.span(spans.LOSS):
             return self._head(x, labels)
 
     def _run_layers(self, x: torch.Tensor, dropout_key: DropoutKey | None, cache=None) -> torch.Tensor:
@@ -231,7 +237,8 @@ class GPTChunk(nn.Module):
 
         for start, end, recomputed in compute_full_recompute_groups(len(blocks), self.options.recompute):
             if recomputed and self.training:
-                x = recompute(run, x, start, end, rng_tracker=self.options.rng_tracker)
+                tracker = self.options.rng_tracker if self.cfg.attention_dropout else None
+                x = recompute(run, x, start, end, rng_tracker=tracker)
             else:
                 x = run(x, start, end)
         return x
@@ -250,12 +257,17 @@ def apply_compile(chunks: list[GPTChunk]) -> None:
 
     Regional compilation: blocks of one class share one compiled graph, TP communication is
     excluded from the graphs (see parallel.mappings), and tracer spans stay in eager code
-    around the compiled regions.
+    around the compiled regions. With hidden dropout on, the keyed dropout and residual add
+    stay eager (compiling them would specialise the graph per layer index).
     """
     for chunk in chunks:
         for block in chunk.layers.values():
-            block.attention.compile()
-            block.mlp.compile()
+            if chunk.cfg.hidden_dropout:
+                block.attention.attn.compile()
+                block.mlp.mlp.compile()
+            else:
+                block.attention.compile()
+                block.mlp.compile()
         if chunk.has_head:
             chunk._head = torch.compile(chunk._head)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatronapp import spans
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
@@ -70,13 +71,14 @@ class PipelineRuntime:
     """
 
     def __init__(self, model: PipelineModel, groups: ParallelGroups, schedule: PipelineSchedule, *,
-                 device, tracer, reducer=None, injector=None):
+                 device, tracer, reducer=None, injector=None, grad_scale_func=None):
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = {start: end for start, end in comm_batches(self.actions)}
         self.device = device
         self.tracer, self.reducer = tracer, reducer
         self.injector = injector or NullInjector()
+        self.grad_scale_func = grad_scale_func  # loss scaling (fp16, Megatron's): applied before backward
         self.num_vstages = schedule.pp_size * schedule.num_chunks
         self.compute_timer = ComputeTimer(device)
         self.injector.on_stall = self.compute_timer.add_stall
@@ -125,7 +127,7 @@ class PipelineRuntime:
             x.requires_grad_(True)
             st.inputs[(a.chunk, a.microbatch)] = x
         ctx = MicrobatchContext(st.iteration, a.microbatch, a.chunk, is_first, is_last)
-        with self.tracer.span("forward"), self.compute_timer.measure(), self.injector.compute():
+        with self.tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute():
             out, loss_fn = self.model.forward_step(a.chunk, x, st.microbatches[a.microbatch], ctx)
             if is_last:
                 out = loss_fn(out) / self.schedule.num_microbatches
@@ -145,7 +147,9 @@ class PipelineRuntime:
         grad = None
         if vs != self.num_vstages - 1:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
-        with self.tracer.span("backward"), self.compute_timer.measure(), self.injector.compute():
+        elif self.grad_scale_func is not None:
+            out = self.grad_scale_func(out)
+        with self.tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute():
             torch.autograd.backward(out, grad)
         if vs != 0:
             x = st.inputs.pop((a.chunk, a.microbatch))

@@ -34,10 +34,6 @@ DIMS = {"q": ("batch", "head", "token", "dim"), "k": ("batch", "head", "token", 
         "logit_lens": ("layer", "batch", "k"), "topk": ("batch", "k")}
 
 
-# The default compressed capture: 64 bucket maxima of |x| per token and site, in fp16.
-DEFAULT_COMPRESS = "reduce:op=absmax,width=64;quantize:dtype=fp16"
-
-
 @dataclass(frozen=True)
 class CaptureConfig:
     sites: tuple[str, ...] = DEFAULT_SITES
@@ -125,12 +121,13 @@ class Capture:
 
     # -- serving rank: compress, one async copy --------------------------------------------
     def _finish_step(self, step: int, gathered, tokens: int) -> None:
-        items = [it for it in (self._build_item(step, *g) for g in gathered) if it is not None]
+        items = self._build_items(step, gathered)
         flat = []
         for t in (t for it in items for t in it.tensors.values()):
             raw = t.contiguous().reshape(-1).view(torch.uint8)
-            # every tensor starts 8-byte aligned, so the host slices can be viewed as any dtype
-            flat += [raw, torch.zeros(-raw.numel() % 8, dtype=torch.uint8, device=raw.device)]
+            flat.append(raw)
+            if raw.numel() % 8:  # every tensor starts 8-byte aligned: host slices view as any dtype
+                flat.append(torch.zeros(-raw.numel() % 8, dtype=torch.uint8, device=raw.device))
         buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
         if buffer.is_cuda:
             host = torch.empty(buffer.shape, dtype=torch.uint8, pin_memory=True)
@@ -142,18 +139,37 @@ class Capture:
         self._pending = (host, event, items)
         self.steps.append({"step": step, "tokens": tokens, "bytes": sum(it.nbytes for it in items)})
 
-    def _build_item(self, step: int, name: str, layer, site: str, data) -> CapturedItem | None:
-        if site == "topk":
-            return CapturedItem(f"step{step}/topk", site, step, None, DIMS[site],
-                                {"data": data.values, "indices": data.indices.to(torch.int32)})
-        if site == "logit_lens":
-            top = data.topk(self.cfg.topk, dim=-1)
-            return CapturedItem(f"step{step}/logit_lens", site, step, None, DIMS[site],
-                                {"data": top.values, "indices": top.indices.to(torch.int32)})
+    def _build_items(self, step: int, gathered) -> list[CapturedItem]:
+        """Compressed items in gathered order. A per-layer site is stacked over layers and
+        compressed once (a few kernels per site and step, not per layer), then split."""
+        kept_layers = [set(op["layers"]) for op in self.compress if op["name"] == "slice" and "layers" in op]
+        by_site: dict[str, list] = {}
+        built: dict[str, CapturedItem] = {}
+        for name, layer, site, data in gathered:
+            if site in ("topk", "logit_lens"):
+                built[name] = self._final_item(step, site, data)
+            elif all(layer in keep for keep in kept_layers):
+                by_site.setdefault(site, []).append((name, layer, data))
+        for site, entries in by_site.items():
+            for name, item in zip((e[0] for e in entries), self._compress_site(step, site, entries)):
+                built[name] = item
+        return [built[name] for name, *_ in gathered if name in built]
+
+    def _final_item(self, step: int, site: str, data) -> CapturedItem:
+        top = data if site == "topk" else data.topk(self.cfg.topk, dim=-1)  # lens: top-k per layer
+        return CapturedItem(f"step{step}/{site}", site, step, None, DIMS[site],
+                            {"data": top.values, "indices": top.indices.to(torch.int32)})
+
+    def _compress_site(self, step: int, site: str, entries) -> list[CapturedItem]:
+        data = torch.stack([d.float() for _, _, d in entries])  # (layers, ...)
         if self.heads is not None and site in HEAD_SITES:
-            data = data.index_select(1, torch.tensor(self.heads, device=data.device))
-        item = CapturedItem(f"step{step}/{name}", site, step, layer, DIMS[site], {"data": data.float()})
-        return apply_pipeline(item, self.compress)
+            data = data.index_select(2, torch.tensor(self.heads, device=data.device))
+        stacked = apply_pipeline(CapturedItem("", site, step, None, ("layer", *DIMS[site]), {"data": data}),
+                                 self.compress)
+        ops = [{**op, "shape": op["shape"][1:]} for op in stacked.ops]
+        return [CapturedItem(f"step{step}/{name}", site, step, layer, stacked.dims[1:],
+                             {k: v[i] for k, v in stacked.tensors.items()}, list(ops))
+                for i, (name, layer, _) in enumerate(entries)]
 
     def _finish_transfer(self) -> None:
         if self._pending is None:

@@ -11,14 +11,15 @@ Sites, layers, heads, compression and perturbation specs are validated before an
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+import torch
+
 from megatronapp.config import ConfigError
 from megatronapp.inference.cli import (add_layout_arguments, check_layout_args, read_prompts, run_command)
-from megatronapp.scope.capture import DEFAULT_COMPRESS
+from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
 
 
@@ -56,7 +57,7 @@ def _capture_config(args, cfg):
     validate_capture(cfg, capture_cfg)
     shapes = stand_in_target(cfg).full_param_shapes()
     for spec in _perturbation_specs(args):
-        validate_perturbation(spec, cfg, shapes)
+        validate_perturbation(spec, cfg, shapes, torch.bfloat16 if args.bf16 else torch.float32)
     return capture_cfg
 
 
@@ -147,7 +148,7 @@ def add_scope_subcommands(sub) -> None:
     cap.add_argument("--json", action="store_true")
     cap.add_argument("--tokenizer-model", default=None)
     add_layout_arguments(cap)
-    cap.set_defaults(run=lambda args, argv: run_command(args, argv, check_capture_args, capture_worker,
+    cap.set_defaults(run_with_argv=lambda args, argv: run_command(args, argv, check_capture_args, capture_worker,
                                                         render_capture))
     rep = cmds.add_parser("report", help="render PNG heatmaps, attention maps and PCA of a capture file")
     rep.add_argument("file")

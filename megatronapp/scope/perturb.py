@@ -210,5 +210,6 @@ def perturb(model, spec: Perturbation | dict | str) -> Perturber:
 
         spec = perturbation_from_dict(spec)
     target = resolve_target(model)
-    validate_perturbation(spec, target.cfg, target.full_param_shapes())
+    dtype = next(target.chunks[0].parameters()).dtype
+    validate_perturbation(spec, target.cfg, target.full_param_shapes(), dtype)
     return Perturber(target, spec)

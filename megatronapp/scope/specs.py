@@ -22,9 +22,11 @@ global indices only, so a spec corrupts the same elements the same way on any la
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
-from megatronapp.scope.bits import FORMATS, format_of
+import torch
+
+from megatronapp.scope.bits import format_of
 from megatronapp.scope.sites import PERTURB_SITES, check_heads, check_layers
 
 KINDS = ("gaussian", "uniform", "offset", "bitflip", "stuck_at", "special")
@@ -111,16 +113,18 @@ def perturbation_from_dict(data: dict) -> Perturbation:
     return _from_dict(Perturbation, data, "perturbation")
 
 
-def validate_perturbation(spec: Perturbation, cfg, param_shapes: dict[str, tuple[int, ...]]) -> None:
+def validate_perturbation(spec: Perturbation, cfg, param_shapes: dict[str, tuple[int, ...]],
+                          dtype: torch.dtype = torch.float32) -> None:
     """One-line PerturbSpecError if `spec` cannot apply to a model of `cfg` with these full
-    parameter shapes. Called before anything is installed, so a bad spec leaves the model as is."""
+    parameter shapes, running in `dtype` (the bit format when the spec names none). Called
+    before anything is installed, so a bad spec leaves the model as is."""
     try:
-        _validate(spec, cfg, param_shapes)
+        _validate(spec, cfg, param_shapes, dtype)
     except ValueError as e:
         raise PerturbSpecError(str(e)) from None
 
 
-def _validate(spec: Perturbation, cfg, param_shapes) -> None:
+def _validate(spec: Perturbation, cfg, param_shapes, dtype) -> None:
     if spec.kind not in KINDS:
         raise ValueError(f"unknown perturbation kind {spec.kind!r}; choose from {', '.join(KINDS)}")
     if spec.rate is not None and not 0 < spec.rate <= 1:
@@ -135,19 +139,17 @@ def _validate(spec: Perturbation, cfg, param_shapes) -> None:
     if spec.kind == "special" and spec.value not in ("nan", "inf", "-inf"):
         raise ValueError(f"special value must be 'nan', 'inf' or '-inf', got {spec.value!r}")
     if spec.kind in BIT_KINDS:
-        _validate_bits(spec)
+        _validate_bits(spec, format_of(spec.format, dtype))
 
 
-def _validate_bits(spec: Perturbation) -> None:
-    fmt = format_of(spec.format, FORMATS["fp32"].dtype) if spec.format else None
+def _validate_bits(spec: Perturbation, fmt) -> None:
     if (spec.bits is None) == (spec.field is None):
         raise ValueError(f"{spec.kind} needs exactly one of 'bits' (given positions) or 'field' (random bits)")
-    width = fmt.width if fmt else 32
     for b in spec.bits or ():
-        if not 0 <= b < width:
-            raise ValueError(f"bit {b} is outside the {fmt.name if fmt else 'fp32'} format (0..{width - 1})")
+        if not 0 <= b < fmt.width:
+            raise ValueError(f"bit {b} is outside the {fmt.name} format (0..{fmt.width - 1})")
     if spec.field is not None:
-        candidates = (fmt or FORMATS["fp32"]).field_bits(spec.field)
+        candidates = fmt.field_bits(spec.field)
         if not 1 <= spec.num_bits <= len(candidates):
             raise ValueError(f"num_bits must be in 1..{len(candidates)} for field {spec.field}")
     if spec.kind == "stuck_at" and spec.stuck not in (0, 1):

@@ -16,7 +16,7 @@ from websockets.sync.client import connect
 from megatronapp.cli.main import main
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.server import ServerConfig, resolve_token
-from scope_ui_jobs import save_ui_checkpoint, start_generation_server, weights_digest
+from scope_ui_jobs import TrainingServer, save_ui_checkpoint, start_generation_server, weights_digest
 
 DIRECT_REPLIES = {"error", "welcome", "perturbations", "role", "run_start"}
 
@@ -232,3 +232,46 @@ def test_train_scope_flag_runs_and_refuses_multi_process(tmp_path, capsys):
     assert "MegaScope training view: http://127.0.0.1:" in capsys.readouterr().out
     assert main(base + ["--scope", "--nproc-per-node", "2"]) == 2
     assert "--scope serves one training process" in capsys.readouterr().err
+
+
+def test_perturbation_during_training_shows_in_loss_and_is_removed():
+    torch.set_num_threads(1)
+    training = TrainingServer()
+    name = "layers.1.mlp.mlp.fc2.weight"
+    try:
+        with connect(f"ws://127.0.0.1:{training.server.port}/ws", max_size=None) as ws:
+            assert recv_json(ws)["mode"] == "train"
+
+            def next_step(after: int) -> dict:
+                while (msg := recv_json(ws))["type"] != "train_step" or msg["iteration"] <= after:
+                    pass
+                return msg
+
+            start = next_step(0)
+            assert start["loss"] is not None and len(start["layer_grad_norms"]) == 4
+            ws.send(json.dumps({"type": "perturb", "spec": {"kind": "special", "value": "nan",
+                                                            "target": {"site": "residual", "layers": [1]}}}))
+            hit = next_step(start["iteration"] + 1)  # active from the step after the next report
+            assert hit["loss"] is None  # NaN loss (JSON null): the page's curve shows the reaction
+            ws.send(json.dumps({"type": "clear_perturbations"}))
+            param = training.backend.named_params[name]
+            ws.send(json.dumps({"type": "train_control", "action": "pause"}))
+            while not ((msg := recv_json(ws))["type"] == "train_state" and msg["waiting"]):
+                pass
+            clean = param.detach().clone()
+            fault = {"kind": "bitflip", "field": "exponent", "rate": 0.5, "seed": 3,
+                     "target": {"site": "param", "param": name}}
+            ws.send(json.dumps({"type": "perturb", "spec": fault}))
+            assert recv_json(ws)["type"] == "perturbations"
+            ws.send(json.dumps({"type": "train_control", "action": "step"}))  # the fault goes in after this step
+            while not ((msg := recv_json(ws))["type"] == "train_state" and msg["waiting"]):
+                pass
+            assert float((param.detach() - clean).abs().max()) > 1.0  # installed (a step moves weights ~1e-2)
+            ws.send(json.dumps({"type": "clear_perturbations"}))
+            ws.send(json.dumps({"type": "train_control", "action": "step"}))
+            while not ((msg := recv_json(ws))["type"] == "train_state" and msg["waiting"]):
+                pass
+            assert not training.backend._active
+            assert float((param.detach() - clean).abs().max()) < 0.05  # original bits back, steps' updates kept
+    finally:
+        training.stop()

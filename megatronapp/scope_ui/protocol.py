@@ -196,7 +196,8 @@ class Probe(_Msg):
 
 class TrainState(_Msg):
     type: Literal["train_state"] = "train_state"
-    paused: bool
+    paused: bool  # the page asked for a pause
+    waiting: bool  # the training thread is blocked after `iteration` (a running step has finished)
     iteration: int
 
 

@@ -148,6 +148,9 @@ class GenerationRunner:
     def welcome_fields(self) -> dict:
         return welcome_fields(self.info)
 
+    def backlog(self) -> list:
+        return []
+
     def sampling(self, msg: P.Generate) -> SamplingConfig:
         return SamplingConfig(max_new_tokens=msg.max_new_tokens, greedy=msg.greedy, temperature=msg.temperature,
                               top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed, stop_on_eod=msg.stop_on_eod)

@@ -211,6 +211,8 @@ def build_app(hub: Hub, cfg: ServerConfig):
         client = hub.join(ws)
         sender = asyncio.create_task(_send_loop(client))
         hub.send(client, hub.welcome(client))
+        for msg in hub.backend.backlog():  # e.g. the training curve so far
+            hub.send(client, msg)
         try:
             while True:
                 frame = await ws.receive()

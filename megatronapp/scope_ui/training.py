@@ -14,8 +14,11 @@ One process only (PP 1, TP 1, DP 1): the page talks to the process holding the w
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
+
+HISTORY = 5000  # training steps replayed to a tab that connects late
 
 
 @contextlib.contextmanager
@@ -69,11 +72,17 @@ class TrainingScope:
         self._active, self._stack = [], contextlib.ExitStack()
         self.cond = threading.Condition()
         self.paused, self.steps_allowed, self.closed = paused, 0, False
+        self.history = collections.deque(maxlen=HISTORY)  # TrainStep messages a new tab is sent first
 
     def welcome_fields(self) -> dict:
         from megatronapp.scope_ui.runner import welcome_fields
 
         return welcome_fields(self.info)
+
+    def backlog(self) -> list:
+        from megatronapp.scope_ui import protocol as P
+
+        return [*list(self.history), P.TrainState(paused=self.paused, waiting=False, iteration=self.trainer.iteration)]
 
     # -- page controls (event-loop thread) -------------------------------------------------
     def control(self, action: str) -> None:
@@ -81,13 +90,13 @@ class TrainingScope:
             self.paused = action != "resume"
             self.steps_allowed = 1 if action == "step" else 0
             self.cond.notify_all()
-        self._send_state()
+        self._send_state(waiting=False)
 
-    def _send_state(self) -> None:
+    def _send_state(self, waiting: bool) -> None:
         from megatronapp.scope_ui import protocol as P
 
         if self.hub is not None:
-            self.hub.broadcast(P.TrainState(paused=self.paused, iteration=self.trainer.iteration))
+            self.hub.broadcast(P.TrainState(paused=self.paused, waiting=waiting, iteration=self.trainer.iteration))
 
     # -- training thread -------------------------------------------------------------------
     def wrap(self, on_step):
@@ -101,9 +110,10 @@ class TrainingScope:
         from megatronapp.scope_ui.probe import layer_norms, run_probe
 
         weights, grads = layer_norms(self.named_params, self.trainer.job.model.num_layers)
-        self.hub.broadcast(P.TrainStep(iteration=metrics.iteration, loss=metrics.loss, lr=metrics.lr,
-                                       grad_norm=metrics.grad_norm, layer_weight_norms=weights,
-                                       layer_grad_norms=grads))
+        step = P.TrainStep(iteration=metrics.iteration, loss=metrics.loss, lr=metrics.lr, grad_norm=metrics.grad_norm,
+                           layer_weight_norms=weights, layer_grad_norms=grads)
+        self.history.append(step)
+        self.hub.broadcast(step)
         if metrics.iteration % self.every == 0:
             run_probe(self.trainer, self.tokenizer, self.probe_tokens, metrics.iteration, self.hub)
         self._swap_perturbations()
@@ -124,7 +134,7 @@ class TrainingScope:
     def _wait_while_paused(self) -> None:
         with self.cond:
             if self.paused:
-                self._send_state()
+                self._send_state(waiting=True)
             while self.paused and not self.closed:
                 if self.steps_allowed:
                     self.steps_allowed -= 1

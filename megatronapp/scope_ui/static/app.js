@@ -82,7 +82,7 @@ const handlers = {
   perturbations(m) { state.perturbations = m.active; renderPerturbations($("perturb-panel"), state); },
   train_step(m) { state.train.steps.push(m); scheduleDraw(); },
   probe(m) { state.train.probe = m; scheduleDraw(); },
-  train_state(m) { state.train.paused = m.paused; state.train.iteration = m.iteration; scheduleDraw(); },
+  train_state(m) { Object.assign(state.train, { paused: m.paused, waiting: m.waiting, iteration: m.iteration }); scheduleDraw(); },
   error(m) {
     const div = document.createElement("div");
     div.textContent = `error (${m.code}): ${m.message}`;

@@ -36,6 +36,7 @@ export function renderTraining(train) {
   const last = train.steps[train.steps.length - 1];
   $("train-state").textContent = train.paused ? `paused at ${train.iteration ?? last?.iteration}` : `running (step ${last ? last.iteration : 0})`;
   $("train-state").dataset.paused = String(train.paused);
+  $("train-state").dataset.waiting = String(Boolean(train.paused && train.waiting));
   $("layer-stats").innerHTML = last ? `<div class="grid">${bars("weight norm", last.layer_weight_norms)}${bars("grad norm", last.layer_grad_norms)}</div>` : "";
   const p = train.probe;
   if (p) {

@@ -114,17 +114,18 @@ class _StepStream:
                 self._send(item)
             elif item.site == "topk":
                 self.step_info.setdefault(item.step, {})["topk"] = self._entries(item.tensors, 0, exp=False)
-            elif item.site == "logit_lens":
+            elif item.site == "logit_lens":  # (layers, batch, k): row 0, top entry per layer
                 t = item.tensors
-                self.step_info.setdefault(item.step, {})["lens"] = [
-                    self._entries({"data": t["data"][layer], "indices": t["indices"][layer]}, 0, exp=True)[0]
-                    for layer in range(t["data"].shape[0])]
+                self.step_info.setdefault(item.step, {})["lens"] = self._top_entries(
+                    t["data"][:, 0, 0], t["indices"][:, 0, 0], exp=True)
         self.seen = len(self.cap.items)
 
     def _entries(self, tensors, row: int, exp: bool) -> list[P.TopEntry]:
-        vals, ids = tensors["data"][row].float(), tensors["indices"][row]
-        return [P.TopEntry(id=int(i), text=self.decode([int(i)]), p=float(v.exp() if exp else v))
-                for v, i in zip(vals, ids)]
+        return self._top_entries(tensors["data"][row], tensors["indices"][row], exp)
+
+    def _top_entries(self, values, ids, exp: bool) -> list[P.TopEntry]:
+        values = values.float().exp() if exp else values.float()
+        return [P.TopEntry(id=i, text=self.decode([i]), p=v) for v, i in zip(values.tolist(), ids.tolist())]
 
     def _send(self, item) -> None:
         data = item.tensors["data"].contiguous().cpu()

@@ -1,0 +1,198 @@
+"""MegaScope UI benchmark: token-to-pixels latency in headless chromium, UI generation tokens/s
+vs plain generate(), and training step time with the training view on vs off.
+
+    python benchmarks/scope_ui_bench.py --model tiny --device cpu --out scope_ui_bench.json     # CPU smoke
+    python benchmarks/scope_ui_bench.py --model 1.3b --device cuda --bf16 --new-tokens 64 \\
+        --train-model 1.3b --micro-batch-size 4 --global-batch-size 32 --out scope_ui_bench.json   # H200
+
+Latency: the server stamps each token message with the Unix ms it left the model; the page
+records (performance.timeOrigin + now) at the animation frame after drawing it (all default
+views on), p50/p95 over every token of every round. Generation: "plain" is generate() on the
+same InferenceModel, "ui" is the wall time from sending `generate` to the clean run's
+`run_end` at a WebSocket client (capture, streaming and JSON included), decode tokens/s both,
+greedy, no stop at end-of-text (the UI test checks both give the same tokens). Training: the
+same Trainer alternates blocks of steps with on_step plain and wrapped by the training view
+(server running, one client reading, probe every --probe-every steps). Variants interleave
+in rounds; figures are medians with min/max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+import torch
+
+from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
+from megatronapp.data.tokenizer import load_tokenizer
+from megatronapp.engine.trainer import Trainer
+from megatronapp.inference.generate import SamplingConfig, generate
+from megatronapp.inference.model import build_inference_model
+from megatronapp.parallel.groups import single_process_groups
+from megatronapp.scope_ui.protocol import Limits
+from megatronapp.scope_ui.runner import GenerationRunner
+from megatronapp.scope_ui.server import Hub, RunningServer, ServerConfig
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+PROMPT = "Once upon a time"
+
+
+def summary(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "p50": pick(0.5), "p95": pick(0.95),
+            "n": len(xs)}
+
+
+def start_server(args, device):
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = build_inference_model(model_preset(args.model, seq_length=max(64, args.new_tokens + 32)),
+                                  single_process_groups(), device, dtype=dtype)
+    limits = Limits(max_new_tokens=max(256, args.new_tokens), max_capture_bytes=1 << 34)
+    runner = GenerationRunner(model, load_tokenizer(None), limits)
+    cfg = ServerConfig(port=0, limits=limits)
+    return model, RunningServer(Hub(runner, limits), cfg).start()
+
+
+def ui_generation_s(port: int, new_tokens: int) -> float:
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{port}/ws", max_size=None) as ws:
+        ws.recv()
+        t0 = time.perf_counter()
+        ws.send(json.dumps({"type": "generate", "prompt": PROMPT, "max_new_tokens": new_tokens,
+                            "stop_on_eod": False}))
+        while True:
+            frame = ws.recv(timeout=600)
+            if isinstance(frame, str) and '"run_end"' in frame:
+                return time.perf_counter() - t0
+
+
+def bench_generation(args, model, server, device) -> dict:
+    tok = load_tokenizer(None)
+    prompt = tok.encode(PROMPT)
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, stop_on_eod=False)
+    plain, ui = [], []
+    generate(model, [prompt], sampling, eod_id=tok.eod_id, vocab_size=tok.vocab_size)  # warm-up
+    ui_generation_s(server.port, 2)
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        generate(model, [prompt], sampling, eod_id=tok.eod_id, vocab_size=tok.vocab_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        plain.append(args.new_tokens / (time.perf_counter() - t0))
+        ui.append(args.new_tokens / ui_generation_s(server.port, args.new_tokens))
+    return {"plain_tokens_per_s": summary(plain), "ui_tokens_per_s": summary(ui),
+            "ui_over_plain": statistics.median(ui) / statistics.median(plain)}
+
+
+def bench_latency(args, server) -> dict:
+    import os
+
+    if not os.path.exists(args.chromium):
+        return {"skipped": f"no browser at {args.chromium}"}
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        page.goto(server.url)
+        page.wait_for_selector("#perturb-panel select")
+        for r in range(args.rounds + 1):
+            page.evaluate("window.__scope.state.runs = {}")  # wait for THIS run's end below
+            page.fill("#prompt", PROMPT)
+            page.fill("#max-new-tokens", str(args.new_tokens))
+            page.click("#generate")
+            page.wait_for_function("window.__scope.state.runs.clean && window.__scope.state.runs.clean.done",
+                                   timeout=600_000)
+            page.wait_for_timeout(100)
+            if r == 0:  # warm-up round
+                page.evaluate("window.__scope.latencies.length = 0")
+        lat = page.evaluate("window.__scope.latencies")
+        browser.close()
+    return {"token_to_pixels_ms": summary(lat)}
+
+
+def bench_training(args, device) -> dict:
+    from megatronapp.scope_ui.training import TrainingScope
+
+    model = model_preset(args.train_model)
+    train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                        train_iters=10**9, log_interval=1, bf16=args.bf16 and device.type == "cuda")
+    job = JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
+    from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset
+
+    tok = load_tokenizer(None)
+    data = DistributedBatchIterator(build_default_dataset(tok, model.seq_length, 0), micro_batch_size=args.micro_batch_size,
+                                    global_batch_size=args.global_batch_size, dp_rank=0, dp_size=1, seed=0)
+    trainer = Trainer(job, single_process_groups(), device, data)
+    scope = TrainingScope(trainer, tok, "The quick brown fox", args.probe_every, 16)
+    limits = Limits()
+    hub = Hub(scope, limits)
+    scope.hub = hub
+    server = RunningServer(hub, ServerConfig(port=0, limits=limits)).start()
+    reader = threading.Thread(target=_drain, args=(server.port,), daemon=True)
+    reader.start()
+    plain_cb, scoped_cb = (lambda m: None), scope.wrap(lambda m: None)
+    trainer.train(num_steps=2, on_step=plain_cb)  # warm-up
+    off, on = [], []
+    for _ in range(args.rounds):
+        for cb, out in ((plain_cb, off), (scoped_cb, on)):
+            t0 = time.perf_counter()
+            trainer.train(num_steps=args.train_steps, on_step=cb)
+            out.append((time.perf_counter() - t0) / args.train_steps)
+    scope.close()
+    server.stop()
+    return {"step_s_off": summary(off), "step_s_on": summary(on),
+            "on_over_off": statistics.median(on) / statistics.median(off)}
+
+
+def _drain(port: int) -> None:
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{port}/ws", max_size=None) as ws:
+        while True:
+            ws.recv()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--train-model", default="tiny")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--train-steps", type=int, default=5, help="steps per block")
+    p.add_argument("--probe-every", type=int, default=10)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--global-batch-size", type=int, default=4)
+    p.add_argument("--chromium", default="/usr/bin/chromium")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: latency,generation,training")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    skip = set(filter(None, args.skip.split(",")))
+    result = {"args": vars(args)}
+    if not {"latency", "generation"} <= skip:
+        model, server = start_server(args, device)
+        if "latency" not in skip:
+            result["latency"] = bench_latency(args, server)
+        if "generation" not in skip:
+            result["generation"] = bench_generation(args, model, server, device)
+        server.stop()
+    if "training" not in skip:
+        result["training"] = bench_training(args, device)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,8 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
     (["--inject-link-delay", "0-1-5"], "expects SRC:DST:MS"),
     (["--load", "/nonexistent/ckpt"], "no complete checkpoint"),
     (["--lr", "-1"], "lr must be > 0"),
+    (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
+    (["--fp16", "--min-loss-scale", "0"], "need 0 < min_loss_scale"),
 ])
 def test_bad_input_fails_before_launch(args, message):
     started = time.monotonic()

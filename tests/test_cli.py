@@ -32,6 +32,7 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
     (["--lr", "-1"], "lr must be > 0"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
     (["--fp16", "--min-loss-scale", "0"], "need 0 < min_loss_scale"),
+    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
 ])
 def test_bad_input_fails_before_launch(args, message):
     started = time.monotonic()

@@ -55,10 +55,11 @@ def test_shard_ranges_docstring_example():
     assert compute_shard_ranges(offsets, numels, [bucket], 2, 1) == [ShardRange(0, 1, 5)]
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 1), (4, 2, 1), (4, 1, 2)], ids=["dp2", "tp2_dp2", "pp2_dp2"])
+@pytest.mark.parametrize("layout", [(2, 1, 1, False), (2, 1, 1, True), (4, 2, 1, False), (4, 1, 2, True)],
+                         ids=["dp2", "dp2_overlap_param_gather", "tp2_dp2", "pp2_dp2_overlap_param_gather"])
 def test_distributed_optimizer_matches_single_process(cluster, reference, layout):
-    world, tp, pp = layout
-    reports = cluster.run(train_and_report, world, make_job(world, tp, pp, **DISTOPT))
+    world, tp, pp, overlap = layout
+    reports = cluster.run(train_and_report, world, make_job(world, tp, pp, overlap_param_gather=overlap, **DISTOPT))
     for rep in reports:
         torch.testing.assert_close(rep["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rep["norms"], reference["norms"], rtol=1e-5, atol=1e-6)

@@ -89,10 +89,12 @@ def _add_precision_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=int, default=TrainConfig.hysteresis)
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and Adam state over DP (ZeRO-1)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="distributed optimizer: all-gather updated params during the next forward")
 
 
 _PRECISION_FIELDS = ("bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                     "hysteresis", "use_distributed_optimizer")
+                     "hysteresis", "use_distributed_optimizer", "overlap_param_gather")
 
 
 def _positive(args, names) -> None:

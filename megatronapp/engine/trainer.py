@@ -122,4 +122,5 @@ class Trainer:
             history.append(m)
             if on_step is not None:
                 on_step(m)
+        self.optimizer.finish_param_sync()  # --overlap-param-gather: params complete on return
         return history

@@ -115,7 +115,7 @@ class MixedPrecisionOptimizer:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Megatron's grad_scale_func: applied to the loss right before backward."""
-        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.to(loss.dtype)
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.view(()).to(loss.dtype)
 
     def main_grads(self) -> list[torch.Tensor]:
         return [m.main_param.grad for m in self.mains]

@@ -132,6 +132,7 @@ class TrainConfig:
     recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
     recompute_method: str = "uniform"  # uniform | block, for full recompute
     recompute_num_layers: int = 1
+    attention_backend: str = "auto"  # SDPA kernel preference: auto | cudnn | flash | efficient | math
     grad_bucket_mb: float = 25.0
     log_interval: int = 1
     save: str | None = None
@@ -150,6 +151,8 @@ class TrainConfig:
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
         self._check_precision()
+        if self.attention_backend not in ("auto", "cudnn", "flash", "efficient", "math"):
+            raise ConfigError(f"unknown attention backend {self.attention_backend!r}")
         try:
             self.recompute_config()
         except ValueError as e:

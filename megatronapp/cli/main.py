@@ -1,9 +1,11 @@
-"""`megatronapp` command line: train (launching local processes when asked) and trace tools.
+"""`megatronapp` command line: train (launching local processes when asked), trace tools, export/import.
 
     megatronapp train --nproc-per-node 4 --tensor-model-parallel-size 2 ...   # launches 4 ranks
     torchrun --nnodes 2 --nproc-per-node 8 ... -m megatronapp.cli.main train ... # multi-node
     megatronapp trace merge DIR -o timeline.json
     megatronapp trace detect DIR [--json]
+    megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
+    megatronapp import hf --from DIR --save CKPT
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched.
@@ -20,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
-from megatronapp.engine.faults import FaultSpecError, parse_fault_plan
+from megatronapp.engine.faults import FaultSpecError, fault_plan_from_env, parse_fault_plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatronapp.scan.cli import add_trace_subcommands
 
     add_trace_subcommands(sub)
+    from megatronapp.interop.cli import add_interop_subcommands
+
+    add_interop_subcommands(sub)
     return parser
 
 
@@ -47,7 +52,8 @@ def check_train_args(args: argparse.Namespace):
     world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
-    parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(world)
+    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
+    (fault_plan_from_env() if plan.empty else plan).check(world)
     if args.load and has_checkpoint(args.load):
         diff = compute_model_config_mismatch(args.load, job.model)
         if diff:

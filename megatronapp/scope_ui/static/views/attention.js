@@ -7,7 +7,8 @@ function drawMatrix(ctx, rows, x0, y0, size) {
   if (!n) return;
   const cell = size / n;
   rows.forEach((row, i) => row.forEach((v, j) => {
-    if (j < n) { ctx.fillStyle = Number.isFinite(v) ? seq(v) : "#000";  // NaN/inf (e.g. after a bit flip) in black ctx.fillRect(x0 + j * cell, y0 + i * cell, Math.ceil(cell), Math.ceil(cell)); }
+    // NaN/inf (e.g. after a bit flip) in black
+    if (j < n) { ctx.fillStyle = Number.isFinite(v) ? seq(v) : "#000"; ctx.fillRect(x0 + j * cell, y0 + i * cell, Math.ceil(cell), Math.ceil(cell)); }
   }));
 }
 

@@ -151,8 +151,36 @@ def test_non_loopback_needs_token_and_wrong_token_or_origin_rejected(ckpt, capsy
             connect(ws_url(srv, "s3cret"), origin="http://evil.example")
         with connect(ws_url(srv, "s3cret"), origin=f"http://127.0.0.1:{srv.port}") as ws:
             assert recv_json(ws)["type"] == "welcome"
+        assert _http_status(srv.port, "/") == 403 and _http_status(srv.port, "/?token=s3cret") == 200
     finally:
         srv.stop()
+
+
+def _http_status(port: int, path: str, host: str | None = None) -> int:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path, headers={"Host": host or f"127.0.0.1:{port}"})
+    return conn.getresponse().status
+
+
+def test_loopback_server_refuses_foreign_host_header(server):
+    assert _http_status(server.port, "/") == 200
+    assert _http_status(server.port, "/", host=f"attacker.example:{server.port}") == 403  # DNS rebinding
+    with pytest.raises(InvalidStatus):
+        connect(ws_url(server), additional_headers={"Host": "attacker.example"})
+
+
+def test_tensor_frame_round_trip_and_rate_limiter():
+    header = P.TensorHeader(run="clean", step=2, site="residual", layer=1, dims=["batch", "token", "hidden"],
+                            dtype="float32", shape=[1, 2, 3], compression=[{"name": "quantize"}])
+    data = torch.arange(6, dtype=torch.float32)
+    got, payload = P.decode_tensor_frame(P.encode_tensor_frame(header, data.numpy().tobytes()))
+    assert got == json.loads(header.model_dump_json())
+    assert torch.equal(torch.frombuffer(bytearray(payload), dtype=torch.float32), data)
+    bucket = P.RateLimiter(rate=2.0, burst=3, now=0.0)
+    assert [bucket.allow(0.0) for _ in range(4)] == [True, True, True, False]
+    assert bucket.allow(0.5) and not bucket.allow(0.5)  # refills at 2 per second
 
 
 def _fuzz_message(rng: random.Random) -> str | bytes:

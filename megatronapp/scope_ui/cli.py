@@ -21,7 +21,8 @@ from megatronapp.config import ConfigError
 
 DEMO_CHECKPOINTS = ("ckpt",)  # where the README's training example saves
 TINY_DEMO_DIR = Path.home() / ".cache" / "megatronapp" / "scope-demo"
-TINY_DEMO_TRAIN = ["--model", "tiny", "--train-iters", "150", "--device", "cpu", "--log-interval", "50"]
+TINY_DEMO_TRAIN = ["--model", "tiny", "--train-iters", "80", "--global-batch-size", "4", "--micro-batch-size", "4",
+                   "--device", "cpu", "--log-interval", "20"]
 
 
 def add_serve_subcommand(cmds) -> None:

@@ -14,6 +14,7 @@ from megatronapp.config import (
     model_preset,
     validate_job,
 )
+from megatronapp.dpp.config import add_dpp_arguments
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +76,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR")
     g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS")
+    add_dpp_arguments(p)
 
 
 def _positive(args, names) -> None:

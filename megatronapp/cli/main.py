@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
+from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.engine.faults import FaultSpecError, parse_fault_plan
 
 
@@ -44,7 +45,7 @@ def check_train_args(args: argparse.Namespace) -> int:
 
     world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
-    build_job_config(args, world, vocab)
+    check_dpp_job(args, build_job_config(args, world, vocab))
     parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(world)
     if args.load and not os.path.isfile(os.path.join(args.load, "latest")):
         raise ConfigError(f"--load {args.load}: no complete checkpoint there (missing 'latest')")

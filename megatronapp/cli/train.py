@@ -21,6 +21,7 @@ from megatronapp.cli.args import build_job_config
 from megatronapp.cli.progress import TrainProgress
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
 from megatronapp.data.tokenizer import load_tokenizer
+from megatronapp.dpp.setup import build_dpp_hooks
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.faults import FaultInjector, parse_fault_plan
 from megatronapp.engine.trainer import Trainer
@@ -86,7 +87,9 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     data = _build_data(args, tokenizer, job, groups)
     tracer, instrumentation = _build_tracer(args, job, groups, device)
     injector = FaultInjector(plan, rank, device) if (plan.slowdowns or plan.link_delays_ms) else None
-    trainer = Trainer(job, groups, device, data, injector=injector, **({"tracer": tracer} if tracer else {}))
+    injector, runtime_factory = build_dpp_hooks(args, job, rank, device, injector)
+    trainer = Trainer(job, groups, device, data, injector=injector, runtime_factory=runtime_factory,
+                      **({"tracer": tracer} if tracer else {}))
     if job.train.load:
         load_checkpoint(job.train.load, trainer, data)
     history = _train_loop(args, job, trainer, data, rank)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_harness import ProcessCluster
-from engine_jobs import RandomTokenBatches, make_job
+from engine_jobs import RandomTokenBatches, assemble_full_grads, full_grads, make_job
 from megatronapp.dpp.config import DppConfig
 from megatronapp.dpp.policies import TRAVERSALS
 from megatronapp.dpp.scheduler import compute_default_caps
@@ -46,10 +46,7 @@ def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: 
     out = []
     for k, (schedule, traversal, cap) in enumerate(variants):
         dp = world // (tp * pp)
-        job = make_job(world, tp, pp, vpp, schedule if schedule != "dynamic" else "interleaved" if vpp > 1 else "1f1b",
-                       global_batch=m * dp, iters=iters, num_layers=num_layers)
-        job = type(job)(model=job.model, train=type(job.train)(**{**job.train.__dict__, "schedule": schedule}),
-                        layout=job.layout)
+        job = make_job(world, tp, pp, vpp, schedule, global_batch=m * dp, iters=iters, num_layers=num_layers)
         groups = build_process_groups(job.layout, rank)
         factory = (build_dynamic_runtime_factory(DppConfig(traversal, cap), job) if schedule == "dynamic" else None)
         injector = RandomDelays(1000 * k + rank, delay_ms) if delay_ms else None
@@ -59,8 +56,7 @@ def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: 
         for step in range(iters):
             losses.append(trainer.train_step().loss)
             if step == 0:
-                grads = ({n: p.grad.clone() for c in trainer.chunks for n, p in c.named_parameters()}
-                         if groups.dp_rank == 0 and groups.tp_rank == 0 else {})
+                grads = full_grads(trainer) if groups.dp_rank == 0 else {}
         counters = getattr(trainer.runtime, "counters", None)
         out.append({"losses": losses, "grads": grads, "cap": getattr(trainer.runtime, "cap", None),
                     "peak": counters.peak_activations if counters else None,
@@ -74,15 +70,15 @@ def _reference(m: int, num_layers: int, iters: int = 2) -> dict:
 
 
 def _check_against(results: list[dict], variants: list, ref: dict) -> None:
+    ref_grads = {name: g for name, (g, _, _) in ref["grads"].items()}
     for i, variant in enumerate(variants):
-        grads = {}
         for rank_results in results:
-            grads.update(rank_results[i]["grads"])
             torch.testing.assert_close(rank_results[i]["losses"], ref["losses"], rtol=1e-5, atol=1e-6,
                                        msg=lambda msg: f"{variant} losses: {msg}")
-        assert grads.keys() == ref["grads"].keys()
+        grads = assemble_full_grads([rank_results[i] for rank_results in results])
+        assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
-            torch.testing.assert_close(g, ref["grads"][name], rtol=1e-4, atol=1e-6,
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6,
                                        msg=lambda msg: f"{variant} {name}: {msg}")
 
 

@@ -4,6 +4,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m megatronapp.cli.main train ... # multi-node
     megatronapp trace merge DIR -o timeline.json
     megatronapp trace detect DIR [--json]
+    megatronapp schedule simulate|show ...                                  # MegaDPP
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched.
@@ -19,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
+from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.engine.faults import FaultSpecError, parse_fault_plan
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatronapp.scan.cli import add_trace_subcommands
 
     add_trace_subcommands(sub)
+    add_schedule_subcommands(sub)
     return parser
 
 

@@ -147,3 +147,22 @@ def test_newer_microbatch_leaves_the_older_ones_slot():
         order.append(d.task)
     assert sched.counter.peak_activations == 2
     assert [str(t) for t in order[:3]] == ["F(c0,m0)", "F(c1,m0)", "B(c1,m0)"]
+
+
+def test_jitter_injection_draws_what_the_simulator_draws():
+    import torch
+
+    from megatronapp.dpp.jitter import apply_jitter
+    from megatronapp.pipeline.runtime import NullInjector
+
+    spec = JitterSpec(2, 1.5, 9)
+    assert apply_jitter(None, (spec,), 1, torch.device("cpu")) is None  # other ranks untouched
+    inj = apply_jitter(NullInjector(), (spec,), 2, torch.device("cpu"))
+    stalls = []
+    inj.on_stall = stalls.append
+    for _ in range(5):
+        with inj.compute():
+            sum(range(20000))
+    rng = random.Random("9:2")
+    assert inj.factors == [rng.uniform(1.0, 1.5) for _ in range(5)]
+    assert len(stalls) == 5 and all(s >= 0 for s in stalls)

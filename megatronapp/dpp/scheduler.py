@@ -41,11 +41,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatronapp.dpp.policies import RankView
+from megatronapp.dpp.policies import RankView, compute_depth_first_order
 from megatronapp.dpp.tasks import FORWARD, compute_consumer, forward_task
 from megatronapp.pipeline.actions import Action, virtual_stage
-from megatronapp.pipeline.comm_placement import compute_step_actions
-from megatronapp.pipeline.schedules import compute_1f1b_order, compute_interleaved_steps
 
 _EWMA = 0.2  # weight of the newest observation in the wait-fraction average
 
@@ -198,17 +196,7 @@ def compute_peak_inflight(order: list[Action]) -> int:
 
 
 def compute_default_caps(pp_size: int, num_chunks: int, num_microbatches: int) -> list[int]:
-    """Per pipeline rank: the activation sets interleaved 1F1B (1F1B for V = 1) holds at its peak.
-
-    Interleaved needs M % P == 0; for other M the next multiple's count is used. Never
-    below V (the minimum, see check_cap).
-    """
-    if num_chunks == 1:
-        return [compute_peak_inflight(compute_1f1b_order(pp_size, p, num_microbatches)) for p in range(pp_size)]
-    m = -(-num_microbatches // pp_size) * pp_size
-    caps = []
-    for p in range(pp_size):
-        steps = compute_interleaved_steps(pp_size, p, num_chunks, m)
-        peak = compute_peak_inflight([a for s in steps for a in compute_step_actions(s)])
-        caps.append(max(num_chunks, min(num_chunks * num_microbatches, peak)))
-    return caps
+    """Per pipeline rank: the activation sets interleaved 1F1B (1F1B for V = 1) holds at its
+    peak, for any M (policies.compute_depth_first_order); never below V (check_cap)."""
+    orders = [compute_depth_first_order(p, pp_size, num_chunks, num_microbatches) for p in range(pp_size)]
+    return [max(num_chunks, compute_peak_inflight(order)) for order in orders]

@@ -8,7 +8,8 @@ takes the next action of its list (waiting for its input), a dynamic rank asks i
 `RankScheduler`. Task time = the cost model's time for (rank, chunk, kind) times the rank's
 jitter factor, drawn uniformly from [1, max_factor] by a generator seeded with (seed, rank)
 in the order the rank runs its tasks (`JitterSpec`, the same rule as the runtime's
-injection), plus `decision_s` for dynamic decisions. All events of one instant are applied
+injection), plus `task_overhead_s` (host work between spans) and, for dynamic decisions,
+`decision_s`. A span covers the task's compute; the overhead is counted busy too. All events of one instant are applied
 before any rank decides, so a decision sees every message that arrived by then.
 """
 
@@ -35,7 +36,8 @@ class CostModel:
     p2p_bandwidth_Bps: float = float("inf")
     message_bytes: int = 0
     jitter: tuple[JitterSpec, ...] = ()
-    decision_s: float = 0.0
+    decision_s: float = 0.0  # extra host time per dynamic decision
+    task_overhead_s: float = 0.0  # host time around every task outside its span (posting comm, bookkeeping)
 
     @classmethod
     def uniform(cls, pp_size: int, num_chunks: int, forward_s: float = 1.0, backward_s: float = 2.0,
@@ -126,7 +128,7 @@ class _Simulation:
         if rank in self.jitter:
             rng, top = self.jitter[rank]
             seconds *= rng.uniform(1.0, top)
-        return seconds + self.overhead_s
+        return seconds + self.overhead_s + self.cost.task_overhead_s
 
     def _try_start(self, rank: int, now: float) -> None:
         agent = self.agents[rank]

@@ -28,7 +28,7 @@ from pathlib import Path
 from megatronapp.dpp import trace_costs
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import RankScheduler, compute_default_caps
-from megatronapp.dpp.simulator import CostModel, _Simulation, simulate
+from megatronapp.dpp.simulator import CostModel, simulate, simulate_agents
 from megatronapp.pipeline.schedules import build_schedule
 
 SCHEDULES = {"1f1b": False, "interleaved": True, "breadth-first": True, "dynamic": True}  # virtual stages?
@@ -74,7 +74,8 @@ def calibrate(a) -> dict:
         rows[schedule] = {"measured_s": measured, "predicted_s": own, "error": own / measured - 1,
                           "cross_predicted_s": cross, "cross_error": cross / measured - 1}
         print(f"  {schedule:<14} measured {measured * 1e3:8.2f} ms  predicted {own * 1e3:8.2f} ms "
-              f"({own / measured - 1:+.1%})  from interleaved's costs {cross * 1e3:8.2f} ms ({cross / measured - 1:+.1%})")
+              f"({own / measured - 1:+.1%})  from interleaved's costs {cross * 1e3:8.2f} ms "
+              f"({cross / measured - 1:+.1%})")
     return rows
 
 
@@ -92,7 +93,7 @@ def decision_cost(pp: int, vpp: int, m: int, traversal: str) -> dict:
     caps = compute_default_caps(pp, vpp, m)
     for _ in range(20):
         agents = [Timed(p, pp, vpp, m, caps[p], build_policy(traversal, p, pp, vpp, m)) for p in range(pp)]
-        _Simulation(agents, CostModel.uniform(pp, vpp, p2p_latency_s=0.3), 0.0).run()
+        simulate_agents(agents, CostModel.uniform(pp, vpp, p2p_latency_s=0.3))
     times.sort()
     return {"median_us": times[len(times) // 2] / 1e3, "p99_us": times[int(len(times) * 0.99)] / 1e3,
             "calls": len(times)}

@@ -10,7 +10,7 @@ import pytest
 from megatronapp.dpp.config import DppConfigError, JitterSpec, parse_jitter
 from megatronapp.dpp.policies import TRAVERSALS, build_policy, compute_depth_first_order
 from megatronapp.dpp.scheduler import CapError, RankScheduler, compute_default_caps
-from megatronapp.dpp.simulator import CostModel, simulate
+from megatronapp.dpp.simulator import CostModel, simulate, simulate_agents
 from megatronapp.dpp.tasks import compute_consumer, compute_producer_rank, compute_rank_tasks
 from megatronapp.pipeline.schedules import build_schedule
 from megatronapp.pipeline.validate import validate_schedule
@@ -50,10 +50,8 @@ def test_dynamic_never_deadlocks_nor_exceeds_cap(seed):
         assert len(res.spans) == 2 * pp * v * m
     # an adversarial policy, driven through the same scheduler
     agents = [RankScheduler(p, pp, v, m, cap, RandomPolicy(seed * 10 + p)) for p in range(pp)]
-    from megatronapp.dpp.simulator import _Simulation
-
-    _Simulation(agents, cost, 0.0).run()
-    assert all(a.done and a.counter.peak_activations <= cap for a in agents)
+    res = simulate_agents(agents, cost)
+    assert all(a.done for a in agents) and max(res.peak_activations) <= cap
 
 
 def test_spans_respect_dependencies_and_transfer_time():

@@ -90,14 +90,12 @@ class DynamicPipelineRuntime:
         inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait)
         outbox, st = Outbox(), _Step(microbatches, iteration)
         self.counters.tasks = []
-        try:
-            while not sched.done:
-                decision, waited = self._next_decision(sched, inbox, st)
-                busy = self._run_task(decision, sched, st, outbox)
-                sched.observe(busy, waited)
-        finally:
-            for t in threads:
-                t.join(timeout=INBOX_TIMEOUT_S)
+        while not sched.done:  # on an error the daemon receiver threads are left behind, not joined
+            decision, waited = self._next_decision(sched, inbox, st)
+            busy = self._run_task(decision, sched, st, outbox)
+            sched.observe(busy, waited)
+        for t in threads:  # every expected message was consumed, so they have ended
+            t.join()
         outbox.finish()
         c = self.counters
         c.peak_activations = max(c.peak_activations, sched.counter.peak_activations)

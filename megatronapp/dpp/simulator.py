@@ -177,13 +177,20 @@ def simulate(pp_size: int, num_chunks: int, num_microbatches: int, cost: CostMod
         agents = [_StaticAgent(p, schedule) for p in range(pp_size)]
         overhead = 0.0
     else:
-        caps = caps or [num_microbatches] * pp_size
-        agents = [RankScheduler(p, pp_size, num_chunks, num_microbatches, caps[p], build_policy(traversal, p, pp_size, num_chunks, num_microbatches))
+        caps = caps or [num_chunks * num_microbatches] * pp_size  # no cap
+        agents = [RankScheduler(p, pp_size, num_chunks, num_microbatches, caps[p],
+                                build_policy(traversal, p, pp_size, num_chunks, num_microbatches))
                   for p in range(pp_size)]
         overhead = cost.decision_s
-    sim = _Simulation(agents, cost, overhead)
+    return simulate_agents(agents, cost, overhead)
+
+
+def simulate_agents(agents: list, cost: CostModel, decision_s: float = 0.0) -> SimResult:
+    """Simulate one step of ranks given as scheduler objects (RankScheduler or any object with
+    its interface: done, decide, start, finish, add_input, observe, counter)."""
+    sim = _Simulation(agents, cost, decision_s)
     makespan = sim.run()
     busy = sum(s.end_s - s.start_s for s in sim.spans)
-    return SimResult(makespan, 1.0 - busy / (pp_size * makespan) if makespan else 0.0,
+    return SimResult(makespan, 1.0 - busy / (len(agents) * makespan) if makespan else 0.0,
                      [a.counter.peak_microbatches for a in agents], [a.counter.peak_activations for a in agents],
                      sim.spans)

@@ -35,7 +35,8 @@ def load_traced_run(trace_dir: str) -> TracedRun:
     num_mb = 0
     for trace in traces:
         pp = trace.meta["coords"]["pp"]
-        cols = trace.events.select(["name", "cat", "start_ns", "end_ns", "iteration", "chunk", "microbatch"]).to_pydict()
+        columns = ["name", "cat", "start_ns", "end_ns", "iteration", "chunk", "microbatch"]
+        cols = trace.events.select(columns).to_pydict()
         for name, cat, start, end, it, chunk, mb in zip(*cols.values()):
             if cat != "compute" or name not in ("forward", "backward") or chunk < 0 or mb < 0:
                 continue

@@ -101,11 +101,11 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "dynamic")
 @dataclass(frozen=True)
 class TrainConfig:
     micro_batch_size: int = 2
-    global_batch_size: int = 8
-    train_iters: int = 10
+    global_batch_size: int = 16
+    train_iters: int = 100
     lr: float = 1e-3
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 10
     lr_decay_iters: int = 0  # 0 -> train_iters
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -114,13 +114,24 @@ class TrainConfig:
     clip_grad: float = 1.0  # 0 disables clipping
     seed: int = 1234
     schedule: str = "1f1b"  # one of SCHEDULES; interleaved needs virtual stages; dynamic: megatronapp/dpp
+    # Mixed precision as Megatron: bf16/fp16 params and activations, fp32 main grads and
+    # master weights (engine.mixed_precision). fp16 uses loss scaling: static when
+    # loss_scale is set, else dynamic (engine.grad_scaler).
     bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over DP
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
     recompute_method: str = "uniform"  # uniform | block, for full recompute
     recompute_num_layers: int = 1
+    attention_backend: str = "auto"  # SDPA kernel preference: auto | cudnn | flash | efficient | math
     grad_bucket_mb: float = 25.0
     log_interval: int = 1
     save: str | None = None
@@ -138,6 +149,9 @@ class TrainConfig:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        self._check_precision()
+        if self.attention_backend not in ("auto", "cudnn", "flash", "efficient", "math"):
+            raise ConfigError(f"unknown attention backend {self.attention_backend!r}")
         try:
             self.recompute_config()
         except ValueError as e:
@@ -145,6 +159,18 @@ class TrainConfig:
 
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+
+    def _check_precision(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"loss_scale must be > 0, got {self.loss_scale}")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ConfigError(f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
+                              f"({self.initial_loss_scale})")
+        for name in ("loss_scale_window", "hysteresis"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

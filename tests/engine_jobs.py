@@ -35,6 +35,7 @@ def make_job(world: int, tp: int = 1, pp: int = 1, vpp: int = 1, schedule: str =
              global_batch: int = 8, micro_batch: int = 1, iters: int = 3, num_layers: int = 4,
              model_kw: dict | None = None, **train_kw) -> JobConfig:
     model = model_preset("tiny", num_layers=num_layers, seq_length=16, **(model_kw or {}))
+    train_kw = {"lr_warmup_iters": 0, "min_lr": 0.0, **train_kw}
     train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=global_batch, train_iters=iters,
                         lr=3e-3, schedule=schedule, grad_bucket_mb=0.01, **train_kw)
     job = JobConfig(model=model, train=train, layout=build_layout(world, tp, pp, vpp))
@@ -43,8 +44,11 @@ def make_job(world: int, tp: int = 1, pp: int = 1, vpp: int = 1, schedule: str =
 
 
 def full_grads(trainer: Trainer) -> dict[str, tuple[torch.Tensor, int | None, int]]:
-    """name -> (local grad, tp split dim, tp rank) for this rank's parameters."""
-    return {name: (p.grad.detach().clone(), p.tp_split_dim, trainer.groups.tp_rank)
+    """name -> (DP-reduced fp32 main grad, tp split dim, tp rank) for this rank's parameters.
+
+    Collective over DP (the distributed optimizer's shards are gathered)."""
+    grads = trainer.optimizer.main_grads_by_param()
+    return {name: (grads[p].detach().clone(), p.tp_split_dim, trainer.groups.tp_rank)
             for c in trainer.chunks for name, p in c.named_parameters()}
 
 
@@ -58,7 +62,8 @@ def train_and_report(rank: int, world: int, job: JobConfig) -> dict:
         losses.append(m.loss)
         norms.append(m.grad_norm)
         if step == 0:
-            grads = full_grads(trainer) if groups.dp_rank == 0 else {}
+            grads = full_grads(trainer)
+            grads = grads if groups.dp_rank == 0 else {}
     return {"losses": losses, "norms": norms, "grads": grads}
 
 

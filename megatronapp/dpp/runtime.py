@@ -64,7 +64,7 @@ class DynamicPipelineRuntime:
     """Same interface as PipelineRuntime (run, compute_timer, tracer), decisions at run time."""
 
     def __init__(self, model, groups: ParallelGroups, config: DppConfig, *, num_chunks: int,
-                 num_microbatches: int, device, tracer, reducer=None, injector=None):
+                 num_microbatches: int, device, tracer, reducer=None, injector=None, grad_scale_func=None):
         if device.type == "cuda":
             raise ValueError("--pipeline-schedule dynamic runs on CPU/gloo only (see megatronapp/dpp/transport.py)")
         lay = groups.layout
@@ -73,7 +73,8 @@ class DynamicPipelineRuntime:
         self.tracer, self.reducer = tracer, reducer
         default = compute_default_caps(lay.pp_size, num_chunks, num_microbatches)[groups.pp_rank]
         self.cap = config.max_inflight or default
-        self.stage = StageCompute(model, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches, device, injector)
+        self.stage = StageCompute(model, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches, device,
+                                  injector, grad_scale_func)
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         self.policy = build_policy(config.traversal, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
         counts = count_remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)

@@ -89,7 +89,7 @@ class Attention(nn.Module):
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, nh, S, D)
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         if self.options.recompute.granularity == "selective" and self.training:
-            y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker)
+            y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker if self.dropout_p else None)
         else:
             y = self._core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
@@ -128,7 +128,9 @@ class ResidualAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 dropout_key: DropoutKey | None = None) -> torch.Tensor:
         y = self.attn(self.norm(x), cos, sin)
-        return x + keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
+        if dropout_key is not None:  # never touch self.layer otherwise: compile would specialise per layer
+            y = keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
+        return x + y
 
 
 class ResidualMLP(nn.Module):
@@ -141,7 +143,10 @@ class ResidualMLP(nn.Module):
         self.mlp = MLP(name, cfg, tp, seed, device)
 
     def forward(self, x: torch.Tensor, dropout_key: DropoutKey | None = None) -> torch.Tensor:
-        return x + keyed_dropout(self.mlp(self.norm(x)), self.dropout_p, dropout_key, self.layer, "mlp")
+        y = self.mlp(self.norm(x))
+        if dropout_key is not None:
+            y = keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "mlp")
+        return x + y
 
 
 class Block(nn.Module):
@@ -220,7 +225,8 @@ class GPTChunk(nn.Module):
 
         for start, end, recomputed in compute_full_recompute_groups(len(blocks), self.options.recompute):
             if recomputed and self.training:
-                x = recompute(run, x, start, end, rng_tracker=self.options.rng_tracker)
+                tracker = self.options.rng_tracker if self.cfg.attention_dropout else None
+                x = recompute(run, x, start, end, rng_tracker=tracker)
             else:
                 x = run(x, start, end)
         return x
@@ -239,12 +245,17 @@ def apply_compile(chunks: list[GPTChunk]) -> None:
 
     Regional compilation: blocks of one class share one compiled graph, TP communication is
     excluded from the graphs (see parallel.mappings), and tracer spans stay in eager code
-    around the compiled regions.
+    around the compiled regions. With hidden dropout on, the keyed dropout and residual add
+    stay eager (compiling them would specialise the graph per layer index).
     """
     for chunk in chunks:
         for block in chunk.layers.values():
-            block.attention.compile()
-            block.mlp.compile()
+            if chunk.cfg.hidden_dropout:
+                block.attention.attn.compile()
+                block.mlp.mlp.compile()
+            else:
+                block.attention.compile()
+                block.mlp.compile()
         if chunk.has_head:
             chunk._head = torch.compile(chunk._head)
 

@@ -67,8 +67,9 @@ class StageCompute:
     traced and fault-injected. Shared by this runtime and MegaDPP's dynamic runtime."""
 
     def __init__(self, model: PipelineModel, pp_rank: int, pp_size: int, num_chunks: int,
-                 num_microbatches: int, device, injector=None):
+                 num_microbatches: int, device, injector=None, grad_scale_func=None):
         self.model, self.pp_rank, self.pp_size = model, pp_rank, pp_size
+        self.grad_scale_func = grad_scale_func  # loss scaling (fp16, Megatron's): applied before backward
         self.num_vstages, self.num_microbatches = pp_size * num_chunks, num_microbatches
         self.injector = injector or NullInjector()
         self.compute_timer = ComputeTimer(device)
@@ -90,6 +91,8 @@ class StageCompute:
 
     def backward(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input, tracer):
         """Backward from `output` (grad None for the loss); the gradient of stage_input, if any."""
+        if grad is None and self.grad_scale_func is not None:
+            output = self.grad_scale_func(output)
         with tracer.span("backward"), self.compute_timer.measure(), self.injector.compute():
             torch.autograd.backward(output, grad)
         return None if stage_input is None else stage_input.grad
@@ -103,7 +106,7 @@ class PipelineRuntime:
     """
 
     def __init__(self, model: PipelineModel, groups: ParallelGroups, schedule: PipelineSchedule, *,
-                 device, tracer, reducer=None, injector=None):
+                 device, tracer, reducer=None, injector=None, grad_scale_func=None):
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = {start: end for start, end in comm_batches(self.actions)}
@@ -111,7 +114,7 @@ class PipelineRuntime:
         self.tracer, self.reducer = tracer, reducer
         self.num_vstages = schedule.pp_size * schedule.num_chunks
         self.stage = StageCompute(model, groups.pp_rank, schedule.pp_size, schedule.num_chunks,
-                                  schedule.num_microbatches, device, injector)
+                                  schedule.num_microbatches, device, injector, grad_scale_func)
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
 
     def _vstage(self, chunk: int) -> int:

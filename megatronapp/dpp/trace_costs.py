@@ -30,6 +30,8 @@ def load_traced_run(trace_dir: str) -> TracedRun:
     from megatronapp.scan.format import load_trace_dir
 
     traces = [t for t in load_trace_dir(trace_dir) if t.meta["coords"]["tp"] == 0 and t.meta["coords"]["dp"] == 0]
+    if not traces:
+        raise ValueError(f"{trace_dir}: no trace of a tp 0, dp 0 rank (one whole pipeline is needed)")
     layout = traces[0].meta["layout"]
     by_iter: dict[int, list] = {}
     num_mb = 0

@@ -45,6 +45,7 @@ class RuntimeCounters:
     peak_activations: int = 0
     peak_microbatches: int = 0
     decisions: int = 0
+    wait_fraction: float = 0.0  # the scheduler's recent waiting share, kept from step to step
     decision_ns: list = field(default_factory=list)  # drain + decide, per decision (last 10k)
     tasks: list = field(default_factory=list)  # the last step's decisions, in order
 
@@ -88,6 +89,7 @@ class DynamicPipelineRuntime:
             raise ValueError(f"dynamic runtime expects {self.num_microbatches} microbatches, got {len(microbatches)}")
         sched = RankScheduler(self.groups.pp_rank, self.pp_size, self.num_chunks, self.num_microbatches,
                               self.cap, self.policy)
+        sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
         inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait)
         outbox, st = Outbox(), _Step(microbatches, iteration)
         self.counters.tasks = []
@@ -99,6 +101,7 @@ class DynamicPipelineRuntime:
             t.join()
         outbox.finish()
         c = self.counters
+        c.wait_fraction = sched.wait_fraction
         c.peak_activations = max(c.peak_activations, sched.counter.peak_activations)
         c.peak_microbatches = max(c.peak_microbatches, sched.counter.peak_microbatches)
         if st.inputs or st.grads or st.outputs:

@@ -25,7 +25,7 @@ from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
 from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.dpp.setup import check_dpp_job
-from megatronapp.engine.faults import FaultSpecError, parse_fault_plan
+from megatronapp.engine.faults import FaultSpecError, fault_plan_from_env, parse_fault_plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +57,8 @@ def check_train_args(args: argparse.Namespace):
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
     check_dpp_job(args, job)
-    parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(world)
+    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
+    (fault_plan_from_env() if plan.empty else plan).check(world)
     if args.load and has_checkpoint(args.load):
         diff = compute_model_config_mismatch(args.load, job.model)
         if diff:

@@ -41,6 +41,11 @@ class JitterInjector:
     def before_recv_wait(self, src_global: int, work) -> None:
         self.inner.before_recv_wait(src_global, work)
 
+    def set_iteration(self, iteration: int) -> None:
+        """The training loop's per-step hook (iteration-scoped faults of the inner injector)."""
+        if hasattr(self.inner, "set_iteration"):
+            self.inner.set_iteration(iteration)
+
     @contextlib.contextmanager
     def compute(self):
         factor = self.rng.uniform(1.0, self.max_factor)

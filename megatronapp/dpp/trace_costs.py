@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from megatronapp import spans as spans_vocab
 from megatronapp.dpp.simulator import CostModel, Span
 from megatronapp.dpp.tasks import backward_task, forward_task
 
@@ -40,9 +41,9 @@ def load_traced_run(trace_dir: str) -> TracedRun:
         columns = ["name", "cat", "start_ns", "end_ns", "iteration", "chunk", "microbatch"]
         cols = trace.events.select(columns).to_pydict()
         for name, cat, start, end, it, chunk, mb in zip(*cols.values()):
-            if cat != "compute" or name not in ("forward", "backward") or chunk < 0 or mb < 0:
+            if cat != spans_vocab.CAT_COMPUTE or name not in spans_vocab.COMPUTE_KINDS or min(chunk, mb) < 0:
                 continue
-            task = (forward_task if name == "forward" else backward_task)(chunk, mb)
+            task = (forward_task if name == spans_vocab.FORWARD else backward_task)(chunk, mb)
             by_iter.setdefault(it, []).append((pp, task, start, end))
             num_mb = max(num_mb, mb + 1)
     if not by_iter:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatronapp import spans
 from megatronapp.config import JobConfig
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import build_grads_and_optimizer
@@ -112,9 +113,9 @@ class Trainer:
         self.reducer.zero_grad()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
         loss = self.runtime.run(microbatches, iteration=it)
-        with self.tracer.span("grad_reduce", cat="comm"):
+        with self.tracer.span(spans.GRAD_REDUCE, cat=spans.CAT_COMM):
             self.reducer.finish()
-        with self.tracer.span("optimizer"):
+        with self.tracer.span(spans.OPTIMIZER):
             result = self.optimizer.step()  # unscale + inf check, norm, clip, AdamW, params update
         self.tracer.step_end(it)
         self.iteration += 1
@@ -166,4 +167,5 @@ class Trainer:
                     if on_step is not None:
                         on_step(m)
                 pending, t0 = [], time.perf_counter()
+        self.optimizer.finish_param_sync()  # --overlap-param-gather: params complete on return
         return history

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronapp import spans
 from megatronapp.config import ModelConfig
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.model.recompute import RecomputeConfig, compute_full_recompute_groups, recompute
@@ -162,9 +163,9 @@ class Block(nn.Module):
         key = dropout_key if self.mlp.dropout_p else None
         if tracer is None:
             return self.mlp(self.attention(x, cos, sin, key), key)
-        with tracer.layer_span("attention", self.layer):
+        with tracer.layer_span(spans.ATTENTION, self.layer):
             x = self.attention(x, cos, sin, key)
-        with tracer.layer_span("mlp", self.layer):
+        with tracer.layer_span(spans.MLP, self.layer):
             return self.mlp(x, key)
 
 
@@ -211,7 +212,7 @@ class GPTChunk(nn.Module):
             return x
         if self.tracer is None:
             return self._head(x, labels)
-        with self.tracer.span("loss"):
+        with self.tracer.span(spans.LOSS):
             return self._head(x, labels)
 
     def _run_layers(self, x: torch.Tensor, dropout_key: DropoutKey | None) -> torch.Tensor:

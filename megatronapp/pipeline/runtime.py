@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatronapp import spans
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
@@ -83,7 +84,7 @@ class StageCompute:
         if stage_input is not None and stage_input.is_floating_point():
             stage_input.requires_grad_(True)
         ctx = MicrobatchContext(iteration, mb_index, chunk, is_first, is_last)
-        with tracer.span("forward"), self.compute_timer.measure(), self.injector.compute():
+        with tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute():
             out, loss_fn = self.model.forward_step(chunk, stage_input, microbatch, ctx)
             if is_last:
                 out = loss_fn(out) / self.num_microbatches
@@ -93,7 +94,7 @@ class StageCompute:
         """Backward from `output` (grad None for the loss); the gradient of stage_input, if any."""
         if grad is None and self.grad_scale_func is not None:
             output = self.grad_scale_func(output)
-        with tracer.span("backward"), self.compute_timer.measure(), self.injector.compute():
+        with tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute():
             torch.autograd.backward(output, grad)
         return None if stage_input is None else stage_input.grad
 

@@ -125,6 +125,7 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over DP
+    overlap_param_gather: bool = False  # distributed optimizer: all-gather params during the next forward
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
@@ -168,6 +169,8 @@ class TrainConfig:
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             raise ConfigError(f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
                               f"({self.initial_loss_scale})")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
         for name in ("loss_scale_window", "hysteresis"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -123,6 +123,8 @@ def _train_loop(args, job, trainer, data, rank: int, injector=None) -> list[dict
     from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
 
     t = job.train
+    if t.metrics_file and rank == 0:
+        Path(t.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_out = open(t.metrics_file, "a") if (t.metrics_file and rank == 0) else None
     # Online warnings: a hint during training (the trace-based detector is the verdict), so
     # they are held to the slowdowns we promise to find (>= 1.3x) over 4 iterations in a row.

@@ -164,4 +164,5 @@ class Trainer:
                     if on_step is not None:
                         on_step(m)
                 pending, t0 = [], time.perf_counter()
+        self.optimizer.finish_param_sync()  # --overlap-param-gather: params complete on return
         return history

@@ -8,6 +8,7 @@
     megatronapp scope capture|report ...
     megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
     megatronapp import hf --from DIR --save CKPT
+    megatronapp schedule simulate|show ...                                  # MegaDPP
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched.
@@ -24,6 +25,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
+from megatronapp.dpp.cli import add_schedule_subcommands
+from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.engine.faults import FaultSpecError, fault_plan_from_env, parse_fault_plan
 from megatronapp.scope_ui.training import check_training_scope
 
@@ -47,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_subcommand(add_scope_subcommands(sub))
     add_scope_ui_train_arguments(train)
     add_interop_subcommands(sub)
+    add_schedule_subcommands(sub)
     return parser
 
 
@@ -62,6 +66,7 @@ def check_train_args(args: argparse.Namespace):
     world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
+    check_dpp_job(args, job)
     plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
     (fault_plan_from_env() if plan.empty else plan).check(world)
     check_training_scope(args, world)

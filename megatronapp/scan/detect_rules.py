@@ -128,6 +128,7 @@ class ComputeStats:
     slow_iterations: int = 0
     slow_ratio: float = 1.0  # median sample ratio within those iterations
     slow_z: float = 0.0  # robust z of log-ratios within those iterations
+    base_ratio: float = 1.0  # median sample ratio in the other iterations
 
 
 def _robust_z(logs: np.ndarray) -> float:
@@ -162,6 +163,8 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
         ratios = np.concatenate([np.asarray(r) for r in per_it.values()])
         slow_its = [np.asarray(r) for r in per_it.values() if np.median(r) >= threshold]
         slow = np.concatenate(slow_its) if slow_its else np.ones(1)
+        base_its = [np.asarray(r) for r in per_it.values() if np.median(r) < threshold]
+        base = np.concatenate(base_its) if base_its else np.ones(1)
         pp = coords[rank]["pp"]
         out[rank] = ComputeStats(
             rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios), iterations=len(per_it),
@@ -171,7 +174,8 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
             rank_median_ns=float(np.median(my_vals)), peer_median_ns=float(np.median(peer_vals)),
             excess_ns_per_iteration=float(np.median(list(excess.values()))),
             edge_stage=pp_size > 1 and pp in (0, pp_size - 1), slow_iterations=len(slow_its),
-            slow_ratio=float(np.exp(np.median(np.log(slow)))), slow_z=float(_robust_z(np.log(slow))))
+            slow_ratio=float(np.exp(np.median(np.log(slow)))), slow_z=float(_robust_z(np.log(slow))),
+            base_ratio=float(np.exp(np.median(np.log(base)))))
     return out
 
 

@@ -38,9 +38,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _barrier(group) -> None:
+    """Barrier over the layout's ranks (groups.world); a single process has none."""
+    if group is not None and dist.is_initialized():
+        dist.barrier(group=group)
 
 
 def _named_params(chunks) -> dict:
@@ -68,13 +69,13 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
         meta = {"iteration": it, "layout": asdict(trainer.job.layout),
                 "model": asdict(trainer.job.model), "train": asdict(trainer.job.train)}
         _atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))
-    _barrier()
+    _barrier(g.world)
     if g.dp_rank == 0:
         _atomic_torch_save(_shard_state(trainer), folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()[1],
            "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None}
     _atomic_torch_save({"rng": rng, "data": data.state_dict()}, folder / f"rank{g.rank:05d}.pt")
-    _barrier()
+    _barrier(g.world)
     if g.rank == 0:
         _atomic_write_text(Path(save_dir) / "latest", str(it))
     return folder

@@ -102,7 +102,7 @@ class Trainer:
             values[0] = loss.detach().float()
         values[1 + self.groups.rank] = self.runtime.compute_timer.take()
         if world > 1:
-            dist.all_reduce(values)
+            dist.all_reduce(values, group=self.groups.world)
         host = values.tolist()
         return host[0] / self.job.layout.dp_size, tuple(host[1:])
 

@@ -1,0 +1,153 @@
+"""The backward worker: the engine's Trainer (grads, DP reduction, clipping, the only
+optimizer, checkpoints) driven by an FBD runtime instead of the pipeline runtime.
+
+Per microbatch it takes the stage input from its forward twin (stage 0 reads its tokens),
+recomputes the stage with autograd, runs backward with the output grad from the next
+backward stage and sends the input grad to the previous one; so it holds one microbatch's
+activations at a time. At the start of iteration i it publishes the weights of version i.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from megatronapp.engine.hooks import NULL_TRACER
+from megatronapp.engine.trainer import Trainer
+from megatronapp.fbd.config import FbdConfig
+from megatronapp.fbd.links import Outbox, PostedRecv, RoleFaults, RoleWaits
+from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
+from megatronapp.fbd.reshard import compute_weight_pieces, frame, full_param_specs, pack_weights, unframe
+from megatronapp.parallel.groups import RoleGroups
+from megatronapp.pipeline.compute_timer import ComputeTimer
+
+_TRAINER_OPS = (Op.REDUCE_GRADS, Op.GRAD_NORM, Op.METRICS)  # issued by Trainer.train_step, in this order
+
+
+@dataclass
+class _Iteration:
+    index: int
+    tokens: list
+    posted: dict = field(default_factory=dict)  # m -> PostedRecv of the stage input
+    inputs: dict = field(default_factory=dict)  # m -> stage input (requires grad)
+    outputs: dict = field(default_factory=dict)  # m -> stage output or scaled loss
+    grads: dict = field(default_factory=dict)  # m -> grad of the stage output
+    losses: list = field(default_factory=list)
+
+
+class BackwardRuntime:
+    """Executes compute_backward_actions up to the trainer's collectives; the Trainer's runtime."""
+
+    def __init__(self, trainer: Trainer, fbd: FbdConfig, groups: RoleGroups, *, link_device: torch.device,
+                 injector=None):
+        lay, c = groups.layout, groups.coords
+        self.trainer, self.fbd, self.groups, self.link_device = trainer, fbd, groups, link_device
+        (self.chunk,) = trainer.chunks
+        self.device, self.tracer = trainer.device, NULL_TRACER
+        job = trainer.job
+        self.num_microbatches = job.num_microbatches
+        self.act_shape = (job.train.micro_batch_size, job.model.seq_length, job.model.hidden_size)
+        specs = full_param_specs(self.chunk, lay.tp_size)
+        self.weight_pieces = {dst: compute_weight_pieces(specs, lay.tp_size, c.tp, lay.forward_tp_size,
+                                                         lay.role_of(dst).tp)
+                              for dst in lay.weight_targets(c.tp, c.dp, c.pp)}
+        self.compute_timer = ComputeTimer(self.device)
+        self.injector = injector
+        self.waits = RoleWaits()
+        self.faults = RoleFaults(groups.rank, "backward", fbd.crash, fbd.random_delay_ms, fbd.delay_seed)
+        self.loss_gap = 0.0  # max |forward loss - recomputed loss| seen (last stage, logging)
+
+    def _compute(self):
+        return self.injector.compute() if self.injector is not None else contextlib.nullcontext()
+
+    def run(self, microbatches: list[torch.Tensor]) -> torch.Tensor | None:
+        """Forward (recompute) + backward of every microbatch; summed 1/M-scaled loss on the last stage."""
+        it = _Iteration(self.trainer.iteration, microbatches)
+        self.faults.before_iteration(it.index)
+        self.outbox = Outbox()
+        actions = compute_backward_actions(self.groups.layout, self.groups.rank, it.index, self.num_microbatches,
+                                           self.fbd.max_ahead)
+        for a in actions:
+            if a.op in _TRAINER_OPS:
+                break
+            with self.tracer.context(chunk=0, microbatch=a.microbatch):
+                self._HANDLERS[a.op](self, a, it)
+        self.outbox.drain()
+        return torch.stack(it.losses).sum() if it.losses else None
+
+    def _send_weights(self, a: FbdAction, it: _Iteration) -> None:
+        for dst, pieces in self.weight_pieces.items():
+            self.outbox.post(pack_weights(self.chunk, pieces, it.index, self.link_device), (dst,))
+
+    def _recv_input(self, a: FbdAction, it: _Iteration) -> None:
+        (src,) = a.peers
+        it.posted[a.microbatch] = PostedRecv(2 + self.act_shape[0] * self.act_shape[1] * self.act_shape[2], src,
+                                             self.link_device)
+
+    def _recompute(self, a: FbdAction, it: _Iteration) -> None:
+        m, tokens = a.microbatch, it.tokens[a.microbatch]
+        if self.chunk.has_embedding:
+            x = tokens[:, :-1]
+        else:
+            posted = it.posted.pop(m)
+            with self.waits.on_other_role(self.tracer, "wait_forward"):
+                message = posted.wait()
+            x = unframe(message, (it.index, m), "stage input", posted.source).view(self.act_shape)
+            x = x.to(self.device).requires_grad_(True)
+            it.inputs[m] = x
+        self.faults.before_compute()
+        with self.tracer.span("forward"), self.compute_timer.measure(), self._compute():
+            out = self.chunk(x, tokens[:, 1:] if self.chunk.has_head else None)
+        if self.chunk.has_head:
+            it.losses.append(out.detach() / self.num_microbatches)
+            out = out / self.num_microbatches
+        it.outputs[m] = out
+
+    def _recv_grad(self, a: FbdAction, it: _Iteration) -> None:
+        (src,) = a.peers
+        message = PostedRecv(2 + self.act_shape[0] * self.act_shape[1] * self.act_shape[2], src, self.device).wait()
+        it.grads[a.microbatch] = unframe(message, (it.index, a.microbatch), "output grad", src).view(self.act_shape)
+
+    def _backward(self, a: FbdAction, it: _Iteration) -> None:
+        m = a.microbatch
+        if m == self.num_microbatches - 1:
+            self.trainer.reducer.mark_final_microbatch(0)
+        self.faults.before_compute()
+        with self.tracer.span("backward"), self.compute_timer.measure(), self._compute():
+            torch.autograd.backward(it.outputs.pop(m), it.grads.pop(m, None))
+
+    def _send_grad(self, a: FbdAction, it: _Iteration) -> None:
+        x = it.inputs.pop(a.microbatch)
+        self.outbox.post(frame((it.index, a.microbatch), x.grad, self.device), a.peers)
+
+    def _recv_losses(self, a: FbdAction, it: _Iteration) -> None:
+        (src,) = a.peers
+        posted = PostedRecv(1 + self.num_microbatches, src, self.link_device)
+        with self.waits.on_other_role(self.tracer, "wait_forward"):
+            message = posted.wait()
+        forward = unframe(message, (it.index,), "forward losses", src).to(self.device)
+        recomputed = torch.stack(it.losses) * self.num_microbatches
+        self.loss_gap = max(self.loss_gap, float((forward - recomputed).abs().max()))
+
+    _HANDLERS = {Op.SEND_WEIGHTS: _send_weights, Op.RECV_INPUT: _recv_input, Op.RECOMPUTE: _recompute,
+                 Op.RECV_GRAD: _recv_grad, Op.BACKWARD: _backward, Op.SEND_GRAD: _send_grad,
+                 Op.RECV_LOSSES: _recv_losses}
+
+
+class BackwardWorker:
+    """One backward worker: a Trainer whose runtime is a BackwardRuntime."""
+
+    role = "backward"
+
+    def __init__(self, job, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
+                 link_device: torch.device, tracer=NULL_TRACER, injector=None):
+        self.trainer = Trainer(job, groups.parallel, device, data, tracer=tracer, injector=injector)
+        self.runtime = BackwardRuntime(self.trainer, fbd, groups, link_device=link_device, injector=injector)
+        self.trainer.runtime = self.runtime  # the seam: same step loop, FBD execution
+        self.trainer.set_tracer(tracer)
+
+    @property
+    def waits(self) -> RoleWaits:
+        return self.runtime.waits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
 from megatronapp.config import (
     MODEL_PRESETS,
     SCHEDULES,
@@ -75,6 +76,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR")
     g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS")
+    add_fbd_arguments(p)
 
 
 def _positive(args, names) -> None:
@@ -110,7 +112,8 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
         schedule=schedule, bf16=args.bf16, compile=args.compile, overlap_grad_reduce=args.overlap_grad_reduce,
         log_interval=args.log_interval, save=args.save, load=args.load, save_interval=args.save_interval,
         metrics_file=args.metrics_file)
-    layout = build_layout(world_size, args.tensor_model_parallel_size, pp, vpp)
+    layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
     job = JobConfig(model=model, train=train, layout=layout)
     validate_job(job)
+    check_fbd_job(args, job, world_size)
     return job

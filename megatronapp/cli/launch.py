@@ -65,11 +65,11 @@ def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
         print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {failure.message}",
               file=sys.stderr)
         return 1
-    history = json.loads(summary.read_text())["history"] if summary.is_file() else []
-    return report_run(args, history, world)
+    saved = json.loads(summary.read_text()) if summary.is_file() else {}
+    return report_run(args, saved.get("history", []), world, saved.get("rows", []))
 
 
-def report_run(args: argparse.Namespace, history: list[dict], world: int) -> int:
+def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: list | None = None) -> int:
     """Print the run summary; with --trace also merge the timeline and run detection."""
     console = Console()
     if history:
@@ -84,6 +84,8 @@ def report_run(args: argparse.Namespace, history: list[dict], world: int) -> int
             table.add_row("checkpoint", args.save)
         if args.metrics_file:
             table.add_row("metrics", args.metrics_file)
+        for label, value in rows or []:  # module-specific lines (e.g. MegaFBD's role waits)
+            table.add_row(label, value)
         console.print(table)
     if args.trace:
         return _report_trace(args, console)

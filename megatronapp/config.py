@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megatronapp.model.recompute import RecomputeConfig
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -30,6 +31,8 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     rotary_base: float = 10000.0
+    hidden_dropout: float = 0.1  # Megatron-LM's defaults; every preset below sets 0.0
+    attention_dropout: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -42,6 +45,9 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"head dim {self.head_dim} must be even for rotary embeddings")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -58,23 +64,28 @@ class ModelConfig:
         m = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // m) * m
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, include_input_embedding: bool = True) -> int:
         h, f, v, n = self.hidden_size, self.ffn_size, self.padded_vocab_size, self.num_layers
         per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        return n * per_layer + 2 * v * h + 2 * h  # untied embedding and output, final norm
+        embedding = v * h if include_input_embedding else 0
+        return n * per_layer + embedding + v * h + 2 * h  # untied output layer, final norm
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 * params + 12 * layers * hidden * seq (attention)."""
-        return 6.0 * self.num_parameters() + 12.0 * self.num_layers * self.hidden_size * self.seq_length
+        """Training FLOPs per token, the one convention for every MFU we report:
+        6 * N with N excluding the input embedding (a lookup, not a matmul; the output layer
+        counts) + 12 * layers * hidden * seq for attention scores and values."""
+        n = self.num_parameters(include_input_embedding=False)
+        return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * self.seq_length
 
 
+_NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)  # as current LLM pretraining recipes
 MODEL_PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32),
-    "demo": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128),
-    "small": ModelConfig(num_layers=12, hidden_size=512, num_attention_heads=8, seq_length=256),
-    "125m": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024),
-    "350m": ModelConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=2048),
-    "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048),
+    "tiny": ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, **_NO_DROPOUT),
+    "demo": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, **_NO_DROPOUT),
+    "small": ModelConfig(num_layers=12, hidden_size=512, num_attention_heads=8, seq_length=256, **_NO_DROPOUT),
+    "125m": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, **_NO_DROPOUT),
+    "350m": ModelConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=2048, **_NO_DROPOUT),
+    "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, **_NO_DROPOUT),
 }
 
 
@@ -106,6 +117,10 @@ class TrainConfig:
     bf16: bool = False
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
+    sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
+    recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
+    recompute_method: str = "uniform"  # uniform | block, for full recompute
+    recompute_num_layers: int = 1
     grad_bucket_mb: float = 25.0
     log_interval: int = 1
     save: str | None = None
@@ -123,6 +138,13 @@ class TrainConfig:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        try:
+            self.recompute_config()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def recompute_config(self) -> RecomputeConfig:
+        return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
 
 
 @dataclass(frozen=True)
@@ -162,6 +184,12 @@ def validate_job(job: JobConfig) -> None:
             f"global batch size {t.global_batch_size} is not divisible by micro batch size "
             f"{t.micro_batch_size} x data-parallel size {lay.dp_size}"
         )
+    if t.sequence_parallel:
+        if lay.tp_size < 2:
+            raise ConfigError("--sequence-parallel needs tensor-parallel size > 1")
+        if m.seq_length % lay.tp_size:
+            raise ConfigError(f"--sequence-parallel needs seq length {m.seq_length} divisible by "
+                              f"tensor-parallel size {lay.tp_size}")
     if lay.virtual_pp_size > 1 and t.schedule != "interleaved":
         raise ConfigError(f"virtual pipeline stages need the interleaved schedule, not {t.schedule!r}")
     if t.schedule == "interleaved":

@@ -73,7 +73,8 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
     if g.dp_rank == 0:
         _atomic_torch_save(_shard_state(trainer), folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()[1],
-           "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None}
+           "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None,
+           "tracker": trainer.rng_tracker.get_states()}
     _atomic_torch_save({"rng": rng, "data": data.state_dict()}, folder / f"rank{g.rank:05d}.pt")
     _barrier(g.world)
     if g.rank == 0:
@@ -162,3 +163,5 @@ def _restore_rank_state(folder: Path, trainer, data, same_world: bool) -> None:
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and trainer.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"])
+        if "tracker" in state["rng"]:  # attention-dropout streams (absent in older checkpoints)
+            trainer.rng_tracker.set_states(state["rng"]["tracker"])

@@ -17,7 +17,9 @@ from megatronapp.config import JobConfig
 from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.optim import build_optimizer, compute_lr, set_lr
-from megatronapp.model.gpt import TPContext, apply_compile, build_model_chunks
+from megatronapp.model.gpt import ChunkOptions, TPContext, apply_compile, build_model_chunks
+from megatronapp.model.gpt_step import GPTPipelineModel
+from megatronapp.parallel.random import build_rng_tracker
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.runtime import PipelineRuntime
 from megatronapp.pipeline.schedules import build_schedule
@@ -43,10 +45,13 @@ class Trainer:
     def __init__(self, job: JobConfig, groups: ParallelGroups, device: torch.device, data, *,
                  tracer=NULL_TRACER, injector=None, schedule=None):
         self.job, self.groups, self.device, self.data = job, groups, device, data
-        lay = job.layout
-        tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank)
+        lay, t = job.layout, job.train
+        tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
+        self.rng_tracker = build_rng_tracker(t.seed, groups.tp_rank, groups.pp_rank, device)
+        options = ChunkOptions(recompute=t.recompute_config(), rng_tracker=self.rng_tracker)
         self.chunks = build_model_chunks(job.model, pp_rank=groups.pp_rank, pp_size=lay.pp_size,
-                                         num_chunks=lay.virtual_pp_size, tp=tp, seed=job.train.seed, device=device)
+                                         num_chunks=lay.virtual_pp_size, tp=tp, seed=t.seed, device=device,
+                                         options=options)
         if job.train.compile:
             apply_compile(self.chunks)
         self.reducer = GradReducer(self.chunks, groups.dp, lay.dp_size, overlap=job.train.overlap_grad_reduce,
@@ -55,10 +60,12 @@ class Trainer:
         self.schedule = schedule or build_schedule(job.train.schedule, lay.pp_size, lay.virtual_pp_size,
                                                    job.num_microbatches)
         validate_schedule(self.schedule)
-        act_shape = (job.train.micro_batch_size, job.model.seq_length, job.model.hidden_size)
-        self.runtime = PipelineRuntime(self.chunks, groups, self.schedule, act_shape=act_shape, device=device,
-                                       tracer=tracer, reducer=self.reducer, injector=injector,
-                                       autocast_dtype=torch.bfloat16 if job.train.bf16 else None)
+        self.model = GPTPipelineModel(self.chunks, job.model, seed=t.seed, dp_rank=groups.dp_rank,
+                                      num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
+                                      tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
+                                      autocast_dtype=torch.bfloat16 if t.bf16 else None)
+        self.runtime = PipelineRuntime(self.model, groups, self.schedule, device=device, tracer=tracer,
+                                       reducer=self.reducer, injector=injector)
         self.iteration = 0  # optimizer steps completed
         self.set_tracer(tracer)
 
@@ -76,7 +83,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.reducer.zero_grad()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
-        loss = self.runtime.run(microbatches)
+        loss = self.runtime.run(microbatches, iteration=it)
         with self.tracer.span("grad_reduce", cat="comm"):
             self.reducer.finish()
         with self.tracer.span("optimizer"):

@@ -1,8 +1,11 @@
 """GPT decoder with tensor parallelism, built as pipeline chunks.
 
-Pre-LayerNorm blocks: x + Attn(LN(x)), then x + MLP(LN(x)). Causal attention through
-torch's scaled_dot_product_attention, rotary positions, GeLU MLP, untied input embedding
-and output head (Megatron's --untie-embeddings-and-output-weights).
+Pre-LayerNorm blocks: x + Drop(Attn(LN(x))), then x + Drop(MLP(LN(x))). Causal attention
+through torch's scaled_dot_product_attention (attention dropout inside it), rotary
+positions, GeLU MLP, untied input embedding and output head (Megatron's
+--untie-embeddings-and-output-weights). Hidden dropout is keyed (parallel/random.py), so
+its masks do not depend on the layout; sequence parallelism and recompute are options of
+the same modules (parallel/layers.py, model/recompute.py).
 
 A `GPTChunk` holds a contiguous range of layers; the chunk with layer 0 also holds the
 embedding, the chunk with the last layer the final norm, output head and loss. Parameter
@@ -13,7 +16,7 @@ one layout can be loaded under any other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +24,9 @@ from torch import nn
 
 from megatronapp.config import ModelConfig
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatronapp.parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    mark_split,
-)
+from megatronapp.model.recompute import RecomputeConfig, compute_full_recompute_groups, recompute
+from megatronapp.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
+from megatronapp.parallel.random import DropoutKey, RNGStatesTracker, keyed_dropout
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,15 @@ class TPContext:
     group: object | None
     size: int
     rank: int
+    sequence_parallel: bool = False  # activations outside TP blocks are (B, S/TP, H) shards
+
+
+@dataclass(frozen=True)
+class ChunkOptions:
+    """How the layers of a chunk run in training (not what they compute)."""
+
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    rng_tracker: RNGStatesTracker | None = None  # attention-dropout stream (needed when it is > 0)
 
 
 def rotary_tables(seq: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,39 +58,56 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _norm(hidden: int, eps: float, device) -> nn.LayerNorm:
-    ln = nn.LayerNorm(hidden, eps=eps, device=device)
-    mark_split(ln.weight, None)
-    mark_split(ln.bias, None)
-    return ln
+def _norm(cfg: ModelConfig, tp: TPContext, device) -> LayerNorm:
+    return LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, tp_group=tp.group,
+                     sequence_parallel=tp.sequence_parallel, device=device)
+
+
+def _tp_kwargs(tp: TPContext, seed: int, device) -> dict:
+    return dict(tp_group=tp.group, tp_size=tp.size, tp_rank=tp.rank, seed=seed, device=device,
+                sequence_parallel=tp.sequence_parallel)
 
 
 class Attention(nn.Module):
-    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device):
+    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device, options: ChunkOptions):
         super().__init__()
         h = cfg.hidden_size
         self.local_heads = cfg.num_attention_heads // tp.size
         self.head_dim = cfg.head_dim
+        self.dropout_p = cfg.attention_dropout
+        self.options = options
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        kw = dict(tp_group=tp.group, tp_size=tp.size, tp_rank=tp.rank, seed=seed, device=device)
+        kw = _tp_kwargs(tp, seed, device)
         # Output rows are ordered (head, [q|k|v], head_dim) so a row slice gives whole heads.
         self.qkv = ColumnParallelLinear(f"{name}.qkv", h, 3 * h, std=cfg.init_method_std, **kw)
         self.proj = RowParallelLinear(f"{name}.proj", h, h, std=out_std, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        qkv = self.qkv(x)  # (B, S, 3H/TP): sequence shards are gathered by the column-parallel linear
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, nh, S, D)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
+        if self.options.recompute.granularity == "selective" and self.training:
+            y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker)
+        else:
+            y = self._core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(QK^T / sqrt(D)) V with causal mask; attention dropout on the TP-rank stream."""
+        p = self.dropout_p if self.training else 0.0
+        if p == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with self.options.rng_tracker.fork():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
 class MLP(nn.Module):
     def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        kw = dict(tp_group=tp.group, tp_size=tp.size, tp_rank=tp.rank, seed=seed, device=device)
+        kw = _tp_kwargs(tp, seed, device)
         self.fc1 = ColumnParallelLinear(f"{name}.fc1", cfg.hidden_size, cfg.ffn_size, std=cfg.init_method_std, **kw)
         self.fc2 = RowParallelLinear(f"{name}.fc2", cfg.ffn_size, cfg.hidden_size, std=out_std, **kw)
 
@@ -90,67 +116,79 @@ class MLP(nn.Module):
 
 
 class ResidualAttention(nn.Module):
-    """x + Attn(LN(x)): the unit compiled as one region (norm and residual fused in)."""
+    """x + dropout(Attn(LN(x))): the unit compiled as one region (norm and residual fused in)."""
 
-    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device):
+    def __init__(self, name: str, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device,
+                 options: ChunkOptions):
         super().__init__()
-        self.norm = _norm(cfg.hidden_size, cfg.layernorm_epsilon, device)
-        self.attn = Attention(name, cfg, tp, seed, device)
+        self.layer, self.dropout_p = layer, cfg.hidden_dropout
+        self.norm = _norm(cfg, tp, device)
+        self.attn = Attention(name, cfg, tp, seed, device, options)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
+        y = self.attn(self.norm(x), cos, sin)
+        return x + keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
 
 
 class ResidualMLP(nn.Module):
-    """x + MLP(LN(x))."""
+    """x + dropout(MLP(LN(x)))."""
 
-    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device):
+    def __init__(self, name: str, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device):
         super().__init__()
-        self.norm = _norm(cfg.hidden_size, cfg.layernorm_epsilon, device)
+        self.layer, self.dropout_p = layer, cfg.hidden_dropout
+        self.norm = _norm(cfg, tp, device)
         self.mlp = MLP(name, cfg, tp, seed, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
+    def forward(self, x: torch.Tensor, dropout_key: DropoutKey | None = None) -> torch.Tensor:
+        return x + keyed_dropout(self.mlp(self.norm(x)), self.dropout_p, dropout_key, self.layer, "mlp")
 
 
 class Block(nn.Module):
-    def __init__(self, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device):
+    def __init__(self, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device, options: ChunkOptions):
         super().__init__()
         self.layer = layer
-        self.attention = ResidualAttention(f"layers.{layer}.attn", cfg, tp, seed, device)
-        self.mlp = ResidualMLP(f"layers.{layer}.mlp", cfg, tp, seed, device)
+        self.attention = ResidualAttention(f"layers.{layer}.attn", layer, cfg, tp, seed, device, options)
+        self.mlp = ResidualMLP(f"layers.{layer}.mlp", layer, cfg, tp, seed, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
+        # A key only when dropout is on: compiled regions then never see a per-step object.
+        key = dropout_key if self.mlp.dropout_p else None
         if tracer is None:
-            return self.mlp(self.attention(x, cos, sin))
+            return self.mlp(self.attention(x, cos, sin, key), key)
         with tracer.layer_span("attention", self.layer):
-            x = self.attention(x, cos, sin)
+            x = self.attention(x, cos, sin, key)
         with tracer.layer_span("mlp", self.layer):
-            return self.mlp(x)
+            return self.mlp(x, key)
 
 
 class GPTChunk(nn.Module):
     """Layers [first_layer, last_layer) of the GPT, plus embedding / head when it owns them.
 
-    forward(x, labels): x is token ids (B, S) on the chunk holding the embedding, else the
-    hidden states (B, S, H) from the previous chunk. Returns hidden states (B, S, H), or on
-    the chunk holding the head the mean token loss (a scalar) when labels are given.
+    forward(x, labels, dropout_key): x is token ids (B, S) on the chunk holding the
+    embedding, else the hidden states (B, S, H) from the previous chunk ((B, S/TP, H) with
+    sequence parallelism). Returns hidden states; on the chunk holding the head, per-token
+    losses (B, S) when labels are given, else the logits (B, S, V/TP). `dropout_key` None
+    means no hidden dropout (evaluation, generation).
     """
 
     def __init__(self, cfg: ModelConfig, first_layer: int, last_layer: int, tp: TPContext,
-                 seed: int, device="cpu"):
+                 seed: int, device="cpu", options: ChunkOptions | None = None):
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        self.options = options or ChunkOptions()
         self.first_layer, self.last_layer = first_layer, last_layer
         self.has_embedding = first_layer == 0
         self.has_head = last_layer == cfg.num_layers
-        kw = dict(tp_group=tp.group, tp_size=tp.size, tp_rank=tp.rank, seed=seed, device=device)
+        kw = _tp_kwargs(tp, seed, device)
         if self.has_embedding:
             self.embedding = VocabParallelEmbedding("embedding", cfg.padded_vocab_size, cfg.hidden_size,
                                                     std=cfg.init_method_std, **kw)
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg, tp, seed, device) for i in range(first_layer, last_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg, tp, seed, device, self.options)
+                                     for i in range(first_layer, last_layer)})
         if self.has_head:
-            self.final_norm = _norm(cfg.hidden_size, cfg.layernorm_epsilon, device)
+            self.final_norm = _norm(cfg, tp, device)
             self.output = ColumnParallelLinear("output", cfg.hidden_size, cfg.padded_vocab_size,
                                                std=cfg.init_method_std, bias=False, **kw)
         cos, sin = rotary_tables(cfg.seq_length, cfg.head_dim, cfg.rotary_base, device)
@@ -158,25 +196,42 @@ class GPTChunk(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tracer = None  # set by the engine when per-layer spans are wanted
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                dropout_key: DropoutKey | None = None) -> torch.Tensor:
         if self.has_embedding:
             x = self.embedding(x)  # (B, S) -> (B, S, H)
-        s = x.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        for block in self.layers.values():
-            x = block(x, cos, sin, self.tracer)
-        if not self.has_head or labels is None:
+            x = keyed_dropout(x, self.cfg.hidden_dropout, dropout_key, -1, "embedding")
+        x = self._run_layers(x, dropout_key)
+        if not self.has_head:
             return x
         if self.tracer is None:
-            return self._loss(x, labels)
+            return self._head(x, labels)
         with self.tracer.span("loss"):
-            return self._loss(x, labels)
+            return self._head(x, labels)
 
-    def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.output(self.final_norm(x))  # (B, S, V/TP)
+    def _run_layers(self, x: torch.Tensor, dropout_key: DropoutKey | None) -> torch.Tensor:
+        blocks = list(self.layers.values())
+        cos, sin = self.rope_cos, self.rope_sin
+
+        def run(h, start, end):
+            for block in blocks[start:end]:
+                h = block(h, cos, sin, self.tracer, dropout_key)
+            return h
+
+        for start, end, recomputed in compute_full_recompute_groups(len(blocks), self.options.recompute):
+            if recomputed and self.training:
+                x = recompute(run, x, start, end, rng_tracker=self.options.rng_tracker)
+            else:
+                x = run(x, start, end)
+        return x
+
+    def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        logits = self.output(self.final_norm(x))  # (B, S, V/TP), sequence gathered
+        if labels is None:
+            return logits
         vocab_start = self.tp.rank * logits.shape[-1]
         losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp.group, vocab_start)
-        return losses.mean()
+        return losses.view(labels.shape)
 
 
 def apply_compile(chunks: list[GPTChunk]) -> None:
@@ -191,7 +246,7 @@ def apply_compile(chunks: list[GPTChunk]) -> None:
             block.attention.compile()
             block.mlp.compile()
         if chunk.has_head:
-            chunk._loss = torch.compile(chunk._loss)
+            chunk._head = torch.compile(chunk._head)
 
 
 def chunk_layer_ranges(num_layers: int, pp_size: int, num_chunks: int) -> list[list[tuple[int, int]]]:
@@ -205,7 +260,7 @@ def chunk_layer_ranges(num_layers: int, pp_size: int, num_chunks: int) -> list[l
 
 
 def build_model_chunks(cfg: ModelConfig, *, pp_rank: int, pp_size: int, num_chunks: int, tp: TPContext,
-                       seed: int, device="cpu") -> list[GPTChunk]:
+                       seed: int, device="cpu", options: ChunkOptions | None = None) -> list[GPTChunk]:
     """The model chunks a pipeline rank holds, initialised from the layout-independent full weights."""
     ranges = chunk_layer_ranges(cfg.num_layers, pp_size, num_chunks)[pp_rank]
-    return [GPTChunk(cfg, first, last, tp, seed, device) for first, last in ranges]
+    return [GPTChunk(cfg, first, last, tp, seed, device, options) for first, last in ranges]

@@ -4,8 +4,15 @@ Each parameter carries `tp_split_dim`: the dim along which the full tensor is sl
 TP ranks, or None when it is replicated. Checkpoint conversion and gradient-norm
 computation read that attribute instead of guessing from names.
 
-Weights are initialised full-size from a generator seeded by (seed, parameter name) and
-then sliced, so every layout starts from exactly the same full model.
+Weights are initialised full-size on the CPU from a generator seeded by (seed, parameter
+name), sliced, and only the slice is moved to the device: every layout and device type
+starts from exactly the same model, and a rank holds at most one full parameter at a time.
+
+With `sequence_parallel`, activations outside the TP blocks are sequence shards (see
+mappings.py): the column-parallel input is all-gathered instead of copied, the row-parallel
+output reduce-scattered instead of all-reduced. Parameters applied to a sequence shard
+(LayerNorm, the row-parallel bias) see only 1/TP of the tokens, so their gradient is
+all-reduced over TP in backward (`sp_replicated`); they carry `sequence_parallel = True`.
 """
 
 from __future__ import annotations
@@ -16,19 +23,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatronapp.parallel.mappings import copy_to_tp, reduce_from_tp
+from megatronapp.parallel.mappings import (
+    copy_to_tp,
+    gather_from_sequence_parallel,
+    reduce_from_tp,
+    reduce_scatter_to_sequence_parallel,
+)
 
 
-def init_full_normal(name: str, shape: tuple[int, ...], std: float, seed: int,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
-    """Deterministic N(0, std) tensor for a named parameter, identical for every layout."""
-    gen = torch.Generator(device=device)
+def init_full_normal(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """Deterministic N(0, std) CPU tensor for a named parameter, identical for every layout."""
+    gen = torch.Generator(device="cpu")
     gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
-def _shard(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int) -> torch.Tensor:
-    return full.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+def _shard(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, device) -> torch.Tensor:
+    return full.chunk(tp_size, dim=dim)[tp_rank].to(device, copy=True).contiguous()
+
+
+def sp_replicated(param: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    """A replicated parameter as used on a sequence shard: its grad is summed over TP."""
+    return copy_to_tp(param, tp_group) if sequence_parallel else param
 
 
 def mark_split(param: nn.Parameter, dim: int | None) -> nn.Parameter:
@@ -37,54 +53,83 @@ def mark_split(param: nn.Parameter, dim: int | None) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T with A split along its output dim; input replicated, output sharded."""
+    """y = x A^T with A split along its output dim; input replicated (or a sequence shard
+    gathered here), output sharded."""
 
     def __init__(self, name: str, in_features: int, out_features: int, *, tp_group, tp_size: int,
-                 tp_rank: int, std: float, seed: int, bias: bool = True, device="cpu"):
+                 tp_rank: int, std: float, seed: int, bias: bool = True, device="cpu",
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
-        full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed, device)
-        self.weight = mark_split(nn.Parameter(_shard(full, 0, tp_size, tp_rank)), 0)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
+        self.weight = mark_split(nn.Parameter(_shard(full, 0, tp_size, tp_rank, device)), 0)
         self.bias = (mark_split(nn.Parameter(torch.zeros(out_features // tp_size, device=device)), 0)
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
+        x = (gather_from_sequence_parallel(x, self.tp_group) if self.sequence_parallel
+             else copy_to_tp(x, self.tp_group))
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = x A^T with A split along its input dim; input sharded, output summed over TP."""
 
     def __init__(self, name: str, in_features: int, out_features: int, *, tp_group, tp_size: int,
-                 tp_rank: int, std: float, seed: int, bias: bool = True, device="cpu"):
+                 tp_rank: int, std: float, seed: int, bias: bool = True, device="cpu",
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
-        full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed, device)
-        self.weight = mark_split(nn.Parameter(_shard(full, 1, tp_size, tp_rank)), 1)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
+        self.weight = mark_split(nn.Parameter(_shard(full, 1, tp_size, tp_rank, device)), 1)
         # The bias is replicated and added after the reduction, once.
         self.bias = mark_split(nn.Parameter(torch.zeros(out_features, device=device)), None) if bias else None
+        if self.bias is not None:
+            self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)
-        return y if self.bias is None else y + self.bias
+        y = F.linear(x, self.weight)
+        y = (reduce_scatter_to_sequence_parallel(y, self.tp_group) if self.sequence_parallel
+             else reduce_from_tp(y, self.tp_group))
+        return y if self.bias is None else y + sp_replicated(self.bias, self.tp_group, self.sequence_parallel)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary; each rank looks up its own id range."""
 
     def __init__(self, name: str, vocab_size: int, hidden: int, *, tp_group, tp_size: int,
-                 tp_rank: int, std: float, seed: int, device="cpu"):
+                 tp_rank: int, std: float, seed: int, device="cpu", sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.vocab_start = tp_rank * (vocab_size // tp_size)
         self.vocab_end = self.vocab_start + vocab_size // tp_size
-        full = init_full_normal(f"{name}.weight", (vocab_size, hidden), std, seed, device)
-        self.weight = mark_split(nn.Parameter(_shard(full, 0, tp_size, tp_rank)), 0)
+        full = init_full_normal(f"{name}.weight", (vocab_size, hidden), std, seed)
+        self.weight = mark_split(nn.Parameter(_shard(full, 0, tp_size, tp_rank, device)), 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, S) ids -> (B, S, H), or the (B, S/TP, H) shard with sequence parallelism."""
         if self.tp_group is None:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         emb = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(emb, self.tp_group)
         return reduce_from_tp(emb, self.tp_group)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the hidden dim; replicated over TP (and summed over TP in backward
+    when applied to sequence shards)."""
+
+    def __init__(self, hidden: int, eps: float, *, tp_group=None, sequence_parallel: bool = False, device="cpu"):
+        super().__init__()
+        self.eps, self.tp_group, self.sequence_parallel = eps, tp_group, sequence_parallel
+        self.weight = mark_split(nn.Parameter(torch.ones(hidden, device=device)), None)
+        self.bias = mark_split(nn.Parameter(torch.zeros(hidden, device=device)), None)
+        self.weight.sequence_parallel = self.bias.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = sp_replicated(self.weight, self.tp_group, self.sequence_parallel)
+        b = sp_replicated(self.bias, self.tp_group, self.sequence_parallel)
+        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)

@@ -58,3 +58,83 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if group is None else _reduce_from_tp(x, group)
+
+
+# -- sequence parallelism -----------------------------------------------------------------
+# Activations outside the tensor-parallel blocks are (B, S/TP, H) shards along the sequence
+# (dim 1). Entering a column-parallel block they are all-gathered (backward: reduce-scatter);
+# leaving a row-parallel block the partial sums are reduce-scattered (backward: all-gather)
+# instead of all-reduced: the same bytes as one all-reduce, and LayerNorm, dropout and the
+# residual add run on 1/TP of the tokens.
+
+def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    parts = torch.empty((size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(parts, x.contiguous(), group=group)
+    return torch.cat(parts.unbind(0), dim=1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    b, s = x.shape[0], x.shape[1]
+    if s % size:
+        raise ValueError(f"sequence length {s} is not divisible by tensor-parallel size {size}")
+    stacked = torch.stack(x.chunk(size, dim=1), dim=0).contiguous()  # (TP, B, S/TP, ...)
+    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, stacked, group=group)
+    return out
+
+
+def _split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+@torch.compiler.disable
+def gather_from_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, S/TP, ...) shard -> full (B, S, ...); backward reduce-scatters."""
+    return x if group is None else _GatherFromSP.apply(x, group)
+
+
+@torch.compiler.disable
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Partial sums (B, S, ...) -> summed shard (B, S/TP, ...); backward all-gathers."""
+    return x if group is None else _ReduceScatterToSP.apply(x, group)
+
+
+@torch.compiler.disable
+def scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Replicated (B, S, ...) -> this rank's shard (B, S/TP, ...); backward all-gathers."""
+    return x if group is None else _ScatterToSP.apply(x, group)

@@ -1,5 +1,8 @@
 """Executes a validated PipelineSchedule on one rank: compute, asynchronous P2P, DP overlap.
 
+The model is reached only through the contract in pipeline/contract.py (forward_step and
+tensor specs), so any network pipelines, not only the GPT.
+
 The runtime makes no decisions: the schedule says what to run and in which order. Each
 maximal run of communication actions is posted as one `batch_isend_irecv` (NCCL groups it,
 so paired send/recv between neighbours cannot deadlock); a received tensor is waited for
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
+from megatronapp.pipeline.contract import MicrobatchContext, PipelineModel
 
 
 class NullInjector:
@@ -47,6 +51,8 @@ class _PostedBatch:
 
 @dataclass
 class _StepState:
+    microbatches: list
+    iteration: int
     inputs: dict = field(default_factory=dict)  # (c, m) -> input activation (requires grad)
     outputs: dict = field(default_factory=dict)  # (c, m) -> output activation or scaled loss
     to_send: dict = field(default_factory=dict)  # (kind, c, m) -> tensor to send
@@ -57,17 +63,20 @@ class _StepState:
 
 
 class PipelineRuntime:
-    """Runs one optimizer step's forward/backward passes for the chunks of this rank."""
+    """Runs one optimizer step's forward/backward passes for the chunks of this rank.
 
-    def __init__(self, chunks, groups: ParallelGroups, schedule: PipelineSchedule, *, act_shape,
-                 device, tracer, reducer=None, injector=None, autocast_dtype=None):
-        self.chunks, self.groups, self.schedule = chunks, groups, schedule
+    `model` is any pipeline model (see pipeline.contract): the runtime calls its
+    forward_step and allocates receive buffers from its tensor specs.
+    """
+
+    def __init__(self, model: PipelineModel, groups: ParallelGroups, schedule: PipelineSchedule, *,
+                 device, tracer, reducer=None, injector=None):
+        self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = {start: end for start, end in comm_batches(self.actions)}
-        self.act_shape, self.device = tuple(act_shape), device
+        self.device = device
         self.tracer, self.reducer = tracer, reducer
         self.injector = injector or NullInjector()
-        self.autocast_dtype = autocast_dtype
         self.num_vstages = schedule.pp_size * schedule.num_chunks
         self.compute_timer = ComputeTimer(device)
         self.injector.on_stall = self.compute_timer.add_stall
@@ -75,11 +84,11 @@ class PipelineRuntime:
     def _vstage(self, chunk: int) -> int:
         return virtual_stage(chunk, self.groups.pp_rank, self.schedule.pp_size)
 
-    def run(self, microbatches: list[torch.Tensor]) -> torch.Tensor | None:
+    def run(self, microbatches: list, iteration: int = 0) -> torch.Tensor | None:
         """Forward+backward over all microbatches; returns the summed (1/M-scaled) loss on the last stage."""
         if len(microbatches) != self.schedule.num_microbatches:
             raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, got {len(microbatches)}")
-        st = _StepState()
+        st = _StepState(microbatches=microbatches, iteration=iteration)
         i = 0
         while i < len(self.actions):
             if i in self.batch_end:
@@ -89,7 +98,7 @@ class PipelineRuntime:
             action = self.actions[i]
             with self.tracer.context(chunk=action.chunk, microbatch=action.microbatch):
                 if action.kind is ActionKind.FORWARD:
-                    self._forward(action, microbatches, st)
+                    self._forward(action, st)
                 else:
                     self._backward(action, st)
             i += 1
@@ -108,21 +117,19 @@ class PipelineRuntime:
         batch.wait()
         return buf
 
-    def _forward(self, a: Action, microbatches, st: _StepState) -> None:
+    def _forward(self, a: Action, st: _StepState) -> None:
         vs = self._vstage(a.chunk)
-        tokens = microbatches[a.microbatch]
         is_first, is_last = vs == 0, vs == self.num_vstages - 1
-        x = tokens[:, :-1] if is_first else self._wait_recv((ActionKind.RECV_FORWARD, a.chunk, a.microbatch), st)
-        if not is_first:
+        x = None if is_first else self._wait_recv((ActionKind.RECV_FORWARD, a.chunk, a.microbatch), st)
+        if x is not None and x.is_floating_point():
             x.requires_grad_(True)
             st.inputs[(a.chunk, a.microbatch)] = x
-        labels = tokens[:, 1:] if is_last else None
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
-                    else contextlib.nullcontext())
-        with self.tracer.span("forward"), self.compute_timer.measure(), self.injector.compute(), autocast:
-            out = self.chunks[a.chunk](x, labels)
+        ctx = MicrobatchContext(st.iteration, a.microbatch, a.chunk, is_first, is_last)
+        with self.tracer.span("forward"), self.compute_timer.measure(), self.injector.compute():
+            out, loss_fn = self.model.forward_step(a.chunk, x, st.microbatches[a.microbatch], ctx)
+            if is_last:
+                out = loss_fn(out) / self.schedule.num_microbatches
         if is_last:
-            out = out / self.schedule.num_microbatches
             st.losses.append(out.detach())
         else:
             st.to_send[(ActionKind.SEND_FORWARD, a.chunk, a.microbatch)] = out.detach()
@@ -153,10 +160,16 @@ class PipelineRuntime:
             if a.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
                 ops.append(dist.P2POp(dist.isend, st.to_send.pop(key).contiguous(), peer))
             else:
-                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+                buf = self._recv_buffer(a, st)
                 recv_keys.append((key, buf, peer, len(ops)))
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
         batch = _PostedBatch(dist.batch_isend_irecv(ops))
         for key, buf, peer, index in recv_keys:
             st.recvs[key] = (buf, batch, peer, index)
         st.batches.append(batch)
+
+    def _recv_buffer(self, a: Action, st: _StepState) -> torch.Tensor:
+        mb = st.microbatches[a.microbatch]
+        spec = (self.model.input_spec(a.chunk, mb) if a.kind is ActionKind.RECV_FORWARD
+                else self.model.output_spec(a.chunk, mb))
+        return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)

@@ -9,6 +9,8 @@ activations at a time. At the start of iteration i it publishes the weights of v
 
 from __future__ import annotations
 
+import math
+
 import contextlib
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
 from megatronapp.fbd.reshard import compute_weight_pieces, frame, full_param_specs, pack_weights, unframe
 from megatronapp.parallel.groups import RoleGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
+from megatronapp.pipeline.contract import MicrobatchContext
 
 _TRAINER_OPS = (Op.REDUCE_GRADS, Op.GRAD_NORM, Op.METRICS)  # issued by Trainer.train_step, in this order
 
@@ -44,11 +47,11 @@ class BackwardRuntime:
                  injector=None):
         lay, c = groups.layout, groups.coords
         self.trainer, self.fbd, self.groups, self.link_device = trainer, fbd, groups, link_device
+        self.model = trainer.model  # the pipeline contract: forward_step and tensor specs
         (self.chunk,) = trainer.chunks
         self.device, self.tracer = trainer.device, NULL_TRACER
         job = trainer.job
         self.num_microbatches = job.num_microbatches
-        self.act_shape = (job.train.micro_batch_size, job.model.seq_length, job.model.hidden_size)
         specs = full_param_specs(self.chunk, lay.tp_size)
         self.weight_pieces = {dst: compute_weight_pieces(specs, lay.tp_size, c.tp, lay.forward_tp_size,
                                                          lay.role_of(dst).tp)
@@ -62,9 +65,9 @@ class BackwardRuntime:
     def _compute(self):
         return self.injector.compute() if self.injector is not None else contextlib.nullcontext()
 
-    def run(self, microbatches: list[torch.Tensor]) -> torch.Tensor | None:
+    def run(self, microbatches: list[torch.Tensor], iteration: int = 0) -> torch.Tensor | None:
         """Forward (recompute) + backward of every microbatch; summed 1/M-scaled loss on the last stage."""
-        it = _Iteration(self.trainer.iteration, microbatches)
+        it = _Iteration(iteration, microbatches)
         self.faults.before_iteration(it.index)
         self.outbox = Outbox()
         actions = compute_backward_actions(self.groups.layout, self.groups.rank, it.index, self.num_microbatches,
@@ -78,37 +81,41 @@ class BackwardRuntime:
         return torch.stack(it.losses).sum() if it.losses else None
 
     def _send_weights(self, a: FbdAction, it: _Iteration) -> None:
-        for dst, pieces in self.weight_pieces.items():
-            self.outbox.post(pack_weights(self.chunk, pieces, it.index, self.link_device), (dst,))
+        self.outbox.post([(pack_weights(self.chunk, pieces, it.index, self.link_device), (dst,))
+                          for dst, pieces in self.weight_pieces.items()])
 
     def _recv_input(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
-        it.posted[a.microbatch] = PostedRecv(2 + self.act_shape[0] * self.act_shape[1] * self.act_shape[2], src,
-                                             self.link_device)
+        spec = self.model.input_spec(0, it.tokens[a.microbatch])
+        it.posted[a.microbatch] = PostedRecv(2 + math.prod(spec.shape), src, self.link_device)
 
     def _recompute(self, a: FbdAction, it: _Iteration) -> None:
         m, tokens = a.microbatch, it.tokens[a.microbatch]
-        if self.chunk.has_embedding:
-            x = tokens[:, :-1]
-        else:
-            posted = it.posted.pop(m)
+        first, last = self.chunk.has_embedding, self.chunk.has_head
+        x = None
+        if not first:
+            posted, spec = it.posted.pop(m), self.model.input_spec(0, tokens)
             with self.waits.on_other_role(self.tracer, "wait_forward"):
                 message = posted.wait()
-            x = unframe(message, (it.index, m), "stage input", posted.source).view(self.act_shape)
-            x = x.to(self.device).requires_grad_(True)
+            x = unframe(message, (it.index, m), "stage input", posted.source).view(spec.shape)
+            x = x.to(self.device, spec.dtype).requires_grad_(True)
             it.inputs[m] = x
+        ctx = MicrobatchContext(it.index, m, 0, first, last)
         self.faults.before_compute()
         with self.tracer.span("forward"), self.compute_timer.measure(), self._compute():
-            out = self.chunk(x, tokens[:, 1:] if self.chunk.has_head else None)
-        if self.chunk.has_head:
-            it.losses.append(out.detach() / self.num_microbatches)
-            out = out / self.num_microbatches
+            out, loss_fn = self.model.forward_step(0, x, tokens, ctx)
+            if last:
+                out = loss_fn(out) / self.num_microbatches
+        if last:
+            it.losses.append(out.detach())
         it.outputs[m] = out
 
     def _recv_grad(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
-        message = PostedRecv(2 + self.act_shape[0] * self.act_shape[1] * self.act_shape[2], src, self.device).wait()
-        it.grads[a.microbatch] = unframe(message, (it.index, a.microbatch), "output grad", src).view(self.act_shape)
+        spec = self.model.output_spec(0, it.tokens[a.microbatch])
+        message = PostedRecv(2 + math.prod(spec.shape), src, self.device).wait()
+        grad = unframe(message, (it.index, a.microbatch), "output grad", src)
+        it.grads[a.microbatch] = grad.view(spec.shape).to(spec.dtype)
 
     def _backward(self, a: FbdAction, it: _Iteration) -> None:
         m = a.microbatch
@@ -120,7 +127,7 @@ class BackwardRuntime:
 
     def _send_grad(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs.pop(a.microbatch)
-        self.outbox.post(frame((it.index, a.microbatch), x.grad, self.device), a.peers)
+        self.outbox.post([(frame((it.index, a.microbatch), x.grad, self.device), a.peers)])
 
     def _recv_losses(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
@@ -151,3 +158,4 @@ class BackwardWorker:
     @property
     def waits(self) -> RoleWaits:
         return self.runtime.waits
+

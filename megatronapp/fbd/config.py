@@ -49,5 +49,8 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
                        ("padded vocab size", m.padded_vocab_size)):
         if size % tf:
             raise ConfigError(f"{what} {size} is not divisible by forward tensor-parallel size {tf}")
+    if m.attention_dropout and tf != job.layout.tp_size:
+        raise ConfigError(f"attention dropout draws per-TP-rank streams: it needs forward TP size {tf} "
+                          f"= TP size {job.layout.tp_size} (hidden dropout works with any)")
     if cfg.crash is not None and cfg.crash[0] >= world_size:
         raise ConfigError(f"--inject-crash rank {cfg.crash[0]} is outside world size {world_size}")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.config import JobConfig
-from megatronapp.engine.checkpoint import find_latest, load_checkpoint
+from megatronapp.engine.checkpoint import load_checkpoint
 from megatronapp.fbd.backward import BackwardWorker
 from megatronapp.fbd.cli import fbd_config_from_args, role_layout_from_args
 from megatronapp.fbd.forward import ForwardWorker
@@ -56,15 +56,6 @@ def _backend(args: argparse.Namespace) -> str:
     return "nccl" if devices == {"cuda"} else "cpu:gloo,cuda:nccl"
 
 
-def load_forward_position(load_dir: str, data) -> int:
-    """Data position and iteration of the latest checkpoint, for a forward worker (its weights
-    arrive from the backward workers). The data position is global, so rank 0's file serves."""
-    folder = find_latest(load_dir)
-    state = torch.load(folder / "rank00000.pt", map_location="cpu", weights_only=True)
-    data.load_state_dict(state["data"])
-    return int(json.loads((folder / "meta.json").read_text())["iteration"])
-
-
 def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: CliParts) -> list[dict]:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     lay, fbd = role_layout_from_args(args, world), fbd_config_from_args(args)
@@ -82,7 +73,7 @@ def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: Cli
     if groups.is_forward:
         worker = ForwardWorker(job, fbd, groups, device, data, link_device=link, **traced)
         if job.train.load:
-            worker.iteration = load_forward_position(job.train.load, data)
+            worker.load(job.train.load)
         worker.train(job.train.train_iters)
     else:
         worker = BackwardWorker(job, fbd, groups, device, data, link_device=link,

@@ -42,24 +42,28 @@ class PostedRecv:
 
 
 class Outbox:
-    """Sends in flight, oldest first. `post` keeps at most `window` messages of one kind
-    outstanding (the run-ahead bound): it first waits for the oldest beyond the window."""
+    """Sends in flight, oldest first. Each `post` is one entry (one microbatch's messages);
+    with a `window`, at most that many entries stay outstanding (the run-ahead bound): a
+    post first waits for the oldest entry beyond the window."""
 
     def __init__(self, window: int | None = None):
         self.window = window
-        self._inflight: deque = deque()  # (tensor, works): the tensor must outlive its sends
+        self._inflight: deque = deque()  # [(tensor, works)]: tensors must outlive their sends
 
-    def post(self, tensor: torch.Tensor, peers: tuple[int, ...], waiting=contextlib.nullcontext) -> None:
+    def post(self, messages: list[tuple[torch.Tensor, tuple[int, ...]]], waiting=contextlib.nullcontext) -> None:
         if self.window is not None and len(self._inflight) >= self.window:
             with waiting():
                 self._wait_oldest()
-        tensor = tensor.contiguous()
-        self._inflight.append((tensor, [dist.isend(tensor, p) for p in peers]))
+        entry = []
+        for tensor, peers in messages:
+            tensor = tensor.contiguous()
+            entry.append((tensor, [dist.isend(tensor, p) for p in peers]))
+        self._inflight.append(entry)
 
     def _wait_oldest(self) -> None:
-        _, works = self._inflight.popleft()
-        for w in works:
-            w.wait()
+        for _, works in self._inflight.popleft():
+            for w in works:
+                w.wait()
 
     def drain(self) -> None:
         while self._inflight:

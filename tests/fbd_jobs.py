@@ -39,3 +39,37 @@ def fbd_train_and_report(rank: int, world: int, job, fbd: FbdConfig) -> dict:
             grads = full_grads(trainer) if trainer.groups.dp_rank == 0 else {}
     return {"role": "backward", "losses": losses, "norms": norms, "grads": grads,
             "loss_gap": worker.runtime.loss_gap, "waits": worker.waits.on_other_role_s}
+
+
+def fbd_losses(rank: int, world: int, job, fbd: FbdConfig, steps: int, save_dir: str | None = None,
+               load_dir: str | None = None) -> list[float] | None:
+    """Train `steps` more steps under FBD (optionally loading first and saving after);
+    backward workers return their losses, forward workers None."""
+    from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    worker, data = build_worker(rank, world, job, fbd)
+    if worker.role == "forward":
+        if load_dir:
+            worker.load(load_dir)
+        worker.train(worker.iteration + steps)
+        return None
+    if load_dir:
+        load_checkpoint(load_dir, worker.trainer, data)
+    losses = [m.loss for m in worker.trainer.train(steps)]
+    if save_dir:
+        save_checkpoint(save_dir, worker.trainer, data)
+    return losses
+
+
+def plain_losses(rank: int, world: int, job, steps: int, load_dir: str | None = None) -> list[float]:
+    """Train `steps` steps without FBD, optionally from a checkpoint."""
+    from megatronapp.engine.checkpoint import load_checkpoint
+    from megatronapp.engine.trainer import Trainer
+    from megatronapp.parallel.groups import build_process_groups
+
+    groups = build_process_groups(job.layout, rank)
+    data = RandomTokenBatches(job, groups.dp_rank)
+    trainer = Trainer(job, groups, torch.device("cpu"), data)
+    if load_dir:
+        load_checkpoint(load_dir, trainer, data)
+    return [m.loss for m in trainer.train(steps)]

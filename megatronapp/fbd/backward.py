@@ -59,7 +59,8 @@ class BackwardRuntime:
         self.compute_timer = ComputeTimer(self.device)
         self.injector = injector
         self.waits = RoleWaits()
-        self.faults = RoleFaults(groups.rank, "backward", fbd.crash, fbd.random_delay_ms, fbd.delay_seed)
+        self.faults = RoleFaults(groups.rank, "backward", fbd.crash,
+                                 fbd.random_delay_ms if "backward" in fbd.delayed_roles else 0.0, fbd.delay_seed)
         self.loss_gap = 0.0  # max |forward loss - recomputed loss| seen (last stage, logging)
 
     def _compute(self):

@@ -15,6 +15,7 @@ class FbdConfig:
     crash: tuple[int, int] | None = None  # (global rank, iteration): raise there (tests of failure handling)
     random_delay_ms: float = 0.0  # tests: sleep U(0, this) before every compute action, seeded per rank
     delay_seed: int = 0
+    delayed_roles: tuple[str, ...] = ("forward", "backward")  # whose compute the delays hit
 
     def __post_init__(self) -> None:
         if self.forward_tp_size < 1:

@@ -76,7 +76,8 @@ class ForwardWorker:
         # backward TP ranks take sequence slices when they use sequence parallelism and we do not
         self.slice_for_targets = job.train.sequence_parallel and not self.model.seq_shards > 1
         self.waits = RoleWaits()
-        self.faults = RoleFaults(groups.rank, self.role, fbd.crash, fbd.random_delay_ms, fbd.delay_seed)
+        self.faults = RoleFaults(groups.rank, self.role, fbd.crash,
+                                 fbd.random_delay_ms if self.role in fbd.delayed_roles else 0.0, fbd.delay_seed)
         self.hand_off = Outbox(window=fbd.max_ahead)  # stage inputs to backward workers
         self.downstream = Outbox(window=fbd.max_ahead)  # stage outputs to the next forward stage
         self.iteration = 0

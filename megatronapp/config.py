@@ -101,11 +101,11 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved")
 @dataclass(frozen=True)
 class TrainConfig:
     micro_batch_size: int = 2
-    global_batch_size: int = 8
-    train_iters: int = 10
+    global_batch_size: int = 16
+    train_iters: int = 100
     lr: float = 1e-3
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 10
     lr_decay_iters: int = 0  # 0 -> train_iters
     weight_decay: float = 0.01
     adam_beta1: float = 0.9

@@ -28,8 +28,13 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
     (["--num-layers-per-virtual-pipeline-stage", "1"], "virtual pipeline stages need pipeline-parallel size"),
     (["--inject-slowdown", "5:2", "--nproc-per-node", "2"], "outside world size 2"),
     (["--inject-link-delay", "0-1-5"], "expects SRC:DST:MS"),
-    (["--load", "/nonexistent/ckpt"], "no complete checkpoint"),
     (["--lr", "-1"], "lr must be > 0"),
+    (["--sequence-parallel"], "--sequence-parallel needs tensor-parallel size > 1"),
+    (["--trace", "--trace-interval", "2", "--continuous-trace-iterations", "3"],
+     "--continuous-trace-iterations 3 is larger than --trace-interval 2"),
+    (["--recompute-method", "block"], "need --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "recompute num layers must be >= 1"),
+    (["--hidden-dropout", "1.5"], "hidden_dropout must be in [0, 1)"),
 ])
 def test_bad_input_fails_before_launch(args, message):
     started = time.monotonic()
@@ -40,6 +45,29 @@ def test_bad_input_fails_before_launch(args, message):
     assert time.monotonic() - started < 30  # nothing was launched
 
 
+def test_print_config_shows_dataclass_defaults():
+    from megatronapp.config import TrainConfig
+
+    res = run_cli(["--print-config", "--lr", "0.005"], timeout=60)
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads(res.stdout)
+    assert cfg["train"]["lr"] == 0.005  # a given flag wins
+    for name in ("global_batch_size", "min_lr", "lr_warmup_iters", "clip_grad", "recompute_granularity"):
+        assert cfg["train"][name] == getattr(TrainConfig(), name), name  # the dataclass is the one default
+    assert cfg["model"]["hidden_dropout"] == 0.0 and cfg["derived"]["dp_size"] == 1
+
+
+def test_load_empty_dir_warns_and_mismatch_is_named(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    res = run_cli(["--train-iters", "1", "--global-batch-size", "2", "--save", str(ckpt), "--load", str(ckpt)])
+    assert res.returncode == 0, res.stderr
+    assert "holds no checkpoint; starting from scratch" in res.stderr
+    res = run_cli(["--train-iters", "2", "--global-batch-size", "2", "--load", str(ckpt), "--hidden-size", "64"])
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"megatronapp: error: --load {ckpt}: checkpoint model differs: hidden_size 32 -> 64"]
+
+
 def test_metrics_file_and_summary(tmp_path):
     metrics = tmp_path / "m.jsonl"
     res = run_cli(["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "3",
@@ -48,7 +76,8 @@ def test_metrics_file_and_summary(tmp_path):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert {"loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"} <= r.keys()
+        assert {"loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu"} <= r.keys()
+        assert r["tflops_per_gpu"] > 0 and r["mfu"] is None  # no MFU without a known accelerator peak
         assert r["loss"] > 0 and r["tokens_per_s"] > 0
     assert "summary" in res.stdout
 

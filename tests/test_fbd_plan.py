@@ -64,9 +64,9 @@ def test_role_layout_errors_are_one_line(kwargs, message):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("microbatches, ahead", [(1, 1), (4, 1), (5, 2), (3, 8)])
-def test_plans_are_consistent_and_deadlock_free(shape, microbatches, ahead):
-    validate_fbd_plan(build_fbd_plan(_layout(*shape), microbatches, ahead, range(3)))
+@pytest.mark.parametrize("microbatches, ahead, log_interval", [(1, 1, 1), (4, 1, 2), (5, 2, 1), (3, 8, 4)])
+def test_plans_are_consistent_and_deadlock_free(shape, microbatches, ahead, log_interval):
+    validate_fbd_plan(build_fbd_plan(_layout(*shape), microbatches, ahead, range(3), log_interval))
 
 
 def _mutate(plan, rank, fn):

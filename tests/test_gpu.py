@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 def _job(**train_kw) -> JobConfig:
     model = model_preset("small", num_layers=4, seq_length=128)
-    train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=4, lr=1e-3, **train_kw)
+    train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=4, lr=1e-3, lr_warmup_iters=0, **train_kw)
     return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
 
 
@@ -34,8 +34,19 @@ def test_fp32_cuda_matches_cpu():
     cuda = _losses(job)
     cpu_trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0))
     cpu = [m.loss for m in cpu_trainer.train(4)]
-    # Initial weights differ (device RNG), so compare training progress, not values.
-    assert cuda[-1] < cuda[0] and cpu[-1] < cpu[0]
+    # Same initial weights on both devices (generated on the CPU), so the same numbers.
+    torch.testing.assert_close(cuda, cpu, rtol=1e-4, atol=1e-5)
+    assert cuda[-1] < cuda[0]
+
+
+def test_initial_weights_equal_on_cpu_and_cuda():
+    job = _job()
+    cuda = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
+    cpu = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0))
+    pairs = list(zip(cuda.chunks[0].named_parameters(), cpu.chunks[0].named_parameters()))
+    assert pairs and all(a.is_cuda and not b.is_cuda for (_, a), (_, b) in pairs)
+    for (name, a), (_, b) in pairs:
+        assert torch.equal(a.cpu(), b), name
 
 
 def test_bf16_compiled_matches_eager():

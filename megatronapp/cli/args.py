@@ -1,8 +1,15 @@
-"""`megatronapp train` flags (Megatron-LM's names) and their translation into configs."""
+"""`megatronapp train` flags (Megatron-LM's names) and their translation into configs.
+
+Defaults live in one place, the config dataclasses (config.py): every flag that sets a
+config field defaults to None here, and only the flags a user gave are passed on, so the
+dataclass default applies otherwise. `--help` shows those defaults, read from the
+dataclasses.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
 from megatronapp.config import (
@@ -10,11 +17,33 @@ from megatronapp.config import (
     SCHEDULES,
     ConfigError,
     JobConfig,
+    ModelConfig,
     TrainConfig,
     build_layout,
     model_preset,
     validate_job,
 )
+from megatronapp.model.recompute import GRANULARITIES, METHODS
+
+# flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
+_TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
+                "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
+                "bf16", "compile", "overlap_grad_reduce", "sequence_parallel", "recompute_granularity",
+                "recompute_method", "recompute_num_layers", "log_interval", "save", "load", "save_interval",
+                "metrics_file")
+_TRAIN_RENAMES = {"pipeline_schedule": "schedule"}
+_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+def _train_flag(g, flag: str, help: str = "", **kw) -> None:
+    """A flag for a TrainConfig field: default None here, the dataclass default applies."""
+    dest = flag.lstrip("-").replace("-", "_")
+    field = _TRAIN_RENAMES.get(dest, dest)
+    if kw.get("action") not in ("store_true", "store_false"):
+        help = f"{help} (default: {_DEFAULTS[field]})".strip()
+    g.add_argument(flag, dest=dest, default=None, help=help, **kw)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +52,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch N local processes through torch.distributed.run (omit under torchrun)")
     g.add_argument("--nnodes", type=int, default=1, help="nodes, when launching through this command")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    g.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -30,31 +60,32 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
                    help="default: interleaved with virtual stages, else 1f1b")
-    g.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true", default=True)
-    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
+    _train_flag(g, "--sequence-parallel", "shard LayerNorm/dropout/residual regions along the sequence "
+                "(needs TP > 1)", action="store_true")
+    _train_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
+    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None)
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=tuple(MODEL_PRESETS), default="demo", help="preset; flags below override")
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
                  "--make-vocab-size-divisible-by"):
-        g.add_argument(flag, type=int, default=None)
+        g.add_argument(flag, type=int, default=None, help="default: the preset's")
+    g.add_argument("--hidden-dropout", type=float, default=None,
+                   help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.hidden_dropout})")
+    g.add_argument("--attention-dropout", type=float, default=None,
+                   help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.attention_dropout})")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=16)
-    g.add_argument("--train-iters", type=int, default=100)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=1e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=10)
-    g.add_argument("--lr-decay-iters", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU); fp32 otherwise")
-    g.add_argument("--compile", action="store_true", help="torch.compile each block's local math")
+    for flag, kind in (("--micro-batch-size", int), ("--global-batch-size", int), ("--train-iters", int),
+                       ("--lr", float), ("--min-lr", float), ("--lr-warmup-iters", int), ("--lr-decay-iters", int),
+                       ("--weight-decay", float), ("--adam-beta1", float), ("--adam-beta2", float),
+                       ("--adam-eps", float), ("--clip-grad", float), ("--seed", int)):
+        _train_flag(g, flag, type=kind)
+    _train_flag(g, "--bf16", "bf16 mixed precision (GPU); fp32 otherwise", action="store_true")
+    _train_flag(g, "--compile", "torch.compile each block's local math", action="store_true")
+    _train_flag(g, "--recompute-granularity", "activation recompute", choices=GRANULARITIES[1:])
+    _train_flag(g, "--recompute-method", "for full recompute", choices=METHODS)
+    _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help=".txt / Megatron-style .jsonl files or folders; "
@@ -62,11 +93,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
 
     g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=0)
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--metrics-file", default=None, help="JSON lines, one object per iteration")
+    _train_flag(g, "--save")
+    _train_flag(g, "--load", "resume from the latest checkpoint there; empty or missing: start fresh")
+    _train_flag(g, "--save-interval", type=int)
+    _train_flag(g, "--log-interval", "metrics reach the host every N steps", type=int)
+    _train_flag(g, "--metrics-file", "JSON lines, one object per iteration")
 
     g = p.add_argument_group("MegaScan tracing")
     g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")
@@ -81,37 +112,48 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _positive(args, names) -> None:
     for n in names:
-        v = getattr(args, n)
+        v = getattr(args, n, None)
         if v is not None and v < 1:
             raise ConfigError(f"--{n.replace('_', '-')} must be >= 1, got {v}")
+
+
+def check_flag_combinations(args: argparse.Namespace) -> None:
+    """Combinations no config field can refuse on its own; one line each."""
+    if args.trace and args.continuous_trace_iterations > args.trace_interval:
+        raise ConfigError(f"--continuous-trace-iterations {args.continuous_trace_iterations} is larger than "
+                          f"--trace-interval {args.trace_interval}")
+    if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
+        raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+
+
+def _model_config(args: argparse.Namespace, vocab_size: int | None) -> ModelConfig:
+    overrides = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    return model_preset(args.model, **overrides)
+
+
+def _virtual_stages(model: ModelConfig, pp: int, per: int | None) -> int:
+    if not per:
+        return 1
+    if model.num_layers % (pp * per):
+        raise ConfigError(f"num layers {model.num_layers} is not divisible by pipeline-parallel size {pp} "
+                          f"x layers per virtual stage {per}")
+    return model.num_layers // (pp * per)
 
 
 def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> JobConfig:
     """Translate parsed flags into a validated JobConfig for `world_size` processes."""
     _positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "num_layers_per_virtual_pipeline_stage", "nproc_per_node", "nnodes"))
-    overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                               "ffn_hidden_size", "seq_length", "make_vocab_size_divisible_by")
-                 if getattr(args, k) is not None}
-    if vocab_size is not None:
-        overrides["vocab_size"] = vocab_size
-    model = model_preset(args.model, **overrides)
-    pp, vpp = args.pipeline_model_parallel_size, 1
-    if args.num_layers_per_virtual_pipeline_stage:
-        per = args.num_layers_per_virtual_pipeline_stage
-        if model.num_layers % (pp * per):
-            raise ConfigError(f"num layers {model.num_layers} is not divisible by pipeline-parallel size {pp} "
-                              f"x layers per virtual stage {per}")
-        vpp = model.num_layers // (pp * per)
-    schedule = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
-    train = TrainConfig(
-        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, seed=args.seed,
-        schedule=schedule, bf16=args.bf16, compile=args.compile, overlap_grad_reduce=args.overlap_grad_reduce,
-        log_interval=args.log_interval, save=args.save, load=args.load, save_interval=args.save_interval,
-        metrics_file=args.metrics_file)
+                     "num_layers_per_virtual_pipeline_stage", "nproc_per_node", "nnodes", "trace_interval",
+                     "continuous_trace_iterations"))
+    check_flag_combinations(args)
+    model = _model_config(args, vocab_size)
+    pp = args.pipeline_model_parallel_size
+    vpp = _virtual_stages(model, pp, args.num_layers_per_virtual_pipeline_stage)
+    train_kw = {f: getattr(args, f) for f in _TRAIN_FLAGS if getattr(args, f, None) is not None}
+    train_kw["schedule"] = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
+    train = TrainConfig(**train_kw)
     layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
     job = JobConfig(model=model, train=train, layout=layout)
     validate_job(job)

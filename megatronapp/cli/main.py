@@ -12,6 +12,7 @@ is launched.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -38,28 +39,44 @@ def _under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def check_train_args(args: argparse.Namespace) -> int:
-    """Validate everything that can be validated before launching; returns the world size."""
+def check_train_args(args: argparse.Namespace):
+    """Validate everything that can be validated before launching; returns (world size, job)."""
     from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.engine.checkpoint import compute_model_config_mismatch, has_checkpoint
 
     world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
-    build_job_config(args, world, vocab)
+    job = build_job_config(args, world, vocab)
     parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(world)
-    if args.load and not os.path.isfile(os.path.join(args.load, "latest")):
-        raise ConfigError(f"--load {args.load}: no complete checkpoint there (missing 'latest')")
+    if args.load and has_checkpoint(args.load):
+        diff = compute_model_config_mismatch(args.load, job.model)
+        if diff:
+            raise ConfigError(f"--load {args.load}: checkpoint model differs: {', '.join(diff)}")
     for path in args.data_path or []:
         if not os.path.exists(path):
             raise ConfigError(f"--data-path {path} does not exist")
-    return world
+    return world, job
+
+
+def _print_config(job) -> None:
+    from dataclasses import asdict
+
+    print(json.dumps({"layout": asdict(job.layout), "model": asdict(job.model), "train": asdict(job.train),
+                      "derived": {"dp_size": job.layout.dp_size, "num_microbatches": job.num_microbatches,
+                                  "padded_vocab_size": job.model.padded_vocab_size,
+                                  "parameters": job.model.num_parameters(),
+                                  "flops_per_token": job.model.flops_per_token()}}, indent=1))
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        world = check_train_args(args)
+        world, job = check_train_args(args)
     except (ConfigError, FaultSpecError, ValueError, FileNotFoundError) as exc:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        _print_config(job)
+        return 0
     if _under_launcher() or not args.nproc_per_node:
         from megatronapp.cli.train import run_worker
 

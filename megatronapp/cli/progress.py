@@ -39,9 +39,11 @@ class TrainProgress:
         if self._progress is not None:
             self._progress.update(self._task, completed=m["iteration"], loss=m["loss"], tps=m["tokens_per_s"])
         elif m["iteration"] % self.log_interval == 0 or m["iteration"] == self.job.train.train_iters:
+            mfu = f"  MFU {m['mfu'] * 100:.1f}%" if m.get("mfu") is not None else ""
             print(f"iter {m['iteration']:>6}/{self.job.train.train_iters}  loss {m['loss']:.4f}  "
                   f"lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
-                  f"step {m['step_time_s'] * 1e3:.1f} ms  {m['tokens_per_s']:,.0f} tok/s", flush=True)
+                  f"step {m['step_time_s'] * 1e3:.1f} ms  {m['tokens_per_s']:,.0f} tok/s  "
+                  f"{m['tflops_per_gpu']:.2f} TFLOP/s/GPU{mfu}", flush=True)
 
     def warn(self, message: str) -> None:
         """A live slow-rank warning (online detection), shown above the progress bar."""

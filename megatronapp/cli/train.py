@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from megatronapp.cli.args import build_job_config
 from megatronapp.cli.progress import TrainProgress
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
 from megatronapp.data.tokenizer import load_tokenizer
-from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
+from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.faults import FaultInjector, parse_fault_plan
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
@@ -90,20 +91,33 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
-    groups = build_process_groups(job.layout, rank)
-    data = _build_data(args, tokenizer, job, groups)
-    tracer, instrumentation = _build_tracer(args, job, groups, device)
-    injector = FaultInjector(plan, rank, device) if (plan.slowdowns or plan.link_delays_ms) else None
-    trainer = Trainer(job, groups, device, data, injector=injector, **({"tracer": tracer} if tracer else {}))
-    if job.train.load:
+    tracer = instrumentation = None
+    try:  # every exit path tears the process group down and flushes the trace
+        groups = build_process_groups(job.layout, rank)
+        data = _build_data(args, tokenizer, job, groups)
+        tracer, instrumentation = _build_tracer(args, job, groups, device)
+        injector = FaultInjector(plan, rank, device) if (plan.slowdowns or plan.link_delays_ms) else None
+        trainer = Trainer(job, groups, device, data, injector=injector, **({"tracer": tracer} if tracer else {}))
+        _maybe_load(job, trainer, data, rank)
+        return _train_loop(args, job, trainer, data, rank)
+    finally:
+        if instrumentation is not None:
+            instrumentation.uninstall()
+        if tracer is not None:
+            tracer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _maybe_load(job, trainer, data, rank: int) -> None:
+    """Resume from --load; an empty or missing folder starts from scratch, as in Megatron."""
+    if not job.train.load:
+        return
+    if has_checkpoint(job.train.load):
         load_checkpoint(job.train.load, trainer, data)
-    history = _train_loop(args, job, trainer, data, rank)
-    if tracer:
-        instrumentation.uninstall()
-        tracer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return history
+    elif rank == 0:
+        print(f"megatronapp: warning: --load {job.train.load} holds no checkpoint; starting from scratch",
+              file=sys.stderr, flush=True)
 
 
 def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:

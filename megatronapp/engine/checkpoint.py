@@ -165,3 +165,19 @@ def _restore_rank_state(folder: Path, trainer, data, same_world: bool) -> None:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
         if "tracker" in state["rng"]:  # attention-dropout streams (absent in older checkpoints)
             trainer.rng_tracker.set_states(state["rng"]["tracker"])
+
+
+def has_checkpoint(load_dir: str | os.PathLike) -> bool:
+    """Whether `load_dir` holds a complete checkpoint (Megatron: an empty --load starts fresh)."""
+    return (Path(load_dir) / "latest").is_file()
+
+
+def compute_model_config_mismatch(load_dir: str | os.PathLike, model_config) -> list[str]:
+    """`field saved -> current` for every model-shape field that differs from the checkpoint's.
+
+    Dropout rates are training settings, not shape: they may change on resume.
+    """
+    saved = json.loads((find_latest(load_dir) / "meta.json").read_text())["model"]
+    current = asdict(model_config)
+    return [f"{k} {saved[k]} -> {current[k]}" for k in sorted(current)
+            if k in saved and saved[k] != current[k] and not k.endswith("dropout")]

@@ -2,7 +2,8 @@
 
 One optimizer step = fetch this DP rank's microbatches, run the pipeline schedule
 (forward/backward with DP reduction overlapped), reduce the gradients' global norm, clip,
-AdamW step. Metrics are gathered with one scalar all-reduce per step.
+AdamW step. Metrics stay on the device until the next log interval, then are gathered
+with one all-reduce for the whole interval (no per-step host synchronisation).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from megatronapp.config import JobConfig
 from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.optim import build_optimizer, compute_lr, set_lr
+from megatronapp.engine.throughput import compute_mfu, compute_tflops_per_device, peak_flops_for
 from megatronapp.model.gpt import ChunkOptions, TPContext, apply_compile, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
 from megatronapp.parallel.random import build_rng_tracker
@@ -32,13 +34,26 @@ class StepMetrics:
     loss: float  # mean over microbatches and DP ranks
     lr: float
     grad_norm: float
-    step_time_s: float
+    step_time_s: float  # mean over the log interval the step belongs to
     tokens_per_s: float
-    # forward+backward compute seconds of every global rank (the previous step's on CUDA)
+    tflops_per_gpu: float  # model FLOPs (engine/throughput.py convention) per device per second
+    mfu: float | None  # against the device's dense bf16 peak; None where unknown (CPU)
+    # forward+backward compute seconds of every global rank
     rank_compute_s: tuple[float, ...] = ()
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class _PendingStep:
+    """A finished step whose numbers are still on the device."""
+
+    iteration: int
+    lr: float
+    loss: torch.Tensor | None  # this rank's share of the loss sum (last stage, TP rank 0)
+    grad_norm: torch.Tensor
+    compute: object  # ComputeTimer handle
 
 
 class Trainer:
@@ -67,6 +82,7 @@ class Trainer:
         self.runtime = PipelineRuntime(self.model, groups, self.schedule, device=device, tracer=tracer,
                                        reducer=self.reducer, injector=injector)
         self.iteration = 0  # optimizer steps completed
+        self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.set_tracer(tracer)
 
     def set_tracer(self, tracer) -> None:
@@ -76,7 +92,13 @@ class Trainer:
             c.tracer = None if tracer is NULL_TRACER else tracer
 
     def train_step(self) -> StepMetrics:
+        """One optimizer step, with its metrics known on the host (one synchronisation)."""
         t0 = time.perf_counter()
+        pending = self._run_step()
+        return self._resolve([pending], time.perf_counter() - t0)[0]
+
+    def _run_step(self) -> _PendingStep:
+        """One optimizer step; its loss, grad norm and compute time stay on the device."""
         it = self.iteration
         self.tracer.step_begin(it)
         lr = compute_lr(it, self.job.train)
@@ -90,36 +112,50 @@ class Trainer:
             grad_norm = compute_grad_norm(self.chunks, self.groups.tp_rank, self.groups.model_parallel)
             clip_grads(self.chunks, grad_norm, self.job.train.clip_grad)
             self.optimizer.step()
-        loss_value, rank_compute = self._reduce_metrics(loss)
         self.tracer.step_end(it)
         self.iteration += 1
-        dt = time.perf_counter() - t0
-        tokens = self.job.train.global_batch_size * self.job.model.seq_length
-        return StepMetrics(self.iteration, loss_value, lr, float(grad_norm), dt, tokens / dt, rank_compute)
+        loss = loss.detach().float() if loss is not None and self.groups.tp_rank == 0 else None
+        return _PendingStep(self.iteration, lr, loss, grad_norm.detach(), self.runtime.compute_timer.take())
 
-    def _reduce_metrics(self, loss: torch.Tensor | None) -> tuple[float, tuple[float, ...]]:
-        """Mean loss over DP ranks and every rank's compute seconds, known on every rank.
+    def _resolve(self, steps: list[_PendingStep], elapsed_s: float) -> list[StepMetrics]:
+        """Metrics of `steps` on every rank with one all-reduce and one host copy.
 
-        One all-reduce of a (1 + world) vector: slot 0 sums the loss of the last stage's
-        TP-rank-0 ranks, slot 1 + r carries rank r's compute time (zero elsewhere).
+        Row i of a (k, 1 + world) matrix: slot 0 sums the loss of the last stage's TP-rank-0
+        ranks, slot 1 + r carries rank r's compute seconds (zero elsewhere).
         """
         world = self.job.layout.world_size
-        values = torch.zeros(1 + world, device=self.device)
-        if loss is not None and self.groups.tp_rank == 0:
-            values[0] = loss.detach().float()
-        values[1 + self.groups.rank] = self.runtime.compute_timer.take()
+        values = torch.zeros(len(steps), 1 + world, device=self.device)
+        for i, st in enumerate(steps):
+            if st.loss is not None:
+                values[i, 0] = st.loss
+        norms = torch.stack([st.grad_norm.float() for st in steps]).tolist()  # the sync
+        for i, st in enumerate(steps):
+            values[i, 1 + self.groups.rank] = self.runtime.compute_timer.resolve(st.compute)
         if world > 1:
             dist.all_reduce(values, group=self.groups.world)
-        host = values.tolist()
-        return host[0] / self.job.layout.dp_size, tuple(host[1:])
+        rows = values.tolist()
+        dt = elapsed_s / len(steps)
+        tokens_per_s = self.job.train.global_batch_size * self.job.model.seq_length / dt
+        tflops = compute_tflops_per_device(self.job.model.flops_per_token(), tokens_per_s, world)
+        return [StepMetrics(st.iteration, row[0] / self.job.layout.dp_size, st.lr, norm, dt, tokens_per_s,
+                            tflops, compute_mfu(tflops, self.peak_flops), tuple(row[1:]))
+                for st, row, norm in zip(steps, rows, norms)]
 
     def train(self, num_steps: int | None = None, on_step=None) -> list[StepMetrics]:
-        """Run until train_iters (or num_steps more steps); on_step(metrics) after each."""
+        """Run until train_iters (or num_steps more steps); on_step(metrics) for every step.
+
+        Metrics reach the host only every `log_interval` steps (and at the end): between
+        them nothing waits for the device. Step time is the interval's mean.
+        """
         end = self.job.train.train_iters if num_steps is None else self.iteration + num_steps
-        history = []
+        interval = max(1, self.job.train.log_interval)
+        history, pending, t0 = [], [], time.perf_counter()
         while self.iteration < end:
-            m = self.train_step()
-            history.append(m)
-            if on_step is not None:
-                on_step(m)
+            pending.append(self._run_step())
+            if self.iteration % interval == 0 or self.iteration == end:
+                for m in self._resolve(pending, time.perf_counter() - t0):
+                    history.append(m)
+                    if on_step is not None:
+                        on_step(m)
+                pending, t0 = [], time.perf_counter()
         return history

@@ -10,6 +10,8 @@ import argparse
 
 from megatronapp.config import ConfigError, JobConfig
 from megatronapp.fbd.config import FbdConfig, parse_crash_spec, validate_fbd_job
+from megatronapp.fbd.plan import build_fbd_plan
+from megatronapp.fbd.validate import validate_fbd_plan
 from megatronapp.parallel.layout import LayoutError, RoleLayout
 
 
@@ -54,5 +56,11 @@ def layout_world_size(args: argparse.Namespace, world: int) -> int:
 
 
 def check_fbd_job(args: argparse.Namespace, job: JobConfig, world: int) -> None:
-    if args.forward_backward_disaggregating:
-        validate_fbd_job(job, fbd_config_from_args(args), world)
+    """FBD's constraints, and its action lists for two iterations checked (validate.py)."""
+    if not args.forward_backward_disaggregating:
+        return
+    cfg = fbd_config_from_args(args)
+    validate_fbd_job(job, cfg, world)
+    plan = build_fbd_plan(role_layout_from_args(args, world), job.num_microbatches, cfg.max_ahead, range(2),
+                          job.train.log_interval)
+    validate_fbd_plan(plan)

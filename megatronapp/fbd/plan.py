@@ -14,8 +14,9 @@ Vocabulary (peers and group members are global ranks; see parallel.layout.RoleLa
                                              over TP x PP, metrics over all backward ranks
 
 Iteration i on a backward worker: SW(i), RI of the first N microbatches (N = --fbd-max-ahead),
-then per microbatch m: R(m), RG(m), B(m), SG(m), RI(m + N); then RL, DP, MP, MET (the last
-three are the engine trainer's collectives, issued in this order after the microbatches).
+then per microbatch m: R(m), RG(m), B(m), SG(m), RI(m + N); then RL, DP, MP and, at the
+iterations where the trainer resolves metrics (every log interval and the last), MET: the
+last three are the engine trainer's collectives, issued in this order after the microbatches.
 On a forward worker: RW(i), then per microbatch RA(m), SI(m), F(m), SA(m); then SL.
 
 Why this cannot deadlock without a central controller: every action list is a pure function
@@ -115,7 +116,7 @@ def compute_forward_actions(layout: RoleLayout, rank: int, iteration: int,
 
 
 def compute_backward_actions(layout: RoleLayout, rank: int, iteration: int, num_microbatches: int,
-                             max_ahead: int) -> list[FbdAction]:
+                             max_ahead: int, metrics: bool = True) -> list[FbdAction]:
     """One iteration of backward worker `rank` (module docstring)."""
     c, last, bwd = layout.role_of(rank), layout.pp_size - 1, layout.backward
     tp = _tp_members(layout, rank)
@@ -139,22 +140,23 @@ def compute_backward_actions(layout: RoleLayout, rank: int, iteration: int, num_
         acts.append(FbdAction(Op.RECV_LOSSES, iteration, peers=source))
     dp = tuple(bwd.rank_of(c.tp, d, c.pp) for d in range(layout.dp_size))
     mp = tuple(sorted(bwd.rank_of(t, c.dp, p) for p in range(layout.pp_size) for t in range(layout.tp_size)))
-    acts += [FbdAction(Op.REDUCE_GRADS, iteration, group=dp), FbdAction(Op.GRAD_NORM, iteration, group=mp),
-             FbdAction(Op.METRICS, iteration, group=tuple(range(layout.num_backward)))]
+    acts += [FbdAction(Op.REDUCE_GRADS, iteration, group=dp), FbdAction(Op.GRAD_NORM, iteration, group=mp)]
+    if metrics:
+        acts.append(FbdAction(Op.METRICS, iteration, group=tuple(range(layout.num_backward))))
     return acts
 
 
-def compute_rank_actions(layout: RoleLayout, rank: int, iteration: int, num_microbatches: int,
-                         max_ahead: int) -> list[FbdAction]:
-    if layout.role_of(rank).is_forward:
-        return compute_forward_actions(layout, rank, iteration, num_microbatches)
-    return compute_backward_actions(layout, rank, iteration, num_microbatches, max_ahead)
-
-
-def build_fbd_plan(layout: RoleLayout, num_microbatches: int, max_ahead: int,
-                   iterations: range) -> dict[int, list[FbdAction]]:
+def build_fbd_plan(layout: RoleLayout, num_microbatches: int, max_ahead: int, iterations: range,
+                   log_interval: int = 1) -> dict[int, list[FbdAction]]:
     """Every rank's actions over consecutive iterations (the input of validate_fbd_plan)."""
-    if num_microbatches < 1 or max_ahead < 1:
-        raise ValueError(f"num_microbatches and max_ahead must be >= 1, got {num_microbatches}, {max_ahead}")
-    return {r: [a for i in iterations for a in compute_rank_actions(layout, r, i, num_microbatches, max_ahead)]
-            for r in range(layout.world_size)}
+    if num_microbatches < 1 or max_ahead < 1 or log_interval < 1:
+        raise ValueError(f"num_microbatches, max_ahead and log_interval must be >= 1, "
+                         f"got {num_microbatches}, {max_ahead}, {log_interval}")
+
+    def rank_actions(rank: int, i: int) -> list[FbdAction]:
+        if layout.role_of(rank).is_forward:
+            return compute_forward_actions(layout, rank, i, num_microbatches)
+        metrics = (i + 1) % log_interval == 0 or i == iterations[-1]
+        return compute_backward_actions(layout, rank, i, num_microbatches, max_ahead, metrics)
+
+    return {r: [a for i in iterations for a in rank_actions(r, i)] for r in range(layout.world_size)}

@@ -67,21 +67,26 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
 # instead of all-reduced: the same bytes as one all-reduce, and LayerNorm, dropout and the
 # residual add run on 1/TP of the tokens.
 
+# torch >= 2.13 renames the tensor collectives (the old names warn); the device runs 2.11.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
-    parts = torch.empty((size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(parts, x.contiguous(), group=group)
-    return torch.cat(parts.unbind(0), dim=1)
+    b = x.shape[0]
+    parts = torch.empty((size * b,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)  # (TP*B, S/TP, ...)
+    _all_gather_flat(parts, x.contiguous(), group=group)
+    return torch.cat(parts.split(b, dim=0), dim=1)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
-    b, s = x.shape[0], x.shape[1]
-    if s % size:
-        raise ValueError(f"sequence length {s} is not divisible by tensor-parallel size {size}")
-    stacked = torch.stack(x.chunk(size, dim=1), dim=0).contiguous()  # (TP, B, S/TP, ...)
-    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, stacked, group=group)
+    if x.shape[1] % size:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by tensor-parallel size {size}")
+    stacked = torch.cat(x.chunk(size, dim=1), dim=0).contiguous()  # (TP*B, S/TP, ...)
+    out = torch.empty((x.shape[0], x.shape[1] // size) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_flat(out, stacked, group=group)
     return out
 
 

@@ -2,8 +2,9 @@
 
 CPU: process CPU time spent inside forward/backward (time waiting in a TP collective burns
 no CPU, so a rank that only waits for a slow peer does not look slow itself). CUDA: event
-pairs around each forward/backward, read one step later (the step's own end-of-step sync
-has completed them by then), so measuring never adds a synchronisation.
+pairs around each forward/backward; `take()` hands the step's pairs over and `resolve()`
+reads them once the caller has synchronised anyway (the trainer does so at log intervals),
+so measuring never adds a synchronisation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ class ComputeTimer:
         self.cuda = device.type == "cuda"
         self._cpu_s = 0.0
         self._pending: list = []  # this step's event pairs
-        self._previous: list = []  # last step's pairs: complete, since that step ended in a sync
         self._pool: list = []  # read pairs, reused: a new CUDA event costs a driver call
 
     @contextlib.contextmanager
@@ -40,12 +40,18 @@ class ComputeTimer:
         """Count a simulated slow-device stall (CPU fault injection sleeps, burning no CPU)."""
         self._cpu_s += seconds
 
-    def take(self) -> float:
-        """Compute seconds of the step just finished (CPU), or of the step before it (CUDA)."""
+    def take(self):
+        """End of a step: a handle to this step's compute time (seconds on CPU, events on CUDA)."""
         if not self.cuda:
             value, self._cpu_s = self._cpu_s, 0.0
             return value
-        value = sum(s.elapsed_time(e) for s, e in self._previous) / 1e3
-        self._pool.extend(self._previous)
-        self._previous, self._pending = self._pending, []
+        pairs, self._pending = self._pending, []
+        return pairs
+
+    def resolve(self, handle) -> float:
+        """Seconds of a handle from take(); on CUDA its events must have completed."""
+        if not self.cuda:
+            return float(handle)
+        value = sum(s.elapsed_time(e) for s, e in handle) / 1e3
+        self._pool.extend(handle)
         return value

@@ -62,8 +62,9 @@ def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
         run(run_args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {failure.message}",
-              file=sys.stderr)
+        message = failure.message  # a dict with the traceback when the rank recorded its error
+        message = message.get("message", message) if isinstance(message, dict) else message
+        print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
         return 1
     saved = json.loads(summary.read_text()) if summary.is_file() else {}
     return report_run(args, saved.get("history", []), world, saved.get("rows", []))

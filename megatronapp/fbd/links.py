@@ -79,7 +79,8 @@ class RoleFaults:
 
     def before_iteration(self, iteration: int) -> None:
         if self.crash == (self.rank, iteration):
-            raise RuntimeError(f"injected crash: {self.role} worker rank {self.rank} at iteration {iteration}")
+            raise RuntimeError(f"injected crash: {self.role} worker rank {self.rank} at iteration {iteration} "
+                               f"(unix time {time.time():.3f})")
 
     def before_compute(self) -> None:
         if self.max_delay_ms > 0:

@@ -16,6 +16,7 @@ class FbdConfig:
     random_delay_ms: float = 0.0  # tests: sleep U(0, this) before every compute action, seeded per rank
     delay_seed: int = 0
     delayed_roles: tuple[str, ...] = ("forward", "backward")  # whose compute the delays hit
+    free_forward: bool = False  # benchmarks' upper bound: forward workers send zeros, compute nothing
 
     def __post_init__(self) -> None:
         if self.forward_tp_size < 1:

@@ -146,6 +146,12 @@ class ForwardWorker:
         first, last = self.chunk.has_embedding, self.chunk.has_head
         x = None if first else it.inputs.pop(a.microbatch)
         ctx = MicrobatchContext(it.index, a.microbatch, 0, first, last)
+        if self.fbd.free_forward:  # upper-bound benchmark: backward workers never wait on compute
+            if last:
+                it.losses.append(torch.zeros((), device=self.device))
+            else:
+                it.outputs[a.microbatch] = torch.zeros(self.model.output_spec(0, tokens).shape, device=self.device)
+            return
         self.faults.before_compute()
         with torch.no_grad(), self.tracer.span("forward"):
             out, loss_fn = self.model.forward_step(0, x, tokens, ctx)

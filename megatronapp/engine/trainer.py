@@ -58,7 +58,9 @@ class _PendingStep:
 
 class Trainer:
     def __init__(self, job: JobConfig, groups: ParallelGroups, device: torch.device, data, *,
-                 tracer=NULL_TRACER, injector=None, schedule=None):
+                 tracer=NULL_TRACER, injector=None, schedule=None, runtime_factory=None):
+        """runtime_factory: builds what executes each step's forward/backward, with
+        PipelineRuntime's signature (a module such as MegaFBD plugs in its own here)."""
         self.job, self.groups, self.device, self.data = job, groups, device, data
         lay, t = job.layout, job.train
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
@@ -79,8 +81,8 @@ class Trainer:
                                       num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
                                       tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
                                       autocast_dtype=torch.bfloat16 if t.bf16 else None)
-        self.runtime = PipelineRuntime(self.model, groups, self.schedule, device=device, tracer=tracer,
-                                       reducer=self.reducer, injector=injector)
+        self.runtime = (runtime_factory or PipelineRuntime)(self.model, groups, self.schedule, device=device,
+                                                            tracer=tracer, reducer=self.reducer, injector=injector)
         self.iteration = 0  # optimizer steps completed
         self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.set_tracer(tracer)

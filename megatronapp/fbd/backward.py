@@ -9,9 +9,9 @@ activations at a time. At the start of iteration i it publishes the weights of v
 
 from __future__ import annotations
 
-import math
-
 import contextlib
+import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +22,7 @@ from megatronapp.fbd.config import FbdConfig
 from megatronapp.fbd.links import Outbox, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
 from megatronapp.fbd.reshard import compute_weight_pieces, frame, full_param_specs, pack_weights, unframe
-from megatronapp.parallel.groups import RoleGroups
+from megatronapp.parallel.groups import ParallelGroups, RoleGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.contract import MicrobatchContext
 
@@ -41,26 +41,25 @@ class _Iteration:
 
 
 class BackwardRuntime:
-    """Executes compute_backward_actions up to the trainer's collectives; the Trainer's runtime."""
+    """Executes compute_backward_actions up to the trainer's collectives: the Trainer's runtime
+    (built through Trainer(runtime_factory=...), PipelineRuntime's signature plus FBD's settings)."""
 
-    def __init__(self, trainer: Trainer, fbd: FbdConfig, groups: RoleGroups, *, link_device: torch.device,
-                 injector=None):
-        lay, c = groups.layout, groups.coords
-        self.trainer, self.fbd, self.groups, self.link_device = trainer, fbd, groups, link_device
-        self.model = trainer.model  # the pipeline contract: forward_step and tensor specs
-        (self.chunk,) = trainer.chunks
-        self.device, self.tracer = trainer.device, NULL_TRACER
-        job = trainer.job
-        self.num_microbatches = job.num_microbatches
+    def __init__(self, model, groups: ParallelGroups, schedule, *, device, tracer, reducer, injector,
+                 fbd: FbdConfig, roles: RoleGroups, link_device: torch.device):
+        lay, c = roles.layout, roles.coords
+        self.model, self.reducer, self.fbd, self.roles = model, reducer, fbd, roles
+        self.device, self.tracer, self.link_device = device, tracer, link_device
+        (self.chunk,) = model.chunks
+        self.num_microbatches = schedule.num_microbatches
         specs = full_param_specs(self.chunk, lay.tp_size)
         self.weight_pieces = {dst: compute_weight_pieces(specs, lay.tp_size, c.tp, lay.forward_tp_size,
                                                          lay.role_of(dst).tp)
                               for dst in lay.weight_targets(c.tp, c.dp, c.pp)}
-        self.compute_timer = ComputeTimer(self.device)
+        self.compute_timer = ComputeTimer(device)
         self.injector = injector
         self.waits = RoleWaits()
-        self.faults = RoleFaults(groups.rank, "backward", fbd.crash,
-                                 fbd.random_delay_ms if "backward" in fbd.delayed_roles else 0.0, fbd.delay_seed)
+        delay = fbd.random_delay_ms if "backward" in fbd.delayed_roles else 0.0
+        self.faults = RoleFaults(roles.rank, "backward", fbd.crash, delay, fbd.delay_seed)
         self.loss_gap = 0.0  # max |forward loss - recomputed loss| seen (last stage, logging)
 
     def _compute(self):
@@ -71,7 +70,7 @@ class BackwardRuntime:
         it = _Iteration(iteration, microbatches)
         self.faults.before_iteration(it.index)
         self.outbox = Outbox()
-        actions = compute_backward_actions(self.groups.layout, self.groups.rank, it.index, self.num_microbatches,
+        actions = compute_backward_actions(self.roles.layout, self.roles.rank, it.index, self.num_microbatches,
                                            self.fbd.max_ahead)
         for a in actions:
             if a.op in _TRAINER_OPS:
@@ -121,7 +120,7 @@ class BackwardRuntime:
     def _backward(self, a: FbdAction, it: _Iteration) -> None:
         m = a.microbatch
         if m == self.num_microbatches - 1:
-            self.trainer.reducer.mark_final_microbatch(0)
+            self.reducer.mark_final_microbatch(0)
         self.faults.before_compute()
         with self.tracer.span("backward"), self.compute_timer.measure(), self._compute():
             torch.autograd.backward(it.outputs.pop(m), it.grads.pop(m, None))
@@ -145,18 +144,17 @@ class BackwardRuntime:
 
 
 class BackwardWorker:
-    """One backward worker: a Trainer whose runtime is a BackwardRuntime."""
+    """One backward worker: the engine's Trainer, executing steps through a BackwardRuntime."""
 
     role = "backward"
 
     def __init__(self, job, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
                  link_device: torch.device, tracer=NULL_TRACER, injector=None):
-        self.trainer = Trainer(job, groups.parallel, device, data, tracer=tracer, injector=injector)
-        self.runtime = BackwardRuntime(self.trainer, fbd, groups, link_device=link_device, injector=injector)
-        self.trainer.runtime = self.runtime  # the seam: same step loop, FBD execution
-        self.trainer.set_tracer(tracer)
+        factory = functools.partial(BackwardRuntime, fbd=fbd, roles=groups, link_device=link_device)
+        self.trainer = Trainer(job, groups.parallel, device, data, tracer=tracer, injector=injector,
+                               runtime_factory=factory)
+        self.runtime = self.trainer.runtime
 
     @property
     def waits(self) -> RoleWaits:
         return self.runtime.waits
-

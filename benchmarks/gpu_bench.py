@@ -46,10 +46,11 @@ class GpuRandomBatches:
         return self.mbs
 
 
-def make_job(preset: str, micro_batch: int, num_micro: int) -> JobConfig:
+def make_job(preset: str, micro_batch: int, num_micro: int, distributed_optimizer: bool = False) -> JobConfig:
+    """Megatron bf16 (bf16 params, fp32 main grads and master weights), optionally ZeRO-1."""
     model = model_preset(preset, vocab_size=50304)
     train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * num_micro,
-                        train_iters=10**6, lr=1e-4, bf16=True)
+                        train_iters=10**6, lr=1e-4, bf16=True, use_distributed_optimizer=distributed_optimizer)
     return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
 
 
@@ -75,7 +76,7 @@ def new_tracer(granularity: str, trace_dir: str) -> Tracer:
 
 
 def bench_mfu(args, results: dict) -> None:
-    job = make_job("1.3b", 4, args.num_micro)
+    job = make_job("1.3b", 4, args.num_micro, args.use_distributed_optimizer)
     dev = torch.device("cuda")
     tokens = job.train.global_batch_size * job.model.seq_length
     flops = job.model.flops_per_token() * tokens
@@ -104,6 +105,8 @@ def bench_mfu(args, results: dict) -> None:
     out["engine_vs_plain"] = out["plain"]["step_s"] / out["engine"]["step_s"]
     out["engine_compiled_vs_plain_compiled"] = out["plain_compiled"]["step_s"] / out["engine_compiled"]["step_s"]
     out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    # model-state bytes of the engine by kind (bf16 params, fp32 main grads/params, Adam)
+    out["engine_state_gb"] = {k: v / 2**30 for k, v in trainer.optimizer.state_bytes().items()}
     results["mfu_1.3b"] = out
     del trainer, ctrainer, plain, popt, compiled
     torch.cuda.empty_cache()
@@ -162,6 +165,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--num-micro", type=int, default=2)
     p.add_argument("--only", default="mfu,trace_big,trace_small")
+    p.add_argument("--use-distributed-optimizer", action="store_true", help="engine modes with ZeRO-1 (DP 1 here)")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}

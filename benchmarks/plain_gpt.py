@@ -53,12 +53,13 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def plain_train_step(model, opt, microbatches, clip: float = 1.0) -> float:
-    """Gradient accumulation over microbatches, clip, AdamW step (bf16 autocast)."""
+def plain_train_step(model, opt, microbatches, clip: float = 1.0, autocast: bool = True) -> float:
+    """Gradient accumulation over microbatches, clip, AdamW step (bf16 autocast, or a pure-bf16
+    model with autocast=False)."""
     opt.zero_grad(set_to_none=True)
     total = 0.0
     for mb in microbatches:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(mb[:, :-1], mb[:, 1:]) / len(microbatches)
         loss.backward()
         total = total + loss.detach()

@@ -114,7 +114,17 @@ class TrainConfig:
     clip_grad: float = 1.0  # 0 disables clipping
     seed: int = 1234
     schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (interleaved needs virtual stages)
+    # Mixed precision as Megatron: bf16/fp16 params and activations, fp32 main grads and
+    # master weights (engine.mixed_precision). fp16 uses loss scaling: static when
+    # loss_scale is set, else dynamic (engine.grad_scaler).
     bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over DP
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
@@ -138,6 +148,7 @@ class TrainConfig:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        self._check_precision()
         try:
             self.recompute_config()
         except ValueError as e:
@@ -145,6 +156,18 @@ class TrainConfig:
 
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+
+    def _check_precision(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"loss_scale must be > 0, got {self.loss_scale}")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ConfigError(f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
+                              f"({self.initial_loss_scale})")
+        for name in ("loss_scale_window", "hysteresis"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,11 @@ def make_job(world: int, tp: int = 1, pp: int = 1, vpp: int = 1, schedule: str =
 
 
 def full_grads(trainer: Trainer) -> dict[str, tuple[torch.Tensor, int | None, int]]:
-    """name -> (local grad, tp split dim, tp rank) for this rank's parameters."""
-    return {name: (p.grad.detach().clone(), p.tp_split_dim, trainer.groups.tp_rank)
+    """name -> (DP-reduced fp32 main grad, tp split dim, tp rank) for this rank's parameters.
+
+    Collective over DP (the distributed optimizer's shards are gathered)."""
+    grads = trainer.optimizer.main_grads_by_param()
+    return {name: (grads[p].detach().clone(), p.tp_split_dim, trainer.groups.tp_rank)
             for c in trainer.chunks for name, p in c.named_parameters()}
 
 
@@ -59,7 +62,8 @@ def train_and_report(rank: int, world: int, job: JobConfig) -> dict:
         losses.append(m.loss)
         norms.append(m.grad_norm)
         if step == 0:
-            grads = full_grads(trainer) if groups.dp_rank == 0 else {}
+            grads = full_grads(trainer)
+            grads = grads if groups.dp_rank == 0 else {}
     return {"losses": losses, "norms": norms, "grads": grads}
 
 

@@ -28,7 +28,8 @@ from megatronapp.model.recompute import GRANULARITIES, METHODS
 # flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
 _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
                 "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
-                "bf16", "compile", "overlap_grad_reduce", "sequence_parallel", "recompute_granularity",
+                "bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                "hysteresis", "use_distributed_optimizer", "compile", "overlap_grad_reduce", "sequence_parallel", "recompute_granularity",
                 "recompute_method", "recompute_num_layers", "log_interval", "save", "load", "save_interval",
                 "metrics_file")
 _TRAIN_RENAMES = {"pipeline_schedule": "schedule"}
@@ -81,11 +82,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                        ("--weight-decay", float), ("--adam-beta1", float), ("--adam-beta2", float),
                        ("--adam-eps", float), ("--clip-grad", float), ("--seed", int)):
         _train_flag(g, flag, type=kind)
-    _train_flag(g, "--bf16", "bf16 mixed precision (GPU); fp32 otherwise", action="store_true")
     _train_flag(g, "--compile", "torch.compile each block's local math", action="store_true")
     _train_flag(g, "--recompute-granularity", "activation recompute", choices=GRANULARITIES[1:])
     _train_flag(g, "--recompute-method", "for full recompute", choices=METHODS)
     _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
+
+    g = p.add_argument_group("mixed precision and optimizer (Megatron's; engine/mixed_precision.py)")
+    _train_flag(g, "--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true")
+    _train_flag(g, "--fp16", "as --bf16 in fp16, with loss scaling", action="store_true")
+    _train_flag(g, "--loss-scale", "static scale; default dynamic", type=float)
+    _train_flag(g, "--initial-loss-scale", type=float)
+    _train_flag(g, "--min-loss-scale", type=float)
+    _train_flag(g, "--loss-scale-window", type=int)
+    _train_flag(g, "--hysteresis", type=int)
+    _train_flag(g, "--use-distributed-optimizer", "shard fp32 master weights and Adam state over DP (ZeRO-1)",
+                action="store_true")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help=".txt / Megatron-style .jsonl files or folders; "

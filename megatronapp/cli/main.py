@@ -1,9 +1,11 @@
-"""`megatronapp` command line: train (launching local processes when asked) and trace tools.
+"""`megatronapp` command line: train (launching local processes when asked), trace tools, export/import.
 
     megatronapp train --nproc-per-node 4 --tensor-model-parallel-size 2 ...   # launches 4 ranks
     torchrun --nnodes 2 --nproc-per-node 8 ... -m megatronapp.cli.main train ... # multi-node
     megatronapp trace merge DIR -o timeline.json
     megatronapp trace detect DIR [--json]
+    megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
+    megatronapp import hf --from DIR --save CKPT
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched.
@@ -32,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatronapp.scan.cli import add_trace_subcommands
 
     add_trace_subcommands(sub)
+    from megatronapp.interop.cli import add_interop_subcommands
+
+    add_interop_subcommands(sub)
     return parser
 
 

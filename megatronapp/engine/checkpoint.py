@@ -6,7 +6,10 @@ Layout on disk (one folder per saved iteration):
     SAVE/iter_0000020/meta.json      iteration, job config, layout
     SAVE/iter_0000020/model_tp{t}_pp{p}.pt   params + AdamW state of one (tp, pp) shard,
                                      keyed by layout-independent names, with each tensor's
-                                     tp split dim (written by DP rank 0 only)
+                                     tp split dim (written by DP rank 0 only); the optimizer
+                                     state is whole along DP (the distributed optimizer's
+                                     shards are gathered first), plus the fp32 main params
+                                     under bf16/fp16 and the loss-scaler state
     SAVE/iter_0000020/rank{r:05d}.pt RNG states and data position of one rank
 
 Loading under the same layout reads one shard; under another layout every shard holding
@@ -49,15 +52,15 @@ def _named_params(chunks) -> dict:
 
 
 def _shard_state(trainer) -> dict:
+    """Collective over DP (the distributed optimizer gathers its shards)."""
+    param_state = trainer.optimizer.param_state()
     params, split, optim = {}, {}, {}
     for name, p in _named_params(trainer.chunks).items():
         params[name] = p.detach().cpu()
         split[name] = p.tp_split_dim
-        st = trainer.optimizer.state.get(p)
-        if st:
-            optim[name] = {"exp_avg": st["exp_avg"].cpu(), "exp_avg_sq": st["exp_avg_sq"].cpu(),
-                           "step": float(st["step"])}
-    return {"params": params, "split": split, "optim": optim}
+        if p in param_state:
+            optim[name] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in param_state[p].items()}
+    return {"params": params, "split": split, "optim": optim, "optimizer": trainer.optimizer.state_dict()}
 
 
 def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
@@ -70,8 +73,9 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
                 "model": asdict(trainer.job.model), "train": asdict(trainer.job.train)}
         _atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))
     _barrier(g.world)
+    state = _shard_state(trainer)
     if g.dp_rank == 0:
-        _atomic_torch_save(_shard_state(trainer), folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
+        _atomic_torch_save(state, folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()[1],
            "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None,
            "tracker": trainer.rng_tracker.get_states()}
@@ -114,6 +118,12 @@ class _ShardReader:
     def has_optim_state(self, name: str) -> bool:
         return name in self._shard(0, self._find_pp(name))["optim"]
 
+    def optim_keys(self, name: str) -> tuple[str, ...]:
+        return tuple(self._shard(0, self._find_pp(name))["optim"][name])
+
+    def optimizer_state(self) -> dict:
+        return self._shard(0, 0).get("optimizer", {})
+
     def full(self, name: str, field: str, key: str | None = None):
         pp = self._find_pp(name)
         parts = []
@@ -137,16 +147,20 @@ def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
     reader = _ShardReader(folder)
     meta = json.loads((folder / "meta.json").read_text())
     g, lay = trainer.groups, trainer.job.layout
+    trainer.optimizer.finish_param_sync()
+    optim = {}
     with torch.no_grad():
         for name, p in _named_params(trainer.chunks).items():
-            p.copy_(_slice(reader.full(name, "params"), p.tp_split_dim, lay.tp_size, g.tp_rank))
-            if not reader.has_optim_state(name):
-                continue  # saved before this parameter's first optimizer step
-            state = {key: _slice(reader.full(name, "optim", key), p.tp_split_dim, lay.tp_size, g.tp_rank)
-                     .to(p.device).clone() for key in ("exp_avg", "exp_avg_sq")}
-            step = reader.full(name, "optim", "step")
-            state["step"] = torch.tensor(step, dtype=torch.float32, device=p.device if p.is_cuda else "cpu")
-            trainer.optimizer.state[p] = state
+            full = reader.full(name, "params")
+            if reader.has_optim_state(name):
+                optim[p] = {key: reader.full(name, "optim", key) for key in reader.optim_keys(name)}
+                # an fp32 checkpoint's params are the main params of a bf16/fp16 run
+                full = optim[p].setdefault("main_param", full.float())
+            p.copy_(_slice(full, p.tp_split_dim, lay.tp_size, g.tp_rank))
+            for key, value in optim.get(p, {}).items():
+                optim[p][key] = value if key == "step" else _slice(value, p.tp_split_dim, lay.tp_size, g.tp_rank)
+    trainer.optimizer.load_param_state(optim.get)
+    trainer.optimizer.load_state_dict(reader.optimizer_state())
     trainer.iteration = meta["iteration"]
     _restore_rank_state(folder, trainer, data, same_world=meta["layout"]["world_size"] == lay.world_size)
     return trainer.iteration

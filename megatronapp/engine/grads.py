@@ -1,82 +1,139 @@
-"""Gradient buffers, data-parallel reduction overlapped with backward, and global-norm clipping.
+"""fp32 main-gradient buffers, their DP reduction overlapped with backward, and grad norms.
 
-Each model chunk's gradients live in one flat fp32 buffer; `param.grad` is a view into it,
-so autograd accumulates microbatches in place. The buffer is cut into buckets of about
-`bucket_mb` MiB in reverse parameter order (roughly the order backward produces them).
-During the *last* microbatch's backward of a chunk, a post-accumulate hook counts each
-bucket's parameters; a full bucket is all-reduced asynchronously over the DP group while
-backward continues (Megatron's DDP overlap). `finish()` waits for every bucket.
+Each model chunk's gradients live in one flat fp32 buffer; `param.main_grad` (Megatron's
+name) is a view into it. fp32 parameters also get `param.grad` = that view, so autograd
+accumulates microbatches in place. bf16/fp16 parameters accumulate each microbatch's
+gradient into `main_grad` in a post-accumulate-grad hook and drop the low-precision
+`.grad` right away, so it lives only between its production and the hook.
+
+Parameters are placed in reverse order (roughly the order backward produces them) and the
+buffer is cut into buckets of about `bucket_mb` MiB. During the *last* microbatch's
+backward of a chunk, the hooks count each bucket's parameters; a full bucket is reduced
+asynchronously over the DP group while backward continues (Megatron's DDP overlap):
+all-reduced, or with the distributed optimizer reduce-scattered so that DP rank r ends
+up with the summed gradient of shard r of every bucket (buckets are padded to a multiple
+of the DP size). The distributed optimizer also keeps the parameters themselves in a flat
+buffer of the same layout, to all-gather updated shards in place.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+# torch >= 2.13 renames the *_tensor collectives; same signature
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class BucketSpan:
+    start: int  # [start, end) in the flat buffer; end - start is a multiple of the padding
+    end: int
+    params: tuple[int, ...]  # indices (forward order) of the parameters inside
+
+
+def compute_bucket_layout(numels: list[int], bucket_numel: int, pad_multiple: int
+                          ) -> tuple[list[int], list[BucketSpan], int]:
+    """Offsets of parameters (given in forward order) in a flat buffer, its buckets and size.
+
+    Parameters are placed last-first; a bucket closes once it holds >= bucket_numel
+    elements and its end is padded to a multiple of pad_multiple. Example: numels [3, 5],
+    bucket_numel 4, pad 2 -> offsets [6, 0], buckets [(0, 6, (1,)), (6, 10, (0,))], size 10.
+    """
+    offsets, buckets = [0] * len(numels), []
+    pos = start = 0
+    members: list[int] = []
+    for i in reversed(range(len(numels))):
+        offsets[i] = pos
+        pos += numels[i]
+        members.append(i)
+        if pos - start >= bucket_numel or i == 0:
+            pos = -(-pos // pad_multiple) * pad_multiple
+            buckets.append(BucketSpan(start, pos, tuple(members)))
+            start, members = pos, []
+    return offsets, buckets, pos
+
 
 class _Bucket:
-    def __init__(self, flat: torch.Tensor, params: list[nn.Parameter]):
-        self.flat, self.params = flat, params
+    def __init__(self, span: BucketSpan, grad: torch.Tensor, params: list[nn.Parameter]):
+        self.span, self.grad, self.params = span, grad, params
+        self.param_data: torch.Tensor | None = None  # distributed optimizer only
         self.ready = 0
         self.work = None
 
 
 class ChunkGradBuffer:
-    """Flat gradient storage of one model chunk, split into DP-reduction buckets."""
+    """Flat fp32 main-grad storage of one model chunk (and, if asked, flat parameter storage)."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_mb: float):
-        total = sum(p.numel() for p in params)
+    def __init__(self, params: list[nn.Parameter], bucket_mb: float, pad_multiple: int, flat_params: bool):
+        self.params = params
+        self.offsets, spans, total = compute_bucket_layout(
+            [p.numel() for p in params], max(1, int(bucket_mb * 2**20 / 4)), pad_multiple)
         device = params[0].device if params else "cpu"
-        self.flat = torch.zeros(total, dtype=torch.float32, device=device)
-        self.buckets: list[_Bucket] = []
-        self.bucket_of: dict[nn.Parameter, _Bucket] = {}
-        limit = max(1, int(bucket_mb * 2**20 / 4))
-        offset, pending, start = total, [], total
-        for p in reversed(params):  # backward produces the last layers' grads first
-            offset -= p.numel()
-            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
-            pending.append(p)
-            if start - offset >= limit:
-                self._close_bucket(offset, start, pending)
-                pending, start = [], offset
-        if pending:
-            self._close_bucket(offset, start, pending)
-
-    def _close_bucket(self, lo: int, hi: int, params: list[nn.Parameter]) -> None:
-        bucket = _Bucket(self.flat[lo:hi], list(params))
-        self.buckets.append(bucket)
-        for p in params:
-            self.bucket_of[p] = bucket
+        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device)
+        self.param_data = None
+        if flat_params and params:
+            self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
+        for p, off in zip(params, self.offsets):
+            p.main_grad = self.grad_data[off:off + p.numel()].view_as(p)
+            if p.dtype == torch.float32:
+                p.grad = p.main_grad  # autograd accumulates straight into the buffer
+            if self.param_data is not None:
+                view = self.param_data[off:off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+        self.buckets = [_Bucket(s, self.grad_data[s.start:s.end], [params[i] for i in s.params]) for s in spans]
+        for b in self.buckets:
+            if self.param_data is not None:
+                b.param_data = self.param_data[b.span.start:b.span.end]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
 
 
 class GradReducer:
-    """Owns the grad buffers of all chunks and their DP all-reduce."""
+    """Owns the main-grad buffers of all chunks and their DP reduction (and param all-gather)."""
 
-    def __init__(self, chunks: list[nn.Module], dp_group, dp_size: int, *, overlap: bool, bucket_mb: float):
-        self.dp_group, self.dp_size, self.overlap = dp_group, dp_size, overlap and dp_group is not None
-        self.buffers = [ChunkGradBuffer([p for p in c.parameters() if p.requires_grad], bucket_mb) for c in chunks]
+    def __init__(self, chunks: list[nn.Module], dp_group, dp_size: int, *, overlap: bool, bucket_mb: float,
+                 dp_rank: int = 0, distributed_optimizer: bool = False):
+        self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
+        self.overlap = overlap and dp_group is not None
+        self.distributed = distributed_optimizer
+        # 64-element alignment of every shard keeps the collectives' chunks aligned on GPU.
+        pad = dp_size * 64 if distributed_optimizer else 1
+        self.buffers = [ChunkGradBuffer([p for p in c.parameters() if p.requires_grad], bucket_mb, pad,
+                                        flat_params=distributed_optimizer) for c in chunks]
         self.final_microbatch = [False] * len(chunks)
-        if self.overlap:
-            for i, buf in enumerate(self.buffers):
-                for p, bucket in buf.bucket_of.items():
+        self._gather_works: list[list] = [[] for _ in chunks]
+        for i, buf in enumerate(self.buffers):
+            for p, bucket in buf.bucket_of.items():
+                if self.overlap or p.dtype != torch.float32:
                     p.register_post_accumulate_grad_hook(self._make_hook(i, bucket))
 
     def _make_hook(self, chunk: int, bucket: _Bucket):
-        def hook(_param):
-            if self.final_microbatch[chunk]:
+        def hook(param):
+            if param.dtype != torch.float32:
+                param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
+                param.grad = None
+            if self.overlap and self.final_microbatch[chunk]:
                 bucket.ready += 1
                 if bucket.ready == len(bucket.params):
                     self._launch(bucket)
         return hook
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.flat.div_(self.dp_size)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.dp_group, async_op=True)
+        bucket.grad.div_(self.dp_size)
+        if self.distributed:
+            shard = bucket.grad.view(self.dp_size, -1)[self.dp_rank]
+            bucket.work = reduce_scatter_flat(shard, bucket.grad, group=self.dp_group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=True)
 
     def zero_grad(self) -> None:
         for buf in self.buffers:
-            buf.flat.zero_()
+            buf.grad_data.zero_()
             for b in buf.buckets:
                 b.ready, b.work = 0, None
         self.final_microbatch = [False] * len(self.buffers)
@@ -97,31 +154,46 @@ class GradReducer:
             for b in buf.buckets:
                 b.work.wait()
 
+    # -- distributed optimizer: parameter all-gather ---------------------------------------
+    def start_param_gather(self, wait: bool) -> None:
+        """All-gather every bucket's parameter shards in place; with wait=False the works
+        are completed by wait_param_gather (e.g. in a forward pre-hook of the chunk)."""
+        if not self.distributed or self.dp_group is None:
+            return
+        for i, buf in enumerate(self.buffers):
+            for b in buf.buckets:
+                shard = b.param_data.view(self.dp_size, -1)[self.dp_rank]
+                self._gather_works[i].append(all_gather_flat(b.param_data, shard, group=self.dp_group, async_op=True))
+        if wait:
+            self.wait_param_gather()
 
-def compute_grad_norm(chunks: list[nn.Module], tp_rank: int, model_parallel_group) -> torch.Tensor:
-    """Global L2 norm of all gradients of one model replica.
+    def wait_param_gather(self, chunk: int | None = None) -> None:
+        for i in range(len(self.buffers)) if chunk is None else (chunk,):
+            for work in self._gather_works[i]:
+                work.wait()
+            self._gather_works[i] = []
 
-    Parameters replicated across TP (`tp_split_dim is None`) are counted on TP rank 0 only;
-    the squared sums are then added over the model-parallel (TP x PP) group. DP replicas hold
-    identical reduced gradients, so no DP reduction is needed.
+
+def compute_grad_norm(grads: list[torch.Tensor], groups: list, device) -> torch.Tensor:
+    """L2 norm of `grads` (each element counted once across ranks), summed over `groups`.
+
+    The caller picks the tensors so that nothing is counted twice: TP-replicated
+    parameters on TP rank 0 only, and with the distributed optimizer each rank's own
+    shards, summed over DP as well as over the model-parallel (TP x PP) group.
     """
-    grads = [p.grad for c in chunks for p in c.parameters()
-             if p.grad is not None and (getattr(p, "tp_split_dim", None) is not None or tp_rank == 0)]
-    device = next(p for c in chunks for p in c.parameters()).device
     if grads:
-        norms = torch._foreach_norm(grads)
-        sq = torch.stack([n.float() for n in norms]).square().sum()
+        sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).square().sum()
     else:
         sq = torch.zeros((), device=device)
-    if model_parallel_group is not None:
-        dist.all_reduce(sq, group=model_parallel_group)
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(sq, group=group)
     return sq.sqrt()
 
 
-def clip_grads(chunks: list[nn.Module], grad_norm: torch.Tensor, max_norm: float) -> None:
+def clip_grads(grads: list[torch.Tensor], grad_norm: torch.Tensor, max_norm: float) -> None:
     """Scale all gradients by min(1, max_norm / norm); no host sync."""
-    if max_norm <= 0:
+    if max_norm <= 0 or not grads:
         return
     coef = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-    grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, coef)

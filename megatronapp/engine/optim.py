@@ -1,25 +1,25 @@
-"""AdamW with Megatron's parameter groups and a warm-up + cosine learning-rate schedule."""
+"""AdamW with Megatron's parameter groups and a warm-up + cosine learning-rate schedule.
+
+The optimizer step around it (main params, loss scaling, clipping, sharding) is in
+engine.mixed_precision."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch import nn
 
 from megatronapp.config import TrainConfig
 
 
-def build_optimizer(chunks: list[nn.Module], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; biases and norm weights (1-D tensors) get no weight decay."""
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    fused = bool(params) and params[0].is_cuda
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None,
-    )
+def build_adamw(params: list[tuple[torch.Tensor, bool]], cfg: TrainConfig, *, fused: bool) -> torch.optim.AdamW:
+    """AdamW over (tensor, decays) pairs; Megatron gives biases and norm weights (1-D model
+    params) no weight decay. fused: the single-kernel CUDA implementation."""
+    decay = [t for t, d in params if d]
+    no_decay = [t for t, d in params if not d]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]] or [{"params": []}], lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
 
 
 def compute_lr(iteration: int, cfg: TrainConfig) -> float:

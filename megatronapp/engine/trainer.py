@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.config import JobConfig
-from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
 from megatronapp.engine.hooks import NULL_TRACER
-from megatronapp.engine.optim import build_optimizer, compute_lr, set_lr
+from megatronapp.engine.mixed_precision import build_grads_and_optimizer
+from megatronapp.engine.optim import compute_lr, set_lr
 from megatronapp.engine.throughput import compute_mfu, compute_tflops_per_device, peak_flops_for
 from megatronapp.model.gpt import ChunkOptions, TPContext, apply_compile, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
@@ -33,13 +33,15 @@ class StepMetrics:
     iteration: int  # 1-based count of completed optimizer steps
     loss: float  # mean over microbatches and DP ranks
     lr: float
-    grad_norm: float
+    grad_norm: float  # nan when the step was skipped (fp16 overflow)
     step_time_s: float  # mean over the log interval the step belongs to
     tokens_per_s: float
     tflops_per_gpu: float  # model FLOPs (engine/throughput.py convention) per device per second
     mfu: float | None  # against the device's dense bf16 peak; None where unknown (CPU)
     # forward+backward compute seconds of every global rank
     rank_compute_s: tuple[float, ...] = ()
+    loss_scale: float | None = None  # fp16 / static loss scale in use for this step
+    skipped_iterations: int = 0  # steps skipped for inf/nan grads so far (Megatron counts them)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -54,6 +56,8 @@ class _PendingStep:
     loss: torch.Tensor | None  # this rank's share of the loss sum (last stage, TP rank 0)
     grad_norm: torch.Tensor
     compute: object  # ComputeTimer handle
+    loss_scale: float | None
+    skipped_iterations: int
 
 
 class Trainer:
@@ -71,18 +75,16 @@ class Trainer:
                                          options=options)
         if job.train.compile:
             apply_compile(self.chunks)
-        self.reducer = GradReducer(self.chunks, groups.dp, lay.dp_size, overlap=job.train.overlap_grad_reduce,
-                                   bucket_mb=job.train.grad_bucket_mb)
-        self.optimizer = build_optimizer(self.chunks, job.train)
+        self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job.train, groups, device)
         self.schedule = schedule or build_schedule(job.train.schedule, lay.pp_size, lay.virtual_pp_size,
                                                    job.num_microbatches)
         validate_schedule(self.schedule)
         self.model = GPTPipelineModel(self.chunks, job.model, seed=t.seed, dp_rank=groups.dp_rank,
                                       num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
-                                      tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
-                                      autocast_dtype=torch.bfloat16 if t.bf16 else None)
+                                      tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel)
         self.runtime = (runtime_factory or PipelineRuntime)(self.model, groups, self.schedule, device=device,
-                                                            tracer=tracer, reducer=self.reducer, injector=injector)
+                                                            tracer=tracer, reducer=self.reducer, injector=injector,
+                                                            grad_scale_func=self.optimizer.scale_loss)
         self.iteration = 0  # optimizer steps completed
         self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.set_tracer(tracer)
@@ -103,7 +105,7 @@ class Trainer:
         """One optimizer step; its loss, grad norm and compute time stay on the device."""
         it = self.iteration
         self.tracer.step_begin(it)
-        lr = compute_lr(it, self.job.train)
+        lr = compute_lr(it - self.optimizer.skipped_iterations, self.job.train)  # skips do not advance it
         set_lr(self.optimizer, lr)
         self.reducer.zero_grad()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
@@ -111,13 +113,14 @@ class Trainer:
         with self.tracer.span("grad_reduce", cat="comm"):
             self.reducer.finish()
         with self.tracer.span("optimizer"):
-            grad_norm = compute_grad_norm(self.chunks, self.groups.tp_rank, self.groups.model_parallel)
-            clip_grads(self.chunks, grad_norm, self.job.train.clip_grad)
-            self.optimizer.step()
+            result = self.optimizer.step()  # unscale + inf check, norm, clip, AdamW, params update
         self.tracer.step_end(it)
         self.iteration += 1
         loss = loss.detach().float() if loss is not None and self.groups.tp_rank == 0 else None
-        return _PendingStep(self.iteration, lr, loss, grad_norm.detach(), self.runtime.compute_timer.take())
+        norm = (torch.full((), float("nan"), device=self.device) if result.grad_norm is None
+                else result.grad_norm.detach())
+        return _PendingStep(self.iteration, lr, loss, norm, self.runtime.compute_timer.take(),
+                            result.loss_scale, self.optimizer.skipped_iterations)
 
     def _resolve(self, steps: list[_PendingStep], elapsed_s: float) -> list[StepMetrics]:
         """Metrics of `steps` on every rank with one all-reduce and one host copy.
@@ -140,7 +143,8 @@ class Trainer:
         tokens_per_s = self.job.train.global_batch_size * self.job.model.seq_length / dt
         tflops = compute_tflops_per_device(self.job.model.flops_per_token(), tokens_per_s, world)
         return [StepMetrics(st.iteration, row[0] / self.job.layout.dp_size, st.lr, norm, dt, tokens_per_s,
-                            tflops, compute_mfu(tflops, self.peak_flops), tuple(row[1:]))
+                            tflops, compute_mfu(tflops, self.peak_flops), tuple(row[1:]), st.loss_scale,
+                            st.skipped_iterations)
                 for st, row, norm in zip(steps, rows, norms)]
 
     def train(self, num_steps: int | None = None, on_step=None) -> list[StepMetrics]:

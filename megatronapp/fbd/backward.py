@@ -45,9 +45,10 @@ class BackwardRuntime:
     (built through Trainer(runtime_factory=...), PipelineRuntime's signature plus FBD's settings)."""
 
     def __init__(self, model, groups: ParallelGroups, schedule, *, device, tracer, reducer, injector,
-                 fbd: FbdConfig, roles: RoleGroups, link_device: torch.device):
+                 grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, link_device: torch.device):
         lay, c = roles.layout, roles.coords
         self.model, self.reducer, self.fbd, self.roles = model, reducer, fbd, roles
+        self.grad_scale_func = grad_scale_func  # fp16 loss scaling, applied before backward
         self.device, self.tracer, self.link_device = device, tracer, link_device
         (self.chunk,) = model.chunks
         self.num_microbatches = schedule.num_microbatches
@@ -81,6 +82,7 @@ class BackwardRuntime:
         return torch.stack(it.losses).sum() if it.losses else None
 
     def _send_weights(self, a: FbdAction, it: _Iteration) -> None:
+        self.reducer.wait_param_gather()  # distributed optimizer: the step's all-gather may be in flight
         self.outbox.post([(pack_weights(self.chunk, pieces, it.index, self.link_device), (dst,))
                           for dst, pieces in self.weight_pieces.items()])
 
@@ -122,8 +124,11 @@ class BackwardRuntime:
         if m == self.num_microbatches - 1:
             self.reducer.mark_final_microbatch(0)
         self.faults.before_compute()
+        out, grad = it.outputs.pop(m), it.grads.pop(m, None)
+        if grad is None and self.grad_scale_func is not None:
+            out = self.grad_scale_func(out)
         with self.tracer.span("backward"), self.compute_timer.measure(), self._compute():
-            torch.autograd.backward(it.outputs.pop(m), it.grads.pop(m, None))
+            torch.autograd.backward(out, grad)
 
     def _send_grad(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs.pop(a.microbatch)

@@ -12,6 +12,7 @@ import torch
 from megatronapp.config import JobConfig
 from megatronapp.engine.checkpoint import find_latest
 from megatronapp.engine.hooks import NULL_TRACER
+from megatronapp.engine.mixed_precision import params_dtype
 from megatronapp.fbd.config import FbdConfig
 from megatronapp.fbd.links import Outbox, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_forward_actions
@@ -47,11 +48,10 @@ def build_forward_model(job: JobConfig, fbd: FbdConfig, groups: RoleGroups, devi
     options = ChunkOptions(rng_tracker=build_rng_tracker(t.seed, c.tp, c.pp, device))
     chunks = build_model_chunks(job.model, pp_rank=c.pp, pp_size=lay.pp_size, num_chunks=1, tp=tp,
                                 seed=t.seed, device=device, options=options)
-    for chunk in chunks:
-        chunk.requires_grad_(False)
+    for chunk in chunks:  # the backward workers' params dtype (bf16/fp16 as Megatron, else fp32)
+        chunk.requires_grad_(False).to(params_dtype(t))
     return GPTPipelineModel(chunks, job.model, seed=t.seed, dp_rank=c.dp, num_microbatches=job.num_microbatches,
-                            tp_size=lay.forward_tp_size, tp_rank=c.tp, sequence_parallel=sp,
-                            autocast_dtype=torch.bfloat16 if t.bf16 else None)
+                            tp_size=lay.forward_tp_size, tp_rank=c.tp, sequence_parallel=sp)
 
 
 class ForwardWorker:

@@ -89,7 +89,7 @@ class Attention(nn.Module):
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, nh, S, D)
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         if self.options.recompute.granularity == "selective" and self.training:
-            y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker)
+            y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker if self.dropout_p else None)
         else:
             y = self._core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
@@ -220,7 +220,8 @@ class GPTChunk(nn.Module):
 
         for start, end, recomputed in compute_full_recompute_groups(len(blocks), self.options.recompute):
             if recomputed and self.training:
-                x = recompute(run, x, start, end, rng_tracker=self.options.rng_tracker)
+                tracker = self.options.rng_tracker if self.cfg.attention_dropout else None
+                x = recompute(run, x, start, end, rng_tracker=tracker)
             else:
                 x = run(x, start, end)
         return x

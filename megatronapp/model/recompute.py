@@ -54,6 +54,8 @@ def recompute(fn, *args, rng_tracker=None):
     """checkpoint(fn, *args) that also replays the tracked RNG streams (see module docstring)."""
     if not torch.is_grad_enabled():
         return fn(*args)
+    if rng_tracker is None:  # nothing tracked to replay (and nothing stateful for torch.compile)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     snapshot = rng_tracker.get_states() if rng_tracker is not None else None
     calls = [0]
 

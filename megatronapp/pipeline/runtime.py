@@ -70,13 +70,14 @@ class PipelineRuntime:
     """
 
     def __init__(self, model: PipelineModel, groups: ParallelGroups, schedule: PipelineSchedule, *,
-                 device, tracer, reducer=None, injector=None):
+                 device, tracer, reducer=None, injector=None, grad_scale_func=None):
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = {start: end for start, end in comm_batches(self.actions)}
         self.device = device
         self.tracer, self.reducer = tracer, reducer
         self.injector = injector or NullInjector()
+        self.grad_scale_func = grad_scale_func  # loss scaling (fp16, Megatron's): applied before backward
         self.num_vstages = schedule.pp_size * schedule.num_chunks
         self.compute_timer = ComputeTimer(device)
         self.injector.on_stall = self.compute_timer.add_stall
@@ -145,6 +146,8 @@ class PipelineRuntime:
         grad = None
         if vs != self.num_vstages - 1:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
+        elif self.grad_scale_func is not None:
+            out = self.grad_scale_func(out)
         with self.tracer.span("backward"), self.compute_timer.measure(), self.injector.compute():
             torch.autograd.backward(out, grad)
         if vs != 0:

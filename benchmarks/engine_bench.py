@@ -1,0 +1,205 @@
+"""Engine II on one GPU: Megatron bf16 engine vs a plain pure-bf16 compiled GPT, recompute,
+and the largest micro-batch that fits.
+
+    python benchmarks/engine_bench.py --only throughput,microbatch --out engine.json
+    python benchmarks/engine_bench.py --only recompute --out recompute.json
+
+throughput: the engine (--bf16: bf16 params, fp32 main grads and master weights, parallel
+layers, schedule runtime, clipping, distributed optimizer, compiled blocks) and the plain
+twin (benchmarks/plain_gpt.py, pure bf16 params and AdamW, one torch.compile) in one
+process, rounds interleaved (A B A B ...), median and spread of the per-step time.
+Peak memory per variant = its resident state (measured when it was built and stepped once)
++ the transient peak of its own step (max allocated during the step - allocated before).
+recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
+microbatch: the largest micro-batch (eager) whose step fits, with and without full recompute.
+MFU convention: engine/throughput.py (6N without the input embedding + 12*L*H*S) / 989 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plain_gpt import PlainGPT  # noqa: E402
+
+from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
+from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.parallel.groups import single_process_groups  # noqa: E402
+
+PEAK = 989e12
+DEV = torch.device("cuda")
+
+
+class Batches:
+    def __init__(self, vocab: int, micro_batch: int, seq: int, num_micro: int):
+        self.mbs = [torch.randint(0, vocab, (micro_batch, seq + 1), device=DEV) for _ in range(num_micro)]
+
+    def next_microbatches(self):
+        return self.mbs
+
+
+def make_job(micro_batch: int, num_micro: int, **train_kw) -> JobConfig:
+    model = model_preset("1.3b", vocab_size=50304)
+    train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * num_micro, train_iters=10**6,
+                        lr=1e-4, bf16=True, use_distributed_optimizer=True, log_interval=10**6, **train_kw)
+    return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
+
+
+class PlainRunner:
+    """Pure bf16: bf16 params and AdamW state, no autocast, no master weights."""
+
+    def __init__(self, job: JobConfig, data: Batches):
+        self.model = PlainGPT(job.model, DEV).to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        self.compiled = torch.compile(self.model)
+        self.data = data
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        for mb in self.data.mbs:
+            (self.compiled(mb[:, :-1], mb[:, 1:]) / len(self.data.mbs)).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        self.opt.step()
+
+
+def _timed_steps(step, n: int) -> tuple[float, float]:
+    """(seconds per step, transient peak bytes) over n steps."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n, torch.cuda.max_memory_allocated() - before
+
+
+def _interleave(variants: dict, args) -> dict:
+    resident = {}
+    built = {}
+    for name, factory in variants.items():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        step = factory()
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        resident[name] = torch.cuda.memory_allocated() - before
+        built[name] = step
+        print(f"built {name}: resident {resident[name] / 2**30:.1f} GiB", flush=True)
+    times, transient = {k: [] for k in built}, {k: 0 for k in built}
+    for r in range(args.rounds):
+        for name, step in built.items():
+            t, peak = _timed_steps(step, args.steps)
+            times[name].append(t)
+            transient[name] = max(transient[name], peak)
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items()), flush=True)
+    out = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        out[name] = {"step_s": med, "spread": (max(ts) - min(ts)) / med, "rounds_s": ts,
+                     "resident_gib": resident[name] / 2**30,
+                     "peak_gib": (resident[name] + transient[name]) / 2**30}
+    return out
+
+
+def _annotate(out: dict, job: JobConfig) -> None:
+    tokens = job.train.global_batch_size * job.model.seq_length
+    for v in out.values():
+        v["tokens_per_s"] = tokens / v["step_s"]
+        v["mfu"] = job.model.flops_per_token() * tokens / v["step_s"] / PEAK
+
+
+def _engine_factory(job: JobConfig, data: Batches):
+    def build():
+        trainer = Trainer(job, single_process_groups(), DEV, data)
+        return lambda: trainer.train(num_steps=1)
+    return build
+
+
+def bench_throughput(args, results: dict) -> None:
+    job = make_job(4, args.num_micro, compile=True)
+    data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
+    variants = {"engine": _engine_factory(job, data),
+                "plain_bf16": lambda: PlainRunner(job, data).step}
+    out = _interleave(variants, args)
+    _annotate(out, job)
+    out["engine_vs_plain"] = out["plain_bf16"]["step_s"] / out["engine"]["step_s"]
+    results["throughput"] = out
+
+
+def bench_recompute(args, results: dict) -> None:
+    base = make_job(4, args.num_micro, compile=True)
+    data = Batches(base.model.padded_vocab_size, 4, base.model.seq_length, args.num_micro)
+    variants = {}
+    for name, kw in (("none", {}), ("selective", {"recompute_granularity": "selective"}),
+                     ("full", {"recompute_granularity": "full"})):
+        variants[name] = _engine_factory(replace(base, train=replace(base.train, **kw)), data)
+    out = _interleave(variants, args)
+    _annotate(out, base)
+    results["recompute"] = out
+
+
+def _largest_micro_batch(job: JobConfig, sizes: list[int]) -> int:
+    trainer = Trainer(job, single_process_groups(), DEV, None)
+    best = 0
+    for b in sizes:
+        trainer.data = Batches(job.model.padded_vocab_size, b, job.model.seq_length, job.num_microbatches)
+        try:
+            trainer.train(num_steps=1)
+            torch.cuda.synchronize()
+            best = b
+            print(f"  micro-batch {b}: fits", flush=True)
+        except torch.cuda.OutOfMemoryError:
+            print(f"  micro-batch {b}: out of memory", flush=True)
+            break
+        finally:
+            trainer.data = None
+            gc.collect()
+            torch.cuda.empty_cache()
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return best
+
+
+def bench_microbatch(args, results: dict) -> None:
+    sizes = [4, 8, 12, 16, 24, 32, 48, 64]
+    out = {}
+    for name, kw in (("none", {}), ("full", {"recompute_granularity": "full"})):
+        job = make_job(4, 1, **kw)
+        out[name] = _largest_micro_batch(job, sizes)
+    results["largest_micro_batch_eager"] = out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="engine_bench.json")
+    p.add_argument("--only", default="throughput,microbatch")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--num-micro", type=int, default=2)
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
+    benches = {"throughput": bench_throughput, "recompute": bench_recompute, "microbatch": bench_microbatch}
+    for name in args.only.split(","):
+        benches[name](args, results)
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(json.dumps({name: results.get(name) or results.get("largest_micro_batch_eager")}, indent=1), flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Megatron mixed precision: low-precision params, fp32 main grads, fp32 master weights.
+
+With --bf16/--fp16 the model's parameters and activations are bf16/fp16 (no autocast),
+gradients accumulate in the fp32 `main_grad` buffers of engine.grads and are reduced over
+DP in fp32, and AdamW updates fp32 master copies ("main params") that are copied back to
+the model after each step. In fp32 the model parameters are their own main params. With
+the distributed optimizer each DP rank keeps main params and Adam state only for its
+shards (engine.distrib_optimizer) and all-gathers the updated parameters.
+
+One optimizer step, as Megatron's MixedPrecisionOptimizer.step:
+  1. with a loss scaler: unscale main grads, find inf/nan (max over DP and model-parallel
+     ranks); on overflow skip the step and let the scaler lower the scale;
+  2. global grad norm (each element counted once) and clipping;
+  3. AdamW on the main params;
+  4. main params -> model params (and all-gather of the shards).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatronapp.config import TrainConfig
+from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
+from megatronapp.engine.grad_scaler import build_grad_scaler
+from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
+from megatronapp.engine.optim import build_adamw
+
+log = logging.getLogger("megatronapp.engine")
+
+
+def params_dtype(cfg: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+
+
+@dataclass
+class MainParam:
+    """The fp32 tensor AdamW updates for (a slice of) one model parameter."""
+
+    model_param: nn.Parameter
+    main_param: torch.Tensor  # the model param itself (fp32, not sharded) or an fp32 copy
+    shard: ShardRange | None  # slice of the flattened model param; None: the whole param
+    count_in_norm: bool  # False for TP-replicated params off TP rank 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    update_successful: bool
+    grad_norm: torch.Tensor | None  # None when the step was skipped
+    loss_scale: float | None
+
+
+def _main_params_of(reducer: GradReducer, tp_rank: int) -> list[list[MainParam]]:
+    """Per chunk: one MainParam per parameter, or per owned shard with the distributed optimizer."""
+    out = []
+    for buf in reducer.buffers:
+        mains = []
+        if reducer.distributed:
+            spans = [b.span for b in buf.buckets]
+            for r in compute_shard_ranges(buf.offsets, [p.numel() for p in buf.params], spans,
+                                          reducer.dp_size, reducer.dp_rank):
+                p = buf.params[r.param]
+                main = p.detach().view(-1)[r.start:r.end]  # fp32: the param buffer itself
+                main = main if p.dtype == torch.float32 else main.float()
+                main.grad = p.main_grad.view(-1)[r.start:r.end]
+                mains.append(MainParam(p, main, r, _counts(p, tp_rank)))
+        else:
+            for p in buf.params:
+                main = p if p.dtype == torch.float32 else p.detach().float()
+                if main is not p:
+                    main.grad = p.main_grad
+                mains.append(MainParam(p, main, None, _counts(p, tp_rank)))
+        out.append(mains)
+    return out
+
+
+def _counts(p: nn.Parameter, tp_rank: int) -> bool:
+    return getattr(p, "tp_split_dim", None) is not None or tp_rank == 0
+
+
+class MixedPrecisionOptimizer:
+    """AdamW over fp32 main params, with loss scaling, clipping and (optionally) DP sharding."""
+
+    def __init__(self, reducer: GradReducer, cfg: TrainConfig, groups, device: torch.device, *,
+                 log_overflow: bool = True):
+        self.reducer, self.cfg, self.groups, self.device = reducer, cfg, groups, device
+        self.chunk_mains = _main_params_of(reducer, groups.tp_rank)
+        self.mains = [m for chunk in self.chunk_mains for m in chunk]
+        self.optimizer = build_adamw([(m.main_param, m.model_param.ndim >= 2) for m in self.mains], cfg,
+                                     fused=device.type == "cuda")
+        self.grad_scaler = build_grad_scaler(cfg, device)
+        self.skipped_iterations = 0
+        self.log_overflow = log_overflow
+        # the groups a per-rank sum must cover to count every element once
+        self._norm_groups = [groups.model_parallel] + ([groups.dp] if reducer.distributed else [])
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for model state, by kind (Adam's after the first step)."""
+        adam = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                   for t in st.values() if torch.is_tensor(t) and t.ndim > 0)
+        params = [p for buf in self.reducer.buffers for p in buf.params]
+        return {"params": sum(p.numel() * p.element_size() for p in params),
+                "main_grads": sum(buf.grad_data.numel() * 4 for buf in self.reducer.buffers),
+                "main_params": sum(m.main_param.numel() * 4 for m in self.mains
+                                   if m.model_param.dtype != torch.float32),
+                "adam": adam}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Megatron's grad_scale_func: applied to the loss right before backward."""
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.to(loss.dtype)
+
+    def main_grads(self) -> list[torch.Tensor]:
+        return [m.main_param.grad for m in self.mains]
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Steps 1-4 above; call after the DP reduction of the grads has finished."""
+        scale = None if self.grad_scaler is None else float(self.grad_scaler.scale)
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_nan()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.skipped_iterations += 1
+                if self.log_overflow:
+                    log.warning("found inf/nan in gradients: skipped the step, loss scale %g -> %g",
+                                scale, float(self.grad_scaler.scale))
+                return StepResult(False, None, scale)
+        grads = self.main_grads()
+        norm = compute_grad_norm([m.main_param.grad for m in self.mains if m.count_in_norm],
+                                 self._norm_groups, self.device)
+        clip_grads(grads, norm, self.cfg.clip_grad)
+        self.optimizer.step()
+        self._copy_main_to_model_params()
+        return StepResult(True, norm, scale)
+
+    def _unscale_and_check_for_nan(self) -> bool:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        grads = self.main_grads()
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self.grad_scaler.inv_scale)
+        for group in (self.groups.dp, self.groups.model_parallel):
+            if group is not None:
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        return bool(found_inf.item() > 0)
+
+    def _copy_main_to_model_params(self) -> None:
+        pairs = [(self._model_view(m), m.main_param) for m in self.mains if m.model_param.dtype != torch.float32]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        # CPU/gloo: complete now; CUDA: each chunk waits in its first forward (pre-hook)
+        self.reducer.start_param_gather(wait=self.device.type != "cuda")
+
+    @staticmethod
+    def _model_view(m: MainParam) -> torch.Tensor:
+        p = m.model_param.detach()
+        return p if m.shard is None else p.view(-1)[m.shard.start:m.shard.end]
+
+    # -- checkpoints: layout-independent state per model parameter --------------------------
+    def finish_param_sync(self) -> None:
+        """Wait for in-flight parameter all-gathers; call before reading or writing params."""
+        self.reducer.wait_param_gather()
+
+    def state_dict(self) -> dict:
+        scaler = None if self.grad_scaler is None else self.grad_scaler.state_dict()
+        return {"grad_scaler": scaler, "skipped_iterations": self.skipped_iterations}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_iterations = int(state.get("skipped_iterations", 0))
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+    def param_state(self) -> dict[nn.Parameter, dict]:
+        """Collective over DP with the distributed optimizer. Per model parameter (its TP
+        shard, full along DP): exp_avg, exp_avg_sq, step and, when it differs from the
+        model param, the fp32 main param. Parameters never stepped are absent."""
+        self.finish_param_sync()
+        keys = ("exp_avg", "exp_avg_sq") + (("main_param",) if self._has_separate_mains() else ())
+        step = self._step_count()
+        if step is None:
+            return {}
+        out: dict[nn.Parameter, dict] = {}
+        for mains, buf in zip(self.chunk_mains, self.reducer.buffers):
+            index = {p: i for i, p in enumerate(buf.params)}
+            for key in keys:
+                values = self._full_values(mains, buf, index, key)
+                for p, v in zip(buf.params, values):
+                    out.setdefault(p, {"step": step})[key] = v
+        return out
+
+    def main_grads_by_param(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Collective over DP with the distributed optimizer: each parameter's DP-reduced
+        (and clipped, after step) fp32 main grad, whole along DP (for tests and inspection)."""
+        out = {}
+        for mains, buf in zip(self.chunk_mains, self.reducer.buffers):
+            index = {p: i for i, p in enumerate(buf.params)}
+            out.update(zip(buf.params, self._full_values(mains, buf, index, "main_grad")))
+        return out
+
+    def _has_separate_mains(self) -> bool:
+        # fp32 models hold the main params' values themselves (also when sharded)
+        return params_dtype(self.cfg) != torch.float32
+
+    def _step_count(self) -> float | None:
+        steps = [float(st["step"]) for st in self.optimizer.state.values() if "step" in st]
+        local = torch.tensor([max(steps, default=-1.0)], device=self.device)
+        if self.reducer.distributed and self.groups.dp is not None:  # a rank may own no shard at all
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        return None if local.item() < 0 else float(local.item())
+
+    def _value(self, m: MainParam, key: str) -> torch.Tensor:
+        if key in ("main_param", "main_grad"):
+            return m.main_param if key == "main_param" else m.main_param.grad
+        return self.optimizer.state[m.main_param][key]
+
+    def _full_values(self, mains, buf, index, key) -> list[torch.Tensor]:
+        if not self.reducer.distributed:
+            return [self._value(m, key) for m in mains]
+        shards = {index[m.model_param]: (m.shard, self._value(m, key)) for m in mains}
+        return gather_full_params(buf, shards, self.groups.dp, self.reducer.dp_size, self.reducer.dp_rank)
+
+    @torch.no_grad()
+    def load_param_state(self, state_of) -> None:
+        """`state_of(model_param)` -> the dict of param_state() (TP-local, full along DP) or
+        None; the model params themselves must already hold the checkpoint's values."""
+        for m in self.mains:
+            st = state_of(m.model_param)
+            if m.model_param.dtype != torch.float32:
+                source = st["main_param"] if (st and "main_param" in st) else m.model_param.detach()
+                m.main_param.copy_(self._slice(m, source))
+            if st is None:
+                continue
+            self.optimizer.state[m.main_param] = {
+                "exp_avg": self._slice(m, st["exp_avg"]).clone(),
+                "exp_avg_sq": self._slice(m, st["exp_avg_sq"]).clone(),
+                "step": torch.tensor(float(st["step"]), dtype=torch.float32,
+                                     device=self.device if self.device.type == "cuda" else "cpu")}
+
+    def _slice(self, m: MainParam, full: torch.Tensor) -> torch.Tensor:
+        full = full.to(device=self.device, dtype=torch.float32).reshape(m.model_param.shape)
+        return full if m.shard is None else full.reshape(-1)[m.shard.start:m.shard.end]
+
+
+def build_grads_and_optimizer(chunks: list[nn.Module], cfg: TrainConfig, groups, device: torch.device
+                              ) -> tuple[GradReducer, MixedPrecisionOptimizer]:
+    """Cast the model to its params dtype, build its main-grad buffers and the optimizer."""
+    dtype = params_dtype(cfg)
+    if dtype != torch.float32:
+        for c in chunks:
+            c.to(dtype)
+    lay = groups.layout
+    reducer = GradReducer(chunks, groups.dp, lay.dp_size, dp_rank=groups.dp_rank,
+                          overlap=cfg.overlap_grad_reduce, bucket_mb=cfg.grad_bucket_mb,
+                          distributed_optimizer=cfg.use_distributed_optimizer)
+    if cfg.use_distributed_optimizer and device.type == "cuda":
+        for i, c in enumerate(chunks):  # overlap the param all-gather with the next forward
+            c.register_forward_pre_hook(lambda *_, i=i: reducer.wait_param_gather(i))
+    optimizer = MixedPrecisionOptimizer(reducer, cfg, groups, device, log_overflow=groups.rank == 0)
+    return reducer, optimizer

@@ -1,0 +1,171 @@
+"""Megatron mixed precision: bf16 main grads and training, fp16 loss scaling and overflow skips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import ProcessCluster
+from engine_jobs import RandomTokenBatches, make_job, train_and_report
+from megatronapp.config import ConfigError, TrainConfig
+from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
+from megatronapp.engine.grad_scaler import DynamicGradScaler
+from megatronapp.engine.trainer import Trainer
+from megatronapp.parallel.groups import build_process_groups, single_process_groups
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = ProcessCluster(max_world=2, timeout=240)
+    yield c
+    c.close()
+
+
+def _trainer(job, rank=0):
+    groups = build_process_groups(job.layout, rank) if job.layout.world_size > 1 else single_process_groups()
+    data = RandomTokenBatches(job, groups.dp_rank)
+    return Trainer(job, groups, CPU, data), data
+
+
+def _params(trainer) -> dict:
+    return {n: p for c in trainer.chunks for n, p in c.named_parameters()}
+
+
+def test_dynamic_scaler_follows_megatron_rule():
+    s = DynamicGradScaler(2.0**10, 2.0**8, CPU, growth_interval=3, hysteresis=2)
+    s.update(True)  # first overflow uses up hysteresis only
+    assert float(s.scale) == 2.0**10
+    s.update(True)
+    assert float(s.scale) == 2.0**9
+    s.update(True)  # hysteresis stays used up until the scale grows again
+    assert float(s.scale) == 2.0**8
+    s.update(True)  # not below min_scale
+    assert float(s.scale) == 2.0**8
+    for _ in range(3):
+        s.update(False)
+    assert float(s.scale) == 2.0**9
+    s.update(True)  # hysteresis was refilled by the growth
+    assert float(s.scale) == 2.0**9
+
+
+def test_bad_precision_config_is_refused():
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        TrainConfig(bf16=True, fp16=True)
+    with pytest.raises(ConfigError, match="hysteresis"):
+        TrainConfig(fp16=True, hysteresis=0)
+
+
+def test_bf16_trains_and_follows_fp32():
+    torch.set_num_threads(1)
+    bf16 = train_and_report(0, 1, make_job(1, bf16=True, iters=8))["losses"]
+    fp32 = train_and_report(0, 1, make_job(1, iters=8))["losses"]
+    assert bf16[-1] < bf16[0] - 0.05, bf16
+    torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("layout", [(2, 1, {}), (1, 2, {}), (1, 1, {"use_distributed_optimizer": True})],
+                         ids=["tp2", "pp2", "dp2_distopt"])
+def test_bf16_layouts_follow_single_process(cluster, layout):
+    """bf16 activations cross TP collectives and PP sends; reduction orders differ, so bf16 tolerance."""
+    tp, pp, kw = layout
+    single = train_and_report(0, 1, make_job(1, bf16=True))
+    reports = cluster.run(train_and_report, 2, make_job(2, tp, pp, bf16=True, **kw))
+    for rep in reports:
+        torch.testing.assert_close(rep["losses"], single["losses"], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(rep["norms"], single["norms"], rtol=3e-2, atol=1e-3)
+
+
+def test_bf16_main_grads_match_fp32_grads_of_the_same_weights():
+    """fp32 main grads of the bf16 model vs an fp32 model holding the same (bf16) values."""
+    torch.set_num_threads(1)
+    bf16, _ = _trainer(make_job(1, bf16=True, clip_grad=0.0))
+    ref, _ = _trainer(make_job(1, clip_grad=0.0))
+    with torch.no_grad():
+        for name, p in _params(ref).items():
+            p.copy_(_params(bf16)[name])
+    bf16.train_step()
+    ref.train_step()
+    for name, p in _params(bf16).items():
+        assert p.dtype == torch.bfloat16 and p.grad is None  # no bf16 .grad kept after backward
+        assert p.main_grad.dtype == torch.float32
+        want = _params(ref)[name].main_grad
+        err = (p.main_grad - want).norm() / want.norm().clamp(min=1e-12)
+        assert err < 2e-2, (name, float(err))
+
+
+def test_bf16_checkpoint_resume_is_bit_exact(tmp_path):
+    torch.set_num_threads(1)
+    job = make_job(1, iters=4, bf16=True)
+    straight, _ = _trainer(job)
+    want = [m.loss for m in straight.train(4)]
+    first, data = _trainer(job)
+    head = [m.loss for m in first.train(2)]
+    save_checkpoint(tmp_path, first, data)
+    resumed, data2 = _trainer(job)
+    load_checkpoint(tmp_path, resumed, data2)
+    assert head + [m.loss for m in resumed.train(2)] == want
+    for name, p in _params(resumed).items():
+        assert torch.equal(p, _params(straight)[name])
+
+
+def fp16_with_injected_overflow(rank: int, world: int, job, bad_step: int) -> list[dict]:
+    """Train; at `bad_step`, after the DP reduction, write inf into one main grad on DP rank 1."""
+    trainer, _ = _trainer(job, rank)
+    finish = trainer.reducer.finish
+
+    def finish_then_inject():
+        finish()
+        if trainer.iteration == bad_step and trainer.groups.dp_rank == world - 1:
+            trainer.optimizer.mains[0].main_param.grad.view(-1)[0] = float("inf")
+
+    trainer.reducer.finish = finish_then_inject
+    records = []
+    for _ in range(job.train.train_iters):
+        before = {n: p.detach().clone() for n, p in _params(trainer).items()}
+        m = trainer.train_step()
+        changed = any(not torch.equal(before[n], p) for n, p in _params(trainer).items())
+        records.append({"iteration": m.iteration, "scale": m.loss_scale, "skipped": m.skipped_iterations,
+                        "changed": changed, "lr": m.lr, "loss": m.loss})
+    return records
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["dp2", "dp2_distopt"])
+def test_fp16_overflow_skips_exactly_one_step_and_lowers_the_scale(cluster, distopt):
+    job = make_job(2, iters=5, fp16=True, initial_loss_scale=2.0**12, hysteresis=1, lr_warmup_iters=10,
+                   use_distributed_optimizer=distopt)
+    for records in cluster.run(fp16_with_injected_overflow, 2, job, 2):
+        assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5]  # the skipped step counts
+        assert [r["changed"] for r in records] == [True, True, False, True, True]
+        assert [r["skipped"] for r in records] == [0, 0, 1, 1, 1]
+        assert [r["scale"] for r in records] == [2.0**12] * 3 + [2.0**11] * 2
+        lrs = [r["lr"] for r in records]
+        assert lrs[3] == lrs[2] and lrs[4] > lrs[3] > lrs[1]  # the skip does not advance the LR schedule
+
+
+def test_fp16_without_overflow_follows_fp32():
+    torch.set_num_threads(1)
+    fp16 = train_and_report(0, 1, make_job(1, fp16=True, initial_loss_scale=2.0**12))
+    fp32 = train_and_report(0, 1, make_job(1))
+    torch.testing.assert_close(fp16["losses"], fp32["losses"], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fp16["norms"], fp32["norms"], rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{"bf16": True}, {"bf16": True, "use_distributed_optimizer": True},
+                                {"fp16": True, "initial_loss_scale": 2.0**16}], ids=["bf16", "bf16_distopt", "fp16"])
+def test_low_precision_on_cuda_is_close_to_fp32(kw):
+    from megatronapp.config import JobConfig, build_layout, model_preset
+
+    def losses(**train_kw):
+        job = JobConfig(model=model_preset("small", num_layers=4, seq_length=128),
+                        train=TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=6, lr=1e-3,
+                                          **train_kw), layout=build_layout(1, 1, 1))
+        torch.manual_seed(0)
+        trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
+        return [m.loss for m in trainer.train(6)]
+
+    low, fp32 = losses(**kw), losses()
+    assert low[-1] < low[0]
+    torch.testing.assert_close(low, fp32, rtol=3e-2, atol=3e-2)

@@ -36,7 +36,8 @@ def fbd_train_and_report(rank: int, world: int, job, fbd: FbdConfig) -> dict:
         losses.append(m.loss)
         norms.append(m.grad_norm)
         if step == 0:
-            grads = full_grads(trainer) if trainer.groups.dp_rank == 0 else {}
+            grads = full_grads(trainer)  # collective over DP (distributed optimizer)
+            grads = grads if trainer.groups.dp_rank == 0 else {}
     return {"role": "backward", "losses": losses, "norms": norms, "grads": grads,
             "loss_gap": worker.runtime.loss_gap, "waits": worker.waits.on_other_role_s}
 

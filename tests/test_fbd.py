@@ -25,6 +25,7 @@ CASES = {
     "dp2_pp2": (4, 1, 2, 1, False),  # world 8
     "pp2_hidden_dropout": (2, 1, 2, 1, True),
     "tp2_tf1_hidden_dropout": (2, 2, 1, 1, True),
+    "dp2_distributed_optimizer": (2, 1, 1, 1, False),  # weights published from gathered shards
 }
 
 
@@ -35,8 +36,8 @@ def cluster():
     c.close()
 
 
-def _job(backward_world, tp, pp, dropout, iters=3):
-    job = make_job(backward_world, tp, pp, iters=iters)
+def _job(backward_world, tp, pp, dropout, iters=3, **train_kw):
+    job = make_job(backward_world, tp, pp, iters=iters, **train_kw)
     if dropout:
         job = dataclasses.replace(job, model=dataclasses.replace(job.model, hidden_dropout=0.2))
     return job
@@ -50,7 +51,7 @@ def _world(job, tf):
 @pytest.mark.parametrize("name", list(CASES))
 def test_fbd_trains_the_same_numbers_as_the_plain_engine(cluster, name):
     backward_world, tp, pp, tf, dropout = CASES[name]
-    job = _job(backward_world, tp, pp, dropout)
+    job = _job(backward_world, tp, pp, dropout, use_distributed_optimizer="distributed_optimizer" in name)
     plain = cluster.run(train_and_report, backward_world, job)
     reports = cluster.run(fbd_train_and_report, _world(job, tf), job, FbdConfig(forward_tp_size=tf, max_ahead=2))
     backward = [r for r in reports if r["role"] == "backward"]

@@ -86,7 +86,8 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
         from megatronapp.fbd.launch import CliParts, run_fbd_rank
 
         injector = (lambda r, d: FaultInjector(plan, r, d) if (plan.slowdowns or plan.link_delays_ms) else None)
-        return run_fbd_rank(args, job, tokenizer, CliParts(_build_data, _build_tracer, _train_loop, injector))
+        return run_fbd_rank(args, job, tokenizer,
+                            CliParts(_build_data, _build_tracer, _train_loop, injector, _maybe_load))
     device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.config import JobConfig
-from megatronapp.engine.checkpoint import load_checkpoint
+from megatronapp.engine.checkpoint import has_checkpoint
 from megatronapp.fbd.backward import BackwardWorker
 from megatronapp.fbd.cli import fbd_config_from_args, role_layout_from_args
 from megatronapp.fbd.forward import ForwardWorker
@@ -31,6 +31,7 @@ class CliParts:
     build_tracer: Callable  # (args, job, groups, device, rank_meta_overrides) -> (tracer | None, instrumentation)
     train_loop: Callable  # (args, job, trainer, data, rank) -> metrics history (logs, saves, summary)
     build_injector: Callable  # (rank, device) -> engine fault injector or None
+    maybe_load: Callable  # (job, trainer, data, rank): resume from --load when it holds a checkpoint
 
 
 def select_role_device(args: argparse.Namespace, lay: RoleLayout, rank: int, local_rank: int) -> torch.device:
@@ -57,38 +58,42 @@ def _backend(args: argparse.Namespace) -> str:
 
 
 def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: CliParts) -> list[dict]:
+    """Train as global rank RANK of an FBD job; backward rank 0 returns the metrics history."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     lay, fbd = role_layout_from_args(args, world), fbd_config_from_args(args)
     device = select_role_device(args, lay, rank, int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(_backend(args), rank=rank, world_size=world)
     link = torch.device("cpu") if "gloo" in _backend(args) else device  # cross-role messages travel here
-    groups = build_role_groups(lay, rank)
-    data = parts.build_data(args, tokenizer, job, groups.parallel)
-    role = "forward" if groups.is_forward else "backward"
-    tracer, instrumentation = parts.build_tracer(args, job, groups.parallel, device,
-                                                 {"rank": rank, "world_size": world, "role": role})
-    traced = {"tracer": tracer} if tracer else {}
-    history: list[dict] = []
-    if groups.is_forward:
-        worker = ForwardWorker(job, fbd, groups, device, data, link_device=link, **traced)
-        if job.train.load:
-            worker.load(job.train.load)
-        worker.train(job.train.train_iters)
-    else:
-        worker = BackwardWorker(job, fbd, groups, device, data, link_device=link,
-                                injector=parts.build_injector(rank, device), **traced)
-        if job.train.load:
-            load_checkpoint(job.train.load, worker.trainer, data)
-        history = parts.train_loop(args, job, worker.trainer, data, rank)
-    stats = gather_role_waits(worker, lay, rank, device if device.type == "cuda" and _backend(args) == "nccl" else None)
-    if rank == 0 and args.summary_file:
-        _add_summary_rows(Path(args.summary_file), stats)
-    if tracer:
-        instrumentation.uninstall()
-        tracer.close()
-    dist.destroy_process_group()
-    return history
+    tracer = instrumentation = None
+    try:  # every exit path tears the process group down and flushes the trace
+        groups = build_role_groups(lay, rank)
+        data = parts.build_data(args, tokenizer, job, groups.parallel)
+        role = "forward" if groups.is_forward else "backward"
+        tracer, instrumentation = parts.build_tracer(args, job, groups.parallel, device,
+                                                     {"rank": rank, "world_size": world, "role": role})
+        kw = {"link_device": link, **({"tracer": tracer} if tracer else {})}
+        history: list[dict] = []
+        if groups.is_forward:
+            worker = ForwardWorker(job, fbd, groups, device, data, **kw)
+            if job.train.load and has_checkpoint(job.train.load):
+                worker.load(job.train.load)
+            worker.train(job.train.train_iters)
+        else:
+            worker = BackwardWorker(job, fbd, groups, device, data, injector=parts.build_injector(rank, device), **kw)
+            parts.maybe_load(job, worker.trainer, data, rank)
+            history = parts.train_loop(args, job, worker.trainer, data, rank)
+        stats = gather_role_waits(worker, lay, rank, device if _backend(args) == "nccl" else None)
+        if rank == 0 and args.summary_file:
+            _add_summary_rows(Path(args.summary_file), stats)
+        return history
+    finally:
+        if instrumentation is not None:
+            instrumentation.uninstall()
+        if tracer is not None:
+            tracer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def gather_role_waits(worker, lay: RoleLayout, rank: int, device=None) -> dict:

@@ -50,7 +50,8 @@ def make_job(preset: str, micro_batch: int, num_micro: int, distributed_optimize
     """Megatron bf16 (bf16 params, fp32 main grads and master weights), optionally ZeRO-1."""
     model = model_preset(preset, vocab_size=50304)
     train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * num_micro,
-                        train_iters=10**6, lr=1e-4, bf16=True, use_distributed_optimizer=distributed_optimizer)
+                        train_iters=10**6, lr=1e-4, bf16=True, use_distributed_optimizer=distributed_optimizer,
+                        overlap_param_gather=distributed_optimizer)
     return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
 
 

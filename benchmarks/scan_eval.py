@@ -1,22 +1,20 @@
-"""How well does MegaScan's detector name the root cause? Inject faults, detect, score.
+"""Held-out evaluation of MegaScan's detector: generate faulty runs from a seed, tune on one split,
+score on another, report rates with 95% Wilson intervals.
 
-Each run draws a fault kind (none, slow_compute, slow_link), a faulty rank or link and a
-magnitude from --seed, produces a trace directory, runs detection on it and compares the
-suspects with the truth. Two sources of traces:
+    # 1. design runs (the only ones thresholds are tuned on), then tune
+    python benchmarks/scan_eval.py run   --split design  --runs-per-kind 30 --clean-runs 50 --out out/scan_eval
+    python benchmarks/scan_eval.py tune  --out out/scan_eval                       # writes tuned.json
+    # 2. fresh held-out runs, scored with the tuned thresholds
+    python benchmarks/scan_eval.py run   --split heldout --runs-per-kind 30 --clean-runs 50 --out out/scan_eval
+    python benchmarks/scan_eval.py score --split heldout --out out/scan_eval       # scores-heldout.json
 
-  * default: real training jobs through the CLI (one subprocess per run)
-        python -m megatronapp.cli.main train --nproc-per-node N --tensor-model-parallel-size TP
-            --pipeline-model-parallel-size PP --model tiny --train-iters 6 --trace --trace-dir D
-            --device cpu [--inject-slowdown R:F | --inject-link-delay S:D:MS]
-    then load + align + detect on D (what `megatronapp trace detect D` does);
-  * --synthetic: megatronapp.scan.synthetic simulates the same layout in-process (no engine).
-
-Scores per fault kind: recall (the culprit is among the suspects), top-1 accuracy (it is
-the first suspect), precision (suspects of that cause that were right, over all runs) and
-false alarms (fault-free runs that named anybody with that cause). Printed as a table and
-written to OUT/scan_eval.json.
-
-    python benchmarks/scan_eval.py --synthetic --runs 30 --seed 0 --out /tmp/scan_eval
+Kinds: none, compute (constant slowdown 1.2-2x), intermittent (the same every 2-4 iterations),
+link (2-50 ms arrival delay on a pipeline link), two_faults (a slowdown and a link at once).
+Sources, drawn per run: real engine jobs on TP/PP/DP layouts (`megatronapp train --trace`) and
+the plain DDP example under `megatronapp trace run`; `--synthetic` replaces both with the trace
+simulator (tests/scan_simulation.py), for a quick smoke. Each run leaves OUT/SPLIT/NAME/trace and
+result.json; `run` skips runs whose result.json exists, so it resumes after an interruption and
+a larger --runs-per-kind only adds runs.
 """
 
 from __future__ import annotations
@@ -24,172 +22,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
-from megatronapp.parallel.layout import ParallelLayout
-from megatronapp.scan.detect import DetectConfig, detect
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the trace simulator lives with the tests
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-KINDS = ("none", "slow_compute", "slow_link")
-FAULT_KINDS = KINDS[1:]
+from scan_eval_core import (  # noqa: E402
+    FAULT_KINDS,
+    Fault,
+    Scenario,
+    compute_scores,
+    plan_scenarios,
+    select_thresholds,
+    threshold_grid,
+)
 
+from megatronapp.scan.align import align_traces  # noqa: E402
+from megatronapp.scan.detect import DetectConfig, detect  # noqa: E402
+from megatronapp.scan.format import load_trace_dir  # noqa: E402
 
-@dataclass(frozen=True)
-class PlannedRun:
-    index: int
-    kind: str  # one of KINDS
-    rank: int = -1  # slow rank, or the link's source
-    dst: int = -1  # the link's destination
-    factor: float = 1.0
-    delay_ms: float = 0.0
-
-
-@dataclass
-class RunResult:
-    run: PlannedRun
-    suspects: list = field(default_factory=list)  # [{"rank", "cause", "link", "confidence"}]
-    seconds: float = 0.0
-    error: str = ""
-
-
-def plan_runs(runs: int, seed: int, layout: ParallelLayout, min_factor: float, max_factor: float,
-              min_delay_ms: float, max_delay_ms: float) -> list[PlannedRun]:
-    """Kinds cycle none/slow_compute/slow_link; ranks, links and magnitudes are drawn from `seed`.
-    A link always joins neighbouring pipeline stages of one pipeline (the only p2p traffic)."""
-    rng = random.Random(seed)
-    kinds = list(KINDS) if layout.pp_size > 1 else ["none", "slow_compute"]
-    plan = []
-    for i in range(runs):
-        kind = kinds[i % len(kinds)]
-        if kind == "none":
-            plan.append(PlannedRun(i, kind))
-        elif kind == "slow_compute":
-            plan.append(PlannedRun(i, kind, rank=rng.randrange(layout.world_size),
-                                   factor=round(rng.uniform(min_factor, max_factor), 2)))
-        else:
-            src = rng.randrange(layout.world_size)
-            c = layout.coords(src)
-            step = rng.choice([s for s in (-1, 1) if 0 <= c.pp + s < layout.pp_size])
-            plan.append(PlannedRun(i, kind, rank=src, dst=layout.rank_of(c.tp, c.dp, c.pp + step),
-                                   delay_ms=round(rng.uniform(min_delay_ms, max_delay_ms), 1)))
-    return plan
-
-
-def build_train_command(run: PlannedRun, args: argparse.Namespace, trace_dir: Path) -> list[str]:
-    """The CLI invocation of one real run (the engine's command-line contract)."""
-    cmd = [sys.executable, "-m", "megatronapp.cli.main", "train", "--nproc-per-node", str(args.nproc),
-           "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp),
-           "--model", "tiny", "--train-iters", str(args.train_iters), "--trace", "--trace-dir", str(trace_dir),
-           "--device", "cpu"]
-    if run.kind == "slow_compute":
-        cmd += ["--inject-slowdown", f"{run.rank}:{run.factor}"]
-    elif run.kind == "slow_link":
-        cmd += ["--inject-link-delay", f"{run.rank}:{run.dst}:{run.delay_ms}"]
-    return cmd
-
-
-def _suspects_json(report) -> list[dict]:
-    return [{"rank": s.rank, "cause": s.cause, "link": list(s.link) if s.link else None,
-             "confidence": s.confidence} for s in report.suspects]
-
-
-def execute_real_run(run: PlannedRun, args: argparse.Namespace, work: Path) -> RunResult:
-    from megatronapp.scan.align import align_traces
-    from megatronapp.scan.format import load_trace_dir
-
-    trace_dir = work / f"run{run.index:03d}"
-    t0 = time.perf_counter()
-    cmd = build_train_command(run, args, trace_dir)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return RunResult(run, seconds=time.perf_counter() - t0, error=f"training timed out after {args.timeout}s")
-    (work / f"run{run.index:03d}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return RunResult(run, seconds=time.perf_counter() - t0, error=f"training exited {proc.returncode}: {tail}")
-    try:
-        aligned, _ = align_traces(load_trace_dir(trace_dir))
-        report = detect(aligned, config=DetectConfig())
-    except (OSError, ValueError) as exc:
-        return RunResult(run, seconds=time.perf_counter() - t0, error=f"detect failed: {exc}")
-    return RunResult(run, _suspects_json(report), time.perf_counter() - t0)
-
-
-def execute_synthetic_run(run: PlannedRun, args: argparse.Namespace, layout: ParallelLayout) -> RunResult:
-    from megatronapp.scan.synthetic import SimulatedJob, simulate_job_traces
-
-    fault = {}
-    if run.kind == "slow_compute":
-        fault = {"slow_rank": run.rank, "slow_factor": run.factor}
-    elif run.kind == "slow_link":
-        fault = {"slow_link": (run.rank, run.dst), "link_delay_ns": int(run.delay_ms * 1e6),
-                 "link_delay_mode": args.link_delay_mode}
-    job = SimulatedJob(tp_size=layout.tp_size, pp_size=layout.pp_size, dp_size=layout.dp_size,
-                       iterations=args.train_iters, noise=args.noise, hiccup_prob=args.hiccup_prob,
-                       rank_bias=args.rank_bias,
-                       seed=args.seed * 1000 + run.index, **fault)
-    t0 = time.perf_counter()
-    report = detect(simulate_job_traces(job), config=DetectConfig())
-    return RunResult(run, _suspects_json(report), time.perf_counter() - t0)
-
-
-def _is_culprit(suspect: dict, run: PlannedRun) -> bool:
-    if suspect["cause"] != run.kind:
-        return False
-    if run.kind == "slow_link":
-        return suspect["link"] == [run.rank, run.dst]
-    return suspect["rank"] == run.rank
-
-
-def compute_scores(results: list[RunResult]) -> dict[str, dict]:
-    """Per fault kind: runs, recall, top1, precision, false alarms (see module docstring)."""
-    done = [r for r in results if not r.error]
-    clean = [r for r in done if r.run.kind == "none"]
-    scores = {}
-    for kind in FAULT_KINDS:
-        faulty = [r for r in done if r.run.kind == kind]
-        named = [(s, r.run) for r in done for s in r.suspects if s["cause"] == kind]
-        alarms = sum(1 for r in clean if any(s["cause"] == kind for s in r.suspects))
-        scores[kind] = {
-            "runs": len(faulty),
-            "recall": _ratio(sum(any(_is_culprit(s, r.run) for s in r.suspects) for r in faulty), len(faulty)),
-            "top1_accuracy": _ratio(sum(bool(r.suspects) and _is_culprit(r.suspects[0], r.run) for r in faulty),
-                                    len(faulty)),
-            "precision": _ratio(sum(_is_culprit(s, run) for s, run in named), len(named)),
-            "false_alarms": alarms,
-            "clean_runs": len(clean),
-        }
-    return scores
-
-
-def _ratio(num: int, den: int) -> float | None:
-    return round(num / den, 3) if den else None
-
-
-def render_scores(scores: dict[str, dict], failed: int) -> str:
-    import io
-
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=io.StringIO(), width=100, record=True, force_terminal=False)
-    table = Table(title="MegaScan detection quality")
-    for col in ("fault kind", "runs", "recall", "top-1 accuracy", "precision", "false alarms / clean runs"):
-        table.add_column(col)
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    for kind, s in scores.items():
-        table.add_row(kind, str(s["runs"]), fmt(s["recall"]), fmt(s["top1_accuracy"]), fmt(s["precision"]),
-                      f"{s['false_alarms']} / {s['clean_runs']}")
-    console.print(table)
-    if failed:
-        console.print(f"{failed} run(s) failed and are not scored (see the JSON file)")
-    return console.export_text()
+ITERS = 12  # analysed: 1..11 (0 is warm-up), so a 1-in-4 slowdown hits >= 2 iterations
 
 
 def save_json_atomic(path: Path, payload: dict) -> None:
@@ -200,60 +59,163 @@ def save_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def _fault_flags(f: Fault) -> list[str]:
+    flags = []
+    if f.factor > 1.0:
+        flags += ["--inject-slowdown", f"{f.rank}:{f.factor}:{f.every}"]
+    if f.link is not None:
+        flags += ["--inject-link-delay", f"{f.link[0]}:{f.link[1]}:{f.delay_ms}"]
+    return flags
+
+
+def build_command(sc: Scenario, trace_dir: Path) -> list[str]:
+    """The CLI invocation that produces the scenario's trace directory."""
+    cli = [sys.executable, "-m", "megatronapp.cli.main"]
+    if sc.source == "ddp":
+        return cli + ["trace", "run", "--nproc-per-node", str(sc.nproc), "--trace-dir", str(trace_dir),
+                      *_fault_flags(sc.fault), "--", str(ROOT / "examples" / "ddp_train.py"), "--steps", str(ITERS)]
+    return cli + ["train", "--nproc-per-node", str(sc.nproc), "--tensor-model-parallel-size", str(sc.tp),
+                  "--pipeline-model-parallel-size", str(sc.pp), "--model", "tiny", "--train-iters", str(ITERS),
+                  "--global-batch-size", "16", "--micro-batch-size", "2", "--seed", str(sc.seed % 10_000),
+                  "--trace", "--trace-dir", str(trace_dir), "--device", "cpu", *_fault_flags(sc.fault)]
+
+
+def _simulate(sc: Scenario, trace_dir: Path) -> None:
+    from scan_simulation import SimulatedJob, simulate_job_traces
+
+    from megatronapp.scan.format import TraceWriter, trace_file_name
+
+    f = sc.fault
+    job = SimulatedJob(tp_size=sc.tp, pp_size=sc.pp, dp_size=sc.nproc // (sc.tp * sc.pp), iterations=ITERS,
+                       noise=0.15, hiccup_prob=0.03, rank_bias=0.03, seed=sc.seed,
+                       slow_rank=f.rank if f.factor > 1 else None, slow_factor=f.factor, slow_every=f.every,
+                       slow_link=f.link, link_delay_ns=int(f.delay_ms * 1e6))
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for t in simulate_job_traces(job):
+        with TraceWriter(trace_dir / trace_file_name(t.rank), t.meta) as w:
+            w.append(t.events.combine_chunks().to_batches()[0])
+
+
+def detect_dir(trace_dir: Path, configs: list[DetectConfig]) -> list[list[dict]]:
+    """Suspects (JSON form) per config; the traces are loaded and aligned once."""
+    aligned, _ = align_traces(load_trace_dir(trace_dir))
+    out = []
+    for config in configs:
+        report = detect(aligned, config=config)
+        out.append([{"rank": s.rank, "cause": s.cause, "link": list(s.link) if s.link else None,
+                     "confidence": s.confidence} for s in report.suspects])
+    return out
+
+
+def execute(sc: Scenario, out: Path, synthetic: bool, timeout: int) -> dict:
+    """Produce the trace, detect with the default thresholds, write result.json (atomic)."""
+    run_dir = out / sc.split / sc.name
+    trace_dir, t0, error, suspects = run_dir / "trace", time.perf_counter(), "", []
+    try:
+        if synthetic:
+            _simulate(sc, trace_dir)
+        else:
+            proc = subprocess.run(build_command(sc, trace_dir), capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            (run_dir / "log.txt").parent.mkdir(parents=True, exist_ok=True)
+            (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+            if proc.returncode != 0:
+                raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
+        suspects = detect_dir(trace_dir, [DetectConfig()])[0]
+    except (OSError, ValueError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    result = {"scenario": asdict(sc), "suspects": suspects, "error": error,
+              "seconds": round(time.perf_counter() - t0, 2), "synthetic": synthetic}
+    save_json_atomic(run_dir / "result.json", result)
+    return result
+
+
+def load_results(out: Path, split: str) -> list[tuple[Scenario, Path, dict]]:
+    found = []
+    for path in sorted((out / split).glob("*/result.json")):
+        r = json.loads(path.read_text())
+        s, f = r["scenario"], r["scenario"]["fault"]
+        fault = Fault(**{**f, "link": tuple(f["link"]) if f["link"] else None})
+        found.append((Scenario(**{**s, "fault": fault}), path.parent / "trace", r))
+    return found
+
+
+def cmd_run(args) -> int:
+    plan = plan_scenarios(args.split, args.seed, args.runs_per_kind, args.clean_runs)
+    todo = [sc for sc in plan if not (Path(args.out) / sc.split / sc.name / "result.json").is_file()]
+    print(f"{len(plan)} scenarios in {args.split}, {len(plan) - len(todo)} done already, running {len(todo)}")
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for sc, r in zip(todo, pool.map(lambda s: execute(s, Path(args.out), args.synthetic, args.timeout), todo)):
+            verdict = r["error"] or ", ".join(f"{s['cause']}@{s['link'] or s['rank']}" for s in r["suspects"]) or "nobody"
+            print(f"{sc.name:28s} {sc.source}:{sc.tp}x{sc.pp}x{sc.nproc} {sc.fault} -> {verdict} ({r['seconds']}s)",
+                  flush=True)
+    return 0
+
+
+def cmd_tune(args) -> int:
+    runs = [(sc, d) for sc, d, r in load_results(Path(args.out), "design") if not r["error"]]
+    if not runs:
+        print("error: no design runs to tune on (run --split design first)", file=sys.stderr)
+        return 2
+    grid = threshold_grid()
+    configs = [DetectConfig(**g) for g in grid]
+    per_run = [detect_dir(d, configs) for _, d in runs]
+    scored = [(g, compute_scores([(sc, per_run[i][k]) for i, (sc, _) in enumerate(runs)])) for k, g in enumerate(grid)]
+    best = select_thresholds(scored)
+    design_scores = next(s for g, s in scored if g == best)
+    save_json_atomic(Path(args.out) / "tuned.json", {"overrides": best, "design_runs": len(runs),
+                                                      "design_scores": design_scores})
+    print(f"tuned on {len(runs)} design runs: {best} -> {Path(args.out) / 'tuned.json'}")
+    return 0
+
+
+def cmd_score(args) -> int:
+    out = Path(args.out)
+    tuned = out / "tuned.json"
+    overrides = json.loads(tuned.read_text())["overrides"] if tuned.is_file() and not args.default_thresholds else {}
+    results = load_results(out, args.split)
+    ok = [(sc, d) for sc, d, r in results if not r["error"]]
+    scores = compute_scores([(sc, detect_dir(d, [DetectConfig(**overrides)])[0]) for sc, d in ok])
+    payload = {"split": args.split, "thresholds": overrides or "defaults", "runs": len(ok),
+               "failed": len(results) - len(ok), "scores": scores}
+    save_json_atomic(out / f"scores-{args.split}.json", payload)
+    print(f"{args.split}: {len(ok)} runs scored ({len(results) - len(ok)} failed), thresholds {overrides or 'default'}")
+    print(f"  clean: false alarms {scores['none']['false_alarm_rate']}")
+    for kind in FAULT_KINDS:
+        s = scores[kind]
+        print(f"  {kind:13s} recall {s['recall']}  precision {s['precision']}  root-cause {s['root_cause_accuracy']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=12, help="number of jobs (fault kinds cycle none/compute/link)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the fault plan (and of synthetic noise)")
-    p.add_argument("--nproc", type=int, default=8, help="ranks per job (--nproc-per-node)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
-    p.add_argument("--train-iters", type=int, default=6)
-    p.add_argument("--out", default="out/scan_eval", help="directory for traces, logs and scan_eval.json")
-    p.add_argument("--synthetic", action="store_true", help="simulate the jobs instead of training (no engine)")
-    p.add_argument("--min-factor", type=float, default=1.3)
-    p.add_argument("--max-factor", type=float, default=2.0)
-    p.add_argument("--min-delay-ms", type=float, default=4.0)
-    p.add_argument("--max-delay-ms", type=float, default=20.0)
-    p.add_argument("--noise", type=float, default=0.15, help="--synthetic: log-normal sigma of durations")
-    p.add_argument("--hiccup-prob", type=float, default=0.03, help="--synthetic: chance of a 1.5-3x stretch")
-    p.add_argument("--rank-bias", type=float, default=0.03, help="--synthetic: sigma of a per-rank speed factor")
-    p.add_argument("--link-delay-mode", choices=("transfer", "before_wait"), default="transfer",
-                   help="--synthetic: a slow wire, or the engine's CPU injection (receiver sleeps before waiting)")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per training job")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="execute the scenarios of a split (resumable)")
+    run.add_argument("--split", choices=("design", "heldout"), required=True)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--runs-per-kind", type=int, default=30)
+    run.add_argument("--clean-runs", type=int, default=50)
+    run.add_argument("--synthetic", action="store_true", help="simulate the jobs (no training)")
+    run.add_argument("--jobs", type=int, default=1, help="scenarios run at once (each job uses nproc processes)")
+    run.add_argument("--timeout", type=int, default=900, help="seconds per job")
+    tune = sub.add_parser("tune", help="choose thresholds on the design split")
+    score = sub.add_parser("score", help="score a split with the tuned (or default) thresholds")
+    score.add_argument("--split", choices=("design", "heldout"), default="heldout")
+    score.add_argument("--default-thresholds", action="store_true")
+    for sp in (run, tune, score):
+        sp.add_argument("--out", default="out/scan_eval")
+    run.set_defaults(func=cmd_run)
+    tune.set_defaults(func=cmd_tune)
+    score.set_defaults(func=cmd_score)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.runs < 1 or args.min_factor < 1.0 or args.max_factor < args.min_factor:
-        print("error: need --runs >= 1 and 1 <= --min-factor <= --max-factor", file=sys.stderr)
+    if args.command == "run" and (args.runs_per_kind < 0 or args.clean_runs < 0 or args.jobs < 1):
+        print("error: --runs-per-kind and --clean-runs must be >= 0, --jobs >= 1", file=sys.stderr)
         return 2
-    try:
-        layout = ParallelLayout(args.nproc, args.tp, args.pp)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    plan = plan_runs(args.runs, args.seed, layout, args.min_factor, args.max_factor,
-                     args.min_delay_ms, args.max_delay_ms)
-    results = []
-    for run in plan:
-        res = (execute_synthetic_run(run, args, layout) if args.synthetic
-               else execute_real_run(run, args, out / "runs"))
-        results.append(res)
-        verdict = res.error or ", ".join(f"{s['cause']}@{s['link'] or s['rank']}" for s in res.suspects) or "nobody"
-        print(f"run {run.index:3d} {run.kind:12s} rank={run.rank:2d} dst={run.dst:2d} "
-              f"x{run.factor} +{run.delay_ms}ms -> {verdict} ({res.seconds:.1f}s)", flush=True)
-    scores = compute_scores(results)
-    failed = sum(1 for r in results if r.error)
-    print(render_scores(scores, failed))
-    save_json_atomic(out / "scan_eval.json", {
-        "mode": "synthetic" if args.synthetic else "training", "layout": layout.describe(),
-        "args": vars(args), "scores": scores,
-        "runs": [{**asdict(r.run), "suspects": r.suspects, "seconds": round(r.seconds, 3), "error": r.error}
-                 for r in results]})
-    print(f"wrote {out / 'scan_eval.json'}")
-    return 1 if failed == len(results) else 0
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -125,12 +125,14 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over DP
+    overlap_param_gather: bool = False  # distributed optimizer: all-gather params during the next forward
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
     recompute_method: str = "uniform"  # uniform | block, for full recompute
     recompute_num_layers: int = 1
+    attention_backend: str = "auto"  # SDPA kernel preference: auto | cudnn | flash | efficient | math
     grad_bucket_mb: float = 25.0
     log_interval: int = 1
     save: str | None = None
@@ -149,6 +151,8 @@ class TrainConfig:
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
         self._check_precision()
+        if self.attention_backend not in ("auto", "cudnn", "flash", "efficient", "math"):
+            raise ConfigError(f"unknown attention backend {self.attention_backend!r}")
         try:
             self.recompute_config()
         except ValueError as e:
@@ -165,6 +169,8 @@ class TrainConfig:
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             raise ConfigError(f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
                               f"({self.initial_loss_scale})")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
         for name in ("loss_scale_window", "hysteresis"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -64,6 +64,7 @@ def train_and_report(rank: int, world: int, job: JobConfig) -> dict:
         if step == 0:
             grads = full_grads(trainer)
             grads = grads if groups.dp_rank == 0 else {}
+    trainer.optimizer.finish_param_sync()  # no all-gather left in flight (--overlap-param-gather)
     return {"losses": losses, "norms": norms, "grads": grads}
 
 

@@ -55,10 +55,11 @@ def test_shard_ranges_docstring_example():
     assert compute_shard_ranges(offsets, numels, [bucket], 2, 1) == [ShardRange(0, 1, 5)]
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 1), (4, 2, 1), (4, 1, 2)], ids=["dp2", "tp2_dp2", "pp2_dp2"])
+@pytest.mark.parametrize("layout", [(2, 1, 1, False), (2, 1, 1, True), (4, 2, 1, False), (4, 1, 2, True)],
+                         ids=["dp2", "dp2_overlap_param_gather", "tp2_dp2", "pp2_dp2_overlap_param_gather"])
 def test_distributed_optimizer_matches_single_process(cluster, reference, layout):
-    world, tp, pp = layout
-    reports = cluster.run(train_and_report, world, make_job(world, tp, pp, **DISTOPT))
+    world, tp, pp, overlap = layout
+    reports = cluster.run(train_and_report, world, make_job(world, tp, pp, overlap_param_gather=overlap, **DISTOPT))
     for rep in reports:
         torch.testing.assert_close(rep["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rep["norms"], reference["norms"], rtol=1e-5, atol=1e-6)
@@ -107,3 +108,21 @@ def test_dp2_distopt_resume_is_bit_exact(cluster, tmp_path):
     job = make_job(2, iters=4, **DISTOPT)
     straight = cluster.run(train_save_continue, 2, job, str(tmp_path))[0]
     assert cluster.run(load_and_train, 2, job, str(tmp_path))[0] == straight[2:]
+
+
+def state_bytes_after_one_step(rank: int, world: int, job) -> dict:
+    trainer, _ = _trainer(job, rank)
+    trainer.train(1)
+    numel = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+    return {"numel": numel, **trainer.optimizer.state_bytes()}
+
+
+def test_bf16_distopt_shards_master_weights_and_adam_state(cluster):
+    """Per parameter: bf16 param 2 + fp32 main grad 4 bytes everywhere, fp32 master 4 + Adam 8 split over DP."""
+    job = make_job(2, iters=1, bf16=True, **DISTOPT)
+    for rep in cluster.run(state_bytes_after_one_step, 2, job):
+        n = rep["numel"]
+        assert rep["params"] == 2 * n
+        assert 4 * n <= rep["main_grads"] < 4 * n * 1.1  # bucket padding only
+        assert 0.4 * 4 * n < rep["main_params"] < 0.6 * 4 * n
+        assert 0.4 * 8 * n < rep["adam"] < 0.6 * 8 * n

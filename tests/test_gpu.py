@@ -102,3 +102,9 @@ def test_tracer_cuda_spans_are_ordered(tmp_path):
     fw = [(s, e) for n, s, e in zip(ev["name"], ev["start_ns"], ev["end_ns"]) if n == "forward"]
     assert all(e > s for s, e in it + fw)
     assert it[0][0] <= fw[0][0] and fw[0][1] <= it[0][1]  # forward nested in its iteration
+
+
+def test_cudnn_attention_backend_trains_like_default():
+    default = _losses(_job(bf16=True))
+    cudnn = _losses(_job(bf16=True, attention_backend="cudnn"))
+    torch.testing.assert_close(cudnn, default, rtol=2e-2, atol=2e-2)

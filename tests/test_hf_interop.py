@@ -301,3 +301,25 @@ def test_expressibility_reads_both_config_styles_and_the_defaults():
                           ({"model_type": "gpt_neox", "rotary_pct": 1.0}, "use_parallel_residual")]:
         with pytest.raises(InteropError, match=f"^{field}: "):
             check_expressible(config)
+
+
+def test_bf16_checkpoint_exports_its_fp32_main_params(tmp_path):
+    """Under bf16 the fp32 main params are the model; --dtype bfloat16 gives exactly the bf16 copies."""
+    torch.set_num_threads(1)
+    job = replace(_job(1), train=replace(_job(1).train, bf16=True))
+    data = RandomTokenBatches(job, 0)
+    trainer = Trainer(job, build_process_groups(job.layout, 0), CPU, data)
+    trainer.train(2)
+    save_checkpoint(tmp_path / "ck", trainer, data)
+    bf16_params = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
+    assert main(["export", "hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "fp32")]) == 0
+    assert main(["export", "hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "bf16"),
+                 "--dtype", "bfloat16"]) == 0
+    fp32, bf16 = load_file(tmp_path / "fp32" / "model.safetensors"), load_file(tmp_path / "bf16" / "model.safetensors")
+    qkv = "gpt_neox.layers.0.attention.query_key_value.weight"
+    assert fp32[qkv].dtype == torch.float32 and not torch.equal(fp32[qkv], fp32[qkv].bfloat16().float())
+    assert torch.equal(bf16[qkv], bf16_params["layers.0.attention.attn.qkv.weight"])
+    tokens = _random_tokens(257, 16)
+    with torch.no_grad():
+        theirs = _hf_model(tmp_path / "fp32")(tokens).logits
+    torch.testing.assert_close(theirs, compute_logits(load_full_model(tmp_path / "ck"), tokens), atol=1e-5, rtol=0)

@@ -1,6 +1,6 @@
 """MegaScan detection on simulated jobs: the culprit is named, victims and clean runs are not.
 
-Traces come from megatronapp.scan.synthetic, which simulates the waiting of every victim
+Traces come from tests/scan_simulation.py, which simulates the waiting of every victim
 (recv, TP all-reduce, grad_reduce) around an injected slow rank or slow link, with noise.
 """
 
@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -22,15 +20,15 @@ from megatronapp.scan import detect_rules as rules
 from megatronapp.scan.detect import (
     DetectConfig,
     DetectInputError,
-    add_detect_arguments,
     detect,
     render_report,
     report_to_json,
-    run_detect,
 )
+from megatronapp.scan.cli import add_trace_subcommands
 from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
 from megatronapp.scan.format import TraceWriter, trace_file_name
-from megatronapp.scan.synthetic import SimulatedJob, simulate_job_traces
+from megatronapp.scan.matching import index_comm_events
+from scan_simulation import SimulatedJob, simulate_job_traces
 
 LAYOUTS = {
     "PP2xDP2": dict(pp_size=2, dp_size=2),
@@ -99,7 +97,7 @@ def test_tp_victim_waits_inside_forward_but_its_pure_compute_is_normal():
 def test_slow_compute_does_not_make_its_links_look_slow():
     traces = simulate_job_traces(_job("TP2xPP2xDP2", slow_rank=4, slow_factor=2.0))
     ev = {t.rank: rules.build_rank_events(t) for t in traces}
-    messages = rules.collect_p2p_messages(ev, {1, 2, 3, 4, 5})
+    messages = rules.collect_p2p_messages(index_comm_events(traces), ev, {1, 2, 3, 4, 5})
     links = rules.compare_links(messages, {t.rank: t.meta["coords"] for t in traces}, 1.5, 1_000_000)
     touching = [st for (s, d), st in links.items() if 4 in (s, d)]
     assert len(touching) == 2
@@ -127,6 +125,13 @@ def test_slow_link_is_found_under_the_engines_receiver_sleep_injection():
     # sender is not already later than the delay show it, which is enough here.
     job = _job("TP2xPP2xDP2", slow_link=(6, 2), link_delay_ns=6_000_000, link_delay_mode="before_wait", seed=2)
     assert [(s.cause, s.link) for s in _run(job).suspects] == [("slow_link", (6, 2))]
+
+
+@pytest.mark.parametrize("layout,slow_rank,link", [("TP2xPP2xDP2", 1, (6, 2)), ("PP2xDP2", 3, (0, 2))])
+def test_two_simultaneous_faults_are_both_named(layout, slow_rank, link):
+    job = _job(layout, slow_rank=slow_rank, slow_factor=1.8, slow_link=link, link_delay_ns=8_000_000, seed=5)
+    found = {(s.cause, s.rank if s.cause == "slow_compute" else s.link) for s in _run(job).suspects}
+    assert found == {("slow_compute", slow_rank), ("slow_link", link)}
 
 
 def test_critical_path_follows_the_wait_to_the_sender():
@@ -260,8 +265,9 @@ def _write_trace_dir(path: Path, traces, skew_ns: dict[int, int]) -> None:
 
 def _cli(argv):
     parser = argparse.ArgumentParser()
-    add_detect_arguments(parser)
-    return run_detect(parser.parse_args(argv))
+    add_trace_subcommands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["trace", "detect", *argv])
+    return args.func(args)
 
 
 def test_cli_aligns_skewed_clocks_and_reports(tmp_path, capsys):
@@ -310,29 +316,3 @@ def test_online_detector_ignores_noise_and_checks_input():
         det.update(50, [1.0, 1.0])
     with pytest.raises(ValueError):
         OnlineDetectConfig(min_ratio=1.0)
-
-
-# -- evaluation harness ----------------------------------------------------------------------
-
-
-def test_eval_harness_synthetic_mode(tmp_path, capsys, monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scan_eval.py"
-    spec = importlib.util.spec_from_file_location("scan_eval", path)
-    scan_eval = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "scan_eval", scan_eval)  # dataclasses look their module up
-    spec.loader.exec_module(scan_eval)
-    assert scan_eval.main(["--synthetic", "--runs", "6", "--seed", "3", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "scan_eval.json").read_text())
-    assert [r["kind"] for r in doc["runs"]] == ["none", "slow_compute", "slow_link"] * 2
-    for kind in ("slow_compute", "slow_link"):
-        assert doc["scores"][kind]["runs"] == 2
-        assert doc["scores"][kind]["recall"] == 1.0
-        assert doc["scores"][kind]["false_alarms"] == 0
-    assert "top-1 accuracy" in capsys.readouterr().out
-    # Scoring counts a wrong culprit as a miss and a clean-run suspect as a false alarm.
-    runs = [scan_eval.PlannedRun(0, "none"), scan_eval.PlannedRun(1, "slow_compute", rank=3, factor=1.5)]
-    fake = [scan_eval.RunResult(runs[0], [{"rank": 1, "cause": "slow_compute", "link": None, "confidence": .5}]),
-            scan_eval.RunResult(runs[1], [{"rank": 2, "cause": "slow_compute", "link": None, "confidence": .9},
-                                          {"rank": 3, "cause": "slow_compute", "link": None, "confidence": .8}])]
-    s = scan_eval.compute_scores(fake)["slow_compute"]
-    assert (s["recall"], s["top1_accuracy"], s["precision"], s["false_alarms"]) == (1.0, 0.0, round(1 / 3, 3), 1)

@@ -26,6 +26,7 @@ from megatronapp.scan.format import (
     trace_file_name,
 )
 from megatronapp.scan.merge import assign_lanes, merge_traces
+from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 EPOCH_NS = 1_700_000_000_000_000_000  # wall clock of the synthetic hosts at true time 0
 MS = 1_000_000
@@ -274,6 +275,7 @@ def check_chrome_trace(doc: dict, ranks: list[int]) -> dict:
             assert any(x["pid"] == e["pid"] and x["tid"] == e["tid"]
                        and x["ts"] - 5e-4 <= e["ts"] <= x["ts"] + x["dur"] + 5e-4
                        for x in by_ph["X"]), e
+    assert_flows_forward(doc)
     return {"by_ph": by_ph, "flows": flows}
 
 
@@ -286,9 +288,9 @@ def test_merge_writes_valid_gzipped_chrome_trace_atomically(tmp_path):
     doc = load_json(out)
     parts = check_chrome_trace(doc, list(range(8)))
     n_rows = sum(len(rows) for rows in job.rows.values())
-    assert summary.events == len(parts["by_ph"]["X"]) == n_rows and summary.events_per_s > 0
     p2p = [f for f in parts["flows"].values() if f[0]["name"] == "p2p"]
-    assert len(p2p) == sum(1 for k in job.seq if isinstance(k, tuple) for _ in range(job.seq[k]))
+    assert len(p2p) == summary.arrivals == sum(n for k, n in job.seq.items() if isinstance(k, tuple))
+    assert summary.events == n_rows == len(parts["by_ph"]["X"]) - summary.arrivals and summary.events_per_s > 0
     assert len(parts["flows"]) - len(p2p) == 3 * len(job.groups)
     sort = {e["pid"]: e["args"]["sort_index"] for e in parts["by_ph"]["M"] if e["name"] == "process_sort_index"}
     coords = {r: layout.coords(r) for r in range(8)}
@@ -312,7 +314,7 @@ def test_merge_filters_iterations_and_ranks(tmp_path):
     summary = merge_traces(tmp_path, out, iterations=range(2, 4), ranks=[1, 3])
     doc = load_json(out)
     check_chrome_trace(doc, [1, 3])
-    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] != "arrival"]
     assert {e["args"]["iteration"] for e in spans} == {2, 3}
     expected = sum(1 for r in (1, 3) for row in job.rows[r] if row["iteration"] in (2, 3))
     assert summary.events == len(spans) == expected and summary.ranks == [1, 3]
@@ -342,7 +344,7 @@ def test_cli_trace_merge_runs_and_reports(tmp_path, capsys):
     args = parser.parse_args(["trace", "merge", str(tmp_path / "missing"), "-o", str(tmp_path / "x.json")])
     assert args.func(args) == 2 and "does not exist" in capsys.readouterr().err
     trace_parser = parser._subparsers._group_actions[0].choices["trace"]
-    assert set(trace_parser._subparsers._group_actions[0].choices) == {"merge", "detect"}
+    assert set(trace_parser._subparsers._group_actions[0].choices) == {"merge", "detect", "run", "whatif", "report"}
 
 
 # ----------------------------------------------------------------------------- 4 real ranks
@@ -421,9 +423,37 @@ def test_four_ranks_traced_merged_and_aligned(tmp_path, cluster):
         kinds[chain[0]["name"]] += 1
     assert kinds["p2p"] == (2 + 4) * len(traced)  # 0->2, 1->3 and the 4-message ring
     assert kinds["collective"] == (2 + 2 + 1) * len(traced)  # 2 tp, 2 pp groups, world barrier
+    assert summary.flows == (2 + 4) * len(traced) + (2 + 2 + 3) * len(traced)  # arrows: barrier has 3 hops
+    assert_perfetto_reads_flows(out, summary.flows)
     report = summary.report
     assert report.violations_before > 0 and report.violations == 0
     for r, got in recovered_skews(report).items():
         assert abs(got - SKEWS[r]) < 2 * MS, (r, got, SKEWS[r], report)
     aligned, _ = align_traces(traces)
     assert min(p2p_gaps(aligned)) >= 0
+
+
+# ----------------------------------------------------------------------------- scale
+@pytest.mark.slow
+def test_1024_ranks_align_and_detect():
+    """TP8 x PP4 x DP32 = 1,024 simulated ranks, clocks skewed by up to +-50 ms: alignment
+    restores causality and detection names the one slowed rank."""
+    from megatronapp.scan.analysis import analyze_traces
+    from scan_simulation import SimulatedJob, simulate_job_traces
+
+    job = SimulatedJob(tp_size=8, pp_size=4, dp_size=32, iterations=3, seed=11, slow_rank=517, slow_factor=1.6)
+    traces = simulate_job_traces(job)
+    skews = np.random.default_rng(0).integers(-50 * MS, 50 * MS, size=len(traces))
+    skewed = []
+    for t, skew in zip(traces, skews.tolist()):
+        ev = t.events
+        for col in ("start_ns", "end_ns"):  # device and host wall clock both off: only the trace tells
+            shifted = ev.column(col).to_numpy() + skew
+            ev = ev.set_column(ev.schema.get_field_index(col), ev.schema.field(col), pa.array(shifted, pa.int64()))
+        skewed.append(RankTrace(meta=t.meta, events=ev, path=t.path))
+    analysis = analyze_traces(skewed)
+    report = analysis.alignment
+    assert report.violations_before > 0 and report.violations == 0
+    errors = [abs(got - int(skews[r] - skews[0])) for r, got in recovered_skews(report).items()]
+    assert np.median(errors) < 0.1 * MS and max(errors) < 2 * MS
+    assert [(s.rank, s.cause) for s in analysis.detection.suspects] == [(517, "slow_compute")]

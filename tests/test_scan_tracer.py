@@ -287,3 +287,34 @@ def test_traced_work_runs_wait_hooks_after_completion_before_span_end():
     work.add_wait_hook(lambda: order.append("hook"))
     assert work.wait() is True
     assert order == ["transfer", "hook", "span end"]
+
+
+def test_writer_queue_is_bounded_drops_and_counts_without_blocking(tmp_path, monkeypatch):
+    """A stalled writer (slow disk): steps go on at full speed, windows past the bound are
+    dropped and counted, what was queued is still written at close."""
+    import threading
+
+    from megatronapp.scan.format import TraceWriter
+
+    release = threading.Event()
+    original_append = TraceWriter.append
+
+    def stalled_append(self, rows):
+        release.wait(timeout=30)
+        original_append(self, rows)
+
+    monkeypatch.setattr(TraceWriter, "append", stalled_append)
+    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, flush_seconds=0.0,
+                         max_pending_windows=2)
+    tracer = Tracer(config, META)
+    began = time.monotonic()
+    run_iterations(tracer, range(1, 9), nested_body)  # 8 windows; the writer holds 1, the queue 2
+    assert time.monotonic() - began < 5.0, "a full writer queue blocked the training thread"
+    release.set()
+    with pytest.warns(UserWarning, match=r"dropped \d+ events \(\d+ windows\)"):
+        tracer.close()
+    steps = {r["iteration"] for r in rows_of(tracer) if r["cat"] == "step"}
+    per_window = sum(1 for r in rows_of(tracer) if r["cat"] != "calib") // len(steps)
+    assert 1 <= len(steps) <= 3 and tracer.dropped_events == (8 - len(steps)) * per_window
+    with pytest.raises(ValueError, match="max_pending_windows"):
+        TraceConfig(max_pending_windows=0)

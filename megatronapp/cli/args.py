@@ -29,8 +29,9 @@ from megatronapp.model.recompute import GRANULARITIES, METHODS
 _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
                 "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
                 "bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                "hysteresis", "use_distributed_optimizer", "compile", "overlap_grad_reduce", "sequence_parallel", "recompute_granularity",
-                "recompute_method", "recompute_num_layers", "log_interval", "save", "load", "save_interval",
+                "hysteresis", "use_distributed_optimizer", "overlap_param_gather", "compile", "overlap_grad_reduce",
+                "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
+                "attention_backend", "log_interval", "save", "load", "save_interval",
                 "metrics_file")
 _TRAIN_RENAMES = {"pipeline_schedule": "schedule"}
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
@@ -86,6 +87,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--recompute-granularity", "activation recompute", choices=GRANULARITIES[1:])
     _train_flag(g, "--recompute-method", "for full recompute", choices=METHODS)
     _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
+    _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
+                choices=("auto", "cudnn", "flash", "efficient", "math"))
 
     g = p.add_argument_group("mixed precision and optimizer (Megatron's; engine/mixed_precision.py)")
     _train_flag(g, "--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true")
@@ -97,6 +100,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--hysteresis", type=int)
     _train_flag(g, "--use-distributed-optimizer", "shard fp32 master weights and Adam state over DP (ZeRO-1)",
                 action="store_true")
+    _train_flag(g, "--overlap-param-gather", "distributed optimizer: all-gather updated params during the next "
+                "forward", action="store_true")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help=".txt / Megatron-style .jsonl files or folders; "
@@ -116,8 +121,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-interval", type=int, default=1, help="trace K iterations every N")
     g.add_argument("--continuous-trace-iterations", type=int, default=1)
     g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
-    g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR")
-    g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS")
+    g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
+    g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
     add_fbd_arguments(p)
 
 

@@ -94,16 +94,13 @@ def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: 
 
 
 def _report_trace(args: argparse.Namespace, console: Console) -> int:
-    from megatronapp.scan.align import align_traces
-    from megatronapp.scan.detect import detect, render_report
-    from megatronapp.scan.format import load_trace_dir
+    from megatronapp.scan.analysis import analyze_trace_dir
+    from megatronapp.scan.detect import render_report
     from megatronapp.scan.merge import merge_traces
 
     out = Path(args.trace_dir) / "timeline.json"
     summary = merge_traces(args.trace_dir, out)
     console.print(f"[bold]MegaScan[/bold]: merged {len(summary.ranks)} ranks, {summary.events} events -> {out}")
     console.print("  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
-    aligned, _ = align_traces(load_trace_dir(args.trace_dir))
-    report = detect(aligned)
-    console.print(render_report(report))
+    console.print(render_report(analyze_trace_dir(args.trace_dir).detection))
     return 0

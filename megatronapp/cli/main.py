@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
-from megatronapp.engine.faults import FaultSpecError, parse_fault_plan
+from megatronapp.engine.faults import FaultSpecError, fault_plan_from_env, parse_fault_plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +52,8 @@ def check_train_args(args: argparse.Namespace):
     world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
-    parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(world)
+    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
+    (fault_plan_from_env() if plan.empty else plan).check(world)
     if args.load and has_checkpoint(args.load):
         diff = compute_model_config_mismatch(args.load, job.model)
         if diff:

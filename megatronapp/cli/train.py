@@ -23,7 +23,8 @@ from megatronapp.cli.progress import TrainProgress
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
 from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
-from megatronapp.engine.faults import FaultInjector, parse_fault_plan
+from megatronapp.engine.faults import FaultInjector, fault_plan_from_env, parse_fault_plan
+from megatronapp.engine.link_delay import install_link_delays
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
 
@@ -81,6 +82,8 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     tokenizer = load_tokenizer(args.tokenizer_model)
     job = build_job_config(args, world, tokenizer.vocab_size)
     plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
+    if plan.empty:
+        plan = fault_plan_from_env()  # `trace run` and eval harnesses pass faults this way
     plan.check(world)
     if args.forward_backward_disaggregating:
         from megatronapp.fbd.launch import CliParts, run_fbd_rank
@@ -92,20 +95,24 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
-    tracer = instrumentation = None
+    tracer = instrumentation = link_delays = None
     try:  # every exit path tears the process group down and flushes the trace
         groups = build_process_groups(job.layout, rank)
         data = _build_data(args, tokenizer, job, groups)
+        # Below the tracer's instrumentation, so traced recv spans see the late arrival.
+        link_delays = install_link_delays(plan, rank) if device.type == "cpu" else None
         tracer, instrumentation = _build_tracer(args, job, groups, device)
-        injector = FaultInjector(plan, rank, device) if (plan.slowdowns or plan.link_delays_ms) else None
+        injector = None if plan.empty else FaultInjector(plan, rank, device)
         trainer = Trainer(job, groups, device, data, injector=injector, **({"tracer": tracer} if tracer else {}))
         _maybe_load(job, trainer, data, rank)
-        return _train_loop(args, job, trainer, data, rank)
+        return _train_loop(args, job, trainer, data, rank, injector)
     finally:
         if instrumentation is not None:
             instrumentation.uninstall()
         if tracer is not None:
             tracer.close()
+        if link_delays is not None:
+            link_delays.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -121,10 +128,12 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
               file=sys.stderr, flush=True)
 
 
-def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
+def _train_loop(args, job, trainer, data, rank: int, injector=None) -> list[dict]:
     from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
 
     t = job.train
+    if t.metrics_file and rank == 0:
+        Path(t.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_out = open(t.metrics_file, "a") if (t.metrics_file and rank == 0) else None
     # Online warnings: a hint during training (the trace-based detector is the verdict), so
     # they are held to the slowdowns we promise to find (>= 1.3x) over 4 iterations in a row.
@@ -135,6 +144,8 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
         def on_step(metrics) -> None:
             m = metrics.as_dict()
             history.append(m)
+            if injector:
+                injector.set_iteration(trainer.iteration)
             progress.update(m)
             warning = online.update(m["iteration"], m["rank_compute_s"]) if online else None
             if warning:
@@ -145,6 +156,8 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
             if t.save and t.save_interval and trainer.iteration % t.save_interval == 0:
                 save_checkpoint(t.save, trainer, data)
 
+        if injector:
+            injector.set_iteration(trainer.iteration)
         trainer.train(on_step=on_step)
     if t.save and not (t.save_interval and trainer.iteration % t.save_interval == 0):
         save_checkpoint(t.save, trainer, data)

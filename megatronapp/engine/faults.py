@@ -1,27 +1,34 @@
 """Software fault injection, for validating slow-rank and slow-link detection.
 
---inject-slowdown RANK:FACTOR   that global rank's forward/backward compute takes FACTOR x as
-                                long: on CPU by sleeping (FACTOR-1) x the CPU time the process
-                                burned in the span (waits inside TP collectives burn none, so only
-                                compute is stretched);
-                                on GPU by extra device work on the current stream
-                                (torch.cuda._sleep spin cycles), never by touching clocks.
---inject-link-delay SRC:DST:MS  every receive on DST from SRC takes MS longer. CPU, traced
-                                iterations: DST sleeps MS after the data arrived, inside the
-                                recv (through the traced Work's wait hook), so the message
-                                completes MS late whatever the sender's timing. CPU, untraced
-                                iterations: DST sleeps before waiting (gloo cannot poll a P2P
-                                work for completion, and a second wait would hang). GPU: MS of
-                                spin work on the stream before it waits for the message.
+--inject-slowdown RANK:FACTOR[:EVERY]
+    that global rank's forward/backward compute takes FACTOR x as long, in every EVERY-th
+    iteration (default 1: always; 4: iterations 0, 4, 8, ...). On CPU by sleeping (FACTOR-1) x
+    the CPU time the process burned in the span (waits inside TP collectives burn none, so only
+    compute is stretched); on GPU by extra device work on the current stream
+    (torch.cuda._sleep spin cycles), never by touching clocks.
+--inject-link-delay SRC:DST:MS[:JITTER]
+    messages from SRC to DST *arrive* MS (+- uniform JITTER) ms later than they really do; the
+    sender is never blocked. On CPU through `link_delay.install_link_delays`, which wraps the
+    receiver's torch.distributed recv Works (traced and untraced runs alike; install it before
+    any tracing instrumentation so recv spans include the delay). On GPU (NCCL): MS of spin
+    work on the stream before the receiver consumes the message.
+
+Both flags repeat (two faults at once); the same specs come from the environment variables
+MEGATRONAPP_INJECT_SLOWDOWN and MEGATRONAPP_INJECT_LINK_DELAY (comma-separated), which is how
+`megatronapp trace run` hands them to an unmodified program.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+ENV_SLOWDOWN = "MEGATRONAPP_INJECT_SLOWDOWN"
+ENV_LINK_DELAY = "MEGATRONAPP_INJECT_LINK_DELAY"
 
 
 class FaultSpecError(ValueError):
@@ -29,52 +36,114 @@ class FaultSpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class Slowdown:
+    factor: float
+    every: int = 1  # slow iterations i with i % every == 0
+
+    def applies(self, iteration: int) -> bool:
+        return iteration % self.every == 0
+
+
+@dataclass(frozen=True)
+class LinkDelay:
+    ms: float
+    jitter_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class FaultPlan:
-    slowdowns: dict[int, float] = field(default_factory=dict)  # global rank -> factor
-    link_delays_ms: dict[tuple[int, int], float] = field(default_factory=dict)  # (src, dst) -> ms
+    """Faults of one job. Plain numbers are accepted for convenience: {rank: factor} and
+    {(src, dst): ms}."""
+
+    slowdowns: dict[int, Slowdown] = field(default_factory=dict)
+    link_delays: dict[tuple[int, int], LinkDelay] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slowdowns", {r: s if isinstance(s, Slowdown) else Slowdown(float(s))
+                                               for r, s in self.slowdowns.items()})
+        object.__setattr__(self, "link_delays", {k: d if isinstance(d, LinkDelay) else LinkDelay(float(d))
+                                                 for k, d in self.link_delays.items()})
+
+    @property
+    def empty(self) -> bool:
+        return not (self.slowdowns or self.link_delays)
 
     def check(self, world_size: int) -> None:
-        for r, f in self.slowdowns.items():
+        for r, s in self.slowdowns.items():
             if not 0 <= r < world_size:
                 raise FaultSpecError(f"--inject-slowdown rank {r} is outside world size {world_size}")
-            if f < 1.0:
-                raise FaultSpecError(f"--inject-slowdown factor must be >= 1, got {f}")
-        for (s, d), ms in self.link_delays_ms.items():
+            if s.factor < 1.0:
+                raise FaultSpecError(f"--inject-slowdown factor must be >= 1, got {s.factor}")
+            if s.every < 1:
+                raise FaultSpecError(f"--inject-slowdown EVERY must be >= 1 iteration, got {s.every}")
+        for (s, d), delay in self.link_delays.items():
             if not (0 <= s < world_size and 0 <= d < world_size) or s == d:
                 raise FaultSpecError(f"--inject-link-delay {s}:{d} is not a link between two ranks of {world_size}")
-            if ms < 0:
-                raise FaultSpecError(f"--inject-link-delay must be >= 0 ms, got {ms}")
+            if delay.ms < 0 or delay.jitter_ms < 0 or delay.jitter_ms > delay.ms:
+                raise FaultSpecError(f"--inject-link-delay needs 0 <= JITTER <= MS, got {delay.ms}:{delay.jitter_ms}")
+
+
+def _parse_slowdown(spec: str) -> tuple[int, Slowdown]:
+    try:
+        parts = spec.split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError
+        return int(parts[0]), Slowdown(float(parts[1]), int(parts[2]) if len(parts) == 3 else 1)
+    except ValueError:
+        raise FaultSpecError(f"--inject-slowdown expects RANK:FACTOR[:EVERY], got {spec!r}") from None
+
+
+def _parse_link_delay(spec: str) -> tuple[tuple[int, int], LinkDelay]:
+    try:
+        parts = spec.split(":")
+        if len(parts) not in (3, 4):
+            raise ValueError
+        jitter = float(parts[3]) if len(parts) == 4 else 0.0
+        return (int(parts[0]), int(parts[1])), LinkDelay(float(parts[2]), jitter)
+    except ValueError:
+        raise FaultSpecError(f"--inject-link-delay expects SRC:DST:MS[:JITTER], got {spec!r}") from None
 
 
 def parse_fault_plan(slowdowns: list[str], link_delays: list[str]) -> FaultPlan:
-    """Parse 'RANK:FACTOR' and 'SRC:DST:MS' strings; one-line FaultSpecError on bad input."""
-    slow, delays = {}, {}
-    for spec in slowdowns or []:
-        try:
-            rank, factor = spec.split(":")
-            slow[int(rank)] = float(factor)
-        except ValueError:
-            raise FaultSpecError(f"--inject-slowdown expects RANK:FACTOR, got {spec!r}") from None
-    for spec in link_delays or []:
-        try:
-            src, dst, ms = spec.split(":")
-            delays[(int(src), int(dst))] = float(ms)
-        except ValueError:
-            raise FaultSpecError(f"--inject-link-delay expects SRC:DST:MS, got {spec!r}") from None
-    return FaultPlan(slow, delays)
+    """Parse 'RANK:FACTOR[:EVERY]' and 'SRC:DST:MS[:JITTER]' strings; one-line FaultSpecError on bad input."""
+    return FaultPlan(dict(_parse_slowdown(s) for s in slowdowns or []),
+                     dict(_parse_link_delay(s) for s in link_delays or []))
+
+
+def split_env_specs(value: str | None) -> list[str]:
+    """'0:2,3:1.5:4' -> ['0:2', '3:1.5:4'] (empty or unset -> [])."""
+    return [s.strip() for s in (value or "").split(",") if s.strip()]
+
+
+def fault_plan_from_env(environ: dict | None = None) -> FaultPlan:
+    """The plan in MEGATRONAPP_INJECT_SLOWDOWN / MEGATRONAPP_INJECT_LINK_DELAY."""
+    env = os.environ if environ is None else environ
+    return parse_fault_plan(split_env_specs(env.get(ENV_SLOWDOWN)), split_env_specs(env.get(ENV_LINK_DELAY)))
+
+
+def fault_env(slowdowns: list[str], link_delays: list[str]) -> dict[str, str]:
+    """Environment entries carrying flag specs to child processes (read by fault_plan_from_env)."""
+    return {ENV_SLOWDOWN: ",".join(slowdowns or []), ENV_LINK_DELAY: ",".join(link_delays or [])}
 
 
 class FaultInjector:
-    """The runtime's injection hooks for one rank (see pipeline.runtime.NullInjector)."""
+    """The runtime's injection hooks for one rank (see pipeline.runtime.NullInjector).
+
+    `set_iteration(i)` tells it which iteration runs next (for intermittent slowdowns)."""
 
     def __init__(self, plan: FaultPlan, rank: int, device: torch.device):
-        self.factor = plan.slowdowns.get(rank, 1.0)
-        self.delays_ms = {src: ms for (src, dst), ms in plan.link_delays_ms.items() if dst == rank}
+        self.slowdown = plan.slowdowns.get(rank, Slowdown(1.0))
+        self.factor = self.slowdown.factor
+        self.delays_ms = {src: d.ms for (src, dst), d in plan.link_delays.items() if dst == rank}
         self.device = device
+        self.iteration = 0
         self._cycles_per_ms = self._calibrate_spin() if device.type == "cuda" and self.factor > 1 else 0.0
         self._estimate_ms: float | None = None
         self._pending: list = []
         self.on_stall = None  # the runtime's compute timer, told about CPU stalls
+
+    def set_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
 
     @staticmethod
     def _calibrate_spin() -> float:
@@ -87,7 +156,7 @@ class FaultInjector:
         return 10_000_000 / start.elapsed_time(end)
 
     def compute(self):
-        if self.factor <= 1.0:
+        if self.factor <= 1.0 or not self.slowdown.applies(self.iteration):
             return contextlib.nullcontext()
         return self._slow_cuda() if self.device.type == "cuda" else self._slow_cpu()
 
@@ -119,15 +188,10 @@ class FaultInjector:
             self._estimate_ms = ms if self._estimate_ms is None else 0.8 * self._estimate_ms + 0.2 * ms
 
     def before_recv_wait(self, src_global: int, work) -> None:
+        """GPU only: on CPU the delay lives in the recv Work itself (link_delay.py)."""
         ms = self.delays_ms.get(src_global)
-        if not ms:
-            return
-        if self.device.type == "cuda":
+        if ms and self.device.type == "cuda":
             torch.cuda._sleep(int(ms * self._spin_rate()))
-        elif hasattr(work, "add_wait_hook"):  # a traced Work: delay after arrival, inside the recv
-            work.add_wait_hook(lambda: time.sleep(ms / 1000.0))
-        else:
-            time.sleep(ms / 1000.0)
 
     def _spin_rate(self) -> float:
         if not self._cycles_per_ms:

@@ -51,10 +51,18 @@ def load_model_config(folder: Path) -> ModelConfig:
 
 
 def load_full_state(folder: Path) -> dict[str, torch.Tensor]:
-    """Every parameter of the checkpoint as a full tensor, keyed by its layout-independent name."""
+    """Every parameter of the checkpoint as a full tensor, keyed by its layout-independent name.
+
+    Under bf16/fp16 training the fp32 main params (saved with the optimizer state) are the
+    model, as in load_checkpoint; the low-precision copies are only their rounding.
+    """
     reader = _ShardReader(folder)
     names = [name for pp in range(reader.pp_size) for name in reader._shard(0, pp)["params"]]
-    return {name: reader.full(name, "params") for name in names}
+    state = {}
+    for name in names:
+        has_main = reader.has_optim_state(name) and "main_param" in reader.optim_keys(name)
+        state[name] = reader.full(name, "optim", "main_param") if has_main else reader.full(name, "params")
+    return state
 
 
 def load_full_model(ckpt: str | os.PathLike, device: str | torch.device = "cpu") -> list[GPTChunk]:

@@ -115,7 +115,7 @@ class MixedPrecisionOptimizer:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Megatron's grad_scale_func: applied to the loss right before backward."""
-        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.to(loss.dtype)
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.view(()).to(loss.dtype)
 
     def main_grads(self) -> list[torch.Tensor]:
         return [m.main_param.grad for m in self.mains]
@@ -155,8 +155,8 @@ class MixedPrecisionOptimizer:
         pairs = [(self._model_view(m), m.main_param) for m in self.mains if m.model_param.dtype != torch.float32]
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-        # CPU/gloo: complete now; CUDA: each chunk waits in its first forward (pre-hook)
-        self.reducer.start_param_gather(wait=self.device.type != "cuda")
+        # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
+        self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
 
     @staticmethod
     def _model_view(m: MainParam) -> torch.Tensor:
@@ -259,8 +259,8 @@ def build_grads_and_optimizer(chunks: list[nn.Module], cfg: TrainConfig, groups,
     reducer = GradReducer(chunks, groups.dp, lay.dp_size, dp_rank=groups.dp_rank,
                           overlap=cfg.overlap_grad_reduce, bucket_mb=cfg.grad_bucket_mb,
                           distributed_optimizer=cfg.use_distributed_optimizer)
-    if cfg.use_distributed_optimizer and device.type == "cuda":
-        for i, c in enumerate(chunks):  # overlap the param all-gather with the next forward
+    if cfg.overlap_param_gather:
+        for i, c in enumerate(chunks):  # a chunk's first forward waits for its params' all-gather
             c.register_forward_pre_hook(lambda *_, i=i: reducer.wait_param_gather(i))
     optimizer = MixedPrecisionOptimizer(reducer, cfg, groups, device, log_overflow=groups.rank == 0)
     return reducer, optimizer

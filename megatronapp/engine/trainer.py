@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatronapp import spans
 from megatronapp.config import JobConfig
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import build_grads_and_optimizer
@@ -81,7 +82,8 @@ class Trainer:
         validate_schedule(self.schedule)
         self.model = GPTPipelineModel(self.chunks, job.model, seed=t.seed, dp_rank=groups.dp_rank,
                                       num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
-                                      tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel)
+                                      tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
+                                      attention_backend=t.attention_backend)
         self.runtime = (runtime_factory or PipelineRuntime)(self.model, groups, self.schedule, device=device,
                                                             tracer=tracer, reducer=self.reducer, injector=injector,
                                                             grad_scale_func=self.optimizer.scale_loss)
@@ -110,9 +112,9 @@ class Trainer:
         self.reducer.zero_grad()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
         loss = self.runtime.run(microbatches, iteration=it)
-        with self.tracer.span("grad_reduce", cat="comm"):
+        with self.tracer.span(spans.GRAD_REDUCE, cat=spans.CAT_COMM):
             self.reducer.finish()
-        with self.tracer.span("optimizer"):
+        with self.tracer.span(spans.OPTIMIZER):
             result = self.optimizer.step()  # unscale + inf check, norm, clip, AdamW, params update
         self.tracer.step_end(it)
         self.iteration += 1
@@ -164,4 +166,5 @@ class Trainer:
                     if on_step is not None:
                         on_step(m)
                 pending, t0 = [], time.perf_counter()
+        self.optimizer.finish_param_sync()  # --overlap-param-gather: params complete on return
         return history

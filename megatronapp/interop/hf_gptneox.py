@@ -178,7 +178,7 @@ def convert_from_hf_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -
         if key not in ours:
             raise InteropError(f"unexpected weight {key} (not part of a {num_layers}-layer GPT-NeoX)")
         state[ours[key]] = tensor.to(torch.float32)
-    missing = sorted(set(ours) - {compute_hf_names(num_layers)[n] for n in state})
+    missing = sorted(hf for hf, name in ours.items() if name not in state)
     if missing:
         raise InteropError(f"missing weight {missing[0]}")
     return state

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronapp import spans
 from megatronapp.config import ModelConfig
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.model.recompute import RecomputeConfig, compute_full_recompute_groups, recompute
@@ -128,7 +129,9 @@ class ResidualAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 dropout_key: DropoutKey | None = None) -> torch.Tensor:
         y = self.attn(self.norm(x), cos, sin)
-        return x + keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
+        if dropout_key is not None:  # never touch self.layer otherwise: compile would specialise per layer
+            y = keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
+        return x + y
 
 
 class ResidualMLP(nn.Module):
@@ -141,7 +144,10 @@ class ResidualMLP(nn.Module):
         self.mlp = MLP(name, cfg, tp, seed, device)
 
     def forward(self, x: torch.Tensor, dropout_key: DropoutKey | None = None) -> torch.Tensor:
-        return x + keyed_dropout(self.mlp(self.norm(x)), self.dropout_p, dropout_key, self.layer, "mlp")
+        y = self.mlp(self.norm(x))
+        if dropout_key is not None:
+            y = keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "mlp")
+        return x + y
 
 
 class Block(nn.Module):
@@ -157,9 +163,9 @@ class Block(nn.Module):
         key = dropout_key if self.mlp.dropout_p else None
         if tracer is None:
             return self.mlp(self.attention(x, cos, sin, key), key)
-        with tracer.layer_span("attention", self.layer):
+        with tracer.layer_span(spans.ATTENTION, self.layer):
             x = self.attention(x, cos, sin, key)
-        with tracer.layer_span("mlp", self.layer):
+        with tracer.layer_span(spans.MLP, self.layer):
             return self.mlp(x, key)
 
 
@@ -206,7 +212,7 @@ class GPTChunk(nn.Module):
             return x
         if self.tracer is None:
             return self._head(x, labels)
-        with self.tracer.span("loss"):
+        with self.tracer.span(spans.LOSS):
             return self._head(x, labels)
 
     def _run_layers(self, x: torch.Tensor, dropout_key: DropoutKey | None) -> torch.Tensor:
@@ -240,12 +246,17 @@ def apply_compile(chunks: list[GPTChunk]) -> None:
 
     Regional compilation: blocks of one class share one compiled graph, TP communication is
     excluded from the graphs (see parallel.mappings), and tracer spans stay in eager code
-    around the compiled regions.
+    around the compiled regions. With hidden dropout on, the keyed dropout and residual add
+    stay eager (compiling them would specialise the graph per layer index).
     """
     for chunk in chunks:
         for block in chunk.layers.values():
-            block.attention.compile()
-            block.mlp.compile()
+            if chunk.cfg.hidden_dropout:
+                block.attention.attn.compile()
+                block.mlp.mlp.compile()
+            else:
+                block.attention.compile()
+                block.mlp.compile()
         if chunk.has_head:
             chunk._head = torch.compile(chunk._head)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatronapp.config import ModelConfig
 from megatronapp.model.gpt import GPTChunk
@@ -25,15 +26,31 @@ def _mean_loss(per_token: torch.Tensor) -> torch.Tensor:
     return per_token.float().mean()
 
 
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+_PREFERRED = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def attention_backend_context(name: str):
+    """SDPA kernel preference for a forward: `name` first, the others as fallbacks (so CPU
+    and unsupported shapes still run); "auto" leaves torch's own choice. Set around the
+    (eager) forward step: compiled graphs pick their kernel when traced inside it."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    order = [_PREFERRED[name]] + [b for b in _PREFERRED.values() if b != _PREFERRED[name]]
+    return sdpa_kernel(order, set_priority=True)
+
+
 class GPTPipelineModel:
     def __init__(self, chunks: list[GPTChunk], cfg: ModelConfig, *, seed: int, dp_rank: int,
                  num_microbatches: int, tp_size: int = 1, tp_rank: int = 0, sequence_parallel: bool = False,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, attention_backend: str = "auto"):
         self.chunks, self.cfg, self.seed = chunks, cfg, seed
         self.dp_rank, self.num_microbatches = dp_rank, num_microbatches
         self.seq_shards = tp_size if sequence_parallel else 1
         self.position_offset = tp_rank * (cfg.seq_length // self.seq_shards) if sequence_parallel else 0
         self.autocast_dtype = autocast_dtype
+        self.attention_backend = attention_backend
         params = [p for c in chunks for p in c.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
         # What flows between stages: the residual stream, in the parameters' dtype.
@@ -51,7 +68,7 @@ class GPTPipelineModel:
         labels = tokens[:, 1:] if ctx.is_last_stage else None
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
-        with autocast:
+        with autocast, attention_backend_context(self.attention_backend):
             out = chunk(x, labels, self.dropout_key(tokens, ctx))
         return out, (_mean_loss if ctx.is_last_stage else None)
 

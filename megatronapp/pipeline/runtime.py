@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatronapp import spans
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
@@ -126,7 +127,7 @@ class PipelineRuntime:
             x.requires_grad_(True)
             st.inputs[(a.chunk, a.microbatch)] = x
         ctx = MicrobatchContext(st.iteration, a.microbatch, a.chunk, is_first, is_last)
-        with self.tracer.span("forward"), self.compute_timer.measure(), self.injector.compute():
+        with self.tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute():
             out, loss_fn = self.model.forward_step(a.chunk, x, st.microbatches[a.microbatch], ctx)
             if is_last:
                 out = loss_fn(out) / self.schedule.num_microbatches
@@ -148,7 +149,7 @@ class PipelineRuntime:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
         elif self.grad_scale_func is not None:
             out = self.grad_scale_func(out)
-        with self.tracer.span("backward"), self.compute_timer.measure(), self.injector.compute():
+        with self.tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute():
             torch.autograd.backward(out, grad)
         if vs != 0:
             x = st.inputs.pop((a.chunk, a.microbatch))

@@ -39,9 +39,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from megatronapp.scan.format import RankTrace
+from megatronapp.scan.matching import CommEnd, CommIndex, index_comm_events
 
-# Collectives whose members all leave together; broadcast is not (the root need not wait).
-SYNC_COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier"})
 DEFAULT_MIN_DRIFT_SPAN_NS = 30_000_000_000  # shorter calibration spans cannot see ppm drift
 _MAX_PROJECTION_ROUNDS = 2000
 _MAX_PROJECTION_WORK = 2_000_000  # constraint visits
@@ -108,13 +107,6 @@ def _is_category(events: pa.Table, cat: str) -> np.ndarray:
     return np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
 
 
-def _column(events: pa.Table, name: str) -> list:
-    col = events.column(name)
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(pa.string())
-    return col.to_pylist()
-
-
 def _int_median(values: np.ndarray) -> int:
     """Median without float rounding (values may be ~1e18 ns)."""
     ordered = np.sort(values)
@@ -141,51 +133,22 @@ def compute_wall_mapping(trace: RankTrace, min_drift_span_ns: int = DEFAULT_MIN_
     return ClockMapping(offset_ns=offset + int(round(intercept)), drift=float(drift), ref_ns=ref)
 
 
-@dataclass
-class _CommEvents:
-    """Comm events of all ranks on the wall-mapped timeline, keyed for matching."""
-
-    collectives: dict = field(default_factory=lambda: defaultdict(list))  # (group, seq) -> [(rank, start, end)]
-    sends: dict = field(default_factory=dict)  # (src, dst, seq) -> start
-    recvs: dict = field(default_factory=dict)  # (src, dst, seq) -> end
+def collect_comm_events(traces: list[RankTrace], mappings: dict[int, ClockMapping]) -> CommIndex:
+    """Every rank's keyed comm spans on its wall-mapped timeline (see matching.py)."""
+    return index_comm_events(traces, {r: m.apply for r, m in mappings.items()})
 
 
-def collect_comm_events(traces: list[RankTrace], mappings: dict[int, ClockMapping]) -> _CommEvents:
-    """Index every rank's collective ends and p2p send starts / recv ends."""
-    found = _CommEvents()
-    for trace in traces:
-        ev = trace.events
-        is_comm = _is_category(ev, "comm")
-        if not is_comm.any():
-            continue
-        sub = ev.filter(pa.array(is_comm))
-        starts = mappings[trace.rank].apply(sub.column("start_ns").to_numpy()).tolist()
-        ends = mappings[trace.rank].apply(sub.column("end_ns").to_numpy()).tolist()
-        rows = zip(_column(sub, "op"), _column(sub, "group"), _column(sub, "seq"), _column(sub, "peer"), starts, ends)
-        for op, group, seq, peer, start, end in rows:
-            if seq < 0:
-                continue
-            if op in SYNC_COLLECTIVES and group:
-                found.collectives[group, seq].append((trace.rank, start, end))
-            elif op == "send" and peer >= 0:
-                found.sends[trace.rank, peer, seq] = start
-            elif op == "recv" and peer >= 0:
-                found.recvs[peer, trace.rank, seq] = end
-    return found
-
-
-def compute_pairwise_end_differences(collectives: dict) -> dict[tuple[int, int], list[int]]:
+def compute_pairwise_end_differences(collectives: dict[tuple, list[CommEnd]]) -> dict[tuple[int, int], list[int]]:
     """(i, j) -> end_j - end_i for every collective instance both joined (star from
     the instance's lowest rank, so cost is linear in the members)."""
     diffs: dict[tuple[int, int], list[int]] = defaultdict(list)
     for members in collectives.values():
         if len(members) < 2:
             continue
-        members = sorted(members)
-        ref_rank, _, ref_end = members[0]
-        for rank, _, end in members[1:]:
-            if rank != ref_rank:
-                diffs[ref_rank, rank].append(end - ref_end)
+        ref, *rest = sorted(members, key=lambda m: m.rank)
+        for m in rest:
+            if m.rank != ref.rank:
+                diffs[ref.rank, m.rank].append(m.end - ref.end)
     return diffs
 
 
@@ -254,25 +217,23 @@ def _raise_bound(bounds: dict, src: int, dst: int, lower: int) -> None:
         bounds[src, dst] = lower
 
 
-def compute_causality_bounds(comm: _CommEvents) -> dict[tuple[int, int], int]:
+def compute_causality_bounds(comm: CommIndex) -> dict[tuple[int, int], int]:
     """(a, b) -> lower bound on x_b - x_a implied by causality: p2p (a sent to b) and
     synchronising collectives (a's arrival precedes b's departure)."""
     bounds: dict[tuple[int, int], int] = {}
-    for (src, dst, seq), start in comm.sends.items():
-        end = comm.recvs.get((src, dst, seq))
-        if end is not None:
-            _raise_bound(bounds, src, dst, start - end)
-    for members in comm.collectives.values():
+    for (src, dst, _), send, recv in comm.messages():
+        _raise_bound(bounds, src, dst, send.start - recv.end)
+    for members in comm.sync_instances().values():
         if len(members) < 2:
             continue
         if len(members) <= _ALL_PAIRS_MAX_MEMBERS:
-            pairs = [(a, b) for a in members for b in members if a[0] != b[0]]
+            pairs = [(a, b) for a in members for b in members if a.rank != b.rank]
         else:  # the tightest bounds: the last arrival and the first departure
-            last, first_out = max(members, key=lambda m: m[1]), min(members, key=lambda m: m[2])
-            pairs = [(last, m) for m in members if m[0] != last[0]]
-            pairs += [(m, first_out) for m in members if m[0] != first_out[0]]
-        for (j, start_j, _), (i, _, end_i) in pairs:
-            _raise_bound(bounds, j, i, start_j - end_i)
+            last, first_out = max(members, key=lambda m: m.start), min(members, key=lambda m: m.end)
+            pairs = [(last, m) for m in members if m.rank != last.rank]
+            pairs += [(m, first_out) for m in members if m.rank != first_out.rank]
+        for j, i in pairs:
+            _raise_bound(bounds, j.rank, i.rank, j.start - i.end)
     return bounds
 
 
@@ -328,13 +289,10 @@ def enforce_causality(x: dict[int, int], comp: dict[int, int], bounds: dict[tupl
     return out
 
 
-def count_p2p_violations(comm: _CommEvents, x: dict[int, int]) -> int:
+def count_p2p_violations(comm: CommIndex, x: dict[int, int]) -> int:
     """Matched messages whose recv ends before the send starts after adding x."""
-    return sum(
-        1
-        for (src, dst, seq), start in comm.sends.items()
-        if (end := comm.recvs.get((src, dst, seq))) is not None and end + x.get(dst, 0) < start + x.get(src, 0)
-    )
+    return sum(1 for (src, dst, _), send, recv in comm.messages()
+               if recv.end + x.get(dst, 0) < send.start + x.get(src, 0))
 
 
 def compute_collective_residuals(collectives: dict, x: dict[int, int]) -> tuple[dict[int, float], float]:
@@ -343,10 +301,10 @@ def compute_collective_residuals(collectives: dict, x: dict[int, int]) -> tuple[
     for members in collectives.values():
         if len(members) < 2:
             continue
-        ends = np.array([end + x[r] for r, _, end in members], dtype=np.int64)
+        ends = np.array([m.end + x[m.rank] for m in members], dtype=np.int64)
         centre = _int_median(ends)
-        for (rank, _, _), end in zip(members, ends):
-            per_rank[rank].append(abs(int(end) - centre))
+        for m, end in zip(members, ends):
+            per_rank[m.rank].append(abs(int(end) - centre))
     residual = {r: float(np.median(v)) for r, v in per_rank.items()}
     everything = [d for v in per_rank.values() for d in v]
     return residual, float(np.median(everything)) if everything else math.nan
@@ -374,7 +332,8 @@ def align_traces(
         raise ValueError(f"duplicate ranks in traces: {sorted(ranks)}")
     mappings = {t.rank: compute_wall_mapping(t, min_drift_span_ns) for t in traces}
     comm = collect_comm_events(traces, mappings)
-    diffs = compute_pairwise_end_differences(comm.collectives)
+    sync = comm.sync_instances()
+    diffs = compute_pairwise_end_differences(sync)
     fit = compute_collective_offsets(ranks, diffs)
     comp = fit.comp
     bounds = compute_causality_bounds(comm)
@@ -385,14 +344,14 @@ def align_traces(
     anchor = 0 if 0 in x else (min(ranks) if ranks else 0)
     base = x.get(anchor, 0)
     x = {r: v - base for r, v in x.items()}
-    residual, overall = compute_collective_residuals(comm.collectives, x)
+    residual, overall = compute_collective_residuals(sync, x)
     report = AlignmentReport(
         offset_ns={r: mappings[r].offset_ns + x[r] for r in ranks},
         drift_ppm={r: mappings[r].drift * 1e6 for r in ranks},
         residual_ns={r: residual.get(r, math.nan) for r in ranks},
         median_residual_ns=overall,
-        anchors=sum(1 for m in comm.collectives.values() if len(m) > 1),
-        p2p_messages=sum(1 for k in comm.sends if k in comm.recvs),
+        anchors=sum(1 for m in sync.values() if len(m) > 1),
+        p2p_messages=comm.message_count(),
         violations_before=before,
         violations=count_p2p_violations(comm, x),
         method=_describe_methods(x_float, estimated, x),

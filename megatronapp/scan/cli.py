@@ -1,4 +1,5 @@
-"""`megatronapp trace ...` subcommands: merge (here) and detect (scan/detect.py).
+"""`megatronapp trace ...` subcommands: argument parsing and printing; the work is in the
+analysis modules (merge.py, analysis.py -> align.py, detect.py).
 
 The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser sets
 `func`, which takes the parsed namespace and returns the process exit code.
@@ -7,10 +8,15 @@ The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser s
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
+from megatronapp.scan.analysis import analyze_trace_dir
+from megatronapp.scan.detect import DetectConfig, render_report, report_to_json
 from megatronapp.scan.format import TraceFormatError
-from megatronapp.scan.merge import merge_traces
+from megatronapp.scan.merge import merge_traces, merge_traces_split
+from megatronapp.scan.trace_run import add_trace_run_arguments
 
 _NO_END = 2**31 - 1
 
@@ -45,15 +51,28 @@ def parse_rank_list(text: str) -> list[int]:
     return sorted(ranks)
 
 
+def _report_split(summaries: list) -> int:
+    for summary in summaries:
+        print(f"wrote {summary.out}: {summary.events} events, {summary.flows} flow arrows")
+    print(f"{len(summaries)} files; open each at https://ui.perfetto.dev")
+    return 0
+
+
 def run_merge(args: argparse.Namespace) -> int:
     """Handler of `trace merge`: write the Chrome trace and print a summary."""
+    if args.split_iterations is not None and args.iterations is not None:
+        print("error: --split-iterations and --iterations cannot be combined", file=sys.stderr)
+        return 2
     try:
+        if args.split_iterations is not None:
+            return _report_split(merge_traces_split(args.dir, args.out, args.split_iterations, ranks=args.ranks))
         summary = merge_traces(args.dir, args.out, iterations=args.iterations, ranks=args.ranks)
-    except (TraceFormatError, FileNotFoundError) as exc:
+    except (TraceFormatError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = summary.report
-    print(f"wrote {summary.out}: {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow events")
+    print(f"wrote {summary.out}: {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows "
+          f"({summary.arrivals} p2p messages)")
     print(f"merged in {summary.seconds:.2f} s ({summary.events_per_s:,.0f} events/s)")
     print(
         f"alignment: {report.anchors} collective anchors, {report.p2p_messages} p2p messages, "
@@ -64,35 +83,96 @@ def run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _detect_unavailable(reason: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"error: `trace detect` is unavailable: cannot import megatronapp.scan.detect ({reason})", file=sys.stderr)
+def run_detect(args: argparse.Namespace) -> int:
+    """Handler of `trace detect`: load, align, detect, print. Exit code 0 nobody found, 3 suspects
+    found, 2 bad input."""
+    its = args.iterations  # a range from parse_iteration_range, or None
+    try:
+        config = DetectConfig(iterations=None if its is None else (its.start, its.stop))
+        report = analyze_trace_dir(args.trace_dir, config).detection
+    except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
+        print(f"megatronapp trace detect: {exc}", file=sys.stderr)
         return 2
-
-    return run
+    print(json.dumps(report_to_json(report), indent=2) if args.json else render_report(report), end="\n")
+    return 3 if report.suspects else 0
 
 
 def _add_detect(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("detect", help="find slow ranks and slow links in a trace directory")
-    try:
-        from megatronapp.scan.detect import add_detect_arguments, run_detect
-    except ImportError as exc:
-        parser.set_defaults(func=_detect_unavailable(str(exc)))
-        return
-    add_detect_arguments(parser)
+    parser.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--iterations", type=parse_iteration_range, default=None, metavar="A:B",
+                        help="analyse iterations A..B-1 only (also A:, :B, A); "
+                             "default: every complete iteration, warm-up skipped")
     parser.set_defaults(func=run_detect)
+
+
+def run_whatif(args: argparse.Namespace) -> int:
+    """Handler of `trace whatif`: the iteration time with each diagnosed fault removed."""
+    try:
+        report = analyze_trace_dir(args.trace_dir).detection
+    except (OSError, ValueError) as exc:
+        print(f"megatronapp trace whatif: {exc}", file=sys.stderr)
+        return 2
+    doc = report_to_json(report)
+    rows = [{"fault": f"slow link {s['link'][0]}->{s['link'][1]}" if s["link"] else f"{s['cause']} rank {s['rank']}",
+             **s["what_if"]} for s in doc["suspects"]]
+    if args.json:
+        print(json.dumps({**doc["what_if"], "faults": rows}, indent=2))
+        return 0
+    print(f"iteration time now: {doc['what_if']['iteration_ms']} ms (median critical path)")
+    for row in rows:
+        print(f"without {row['fault']}: {row['iteration_if_fixed_ms']} ms (-{row['saving_ms']} ms)")
+    if rows:
+        print(f"without all of them: {doc['what_if']['iteration_if_all_fixed_ms']} ms")
+    else:
+        print("no fault diagnosed: nothing to remove")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Handler of `trace report`: write the self-contained HTML page."""
+    from pathlib import Path
+
+    from megatronapp.scan.report import write_report
+
+    try:
+        analysis = analyze_trace_dir(args.trace_dir)
+    except (OSError, ValueError) as exc:
+        print(f"megatronapp trace report: {exc}", file=sys.stderr)
+        return 2
+    timeline = Path(args.trace_dir) / "timeline.json"
+    link = os.path.relpath(timeline, Path(args.out).resolve().parent) if timeline.is_file() else None
+    write_report(analysis, args.out, f"MegaScan report: {args.trace_dir}", link)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
+    whatif = sub.add_parser("whatif", help="predict the iteration time with each diagnosed fault removed")
+    whatif.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
+    whatif.add_argument("--json", action="store_true")
+    whatif.set_defaults(func=run_whatif)
+    report = sub.add_parser("report", help="write one self-contained HTML page about a traced run")
+    report.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
+    report.add_argument("--out", required=True, help="HTML file to write")
+    report.set_defaults(func=run_report)
 
 
 def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `trace merge` and `trace detect` under `subparsers`; returns the `trace` parser."""
     trace = subparsers.add_parser("trace", help="MegaScan traces: merge into one timeline, detect slow ranks")
-    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect}", required=True)
+    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect,run,whatif,report}", required=True)
     merge = sub.add_parser("merge", help="merge rank*.mscan files into a Chrome/Perfetto trace JSON")
     merge.add_argument("dir", help="trace directory holding rank*.mscan files")
     merge.add_argument("-o", "--out", required=True, help="output JSON path (gzipped when it ends in .gz)")
     merge.add_argument("--iterations", type=parse_iteration_range, default=None,
                        help="A:B merges iterations A..B-1 (also A:, :B, A)")
     merge.add_argument("--ranks", type=parse_rank_list, default=None, help="ranks to merge, e.g. 0,1,4-7")
+    merge.add_argument("--split-iterations", type=int, default=None, metavar="N",
+                       help="one file per N traced iterations (OUT gets .iterA-B before its extension)")
     merge.set_defaults(func=run_merge)
     _add_detect(sub)
+    _add_analysis_commands(sub)
+    add_trace_run_arguments(sub.add_parser("run", help="trace an unmodified PyTorch program: run -- SCRIPT.py ARGS"))
     return trace

@@ -35,10 +35,8 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
-import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +47,7 @@ from rich.table import Table
 
 from megatronapp.scan import detect_path as paths
 from megatronapp.scan import detect_rules as rules
-from megatronapp.scan.align import align_traces
-from megatronapp.scan.format import load_trace_dir
+from megatronapp.scan.matching import index_comm_events
 
 CAUSES = ("slow_compute", "slow_link")
 _BASIS_WEIGHT = {"dp_replicas": 1.0, "tp_peers": 0.9, "pipeline_stages": 0.6}
@@ -63,11 +60,21 @@ class DetectInputError(ValueError):
 
 
 def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
-    """Default compute rule (see the module docstring, step 1)."""
+    """Default compute rule (see the module docstring, step 1): constant or intermittent."""
     edge = stats.basis == "pipeline_stages" and stats.edge_stage
     threshold = config.compute_min_ratio * (config.edge_stage_allowance if edge else 1.0)
-    return (stats.samples >= config.min_samples and stats.ratio >= threshold
-            and stats.consistency >= config.compute_min_consistency and stats.z >= config.compute_min_z)
+    constant = (stats.ratio >= threshold and stats.consistency >= config.compute_min_consistency
+                and stats.z >= config.compute_min_z)
+    return stats.samples >= config.min_samples and (constant or is_intermittent(stats, config, threshold))
+
+
+def is_intermittent(stats: rules.ComputeStats, config: DetectConfig, threshold: float) -> bool:
+    """Slow in a minority of iterations, but clearly (by >= intermittent_min_ratio, robust z >=
+    compute_min_z within them) and repeatedly (>= intermittent_min_iterations, >=
+    intermittent_min_share of the analysed iterations)."""
+    return (stats.slow_iterations >= config.intermittent_min_iterations
+            and stats.consistency >= config.intermittent_min_share
+            and stats.slow_ratio >= max(threshold, config.intermittent_min_ratio) and stats.slow_z >= config.compute_min_z)
 
 
 def is_slow_link(stats: rules.LinkStats, config: DetectConfig) -> bool:
@@ -87,6 +94,9 @@ class DetectConfig:
     compute_min_consistency: float = 0.7  # share of iterations whose median ratio reaches compute_min_ratio
     compute_min_z: float = 3.0  # robust significance of the median log-ratio
     strong_compute_ratio: float = 1.5  # ratio at which the effect size saturates
+    intermittent_min_share: float = 0.25  # of iterations, for an intermittent slowdown (e.g. 1 in 4)
+    intermittent_min_iterations: int = 2
+    intermittent_min_ratio: float = 1.3  # within its slow iterations: stricter than compute_min_ratio
     edge_stage_allowance: float = 1.3  # cross-stage only: first/last stages carry embedding/head/loss work
     # (measured 1.19x on a fault-free 4-stage CPU run), so they need compute_min_ratio x this
     min_samples: int = 4
@@ -106,7 +116,8 @@ class DetectConfig:
                      "edge_stage_allowance"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
-        for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share"):
+        for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share",
+                     "intermittent_min_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
         if self.min_samples < 1 or self.warmup_iterations < 0 or self.link_min_excess_ns < 0:
@@ -189,15 +200,19 @@ def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, con
     strag = stragglers.get(st.rank)
     shares = {fam: round(strag.share(fam), 3) for fam in strag.instances} if strag else {}
     corroborated = any(s >= config.straggler_min_share for s in shares.values())
-    conf = _confidence(_BASIS_WEIGHT[st.basis], st.ratio, config.strong_compute_ratio, st.consistency)
+    intermittent = st.consistency < config.compute_min_consistency
+    ratio = st.slow_ratio if intermittent else st.ratio
+    conf = _confidence(_BASIS_WEIGHT[st.basis], ratio, config.strong_compute_ratio, max(st.consistency, 0.5))
     conf = round(min(1.0, conf + (0.1 if corroborated else 0.0)), 3)
     peers = {"dp_replicas": "DP replicas", "tp_peers": "TP peers", "pipeline_stages": "other pipeline stages"}
-    summary = (f"rank {st.rank} forward/backward compute is {st.ratio:.2f}x its {peers[st.basis]} "
+    summary = (f"rank {st.rank} forward/backward compute is {ratio:.2f}x its {peers[st.basis]} "
                f"{list(st.peers)} (median of {st.samples} microbatch samples; slower in "
-               f"{st.consistency:.0%} of {st.iterations} iterations)")
+               f"{st.consistency:.0%} of {st.iterations} iterations{': intermittent' if intermittent else ''})")
     if corroborated:
         summary += f"; last to arrive at {max(shares.values()):.0%} of its collectives"
     evidence = {"summary": summary, "basis": st.basis, "peers": list(st.peers), "ratio": round(st.ratio, 3),
+                "intermittent": intermittent, "slow_iterations": st.slow_iterations,
+                "slow_iteration_ratio": round(st.slow_ratio, 3),
                 "consistency": round(st.consistency, 3), "sample_share": round(st.sample_share, 3),
                 "z": round(min(st.z, 1e6), 2), "samples": st.samples, "iterations": st.iterations,
                 "rank_median_ms": _ms(st.rank_median_ns), "peer_median_ms": _ms(st.peer_median_ns),
@@ -278,9 +293,10 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     spans = {r: rules.compute_pure_spans(ev, its) for r, ev in events.items()}
     basis, peers = rules.build_compute_peers(coords, layout)
     compute = rules.compare_compute(spans, peers, basis, layout.get("pp_size", 1), coords, config.compute_min_ratio)
-    instances = rules.collect_collectives(events, its)
+    index = index_comm_events(traces)
+    instances = rules.collect_collectives(index, events, its)
     stragglers = rules.compute_straggler_stats(instances)
-    messages = rules.collect_p2p_messages(events, its)
+    messages = rules.collect_p2p_messages(index, events, its)
     links = rules.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
                                 config.link_peer_quantile)
     suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
@@ -355,31 +371,3 @@ def render_report(report: DetectionReport, width: int | None = None) -> str:
     for note in report.notes:
         console.print(f"note: {note}", markup=False)
     return console.export_text()
-
-
-# -- CLI glue --------------------------------------------------------------------------------
-
-
-def add_detect_arguments(parser) -> None:
-    """Arguments of `megatronapp trace detect`."""
-    parser.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    from megatronapp.scan.cli import parse_iteration_range  # same A:B syntax as `trace merge`
-
-    parser.add_argument("--iterations", type=parse_iteration_range, default=None, metavar="A:B",
-                        help="analyse iterations A..B-1 only (also A:, :B, A); "
-                             "default: every complete iteration, warm-up skipped")
-
-
-def run_detect(args) -> int:
-    """Load, align, detect, print. Exit code: 0 nobody found, 3 suspects found, 2 bad input."""
-    try:
-        traces = load_trace_dir(args.trace_dir)
-        aligned, _ = align_traces(traces)
-        its = args.iterations  # a range from parse_iteration_range, or None
-        report = detect(aligned, config=DetectConfig(iterations=None if its is None else (its.start, its.stop)))
-    except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
-        print(f"megatronapp trace detect: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report_to_json(report), indent=2) if args.json else render_report(report), end="\n")
-    return 3 if report.suspects else 0

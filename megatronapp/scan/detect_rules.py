@@ -18,19 +18,18 @@ timeline. Three quantities matter:
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-COMPUTE_KINDS = ("forward", "backward")
-P2P_OPS = ("send", "recv")
-NESTED_NON_COMPUTE = ("loss",)  # nested compute spans whose work differs between stages
-# A comm span named like this without group/seq is a DP collective the tracer did not key
-# (the engine's "grad_reduce" wraps the wait on bucketed all-reduces); one instance per iteration.
-UNKEYED_DP_COLLECTIVES = ("grad_reduce",)
+from megatronapp.scan.matching import CommIndex
+from megatronapp.spans import COMPUTE_KINDS, ITERATION, NESTED_NON_COMPUTE, UNKEYED_DP_COLLECTIVES
+
 _MAD_TO_SIGMA = 1.4826
 _MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
+_EXACT_PEER_LINKS = 32  # link classes up to this size compare each link with the others only
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def build_rank_events(trace) -> RankEvents:
 
 def compute_iteration_spans(ev: RankEvents) -> dict[int, tuple[int, int]]:
     """iteration -> (start, end) of this rank's "iteration" step span."""
-    c, m = ev.cols, ev.mask(cat="step", name="iteration")
+    c, m = ev.cols, ev.mask(cat="step", name=ITERATION)
     return {int(i): (int(s), int(e)) for i, s, e in zip(c["iteration"][m], c["start_ns"][m], c["end_ns"][m])
             if e >= s}
 
@@ -125,6 +124,10 @@ class ComputeStats:
     peer_median_ns: float
     excess_ns_per_iteration: float  # median over iterations of sum(my - peer median)
     edge_stage: bool  # first/last pipeline stage (extra embedding/loss work)
+    # Intermittent slowness: the iterations whose median ratio reaches the threshold, judged alone.
+    slow_iterations: int = 0
+    slow_ratio: float = 1.0  # median sample ratio within those iterations
+    slow_z: float = 0.0  # robust z of log-ratios within those iterations
 
 
 def _robust_z(logs: np.ndarray) -> float:
@@ -157,6 +160,8 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
         if not per_it:
             continue
         ratios = np.concatenate([np.asarray(r) for r in per_it.values()])
+        slow_its = [np.asarray(r) for r in per_it.values() if np.median(r) >= threshold]
+        slow = np.concatenate(slow_its) if slow_its else np.ones(1)
         pp = coords[rank]["pp"]
         out[rank] = ComputeStats(
             rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios), iterations=len(per_it),
@@ -165,7 +170,8 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
             sample_share=float(np.mean(ratios >= threshold)), z=float(_robust_z(np.log(ratios))),
             rank_median_ns=float(np.median(my_vals)), peer_median_ns=float(np.median(peer_vals)),
             excess_ns_per_iteration=float(np.median(list(excess.values()))),
-            edge_stage=pp_size > 1 and pp in (0, pp_size - 1))
+            edge_stage=pp_size > 1 and pp in (0, pp_size - 1), slow_iterations=len(slow_its),
+            slow_ratio=float(np.exp(np.median(np.log(slow)))), slow_z=float(_robust_z(np.log(slow))))
     return out
 
 
@@ -183,8 +189,10 @@ def build_compute_peers(coords: dict[int, dict], layout: dict) -> tuple[str, dic
         basis, same = "pipeline_stages", ("tp", "dp")
     else:
         return "none", {}
-    peers = {r: tuple(sorted(p for p, pc in coords.items() if p != r and all(pc[k] == c[k] for k in same)))
-             for r, c in coords.items()}
+    by_key: dict[tuple, list[int]] = defaultdict(list)  # grouped once: linear in the ranks
+    for r in sorted(coords):
+        by_key[tuple(coords[r][k] for k in same)].append(r)
+    peers = {r: tuple(p for p in by_key[tuple(c[k] for k in same)] if p != r) for r, c in coords.items()}
     if basis == "pipeline_stages":  # middle stages are the clean reference: edges do extra work
         last = layout["pp_size"] - 1
         for r, ps in peers.items():
@@ -214,29 +222,35 @@ def _group_family(members, coords: dict[int, dict]) -> str:
     return {frozenset({"tp", "pp"}): "mp", frozenset({"tp", "dp", "pp"}): "world"}.get(frozenset(varying), "mixed")
 
 
-def collect_collectives(events: dict[int, RankEvents], iterations: set[int]) -> list[CollectiveInstance]:
+def _unkeyed_dp_spans(events: dict[int, RankEvents], iterations: set[int]):
+    """(group, seq, rank, start, end, iteration) of UNKEYED_DP_COLLECTIVES spans: group = name +
+    the rank's DP replicas, seq = iteration."""
+    coords = {r: ev.coords for r, ev in events.items()}
+    for r, ev in events.items():
+        c = ev.cols
+        unkeyed = (c["cat"] == "comm") & np.isin(c["name"], UNKEYED_DP_COLLECTIVES) & (c["group"] == "")
+        dp_peers = sorted(p for p, pc in coords.items() if pc["tp"] == ev.coords["tp"] and pc["pp"] == ev.coords["pp"])
+        for i in np.flatnonzero(unkeyed & np.isin(c["iteration"], list(iterations))):
+            it = int(c["iteration"][i])
+            yield f"{c['name'][i]}:{dp_peers}", it, r, int(c["start_ns"][i]), int(c["end_ns"][i]), it
+
+
+def collect_collectives(index: CommIndex, events: dict[int, RankEvents],
+                        iterations: set[int]) -> list[CollectiveInstance]:
     """Complete collective instances of `iterations` (every member of the group present).
 
-    Keyed by (group, seq); unkeyed DP spans (UNKEYED_DP_COLLECTIVES) become one instance per
-    iteration among the DP replicas that recorded it."""
+    Keyed instances come from `index` (matching.py); unkeyed DP spans (UNKEYED_DP_COLLECTIVES)
+    become one instance per iteration among the DP replicas that recorded it."""
     coords = {r: ev.coords for r, ev in events.items()}
     raw: dict[tuple, dict] = defaultdict(dict)
     members: dict[str, set] = defaultdict(set)
     iteration_of: dict[tuple, int] = {}
-    for r, ev in events.items():
-        c = ev.cols
-        keyed = (c["cat"] == "comm") & ~np.isin(c["op"], P2P_OPS) & (c["group"] != "") & (c["seq"] >= 0)
-        unkeyed = (c["cat"] == "comm") & np.isin(c["name"], UNKEYED_DP_COLLECTIVES) & (c["group"] == "")
-        for i in np.flatnonzero((keyed | unkeyed) & np.isin(c["iteration"], list(iterations))):
-            if keyed[i]:
-                group, seq = str(c["group"][i]), int(c["seq"][i])
-            else:
-                dp_peers = sorted(p for p, pc in coords.items() if pc["tp"] == ev.coords["tp"]
-                                  and pc["pp"] == ev.coords["pp"])
-                group, seq = f"{c['name'][i]}:{dp_peers}", int(c["iteration"][i])
-            raw[(group, seq)][r] = (int(c["start_ns"][i]), int(c["end_ns"][i]))
-            members[group].add(r)
-            iteration_of[(group, seq)] = int(c["iteration"][i])
+    keyed = ((g, seq, m.rank, m.start, m.end, m.iteration)
+             for (g, seq), ms in index.collectives.items() for m in ms if m.iteration in iterations)
+    for group, seq, r, start, end, it in itertools.chain(keyed, _unkeyed_dp_spans(events, iterations)):
+        raw[(group, seq)][r] = (start, end)
+        members[group].add(r)
+        iteration_of[(group, seq)] = it
     out = []
     for (group, seq), spans in raw.items():
         if len(spans) < 2 or len(spans) < len(members[group]):
@@ -303,30 +317,23 @@ class P2PMessage:
         return self.send_start > self.wait_start
 
 
-def _recv_wait_start(ev: RankEvents, compute_ends: np.ndarray, start: int, end: int) -> int:
+def _recv_wait_start(compute_ends: np.ndarray, start: int, end: int) -> int:
     lo, hi = np.searchsorted(compute_ends, start, "right"), np.searchsorted(compute_ends, end, "right")
     return int(compute_ends[hi - 1]) if hi > lo else start
 
 
-def collect_p2p_messages(events: dict[int, RankEvents], iterations: set[int]) -> list[P2PMessage]:
-    """Matched send/recv pairs of `iterations`: the k-th send src->dst with the k-th recv on dst from src."""
-    sends = {}
+def collect_p2p_messages(index: CommIndex, events: dict[int, RankEvents], iterations: set[int]) -> list[P2PMessage]:
+    """Matched messages (matching.py) whose recv is in `iterations`, with the receiver's wait start."""
+    compute_ends = {}
     for r, ev in events.items():
         c = ev.cols
-        for i in np.flatnonzero((c["op"] == "send") & (c["cat"] == "comm")):
-            sends[(r, int(c["peer"][i]), int(c["iteration"][i]), int(c["seq"][i]))] = int(c["start_ns"][i])
+        compute_ends[r] = np.sort(c["end_ns"][(c["cat"] == "compute") & np.isin(c["name"], COMPUTE_KINDS)])
     out = []
-    for r, ev in events.items():
-        c = ev.cols
-        comp = (c["cat"] == "compute") & np.isin(c["name"], COMPUTE_KINDS)
-        compute_ends = np.sort(c["end_ns"][comp])
-        for i in np.flatnonzero((c["op"] == "recv") & (c["cat"] == "comm") & np.isin(c["iteration"], list(iterations))):
-            key = (int(c["peer"][i]), r, int(c["iteration"][i]), int(c["seq"][i]))
-            if key not in sends:
-                continue
-            start, end = int(c["start_ns"][i]), int(c["end_ns"][i])
-            out.append(P2PMessage(key[0], r, key[2], key[3], int(c["bytes"][i]), sends[key], start,
-                                  _recv_wait_start(ev, compute_ends, start, end), end))
+    for (src, dst, seq), send, recv in index.messages():
+        if recv.iteration not in iterations or dst not in compute_ends:
+            continue
+        wait = _recv_wait_start(compute_ends[dst], recv.start, recv.end)
+        out.append(P2PMessage(src, dst, recv.iteration, seq, recv.bytes, send.start, recv.start, wait, recv.end))
     return out
 
 
@@ -375,13 +382,25 @@ def compare_links(messages: list[P2PMessage], coords: dict[int, dict], min_ratio
     transfers = {link: np.array([m.transfer_ns for m in ms], dtype=float) for link, ms in by_link.items()}
     medians = {link: float(np.median(t)) for link, t in transfers.items()}
     cls = _link_classes(by_link, coords)
+    members: dict[tuple, list] = defaultdict(list)
+    for link in by_link:
+        members[cls[link]].append(link)
+    pooled = {}  # large classes: one link barely moves the class's reference, so include it (linear time)
+    for key, links in members.items():
+        if len(links) > _EXACT_PEER_LINKS:
+            pooled[key] = (float(np.median([medians[o] for o in links])),
+                           float(np.quantile(np.concatenate([transfers[o] for o in links]), peer_quantile)))
     out = {}
     for link, ms in by_link.items():
-        others = [o for o in by_link if o != link and cls[o] == cls[link]]
+        others = [o for o in members[cls[link]] if o != link]
         if not others:
             continue
-        ref = max(float(np.median([medians[o] for o in others])), 1.0)
-        high = float(np.quantile(np.concatenate([transfers[o] for o in others]), peer_quantile))
+        if cls[link] in pooled:
+            ref, high = pooled[cls[link]]
+            ref = max(ref, 1.0)
+        else:
+            ref = max(float(np.median([medians[o] for o in others])), 1.0)
+            high = float(np.quantile(np.concatenate([transfers[o] for o in others]), peer_quantile))
         t = transfers[link]
         slow = (t >= min_ratio * ref) & (t - ref >= min_excess_ns) & (t >= high)
         per_it = defaultdict(float)

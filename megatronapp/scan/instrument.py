@@ -13,8 +13,8 @@ active. Async calls (async_op=True, isend/irecv, batch_isend_irecv) return a
 Calls made from inside a wrapped call (send -> isend, batch_isend_irecv -> isend)
 are passed straight through, so each user-visible call is counted once.
 
-Limits: only the Python API is seen (DDP's C++ reducer and functional collectives are
-not); `isinstance(work, torch.distributed.Work)` is False for a wrapped Work; a
+Limits: only the Python API is seen (functional collectives are not; DDP's C++ reducer
+only through the comm hook that zero-code tracing installs, see autotrace.py); `isinstance(work, torch.distributed.Work)` is False for a wrapped Work; a
 `P2POp` built while instrumented holds the wrapper as its op and should not be
 reused after uninstalling.
 """
@@ -32,23 +32,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from megatronapp import spans as S
 from megatronapp.scan.tracer import NOOP_SPAN
 
 # Wrapped function -> (op name in the trace, name of the argument whose bytes count).
 COLLECTIVES = {
-    "all_reduce": ("all_reduce", "tensor"),
-    "all_gather": ("all_gather", "tensor"),
-    "all_gather_into_tensor": ("all_gather", "input_tensor"),
-    "all_gather_single": ("all_gather", "input_tensor"),  # newer name of the above
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter": ("reduce_scatter", "input_list"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "broadcast": ("broadcast", "tensor"),
-    "barrier": ("barrier", None),
-    "all_to_all_single": ("all_to_all", "input"),
-    "all_to_all": ("all_to_all", "input_tensor_list"),
+    "all_reduce": (S.ALL_REDUCE, "tensor"),
+    "all_gather": (S.ALL_GATHER, "tensor"),
+    "all_gather_into_tensor": (S.ALL_GATHER, "input_tensor"),
+    "all_gather_single": (S.ALL_GATHER, "input_tensor"),  # newer name of the above
+    "reduce_scatter_single": (S.REDUCE_SCATTER, "input"),
+    "reduce_scatter": (S.REDUCE_SCATTER, "input_list"),
+    "reduce_scatter_tensor": (S.REDUCE_SCATTER, "input"),
+    "broadcast": (S.BROADCAST, "tensor"),
+    "barrier": (S.BARRIER, None),
+    "all_to_all_single": (S.ALL_TO_ALL, "input"),
+    "all_to_all": (S.ALL_TO_ALL, "input_tensor_list"),
 }
-P2P = {"send": "send", "recv": "recv", "isend": "send", "irecv": "recv"}
+P2P = {"send": S.SEND, "recv": S.RECV, "isend": S.SEND, "irecv": S.RECV}
 _MODULES = (dist, c10d)
 # Only the names this torch version has (the *_single ones are recent).
 _WRAPPED = tuple(n for n in (*COLLECTIVES, *P2P, "batch_isend_irecv") if hasattr(c10d, n))
@@ -92,12 +93,20 @@ class TracedWork:
         self._done()
         return result
 
+    def get_future(self) -> Any:
+        """The Work's future; the spans end when it completes, for callers that never wait()
+        (DDP comm hooks, FSDP2 on some paths)."""
+        future = self._work.get_future()
+        future.add_done_callback(lambda _: self._done())
+        return future
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
 def _finisher(spans: list, parts: int) -> Callable[[], None]:
-    """Callback ending `spans` once it has been called `parts` times (once per Work)."""
+    """Callback ending `spans` once it has been called `parts` times (once per Work; later
+    calls, e.g. wait() after the future completed, change nothing)."""
     remaining = [parts]
 
     def done() -> None:
@@ -168,7 +177,7 @@ class DistributedInstrumentation:
             return result  # untraced iteration: hand back torch's own objects
         if is_async and isinstance(result, list) and result:
             if len(result) == len(spans):  # one Work per op: time each op on its own
-                return [TracedWork(w, s.finish) for w, s in zip(result, spans)]
+                return [TracedWork(w, _finisher([s], 1)) for w, s in zip(result, spans)]
             done = _finisher(spans, len(result))  # coalesced: spans end with the last Work
             return [TracedWork(w, done) for w in result]
         if is_async and result is not None and not isinstance(result, list):
@@ -206,7 +215,7 @@ class DistributedInstrumentation:
     def wrap_p2p(self, fn_name: str, original: Callable) -> Callable:
         op = P2P[fn_name]
         is_async = fn_name.startswith("i")
-        peer_arg = "dst" if op == "send" else "src"
+        peer_arg = "dst" if op == S.SEND else "src"
         params = {p: i for i, p in enumerate(inspect.signature(original).parameters)}
 
         @functools.wraps(original)
@@ -224,7 +233,7 @@ class DistributedInstrumentation:
                 bytes=_nbytes(_arg(params, args, kwargs, "tensor")) if active else 0,
             )
             result = self._call(original, *args, **kwargs)
-            if op == "recv" and not is_async and peer < 0 and isinstance(result, int) and result >= 0:
+            if op == S.RECV and not is_async and peer < 0 and isinstance(result, int) and result >= 0:
                 # recv from any source: the sender is known only now.
                 self.counters.next_p2p(result, self.rank)
             return self._end([span], result, is_async)
@@ -232,7 +241,7 @@ class DistributedInstrumentation:
         return wrapper
 
     def _pair(self, op: str, peer: int) -> tuple[int, int]:
-        return (self.rank, peer) if op == "send" else (peer, self.rank)
+        return (self.rank, peer) if op == S.SEND else (peer, self.rank)
 
     def wrap_batch(self, original: Callable) -> Callable:
         @functools.wraps(original)
@@ -250,7 +259,7 @@ class DistributedInstrumentation:
                     ))
                 # torch tells sends from recvs by `op is isend` against the module global,
                 # which is our wrapper now; ops built before install hold the original.
-                current = getattr(c10d, "isend" if op == "send" else "irecv")
+                current = getattr(c10d, "isend" if op == S.SEND else "irecv")
                 restore.append((p2p_op, p2p_op.op))
                 p2p_op.op = current
             try:

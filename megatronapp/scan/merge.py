@@ -4,7 +4,10 @@ The output opens in Perfetto (ui.perfetto.dev) or chrome://tracing: one process 
 rank, named by its coordinates and ordered by (pp, dp, tp); inside it the tracks
 "step", "compute", "comm" (and "user"). Spans are complete events ("X", µs). Flow
 arrows (v1 "s"/"t"/"f" events, binding to the enclosing slice) link every send to its
-recv and chain the members of each collective instance, one flow id per instance.
+message's *arrival*: a short slice the merge adds inside the recv, at its end. (Perfetto
+makes the slice that starts first an arrow's source, and a recv is usually posted before
+its send, so an arrow ending on the recv itself would point backwards.) Each collective
+instance is one chain through its members in arrival order.
 
 Times are aligned first (align.py) and shifted so the earliest event is at 0; the
 alignment report, the time origin (wall-clock ns) and merge statistics go to
@@ -21,7 +24,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -29,12 +32,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from megatronapp.spans import ARRIVAL
 from megatronapp.scan.align import AlignmentReport, align_traces
-from megatronapp.scan.format import RankTrace, load_trace_dir
+from megatronapp.scan.format import RankTrace, build_event_batch, filter_iterations, load_trace_dir
+from megatronapp.scan.matching import CommEnd, CommIndex, MessageKey, add_rank_comm, comm_rows
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
 _ARG_COLUMNS = ("iteration", "chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")
 _LANES_PER_TRACK = 1000  # tid = track index * this + lane + 1
+ARRIVAL_NS = 1_000  # length of a message's arrival slice (see place_arrival)
 
 
 @dataclass(frozen=True)
@@ -43,23 +49,15 @@ class MergeSummary:
 
     out: str
     ranks: list[int]
-    events: int
-    flows: int
+    events: int  # recorded spans
+    arrivals: int  # arrival slices added, one per matched p2p message
+    flows: int  # flow arrows: one per message, members - 1 per collective instance
     seconds: float
     report: AlignmentReport
 
     @property
     def events_per_s(self) -> float:
         return self.events / self.seconds if self.seconds > 0 else float("inf")
-
-
-@dataclass
-class _Placed:
-    """Where comm spans landed (pid, tid, start, end in ns since origin), for flows."""
-
-    sends: dict = field(default_factory=dict)  # (src, dst, seq) -> place
-    recvs: dict = field(default_factory=dict)  # (src, dst, seq) -> place
-    collectives: dict = field(default_factory=lambda: defaultdict(list))  # (group, seq) -> [place]
 
 
 def format_rank_label(meta: dict) -> str:
@@ -142,6 +140,7 @@ def _args_strings(events: pa.Table) -> pa.Array:
 
 
 def _span_table(trace: RankTrace) -> pa.Table:
+    """The rank's events without calib rows, one chunk, one dictionary per column."""
     events = trace.events
     events = events.filter(pc.not_equal(events.column("cat").cast(pa.string()), "calib"))
     return events.unify_dictionaries().combine_chunks()
@@ -165,68 +164,77 @@ def _track_lanes(events: pa.Table, origin: int) -> tuple[np.ndarray, np.ndarray,
     return starts, ends, tids, threads
 
 
-def _remember_comm(placed: _Placed, rank: int, events: pa.Table, starts, ends, tids) -> None:
-    """Note where each comm span landed, keyed for matching across ranks."""
-    rows = np.nonzero(tids // _LANES_PER_TRACK == TRACKS.index("comm"))[0]
-    comm = events.take(pa.array(rows, pa.int64()))
-    columns = [comm.column(c).cast(pa.string()) if c in ("op", "group") else comm.column(c)
-               for c in ("op", "group", "seq", "peer")]
-    for (op, group, seq, peer), k in zip(zip(*(c.to_pylist() for c in columns)), rows.tolist()):
-        where = (rank, int(tids[k]), int(starts[k]), int(ends[k]))
-        if seq < 0:
-            continue
-        if op == "send" and peer >= 0:
-            placed.sends[rank, peer, seq] = where
-        elif op == "recv" and peer >= 0:
-            placed.recvs[peer, rank, seq] = where
-        elif op and group:
-            placed.collectives[group, seq].append(where)
-
-
-def _rank_span_events(trace: RankTrace, origin: int, placed: _Placed) -> tuple[list[str], dict[int, str]]:
-    """Chrome "X" lines of one rank and the threads (tid -> name) they use."""
-    events = _span_table(trace)
+def _rank_span_events(rank: int, events: pa.Table, origin: int) -> tuple[list[str], dict[int, str], dict]:
+    """Chrome "X" lines of one rank, the threads (tid -> name) they use, and where each
+    row landed: row -> (tid, start ns since origin)."""
     if events.num_rows == 0:
-        return [], {}
+        return [], {}, {}
     starts, ends, tids, threads = _track_lanes(events, origin)
     track_names = pa.array(TRACKS, pa.string()).take(pa.array(tids // _LANES_PER_TRACK))
     lines = _join(
         '{"ph":"X","name":', _json_strings(events.column("name").chunk(0)),
-        ',"cat":"', track_names, f'","pid":{trace.rank},"tid":', pc.cast(pa.array(tids), pa.string()),
+        ',"cat":"', track_names, f'","pid":{rank},"tid":', pc.cast(pa.array(tids), pa.string()),
         ',"ts":', _us_strings(starts), ',"dur":', _us_strings(ends - starts),
         ',"args":{', _args_strings(events), "}}",
     )
-    _remember_comm(placed, trace.rank, events, starts, ends, tids)
-    return lines.to_pylist(), threads
+    comm = np.flatnonzero(tids // _LANES_PER_TRACK == TRACKS.index("comm"))
+    placed = dict(zip(comm.tolist(), zip(tids[comm].tolist(), starts[comm].tolist())))
+    return lines.to_pylist(), threads, placed
 
 
-def _flow(ph: str, fid: int, name: str, where: tuple, ts: int) -> str:
-    pid, tid = where[0], where[1]
+def place_arrival(send: CommEnd, recv: CommEnd) -> tuple[int, int]:
+    """(start, end) of a message's arrival slice on the receiver.
+
+    It ends when the recv completed (the data was there) and starts ARRIVAL_NS earlier, but
+    never before the recv began (so it nests inside the recv) nor before the send began
+    (Perfetto makes the slice that starts first an arrow's source, so the arrow then runs
+    send -> arrival). Only a message that breaks causality (recv done before the send began)
+    gets a slice outside its recv, at the send's start."""
+    start = max(send.start, recv.start, recv.end - ARRIVAL_NS)
+    return start, max(recv.end, start + 1)
+
+
+def build_arrival_rows(index: CommIndex) -> dict[int, list[tuple[MessageKey, dict]]]:
+    """Receiver rank -> (message key, arrival row) for every matched message."""
+    out: dict[int, list] = defaultdict(list)
+    for key, send, recv in index.messages():
+        start, end = place_arrival(send, recv)
+        row = {"name": ARRIVAL, "cat": "comm", "start_ns": start, "end_ns": end, "iteration": recv.iteration,
+               "peer": key[0], "seq": key[2], "bytes": recv.bytes}
+        out[recv.rank].append((key, row))
+    return out
+
+
+def _flow(ph: str, fid: int, name: str, rank: int, place: tuple[int, int]) -> str:
+    tid, ts = place
     bind = ',"bp":"e"' if ph != "s" else ""
-    return f'{{"ph":"{ph}","id":{fid},"name":"{name}","cat":"flow","pid":{pid},"tid":{tid},"ts":{_us(ts)}{bind}}}'
+    return f'{{"ph":"{ph}","id":{fid},"name":"{name}","cat":"flow","pid":{rank},"tid":{tid},"ts":{_us(ts)}{bind}}}'
 
 
-def build_flow_events(placed: _Placed) -> list[str]:
-    """Flow lines: send -> matching recv, and a chain through each collective's members
-    (ordered by start) with one id per collective instance."""
-    lines, fid = [], 0
-    for key, send in sorted(placed.sends.items()):
-        recv = placed.recvs.get(key)
-        if recv is None:
-            continue
+def build_flow_events(index: CommIndex, placed: dict, arrival_rows: dict) -> tuple[list[str], int]:
+    """Flow lines and the number of arrows they make.
+
+    A message: "s" at its send's start, "f" at its arrival slice's start, one arrow send ->
+    arrival. A collective instance: a chain through its members in arrival order (ties by
+    rank), one id per instance, so the arrows lead to the member everybody waited for.
+    `placed[(rank, row)]` is where a row landed; `arrival_rows[key]` the arrival's (rank, row)."""
+    lines, fid, arrows = [], 0, 0
+    for key, send, _ in index.messages():
         fid += 1
-        # A point inside the recv, after the send started when causality allows.
-        inside = (max(recv[2], min(send[2], recv[3])) + recv[3]) // 2
-        lines += [_flow("s", fid, "p2p", send, send[2]), _flow("f", fid, "p2p", recv, inside)]
-    for (_, _), members in sorted(placed.collectives.items()):
+        arrive_rank, arrive_row = arrival_rows[key]
+        lines += [_flow("s", fid, "p2p", send.rank, placed[send.rank, send.row]),
+                  _flow("f", fid, "p2p", arrive_rank, placed[arrive_rank, arrive_row])]
+        arrows += 1
+    for _, members in sorted(index.collectives.items()):
         if len(members) < 2:
             continue
         fid += 1
-        members = sorted(members, key=lambda m: m[2])
-        for i, member in enumerate(members):
+        members = sorted(members, key=lambda m: (m.start, m.rank))
+        for i, m in enumerate(members):
             ph = "s" if i == 0 else "f" if i == len(members) - 1 else "t"
-            lines.append(_flow(ph, fid, "collective", member, member[2]))
-    return lines
+            lines.append(_flow(ph, fid, "collective", m.rank, placed[m.rank, m.row]))
+        arrows += len(members) - 1
+    return lines, arrows
 
 
 def _open_output(path: Path) -> tuple[IO[str], str]:
@@ -271,20 +279,45 @@ def _other_data(traces: list[RankTrace], report: AlignmentReport, origin: int, s
     }
 
 
-def _write_events(out: IO[str], traces: list[RankTrace], origin: int) -> tuple[int, int]:
-    """Write every trace event line; returns (span events, flow events)."""
-    placed, spans, first = _Placed(), 0, True
+@dataclass(frozen=True)
+class _Written:
+    spans: int  # recorded spans written
+    arrivals: int  # arrival slices added (one per matched message)
+    flows: int  # arrows: messages + (members - 1) per collective instance
+
+
+def _with_rows(events: pa.Table, rows: list[dict]) -> pa.Table:
+    if not rows:
+        return events
+    extra = pa.Table.from_batches([build_event_batch(rows)])
+    return pa.concat_tables([events, extra]).unify_dictionaries().combine_chunks()
+
+
+def _write_events(out: IO[str], traces: list[RankTrace], origin: int) -> _Written:
+    """Write every trace event line: each rank's spans and arrival slices, then the flows."""
+    tables = {t.rank: _span_table(t) for t in traces}
+    index = CommIndex()
+    for rank, table in tables.items():
+        add_rank_comm(index, rank, comm_rows(table))
+    arrivals = build_arrival_rows(index)
+    placed, arrival_at, spans, first = {}, {}, 0, True
     sort_index = _sort_indices(traces)
     for trace in traces:
-        lines, threads = _rank_span_events(trace, origin, placed)
-        spans += len(lines)
+        table = tables.pop(trace.rank)
+        spans += table.num_rows
+        mine = arrivals.get(trace.rank, [])
+        for k, (key, _) in enumerate(mine):
+            arrival_at[key] = (trace.rank, table.num_rows + k)
+        table = _with_rows(table, [row for _, row in mine])
+        lines, threads, rows_placed = _rank_span_events(trace.rank, table, origin)
+        placed.update({(trace.rank, row): where for row, where in rows_placed.items()})
         lines = _metadata_events(trace.meta, sort_index[trace.rank], threads) + lines
         out.write(("" if first else ",\n") + ",\n".join(lines))
         first = False
-    flows = build_flow_events(placed)
-    if flows:
-        out.write(",\n" + ",\n".join(flows))
-    return spans, len(flows)
+    flow_lines, arrows = build_flow_events(index, placed, arrival_at)
+    if flow_lines:
+        out.write(",\n" + ",\n".join(flow_lines))
+    return _Written(spans, len(arrival_at), arrows)
 
 
 def merge_traces(
@@ -299,6 +332,13 @@ def merge_traces(
     complete file. Raises what load_trace_dir raises for missing or malformed files."""
     began = time.perf_counter()
     traces, report = align_traces(load_trace_dir(trace_dir, ranks=ranks, iterations=iterations))
+    return write_merged(traces, report, out, began)
+
+
+def write_merged(traces: list[RankTrace], report: AlignmentReport, out: str | os.PathLike,
+                 began: float | None = None) -> MergeSummary:
+    """Write aligned `traces` as one Chrome trace JSON at `out`, atomically (gzip if .gz)."""
+    began = time.perf_counter() if began is None else began
     origin = compute_time_origin(traces)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -306,15 +346,40 @@ def merge_traces(
     try:
         with stream:
             stream.write('{"traceEvents": [\n')
-            spans, flows = _write_events(stream, traces, origin)
+            written = _write_events(stream, traces, origin)
             seconds = time.perf_counter() - began
-            stats = {"events": spans, "flows": flows, "seconds": round(seconds, 6),
-                     "events_per_s": round(spans / seconds, 1) if seconds > 0 else None}
+            spans = written.spans
+            stats = {"events": spans, "arrivals": written.arrivals, "flows": written.flows,
+                     "seconds": round(seconds, 6), "events_per_s": round(spans / seconds, 1) if seconds > 0 else None}
             other = json.dumps(_other_data(traces, report, origin, stats))
             stream.write(f'\n], "displayTimeUnit": "ms", "otherData": {other}}}\n')
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return MergeSummary(out=str(path), ranks=[t.rank for t in traces], events=spans,
-                        flows=flows, seconds=seconds, report=report)
+    return MergeSummary(out=str(path), ranks=[t.rank for t in traces], events=spans, arrivals=written.arrivals,
+                        flows=written.flows, seconds=seconds, report=report)
+
+
+def split_output_name(out: str | os.PathLike, first: int, last: int) -> Path:
+    """timeline.json.gz -> timeline.iter00010-00019.json.gz (iterations first..last)."""
+    path = Path(out)
+    name, dot, rest = path.name.partition(".")
+    return path.with_name(f"{name}.iter{first:05d}-{last:05d}{dot}{rest}")
+
+
+def merge_traces_split(trace_dir: str | os.PathLike, out: str | os.PathLike, per_file: int,
+                       ranks: Sequence[int] | None = None) -> list[MergeSummary]:
+    """Like merge_traces, but one file per `per_file` consecutive traced iterations (named by
+    split_output_name), so each stays small enough for the Perfetto UI. Clocks are aligned
+    once, on the whole trace. Messages and collectives crossing a file boundary get no arrow."""
+    if per_file < 1:
+        raise ValueError(f"iterations per file must be >= 1, got {per_file}")
+    traces, report = align_traces(load_trace_dir(trace_dir, ranks=ranks))
+    present = sorted(set().union(*(set(pc.unique(t.events.column("iteration")).to_pylist()) for t in traces)) - {-1})
+    summaries = []
+    for k in range(0, len(present), per_file):
+        chunk = present[k:k + per_file]
+        part = [replace(t, events=filter_iterations(t.events, set(chunk))) for t in traces]
+        summaries.append(write_merged(part, report, split_output_name(out, chunk[0], chunk[-1])))
+    return summaries

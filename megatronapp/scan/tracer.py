@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CATEGORIES, ITERATION
 from megatronapp.scan.format import (
-    CATEGORIES,
     SCHEMA_VERSION,
     TraceWriter,
     build_event_batch_from_columns,
@@ -36,7 +36,7 @@ GRANULARITIES = ("base", "full")
 # Span attributes a caller may set, in record order; values default to -1 / "".
 SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")
 _ATTR_DEFAULTS = (-1, -1, -1, "", "", -1, -1, -1)
-_SPAN_CATEGORIES = tuple(c for c in CATEGORIES if c != "calib")
+_SPAN_CATEGORIES = tuple(c for c in CATEGORIES if c != CAT_CALIB)
 _RECORDS_PER_GIL_SLICE = 64
 _INITIAL_EVENT_POOL = 4096  # CUDA timing events made at start (two per span)
 # Hand a window to the writer once this many spans are waiting, whatever flush_seconds says:
@@ -65,8 +65,13 @@ class TraceConfig:
     # with the training thread for the GIL, which costs a launch-bound step several percent
     # if it happens every iteration. A crash loses at most this much of the trace.
     flush_seconds: float = 5.0
+    # Windows waiting for the writer thread at most; past that a window is dropped and
+    # counted (Tracer.dropped_events), so a slow disk never grows memory or blocks a step.
+    max_pending_windows: int = 16
 
     def __post_init__(self) -> None:
+        if self.max_pending_windows < 1:
+            raise ValueError(f"max_pending_windows must be >= 1, got {self.max_pending_windows}")
         if self.interval < 1:
             raise ValueError(f"trace interval must be >= 1 iteration, got {self.interval}")
         if not 1 <= self.continuous_iterations <= self.interval:
@@ -257,25 +262,36 @@ def _build_window_batch(records: list, clock: Any, calib: tuple[int, int] | None
             cols[key].append(value)
         markers += (start, end)
     if calib is not None:
-        for key, value in zip(cols, ("clock", "calib", calib[0], calib[1], -1, *_ATTR_DEFAULTS)):
+        for key, value in zip(cols, ("clock", CAT_CALIB, calib[0], calib[1], -1, *_ATTR_DEFAULTS)):
             cols[key].append(value)
     clock.release(markers)
     return build_event_batch_from_columns(cols)
 
 
 class _BackgroundWriter:
-    """One thread that owns the TraceWriter: converts windows and appends them."""
+    """One thread that owns the TraceWriter: converts windows and appends them.
 
-    def __init__(self, writer: TraceWriter, clock: Any) -> None:
+    The queue holds at most `max_pending` windows; `submit` never blocks: a window that does
+    not fit is dropped (its CUDA events go back to the pool) and counted."""
+
+    def __init__(self, writer: TraceWriter, clock: Any, max_pending: int) -> None:
         self._writer, self._clock = writer, clock
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.error: BaseException | None = None
+        self.dropped_windows = self.dropped_events = 0
         self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, records: list, calib: tuple[int, int] | None = None) -> None:
-        """Queue a window; `calib` None means take the calibration pair after it."""
-        self._queue.put((records, calib))
+    def submit(self, records: list, calib: tuple[int, int] | None = None) -> bool:
+        """Queue a window (`calib` None: take the calibration pair after it); False if dropped."""
+        try:
+            self._queue.put_nowait((records, calib))
+            return True
+        except queue.Full:
+            self.dropped_windows += 1
+            self.dropped_events += len(records)
+            self._clock.release([m for r in records for m in (r[2], r[3])])
+            return False
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -290,7 +306,7 @@ class _BackgroundWriter:
                 warnings.warn(f"MegaScan writer for {self._writer.path} failed: {exc!r}", stacklevel=1)
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._queue.put(None)  # blocks until there is room: the writer drains what is queued
         self._thread.join()
         self._writer.close()
 
@@ -329,6 +345,7 @@ class Tracer:
         self._last_flush = time.monotonic()
         self._step_span: _Span | None = None
         self._background: _BackgroundWriter | None = None
+        self.dropped_events = 0  # events lost because the writer queue was full (final at close)
         self.meta = dict(meta)
         if not config.enabled:
             return
@@ -338,7 +355,7 @@ class Tracer:
         path = Path(config.trace_dir) / trace_file_name(int(self.meta["rank"]))
         writer = TraceWriter(path, self.meta)
         self.path = path
-        self._background = _BackgroundWriter(writer, self._clock)
+        self._background = _BackgroundWriter(writer, self._clock, config.max_pending_windows)
         # Start-of-run calibration pair, taken here: no step is running yet.
         self._background.submit([], self._clock.calibration_pair())
 
@@ -361,7 +378,7 @@ class Tracer:
         self._active = self.should_trace(iteration)
         self._layers_active = self._active and self.config.granularity == "full"
         if self._active:
-            self._step_span = _Span(self, "iteration", "step", _ATTR_DEFAULTS).start()
+            self._step_span = _Span(self, ITERATION, CAT_STEP, _ATTR_DEFAULTS).start()
 
     def step_end(self, iteration: int) -> None:
         """End iteration `iteration`; after the last one of a window, hand its records
@@ -378,6 +395,16 @@ class Tracer:
                or len(self._records) >= _FLUSH_RECORDS)
         if window_done and due:
             self._flush()
+
+    def cancel_step(self) -> None:
+        """Close the current iteration without recording it (its spans are dropped too): for
+        the unfinished tail of a program, whose teardown is not an iteration."""
+        if self._active:
+            dropped = [r for r in self._records if r[4] == self._iteration]
+            self._records = [r for r in self._records if r[4] != self._iteration]
+            self._clock.release([m for r in dropped for m in (r[2], r[3])])
+        self._step_span = None
+        self._active = self._layers_active = False
 
     @contextmanager
     def step(self, iteration: int) -> Iterator[None]:
@@ -427,7 +454,7 @@ class Tracer:
         Returns the no-op span outside traced iterations."""
         if not self._active:
             return NOOP_SPAN
-        return self._open(op, "comm", {"op": op, "group": group, "seq": seq, "peer": peer, "bytes": bytes}).start()
+        return self._open(op, CAT_COMM, {"op": op, "group": group, "seq": seq, "peer": peer, "bytes": bytes}).start()
 
     def close(self) -> None:
         """Flush what was recorded, write the end-of-stream marker and stop the writer
@@ -440,6 +467,10 @@ class Tracer:
         self._flush()
         background, self._background = self._background, None
         background.close()
+        self.dropped_events = background.dropped_events
+        if background.dropped_windows:
+            warnings.warn(f"MegaScan dropped {background.dropped_events} events ({background.dropped_windows} windows) "
+                          f"of {self.path}: the writer could not keep up", stacklevel=2)
         if background.error is not None:
             raise RuntimeError(f"MegaScan could not write {self.path}: {background.error!r}") from background.error
 

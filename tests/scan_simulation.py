@@ -60,10 +60,12 @@ class SimulatedJob:
     seed: int = 0
     slow_rank: int | None = None
     slow_factor: float = 1.0  # forward/backward compute of slow_rank takes this many times longer
+    slow_every: int = 1  # ... in iterations i with i % slow_every == 0 (intermittent when > 1)
     slow_link: tuple[int, int] | None = None  # (src, dst) global ranks
     link_delay_ns: int = 0  # added to every transfer on slow_link
     # "transfer": each message arrives link_delay_ns later (a slow wire); "before_wait": the
-    # receiver sleeps link_delay_ns before waiting (megatronapp.engine.faults on CPU), which a
+    # receiver sleeps link_delay_ns before waiting (the engine's CPU injection before late-arrival
+    # Works, kept to compare), which a
     # sender later than the delay hides completely.
     link_delay_mode: str = "transfer"
 
@@ -71,6 +73,8 @@ class SimulatedJob:
         for name in ("tp_size", "pp_size", "dp_size", "num_microbatches", "iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.slow_every < 1:
+            raise ValueError(f"slow_every must be >= 1, got {self.slow_every}")
         if self.slow_factor < 1.0:
             raise ValueError(f"slow_factor must be >= 1.0, got {self.slow_factor}")
         if self.slow_rank is not None and not 0 <= self.slow_rank < self.world_size:
@@ -175,7 +179,8 @@ class _ProgramBuilder:
         forward = kind is ActionKind.FORWARD
         work = job.forward_ns * (1.0 if forward else job.backward_ratio)
         work *= 1 + (job.first_stage_extra if pp == 0 else 0) + (job.last_stage_extra if pp == job.pp_size - 1 else 0)
-        work *= self.bias[rank] * (job.slow_factor if rank == job.slow_rank else 1.0)
+        slowed = rank == job.slow_rank and it % job.slow_every == 0
+        work *= self.bias[rank] * (job.slow_factor if slowed else 1.0)
         segments = job.tp_collectives_per_pass if job.tp_size > 1 else 1
         span = _Event("forward" if forward else "backward", "compute", 0, iteration=it, chunk=chunk, microbatch=mb)
         ops: list[tuple] = [("begin", span)]

@@ -1,0 +1,40 @@
+"""Load -> align -> detect: the one analysis pipeline over a trace directory.
+
+The `trace detect` CLI, the end-of-run report of `megatronapp train --trace` / `trace run`,
+`trace whatif`, `trace report` and the evaluation harness all call `analyze_trace_dir`, so they
+judge exactly the same events the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatronapp.scan.align import AlignmentReport, align_traces
+from megatronapp.scan.detect import DetectConfig, DetectionReport, detect
+from megatronapp.scan.format import RankTrace, load_trace_dir
+
+
+@dataclass(frozen=True)
+class TraceAnalysis:
+    """Aligned traces of one run, how they were aligned, and what detection found."""
+
+    traces: list[RankTrace]
+    alignment: AlignmentReport
+    detection: DetectionReport
+
+
+def analyze_traces(traces: list[RankTrace], config: DetectConfig = DetectConfig()) -> TraceAnalysis:
+    """Align already loaded traces and run detection on them."""
+    aligned, alignment = align_traces(traces)
+    return TraceAnalysis(aligned, alignment, detect(aligned, config=config))
+
+
+def analyze_trace_dir(trace_dir: str | os.PathLike, config: DetectConfig = DetectConfig(),
+                      ranks: Sequence[int] | None = None) -> TraceAnalysis:
+    """Load every rank file of `trace_dir` (or `ranks`), align and detect.
+
+    Raises what load_trace_dir raises (FileNotFoundError, TraceFormatError) and
+    DetectInputError; all are OSError or ValueError, with a message naming the file."""
+    return analyze_traces(load_trace_dir(trace_dir, ranks=ranks), config)

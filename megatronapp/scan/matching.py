@@ -1,0 +1,104 @@
+"""Which communication events belong together across ranks: the one place that matches them.
+
+Ranks never exchange anything to make this possible; the instrumentation's sequence numbers
+do it (see format.py):
+
+  * a p2p *message* is the send on src and the recv on dst with the same (src, dst, seq);
+  * a collective *instance* is every member's span with the same (group key, seq).
+
+`index_comm_events` reads the comm rows of a list of RankTraces (optionally through a per-rank
+time mapping, as clock alignment needs) and returns a `CommIndex`. Alignment, merge and
+detection all build on it, so they agree on what a message and an instance are.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from megatronapp.spans import P2P_OPS, SYNC_COLLECTIVES
+
+MessageKey = tuple[int, int, int]  # (src, dst, seq)
+InstanceKey = tuple[str, int]  # (group, seq)
+
+
+@dataclass(frozen=True)
+class CommEnd:
+    """One rank's span of a message or collective instance. `row` indexes the table it came from."""
+
+    rank: int
+    start: int
+    end: int
+    iteration: int
+    bytes: int
+    op: str
+    row: int
+
+
+@dataclass
+class CommIndex:
+    """Every keyed comm span of a set of ranks, by message and by collective instance."""
+
+    sends: dict[MessageKey, CommEnd] = field(default_factory=dict)
+    recvs: dict[MessageKey, CommEnd] = field(default_factory=dict)
+    collectives: dict[InstanceKey, list[CommEnd]] = field(default_factory=lambda: defaultdict(list))
+
+    def messages(self) -> Iterator[tuple[MessageKey, CommEnd, CommEnd]]:
+        """(key, send, recv) of every message both of whose ends were recorded, in key order."""
+        for key in sorted(self.sends.keys() & self.recvs.keys()):
+            yield key, self.sends[key], self.recvs[key]
+
+    def message_count(self) -> int:
+        return len(self.sends.keys() & self.recvs.keys())
+
+    def sync_instances(self) -> dict[InstanceKey, list[CommEnd]]:
+        """Instances of collectives whose members all leave together (SYNC_COLLECTIVES)."""
+        return {k: m for k, m in self.collectives.items() if m and m[0].op in SYNC_COLLECTIVES}
+
+
+def comm_rows(events: pa.Table) -> dict[str, np.ndarray]:
+    """Numpy columns (op, group, seq, peer, start_ns, end_ns, iteration, bytes, row) of the
+    keyed comm rows of one rank's table (seq >= 0); strings as object arrays."""
+    is_comm = pc.equal(events.column("cat").cast(pa.string()), "comm")
+    keyed = pc.and_(is_comm, pc.greater_equal(events.column("seq"), 0))
+    rows = np.flatnonzero(np.asarray(keyed.to_numpy(zero_copy_only=False), dtype=bool))
+    sub = events.take(pa.array(rows, pa.int64()))
+    out = {"row": rows}
+    for name in ("op", "group"):
+        out[name] = np.array(sub.column(name).cast(pa.string()).to_pylist(), dtype=object)
+    for name in ("seq", "peer", "start_ns", "end_ns", "iteration", "bytes"):
+        out[name] = sub.column(name).to_numpy().astype(np.int64)
+    return out
+
+
+def add_rank_comm(index: CommIndex, rank: int, cols: dict[str, np.ndarray],
+                  to_timeline: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+    """Add one rank's comm_rows to `index`, times mapped through `to_timeline` if given."""
+    starts, ends = cols["start_ns"], cols["end_ns"]
+    if to_timeline is not None:
+        starts, ends = to_timeline(starts), to_timeline(ends)
+    fields = zip(cols["op"].tolist(), cols["group"].tolist(), cols["seq"].tolist(), cols["peer"].tolist(),
+                 starts.tolist(), ends.tolist(), cols["iteration"].tolist(), cols["bytes"].tolist(),
+                 cols["row"].tolist())
+    for op, group, seq, peer, start, end, iteration, nbytes, row in fields:
+        end_ = CommEnd(rank, start, end, iteration, nbytes, op, row)
+        if op == "send" and peer >= 0:
+            index.sends[rank, peer, seq] = end_
+        elif op == "recv" and peer >= 0:
+            index.recvs[peer, rank, seq] = end_
+        elif op and op not in P2P_OPS and group:
+            index.collectives[group, seq].append(end_)
+
+
+def index_comm_events(traces: list, to_timeline: dict[int, Callable] | None = None) -> CommIndex:
+    """Index the keyed comm spans of `traces` (RankTraces); `to_timeline[rank]` maps its times."""
+    index = CommIndex()
+    for trace in traces:
+        mapping = None if to_timeline is None else to_timeline[trace.rank]
+        add_rank_comm(index, trace.rank, comm_rows(trace.events), mapping)
+    return index

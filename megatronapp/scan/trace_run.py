@@ -1,0 +1,105 @@
+"""`megatronapp trace run [options] -- SCRIPT ARGS...`: trace an unmodified program on local ranks.
+
+Launches SCRIPT on `--nproc-per-node` ranks through torch's own launcher (standalone torchrun),
+each rank under `python -m megatronapp.scan.run` (zero-code tracing, autotrace.py), then merges
+the rank files into TRACE_DIR/timeline.json and prints the detection report. Settings and
+faults reach the ranks as MEGATRONAPP_TRACE_* / MEGATRONAPP_INJECT_* environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from megatronapp.engine.faults import FaultSpecError, fault_env, parse_fault_plan
+from megatronapp.scan.autotrace import AutoTraceConfig
+
+
+def add_trace_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
+    parser.add_argument("--trace-dir", default="runs/trace", help="where rank*.mscan and timeline.json go")
+    parser.add_argument("--trace-granularity", choices=("base", "full"), default="base",
+                        help="full: also every module's forward and backward")
+    parser.add_argument("--trace-interval", type=int, default=1, help="trace K iterations every N (iteration 0 never)")
+    parser.add_argument("--continuous-trace-iterations", type=int, default=1)
+    parser.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
+    parser.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
+    parser.add_argument("--json", action="store_true", help="print the detection report as JSON")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT.py ARGS...")
+    parser.set_defaults(func=run_trace_run)
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], AutoTraceConfig]:
+    """The script command and the trace config; ValueError with a one-line reason otherwise."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ValueError("no program given: megatronapp trace run [options] -- SCRIPT.py ARGS...")
+    if not command[0].endswith(".py") or not Path(command[0]).is_file():
+        raise ValueError(f"{command[0]} is not a Python script file")
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(args.nproc_per_node)
+    config = AutoTraceConfig(trace_dir=args.trace_dir, granularity=args.trace_granularity,
+                             interval=args.trace_interval, continuous_iterations=args.continuous_trace_iterations)
+    return command, config
+
+
+def _launch(command: list[str], nproc: int) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    run_args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "--monitor-interval",
+                                             "0.1", "--module", "megatronapp.scan.run", *command])
+    try:
+        run(run_args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"megatronapp trace run: rank {rank} failed (exit code {failure.exitcode}): {failure.message}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_trace_run(args: argparse.Namespace) -> int:
+    """Handler of `trace run`: 2 on bad input, 1 if a rank failed, else 0 (report printed)."""
+    try:
+        command, config = _check(args)
+    except (ValueError, FaultSpecError) as exc:
+        print(f"megatronapp trace run: error: {exc}", file=sys.stderr)
+        return 2
+    trace_dir = Path(config.trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for stale in trace_dir.glob("rank*.mscan"):  # a smaller world must not merge an older run's ranks
+        stale.unlink()
+    os.environ.update(config.to_env())
+    os.environ.update(fault_env(args.inject_slowdown, args.inject_link_delay))
+    os.environ.setdefault("MEGATRONAPP_RUN_ID", uuid.uuid4().hex[:12])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    os.environ.setdefault("LOGLEVEL", "ERROR")
+    code = _launch(command, args.nproc_per_node)
+    if code:
+        return code
+    return _report(config.trace_dir, args.json)
+
+
+def _report(trace_dir: str, as_json: bool) -> int:
+    import json
+
+    from megatronapp.scan.analysis import analyze_trace_dir
+    from megatronapp.scan.detect import render_report, report_to_json
+    from megatronapp.scan.merge import merge_traces
+
+    out = Path(trace_dir) / "timeline.json"
+    summary = merge_traces(trace_dir, out)
+    analysis = analyze_trace_dir(trace_dir)
+    if as_json:
+        print(json.dumps({"timeline": str(out), "events": summary.events, "flows": summary.flows,
+                          **report_to_json(analysis.detection)}, indent=2))
+        return 0
+    print(f"MegaScan: merged {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows -> {out}")
+    print("  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
+    print(render_report(analysis.detection), end="")
+    return 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatronapp import spans
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.trainer import Trainer
 from megatronapp.fbd.config import FbdConfig
@@ -97,14 +98,14 @@ class BackwardRuntime:
         x = None
         if not first:
             posted, spec = it.posted.pop(m), self.model.input_spec(0, tokens)
-            with self.waits.on_other_role(self.tracer, "wait_forward"):
+            with self.waits.on_other_role(self.tracer, spans.WAIT_FORWARD):
                 message = posted.wait()
             x = unframe(message, (it.index, m), "stage input", posted.source).view(spec.shape)
             x = x.to(self.device, spec.dtype).requires_grad_(True)
             it.inputs[m] = x
         ctx = MicrobatchContext(it.index, m, 0, first, last)
         self.faults.before_compute()
-        with self.tracer.span("forward"), self.compute_timer.measure(), self._compute():
+        with self.tracer.span(spans.FORWARD), self.compute_timer.measure(), self._compute():
             out, loss_fn = self.model.forward_step(0, x, tokens, ctx)
             if last:
                 out = loss_fn(out) / self.num_microbatches
@@ -127,7 +128,7 @@ class BackwardRuntime:
         out, grad = it.outputs.pop(m), it.grads.pop(m, None)
         if grad is None and self.grad_scale_func is not None:
             out = self.grad_scale_func(out)
-        with self.tracer.span("backward"), self.compute_timer.measure(), self._compute():
+        with self.tracer.span(spans.BACKWARD), self.compute_timer.measure(), self._compute():
             torch.autograd.backward(out, grad)
 
     def _send_grad(self, a: FbdAction, it: _Iteration) -> None:
@@ -137,7 +138,7 @@ class BackwardRuntime:
     def _recv_losses(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         posted = PostedRecv(1 + self.num_microbatches, src, self.link_device)
-        with self.waits.on_other_role(self.tracer, "wait_forward"):
+        with self.waits.on_other_role(self.tracer, spans.WAIT_FORWARD):
             message = posted.wait()
         forward = unframe(message, (it.index,), "forward losses", src).to(self.device)
         recomputed = torch.stack(it.losses) * self.num_microbatches

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatronapp.config import JobConfig
+from megatronapp import spans
 from megatronapp.engine.checkpoint import find_latest
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import params_dtype
@@ -118,7 +119,7 @@ class ForwardWorker:
     def _recv_weights(self, a: FbdAction, it: _Iteration) -> None:
         posted = {src: PostedRecv(weight_message_numel(self.chunk, pcs), src, self.link_device)
                   for src, pcs in self.weight_pieces.items()}
-        with self.waits.on_other_role(self.tracer, "wait_weights"):
+        with self.waits.on_other_role(self.tracer, spans.WAIT_WEIGHTS):
             messages = {src: p.wait() for src, p in posted.items()}
         for src, message in messages.items():  # a forward worker never runs iteration i with other weights
             unpack_weights(self.chunk, self.weight_pieces[src], message.to(self.device), it.index, src)
@@ -132,7 +133,7 @@ class ForwardWorker:
 
     def _send_input(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs[a.microbatch]
-        waiting = lambda: self.waits.on_other_role(self.tracer, "wait_backward")  # noqa: E731
+        waiting = lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD)  # noqa: E731
         tags = (it.index, a.microbatch)
         if not self.slice_for_targets:
             self.hand_off.post([(frame(tags, x, self.link_device), a.peers)], waiting)
@@ -153,7 +154,7 @@ class ForwardWorker:
                 it.outputs[a.microbatch] = torch.zeros(self.model.output_spec(0, tokens).shape, device=self.device)
             return
         self.faults.before_compute()
-        with torch.no_grad(), self.tracer.span("forward"):
+        with torch.no_grad(), self.tracer.span(spans.FORWARD):
             out, loss_fn = self.model.forward_step(0, x, tokens, ctx)
             if last:
                 out = loss_fn(out)
@@ -168,7 +169,7 @@ class ForwardWorker:
 
     def _send_losses(self, a: FbdAction, it: _Iteration) -> None:
         message = frame((it.index,), torch.stack(it.losses), self.link_device)
-        self.hand_off.post([(message, a.peers)], lambda: self.waits.on_other_role(self.tracer, "wait_backward"))
+        self.hand_off.post([(message, a.peers)], lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD))
 
     _HANDLERS = {Op.RECV_WEIGHTS: _recv_weights, Op.RECV_ACT: _recv_act, Op.SEND_INPUT: _send_input,
                  Op.FORWARD: _forward, Op.SEND_ACT: _send_act, Op.SEND_LOSSES: _send_losses}

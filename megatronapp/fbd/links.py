@@ -15,6 +15,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from megatronapp import spans
+
 
 class RoleWaits:
     """Seconds this rank spent blocked on the other role (backward on forward or vice versa)."""
@@ -25,7 +27,7 @@ class RoleWaits:
     @contextlib.contextmanager
     def on_other_role(self, tracer, name: str):
         t0 = time.perf_counter()
-        with tracer.span(name, cat="comm"):
+        with tracer.span(name, cat=spans.CAT_COMM):
             yield
         self.on_other_role_s += time.perf_counter() - t0
 

@@ -46,7 +46,8 @@ def compute_weight_pieces(params: dict[str, tuple[tuple[int, ...], int | None]],
             continue
         n = shape[dim]
         if n % tp_size or n % ftp_size:
-            raise ValueError(f"{name}: dim {dim} of size {n} is not divisible by TP {tp_size} and forward TP {ftp_size}")
+            raise ValueError(f"{name}: dim {dim} of size {n} is not divisible by TP {tp_size} "
+                             f"and forward TP {ftp_size}")
         src_lo, src_hi = tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size
         dst_lo, dst_hi = ftp_rank * n // ftp_size, (ftp_rank + 1) * n // ftp_size
         lo, hi = max(src_lo, dst_lo), min(src_hi, dst_hi)
@@ -102,7 +103,8 @@ def unpack_weights(module: nn.Module, pieces: list[WeightPiece], message: torch.
 
 def frame(tags: tuple[int, ...], payload: torch.Tensor, device) -> torch.Tensor:
     """[tags..., payload.flatten()] as fp32 on `device`."""
-    return torch.cat([torch.tensor([float(t) for t in tags], device=device), payload.detach().float().reshape(-1).to(device)])
+    head = torch.tensor([float(t) for t in tags], device=device)
+    return torch.cat([head, payload.detach().float().reshape(-1).to(device)])
 
 
 def unframe(message: torch.Tensor, expected: tuple[int, ...], what: str, source: int) -> torch.Tensor:

@@ -73,7 +73,8 @@ def _check_rank(rank: int, actions: list[FbdAction], num_microbatches: int) -> N
         for it in sorted({a.iteration for a in actions if a.op is op}):
             missing = [m for m in range(num_microbatches) if (op, it, m) not in index]
             if missing:
-                raise _fail(rank, len(actions), None, f"{op.value} of iteration {it} never runs microbatch {missing[0]}")
+                raise _fail(rank, len(actions), None,
+                            f"{op.value} of iteration {it} never runs microbatch {missing[0]}")
 
 
 def _match_p2p(plan: dict[int, list[FbdAction]]) -> dict[tuple[int, int], list[tuple[int, int]]]:

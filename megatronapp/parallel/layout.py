@@ -207,7 +207,8 @@ class RoleLayout:
 
     def tp_overlap(self, tp: int, ftp: int) -> bool:
         """Do backward TP slice `tp` and forward TP slice `ftp` of a split tensor intersect?"""
-        return tp * self.forward_tp_size < (ftp + 1) * self.tp_size and ftp * self.tp_size < (tp + 1) * self.forward_tp_size
+        tp_size, ftp_size = self.tp_size, self.forward_tp_size  # compare in units of 1 / (TP * TF)
+        return tp * ftp_size < (ftp + 1) * tp_size and ftp * tp_size < (tp + 1) * ftp_size
 
     def weight_sources(self, ftp: int, dp: int, pp: int) -> list[int]:
         """Backward ranks whose shards forward worker (ftp, dp, pp) receives, in TP order."""

@@ -19,13 +19,13 @@ from fbd_jobs import fbd_losses, fbd_train_and_report, plain_losses
 from megatronapp.fbd.config import FbdConfig
 
 CASES = {
-    # name: (backward world, tp, pp, tf, hidden dropout)
-    "pp2_tf1": (2, 1, 2, 1, False),
-    "tp2_pp2_tf1": (4, 2, 2, 1, False),
-    "dp2_pp2": (4, 1, 2, 1, False),  # world 8
-    "pp2_hidden_dropout": (2, 1, 2, 1, True),
-    "tp2_tf1_hidden_dropout": (2, 2, 1, 1, True),
-    "dp2_distributed_optimizer": (2, 1, 1, 1, False),  # weights published from gathered shards
+    # name: (backward world, tp, pp, tf, dropout: None | "hidden" | "both" (hidden and attention))
+    "pp2_tf1": (2, 1, 2, 1, None),
+    "tp2_pp2_tf1": (4, 2, 2, 1, None),
+    "dp2_pp2": (4, 1, 2, 1, None),  # world 8
+    "pp2_hidden_and_attention_dropout": (2, 1, 2, 1, "both"),  # TF = TP: the same tracked streams
+    "tp2_tf1_hidden_dropout": (2, 2, 1, 1, "hidden"),
+    "dp2_distributed_optimizer": (2, 1, 1, 1, None),  # weights published from gathered shards
 }
 
 
@@ -39,7 +39,9 @@ def cluster():
 def _job(backward_world, tp, pp, dropout, iters=3, **train_kw):
     job = make_job(backward_world, tp, pp, iters=iters, **train_kw)
     if dropout:
-        job = dataclasses.replace(job, model=dataclasses.replace(job.model, hidden_dropout=0.2))
+        attention = 0.1 if dropout == "both" else 0.0
+        job = dataclasses.replace(job, model=dataclasses.replace(job.model, hidden_dropout=0.2,
+                                                                 attention_dropout=attention))
     return job
 
 
@@ -78,9 +80,10 @@ def test_fbd_trains_the_same_numbers_as_the_plain_engine(cluster, name):
 
 def test_dropout_masks_are_really_on(cluster):
     """Guard for the dropout cases above: with dropout the losses differ from without."""
-    with_dropout = cluster.run(plain_losses, 2, _job(2, 1, 2, True), 1)[0]
-    without = cluster.run(plain_losses, 2, _job(2, 1, 2, False), 1)[0]
-    assert with_dropout != pytest.approx(without, rel=1e-4)
+    hidden = cluster.run(plain_losses, 2, _job(2, 1, 2, "hidden"), 1)[0]
+    both = cluster.run(plain_losses, 2, _job(2, 1, 2, "both"), 1)[0]
+    without = cluster.run(plain_losses, 2, _job(2, 1, 2, None), 1)[0]
+    assert hidden != without and both != hidden  # each kind of mask changes the numbers
 
 
 @pytest.mark.parametrize("seed, ahead, roles", [
@@ -90,7 +93,7 @@ def test_dropout_masks_are_really_on(cluster):
 def test_random_delays_in_either_role_never_deadlock(cluster, seed, ahead, roles):
     """Seeded random sleeps before the compute actions of one or both roles shuffle the
     arrival order of messages; the job must finish (hard timeout) with the undisturbed numbers."""
-    job = _job(2, 1, 2, False, iters=2)
+    job = _job(2, 1, 2, None, iters=2)
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, global_batch_size=6))
     fbd = FbdConfig(max_ahead=ahead, random_delay_ms=15.0, delay_seed=seed, delayed_roles=roles)
     delayed = cluster.run(fbd_losses, 4, job, fbd, 2, timeout=120)
@@ -98,7 +101,7 @@ def test_random_delays_in_either_role_never_deadlock(cluster, seed, ahead, roles
 
 
 def test_resume_from_an_fbd_checkpoint_and_load_it_without_fbd(cluster, tmp_path):
-    job = _job(2, 1, 2, True, iters=4)
+    job = _job(2, 1, 2, "hidden", iters=4)
     fbd = FbdConfig(max_ahead=2)
     straight = cluster.run(fbd_losses, 4, job, fbd, 4)[0]
     head = cluster.run(fbd_losses, 4, job, fbd, 2, str(tmp_path))[0]
@@ -106,7 +109,18 @@ def test_resume_from_an_fbd_checkpoint_and_load_it_without_fbd(cluster, tmp_path
     assert head + tail == straight  # bit-exact resume under FBD
     plain_tail = cluster.run(plain_losses, 2, job, 2, str(tmp_path))[0]
     assert plain_tail == straight[2:]  # the same checkpoint continues identically without FBD
-    one = _job(1, 1, 1, True, iters=4)  # and in another layout (one process)
+    one = _job(1, 1, 1, "hidden", iters=4)  # and in another layout (one process)
     torch.set_num_threads(1)
     single = plain_losses(0, 1, one, 1, str(tmp_path))
     assert single[0] == pytest.approx(straight[2], rel=1e-5)
+
+
+def test_resume_with_attention_dropout_restores_the_forward_workers_streams(cluster, tmp_path):
+    """Attention dropout draws from per-(tp, pp) streams that forward workers replay in step
+    with their twins; a resumed forward worker takes its twin's saved stream state."""
+    job = _job(2, 1, 2, "both", iters=4)
+    fbd = FbdConfig(max_ahead=1)
+    straight = cluster.run(fbd_losses, 4, job, fbd, 4)[0]
+    head = cluster.run(fbd_losses, 4, job, fbd, 2, str(tmp_path))[0]
+    tail = cluster.run(fbd_losses, 4, job, fbd, 2, None, str(tmp_path))[0]
+    assert head + tail == straight

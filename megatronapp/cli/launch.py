@@ -45,6 +45,27 @@ def prepare_trace_dir(args: argparse.Namespace) -> None:
         f.unlink()
 
 
+# What a rank reports when it fails only because a peer died (gloo / NCCL wording).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+              "communicator was aborted", "ncclRemoteError")
+
+
+def pick_root_failure(failures: dict) -> tuple[int, object, str]:
+    """(rank, failure, message) of the failure that caused the others: error files carry
+    whole-second timestamps, so ties are broken by preferring a rank whose error is not
+    'a peer went away' (those are the victims), then the earliest, then the lowest rank."""
+    def message(f) -> str:  # a dict with the traceback when the rank recorded its error
+        m = f.message
+        return str(m.get("message", m)) if isinstance(m, dict) else str(m)
+
+    def key(item):
+        rank, f = item
+        return (any(s in message(f) for s in _PEER_LOST), f.timestamp, rank)
+
+    rank, failure = min(failures.items(), key=key)
+    return rank, failure, message(failure)
+
+
 def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -61,9 +82,7 @@ def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
     try:
         run(run_args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        message = failure.message  # a dict with the traceback when the rank recorded its error
-        message = message.get("message", message) if isinstance(message, dict) else message
+        rank, failure, message = pick_root_failure(exc.failures)
         print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
         return 1
     saved = json.loads(summary.read_text()) if summary.is_file() else {}

@@ -88,7 +88,7 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     if args.forward_backward_disaggregating:
         from megatronapp.fbd.launch import CliParts, run_fbd_rank
 
-        injector = (lambda r, d: FaultInjector(plan, r, d) if (plan.slowdowns or plan.link_delays_ms) else None)
+        injector = (lambda r, d: None if plan.empty else FaultInjector(plan, r, d))
         return run_fbd_rank(args, job, tokenizer,
                             CliParts(_build_data, _build_tracer, _train_loop, injector, _maybe_load))
     device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatronapp.config import JobConfig
 from megatronapp import spans
+from megatronapp.config import JobConfig
 from megatronapp.engine.checkpoint import find_latest
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import params_dtype

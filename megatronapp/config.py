@@ -95,7 +95,7 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return replace(MODEL_PRESETS[name], **overrides)
 
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
     seed: int = 1234
-    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (interleaved needs virtual stages)
+    schedule: str = "1f1b"  # one of SCHEDULES; interleaved needs virtual stages; dynamic: megatronapp/dpp
     # Mixed precision as Megatron: bf16/fp16 params and activations, fp32 main grads and
     # master weights (engine.mixed_precision). fp16 uses loss scaling: static when
     # loss_scale is set, else dynamic (engine.grad_scaler).
@@ -219,8 +219,9 @@ def validate_job(job: JobConfig) -> None:
         if m.seq_length % lay.tp_size:
             raise ConfigError(f"--sequence-parallel needs seq length {m.seq_length} divisible by "
                               f"tensor-parallel size {lay.tp_size}")
-    if lay.virtual_pp_size > 1 and t.schedule != "interleaved":
-        raise ConfigError(f"virtual pipeline stages need the interleaved schedule, not {t.schedule!r}")
+    if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "breadth-first", "dynamic"):
+        raise ConfigError(f"virtual pipeline stages need the interleaved, breadth-first or dynamic schedule, "
+                          f"not {t.schedule!r}")
     if t.schedule == "interleaved":
         if lay.virtual_pp_size < 2:
             raise ConfigError("the interleaved schedule needs --num-layers-per-virtual-pipeline-stage "

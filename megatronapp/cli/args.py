@@ -23,6 +23,7 @@ from megatronapp.config import (
     model_preset,
     validate_job,
 )
+from megatronapp.dpp.config import add_dpp_arguments
 from megatronapp.model.recompute import GRANULARITIES, METHODS
 
 # flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
@@ -124,6 +125,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
     g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
     add_fbd_arguments(p)
+    add_dpp_arguments(p)
 
 
 def _positive(args, names) -> None:

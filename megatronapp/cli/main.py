@@ -4,8 +4,11 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m megatronapp.cli.main train ... # multi-node
     megatronapp trace merge DIR -o timeline.json
     megatronapp trace detect DIR [--json]
+    megatronapp generate --load CKPT --prompt TEXT [--nproc-per-node N ...]
+    megatronapp scope capture|report ...
     megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
     megatronapp import hf --from DIR --save CKPT
+    megatronapp schedule simulate|show ...                                  # MegaDPP
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched.
@@ -22,6 +25,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments, build_job_config
 from megatronapp.config import ConfigError
+from megatronapp.dpp.cli import add_schedule_subcommands
+from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.engine.faults import FaultSpecError, fault_plan_from_env, parse_fault_plan
 
 
@@ -34,9 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     from megatronapp.scan.cli import add_trace_subcommands
 
     add_trace_subcommands(sub)
+    from megatronapp.inference.cli import add_generate_subcommand
+    from megatronapp.scope.cli import add_scope_subcommands
+
     from megatronapp.interop.cli import add_interop_subcommands
 
+    add_generate_subcommand(sub)
+    add_scope_subcommands(sub)
     add_interop_subcommands(sub)
+    add_schedule_subcommands(sub)
     return parser
 
 
@@ -52,6 +63,7 @@ def check_train_args(args: argparse.Namespace):
     world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
+    check_dpp_job(args, job)
     plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
     (fault_plan_from_env() if plan.empty else plan).check(world)
     if args.load and has_checkpoint(args.load):
@@ -105,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args, argv)
+    if hasattr(args, "run_with_argv"):  # commands that may launch ranks themselves (generate, scope capture)
+        return args.run_with_argv(args, argv)
     return args.func(args)
 
 

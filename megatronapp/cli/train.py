@@ -22,6 +22,7 @@ from megatronapp.cli.args import build_job_config
 from megatronapp.cli.progress import TrainProgress
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
 from megatronapp.data.tokenizer import load_tokenizer
+from megatronapp.dpp.setup import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.faults import FaultInjector, fault_plan_from_env, parse_fault_plan
 from megatronapp.engine.link_delay import install_link_delays
@@ -103,7 +104,9 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
         link_delays = install_link_delays(plan, rank) if device.type == "cpu" else None
         tracer, instrumentation = _build_tracer(args, job, groups, device)
         injector = None if plan.empty else FaultInjector(plan, rank, device)
-        trainer = Trainer(job, groups, device, data, injector=injector, **({"tracer": tracer} if tracer else {}))
+        injector, runtime_factory = build_dpp_hooks(args, job, rank, device, injector)
+        trainer = Trainer(job, groups, device, data, injector=injector, runtime_factory=runtime_factory,
+                          **({"tracer": tracer} if tracer else {}))
         _maybe_load(job, trainer, data, rank)
         return _train_loop(args, job, trainer, data, rank, injector)
     finally:

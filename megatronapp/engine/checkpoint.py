@@ -141,6 +141,19 @@ def _slice(full: torch.Tensor, dim: int | None, tp_size: int, tp_rank: int) -> t
     return full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
 
 
+def load_model_params(load_dir: str | os.PathLike, chunks, tp_size: int, tp_rank: int) -> dict:
+    """Copy the latest checkpoint's parameters (any saved layout) into `chunks`; returns its meta.
+
+    For inference and tools: no optimizer state, RNG or data position is touched.
+    """
+    folder = find_latest(load_dir)
+    reader = _ShardReader(folder)
+    with torch.no_grad():
+        for name, p in _named_params(chunks).items():
+            p.copy_(_slice(reader.full(name, "params"), p.tp_split_dim, tp_size, tp_rank))
+    return json.loads((folder / "meta.json").read_text())
+
+
 def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
     """Load the latest checkpoint into `trainer` (any saved layout); returns its iteration."""
     folder = find_latest(load_dir)

@@ -64,8 +64,6 @@ class _PendingStep:
 class Trainer:
     def __init__(self, job: JobConfig, groups: ParallelGroups, device: torch.device, data, *,
                  tracer=NULL_TRACER, injector=None, schedule=None, runtime_factory=None):
-        """runtime_factory: builds what executes each step's forward/backward, with
-        PipelineRuntime's signature (a module such as MegaFBD plugs in its own here)."""
         self.job, self.groups, self.device, self.data = job, groups, device, data
         lay, t = job.layout, job.train
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
@@ -77,16 +75,19 @@ class Trainer:
         if job.train.compile:
             apply_compile(self.chunks)
         self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job.train, groups, device)
-        self.schedule = schedule or build_schedule(job.train.schedule, lay.pp_size, lay.virtual_pp_size,
-                                                   job.num_microbatches)
-        validate_schedule(self.schedule)
         self.model = GPTPipelineModel(self.chunks, job.model, seed=t.seed, dp_rank=groups.dp_rank,
                                       num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
                                       tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
                                       attention_backend=t.attention_backend)
-        self.runtime = (runtime_factory or PipelineRuntime)(self.model, groups, self.schedule, device=device,
-                                                            tracer=tracer, reducer=self.reducer, injector=injector,
-                                                            grad_scale_func=self.optimizer.scale_loss)
+        runtime_kw = dict(device=device, tracer=tracer, reducer=self.reducer, injector=injector,
+                          grad_scale_func=self.optimizer.scale_loss)
+        if runtime_factory is not None:  # decisions at run time (e.g. megatronapp.dpp): no static schedule
+            self.schedule, self.runtime = None, runtime_factory(self.model, groups, **runtime_kw)
+        else:
+            self.schedule = schedule or build_schedule(job.train.schedule, lay.pp_size, lay.virtual_pp_size,
+                                                       job.num_microbatches)
+            validate_schedule(self.schedule)
+            self.runtime = PipelineRuntime(self.model, groups, self.schedule, **runtime_kw)
         self.iteration = 0  # optimizer steps completed
         self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.set_tracer(tracer)

@@ -43,16 +43,17 @@ class _Iteration:
 
 class BackwardRuntime:
     """Executes compute_backward_actions up to the trainer's collectives: the Trainer's runtime
-    (built through Trainer(runtime_factory=...), PipelineRuntime's signature plus FBD's settings)."""
+    (built through Trainer(runtime_factory=...): the engine's runtime arguments plus FBD's settings)."""
 
-    def __init__(self, model, groups: ParallelGroups, schedule, *, device, tracer, reducer, injector,
-                 grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, link_device: torch.device):
+    def __init__(self, model, groups: ParallelGroups, *, device, tracer, reducer, injector,
+                 grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, link_device: torch.device,
+                 num_microbatches: int):
         lay, c = roles.layout, roles.coords
         self.model, self.reducer, self.fbd, self.roles = model, reducer, fbd, roles
         self.grad_scale_func = grad_scale_func  # fp16 loss scaling, applied before backward
         self.device, self.tracer, self.link_device = device, tracer, link_device
         (self.chunk,) = model.chunks
-        self.num_microbatches = schedule.num_microbatches
+        self.num_microbatches = num_microbatches
         specs = full_param_specs(self.chunk, lay.tp_size)
         self.weight_pieces = {dst: compute_weight_pieces(specs, lay.tp_size, c.tp, lay.forward_tp_size,
                                                          lay.role_of(dst).tp)
@@ -158,7 +159,8 @@ class BackwardWorker:
 
     def __init__(self, job, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
                  link_device: torch.device, tracer=NULL_TRACER, injector=None):
-        factory = functools.partial(BackwardRuntime, fbd=fbd, roles=groups, link_device=link_device)
+        factory = functools.partial(BackwardRuntime, fbd=fbd, roles=groups, link_device=link_device,
+                                    num_microbatches=job.num_microbatches)
         self.trainer = Trainer(job, groups.parallel, device, data, tracer=tracer, injector=injector,
                                runtime_factory=factory)
         self.runtime = self.trainer.runtime

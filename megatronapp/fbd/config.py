@@ -47,6 +47,9 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
     m, tf = job.model, cfg.forward_tp_size
     if job.layout.virtual_pp_size != 1:
         raise ConfigError("forward-backward disaggregation does not support virtual pipeline stages")
+    if job.train.schedule == "dynamic":
+        raise ConfigError("forward-backward disaggregation runs its own action lists: "
+                          "--pipeline-schedule dynamic does not apply")
     for what, size in (("num attention heads", m.num_attention_heads), ("ffn hidden size", m.ffn_size),
                        ("padded vocab size", m.padded_vocab_size)):
         if size % tf:

@@ -29,7 +29,7 @@ from megatronapp.parallel.layout import RoleLayout
 class CliParts:
     build_data: Callable  # (args, tokenizer, job, groups: ParallelGroups) -> batch iterator
     build_tracer: Callable  # (args, job, groups, device, rank_meta_overrides) -> (tracer | None, instrumentation)
-    train_loop: Callable  # (args, job, trainer, data, rank) -> metrics history (logs, saves, summary)
+    train_loop: Callable  # (args, job, trainer, data, rank, injector) -> metrics history (logs, saves, summary)
     build_injector: Callable  # (rank, device) -> engine fault injector or None
     maybe_load: Callable  # (job, trainer, data, rank): resume from --load when it holds a checkpoint
 
@@ -80,9 +80,10 @@ def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: Cli
                 worker.load(job.train.load)
             worker.train(job.train.train_iters)
         else:
-            worker = BackwardWorker(job, fbd, groups, device, data, injector=parts.build_injector(rank, device), **kw)
+            injector = parts.build_injector(rank, device)
+            worker = BackwardWorker(job, fbd, groups, device, data, injector=injector, **kw)
             parts.maybe_load(job, worker.trainer, data, rank)
-            history = parts.train_loop(args, job, worker.trainer, data, rank)
+            history = parts.train_loop(args, job, worker.trainer, data, rank, injector)
         stats = gather_role_waits(worker, lay, rank, device if _backend(args) == "nccl" else None)
         if rank == 0 and args.summary_file:
             _add_summary_rows(Path(args.summary_file), stats)

@@ -83,13 +83,18 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(f"{name}.qkv", h, 3 * h, std=cfg.init_method_std, **kw)
         self.proj = RowParallelLinear(f"{name}.proj", h, h, std=out_std, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, S, 3H/TP): sequence shards are gathered by the column-parallel linear
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, nh, S, D)
-        q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
-        if self.options.recompute.granularity == "selective" and self.training:
+        if cache is None:  # with a cache, cos/sin are already per row and column (B, 1, S, D/2)
+            cos, sin = cos[:s], sin[:s]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:  # inference: earlier steps' keys/values and the mask (inference/kv_cache.py)
+            k, v = cache.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask)
+        elif self.options.recompute.granularity == "selective" and self.training:
             y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker if self.dropout_p else None)
         else:
             y = self._core(q, k, v)
@@ -127,8 +132,8 @@ class ResidualAttention(nn.Module):
         self.attn = Attention(name, cfg, tp, seed, device, options)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                dropout_key: DropoutKey | None = None) -> torch.Tensor:
-        y = self.attn(self.norm(x), cos, sin)
+                dropout_key: DropoutKey | None = None, cache=None) -> torch.Tensor:
+        y = self.attn(self.norm(x), cos, sin, cache)
         if dropout_key is not None:  # never touch self.layer otherwise: compile would specialise per layer
             y = keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
         return x + y
@@ -158,7 +163,9 @@ class Block(nn.Module):
         self.mlp = ResidualMLP(f"layers.{layer}.mlp", layer, cfg, tp, seed, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None,
-                dropout_key: DropoutKey | None = None) -> torch.Tensor:
+                dropout_key: DropoutKey | None = None, cache=None) -> torch.Tensor:
+        if cache is not None:  # inference with a KV cache: this layer's view of it, no dropout
+            return self.mlp(self.attention(x, cos, sin, None, cache.layer(self.layer)))
         # A key only when dropout is on: compiled regions then never see a per-step object.
         key = dropout_key if self.mlp.dropout_p else None
         if tracer is None:
@@ -176,7 +183,9 @@ class GPTChunk(nn.Module):
     embedding, else the hidden states (B, S, H) from the previous chunk ((B, S/TP, H) with
     sequence parallelism). Returns hidden states; on the chunk holding the head, per-token
     losses (B, S) when labels are given, else the logits (B, S, V/TP). `dropout_key` None
-    means no hidden dropout (evaluation, generation).
+    means no hidden dropout (evaluation, generation). `cache` (inference only, see
+    megatronapp.inference.kv_cache) supplies per-row positions, the attention mask and each
+    layer's key/value store; without it the computation is unchanged.
     """
 
     def __init__(self, cfg: ModelConfig, first_layer: int, last_layer: int, tp: TPContext,
@@ -203,11 +212,11 @@ class GPTChunk(nn.Module):
         self.tracer = None  # set by the engine when per-layer spans are wanted
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                dropout_key: DropoutKey | None = None) -> torch.Tensor:
+                dropout_key: DropoutKey | None = None, cache=None) -> torch.Tensor:
         if self.has_embedding:
             x = self.embedding(x)  # (B, S) -> (B, S, H)
             x = keyed_dropout(x, self.cfg.hidden_dropout, dropout_key, -1, "embedding")
-        x = self._run_layers(x, dropout_key)
+        x = self._run_layers(x, dropout_key, cache)
         if not self.has_head:
             return x
         if self.tracer is None:
@@ -215,13 +224,15 @@ class GPTChunk(nn.Module):
         with self.tracer.span(spans.LOSS):
             return self._head(x, labels)
 
-    def _run_layers(self, x: torch.Tensor, dropout_key: DropoutKey | None) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, dropout_key: DropoutKey | None, cache=None) -> torch.Tensor:
         blocks = list(self.layers.values())
         cos, sin = self.rope_cos, self.rope_sin
+        if cache is not None:  # per-row positions (B, S) -> tables (B, 1, S, D/2), broadcast over heads
+            cos, sin = cos[cache.positions].unsqueeze(1), sin[cache.positions].unsqueeze(1)
 
         def run(h, start, end):
             for block in blocks[start:end]:
-                h = block(h, cos, sin, self.tracer, dropout_key)
+                h = block(h, cos, sin, self.tracer, dropout_key, cache)
             return h
 
         for start, end, recomputed in compute_full_recompute_groups(len(blocks), self.options.recompute):

@@ -63,6 +63,42 @@ class _StepState:
     losses: list = field(default_factory=list)
 
 
+class StageCompute:
+    """Forward and backward of one (chunk, microbatch) through the model contract: timed,
+    traced and fault-injected. Shared by this runtime and MegaDPP's dynamic runtime."""
+
+    def __init__(self, model: PipelineModel, pp_rank: int, pp_size: int, num_chunks: int,
+                 num_microbatches: int, device, injector=None, grad_scale_func=None):
+        self.model, self.pp_rank, self.pp_size = model, pp_rank, pp_size
+        self.grad_scale_func = grad_scale_func  # loss scaling (fp16, Megatron's): applied before backward
+        self.num_vstages, self.num_microbatches = pp_size * num_chunks, num_microbatches
+        self.injector = injector or NullInjector()
+        self.compute_timer = ComputeTimer(device)
+        self.injector.on_stall = self.compute_timer.add_stall
+
+    def forward(self, chunk: int, mb_index: int, stage_input, microbatch, iteration: int, tracer) -> torch.Tensor:
+        """The chunk's output, or on the last virtual stage its 1/M-scaled loss. A floating
+        stage_input is made to require grad (its .grad is what backward sends back)."""
+        vs = virtual_stage(chunk, self.pp_rank, self.pp_size)
+        is_first, is_last = vs == 0, vs == self.num_vstages - 1
+        if stage_input is not None and stage_input.is_floating_point():
+            stage_input.requires_grad_(True)
+        ctx = MicrobatchContext(iteration, mb_index, chunk, is_first, is_last)
+        with tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute():
+            out, loss_fn = self.model.forward_step(chunk, stage_input, microbatch, ctx)
+            if is_last:
+                out = loss_fn(out) / self.num_microbatches
+        return out
+
+    def backward(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input, tracer):
+        """Backward from `output` (grad None for the loss); the gradient of stage_input, if any."""
+        if grad is None and self.grad_scale_func is not None:
+            output = self.grad_scale_func(output)
+        with tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute():
+            torch.autograd.backward(output, grad)
+        return None if stage_input is None else stage_input.grad
+
+
 class PipelineRuntime:
     """Runs one optimizer step's forward/backward passes for the chunks of this rank.
 
@@ -77,11 +113,10 @@ class PipelineRuntime:
         self.batch_end = {start: end for start, end in comm_batches(self.actions)}
         self.device = device
         self.tracer, self.reducer = tracer, reducer
-        self.injector = injector or NullInjector()
-        self.grad_scale_func = grad_scale_func  # loss scaling (fp16, Megatron's): applied before backward
         self.num_vstages = schedule.pp_size * schedule.num_chunks
-        self.compute_timer = ComputeTimer(device)
-        self.injector.on_stall = self.compute_timer.add_stall
+        self.stage = StageCompute(model, groups.pp_rank, schedule.pp_size, schedule.num_chunks,
+                                  schedule.num_microbatches, device, injector, grad_scale_func)
+        self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
 
     def _vstage(self, chunk: int) -> int:
         return virtual_stage(chunk, self.groups.pp_rank, self.schedule.pp_size)
@@ -123,14 +158,9 @@ class PipelineRuntime:
         vs = self._vstage(a.chunk)
         is_first, is_last = vs == 0, vs == self.num_vstages - 1
         x = None if is_first else self._wait_recv((ActionKind.RECV_FORWARD, a.chunk, a.microbatch), st)
+        out = self.stage.forward(a.chunk, a.microbatch, x, st.microbatches[a.microbatch], st.iteration, self.tracer)
         if x is not None and x.is_floating_point():
-            x.requires_grad_(True)
             st.inputs[(a.chunk, a.microbatch)] = x
-        ctx = MicrobatchContext(st.iteration, a.microbatch, a.chunk, is_first, is_last)
-        with self.tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute():
-            out, loss_fn = self.model.forward_step(a.chunk, x, st.microbatches[a.microbatch], ctx)
-            if is_last:
-                out = loss_fn(out) / self.schedule.num_microbatches
         if is_last:
             st.losses.append(out.detach())
         else:
@@ -147,13 +177,10 @@ class PipelineRuntime:
         grad = None
         if vs != self.num_vstages - 1:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
-        elif self.grad_scale_func is not None:
-            out = self.grad_scale_func(out)
-        with self.tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute():
-            torch.autograd.backward(out, grad)
+        x = st.inputs.pop((a.chunk, a.microbatch)) if vs != 0 else None
+        x_grad = self.stage.backward(out, grad, x, self.tracer)
         if vs != 0:
-            x = st.inputs.pop((a.chunk, a.microbatch))
-            st.to_send[(ActionKind.SEND_BACKWARD, a.chunk, a.microbatch)] = x.grad
+            st.to_send[(ActionKind.SEND_BACKWARD, a.chunk, a.microbatch)] = x_grad
 
     # -- communication -------------------------------------------------------------------
     def _post_batch(self, batch: tuple[Action, ...], st: _StepState) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule
 from megatronapp.pipeline.comm_placement import ComputeStep, compute_step_actions, place_communication
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "breadth-first")
 
 
 def _check_sizes(pp_size: int, num_chunks: int, num_microbatches: int) -> None:
@@ -138,12 +138,32 @@ def build_interleaved_1f1b_schedule(pp_size: int, num_chunks: int,
     return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, orders, "interleaved")
 
 
+def compute_breadth_first_order(num_chunks: int, num_microbatches: int) -> list[Action]:
+    """Looped BFS (breadth-first pipeline): every microbatch through chunk 0, then chunk 1, ...;
+    then the backwards from the last chunk down, microbatches in order within a chunk.
+
+    The same order on every rank. Peak activation memory is all V*M (chunk, microbatch) sets.
+    """
+    forwards = [_forward(c, m) for c in range(num_chunks) for m in range(num_microbatches)]
+    return forwards + [_backward(c, m) for c in reversed(range(num_chunks)) for m in range(num_microbatches)]
+
+
+def build_breadth_first_schedule(pp_size: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
+    """Static looped BFS (see compute_breadth_first_order); any V >= 1 and M >= 1."""
+    _check_sizes(pp_size, num_chunks, num_microbatches)
+    order = compute_breadth_first_order(num_chunks, num_microbatches)
+    return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, [order] * pp_size,
+                                             "breadth-first")
+
+
 def build_schedule(name: str, pp_size: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
-    """Build a schedule by name: "gpipe" | "1f1b" (num_chunks must be 1) | "interleaved"."""
+    """Build a schedule by name: "gpipe" | "1f1b" (num_chunks must be 1) | "interleaved" | "breadth-first"."""
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if name == "interleaved":
         return build_interleaved_1f1b_schedule(pp_size, num_chunks, num_microbatches)
+    if name == "breadth-first":
+        return build_breadth_first_schedule(pp_size, num_chunks, num_microbatches)
     if num_chunks != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank, got num_chunks={num_chunks}; "
                          f"use 'interleaved' for virtual pipeline stages")

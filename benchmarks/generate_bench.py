@@ -1,0 +1,144 @@
+"""Generation benchmark: decode tokens/s of `megatronapp generate`'s engine vs Hugging Face
+`transformers` generate on the exported model, MegaScope capture off/on, bytes per token.
+
+    python benchmarks/generate_bench.py --model 1.3b --bf16 [--cuda-graphs] --out generate_bench.json   # GPU
+    python benchmarks/generate_bench.py --model tiny --device cpu --new-tokens 16          # CPU smoke
+
+Without --load, a checkpoint of the preset (random init, vocab 50304) is written to a temp
+folder. Variants are interleaved in rounds (ours-off, ours-capture, hf, ours-off, ...); each
+figure is the median over rounds with min/max. Decode tokens/s counts new tokens after the
+first (prefill excluded), batch 1, no stop at end-of-text. "capture" is the default
+compressed capture (scope.sites.DEFAULT_SITES, scope.compress.DEFAULT_COMPRESS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
+from megatronapp.engine.checkpoint import save_checkpoint
+from megatronapp.engine.trainer import Trainer
+from megatronapp.inference.generate import SamplingConfig, generate
+from megatronapp.inference.model import build_inference_model, read_model_config
+from megatronapp.parallel.groups import single_process_groups
+from megatronapp.scope.capture import capture
+from megatronapp.scope.compress import DEFAULT_COMPRESS
+from megatronapp.scope.sites import DEFAULT_SITES
+
+
+class _NoData:
+    def state_dict(self) -> dict:
+        return {}
+
+
+def write_preset_checkpoint(preset: str, device) -> str:
+    job = JobConfig(model=model_preset(preset, vocab_size=50304), train=TrainConfig(train_iters=1),
+                    layout=build_layout(1, 1, 1))
+    trainer = Trainer(job, single_process_groups(), device, _NoData())
+    folder = tempfile.mkdtemp(prefix="gen-bench-")
+    save_checkpoint(folder, trainer, _NoData())
+    del trainer
+    return folder
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ours(model, prompt, new_tokens: int, vocab: int, with_capture: bool) -> tuple[float, float]:
+    """(decode tokens/s, capture bytes/token or 0)."""
+    sampling = SamplingConfig(max_new_tokens=new_tokens, stop_on_eod=False)
+    if not with_capture:
+        res = generate(model, [prompt], sampling, eod_id=0, vocab_size=vocab)
+        return res.decode_tokens_per_s, 0.0
+    with capture(model, DEFAULT_SITES, compress=DEFAULT_COMPRESS) as cap:
+        res = generate(model, [prompt], sampling, eod_id=0, vocab_size=vocab)
+    return res.decode_tokens_per_s, cap.bytes_per_token
+
+
+def load_hf(ckpt: str, device, dtype):
+    """The exported transformers model, or None when interop/transformers are unavailable."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from megatronapp.interop.hf_checkpoint import export_hf
+    except ImportError as e:
+        print(f"skipping transformers comparison: {e}")
+        return None
+    out = tempfile.mkdtemp(prefix="gen-bench-hf-")
+    export_hf(ckpt, out)
+    return AutoModelForCausalLM.from_pretrained(out, torch_dtype=dtype).to(device).eval()
+
+
+def time_hf(hf, prompt, new_tokens: int, device) -> float:
+    ids = torch.tensor([prompt], device=device)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        _sync(device)
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)  # prefill + first token
+        _sync(device)
+        t1 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        _sync(device)
+        t2 = time.perf_counter()
+    return (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", default=None)
+    p.add_argument("--model", default="1.3b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed as a CUDA graph (ours)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device, dtype = torch.device(args.device), torch.bfloat16 if args.bf16 else torch.float32
+    ckpt = args.load or write_preset_checkpoint(args.model, device)
+    cfg = read_model_config(ckpt)
+    model = build_inference_model(cfg, single_process_groups(), device, load_dir=ckpt, dtype=dtype)
+    model.cuda_graphs = args.cuda_graphs  # capture rounds run eager (hooks), see InferenceModel
+    hf = None if args.no_hf else load_hf(ckpt, device, dtype)
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    new = min(args.new_tokens, cfg.seq_length - args.prompt_len)
+    results = {"ours_off": [], "ours_capture": [], "hf": [], "bytes_per_token": []}
+    time_ours(model, prompt, new, cfg.vocab_size, False)  # warm-up
+    for _ in range(args.rounds):
+        results["ours_off"].append(time_ours(model, prompt, new, cfg.vocab_size, False)[0])
+        tps, bpt = time_ours(model, prompt, new, cfg.vocab_size, True)
+        results["ours_capture"].append(tps)
+        results["bytes_per_token"].append(bpt)
+        if hf is not None:
+            results["hf"].append(time_hf(hf, prompt, new, device))
+    report = {"model": args.model if not args.load else args.load, "device": str(device), "dtype": str(dtype),
+              "cuda_graphs": args.cuda_graphs,
+              "prompt_len": args.prompt_len, "new_tokens": new,
+              **{k: summarize(v) for k, v in results.items() if v}}
+    off, on = report["ours_off"]["median"], report["ours_capture"]["median"]
+    report["capture_overhead_pct"] = 100.0 * (off / on - 1.0)
+    if hf is not None:
+        report["speedup_vs_hf"] = off / report["hf"]["median"]
+    print(json.dumps(report, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""`megatronapp schedule simulate|show`: run any schedule against a cost model, or draw one.
+
+    megatronapp schedule simulate -p 4 -v 2 -m 8 --schedule dynamic --dpp-traversal adaptive \
+        --forward-ms 10 --backward-ms 20 --p2p-latency-ms 0.5 --inject-jitter 2:1.5:7
+    megatronapp schedule simulate --from-trace runs/t --schedule interleaved   # task times of a real run
+    megatronapp schedule show -p 4 -v 2 -m 8 --schedule interleaved -o s.png --chrome s.json
+    megatronapp schedule show --from-trace runs/t -o real.png                   # the recorded timeline
+
+Costs: --forward-ms / --backward-ms take one value or one per pipeline rank (comma-separated);
+--inject-jitter RANK:MAXFACTOR[:SEED] names a pipeline rank here. Bad input: one line on
+stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from megatronapp.dpp.config import DppConfig, parse_jitter
+from megatronapp.dpp.policies import TRAVERSALS
+from megatronapp.dpp.scheduler import check_cap, compute_default_caps
+from megatronapp.dpp.simulator import CostModel, SimResult, simulate
+from megatronapp.pipeline.schedules import SCHEDULE_NAMES, build_schedule
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=4, dest="pp")
+    p.add_argument("-v", "--virtual-stages", type=int, default=2, dest="vpp", help="model chunks per rank")
+    p.add_argument("-m", "--microbatches", type=int, default=8)
+    p.add_argument("--schedule", choices=(*SCHEDULE_NAMES, "dynamic"), default=None,
+                   help="default: dynamic, or the traced run's schedule with --from-trace")
+    p.add_argument("--dpp-traversal", choices=TRAVERSALS, default="depth-first")
+    p.add_argument("--dpp-max-inflight", type=int, default=None)
+    p.add_argument("--forward-ms", default="1", help="per task; one value or one per pipeline rank")
+    p.add_argument("--backward-ms", default="2")
+    p.add_argument("--p2p-latency-ms", type=float, default=None,
+                   help="default 0, or with --from-trace the delay measured in the trace")
+    p.add_argument("--p2p-bandwidth-gbps", type=float, default=0.0, help="0: infinite")
+    p.add_argument("--message-bytes", type=int, default=0)
+    p.add_argument("--decision-us", type=float, default=0.0, help="cost of each dynamic decision")
+    p.add_argument("--inject-jitter", action="append", default=[], metavar="PPRANK:MAXFACTOR[:SEED]")
+    p.add_argument("--from-trace", default=None, metavar="DIR", help="task times (and layout) of a MegaScan trace")
+
+
+def add_schedule_subcommands(sub) -> None:
+    parser = sub.add_parser("schedule", help="simulate or draw pipeline schedules (MegaDPP)")
+    leaf = parser.add_subparsers(dest="schedule_command", required=True)
+    sim = leaf.add_parser("simulate", help="iteration time, bubble fraction, peak in-flight per rank")
+    _add_common(sim)
+    sim.add_argument("--json", action="store_true")
+    sim.set_defaults(func=run_simulate)
+    show = leaf.add_parser("show", help="Gantt chart (PNG) and Chrome/Perfetto trace of a schedule")
+    _add_common(show)
+    show.add_argument("-o", "--output", default="schedule.png")
+    show.add_argument("--chrome", default=None, help="also write a Chrome trace JSON here")
+    show.add_argument("--iteration", type=int, default=None, help="with --from-trace: which iteration to draw "
+                      "(default: the last traced)")
+    show.add_argument("--simulate", action="store_true", help="with --from-trace: draw the simulation, not the record")
+    show.set_defaults(func=run_show)
+
+
+def _per_rank(text: str, pp: int, flag: str) -> tuple[float, ...]:
+    try:
+        values = [float(x) / 1e3 for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} expects numbers, got {text!r}") from None
+    if len(values) not in (1, pp) or min(values) < 0:
+        raise ValueError(f"{flag} needs 1 or {pp} non-negative values, got {text!r}")
+    return tuple(values * pp if len(values) == 1 else values)
+
+
+def _link(args, latency_ms: float = 0.0) -> dict:
+    if args.p2p_latency_ms is not None:
+        latency_ms = args.p2p_latency_ms
+    if latency_ms < 0 or args.p2p_bandwidth_gbps < 0 or args.message_bytes < 0 or args.decision_us < 0:
+        raise ValueError("latency, bandwidth, message bytes and decision cost must be >= 0")
+    return dict(p2p_latency_s=latency_ms / 1e3,
+                p2p_bandwidth_Bps=args.p2p_bandwidth_gbps * 1e9 / 8 if args.p2p_bandwidth_gbps else float("inf"),
+                message_bytes=args.message_bytes, decision_s=args.decision_us / 1e6,
+                jitter=tuple(parse_jitter(s) for s in args.inject_jitter))
+
+
+def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
+    """(P, V, M, schedule name, cost model, traced run or None) from the flags."""
+    if args.from_trace:
+        from megatronapp.dpp import trace_costs
+
+        run = trace_costs.load_traced_run(args.from_trace)
+        pp, vpp, m = run.pp_size, run.num_chunks, run.num_microbatches
+        link = _link(args, trace_costs.estimate_p2p_latency_s(run) * 1e3)
+        link["task_overhead_s"] = trace_costs.estimate_task_overhead_s(run, link["p2p_latency_s"])
+        return pp, vpp, m, args.schedule or run.schedule, trace_costs.compute_trace_costs(run, **link), run
+    pp, vpp, m = args.pp, args.vpp, args.microbatches
+    if min(pp, vpp, m) < 1:
+        raise ValueError(f"pipeline size, virtual stages and microbatches must be >= 1, got {pp}, {vpp}, {m}")
+    fwd, bwd = _per_rank(args.forward_ms, pp, "--forward-ms"), _per_rank(args.backward_ms, pp, "--backward-ms")
+    cost = CostModel(tuple((f,) * vpp for f in fwd), tuple((b,) * vpp for b in bwd), **_link(args))
+    return pp, vpp, m, args.schedule or "dynamic", cost, None
+
+
+def simulate_from_args(args) -> tuple[SimResult, str, list[int] | None, object]:
+    """(result, schedule label, per-rank caps for dynamic, traced run or None)."""
+    pp, vpp, m, name, cost, run = build_setup(args)
+    for j in cost.jitter:
+        if j.rank >= pp:
+            raise ValueError(f"--inject-jitter rank {j.rank} is not a pipeline rank (pp size {pp})")
+    if name != "dynamic":
+        schedule = build_schedule(name, pp, vpp, m)
+        return simulate(pp, vpp, m, cost, schedule=schedule), name, None, run
+    DppConfig(args.dpp_traversal, args.dpp_max_inflight)
+    caps = [args.dpp_max_inflight] * pp if args.dpp_max_inflight else compute_default_caps(pp, vpp, m)
+    check_cap(caps[0], vpp)
+    res = simulate(pp, vpp, m, cost, traversal=args.dpp_traversal, caps=caps)
+    return res, f"dynamic/{args.dpp_traversal}", caps, run
+
+
+def run_simulate(args) -> int:
+    try:
+        res, name, caps, run = simulate_from_args(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"megatronapp: error: {exc}", file=sys.stderr)
+        return 2
+    report = {"schedule": name, "iteration_s": res.makespan_s, "bubble_fraction": res.bubble_fraction,
+              "peak_inflight_activations": res.peak_activations, "peak_inflight_microbatches": res.peak_inflight,
+              "caps": caps}
+    if run is not None:  # how far the prediction is from what the trace recorded
+        from megatronapp.dpp.trace_costs import compute_iteration_times
+
+        measured = statistics.fmean(compute_iteration_times(run).values())
+        report.update(measured_iteration_s=measured, prediction_error=res.makespan_s / measured - 1.0)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{name}: iteration {res.makespan_s * 1e3:.3f} ms, bubble {res.bubble_fraction:.1%}")
+    if run is not None:
+        print(f"  traced run: mean {report['measured_iteration_s'] * 1e3:.3f} ms per iteration "
+              f"(forward/backward window); prediction {report['prediction_error']:+.1%}")
+    for r, (act, mb) in enumerate(zip(res.peak_activations, res.peak_inflight)):
+        cap = f" (cap {caps[r]})" if caps else ""
+        print(f"  pp rank {r}: peak in-flight {act} activation sets{cap}, {mb} microbatches")
+    return 0
+
+
+def run_show(args) -> int:
+    from megatronapp.dpp.render import save_chrome_trace, save_gantt_png
+
+    try:
+        if args.from_trace and not args.simulate:
+            _, _, _, name, _, run = build_setup(args)
+            it = args.iteration if args.iteration is not None else max(run.spans)
+            if it not in run.spans:
+                raise ValueError(f"iteration {it} is not in the trace (have {sorted(run.spans)})")
+            spans, title = run.spans[it], f"{args.from_trace}: {name}, iteration {it} (recorded)"
+        else:
+            res, name, _, _ = simulate_from_args(args)
+            spans = res.spans
+            title = f"{name} (simulated): {res.makespan_s * 1e3:.3f} ms, bubble {res.bubble_fraction:.1%}"
+        save_gantt_png(spans, args.output, title)
+        if args.chrome:
+            save_chrome_trace(spans, args.chrome, title)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"megatronapp: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}" + (f" and {args.chrome}" if args.chrome else ""))
+    return 0

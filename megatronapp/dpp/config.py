@@ -1,0 +1,73 @@
+"""MegaDPP settings: the frozen config, its flags and the jitter-injection spec."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from megatronapp.dpp.policies import TRAVERSALS
+
+
+class DppConfigError(ValueError):
+    """A bad MegaDPP flag; the message is one line."""
+
+
+@dataclass(frozen=True)
+class JitterSpec:
+    """Compute tasks on global rank `rank` take a factor drawn uniformly from [1, max_factor]."""
+
+    rank: int
+    max_factor: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise DppConfigError(f"--inject-jitter rank must be >= 0, got {self.rank}")
+        if self.max_factor < 1.0:
+            raise DppConfigError(f"--inject-jitter MAXFACTOR must be >= 1, got {self.max_factor}")
+
+
+@dataclass(frozen=True)
+class DppConfig:
+    traversal: str = "depth-first"
+    max_inflight: int | None = None  # None: per rank, what interleaved 1F1B holds
+    jitter: tuple[JitterSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.traversal not in TRAVERSALS:
+            raise DppConfigError(f"--dpp-traversal must be one of {', '.join(TRAVERSALS)}, got {self.traversal!r}")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise DppConfigError(f"--dpp-max-inflight must be >= 1 (a rank needs one slot to admit any "
+                                 f"microbatch), got {self.max_inflight}")
+
+
+def parse_jitter(spec: str) -> JitterSpec:
+    """'RANK:MAXFACTOR[:SEED]' -> JitterSpec; DppConfigError (one line) on bad input."""
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        return JitterSpec(int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else 0)
+    except ValueError as exc:
+        if isinstance(exc, DppConfigError):
+            raise
+        raise DppConfigError(f"--inject-jitter expects RANK:MAXFACTOR[:SEED], got {spec!r}") from None
+
+
+def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")
+    g.add_argument("--dpp-traversal", choices=TRAVERSALS, default="depth-first",
+                   help="how a rank picks among ready tasks")
+    g.add_argument("--dpp-max-inflight", type=int, default=None, metavar="N",
+                   help="most microbatches whose activations a rank holds; default: what interleaved 1F1B holds")
+    g.add_argument("--inject-jitter", action="append", default=[], metavar="RANK:MAXFACTOR[:SEED]",
+                   help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly")
+
+
+def build_dpp_config(args: argparse.Namespace, world_size: int) -> DppConfig:
+    """DppConfig from parsed flags; DppConfigError (one line) on bad values."""
+    jitter = tuple(parse_jitter(s) for s in args.inject_jitter or [])
+    for j in jitter:
+        if j.rank >= world_size:
+            raise DppConfigError(f"--inject-jitter rank {j.rank} is outside world size {world_size}")
+    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight, jitter=jitter)

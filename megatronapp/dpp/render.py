@@ -1,0 +1,80 @@
+"""Pictures of a schedule: a Gantt chart (PNG, matplotlib) and a Chrome/Perfetto trace (JSON).
+
+Input is a list of `simulator.Span` (simulated or read back from a MegaScan trace). Data in,
+files out; both written atomically (temp file + os.replace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+
+from megatronapp.dpp.simulator import Span
+from megatronapp.dpp.tasks import FORWARD
+
+
+def _atomic_write(path: str, write) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _label(span: Span) -> str:
+    return f"{span.task.kind.value}{span.task.chunk}.{span.task.microbatch}"
+
+
+def build_chrome_trace(spans: Sequence[Span], title: str) -> dict:
+    """Chrome trace events: one process per pipeline rank, one complete event per task (times in us)."""
+    events = [{"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"pp rank {r}"}}
+              for r in sorted({s.pp_rank for s in spans})]
+    for s in spans:
+        args = {"chunk": s.task.chunk, "microbatch": s.task.microbatch}
+        if s.decision is not None:
+            args.update(policy=s.decision.policy, in_flight=s.decision.in_flight,
+                        ready=" ".join(f"{t.kind.value}{t.chunk}.{t.microbatch}" for t in s.decision.ready))
+        events.append({"ph": "X", "name": _label(s), "cat": "forward" if s.task.kind is FORWARD else "backward",
+                       "pid": s.pp_rank, "tid": 0, "ts": s.start_s * 1e6, "dur": (s.end_s - s.start_s) * 1e6,
+                       "args": args})
+    return {"traceEvents": events, "otherData": {"title": title}}
+
+
+def save_chrome_trace(spans: Sequence[Span], path: str, title: str = "schedule") -> None:
+    data = json.dumps(build_chrome_trace(spans, title)).encode()
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def save_gantt_png(spans: Sequence[Span], path: str, title: str = "schedule") -> None:
+    """One row per pipeline rank; colour = chunk, light = forward, dark = backward; label F/B chunk.mb."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({s.pp_rank for s in spans})
+    end = max((s.end_s for s in spans), default=1.0)
+    fig, ax = plt.subplots(figsize=(min(40, 6 + len(spans) / max(1, len(ranks)) * 0.45), 0.9 + 0.6 * len(ranks)))
+    palette = plt.get_cmap("tab10")
+    for s in spans:
+        colour = palette(s.task.chunk % 10)
+        forward = s.task.kind is FORWARD
+        ax.barh(s.pp_rank, s.end_s - s.start_s, left=s.start_s, height=0.8, color=colour,
+                alpha=0.45 if forward else 0.95, edgecolor="black", linewidth=0.3)
+        if (s.end_s - s.start_s) / end > 0.012:
+            ax.text((s.start_s + s.end_s) / 2, s.pp_rank, _label(s), ha="center", va="center", fontsize=6)
+    ax.set_yticks(ranks, [f"pp {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("seconds")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)

@@ -1,0 +1,207 @@
+"""Executes one rank's part of a step with decisions made at run time (no schedule, no coordinator).
+
+Per step: a `RankScheduler` (scheduler.py) holds the ready set; receiver threads
+(transport.py) post the receive for each peer's next message ahead and deliver (task,
+tensor) pairs identified by their header. The loop: drain arrived messages into the
+scheduler (never blocking), decide, run the task through the shared `StageCompute`
+(pipeline/runtime.py: the model contract, timers, fault injection, tracing), send its output
+asynchronously. Only when nothing is ready does the rank block, on its inbox.
+
+Tensor-parallel ranks of one stage must run the same task sequence (their TP collectives
+pair up): TP rank 0 decides and broadcasts the task over the TP group (3 int64s); the
+others wait until that task's input has arrived and run it. DP replicas decide alone.
+
+DP gradient reduction: with one chunk, the last backward of the chunk launches the bucket
+all-reduces (overlapped, as in the static runtime). With several chunks, replicas finish
+their chunks in different orders, and collectives must be issued in one order on every
+member, so the reduction is left to the end of the step (GradReducer.finish).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.dpp.config import DppConfig
+from megatronapp.dpp.policies import build_policy
+from megatronapp.dpp.scheduler import Decision, RankScheduler, compute_default_caps
+from megatronapp.dpp.tasks import BACKWARD, FORWARD, count_remote_inputs
+from megatronapp.dpp.transport import Outbox, start_receivers
+from megatronapp.parallel.groups import ParallelGroups
+from megatronapp.pipeline.actions import Action, virtual_stage
+from megatronapp.pipeline.runtime import StageCompute
+
+INBOX_TIMEOUT_S = 600.0  # a message this late means a peer died: fail instead of hanging
+
+
+@dataclass
+class RuntimeCounters:
+    """What the runtime observed, for tests and reports (all steps so far)."""
+
+    peak_activations: int = 0
+    peak_microbatches: int = 0
+    decisions: int = 0
+    wait_fraction: float = 0.0  # the scheduler's recent waiting share, kept from step to step
+    decision_ns: list = field(default_factory=list)  # drain + decide, per decision (last 10k)
+    tasks: list = field(default_factory=list)  # the last step's decisions, in order
+
+
+@dataclass
+class _Step:
+    microbatches: list
+    iteration: int
+    inputs: dict = field(default_factory=dict)  # (c, m) -> received activation (requires grad)
+    grads: dict = field(default_factory=dict)  # (c, m) -> received output gradient
+    outputs: dict = field(default_factory=dict)  # (c, m) -> output or scaled loss
+    losses: list = field(default_factory=list)
+    backwards_done: int = 0
+
+
+class DynamicPipelineRuntime:
+    """Same interface as PipelineRuntime (run, compute_timer, tracer), decisions at run time."""
+
+    def __init__(self, model, groups: ParallelGroups, config: DppConfig, *, num_chunks: int,
+                 num_microbatches: int, device, tracer, reducer=None, injector=None, grad_scale_func=None):
+        if device.type == "cuda":
+            raise ValueError("--pipeline-schedule dynamic runs on CPU/gloo only (see megatronapp/dpp/transport.py)")
+        lay = groups.layout
+        self.model, self.groups, self.config, self.device = model, groups, config, device
+        self.pp_size, self.num_chunks, self.num_microbatches = lay.pp_size, num_chunks, num_microbatches
+        self.tracer, self.reducer = tracer, reducer
+        default = compute_default_caps(lay.pp_size, num_chunks, num_microbatches)[groups.pp_rank]
+        self.cap = config.max_inflight or default
+        self.stage = StageCompute(model, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches, device,
+                                  injector, grad_scale_func)
+        self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
+        self.policy = build_policy(config.traversal, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
+        counts = count_remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
+        self.recv_counts = {groups.pp_ranks[p]: n for p, n in counts.items()}
+        self.tp_root = lay.rank_of(0, groups.dp_rank, groups.pp_rank)
+        self.counters = RuntimeCounters()
+
+    def run(self, microbatches: list, iteration: int = 0) -> torch.Tensor | None:
+        """Forward+backward of every microbatch; the summed 1/M-scaled loss on the last stage."""
+        if len(microbatches) != self.num_microbatches:
+            raise ValueError(f"dynamic runtime expects {self.num_microbatches} microbatches, got {len(microbatches)}")
+        sched = RankScheduler(self.groups.pp_rank, self.pp_size, self.num_chunks, self.num_microbatches,
+                              self.cap, self.policy)
+        sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
+        inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait)
+        outbox, st = Outbox(), _Step(microbatches, iteration)
+        self.counters.tasks = []
+        while not sched.done:  # on an error the daemon receiver threads are left behind, not joined
+            decision, waited = self._next_decision(sched, inbox, st)
+            busy = self._run_task(decision, sched, st, outbox)
+            sched.observe(busy, waited)
+        for t in threads:  # every expected message was consumed, so they have ended
+            t.join()
+        outbox.finish()
+        c = self.counters
+        c.wait_fraction = sched.wait_fraction
+        c.peak_activations = max(c.peak_activations, sched.counter.peak_activations)
+        c.peak_microbatches = max(c.peak_microbatches, sched.counter.peak_microbatches)
+        if st.inputs or st.grads or st.outputs:
+            raise RuntimeError("dynamic pipeline step ended with unconsumed tensors")
+        return torch.stack(st.losses).sum() if st.losses else None
+
+    # -- decisions -------------------------------------------------------------------------
+    def _drain(self, sched: RankScheduler, inbox: queue.SimpleQueue, st: _Step, block: bool) -> float:
+        """Move arrived messages into the scheduler; with block, wait for at least one. Seconds waited."""
+        waited = 0.0
+        while True:
+            try:
+                if block:
+                    t0 = time.perf_counter()
+                    item = inbox.get(timeout=INBOX_TIMEOUT_S)
+                    waited += time.perf_counter() - t0
+                    block = False
+                else:
+                    item = inbox.get_nowait()
+            except queue.Empty:
+                if block:
+                    raise RuntimeError(f"pp rank {self.groups.pp_rank}: no message for {INBOX_TIMEOUT_S:.0f} s "
+                                       f"with {sched.remaining} tasks left") from None
+                return waited
+            task, tensor, src = item
+            if task is None:
+                raise RuntimeError(f"receiving from rank {src} failed") from tensor
+            (st.inputs if task.kind is FORWARD else st.grads)[(task.chunk, task.microbatch)] = tensor
+            sched.add_input(task)
+
+    def _next_decision(self, sched: RankScheduler, inbox, st: _Step) -> tuple[Decision, float]:
+        """This rank's next task (TP rank 0's choice on every TP rank) and the seconds waited for it."""
+        waited, follower = 0.0, self.groups.tp is not None and self.groups.rank != self.tp_root
+        while True:
+            t0 = time.perf_counter_ns()
+            self._drain(sched, inbox, st, block=False)
+            decision = None if follower else sched.decide()
+            if decision is not None or follower:
+                self._record_cost(time.perf_counter_ns() - t0)
+                break
+            waited += self._drain(sched, inbox, st, block=True)
+        if self.groups.tp is not None:
+            decision, extra = self._agree(decision, sched, inbox, st)
+            waited += extra
+        return decision, waited
+
+    def _agree(self, decision: Decision | None, sched, inbox, st) -> tuple[Decision, float]:
+        """Broadcast TP rank 0's task; followers wait for its input (lockstep with rank 0 anyway)."""
+        wire = torch.zeros(3, dtype=torch.int64)
+        if decision is not None:
+            t = decision.task
+            wire[:] = torch.tensor([int(t.kind is BACKWARD), t.chunk, t.microbatch])
+        dist.broadcast(wire, src=self.tp_root, group=self.groups.tp)
+        if decision is not None:
+            return decision, 0.0
+        kind, chunk, mb = wire.tolist()
+        task, waited = Action(BACKWARD if kind else FORWARD, chunk, mb), 0.0
+        while task not in sched.available:
+            waited += self._drain(sched, inbox, st, block=True)
+        return Decision(task, "tp-follow", (task,), sched.counter.activations), waited
+
+    def _record_cost(self, ns: int) -> None:
+        c = self.counters
+        c.decisions += 1
+        if len(c.decision_ns) < 10_000:
+            c.decision_ns.append(ns)
+
+    # -- compute ---------------------------------------------------------------------------
+    def _run_task(self, decision: Decision, sched: RankScheduler, st: _Step, outbox: Outbox) -> float:
+        task = decision.task
+        sched.start(task)
+        self.counters.tasks.append(decision)
+        t0 = time.perf_counter()
+        # The decision rides on the compute span as its "op" argument (policy, in-flight, ready set).
+        op = decision.describe() if self.tracer.enabled else ""
+        with self.tracer.context(chunk=task.chunk, microbatch=task.microbatch, op=op):
+            out = self._forward(task, st) if task.kind is FORWARD else self._backward(task, st)
+        busy = time.perf_counter() - t0
+        consumer = sched.finish(task)
+        if consumer is not None:
+            outbox.send(self.groups.pp_ranks[consumer[0]], consumer[1], out)
+        return busy
+
+    def _forward(self, task: Action, st: _Step) -> torch.Tensor | None:
+        key = (task.chunk, task.microbatch)
+        x = st.inputs.get(key)
+        out = self.stage.forward(task.chunk, task.microbatch, x, st.microbatches[task.microbatch],
+                                 st.iteration, self.tracer)
+        if x is None or not x.is_floating_point():
+            st.inputs.pop(key, None)
+        st.outputs[key] = out
+        if virtual_stage(task.chunk, self.groups.pp_rank, self.pp_size) == self.pp_size * self.num_chunks - 1:
+            st.losses.append(out.detach())
+            return None
+        return out.detach()
+
+    def _backward(self, task: Action, st: _Step) -> torch.Tensor | None:
+        key = (task.chunk, task.microbatch)
+        if self.reducer is not None and self.num_chunks == 1 and st.backwards_done == self.num_microbatches - 1:
+            self.reducer.mark_final_microbatch(0)
+        st.backwards_done += 1
+        return self.stage.backward(st.outputs.pop(key), st.grads.pop(key, None), st.inputs.pop(key, None),
+                                   self.tracer)

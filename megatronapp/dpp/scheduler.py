@@ -1,0 +1,202 @@
+"""Per-rank scheduler state machine: ready tasks, in-flight cap, decisions. Pure, no I/O.
+
+The runtime (and the simulator) drive it with events: `add_input(task)` when a task's
+input arrived (a message, or a local producer finished), `decide()` when the rank is free,
+`start(task)` / `finish(task)` around the compute. It never blocks and never communicates.
+
+In-flight activations: the cap counts (chunk, microbatch) activation sets, Megatron's unit for
+interleaved warm-up ("virtual microbatches"): F(c, m) creates one, B(c, m) frees it. With
+V chunks per rank a microbatch holds up to V of them on a rank at once (at F(V-1, m)).
+Microbatch m is *admitted* on rank p by its first forward there, F(chunk 0, m); chunk 0 is
+this rank's lowest virtual stage, so every other task of m on this rank comes later.
+
+Why no policy can deadlock for any cap >= V (the rules the code keeps). Let A be the
+activation sets a rank holds and owed(m) the forwards admitted microbatch m still has to
+run on it.
+  (R1) a rank admits microbatches in increasing order (F(0, m) is ready only after
+       F(0, m-1) ran);
+  (R2) any forward F(c, m) may start only if A + 1 + owed(older admitted microbatches)
+       <= cap: a newer microbatch never takes a slot an older one will still need;
+  (R3) a rank is idle only when no task is ready; sends never block compute, and every
+       rank always has the receive for each peer's next message posted, so a sent message
+       is eventually received.
+Suppose tasks remain but nothing can run. Let m* be the oldest microbatch with a task not
+run and T the first task of its chain F(s=0..S-1), B(s=S-1..0) that has not run, on rank
+p. T's input was produced (the previous task of the chain ran) and, by R3, has arrived;
+every older microbatch is finished, so owed(older than m*) = 0 and A counts only m* and
+newer microbatches. A backward needs no slot: T is ready. If T = F(0, m*): newer ones are
+not admitted yet (R1), A = 0, and 0 + 1 <= cap: T is ready. Otherwise T is a forward of
+an admitted m*. Take the last forward e of a newer microbatch m' on p (all came after m*
+was admitted, by R1). R2 held at e: A_e + 1 + owed_e(m*) <= cap. Since e, newer
+microbatches only freed slots, and m*'s own forwards moved units from owed(m*) to A, so
+now A + owed(m*) <= cap; owed(m*) >= 1 (T is one), so A + 1 <= cap: T is ready. With no
+such e, A + owed(m*) <= V <= cap likewise. Either way a rank has a ready task:
+contradiction. Tasks are finite and every decision runs one, so each step completes,
+whatever the policy picks and however late messages are. A cap below V fails: one
+microbatch alone holds V activation sets on a rank before its first backward there, hence
+`check_cap`. The randomised tests check this on real gloo ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatronapp.dpp.policies import RankView, compute_depth_first_order
+from megatronapp.dpp.tasks import FORWARD, compute_consumer, forward_task
+from megatronapp.pipeline.actions import Action, virtual_stage
+
+_EWMA = 0.2  # weight of the newest observation in the wait-fraction average
+
+
+class CapError(ValueError):
+    """An in-flight cap that cannot work; one line."""
+
+
+def check_cap(cap: int, num_chunks: int) -> None:
+    """Refuse caps that cannot make progress (module docstring, R1)."""
+    if cap < num_chunks:
+        raise CapError(f"--dpp-max-inflight {cap} is below the {num_chunks} activation sets one microbatch "
+                       f"holds across this rank's {num_chunks} chunks: no microbatch could ever start")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One scheduling choice, with what the trace shows next to it."""
+
+    task: Action
+    policy: str  # the traversal that picked it (adaptive names its current mode)
+    ready: tuple[Action, ...]
+    in_flight: int  # activation sets held when it was picked
+
+    def describe(self) -> str:
+        ready = " ".join(f"{t.kind.value}{t.chunk}.{t.microbatch}" for t in self.ready)
+        return f"{self.policy} inflight={self.in_flight} ready=[{ready}]"
+
+
+class InflightCounter:
+    """Activation sets and admitted microbatches held by one rank (module docstring)."""
+
+    def __init__(self, cap: int | None = None):
+        self.cap = cap
+        self.activations = self.microbatches = 0
+        self.peak_activations = self.peak_microbatches = 0
+
+    def start(self, task: Action) -> None:
+        if task.kind is not FORWARD:
+            return
+        self.activations += 1
+        if self.cap is not None and self.activations > self.cap:
+            raise RuntimeError(f"in-flight cap {self.cap} exceeded by {task}")
+        self.peak_activations = max(self.peak_activations, self.activations)
+        if task.chunk == 0:
+            self.microbatches += 1
+            self.peak_microbatches = max(self.peak_microbatches, self.microbatches)
+
+    def finish(self, task: Action) -> None:
+        if task.kind is FORWARD:
+            return
+        self.activations -= 1
+        if task.chunk == 0:
+            self.microbatches -= 1
+
+
+class RankScheduler:
+    """Ready set, admission and decisions of one pipeline rank for one step."""
+
+    def __init__(self, pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int,
+                 cap: int, policy):
+        check_cap(cap, num_chunks)
+        self.pp_rank, self.pp_size, self.num_chunks = pp_rank, pp_size, num_chunks
+        self.num_microbatches, self.cap, self.policy = num_microbatches, cap, policy
+        self.counter = InflightCounter(cap)
+        self.available: set[Action] = set()  # input present, not yet started
+        self.next_admit = 0  # R1: the only microbatch whose F(0, .) may start
+        self.owed: dict[int, int] = {}  # admitted microbatch -> forwards it still runs here (R2)
+        self.remaining = 2 * num_chunks * num_microbatches
+        self.wait_fraction = 0.0
+        if virtual_stage(0, pp_rank, pp_size) == 0:  # tokens are local: every F(0, m) has its input
+            self.available.update(forward_task(0, m) for m in range(num_microbatches))
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0
+
+    def add_input(self, task: Action) -> None:
+        """The input of `task` has arrived (message received, or local producer finished)."""
+        self.available.add(task)
+
+    def _admissible(self, task: Action) -> bool:
+        if task.kind is not FORWARD:
+            return True
+        m = task.microbatch
+        if task.chunk == 0 and m != self.next_admit:
+            return False
+        older = [k for k in self.owed if k < m]  # admitted, forwards left (R2)
+        reserve = self.owed[min(older)] if older else 0
+        return self.counter.activations + 1 + reserve <= self.cap
+
+    def ready(self) -> list[Action]:
+        return [t for t in self.available if self._admissible(t)]
+
+    def decide(self) -> Decision | None:
+        """The task to run next by the policy, or None when nothing is ready."""
+        ready = self.ready()
+        if not ready:
+            return None
+        view = RankView(self.counter.activations, self.cap, self.wait_fraction)
+        task, policy = self.policy.choose(ready, view)
+        return Decision(task, policy, tuple(sorted(ready, key=_sort_key)), self.counter.activations)
+
+    def start(self, task: Action) -> None:
+        if task not in self.available or not self._admissible(task):
+            raise RuntimeError(f"pp rank {self.pp_rank}: {task} started but it is not ready")
+        self.available.remove(task)
+        if task.kind is FORWARD:
+            m = task.microbatch
+            if task.chunk == 0:
+                self.next_admit += 1
+                self.owed[m] = self.num_chunks
+            self.owed[m] -= 1
+            if not self.owed[m]:
+                del self.owed[m]
+        self.counter.start(task)
+
+    def finish(self, task: Action) -> tuple[int, Action] | None:
+        """Account a finished task; returns (pp rank, task) its output must be sent to, or None.
+
+        A consumer on this rank (pp_size 1, or the loss feeding its own backward) is made
+        available here and None is returned.
+        """
+        self.counter.finish(task)
+        self.remaining -= 1
+        consumer = compute_consumer(task, self.pp_rank, self.pp_size, self.num_chunks)
+        if consumer is not None and consumer[0] == self.pp_rank:
+            self.add_input(consumer[1])
+            return None
+        return consumer
+
+    def observe(self, busy_s: float, waited_s: float) -> None:
+        """Record one task's compute time and the wait before it (adaptive's input)."""
+        total = busy_s + waited_s
+        if total > 0:
+            self.wait_fraction += _EWMA * (waited_s / total - self.wait_fraction)
+
+
+def _sort_key(t: Action) -> tuple[int, int, int]:
+    return (t.kind is not FORWARD, t.chunk, t.microbatch)
+
+
+def compute_peak_inflight(order: list[Action]) -> int:
+    """Peak activation sets one rank holds running `order` (compute actions only)."""
+    counter = InflightCounter()
+    for task in order:
+        counter.start(task)
+        counter.finish(task)
+    return counter.peak_activations
+
+
+def compute_default_caps(pp_size: int, num_chunks: int, num_microbatches: int) -> list[int]:
+    """Per pipeline rank: the activation sets interleaved 1F1B (1F1B for V = 1) holds at its
+    peak, for any M (policies.compute_depth_first_order); never below V (check_cap)."""
+    orders = [compute_depth_first_order(p, pp_size, num_chunks, num_microbatches) for p in range(pp_size)]
+    return [max(num_chunks, compute_peak_inflight(order)) for order in orders]

@@ -1,0 +1,36 @@
+"""How the CLI plugs MegaDPP into a training job: checks before launch, hooks per rank."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from megatronapp.dpp.config import DppConfig, build_dpp_config
+from megatronapp.dpp.jitter import apply_jitter
+from megatronapp.dpp.scheduler import check_cap
+
+
+def check_dpp_job(args: argparse.Namespace, job) -> DppConfig:
+    """Validate the MegaDPP flags against the job before any process starts (one-line errors)."""
+    cfg = build_dpp_config(args, job.layout.world_size)
+    if job.train.schedule == "dynamic":
+        if getattr(args, "device", None) == "cuda":
+            raise ValueError("--pipeline-schedule dynamic runs on CPU/gloo only for now; use --device cpu")
+        if cfg.max_inflight is not None:
+            check_cap(cfg.max_inflight, job.layout.virtual_pp_size)
+    return cfg
+
+
+def build_dynamic_runtime_factory(cfg: DppConfig, job):
+    """A Trainer runtime_factory(model, groups, *, device, tracer, reducer, injector) for dynamic."""
+    from megatronapp.dpp.runtime import DynamicPipelineRuntime
+
+    return functools.partial(DynamicPipelineRuntime, config=cfg, num_chunks=job.layout.virtual_pp_size,
+                             num_microbatches=job.num_microbatches)
+
+
+def build_dpp_hooks(args: argparse.Namespace, job, rank: int, device, injector):
+    """(injector with this rank's jitter, runtime_factory or None) for Trainer(...)."""
+    cfg = check_dpp_job(args, job)
+    factory = build_dynamic_runtime_factory(cfg, job) if job.train.schedule == "dynamic" else None
+    return apply_jitter(injector, cfg.jitter, rank, device), factory

@@ -1,0 +1,111 @@
+"""Identity-carrying asynchronous P2P for the dynamic runtime, over torch.distributed.
+
+Wire format, per message, on one directed pair of ranks: a fixed header, then the payload.
+  header: int64[9] = (kind 0=forward activation / 1=backward gradient, receiver's local
+          chunk, microbatch, dtype code, ndim, shape padded to 4 dims)  (tag HEADER_TAG)
+  payload: the tensor, shape and dtype from the header                   (tag PAYLOAD_TAG)
+So a receiver never assumes the sender's order: the header names the task it feeds.
+
+Why a receiver thread per peer: gloo cannot poll a P2P work (is_completed() stays False
+until wait(), and a second wait() hangs), so one thread cannot both compute and notice an
+arrival. Each `PeerReceiver` thread always has the next recv from its peer posted and
+blocks in wait() (which releases the GIL), then hands (task, tensor) to the compute thread
+through a queue; the compute thread drains the queue without blocking whenever it decides,
+and blocks on it only when no task is ready. Sends are `isend`s whose works are completed at
+the end of the step, so they never block compute. Per pair, messages stay FIFO (gloo and
+NCCL both keep order per pair and tag), which is all the header/payload pairing needs.
+CPU/gloo only: NCCL's recv wait() does not block the host, so this thread design does not
+apply there (the runtime refuses a CUDA device).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.dpp.tasks import BACKWARD, backward_task, forward_task
+from megatronapp.pipeline.actions import Action
+
+HEADER_TAG, PAYLOAD_TAG = 7101, 7102
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HEADER_LEN = 9
+
+
+def encode_header(task: Action, tensor: torch.Tensor) -> torch.Tensor:
+    """The header announcing `tensor` as the input of `task` on the receiving rank."""
+    if tensor.dim() > 4 or tensor.dtype not in _DTYPES:
+        raise ValueError(f"cannot send a {tensor.dim()}-dim {tensor.dtype} tensor (at most 4 dims, "
+                         f"dtypes {_DTYPES})")
+    shape = list(tensor.shape) + [0] * (4 - tensor.dim())
+    return torch.tensor([int(task.kind is BACKWARD), task.chunk, task.microbatch, _DTYPES.index(tensor.dtype),
+                         tensor.dim(), *shape], dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> tuple[Action, torch.Size, torch.dtype]:
+    """(task, payload shape, payload dtype); ValueError on a malformed header."""
+    kind, chunk, mb, dtype, ndim, *shape = (int(x) for x in header.tolist())
+    if kind not in (0, 1) or not 0 <= dtype < len(_DTYPES) or not 0 <= ndim <= 4 or min(chunk, mb) < 0:
+        raise ValueError(f"malformed dynamic-pipeline header {header.tolist()}")
+    task = (backward_task if kind else forward_task)(chunk, mb)
+    return task, torch.Size(shape[:ndim]), _DTYPES[dtype]
+
+
+class PeerReceiver(threading.Thread):
+    """Receives `count` messages from global rank `src` and puts (task, tensor, src) on `inbox`.
+
+    An exception is put on the inbox too, so the compute thread re-raises it instead of
+    waiting forever. `before_wait(src, work)` is the fault injector's link-delay hook.
+    """
+
+    def __init__(self, src: int, count: int, inbox: queue.SimpleQueue, device, before_wait=None):
+        super().__init__(name=f"dpp-recv-{src}", daemon=True)
+        self.src, self.count, self.inbox, self.device = src, count, inbox, device
+        self.before_wait = before_wait
+
+    def run(self) -> None:
+        try:
+            for _ in range(self.count):
+                header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+                dist.irecv(header, src=self.src, tag=HEADER_TAG).wait()
+                task, shape, dtype = decode_header(header)
+                payload = torch.empty(shape, dtype=dtype, device=self.device)
+                work = dist.irecv(payload, src=self.src, tag=PAYLOAD_TAG)
+                if self.before_wait is not None:
+                    self.before_wait(self.src, work)
+                work.wait()
+                self.inbox.put((task, payload, self.src))
+        except BaseException as exc:  # surfaced on the compute thread
+            self.inbox.put((None, exc, self.src))
+
+
+class Outbox:
+    """Asynchronous sends of one step; `finish()` completes them (end of step)."""
+
+    def __init__(self):
+        self.pending: list = []  # (work, tensors kept alive until completion)
+
+    def send(self, dst: int, task: Action, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        header = encode_header(task, tensor)
+        works = [dist.isend(header, dst=dst, tag=HEADER_TAG), dist.isend(tensor, dst=dst, tag=PAYLOAD_TAG)]
+        self.pending.append((works, header, tensor))
+
+    def finish(self) -> None:
+        for works, _, _ in self.pending:
+            for w in works:
+                w.wait()
+        self.pending.clear()
+
+
+def start_receivers(counts: dict[int, int], device, before_wait=None) -> tuple[queue.SimpleQueue, list]:
+    """One PeerReceiver per global source rank with messages to receive this step."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threads = [PeerReceiver(src, n, inbox, device, before_wait) for src, n in counts.items() if n]
+    for t in threads:
+        t.start()
+    return inbox, threads
+
+

@@ -1,0 +1,106 @@
+"""Key/value cache for incremental decoding, with left-padded batches of prompts.
+
+Prompts of different lengths are left-padded to one length, so every row's newest token
+sits in the same column. Row b has `pad_left[b]` padding columns; its token at column c has
+rotary position c - pad_left[b]. For a step that appends columns [start, start + S):
+
+    positions[b, i]      = max(0, start + i - pad_left[b])                      (B, S)
+    attn_mask[b, 0, i, j] = (j <= start + i and j >= pad_left[b]) or j == start + i   (B, 1, S, T)
+
+The `j == start + i` term lets a padding column attend to itself only, so no softmax row is
+empty (an empty row would give NaN that could leak into the cache). Buffers are allocated
+once for the longest sequence and written in place.
+
+Static mode (for CUDA graphs): the step's start column lives in a device tensor, keys and
+values are written with index_copy_ and attention always spans all `max_len` columns (the
+mask hides the unwritten ones), so a decode step has the same shapes and addresses every
+time; positions and mask are computed inside the forward by `prepare()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_positions_and_mask(pad_left: torch.Tensor, start, num_new: int,
+                               key_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary positions (B, S) and boolean attention mask (B, 1, S, T) for one step; `start`
+    is an int or a 0-d device tensor, T = key_len (default start + S)."""
+    device = pad_left.device
+    q_col = start + torch.arange(num_new, device=device)  # (S,)
+    k_col = torch.arange(start + num_new if key_len is None else key_len, device=device)  # (T,)
+    positions = (q_col[None, :] - pad_left[:, None]).clamp(min=0)
+    causal = k_col[None, :] <= q_col[:, None]  # (S, T)
+    valid = k_col[None, :] >= pad_left[:, None]  # (B, T)
+    itself = k_col[None, :] == q_col[:, None]  # (S, T)
+    mask = (causal[None] & valid[:, None, :]) | itself[None]
+    return positions, mask.unsqueeze(1)
+
+
+class LayerCache:
+    """One layer's view: `update(k, v)` stores this step's keys/values and returns all so far."""
+
+    def __init__(self, cache: "KVCache", layer: int):
+        self.cache, self.layer = cache, layer
+
+    @property
+    def attn_mask(self) -> torch.Tensor:
+        return self.cache.attn_mask
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: (B, local heads, S, D), rotary already applied to k
+        keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
+        if self.cache.static:
+            columns = self.cache.start_t + torch.arange(k.shape[2], device=k.device)
+            keys.index_copy_(2, columns, k)
+            values.index_copy_(2, columns, v)
+            return keys, values
+        start, end = self.cache.start, self.cache.start + k.shape[2]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def keys_so_far(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys (B, local heads, T, D), mask (B, 1, S, T)) over the T columns written so far,
+        this step's included (read by MegaScope's attention maps)."""
+        end = self.cache.start + self.cache.num_new
+        return self.cache.keys[self.layer][:, :, :end], self.cache.attn_mask[..., :end]
+
+
+class KVCache:
+    """Keys and values of the layers one pipeline rank holds, for a batch of left-padded rows."""
+
+    def __init__(self, layers, *, batch: int, local_heads: int, head_dim: int, max_len: int,
+                 pad_left: torch.Tensor, dtype: torch.dtype, device, static: bool = False):
+        shape = (batch, local_heads, max_len, head_dim)
+        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.max_len = max_len
+        self.pad_left = pad_left.to(device)
+        self.start = 0  # columns stored before the current step
+        self.num_new = 0
+        self.positions = self.attn_mask = None
+        self.static = static
+        self.start_t = torch.zeros((), dtype=torch.long, device=device)  # static mode's start column
+
+    def begin_step(self, num_new: int) -> None:
+        """Prepare positions and mask for `num_new` new columns (call before the forward)."""
+        if self.start + self.num_new + num_new > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; step would need "
+                             f"{self.start + self.num_new + num_new}")
+        self.start += self.num_new
+        self.num_new = num_new
+        if self.static:
+            self.start_t.fill_(self.start)
+        else:
+            self.positions, self.attn_mask = compute_positions_and_mask(self.pad_left, self.start, num_new)
+
+    def prepare(self) -> None:
+        """Static mode: positions and mask of the current step from device state (inside the
+        forward, so a CUDA graph recomputes them on every replay)."""
+        if self.static:
+            self.positions, self.attn_mask = compute_positions_and_mask(self.pad_left, self.start_t, self.num_new,
+                                                                        self.max_len)
+
+    def layer(self, layer: int) -> LayerCache:
+        return LayerCache(self, layer)

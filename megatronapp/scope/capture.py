@@ -1,0 +1,219 @@
+"""`scope.capture`: record capture sites while a model generates, gathered to rank 0.
+
+    with scope.capture(model, sites=("q", "attn_probs", "residual", "topk"), layers=[0, 3],
+                       compress="reduce:op=absmax,width=64;quantize:dtype=fp16") as cap:
+        generate(model, prompts, sampling, ...)
+    cap.items            # CapturedItem list on the serving rank (empty elsewhere)
+    cap.save("run.safetensors")
+
+Per step: hooks stash on device; at the step's end every rank joins `gather.collect_step`
+(TP all-gather, logit lens, one packed P2P transfer per stage); the serving rank compresses
+and starts ONE asynchronous device-to-host copy of everything (a uint8 buffer), finished at
+the next step or on exit. Nothing is installed until the with-block is entered and nothing
+stays after it. With GPT chunks instead of an InferenceModel (one process, e.g. during
+training), call `cap.end_step()` after each forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatronapp.scope.compress import CapturedItem, apply_pipeline, check_pipeline, parse_pipeline
+from megatronapp.scope.gather import collect_step, stage_items
+from megatronapp.scope.hooks import CaptureHooks
+from megatronapp.scope.sites import (DEFAULT_SITES, HEAD_SITES, check_heads, check_layers, check_sites,
+                                     site_numel)
+from megatronapp.scope.target import resolve_target
+
+DIMS = {"q": ("batch", "head", "token", "dim"), "k": ("batch", "head", "token", "dim"),
+        "v": ("batch", "head", "token", "dim"), "attn_probs": ("batch", "head", "token", "key"),
+        "attn_out": ("batch", "token", "hidden"), "fc1": ("batch", "token", "ffn"),
+        "mlp_out": ("batch", "token", "hidden"), "residual": ("batch", "token", "hidden"),
+        "logit_lens": ("layer", "batch", "k"), "topk": ("batch", "k")}
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    sites: tuple[str, ...] = DEFAULT_SITES
+    layers: tuple[int, ...] | None = None  # None: every layer
+    heads: tuple[int, ...] | None = None  # q/k/v/attn_probs heads kept; None: all
+    compress: tuple[dict, ...] = ()  # applied to per-layer sites (see compress.py)
+    topk: int = 5  # next-token and logit-lens top-k
+    max_bytes_per_step: int = 1 << 30  # raw (uncompressed) capture size a step may reach
+
+
+def validate_capture(model_cfg, cfg: CaptureConfig) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple]:
+    """(layers, heads, compression ops) of `cfg` checked against the model; one-line ValueError."""
+    check_sites(cfg.sites)
+    layers = check_layers(cfg.layers, model_cfg.num_layers)
+    heads = check_heads(cfg.heads, model_cfg.num_attention_heads)
+    compress = check_pipeline(cfg.compress)
+    if cfg.topk < 1:
+        raise ValueError(f"topk must be >= 1, got {cfg.topk}")
+    return layers, heads, compress
+
+
+def make_capture_config(sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
+                        max_bytes_per_step: int = 1 << 30) -> CaptureConfig:
+    """CaptureConfig from loose arguments (`compress` may be the text form)."""
+    if isinstance(compress, str):
+        compress = parse_pipeline(compress)
+    return CaptureConfig(sites=tuple(sites), layers=None if layers is None else tuple(layers),
+                         heads=None if heads is None else tuple(heads), compress=tuple(compress), topk=topk,
+                         max_bytes_per_step=max_bytes_per_step)
+
+
+class Capture:
+    def __init__(self, model, cfg: CaptureConfig):
+        self.target, self.cfg = resolve_target(model), cfg
+        self.layers, self.heads, self.compress = validate_capture(self.target.cfg, cfg)
+        self.want_lens = "logit_lens" in cfg.sites
+        if self.target.model is None and ({"topk", "logit_lens"} & set(cfg.sites)):
+            raise ValueError("topk and logit_lens need an InferenceModel (they read the logits / output layer)")
+        self.items: list[CapturedItem] = []
+        self.steps: list[dict] = []  # {"step", "tokens", "bytes"} of each captured step
+        self.hooks, self._pending = None, None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def __enter__(self) -> "Capture":
+        self.hooks = CaptureHooks(self.target, self.layers, self.cfg.sites, self.want_lens)
+        if self.target.model is not None:
+            self.target.model.observers.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.target.model is not None and self in self.target.model.observers:
+            self.target.model.observers.remove(self)
+        self.hooks.remove()
+        self._finish_transfer()
+
+    def step_begin(self, model) -> None:
+        self._finish_transfer()
+        cache = model.cache
+        b, new, total = cache.positions.shape[0], cache.num_new, cache.start + cache.num_new
+        raw = 4 * len(self.layers) * sum(site_numel(s, model.cfg, b, new, total)
+                                         for s in self.cfg.sites if s in DIMS and s not in ("logit_lens", "topk"))
+        if raw > self.cfg.max_bytes_per_step:
+            raise ValueError(f"capture would need {raw} bytes this step, over the limit of "
+                             f"{self.cfg.max_bytes_per_step}; capture fewer sites/layers or shorter prompts")
+
+    def step_end(self, model, logits) -> None:
+        gathered = collect_step(model, self.target, self.layers, self.cfg.sites, self.hooks.stash, self.want_lens)
+        self.hooks.stash.clear()
+        if gathered is None:
+            return
+        if "topk" in self.cfg.sites:
+            probs = logits[:, :model.cfg.vocab_size].float().softmax(-1).topk(self.cfg.topk, dim=-1)
+            gathered.append(("topk", None, "topk", probs))
+        tokens = model.cache.positions.numel()
+        self._finish_step(model.step, gathered, tokens)
+
+    def end_step(self) -> None:
+        """Chunk targets (no InferenceModel): collect what the last forward stashed."""
+        gathered = stage_items(self.target, self.layers, self.cfg.sites, self.hooks.stash)
+        stash, self.hooks.stash = self.hooks.stash, {}
+        any_t = next(iter(stash.values()), None)
+        tokens = 0 if any_t is None else any_t.shape[0] * any_t.shape[-2 if any_t.dim() == 4 else 1]
+        if self.target.tp_rank == 0:
+            self._finish_step(len(self.steps), gathered, tokens)
+
+    # -- serving rank: compress, one async copy --------------------------------------------
+    def _finish_step(self, step: int, gathered, tokens: int) -> None:
+        items = self._build_items(step, gathered)
+        flat = []
+        for t in (t for it in items for t in it.tensors.values()):
+            raw = t.contiguous().reshape(-1).view(torch.uint8)
+            flat.append(raw)
+            if raw.numel() % 8:  # every tensor starts 8-byte aligned: host slices view as any dtype
+                flat.append(torch.zeros(-raw.numel() % 8, dtype=torch.uint8, device=raw.device))
+        buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+        if buffer.is_cuda:
+            host = torch.empty(buffer.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(buffer, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = buffer, None
+        self._pending = (host, event, items)
+        self.steps.append({"step": step, "tokens": tokens, "bytes": sum(it.nbytes for it in items)})
+
+    def _build_items(self, step: int, gathered) -> list[CapturedItem]:
+        """Compressed items in gathered order. A per-layer site is stacked over layers and
+        compressed once (a few kernels per site and step, not per layer), then split."""
+        kept_layers = [set(op["layers"]) for op in self.compress if op["name"] == "slice" and "layers" in op]
+        by_site: dict[str, list] = {}
+        built: dict[str, CapturedItem] = {}
+        for name, layer, site, data in gathered:
+            if site in ("topk", "logit_lens"):
+                built[name] = self._final_item(step, site, data)
+            elif all(layer in keep for keep in kept_layers):
+                by_site.setdefault(site, []).append((name, layer, data))
+        for site, entries in by_site.items():
+            for name, item in zip((e[0] for e in entries), self._compress_site(step, site, entries)):
+                built[name] = item
+        return [built[name] for name, *_ in gathered if name in built]
+
+    def _final_item(self, step: int, site: str, data) -> CapturedItem:
+        top = data if site == "topk" else data.topk(self.cfg.topk, dim=-1)  # lens: top-k per layer
+        return CapturedItem(f"step{step}/{site}", site, step, None, DIMS[site],
+                            {"data": top.values, "indices": top.indices.to(torch.int32)})
+
+    def _compress_site(self, step: int, site: str, entries) -> list[CapturedItem]:
+        data = torch.stack([d.float() for _, _, d in entries])  # (layers, ...)
+        if self.heads is not None and site in HEAD_SITES:
+            data = data.index_select(2, torch.tensor(self.heads, device=data.device))
+        stacked = apply_pipeline(CapturedItem("", site, step, None, ("layer", *DIMS[site]), {"data": data}),
+                                 self.compress)
+        ops = [{**op, "shape": op["shape"][1:]} for op in stacked.ops]
+        return [CapturedItem(f"step{step}/{name}", site, step, layer, stacked.dims[1:],
+                             {k: v[i] for k, v in stacked.tensors.items()}, list(ops))
+                for i, (name, layer, _) in enumerate(entries)]
+
+    def _finish_transfer(self) -> None:
+        if self._pending is None:
+            return
+        host, event, items = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        offset = 0
+        for it in items:
+            for key, t in it.tensors.items():
+                n = t.numel() * t.element_size()
+                it.tensors[key] = host[offset:offset + n].view(t.dtype).view(t.shape)
+                offset += n + (-n % 8)
+        self.items.extend(items)
+
+    # -- results -------------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> float:
+        tokens = sum(s["tokens"] for s in self.steps)
+        return sum(s["bytes"] for s in self.steps) / tokens if tokens else 0.0
+
+    def get(self, site: str | None, layer: int | None = None, step: int | None = None) -> list[CapturedItem]:
+        """Items of `site` (None: any site), optionally one layer and/or step."""
+        return [it for it in self.items if (site is None or it.site == site) and (layer is None or it.layer == layer)
+                and (step is None or it.step == step)]
+
+    def pca(self, site: str = "residual", layer: int | None = None, k: int = 2):
+        """(coords (tokens, k), explained variance ratio) of `site` at `layer` over every
+        token captured so far (all steps, all rows)."""
+        from megatronapp.scope.pca import compute_pca, token_rows
+
+        layer = self.layers[-1] if layer is None else layer
+        return compute_pca(token_rows(self.get(site, layer)), k)
+
+    def manifest(self) -> dict:
+        return {"config": {"sites": list(self.cfg.sites), "layers": list(self.layers),
+                           "heads": None if self.heads is None else list(self.heads),
+                           "compress": list(self.compress), "topk": self.cfg.topk},
+                "steps": list(self.steps), "bytes_per_token": self.bytes_per_token,
+                "items": [it.manifest() for it in self.items]}
+
+
+def capture(model, sites=DEFAULT_SITES, **kwargs) -> Capture:
+    """A capture context for `model` (InferenceModel, or GPT chunks of one process); kwargs as
+    make_capture_config. Validates everything here, installs nothing until entered."""
+    return Capture(model, make_capture_config(sites, **kwargs))

@@ -1,0 +1,102 @@
+"""Forward hooks that stash capture sites on this rank (on device, no host sync).
+
+Installed only while a capture is active; `remove()` leaves the modules with no hooks. The
+stash maps (layer, site) to this rank's local tensor: heads / ffn columns of its TP shard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatronapp.model.gpt import apply_rotary
+from megatronapp.scope.sites import layer_modules
+
+LENS = "_lens"  # internal: residual of the newest column, for the logit lens
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) in fp32: q (B, h, S, D), k (B, h, T, D), bool mask (B, 1, S, T)
+    or None for causal attention over the same columns (S == T)."""
+    scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is None:
+        s, t = scores.shape[-2:]
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
+class CaptureHooks:
+    def __init__(self, target, layers, sites, want_lens: bool):
+        self.target, self.sites = target, set(sites)
+        self.stash: dict[tuple[int, str], torch.Tensor] = {}
+        self.handles = []
+        self._attn_args: dict[int, tuple] = {}
+        need_qkv = self.sites & {"q", "k", "v", "attn_probs"}
+        for layer, block in target.blocks().items():
+            if layer not in layers:
+                continue
+            m = layer_modules(block)
+            if need_qkv:
+                self.handles.append(m["attn"].register_forward_pre_hook(self._remember_attn_args(layer)))
+                self.handles.append(m["qkv"].register_forward_hook(self._qkv(layer)))
+            if "attn_probs" in self.sites or "attn_out" in self.sites:
+                self.handles.append(m["attn"].register_forward_hook(self._attn(layer)))
+            if "fc1" in self.sites:
+                self.handles.append(m["fc2"].register_forward_pre_hook(self._fc1(layer)))
+            if "mlp_out" in self.sites:
+                self.handles.append(m["mlp"].register_forward_hook(self._store(layer, "mlp_out")))
+            if "residual" in self.sites or want_lens:
+                self.handles.append(m["block"].register_forward_hook(self._residual(layer, want_lens)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.stash, self._attn_args = [], {}, {}
+
+    def _remember_attn_args(self, layer: int):
+        def hook(module, args):
+            self._attn_args[layer] = args[1:]  # (cos, sin[, cache])
+        return hook
+
+    def _qkv(self, layer: int):
+        def hook(module, args, output):
+            b, s, _ = output.shape
+            cos, sin = self._attn_args[layer][:2]
+            if cos.dim() == 2:  # no cache: the full tables, sliced as the model does
+                cos, sin = cos[:s], sin[:s]
+            qkv = output.detach().view(b, s, -1, 3, self.target.cfg.head_dim)
+            q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, h, S, D)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            for site, t in (("q", q), ("k", k), ("v", v)):
+                if site in self.sites or (site in "qk" and "attn_probs" in self.sites):
+                    self.stash[(layer, site)] = t
+        return hook
+
+    def _attn(self, layer: int):
+        def hook(module, args, output):
+            if "attn_out" in self.sites:
+                self.stash[(layer, "attn_out")] = output.detach()
+            if "attn_probs" in self.sites:
+                cache = args[3] if len(args) > 3 else None
+                keys, mask = cache.keys_so_far() if cache is not None else (self.stash[(layer, "k")], None)
+                self.stash[(layer, "attn_probs")] = attention_probs(self.stash[(layer, "q")], keys, mask)
+        return hook
+
+    def _fc1(self, layer: int):
+        def hook(module, args):
+            self.stash[(layer, "fc1")] = args[0].detach()
+        return hook
+
+    def _store(self, layer: int, site: str):
+        def hook(module, args, output):
+            self.stash[(layer, site)] = output.detach()
+        return hook
+
+    def _residual(self, layer: int, want_lens: bool):
+        def hook(module, args, output):
+            if "residual" in self.sites:
+                self.stash[(layer, "residual")] = output.detach()
+            if want_lens:
+                self.stash[(layer, LENS)] = output.detach()[:, -1]
+        return hook

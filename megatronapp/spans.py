@@ -38,6 +38,12 @@ SYNC_COLLECTIVES = frozenset({ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL
 GRAD_REDUCE = "grad_reduce"
 UNKEYED_DP_COLLECTIVES = (GRAD_REDUCE,)
 
+# MegaFBD (megatronapp.fbd): comm-track spans of a worker blocked on the other role. A
+# forward worker waits for versioned weights or for its run-ahead window to free up; a
+# backward worker waits for a stage input or the forward losses. Unkeyed, like grad_reduce.
+WAIT_WEIGHTS, WAIT_BACKWARD, WAIT_FORWARD = "wait_weights", "wait_backward", "wait_forward"
+FBD_WAITS = (WAIT_WEIGHTS, WAIT_BACKWARD, WAIT_FORWARD)
+
 # Written by the merge only (never recorded): the short slice at a message's arrival on the
 # receiver, where its flow arrow ends (so arrows run send -> arrival in Perfetto).
 ARRIVAL = "arrival"

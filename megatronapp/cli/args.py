@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
 from megatronapp.config import (
     MODEL_PRESETS,
     SCHEDULES,
@@ -123,6 +124,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
     g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
+    add_fbd_arguments(p)
     add_dpp_arguments(p)
 
 
@@ -170,7 +172,8 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
     train_kw = {f: getattr(args, f) for f in _TRAIN_FLAGS if getattr(args, f, None) is not None}
     train_kw["schedule"] = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
     train = TrainConfig(**train_kw)
-    layout = build_layout(world_size, args.tensor_model_parallel_size, pp, vpp)
+    layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
     job = JobConfig(model=model, train=train, layout=layout)
     validate_job(job)
+    check_fbd_job(args, job, world_size)
     return job

@@ -45,6 +45,27 @@ def prepare_trace_dir(args: argparse.Namespace) -> None:
         f.unlink()
 
 
+# What a rank reports when it fails only because a peer died (gloo / NCCL wording).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+              "communicator was aborted", "ncclRemoteError")
+
+
+def pick_root_failure(failures: dict) -> tuple[int, object, str]:
+    """(rank, failure, message) of the failure that caused the others: error files carry
+    whole-second timestamps, so ties are broken by preferring a rank whose error is not
+    'a peer went away' (those are the victims), then the earliest, then the lowest rank."""
+    def message(f) -> str:  # a dict with the traceback when the rank recorded its error
+        m = f.message
+        return str(m.get("message", m)) if isinstance(m, dict) else str(m)
+
+    def key(item):
+        rank, f = item
+        return (any(s in message(f) for s in _PEER_LOST), f.timestamp, rank)
+
+    rank, failure = min(failures.items(), key=key)
+    return rank, failure, message(failure)
+
+
 def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -61,15 +82,14 @@ def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
     try:
         run(run_args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {failure.message}",
-              file=sys.stderr)
+        rank, failure, message = pick_root_failure(exc.failures)
+        print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
         return 1
-    history = json.loads(summary.read_text())["history"] if summary.is_file() else []
-    return report_run(args, history, world)
+    saved = json.loads(summary.read_text()) if summary.is_file() else {}
+    return report_run(args, saved.get("history", []), world, saved.get("rows", []))
 
 
-def report_run(args: argparse.Namespace, history: list[dict], world: int) -> int:
+def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: list | None = None) -> int:
     """Print the run summary; with --trace also merge the timeline and run detection."""
     console = Console()
     if history:
@@ -84,6 +104,8 @@ def report_run(args: argparse.Namespace, history: list[dict], world: int) -> int
             table.add_row("checkpoint", args.save)
         if args.metrics_file:
             table.add_row("metrics", args.metrics_file)
+        for label, value in rows or []:  # module-specific lines (e.g. MegaFBD's role waits)
+            table.add_row(label, value)
         console.print(table)
     if args.trace:
         return _report_trace(args, console)

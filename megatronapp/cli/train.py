@@ -49,23 +49,26 @@ def _build_data(args, tokenizer, job, groups):
                                     dp_size=job.layout.dp_size, seed=job.train.seed)
 
 
-def _build_tracer(args, job, groups, device):
-    """MegaScan tracer + torch.distributed instrumentation, or (None, None) when off."""
+def _build_tracer(args, job, groups, device, meta_overrides=None):
+    """MegaScan tracer + torch.distributed instrumentation, or (None, None) when off.
+    meta_overrides: rank, world_size, role of an FBD rank (groups then describe its role)."""
     if not args.trace:
         return None, None
     from megatronapp.scan.format import build_rank_meta
     from megatronapp.scan.instrument import install_distributed_instrumentation
     from megatronapp.scan.tracer import TraceConfig, Tracer
 
-    lay = job.layout
+    lay, over = job.layout, meta_overrides or {}
     meta = build_rank_meta(
-        rank=groups.rank, world_size=lay.world_size, coords=groups.coords.as_dict(),
+        rank=over.get("rank", groups.rank), world_size=over.get("world_size", lay.world_size),
+        coords=groups.coords.as_dict(),
         layout={"tp_size": lay.tp_size, "pp_size": lay.pp_size, "dp_size": lay.dp_size,
                 "virtual_pp_size": lay.virtual_pp_size},
         host=socket.gethostname(), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         run_id=os.environ.get("MEGATRONAPP_RUN_ID", "local"), clock="cuda" if device.type == "cuda" else "monotonic",
         run={"model": asdict(job.model), "schedule": job.train.schedule,
-             "inject_slowdown": args.inject_slowdown, "inject_link_delay": args.inject_link_delay})
+             "inject_slowdown": args.inject_slowdown, "inject_link_delay": args.inject_link_delay,
+             **({"role": over["role"]} if "role" in over else {})})
     skew = int(os.environ.get("MEGATRONAPP_TRACE_CLOCK_SKEW_NS", "0"))  # tests skew clocks per rank
     cfg = TraceConfig(enabled=True, trace_dir=args.trace_dir, interval=args.trace_interval,
                       continuous_iterations=args.continuous_trace_iterations,
@@ -78,13 +81,19 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     """Train in this process as one rank of the job; returns the metrics history."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     tokenizer = load_tokenizer(args.tokenizer_model)
     job = build_job_config(args, world, tokenizer.vocab_size)
     plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
     if plan.empty:
         plan = fault_plan_from_env()  # `trace run` and eval harnesses pass faults this way
     plan.check(world)
+    if args.forward_backward_disaggregating:
+        from megatronapp.fbd.launch import CliParts, run_fbd_rank
+
+        injector = (lambda r, d: None if plan.empty else FaultInjector(plan, r, d))
+        return run_fbd_rank(args, job, tokenizer,
+                            CliParts(_build_data, _build_tracer, _train_loop, injector, _maybe_load))
+    device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)

@@ -41,9 +41,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _barrier(group) -> None:
+    """Barrier over the layout's ranks (groups.world); a single process has none."""
+    if group is not None and dist.is_initialized():
+        dist.barrier(group=group)
 
 
 def _named_params(chunks) -> dict:
@@ -71,7 +72,7 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
         meta = {"iteration": it, "layout": asdict(trainer.job.layout),
                 "model": asdict(trainer.job.model), "train": asdict(trainer.job.train)}
         _atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))
-    _barrier()
+    _barrier(g.world)
     state = _shard_state(trainer)
     if g.dp_rank == 0:
         _atomic_torch_save(state, folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
@@ -79,7 +80,7 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
            "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None,
            "tracker": trainer.rng_tracker.get_states()}
     _atomic_torch_save({"rng": rng, "data": data.state_dict()}, folder / f"rank{g.rank:05d}.pt")
-    _barrier()
+    _barrier(g.world)
     if g.rank == 0:
         _atomic_write_text(Path(save_dir) / "latest", str(it))
     return folder

@@ -140,7 +140,7 @@ class Trainer:
         for i, st in enumerate(steps):
             values[i, 1 + self.groups.rank] = self.runtime.compute_timer.resolve(st.compute)
         if world > 1:
-            dist.all_reduce(values)
+            dist.all_reduce(values, group=self.groups.world)
         rows = values.tolist()
         dt = elapsed_s / len(steps)
         tokens_per_s = self.job.train.global_batch_size * self.job.model.seq_length / dt

@@ -61,9 +61,11 @@ class MergeSummary:
 
 
 def format_rank_label(meta: dict) -> str:
-    """Process name of a rank, e.g. "rank 5 (pp1 dp0 tp1)"."""
+    """Process name of a rank, e.g. "rank 5 (pp1 dp0 tp1)" or "rank 5 forward (pp1 dp0 tp0)"."""
     c = meta.get("coords", {})
-    return f"rank {meta['rank']} (pp{c.get('pp', 0)} dp{c.get('dp', 0)} tp{c.get('tp', 0)})"
+    role = meta.get("run", {}).get("role")  # MegaFBD: "forward" / "backward" workers
+    prefix = f"rank {meta['rank']} {role}" if role else f"rank {meta['rank']}"
+    return f"{prefix} (pp{c.get('pp', 0)} dp{c.get('dp', 0)} tp{c.get('tp', 0)})"
 
 
 def assign_lanes(starts: Sequence[int], ends: Sequence[int]) -> list[int]:

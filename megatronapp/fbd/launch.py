@@ -1,0 +1,125 @@
+"""The body of one MegaFBD process: pick the role by rank, build it, train, report waits.
+
+The CLI hands in the parts it owns (data, tracer, the logged train loop) as a `CliParts`,
+so this package never imports the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.config import JobConfig
+from megatronapp.engine.checkpoint import has_checkpoint
+from megatronapp.fbd.backward import BackwardWorker
+from megatronapp.fbd.cli import fbd_config_from_args, role_layout_from_args
+from megatronapp.fbd.forward import ForwardWorker
+from megatronapp.parallel.groups import build_role_groups
+from megatronapp.parallel.layout import RoleLayout
+
+
+@dataclass(frozen=True)
+class CliParts:
+    build_data: Callable  # (args, tokenizer, job, groups: ParallelGroups) -> batch iterator
+    build_tracer: Callable  # (args, job, groups, device, rank_meta_overrides) -> (tracer | None, instrumentation)
+    train_loop: Callable  # (args, job, trainer, data, rank, injector) -> metrics history (logs, saves, summary)
+    build_injector: Callable  # (rank, device) -> engine fault injector or None
+    maybe_load: Callable  # (job, trainer, data, rank): resume from --load when it holds a checkpoint
+
+
+def select_role_device(args: argparse.Namespace, lay: RoleLayout, rank: int, local_rank: int) -> torch.device:
+    """Backward workers: --device; forward workers: --forward-device (default: the same), on
+    the GPU of their backward twin (spare memory on the expensive device) when it is CUDA."""
+    coords = lay.role_of(rank)
+    wanted = (args.forward_device or args.device) if coords.is_forward else args.device
+    if wanted == "cpu" or (wanted is None and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("megatronapp: CUDA requested but not available")
+    twin = lay.backward_rank(coords.tp % lay.tp_size, coords.dp, coords.pp) if coords.is_forward else rank
+    index = (local_rank - rank + twin) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _backend(args: argparse.Namespace) -> str:
+    devices = {args.device or ("cuda" if torch.cuda.is_available() else "cpu")}
+    devices.add(args.forward_device or next(iter(devices)))
+    if devices == {"cpu"}:
+        return "gloo"
+    return "nccl" if devices == {"cuda"} else "cpu:gloo,cuda:nccl"
+
+
+def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: CliParts) -> list[dict]:
+    """Train as global rank RANK of an FBD job; backward rank 0 returns the metrics history."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    lay, fbd = role_layout_from_args(args, world), fbd_config_from_args(args)
+    device = select_role_device(args, lay, rank, int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(_backend(args), rank=rank, world_size=world)
+    link = torch.device("cpu") if "gloo" in _backend(args) else device  # cross-role messages travel here
+    tracer = instrumentation = None
+    try:  # every exit path tears the process group down and flushes the trace
+        groups = build_role_groups(lay, rank)
+        data = parts.build_data(args, tokenizer, job, groups.parallel)
+        role = "forward" if groups.is_forward else "backward"
+        tracer, instrumentation = parts.build_tracer(args, job, groups.parallel, device,
+                                                     {"rank": rank, "world_size": world, "role": role})
+        kw = {"link_device": link, **({"tracer": tracer} if tracer else {})}
+        history: list[dict] = []
+        if groups.is_forward:
+            worker = ForwardWorker(job, fbd, groups, device, data, **kw)
+            if job.train.load and has_checkpoint(job.train.load):
+                worker.load(job.train.load)
+            worker.train(job.train.train_iters)
+        else:
+            injector = parts.build_injector(rank, device)
+            worker = BackwardWorker(job, fbd, groups, device, data, injector=injector, **kw)
+            parts.maybe_load(job, worker.trainer, data, rank)
+            history = parts.train_loop(args, job, worker.trainer, data, rank, injector)
+        stats = gather_role_waits(worker, lay, rank, device if _backend(args) == "nccl" else None)
+        if rank == 0 and args.summary_file:
+            _add_summary_rows(Path(args.summary_file), stats)
+        return history
+    finally:
+        if instrumentation is not None:
+            instrumentation.uninstall()
+        if tracer is not None:
+            tracer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def gather_role_waits(worker, lay: RoleLayout, rank: int, device=None) -> dict:
+    """Once, after training, on every rank: seconds each role waited on the other, and the
+    largest gap between forward-worker and recomputed losses."""
+    values = torch.zeros(lay.world_size + 1, dtype=torch.float64, device=device or "cpu")
+    values[rank] = worker.waits.on_other_role_s
+    if worker.role == "backward":
+        values[-1] = worker.runtime.loss_gap
+    gaps = values[-1:].clone()
+    dist.all_reduce(values[:-1])
+    dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
+    waits = values[:-1].tolist()
+    b = lay.num_backward
+    return {"backward_waited_on_forward_s": max(waits[:b]), "forward_waited_on_backward_s": max(waits[b:]),
+            "forward_vs_recomputed_loss_max_abs": float(gaps[0])}
+
+
+def _add_summary_rows(path: Path, stats: dict) -> None:
+    summary = json.loads(path.read_text()) if path.is_file() else {"history": []}
+    summary["rows"] = summary.get("rows", []) + [
+        ["backward waited on forward (max rank)", f"{stats['backward_waited_on_forward_s']:.3f} s"],
+        ["forward waited on backward (max rank)", f"{stats['forward_waited_on_backward_s']:.3f} s"],
+        ["forward vs recomputed loss, max |diff|", f"{stats['forward_vs_recomputed_loss_max_abs']:.2e}"]]
+    summary["fbd"] = stats
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary))
+    os.replace(tmp, path)

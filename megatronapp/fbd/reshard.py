@@ -1,0 +1,115 @@
+"""Resharding between backward workers (TP) and forward workers (TF), and message framing.
+
+Weights (TP -> TF): a tensor split along dim d of full length n lives as the slice
+[t*n/TP, (t+1)*n/TP) on backward TP rank t and is needed as [f*n/TF, (f+1)*n/TF) on forward
+TP rank f; backward t sends forward f exactly the overlap of the two, for every parameter of
+the stage in named_parameters order, flattened into one message. Replicated tensors travel
+from the first backward rank overlapping f only. The first element of a weight message is
+its version (the number of optimizer steps behind those weights), checked by the receiver.
+
+Activations need no reshaping (replicated over TP); a stage-input message is
+[iteration, microbatch, activation...] and a loss message [iteration, loss per microbatch...],
+both checked by the backward worker against what its own action list expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MAX_EXACT_TAG = 2**24  # tags ride in fp32 messages: integers are exact below this
+
+
+@dataclass(frozen=True)
+class WeightPiece:
+    name: str
+    dim: int | None  # split dim, None when replicated
+    src_start: int  # offset along dim in the backward (source) shard
+    dst_start: int  # offset along dim in the forward (destination) shard
+    length: int  # along dim (full size when replicated)
+
+
+def compute_weight_pieces(params: dict[str, tuple[tuple[int, ...], int | None]], tp_size: int, tp_rank: int,
+                          ftp_size: int, ftp_rank: int) -> list[WeightPiece]:
+    """What backward TP rank tp_rank sends forward TP rank ftp_rank.
+
+    params: name -> (full shape, split dim or None), in a fixed order both sides share.
+    """
+    first_source = ftp_rank * tp_size // ftp_size
+    pieces = []
+    for name, (shape, dim) in params.items():
+        if dim is None:
+            if tp_rank == first_source:
+                pieces.append(WeightPiece(name, None, 0, 0, shape[0] if shape else 1))
+            continue
+        n = shape[dim]
+        if n % tp_size or n % ftp_size:
+            raise ValueError(f"{name}: dim {dim} of size {n} is not divisible by TP {tp_size} "
+                             f"and forward TP {ftp_size}")
+        src_lo, src_hi = tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size
+        dst_lo, dst_hi = ftp_rank * n // ftp_size, (ftp_rank + 1) * n // ftp_size
+        lo, hi = max(src_lo, dst_lo), min(src_hi, dst_hi)
+        if lo < hi:
+            pieces.append(WeightPiece(name, dim, lo - src_lo, lo - dst_lo, hi - lo))
+    return pieces
+
+
+def full_param_specs(module: nn.Module, tp_size: int) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """name -> (full shape, split dim) of a TP-sharded module's parameters."""
+    specs = {}
+    for name, p in module.named_parameters():
+        shape, dim = list(p.shape), p.tp_split_dim
+        if dim is not None:
+            shape[dim] *= tp_size
+        specs[name] = (tuple(shape), dim)
+    return specs
+
+
+def _view(p: torch.Tensor, piece: WeightPiece, start: int) -> torch.Tensor:
+    return p if piece.dim is None else p.narrow(piece.dim, start, piece.length)
+
+
+def pack_weights(module: nn.Module, pieces: list[WeightPiece], version: int, device) -> torch.Tensor:
+    """[version, pieces...] as one fp32 tensor on `device` (a copy: the optimizer may step meanwhile)."""
+    if not 0 <= version < MAX_EXACT_TAG:
+        raise ValueError(f"weight version {version} does not fit an fp32 tag")
+    params = dict(module.named_parameters())
+    parts = [torch.tensor([float(version)], device=device)]
+    parts += [_view(params[pc.name].detach(), pc, pc.src_start).reshape(-1).float().to(device) for pc in pieces]
+    return torch.cat(parts)
+
+
+def weight_message_numel(module: nn.Module, pieces: list[WeightPiece]) -> int:
+    params = dict(module.named_parameters())
+    return 1 + sum(_view(params[pc.name], pc, pc.dst_start).numel() for pc in pieces)
+
+
+def unpack_weights(module: nn.Module, pieces: list[WeightPiece], message: torch.Tensor, expected_version: int,
+                   source: int) -> None:
+    """Copy a weight message into the forward shard; RuntimeError if its version is not the expected one."""
+    version = int(message[0].item())
+    if version != expected_version:
+        raise RuntimeError(f"forward worker expected weights of version {expected_version} from rank {source}, "
+                           f"got version {version}")
+    params, offset = dict(module.named_parameters()), 1
+    with torch.no_grad():
+        for pc in pieces:
+            dst = _view(params[pc.name], pc, pc.dst_start)
+            dst.copy_(message[offset:offset + dst.numel()].view(dst.shape))
+            offset += dst.numel()
+
+
+def frame(tags: tuple[int, ...], payload: torch.Tensor, device) -> torch.Tensor:
+    """[tags..., payload.flatten()] as fp32 on `device`."""
+    head = torch.tensor([float(t) for t in tags], device=device)
+    return torch.cat([head, payload.detach().float().reshape(-1).to(device)])
+
+
+def unframe(message: torch.Tensor, expected: tuple[int, ...], what: str, source: int) -> torch.Tensor:
+    """The payload of a framed message after checking its tags; RuntimeError naming both sides otherwise."""
+    got = tuple(int(v) for v in message[:len(expected)].tolist())
+    if got != expected:
+        raise RuntimeError(f"{what} from rank {source}: expected tags {expected}, got {got}")
+    return message[len(expected):]

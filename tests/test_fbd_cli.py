@@ -1,0 +1,95 @@
+"""`megatronapp train --forward-backward-disaggregating` end to end: bad input fails before
+launch, a crashed rank of either role ends the job promptly, both roles are traced."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from test_cli import run_cli
+
+FBD = ["--forward-backward-disaggregating"]
+PP2 = ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (FBD + ["--nproc-per-node", "5", "--pipeline-model-parallel-size", "2"], "world size 5 is not a multiple of 4"),
+    (["--forward-tensor-model-parallel-size", "2"], "needs --forward-backward-disaggregating"),
+    (["--inject-crash", "1:1"], "needs --forward-backward-disaggregating"),
+    (FBD + PP2 + ["--inject-crash", "one"], "--inject-crash expects RANK:ITER"),
+    (FBD + PP2 + ["--inject-crash", "4:1"], "--inject-crash rank 4 is outside world size 4"),
+    (FBD + PP2 + ["--fbd-max-ahead", "0"], "--fbd-max-ahead must be >= 1"),
+    (FBD + ["--nproc-per-node", "4", "--forward-tensor-model-parallel-size", "3"],
+     "num attention heads 4 is not divisible by forward tensor-parallel size 3"),
+    (FBD + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], "does not support virtual pipeline stages"),
+])
+def test_bad_fbd_input_fails_before_launch(args, message):
+    started = time.monotonic()
+    res = run_cli(args, timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert time.monotonic() - started < 30
+
+
+def _processes_with(tag: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if tag.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("rank, role", [(3, "forward"), (1, "backward")])
+def test_a_crashed_rank_of_either_role_ends_the_job_promptly(monkeypatch, rank, role):
+    """Rank 3 is stage 1's forward worker, rank 1 stage 1's backward worker (RoleLayout)."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("MEGATRONAPP_TEST_TAG", tag)  # inherited by every process of the job
+    res = run_cli(FBD + PP2 + ["--train-iters", "500", "--inject-crash", f"{rank}:2"], timeout=240)
+    ended = time.time()
+    assert res.returncode == 1, res.stderr[-2000:]
+    line = next(x for x in res.stderr.splitlines() if x.startswith("megatronapp: rank"))
+    assert f"megatronapp: rank {rank} failed" in line and f"{role} worker rank {rank} at iteration 2" in line
+    crashed_at = float(re.search(r"unix time ([0-9.]+)", line).group(1))
+    assert ended - crashed_at < 20, f"job took {ended - crashed_at:.1f} s to end after the crash"
+    assert _processes_with(f"MEGATRONAPP_TEST_TAG={tag}") == []
+
+
+def test_fbd_run_traces_both_roles_and_reports_waits(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    res = run_cli(FBD + PP2 + ["--train-iters", "3", "--metrics-file", str(metrics), "--trace",
+                               "--trace-dir", str(tmp_path / "t")], timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "backward waited on forward" in res.stdout and "forward waited on backward" in res.stdout
+    assert [json.loads(x)["iteration"] for x in metrics.read_text().splitlines()] == [1, 2, 3]
+    timeline = json.loads((tmp_path / "t" / "timeline.json").read_text())
+    events = timeline["traceEvents"] if isinstance(timeline, dict) else timeline
+    names = sorted(e["args"]["name"] for e in events if e.get("name") == "process_name")
+    assert names == ["rank 0 backward (pp0 dp0 tp0)", "rank 1 backward (pp1 dp0 tp0)",
+                     "rank 2 forward (pp0 dp0 tp0)", "rank 3 forward (pp1 dp0 tp0)"]
+    assert any(e.get("name") == "wait_forward" for e in events)
+    assert any(e.get("cat") == "flow" for e in events)  # send -> recv arrows, including the hand-offs
+
+
+def test_the_launcher_names_the_rank_that_caused_the_failure():
+    """Error files carry whole-second timestamps: a victim of the crash may tie with it."""
+    from types import SimpleNamespace
+
+    from megatronapp.cli.launch import pick_root_failure
+
+    lost = {"message": "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:45743"}
+    failures = {0: SimpleNamespace(message=lost, timestamp=100, exitcode=1),
+                1: SimpleNamespace(message={"message": "RuntimeError: injected crash"}, timestamp=100, exitcode=1),
+                2: SimpleNamespace(message="<N/A>", timestamp=101, exitcode=-9)}
+    rank, _, message = pick_root_failure(failures)
+    assert (rank, message) == (1, "RuntimeError: injected crash")
+    assert pick_root_failure({0: failures[0], 3: failures[0]})[0] == 0  # only victims: the earliest, lowest

@@ -63,6 +63,10 @@ class PlainRunner:
         self.compiled = torch.compile(self.model)
         self.data = data
 
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.step()
+
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
         for mb in self.data.mbs:
@@ -71,14 +75,14 @@ class PlainRunner:
         self.opt.step()
 
 
-def _timed_steps(step, n: int) -> tuple[float, float]:
-    """(seconds per step, transient peak bytes) over n steps."""
+def _timed_steps(run, n: int) -> tuple[float, float]:
+    """(seconds per step, transient peak bytes) over n steps; run(n) takes n steps with no
+    host synchronisation between them (the engine resolves its metrics once, at the end)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    for _ in range(n):
-        step()
+    run(n)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n, torch.cuda.max_memory_allocated() - before
 
@@ -90,8 +94,7 @@ def _interleave(variants: dict, args) -> dict:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         step = factory()
-        for _ in range(args.warmup):
-            step()
+        step(args.warmup)
         torch.cuda.synchronize()
         resident[name] = torch.cuda.memory_allocated() - before
         built[name] = step
@@ -122,7 +125,7 @@ def _annotate(out: dict, job: JobConfig) -> None:
 def _engine_factory(job: JobConfig, data: Batches):
     def build():
         trainer = Trainer(job, single_process_groups(), DEV, data)
-        return lambda: trainer.train(num_steps=1)
+        return lambda n: trainer.train(num_steps=n)
     return build
 
 
@@ -131,7 +134,7 @@ def bench_throughput(args, results: dict) -> None:
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
     cudnn = replace(job, train=replace(job.train, attention_backend="cudnn"))
     variants = {"engine": _engine_factory(job, data), "engine_cudnn_attention": _engine_factory(cudnn, data),
-                "plain_bf16": lambda: PlainRunner(job, data).step}
+                "plain_bf16": lambda: PlainRunner(job, data).steps}
     out = _interleave(variants, args)
     _annotate(out, job)
     for name in ("engine", "engine_cudnn_attention"):
@@ -183,6 +186,49 @@ def bench_microbatch(args, results: dict) -> None:
     results["largest_micro_batch_eager"] = out
 
 
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    for cat, keys in (("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul")),
+                      ("attention", ("flash", "fmha", "attention", "cudnn")),
+                      ("optimizer", ("multi_tensor", "adam", "foreach")),
+                      ("triton", ("triton",)), ("copy/cast", ("copy", "cast", "convert")),
+                      ("reduce", ("reduce",))):
+        if any(k in n for k in keys):
+            return cat
+    return "other elementwise"
+
+
+def bench_profile(args, results: dict) -> None:
+    """GPU kernel time per category for one step of the engine and of the plain twin."""
+    from torch.profiler import ProfilerActivity, profile
+
+    job = make_job(4, args.num_micro, compile=True)
+    data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
+    out = {}
+    for name, factory in (("engine", _engine_factory(job, data)), ("plain_bf16", lambda: PlainRunner(job, data).steps)):
+        step = factory()
+        step(args.warmup + 1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(1)
+            torch.cuda.synchronize()
+        cats: dict[str, float] = {}
+        kernels = []
+        for evt in prof.key_averages():
+            t = evt.device_time_total / 1e3  # ms
+            if t <= 0:
+                continue
+            cats[_kernel_category(evt.key)] = cats.get(_kernel_category(evt.key), 0.0) + t
+            kernels.append((t, evt.count, evt.key[:120]))
+        kernels.sort(reverse=True)
+        out[name] = {"categories_ms": cats, "total_ms": sum(cats.values()), "top": kernels[:40]}
+        print(name, json.dumps(out[name], indent=1), flush=True)
+        del step
+        gc.collect()
+        torch.cuda.empty_cache()
+    results["profile"] = out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="engine_bench.json")
@@ -194,7 +240,7 @@ def main() -> None:
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    benches = {"throughput": bench_throughput, "recompute": bench_recompute, "microbatch": bench_microbatch}
+    benches = {"profile": bench_profile, "throughput": bench_throughput, "recompute": bench_recompute, "microbatch": bench_microbatch}
     for name in args.only.split(","):
         benches[name](args, results)
         gc.collect()

@@ -117,10 +117,14 @@ def main() -> None:
     hf = None if args.no_hf else load_hf(ckpt, device, dtype)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     new = min(args.new_tokens, cfg.seq_length - args.prompt_len)
-    results = {"ours_off": [], "ours_capture": [], "hf": [], "bytes_per_token": []}
+    results = {"ours_off": [], "ours_eager": [], "ours_capture": [], "hf": [], "bytes_per_token": []}
     time_ours(model, prompt, new, cfg.vocab_size, False)  # warm-up
     for _ in range(args.rounds):
         results["ours_off"].append(time_ours(model, prompt, new, cfg.vocab_size, False)[0])
+        if args.cuda_graphs:  # the eager decode path side by side with the graph replay
+            model.cuda_graphs = False
+            results["ours_eager"].append(time_ours(model, prompt, new, cfg.vocab_size, False)[0])
+            model.cuda_graphs = True
         tps, bpt = time_ours(model, prompt, new, cfg.vocab_size, True)
         results["ours_capture"].append(tps)
         results["bytes_per_token"].append(bpt)

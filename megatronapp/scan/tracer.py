@@ -1,11 +1,9 @@
 """MegaScan's recorder: cheap spans on the training thread, file I/O on a background one.
 
-The training thread only takes timestamps. On CUDA a timestamp is a pooled
-`torch.cuda.Event` recorded on the current stream, so recording never synchronises
-the step; on CPU it is `time.monotonic_ns()`. After the last step of a traced window
-the raw records go to one background thread, which waits for the events, turns them
-into nanoseconds on one device timeline, and appends a record batch to this rank's
-file (see format.py). Tracing adds no collective and touches only this rank's file.
+The training thread only takes timestamps (clocks.py). After the last step of a traced
+window the raw records go to one background thread (trace_writer.py), which waits for the
+events, turns them into nanoseconds on one device timeline, and appends a record batch to
+this rank's file (see format.py). Tracing adds no collective and touches only this rank's file.
 
 When tracing is off, or the iteration is not traced, `span()` returns one shared
 no-op context manager: the cost is an attribute check.
@@ -13,84 +11,27 @@ no-op context manager: the cost is an attribute check.
 
 from __future__ import annotations
 
-import queue
 import socket
-import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CATEGORIES, ITERATION
-from megatronapp.scan.format import (
-    SCHEMA_VERSION,
-    TraceWriter,
-    build_event_batch_from_columns,
-    trace_file_name,
-)
+from megatronapp.scan.clocks import INITIAL_EVENT_POOL, build_clock
+from megatronapp.scan.format import SCHEMA_VERSION, TraceWriter, trace_file_name
+from megatronapp.scan.trace_config import GRANULARITIES, TraceConfig
+from megatronapp.scan.trace_writer import ATTR_DEFAULTS, SPAN_ATTRS, BackgroundWriter
 
-GRANULARITIES = ("base", "full")
-# Span attributes a caller may set, in record order; values default to -1 / "".
-SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")
-_ATTR_DEFAULTS = (-1, -1, -1, "", "", -1, -1, -1)
+__all__ = ["GRANULARITIES", "NOOP_SPAN", "SPAN_ATTRS", "TraceConfig", "Tracer"]
+
 _SPAN_CATEGORIES = tuple(c for c in CATEGORIES if c != CAT_CALIB)
-_RECORDS_PER_GIL_SLICE = 64
-_INITIAL_EVENT_POOL = 4096  # CUDA timing events made at start (two per span)
 # Hand a window to the writer once this many spans are waiting, whatever flush_seconds says:
 # on CUDA that returns events to the pool before it runs dry (a new event costs a driver
 # call inside the step); on CPU it bounds memory.
-_FLUSH_RECORDS = _INITIAL_EVENT_POOL // 4
-
-
-@dataclass(frozen=True)
-class TraceConfig:
-    """When and how much to trace.
-
-    Windows of `continuous_iterations` consecutive iterations start at iterations
-    `interval`, 2*`interval`, ... (the first one after warm-up, never iteration 0).
-    `granularity` "full" also records per-layer attention/mlp spans.
-    `clock_skew_ns` is a testing knob added to every timestamp of this rank."""
-
-    enabled: bool = False
-    trace_dir: str = ""
-    interval: int = 100
-    continuous_iterations: int = 1
-    granularity: str = "base"
-    clock_skew_ns: int = 0
-    # Hand records to the writer thread at a window's end only when this many seconds have
-    # passed since the last hand-over (or at close): every wake-up of the writer competes
-    # with the training thread for the GIL, which costs a launch-bound step several percent
-    # if it happens every iteration. A crash loses at most this much of the trace.
-    flush_seconds: float = 5.0
-    # Windows waiting for the writer thread at most; past that a window is dropped and
-    # counted (Tracer.dropped_events), so a slow disk never grows memory or blocks a step.
-    max_pending_windows: int = 16
-
-    def __post_init__(self) -> None:
-        if self.max_pending_windows < 1:
-            raise ValueError(f"max_pending_windows must be >= 1, got {self.max_pending_windows}")
-        if self.interval < 1:
-            raise ValueError(f"trace interval must be >= 1 iteration, got {self.interval}")
-        if not 1 <= self.continuous_iterations <= self.interval:
-            raise ValueError(
-                f"continuous_iterations must be in 1..interval ({self.interval}), "
-                f"got {self.continuous_iterations}"
-            )
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        if self.enabled and not self.trace_dir:
-            raise ValueError("tracing is enabled but trace_dir is empty: set a directory for the .mscan files")
-
-    def should_trace(self, iteration: int) -> bool:
-        """True for iterations k*interval .. k*interval + continuous_iterations - 1, k >= 1."""
-        return (
-            self.enabled
-            and iteration >= self.interval
-            and iteration % self.interval < self.continuous_iterations
-        )
+_FLUSH_RECORDS = INITIAL_EVENT_POOL // 4
 
 
 class _NoOpSpan:
@@ -109,82 +50,6 @@ class _NoOpSpan:
 
 
 NOOP_SPAN = _NoOpSpan()
-
-
-class _MonotonicClock:
-    """CPU timeline: time.monotonic_ns(), shared by all processes of one host."""
-
-    name = "monotonic"
-
-    def __init__(self, skew_ns: int) -> None:
-        self._skew = skew_ns
-
-    def mark(self) -> int:
-        return time.monotonic_ns() + self._skew
-
-    def to_ns(self, marker: int) -> int:
-        return marker
-
-    def release(self, markers: list) -> None:
-        pass
-
-    def calibration_pair(self) -> tuple[int, int]:
-        # Keep the tightest of a few monotonic brackets around the wall read, so a
-        # preemption between the two clock reads does not become a clock offset.
-        best = None
-        for _ in range(5):
-            before, wall, after = time.monotonic_ns(), time.time_ns(), time.monotonic_ns()
-            if best is None or after - before < best[0]:
-                best = (after - before, (before + after) // 2, wall)
-        return best[1] + self._skew, best[2] + self._skew
-
-
-class _CudaClock:
-    """GPU timeline: pooled timing events, converted against an anchor event whose
-    host monotonic time was taken while the device was idle (at construction)."""
-
-    name = "cuda"
-
-    def __init__(self, device: Any, skew_ns: int) -> None:
-        import torch
-
-        self._torch = torch
-        self._device = torch.device(device)
-        # Creating an event inside a step costs a driver call (torch creates the CUDA event
-        # lazily, at its first record), so make a stock now: record each once, off-step.
-        self._pool = [torch.cuda.Event(enable_timing=True) for _ in range(_INITIAL_EVENT_POOL)]
-        # Calibration events go on their own idle stream so they complete at once.
-        self._calib_stream = torch.cuda.Stream(self._device)
-        with torch.cuda.device(self._device), torch.cuda.stream(self._calib_stream):
-            for event in self._pool:
-                event.record()
-        torch.cuda.synchronize(self._device)
-        self._anchor = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(self._device):
-            self._anchor.record()
-        self._anchor.synchronize()
-        self._anchor_ns = time.monotonic_ns() + skew_ns
-        self._skew = skew_ns
-
-    def mark(self) -> Any:
-        event = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def to_ns(self, event: Any) -> int:
-        event.synchronize()
-        return self._anchor_ns + round(self._anchor.elapsed_time(event) * 1e6)
-
-    def release(self, events: list) -> None:
-        self._pool.extend(events)
-
-    def calibration_pair(self) -> tuple[int, int]:
-        torch = self._torch
-        event = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(self._device), torch.cuda.stream(self._calib_stream):
-            event.record()
-            wall = time.time_ns()
-        return self.to_ns(event), wall + self._skew
 
 
 class _Span:
@@ -244,73 +109,6 @@ def _check_attrs(attrs: Mapping[str, Any]) -> None:
         raise TypeError(f"unknown span attributes {sorted(unknown)}; allowed: {SPAN_ATTRS}")
 
 
-def _build_window_batch(records: list, clock: Any, calib: tuple[int, int] | None):
-    """Columns of one flushed window (plus an optional calibration row) as a batch."""
-    cols: dict[str, list] = {c: [] for c in ("name", "cat", "start_ns", "end_ns", "iteration", *SPAN_ATTRS)}
-    markers = []
-    for k, (name, cat, start, end, iteration, attrs) in enumerate(records):
-        if k % _RECORDS_PER_GIL_SLICE == 0:
-            # Hand the GIL back between slices so the training thread, which launches
-            # the next step meanwhile, never waits a whole switch interval for it.
-            time.sleep(0)
-        cols["name"].append(name)
-        cols["cat"].append(cat)
-        cols["start_ns"].append(clock.to_ns(start))
-        cols["end_ns"].append(clock.to_ns(end))
-        cols["iteration"].append(iteration)
-        for key, value in zip(SPAN_ATTRS, attrs):
-            cols[key].append(value)
-        markers += (start, end)
-    if calib is not None:
-        for key, value in zip(cols, ("clock", CAT_CALIB, calib[0], calib[1], -1, *_ATTR_DEFAULTS)):
-            cols[key].append(value)
-    clock.release(markers)
-    return build_event_batch_from_columns(cols)
-
-
-class _BackgroundWriter:
-    """One thread that owns the TraceWriter: converts windows and appends them.
-
-    The queue holds at most `max_pending` windows; `submit` never blocks: a window that does
-    not fit is dropped (its CUDA events go back to the pool) and counted."""
-
-    def __init__(self, writer: TraceWriter, clock: Any, max_pending: int) -> None:
-        self._writer, self._clock = writer, clock
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self.error: BaseException | None = None
-        self.dropped_windows = self.dropped_events = 0
-        self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, records: list, calib: tuple[int, int] | None = None) -> bool:
-        """Queue a window (`calib` None: take the calibration pair after it); False if dropped."""
-        try:
-            self._queue.put_nowait((records, calib))
-            return True
-        except queue.Full:
-            self.dropped_windows += 1
-            self.dropped_events += len(records)
-            self._clock.release([m for r in records for m in (r[2], r[3])])
-            return False
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if self.error is not None:
-                continue
-            records, calib = job
-            try:
-                calib = calib or self._clock.calibration_pair()
-                self._writer.append(_build_window_batch(records, self._clock, calib))
-            except Exception as exc:  # keep training alive; close() reports it
-                self.error = exc
-                warnings.warn(f"MegaScan writer for {self._writer.path} failed: {exc!r}", stacklevel=1)
-
-    def close(self) -> None:
-        self._queue.put(None)  # blocks until there is room: the writer drains what is queued
-        self._thread.join()
-        self._writer.close()
-
-
 def _complete_meta(meta: Mapping[str, Any], clock_name: str, device: Any) -> dict:
     full = dict(meta)
     full.setdefault("schema_version", SCHEMA_VERSION)
@@ -344,18 +142,17 @@ class Tracer:
         self._records: list = []
         self._last_flush = time.monotonic()
         self._step_span: _Span | None = None
-        self._background: _BackgroundWriter | None = None
+        self._background: BackgroundWriter | None = None
         self.dropped_events = 0  # events lost because the writer queue was full (final at close)
         self.meta = dict(meta)
         if not config.enabled:
             return
-        is_cuda = str(device).startswith("cuda")
-        self._clock = _CudaClock(device, config.clock_skew_ns) if is_cuda else _MonotonicClock(config.clock_skew_ns)
+        self._clock = build_clock(device, config.clock_skew_ns)
         self.meta = _complete_meta(meta, self._clock.name, device)
         path = Path(config.trace_dir) / trace_file_name(int(self.meta["rank"]))
         writer = TraceWriter(path, self.meta)
         self.path = path
-        self._background = _BackgroundWriter(writer, self._clock, config.max_pending_windows)
+        self._background = BackgroundWriter(writer, self._clock, config.max_pending_windows)
         # Start-of-run calibration pair, taken here: no step is running yet.
         self._background.submit([], self._clock.calibration_pair())
 
@@ -378,7 +175,7 @@ class Tracer:
         self._active = self.should_trace(iteration)
         self._layers_active = self._active and self.config.granularity == "full"
         if self._active:
-            self._step_span = _Span(self, ITERATION, CAT_STEP, _ATTR_DEFAULTS).start()
+            self._step_span = _Span(self, ITERATION, CAT_STEP, ATTR_DEFAULTS).start()
 
     def step_end(self, iteration: int) -> None:
         """End iteration `iteration`; after the last one of a window, hand its records
@@ -427,7 +224,7 @@ class Tracer:
         if attrs:
             _check_attrs(attrs)
         merged = {**self._defaults, **attrs} if self._defaults else attrs
-        values = tuple(merged.get(k, d) for k, d in zip(SPAN_ATTRS, _ATTR_DEFAULTS))
+        values = tuple(merged.get(k, d) for k, d in zip(SPAN_ATTRS, ATTR_DEFAULTS))
         return _Span(self, name, cat, values)
 
     def span(self, name: str, cat: str = "compute", **attrs: Any):

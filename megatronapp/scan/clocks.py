@@ -1,0 +1,95 @@
+"""The tracer's timelines: where a span's timestamps come from and how they become nanoseconds.
+
+On CPU a timestamp is `time.monotonic_ns()`; on CUDA it is a pooled `torch.cuda.Event`
+recorded on the current stream, converted to nanoseconds later (off the training thread)
+against an anchor event. Both also give calibration pairs (device ns, wall-clock ns) for
+alignment (see format.py). `build_clock` picks one for a device.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+INITIAL_EVENT_POOL = 4096  # CUDA timing events made at start (two per span)
+
+
+class MonotonicClock:
+    """CPU timeline: time.monotonic_ns(), shared by all processes of one host."""
+
+    name = "monotonic"
+
+    def __init__(self, skew_ns: int) -> None:
+        self._skew = skew_ns
+
+    def mark(self) -> int:
+        return time.monotonic_ns() + self._skew
+
+    def to_ns(self, marker: int) -> int:
+        return marker
+
+    def release(self, markers: list) -> None:
+        pass
+
+    def calibration_pair(self) -> tuple[int, int]:
+        # Keep the tightest of a few monotonic brackets around the wall read, so a
+        # preemption between the two clock reads does not become a clock offset.
+        best = None
+        for _ in range(5):
+            before, wall, after = time.monotonic_ns(), time.time_ns(), time.monotonic_ns()
+            if best is None or after - before < best[0]:
+                best = (after - before, (before + after) // 2, wall)
+        return best[1] + self._skew, best[2] + self._skew
+
+
+class CudaClock:
+    """GPU timeline: pooled timing events, converted against an anchor event whose
+    host monotonic time was taken while the device was idle (at construction)."""
+
+    name = "cuda"
+
+    def __init__(self, device: Any, skew_ns: int) -> None:
+        import torch
+
+        self._torch = torch
+        self._device = torch.device(device)
+        # Creating an event inside a step costs a driver call (torch creates the CUDA event
+        # lazily, at its first record), so make a stock now: record each once, off-step.
+        self._pool = [torch.cuda.Event(enable_timing=True) for _ in range(INITIAL_EVENT_POOL)]
+        # Calibration events go on their own idle stream so they complete at once.
+        self._calib_stream = torch.cuda.Stream(self._device)
+        with torch.cuda.device(self._device), torch.cuda.stream(self._calib_stream):
+            for event in self._pool:
+                event.record()
+        torch.cuda.synchronize(self._device)
+        self._anchor = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(self._device):
+            self._anchor.record()
+        self._anchor.synchronize()
+        self._anchor_ns = time.monotonic_ns() + skew_ns
+        self._skew = skew_ns
+
+    def mark(self) -> Any:
+        event = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def to_ns(self, event: Any) -> int:
+        event.synchronize()
+        return self._anchor_ns + round(self._anchor.elapsed_time(event) * 1e6)
+
+    def release(self, events: list) -> None:
+        self._pool.extend(events)
+
+    def calibration_pair(self) -> tuple[int, int]:
+        torch = self._torch
+        event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(self._device), torch.cuda.stream(self._calib_stream):
+            event.record()
+            wall = time.time_ns()
+        return self.to_ns(event), wall + self._skew
+
+
+def build_clock(device: Any, skew_ns: int) -> MonotonicClock | CudaClock:
+    """CUDA events for a CUDA device, the host monotonic clock for anything else."""
+    return CudaClock(device, skew_ns) if str(device).startswith("cuda") else MonotonicClock(skew_ns)

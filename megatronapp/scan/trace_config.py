@@ -1,0 +1,55 @@
+"""When and how much MegaScan traces: `TraceConfig`, the one source of the tracer's defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRANULARITIES = ("base", "full")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """When and how much to trace.
+
+    Windows of `continuous_iterations` consecutive iterations start at iterations
+    `interval`, 2*`interval`, ... (the first one after warm-up, never iteration 0).
+    `granularity` "full" also records per-layer attention/mlp spans.
+    `clock_skew_ns` is a testing knob added to every timestamp of this rank."""
+
+    enabled: bool = False
+    trace_dir: str = ""
+    interval: int = 100
+    continuous_iterations: int = 1
+    granularity: str = "base"
+    clock_skew_ns: int = 0
+    # Hand records to the writer thread at a window's end only when this many seconds have
+    # passed since the last hand-over (or at close): every wake-up of the writer competes
+    # with the training thread for the GIL, which costs a launch-bound step several percent
+    # if it happens every iteration. A crash loses at most this much of the trace.
+    flush_seconds: float = 5.0
+    # Windows waiting for the writer thread at most; past that a window is dropped and
+    # counted (Tracer.dropped_events), so a slow disk never grows memory or blocks a step.
+    max_pending_windows: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_pending_windows < 1:
+            raise ValueError(f"max_pending_windows must be >= 1, got {self.max_pending_windows}")
+        if self.interval < 1:
+            raise ValueError(f"trace interval must be >= 1 iteration, got {self.interval}")
+        if not 1 <= self.continuous_iterations <= self.interval:
+            raise ValueError(
+                f"continuous_iterations must be in 1..interval ({self.interval}), "
+                f"got {self.continuous_iterations}"
+            )
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.enabled and not self.trace_dir:
+            raise ValueError("tracing is enabled but trace_dir is empty: set a directory for the .mscan files")
+
+    def should_trace(self, iteration: int) -> bool:
+        """True for iterations k*interval .. k*interval + continuous_iterations - 1, k >= 1."""
+        return (
+            self.enabled
+            and iteration >= self.interval
+            and iteration % self.interval < self.continuous_iterations
+        )

@@ -1,0 +1,89 @@
+"""The tracer's background side: turns recorded windows into record batches and appends them.
+
+A record is `(name, cat, start_marker, end_marker, iteration, attrs)`, attrs in SPAN_ATTRS
+order; the markers are the clock's (clocks.py). `BackgroundWriter` owns this rank's
+TraceWriter (format.py) on one thread, so the training thread never does file I/O.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from typing import Any
+
+from megatronapp.spans import CAT_CALIB
+from megatronapp.scan.format import TraceWriter, build_event_batch_from_columns
+
+# Span attributes a caller may set, in record order; values default to -1 / "".
+SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")
+ATTR_DEFAULTS = (-1, -1, -1, "", "", -1, -1, -1)
+_RECORDS_PER_GIL_SLICE = 64
+
+
+def build_window_batch(records: list, clock: Any, calib: tuple[int, int] | None):
+    """Columns of one flushed window (plus an optional calibration row) as a batch."""
+    cols: dict[str, list] = {c: [] for c in ("name", "cat", "start_ns", "end_ns", "iteration", *SPAN_ATTRS)}
+    markers = []
+    for k, (name, cat, start, end, iteration, attrs) in enumerate(records):
+        if k % _RECORDS_PER_GIL_SLICE == 0:
+            # Hand the GIL back between slices so the training thread, which launches
+            # the next step meanwhile, never waits a whole switch interval for it.
+            time.sleep(0)
+        cols["name"].append(name)
+        cols["cat"].append(cat)
+        cols["start_ns"].append(clock.to_ns(start))
+        cols["end_ns"].append(clock.to_ns(end))
+        cols["iteration"].append(iteration)
+        for key, value in zip(SPAN_ATTRS, attrs):
+            cols[key].append(value)
+        markers += (start, end)
+    if calib is not None:
+        for key, value in zip(cols, ("clock", CAT_CALIB, calib[0], calib[1], -1, *ATTR_DEFAULTS)):
+            cols[key].append(value)
+    clock.release(markers)
+    return build_event_batch_from_columns(cols)
+
+
+class BackgroundWriter:
+    """One thread that owns the TraceWriter: converts windows and appends them.
+
+    The queue holds at most `max_pending` windows; `submit` never blocks: a window that does
+    not fit is dropped (its CUDA events go back to the pool) and counted."""
+
+    def __init__(self, writer: TraceWriter, clock: Any, max_pending: int) -> None:
+        self._writer, self._clock = writer, clock
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.error: BaseException | None = None
+        self.dropped_windows = self.dropped_events = 0
+        self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, records: list, calib: tuple[int, int] | None = None) -> bool:
+        """Queue a window (`calib` None: take the calibration pair after it); False if dropped."""
+        try:
+            self._queue.put_nowait((records, calib))
+            return True
+        except queue.Full:
+            self.dropped_windows += 1
+            self.dropped_events += len(records)
+            self._clock.release([m for r in records for m in (r[2], r[3])])
+            return False
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self.error is not None:
+                continue
+            records, calib = job
+            try:
+                calib = calib or self._clock.calibration_pair()
+                self._writer.append(build_window_batch(records, self._clock, calib))
+            except Exception as exc:  # keep training alive; close() reports it
+                self.error = exc
+                warnings.warn(f"MegaScan writer for {self._writer.path} failed: {exc!r}", stacklevel=1)
+
+    def close(self) -> None:
+        self._queue.put(None)  # blocks until there is room: the writer drains what is queued
+        self._thread.join()
+        self._writer.close()

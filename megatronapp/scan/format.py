@@ -43,7 +43,7 @@ META_KEYS = (
     "host", "device", "run_id", "clock", "run",
 )
 # Arrow IPC end-of-stream marker: continuation token 0xFFFFFFFF + zero length.
-_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _RANK_FILE = re.compile(r"^rank(\d{5,})\.mscan$")
 # Record batches are compressed (Arrow IPC body compression; readers need nothing special):
 # zstd brings an event from ~65 bytes to well under 40 (measured in benchmarks/scan_scale.py).
@@ -230,7 +230,7 @@ class TraceWriter:
         self.close()
 
 
-def _read_meta(schema: pa.Schema, source: str) -> dict:
+def read_meta(schema: pa.Schema, source: str) -> dict:
     raw = (schema.metadata or {}).get(META_FIELD)
     if raw is None:
         raise TraceFormatError(f"{source}: not a MegaScan trace (no '{META_FIELD.decode()}' schema metadata)")
@@ -263,7 +263,7 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
         reader = pa.ipc.open_stream(data)
     except (pa.ArrowInvalid, OSError) as exc:
         raise TraceFormatError(f"{source}: not a MegaScan trace (no Arrow IPC stream header: {exc})") from None
-    meta = _read_meta(reader.schema, source)
+    meta = read_meta(reader.schema, source)
     batches, error = [], None
     while True:
         try:
@@ -273,7 +273,7 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
         except (pa.ArrowInvalid, OSError) as exc:
             error = exc
             break
-    partial = error is not None or not data.endswith(_END_OF_STREAM)
+    partial = error is not None or not data.endswith(END_OF_STREAM)
     if partial:
         why = f"truncated stream ({error})" if error else "no end-of-stream marker"
         warnings.warn(f"{source}: {why}; using the {len(batches)} complete batches", stacklevel=2)
@@ -305,6 +305,25 @@ def list_trace_files(trace_dir: str | os.PathLike) -> dict[int, Path]:
     return found
 
 
+def select_trace_files(trace_dir: str | os.PathLike, ranks: Sequence[int] | None = None) -> dict[int, Path]:
+    """Rank -> file of every rank (or only `ranks`) of `trace_dir`, sorted by rank; an empty
+    directory or a requested rank without a file raises FileNotFoundError."""
+    files = list_trace_files(trace_dir)
+    if not files:
+        raise FileNotFoundError(f"no MegaScan files (rank*{FILE_SUFFIX}) in {trace_dir}")
+    wanted = sorted(files) if ranks is None else sorted(set(ranks))
+    absent = [r for r in wanted if r not in files]
+    if absent:
+        raise FileNotFoundError(f"no trace file for ranks {absent} in {trace_dir} (have {sorted(files)})")
+    return {rank: files[rank] for rank in wanted}
+
+
+def check_file_rank(path: str | os.PathLike, rank: int, meta: Mapping[str, Any]) -> None:
+    """TraceFormatError unless the meta of the file named for `rank` says that rank."""
+    if int(meta["rank"]) != rank:
+        raise TraceFormatError(f"{path}: file name says rank {rank} but meta says {meta['rank']}")
+
+
 def load_trace_dir(
     trace_dir: str | os.PathLike,
     ranks: Sequence[int] | None = None,
@@ -315,18 +334,10 @@ def load_trace_dir(
     `iterations` keeps only events of those iterations (calibration rows always kept).
     Errors name the offending file; an empty directory or a requested rank without a
     file raises FileNotFoundError."""
-    files = list_trace_files(trace_dir)
-    if not files:
-        raise FileNotFoundError(f"no MegaScan files (rank*{FILE_SUFFIX}) in {trace_dir}")
-    wanted = sorted(files) if ranks is None else sorted(set(ranks))
-    absent = [r for r in wanted if r not in files]
-    if absent:
-        raise FileNotFoundError(f"no trace file for ranks {absent} in {trace_dir} (have {sorted(files)})")
     traces = []
-    for rank in wanted:
-        trace = load_rank_trace(files[rank])
-        if trace.rank != rank:
-            raise TraceFormatError(f"{files[rank]}: file name says rank {rank} but meta says {trace.rank}")
+    for rank, path in select_trace_files(trace_dir, ranks).items():
+        trace = load_rank_trace(path)
+        check_file_rank(path, rank, trace.meta)
         if iterations is not None:
             trace.events = filter_iterations(trace.events, iterations)
         traces.append(trace)

@@ -102,3 +102,35 @@ def index_comm_events(traces: list, to_timeline: dict[int, Callable] | None = No
         mapping = None if to_timeline is None else to_timeline[trace.rank]
         add_rank_comm(index, trace.rank, comm_rows(trace.events), mapping)
     return index
+
+
+# ---------------------------------------------------------------- vectorised, for streaming
+# The same keys as CommIndex, on numpy columns: a message key packs (src, dst, seq) into one
+# int64, so matching a window of messages is one sorted intersection.
+_RANK_BITS, _SEQ_BITS = 16, 31
+
+
+def pack_message_keys(src: np.ndarray, dst: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """(src, dst, seq) -> one int64 per message; ValueError if a rank or seq does not fit."""
+    if len(src) and (max(src.max(), dst.max()) >= 1 << _RANK_BITS or seq.max() >= 1 << _SEQ_BITS):
+        raise ValueError(f"p2p keys need ranks < {1 << _RANK_BITS} and seq < {1 << _SEQ_BITS}")
+    return (src.astype(np.int64) << (_RANK_BITS + _SEQ_BITS)) | (dst.astype(np.int64) << _SEQ_BITS) | seq
+
+
+def match_message_keys(send_keys: np.ndarray, recv_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (into send_keys, into recv_keys) of the messages both of whose ends are given."""
+    _, send_at, recv_at = np.intersect1d(send_keys, recv_keys, assume_unique=False, return_indices=True)
+    return send_at, recv_at
+
+
+def order_collective_members(group: np.ndarray, seq: np.ndarray, start: np.ndarray,
+                             rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Collective member rows ordered by instance (group id, seq), then arrival (start, rank);
+    and the position of each row within its instance (0 = first to arrive)."""
+    order = np.lexsort((rank, start, seq, group))
+    g, s = group[order], seq[order]
+    first = np.ones(len(order), bool)
+    first[1:] = (g[1:] != g[:-1]) | (s[1:] != s[:-1])
+    begin = np.flatnonzero(first)
+    position = np.arange(len(order)) - np.repeat(begin, np.diff(np.append(begin, len(order))))
+    return order, position

@@ -316,3 +316,55 @@ def simulate_job_traces(job: SimulatedJob, start_ns: int = 1_000_000_000) -> lis
         traces.append(RankTrace(meta=meta, events=build_events_table(st.events, start_ns),
                                 path=f"<simulated rank {st.rank}>", partial=False))
     return traces
+
+
+def _seq_steps(events: pa.Table) -> np.ndarray:
+    """Per row: how much its seq grows per repeated iteration (the rows of its comm stream,
+    a group or a directed p2p pair, in one iteration); 0 for unkeyed rows."""
+    op = events.column("op").cast(pa.string()).to_pylist()
+    group = events.column("group").cast(pa.string()).to_pylist()
+    peer, seq = events.column("peer").to_pylist(), events.column("seq").to_pylist()
+    streams = [(o, p) if o in ("send", "recv") else g for o, g, p in zip(op, group, peer)]
+    counts: dict = {}
+    for stream, s in zip(streams, seq):
+        if s >= 0:
+            counts[stream] = counts.get(stream, 0) + 1
+    return np.array([counts[st] if s >= 0 else 0 for st, s in zip(streams, seq)], dtype=np.int64)
+
+
+def write_repeated_job(job: SimulatedJob, trace_dir, iterations: int, iterations_per_batch: int = 10,
+                       gap_ns: int = 1_000_000) -> int:
+    """Write a long trace fast: `job`'s first simulated iteration repeated `iterations` times
+    (times shifted by one iteration period + gap_ns, seq numbers continued, so messages and
+    collectives still match), one record batch plus one calibration row per
+    `iterations_per_batch` iterations per rank, through format.TraceWriter. Returns the span count."""
+    from pathlib import Path
+
+    from megatronapp.scan.format import TraceWriter, build_event_batch, trace_file_name
+
+    traces = simulate_job_traces(SimulatedJob(**{**job.__dict__, "iterations": 1}))
+    spans = [t.events.filter(pa.compute.not_equal(t.events.column("cat").cast(pa.string()), "calib")).combine_chunks()
+             for t in traces]
+    first = min(s.column("start_ns").to_numpy().min() for s in spans)
+    period = max(s.column("end_ns").to_numpy().max() for s in spans) - first + gap_ns
+    total = 0
+    for trace, table in zip(traces, spans):
+        template = table.to_batches()[0]
+        n, steps = template.num_rows, _seq_steps(table)
+        start, end, seq = (table.column(c).to_numpy() for c in ("start_ns", "end_ns", "seq"))
+        with TraceWriter(Path(trace_dir) / trace_file_name(trace.rank), trace.meta) as writer:
+            for lo in range(0, iterations, iterations_per_batch):
+                its = np.repeat(np.arange(lo, min(lo + iterations_per_batch, iterations)), n)
+                batch = template.take(pa.array(np.tile(np.arange(n), len(its) // n)))
+                shift = its * period
+                columns = dict(zip(batch.schema.names, batch.columns))
+                columns.update(start_ns=pa.array(np.tile(start, len(its) // n) + shift),
+                               end_ns=pa.array(np.tile(end, len(its) // n) + shift),
+                               iteration=pa.array(its.astype(np.int32)),
+                               seq=pa.array(np.where(np.tile(seq, len(its) // n) >= 0,
+                                                     np.tile(seq, len(its) // n) + its * np.tile(steps, len(its) // n), -1)))
+                writer.append(pa.RecordBatch.from_arrays([columns[c] for c in batch.schema.names], schema=batch.schema))
+                device = int(start.min() + lo * period)
+                writer.append(build_event_batch([{"name": "clock", "cat": "calib", "start_ns": device, "end_ns": device}]))
+                total += len(its)
+    return total

@@ -2,9 +2,8 @@
 
 The merge (merge.py) hands over one window of rows of many ranks at a time; this module
 decides each span's thread (`compute_lanes`: spans sharing a thread must nest, as Chrome "X"
-events require) and formats "X", flow and metadata lines with Arrow compute kernels. Lines
-come out as one Arrow string array, each line preceded by ",\\n", so a window is written with
-one `write` of the array's data buffer.
+events require) and formats "X", flow and metadata lines as fixed-width byte blocks
+(fixed_lines.py), each line preceded by ",\\n", so a window is written with a few `write` calls.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ import json
 from collections.abc import Sequence
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
+
+from megatronapp.scan.fixed_lines import LineBlock, TextTable
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
 LANES_PER_TRACK = 1000  # tid = track index * this + lane + 1
@@ -105,60 +104,62 @@ def compute_lanes(group: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
     return lanes
 
 
-def join(*parts) -> pa.Array:
-    return pc.binary_join_element_wise(*parts, "")
+def _arg_present(cols: dict[str, np.ndarray], key: str, empty_id: int) -> np.ndarray:
+    return cols[key] != empty_id if key in _STRING_ARGS else cols[key] >= 0
 
 
-def us_strings(ns: np.ndarray) -> pa.Array:
-    """Non-negative ns -> microseconds with 3 decimals, exactly (no float rounding)."""
-    whole, frac = pa.array(ns // 1000), pa.array(ns % 1000)
-    return join(pc.cast(whole, pa.string()), ".", pc.utf8_lpad(pc.cast(frac, pa.string()), width=3, padding="0"))
-
-
-def ints(values: np.ndarray) -> pa.Array:
-    return pc.cast(pa.array(values), pa.string())
-
-
-def json_vocab(strings: Sequence[str]) -> pa.Array:
-    """Each string as a JSON literal, escaped once; take() by vocabulary id."""
-    return pa.array([json.dumps(v) for v in strings], pa.string())
-
-
-def args_strings(cols: dict[str, np.ndarray], vocab_json: pa.Array, empty_id: int) -> pa.Array:
-    """The "args" object body of each row: every ARG_COLUMNS value that is not -1 / ""."""
-    fragments = []
-    for key in ARG_COLUMNS:
-        col = cols[key]
-        if key in ("op", "group"):
-            absent, text = col == empty_id, vocab_json.take(pa.array(col))
-        else:
-            absent, text = col == -1, ints(col)
-        if absent.all():
-            continue
-        fragments.append(pc.if_else(pa.array(absent), "", join(f'"{key}":', text, ",")))
-    if not fragments:
-        return pa.array([""] * len(cols["iteration"]), pa.string())
-    return pc.utf8_rtrim(join(*fragments) if len(fragments) > 1 else fragments[0], characters=",")
+_STRING_ARGS = ("op", "group")
+_TRACK_JSON = TextTable([json.dumps(t) for t in TRACKS])
 
 
 def span_lines(cols: dict[str, np.ndarray], track: np.ndarray, tids: np.ndarray, starts: np.ndarray,
-               ends: np.ndarray, vocab_json: pa.Array, empty_id: int) -> pa.Array:
-    """",\\n" + one Chrome "X" line per row (times in ns since the timeline origin)."""
-    names = pa.array(TRACKS, pa.string()).take(pa.array(track))
-    return join(
-        ',\n{"ph":"X","name":', vocab_json.take(pa.array(cols["name"])), ',"cat":"', names,
-        '","pid":', ints(cols["rank"]), ',"tid":', ints(tids), ',"ts":', us_strings(starts),
-        ',"dur":', us_strings(ends - starts), ',"args":{', args_strings(cols, vocab_json, empty_id), "}}",
-    )
+               ends: np.ndarray, vocab_json: TextTable, empty_id: int) -> list[memoryview]:
+    """",\n" + one Chrome "X" line per row (times in ns since the timeline origin; starts >= 0).
+
+    Rows are laid out in groups of the same args keys (ARG_COLUMNS that are not -1 / ""), so
+    a line holds only its own args."""
+    present = np.stack([_arg_present(cols, k, empty_id) for k in ARG_COLUMNS], axis=1)
+    pattern = present.astype(np.int64) @ (1 << np.arange(len(ARG_COLUMNS)))
+    order = np.argsort(pattern, kind="stable")
+    bounds = np.flatnonzero(np.diff(pattern[order])) + 1
+    out = []
+    for rows in np.split(order, bounds):
+        if len(rows) == 0:
+            continue
+        block = (LineBlock(len(rows)).text(',\n{"ph":"X","name":').field(vocab_json.take(cols["name"][rows]))
+                 .text(',"cat":').field(_TRACK_JSON.take(track[rows])).text(',"pid":').uint(cols["rank"][rows])
+                 .text(',"tid":').uint(tids[rows]).text(',"ts":').micros(starts[rows])
+                 .text(',"dur":').micros(ends[rows] - starts[rows]).text(',"args":{'))
+        sep = ""
+        for k, key in enumerate(ARG_COLUMNS):
+            if present[rows[0], k]:
+                block.text(f'{sep}"{key}":')
+                values = cols[key][rows]
+                block.field(vocab_json.take(values)) if key in _STRING_ARGS else block.uint(values)
+                sep = ","
+        out.append(block.text("}}").to_bytes())
+    return out
+
+
+_PHASES = TextTable(['"s"', '"t"', '"f"'])
 
 
 def flow_lines(ph: np.ndarray, ids: np.ndarray, name: str, ranks: np.ndarray, tids: np.ndarray,
-               starts: np.ndarray) -> pa.Array:
-    """",\\n" + one v1 flow event per row; ph is "s", "t" or "f" ("t"/"f" bind to the enclosing slice)."""
-    ph = pa.array(ph, pa.string())
-    bind = pc.if_else(pc.equal(ph, "s"), "", ',"bp":"e"')
-    return join(',\n{"ph":"', ph, '","id":', ints(ids), f',"name":"{name}","cat":"flow","pid":', ints(ranks),
-                ',"tid":', ints(tids), ',"ts":', us_strings(starts), bind, "}")
+               starts: np.ndarray) -> list[memoryview]:
+    """",\n" + one v1 flow event per row; ph 0 "s", 1 "t", 2 "f" ("t"/"f" bind to the enclosing slice)."""
+    out = []
+    for binds in (False, True):
+        rows = np.flatnonzero((ph > 0) == binds)
+        block = (LineBlock(len(rows)).text(',\n{"ph":').field(_PHASES.take(ph[rows])).text(',"id":').uint(ids[rows])
+                 .text(f',"name":"{name}","cat":"flow","pid":').uint(ranks[rows]).text(',"tid":').uint(tids[rows])
+                 .text(',"ts":').micros(np.maximum(starts[rows], 0)).text(',"bp":"e"}' if binds else "}"))
+        out.append(block.to_bytes())
+    return out
+
+
+def json_vocab(strings: Sequence[str]) -> TextTable:
+    """Each string as a JSON literal, escaped once; taken by vocabulary id."""
+    return TextTable([json.dumps(v) for v in strings])
 
 
 def process_lines(meta: dict, sort_index: int) -> list[str]:
@@ -177,12 +178,3 @@ def thread_lines(rank: int, tid: int) -> list[str]:
     name = TRACKS[track] if lane == 0 else f"{TRACKS[track]} {lane + 1}"
     return [json.dumps({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}),
             json.dumps({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})]
-
-
-def line_bytes(lines: pa.Array) -> memoryview:
-    """The concatenated text of a string array, without copying."""
-    if len(lines) == 0:
-        return memoryview(b"")
-    lines = lines.cast(pa.string()) if lines.type != pa.string() else lines
-    offsets = np.frombuffer(lines.buffers()[1], np.int32, len(lines) + 1, lines.offset * 4)
-    return memoryview(lines.buffers()[2])[offsets[0]:offsets[-1]]

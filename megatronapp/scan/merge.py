@@ -45,8 +45,8 @@ from megatronapp.scan.stream import RankSurvey, Vocabulary, WindowReader, survey
 
 __all__ = ["ARRIVAL_NS", "MergeSummary", "merge_traces", "merge_traces_split", "place_arrival", "split_output_name"]
 
-ALIGN_SAMPLE_ITERATIONS = 64  # traced iterations per rank whose comm rows align the clocks
-WINDOW_EVENTS = 1 << 18  # rows (all ranks) merged at a time, about
+ALIGN_SAMPLE_ITERATIONS = 16  # traced iterations per rank whose comm rows align the clocks
+WINDOW_EVENTS = 1 << 16  # rows (all ranks) merged at a time, about
 _ALL = 2**31 - 1
 
 
@@ -150,7 +150,8 @@ def _write_part(out: str | os.PathLike, survey: _Survey, readers: dict, vocab: V
             for k, window in enumerate(windows):
                 stop = _ALL if last and k == len(windows) - 1 else window[-1] + 1
                 parts = {rank: reader.take(stop) for rank, reader in readers.items()}
-                stream.write(merger.merge({r: c for r, c in parts.items() if c is not None}))
+                for text in merger.merge({r: c for r, c in parts.items() if c is not None}):
+                    stream.write(text)
             stream.write(merger.finish())
             seconds = time.perf_counter() - began
             stats = {**merger.stats(), "seconds": round(seconds, 6),

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from megatronapp.spans import ARRIVAL, CAT_COMM, RECV, SEND
 from megatronapp.scan.align import ClockMapping
@@ -22,7 +21,6 @@ from megatronapp.scan.chrome import (
     compute_lanes,
     flow_lines,
     json_vocab,
-    line_bytes,
     process_lines,
     span_lines,
     thread_lines,
@@ -123,10 +121,11 @@ class WindowMerger:
             lookup[self.vocab.id_of(name)] = k
         return lookup[cat]
 
-    def merge(self, per_rank: dict[int, dict[str, np.ndarray]]) -> bytes:
-        """Chrome trace text (",\\n" + line, per line) of one window of rows of every rank."""
+    def merge(self, per_rank: dict[int, dict[str, np.ndarray]]) -> list:
+        """Chrome trace text (",\\n" + line, per line) of one window of rows of every rank, as
+        buffers to write in turn."""
         if not per_rank:
-            return b""
+            return []
         cols = {k: np.concatenate([c[k] for c in per_rank.values()]) for k in next(iter(per_rank.values()))}
         cols["rank"] = np.concatenate([np.full(len(c["iteration"]), r, np.int64) for r, c in per_rank.items()])
         self.spans += len(cols["rank"])
@@ -140,10 +139,10 @@ class WindowMerger:
         tids = track * LANES_PER_TRACK + compute_lanes(cols["rank"] * len(TRACKS) + track, starts, ends) + 1
         vocab_json = json_vocab(self.vocab.strings)
         parts = [self._new_threads(cols["rank"], tids),
-                 span_lines(cols, track, tids, starts, ends, vocab_json, self._empty),
-                 self._message_flows(cols, tids, send_rows, arrival_rows),
-                 self._collective_flows(cols, tids)]
-        return b"".join(bytes(line_bytes(p)) for p in parts)
+                 *span_lines(cols, track, tids, np.maximum(starts, 0), ends, vocab_json, self._empty),
+                 *self._message_flows(cols, tids, send_rows, arrival_rows),
+                 *self._collective_flows(cols, tids)]
+        return parts
 
     def _message_ends(self, cols: dict) -> tuple[dict, dict]:
         """This window's keyed send and recv ends, after the ones carried from the last window.
@@ -185,7 +184,7 @@ class WindowMerger:
         # Carried sends get their tid stored now, for the flow written when they match later.
         return _concat(cols, {k: extra[k].astype(cols[k].dtype) for k in cols}), send, np.arange(m, m + n)
 
-    def _new_threads(self, rank: np.ndarray, tids: np.ndarray) -> pa.Array:
+    def _new_threads(self, rank: np.ndarray, tids: np.ndarray) -> bytes:
         keys = np.unique(rank * (LANES_PER_TRACK * len(TRACKS) + 1) + tids).tolist()
         lines = []
         for key in keys:
@@ -193,14 +192,14 @@ class WindowMerger:
                 self._threads.add(key)
                 r, tid = divmod(key, LANES_PER_TRACK * len(TRACKS) + 1)
                 lines += thread_lines(r, tid)
-        return pa.array([",\n" + line for line in lines], pa.string())
+        return "".join(",\n" + line for line in lines).encode()
 
-    def _message_flows(self, cols: dict, tids: np.ndarray, send: dict, arrival_rows: np.ndarray) -> pa.Array:
+    def _message_flows(self, cols: dict, tids: np.ndarray, send: dict, arrival_rows: np.ndarray) -> list:
         """One arrow per message: "s" on its send, "f" on its arrival slice."""
         n = len(arrival_rows)
         self._remember_pending_tids(cols, tids)
         if n == 0:
-            return pa.array([], pa.string())
+            return []
         here = send["tid"] < 0
         send_rows = np.where(here, -1 - send["tid"], 0)
         send_tid = np.where(here, tids[send_rows], send["tid"])
@@ -208,10 +207,9 @@ class WindowMerger:
         ids = self._next_flow + 1 + np.arange(n)
         self._next_flow += n
         self.flows += n
-        return pa.concat_arrays([
-            flow_lines(np.full(n, "s"), ids, "p2p", send["rank"], send_tid, send_start),
-            flow_lines(np.full(n, "f"), ids, "p2p", cols["rank"][arrival_rows], tids[arrival_rows],
-                       cols["start_ns"][arrival_rows])])
+        return [*flow_lines(np.zeros(n, np.int64), ids, "p2p", send["rank"], send_tid, send_start),
+                *flow_lines(np.full(n, 2), ids, "p2p", cols["rank"][arrival_rows], tids[arrival_rows],
+                            cols["start_ns"][arrival_rows])]
 
     def _remember_pending_tids(self, cols: dict, tids: np.ndarray) -> None:
         """Sends waiting for the next window: replace their row by their tid and placed start."""
@@ -220,7 +218,7 @@ class WindowMerger:
         self._sends["start"] = np.where(here, cols["start_ns"][np.where(here, -1 - rows, 0)], self._sends["start"])
         self._sends["tid"] = np.where(here, tids[np.where(here, -1 - rows, 0)], rows)
 
-    def _collective_flows(self, cols: dict, tids: np.ndarray) -> pa.Array:
+    def _collective_flows(self, cols: dict, tids: np.ndarray) -> list:
         """One chain per collective instance of >= 2 members, in arrival order (ties by rank)."""
         rows = np.flatnonzero((cols["cat"] == self._comm) & (cols["seq"] >= 0) & (cols["group"] != self._empty)
                               & (cols["op"] != self._empty) & (cols["op"] != self._send) & (cols["op"] != self._recv))
@@ -233,11 +231,11 @@ class WindowMerger:
         keep = size[instance] >= 2
         rows, position, instance = rows[keep], position[keep], instance[keep]
         if len(rows) == 0:
-            return pa.array([], pa.string())
+            return []
         kept_instances = np.unique(instance)
         ids = self._next_flow + 1 + np.searchsorted(kept_instances, instance)
         self._next_flow += len(kept_instances)
         self.flows += int(len(rows) - len(kept_instances))
         last = position == size[instance] - 1
-        ph = np.where(position == 0, "s", np.where(last, "f", "t"))
+        ph = np.where(position == 0, 0, np.where(last, 2, 1))
         return flow_lines(ph, ids, "collective", cols["rank"][rows], tids[rows], cols["start_ns"][rows])

@@ -32,6 +32,8 @@ from megatronapp.scan.format import (
     read_meta,
 )
 
+# One core: decompressing a batch's buffers on a thread pool costs more than it saves.
+_READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)
 STRING_COLUMNS = tuple(f.name for f in EVENT_SCHEMA if pa.types.is_dictionary(f.type))
 INT_COLUMNS = tuple(f.name for f in EVENT_SCHEMA if not pa.types.is_dictionary(f.type))
 
@@ -69,7 +71,7 @@ def iter_rank_batches(path: str | os.PathLike) -> Iterator[pa.RecordBatch]:
         raise TraceFormatError(f"{source}: cannot read ({exc.strerror})") from None
     with handle:
         try:
-            reader = pa.ipc.open_stream(handle)
+            reader = pa.ipc.open_stream(handle, options=_READ_OPTIONS)
         except (pa.ArrowInvalid, OSError) as exc:
             raise TraceFormatError(f"{source}: not a MegaScan trace (no Arrow IPC stream header: {exc})") from None
         yield read_meta(reader.schema, source)
@@ -104,6 +106,16 @@ def _is_category(batch: pa.RecordBatch, cat: str) -> pa.Array:
     return pc.equal(batch.column("cat").cast(pa.string()), cat)
 
 
+def _note_first_starts(first: dict[int, int], iterations: np.ndarray, starts: np.ndarray) -> None:
+    if len(iterations) == 0:
+        return
+    order = np.lexsort((starts, iterations))
+    its, sts = iterations[order], starts[order]
+    head = np.flatnonzero(np.append(True, its[1:] != its[:-1]))
+    for it, start in zip(its[head].tolist(), sts[head].tolist()):
+        first[it] = min(start, first.get(it, start))
+
+
 def survey_rank(path: str | os.PathLike, iterations: Container[int] | None, sample_iterations: int) -> RankSurvey:
     """One pass over a rank file: calibration rows, the keyed comm rows of its first
     `sample_iterations` traced iterations, and the earliest start of every iteration."""
@@ -118,18 +130,15 @@ def survey_rank(path: str | os.PathLike, iterations: Container[int] | None, samp
         table = pa.Table.from_batches([batch])
         if iterations is not None:
             table = filter_iterations(table, iterations)
-        calib = _is_category(table, CAT_CALIB)
-        spans = table.filter(pc.invert(calib))
-        survey.events += spans.num_rows
-        its, starts = spans.column("iteration").to_numpy(), spans.column("start_ns").to_numpy()
-        for it in np.unique(its).tolist():
-            first = int(starts[its == it].min())
-            survey.first_start[it] = min(first, survey.first_start.get(it, first))
-            if len(sampled) < sample_iterations:
-                sampled.add(it)
+        calib = np.asarray(_is_category(table, CAT_CALIB).to_numpy(zero_copy_only=False), bool)
+        its, starts = table.column("iteration").to_numpy()[~calib], table.column("start_ns").to_numpy()[~calib]
+        survey.events += len(its)
+        _note_first_starts(survey.first_start, its, starts)
+        for it in np.unique(its).tolist()[:max(0, sample_iterations - len(sampled))]:
+            sampled.add(it)
         keyed = pc.and_(_is_category(table, CAT_COMM), pc.greater_equal(table.column("seq"), 0))
         in_sample = pc.is_in(table.column("iteration"), value_set=pa.array(sorted(sampled), pa.int32()))
-        kept.append(table.filter(pc.or_(calib, pc.and_(keyed, in_sample))))
+        kept.append(table.filter(pc.or_(pa.array(calib), pc.and_(keyed, in_sample))))
     events = pa.concat_tables(kept).unify_dictionaries().combine_chunks() if kept else EVENT_SCHEMA.empty_table()
     survey.trace = RankTrace(meta, events, str(path), partial)
     return survey

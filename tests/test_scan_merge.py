@@ -25,7 +25,8 @@ from megatronapp.scan.format import (
     load_trace_dir,
     trace_file_name,
 )
-from megatronapp.scan.merge import assign_lanes, merge_traces
+from megatronapp.scan.chrome import assign_lanes, compute_lanes
+from megatronapp.scan.merge import merge_traces
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 EPOCH_NS = 1_700_000_000_000_000_000  # wall clock of the synthetic hosts at true time 0
@@ -239,6 +240,23 @@ def test_assign_lanes_nests_every_lane():
                 assert disjoint or nested, (a, b)
     assert assign_lanes([0, 10, 20], [5, 15, 25]) == [0, 0, 0]
     assert assign_lanes([0, 2], [5, 8]) == [0, 1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorised_lanes_equal_the_greedy_rule_per_group(seed):
+    """compute_lanes (clusters, bracket check, greedy only where spans cross) == assign_lanes
+    run on each group alone, including ties, zero-length spans and touching spans."""
+    rng = np.random.default_rng(seed)
+    n = 2000
+    group = rng.integers(0, 5, n)
+    starts = rng.integers(0, 3000, n) // 10 * 10  # coarse grid: many equal starts
+    ends = starts + rng.choice([0, 10, 20, 50, 300], n) * (rng.random(n) < 0.9)
+    lanes = compute_lanes(group, starts, ends)
+    for g in range(5):
+        rows = np.flatnonzero(group == g)
+        assert lanes[rows].tolist() == assign_lanes(starts[rows].tolist(), ends[rows].tolist())
+    nested = np.array([0, 1, 2, 10, 11]), np.array([100, 50, 5, 20, 12])  # one laminar cluster
+    assert compute_lanes(np.zeros(5, np.int64), *nested).tolist() == [0] * 5
 
 
 def write_dir(traces: list[RankTrace], path) -> None:

@@ -1,0 +1,105 @@
+"""The streaming merge (merge.py) against the in-memory reference merge it replaced
+(scan_merge_reference.py), and its state bounded whatever the trace length."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+import megatronapp.scan.merge as merge
+import scan_merge_reference as reference
+from megatronapp.scan.format import TraceWriter, trace_file_name
+from scan_simulation import SimulatedJob, simulate_job_traces, write_repeated_job
+
+
+def _write(traces, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for t in traces:
+        with TraceWriter(path / trace_file_name(t.rank), t.meta) as w:
+            for batch in t.events.to_batches(max_chunksize=97):  # many batches, like a real run
+                w.append(batch)
+    return path
+
+
+def _canonical(path: Path) -> tuple[list, list, dict]:
+    """Spans and metadata as sorted JSON; flows as sorted chains (flow ids renumbered)."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"]
+    spans = sorted(json.dumps(e, sort_keys=True) for e in events if e["ph"] in ("X", "M"))
+    chains: dict[int, list] = {}
+    for e in events:
+        if e["ph"] in ("s", "t", "f"):
+            chains.setdefault(e["id"], []).append((e["ph"], e["name"], e["pid"], e["tid"], e["ts"], e.get("bp")))
+    flows = sorted(json.dumps(sorted(c)) for c in chains.values())
+    other = doc["otherData"]["megascan"]
+    other["alignment"].pop("sample_iterations", None)
+    other.pop("merge")
+    return spans, flows, other
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory) -> Path:
+    job = SimulatedJob(tp_size=2, pp_size=2, dp_size=2, iterations=5, num_microbatches=4, seed=7, slow_rank=3,
+                       slow_factor=1.5)
+    return _write(simulate_job_traces(job), tmp_path_factory.mktemp("trace"))
+
+
+@pytest.mark.parametrize("window_events", [150, 1 << 16])  # many small windows; one window
+@pytest.mark.parametrize("options", [{}, {"iterations": range(1, 4), "ranks": [0, 2, 3, 5, 6]}],
+                         ids=["all", "subset"])
+def test_streamed_merge_equals_in_memory_merge(trace_dir, tmp_path, monkeypatch, window_events, options):
+    monkeypatch.setattr(merge, "WINDOW_EVENTS", window_events)
+    streamed = merge.merge_traces(trace_dir, tmp_path / "s.json.gz", **options)
+    expected = reference.merge_traces(trace_dir, tmp_path / "r.json", **options)
+    assert _canonical(tmp_path / "s.json.gz") == _canonical(tmp_path / "r.json")
+    assert (streamed.events, streamed.arrivals, streamed.flows) == (expected.events, expected.arrivals, expected.flows)
+    assert streamed.arrivals > 0 and (streamed.unmatched == 0) == (not options)  # a subset leaves ends alone
+
+
+def test_streamed_split_equals_in_memory_split(trace_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(merge, "WINDOW_EVENTS", 200)
+    streamed = merge.merge_traces_split(trace_dir, tmp_path / "s" / "t.json", 2)
+    expected = reference.merge_traces_split(trace_dir, tmp_path / "r" / "t.json", 2)
+    assert [Path(s.out).name for s in streamed] == [Path(s.out).name for s in expected] and len(streamed) == 3
+    for s, r in zip(streamed, expected):
+        assert _canonical(Path(s.out)) == _canonical(Path(r.out))
+
+
+def test_merge_state_does_not_grow_with_trace_length(tmp_path, monkeypatch):
+    """Same job, 4x the iterations: 4x the events and arrows, the same peak window and pending
+    state (what bounds memory), nothing left unmatched."""
+    monkeypatch.setattr(merge, "WINDOW_EVENTS", 2000)
+    job = SimulatedJob(tp_size=2, pp_size=2, dp_size=2, num_microbatches=4, seed=1)
+    summaries = []
+    for iterations in (10, 40):
+        d = tmp_path / f"it{iterations}"
+        d.mkdir()
+        events = write_repeated_job(job, d, iterations, iterations_per_batch=3)
+        summaries.append(merge.merge_traces(d, tmp_path / f"it{iterations}.json"))
+        assert summaries[-1].events == events and summaries[-1].unmatched == 0
+    short, long = summaries
+    assert long.events == 4 * short.events and long.flows == 4 * short.flows and long.arrivals == 4 * short.arrivals
+    assert long.peak_window_rows == short.peak_window_rows <= 2000 + long.arrivals // 40 * 3
+    assert long.peak_pending == short.peak_pending == 0
+
+
+def test_unmatched_ends_are_dropped_after_one_window_and_counted(tmp_path, monkeypatch):
+    """Only one side of every pipeline message is merged: each send waits one window, then is
+    dropped, so the pending state stays at one window's sends however long the trace."""
+    monkeypatch.setattr(merge, "WINDOW_EVENTS", 40)  # rank 0 writes 19 rows per iteration: 2 per window
+    job = SimulatedJob(tp_size=1, pp_size=2, dp_size=1, num_microbatches=4, seed=2)
+    peaks = []
+    for iterations in (8, 32):
+        d = tmp_path / f"it{iterations}"
+        d.mkdir()
+        write_repeated_job(job, d, iterations, iterations_per_batch=2)
+        summary = merge.merge_traces(d, tmp_path / f"{iterations}.json", ranks=[0])
+        # rank 0 sends 4 activations and receives 4 gradients per iteration
+        assert summary.arrivals == 0 and summary.unmatched == iterations * 8
+        peaks.append(summary.peak_pending)
+    assert peaks[0] == peaks[1] == 2 * 8

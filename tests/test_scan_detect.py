@@ -316,3 +316,20 @@ def test_online_detector_ignores_noise_and_checks_input():
         det.update(50, [1.0, 1.0])
     with pytest.raises(ValueError):
         OnlineDetectConfig(min_ratio=1.0)
+
+
+def test_online_detector_uses_the_trace_detectors_peers():
+    """Peers are detect_rules.build_compute_peers' (DP replicas here), not a rule of its own:
+    TP rank 1 taking 1.5x on every replica is the same work everywhere, not a straggler, while
+    rank 5 slower than its one DP replica (rank 7) is."""
+    layout = ParallelLayout(8, tp_size=2, pp_size=2)
+    coords = {r: layout.coords(r).as_dict() for r in range(8)}
+    _, peers = rules.build_compute_peers(coords, {"tp_size": 2, "pp_size": 2, "dp_size": 2})
+    assert peers[5] == (7,) and all(coords[p]["tp"] == coords[r]["tp"] for r, ps in peers.items() for p in ps)
+    det = OnlineDetector(layout, OnlineDetectConfig(min_ratio=1.2, patience=1))
+    times = [1.0 if coords[r]["tp"] == 0 else 1.5 for r in range(8)]
+    assert det.update(0, times) is None
+    times[5] *= 1.3
+    warning = det.update(1, times)
+    assert warning is not None and "rank 5 " in warning and warning.count("rank ") == 1
+    assert rules.peer_median_ratio(2.0, [1.0, 4.0, 1.0]) == 2.0 and rules.peer_median_ratio(1.0, []) is None

@@ -1,8 +1,11 @@
 """Load -> align -> detect: the one analysis pipeline over a trace directory.
 
 The `trace detect` CLI, the end-of-run report of `megatronapp train --trace` / `trace run`,
-`trace whatif`, `trace report` and the evaluation harness all call `analyze_trace_dir`, so they
-judge exactly the same events the same way.
+`trace whatif`, `trace report` and the evaluation harness all call `analyze_trace_dir` (or, to
+detect several times with different thresholds, `load_aligned_traces` then `analyze_aligned`), so
+they judge exactly the same events the same way. The online detector (detect_online.py) sees no
+trace, only per-iteration compute times, and judges them with the same peers and ratio
+(detect_rules.build_compute_peers, detect_rules.peer_median_ratio).
 """
 
 from __future__ import annotations
@@ -28,7 +31,20 @@ class TraceAnalysis:
 def analyze_traces(traces: list[RankTrace], config: DetectConfig = DetectConfig()) -> TraceAnalysis:
     """Align already loaded traces and run detection on them."""
     aligned, alignment = align_traces(traces)
+    return analyze_aligned(aligned, alignment, config)
+
+
+def analyze_aligned(aligned: list[RankTrace], alignment: AlignmentReport,
+                    config: DetectConfig = DetectConfig()) -> TraceAnalysis:
+    """Detection on traces align_traces already put on one timeline."""
     return TraceAnalysis(aligned, alignment, detect(aligned, config=config))
+
+
+def load_aligned_traces(trace_dir: str | os.PathLike,
+                        ranks: Sequence[int] | None = None) -> tuple[list[RankTrace], AlignmentReport]:
+    """Load every rank file of `trace_dir` (or `ranks`) and align them: the first two steps of
+    analyze_trace_dir, for callers that detect several times (threshold tuning)."""
+    return align_traces(load_trace_dir(trace_dir, ranks=ranks))
 
 
 def analyze_trace_dir(trace_dir: str | os.PathLike, config: DetectConfig = DetectConfig(),
@@ -37,4 +53,4 @@ def analyze_trace_dir(trace_dir: str | os.PathLike, config: DetectConfig = Detec
 
     Raises what load_trace_dir raises (FileNotFoundError, TraceFormatError) and
     DetectInputError; all are OSError or ValueError, with a message naming the file."""
-    return analyze_traces(load_trace_dir(trace_dir, ranks=ranks), config)
+    return analyze_aligned(*load_aligned_traces(trace_dir, ranks), config)

@@ -3,9 +3,11 @@
 The engine already gathers each rank's forward+backward compute seconds per iteration (for
 its own logging); `OnlineDetector.update` only does arithmetic on that list, so it adds no
 collective and no I/O. Rule: a rank is lagging in an iteration when its time is >=
-`min_ratio` x the median of its peers (ranks of the same pipeline stage, which do identical
-work; all other ranks when its stage has no other rank). A warning is returned once, when a
-rank has lagged for `patience` consecutive iterations; it re-arms after the rank recovers.
+`min_ratio` x the median of its peers. Peers and ratio are the trace detector's own
+(detect_rules.build_compute_peers: DP replicas, else TP peers, else the other pipeline stages;
+detect_rules.peer_median_ratio), so the hint and the verdict judge compute the same way. A
+warning is returned once, when a rank has lagged for `patience` consecutive iterations; it
+re-arms after the rank recovers.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatronapp.parallel.layout import ParallelLayout
+from megatronapp.scan.detect_rules import build_compute_peers, peer_median_ratio
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,10 @@ class OnlineDetector:
 
     def __init__(self, layout: ParallelLayout, config: OnlineDetectConfig = OnlineDetectConfig()) -> None:
         self.layout, self.config = layout, config
-        stage = [layout.coords(r).pp for r in range(layout.world_size)]
-        self._peers = []
-        for r in range(layout.world_size):
-            same_stage = [p for p in range(layout.world_size) if p != r and stage[p] == stage[r]]
-            self._peers.append(same_stage or [p for p in range(layout.world_size) if p != r])
+        coords = {r: layout.coords(r).as_dict() for r in range(layout.world_size)}
+        sizes = {"tp_size": layout.tp_size, "pp_size": layout.pp_size, "dp_size": layout.dp_size}
+        _, peers = build_compute_peers(coords, sizes)
+        self._peers = [list(peers.get(r, ())) for r in range(layout.world_size)]
         self._streak = [0] * layout.world_size
         self._warned = [False] * layout.world_size
 
@@ -50,8 +52,7 @@ class OnlineDetector:
         values = np.asarray(compute_s, dtype=float)
         lines = []
         for r, peers in enumerate(self._peers):
-            ref = float(np.median(values[peers])) if peers else 0.0
-            ratio = values[r] / ref if ref > 0 else 1.0
+            ratio = peer_median_ratio(float(values[r]), values[peers]) or 1.0
             self._streak[r] = self._streak[r] + 1 if ratio >= self.config.min_ratio else 0
             if self._streak[r] == 0:
                 self._warned[r] = False

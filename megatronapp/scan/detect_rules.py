@@ -137,6 +137,14 @@ def _robust_z(logs: np.ndarray) -> float:
     return med / se if se > 0 else (np.inf if med > 0 else 0.0)
 
 
+def peer_median_ratio(value: float, peer_values) -> float | None:
+    """value / median(peer_values): how many times longer than its peers doing identical work a
+    rank took (None without peers or positive times). The compute rule of the trace detector and
+    of the online detector (detect_online.py)."""
+    ref = float(np.median(peer_values)) if len(peer_values) else 0.0
+    return value / ref if ref > 0 and value > 0 else None
+
+
 def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int, tuple[int, ...]],
                     basis: str, pp_size: int, coords: dict[int, dict], threshold: float) -> dict[int, ComputeStats]:
     """Per rank: its pure compute per (iteration, chunk, microbatch, kind) over the peers' median.
@@ -151,10 +159,11 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
         excess, my_vals, peer_vals = defaultdict(float), [], []
         for key, v in mine.items():
             others = [values[p][key] for p in peers.get(rank, ()) if p in values and key in values[p]]
-            ref = float(np.median(others)) if others else 0.0
-            if ref <= 0 or v <= 0:
+            ratio = peer_median_ratio(v, others)
+            if ratio is None:
                 continue
-            per_it[key[0]].append(v / ref)
+            ref = float(np.median(others))
+            per_it[key[0]].append(ratio)
             excess[key[0]] += v - ref
             my_vals.append(v)
             peer_vals.append(ref)

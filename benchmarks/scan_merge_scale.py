@@ -1,0 +1,98 @@
+"""Streaming merge speed and memory on one core, for two trace lengths.
+
+    python benchmarks/scan_merge_scale.py --events 10000000 --repeats 3 --out /tmp/merge_scale.json
+
+A simulated TP2xPP4xDP8 job (64 ranks, 8 microbatches, ~5,000 events per iteration) is
+written per rank through format.TraceWriter (tests/scan_simulation.write_repeated_job: one
+record batch and calibration row per 100 iterations, as the tracer's timed flushes give),
+once with --events/4 and once with --events events. Each merge runs in a fresh child process
+pinned to one core (taskset when present; numpy/Arrow single-threaded), which reports its CPU
+and wall time and its peak RSS (resource.getrusage). Repeats are interleaved across the two
+lengths; median and (min, max) are printed. Memory is bounded if the peak RSS does not grow
+with the length. Output goes to a temporary directory and is deleted after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the trace simulator lives with the tests
+
+_CHILD = """
+import json, os, resource, sys, time
+import pyarrow as pa
+pa.set_cpu_count(1); pa.set_io_thread_count(1)
+from megatronapp.scan.merge import merge_traces
+cpu, wall = time.process_time(), time.perf_counter()
+s = merge_traces(sys.argv[1], sys.argv[2])
+cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+print(json.dumps({"events": s.events, "cpu_s": cpu, "wall_s": wall, "flows": s.flows,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_window_rows": s.peak_window_rows, "out_bytes": os.path.getsize(sys.argv[2])}))
+"""
+
+
+def run_merge(trace_dir: Path, out: Path) -> dict:
+    """One merge in a fresh single-threaded child, pinned to one core where taskset exists."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
+    done = subprocess.run([*pin, sys.executable, "-c", _CHILD, str(trace_dir), str(out)], env=env,
+                          capture_output=True, text=True, check=True)
+    out.unlink(missing_ok=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def main() -> None:
+    from scan_simulation import SimulatedJob, write_repeated_job
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=10_000_000, help="events of the long trace (short: a quarter)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    job = SimulatedJob(tp_size=2, pp_size=4, dp_size=8, num_microbatches=8, seed=5)
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="scan_merge_scale.") as tmp:
+        dirs = {}
+        for label, events in (("short", args.events // 4), ("long", args.events)):
+            per_iteration = write_repeated_job(job, Path(tmp) / "probe", 1)
+            shutil.rmtree(Path(tmp) / "probe")
+            d = Path(tmp) / label
+            d.mkdir()
+            t0 = time.perf_counter()
+            written = write_repeated_job(job, d, max(1, events // per_iteration), iterations_per_batch=100)
+            size = sum(p.stat().st_size for p in d.glob("rank*.mscan"))
+            results[label] = {"events": written, "ranks": job.world_size, "trace_bytes_per_event": size / written,
+                              "write_s": time.perf_counter() - t0, "runs": []}
+            dirs[label] = d
+        for _ in range(args.repeats):  # interleaved
+            for label, d in dirs.items():
+                results[label]["runs"].append(run_merge(d, Path(tmp) / "timeline.json"))
+    for label, r in results.items():
+        runs = r.pop("runs")
+        r["events_per_s_cpu"] = summarize([x["events"] / x["cpu_s"] for x in runs])
+        r["events_per_s_wall"] = summarize([x["events"] / x["wall_s"] for x in runs])
+        r["peak_rss_mb"] = summarize([x["peak_rss_mb"] for x in runs])
+        r["peak_window_rows"] = runs[0]["peak_window_rows"]
+        r["json_bytes_per_event"] = runs[0]["out_bytes"] / runs[0]["events"]
+    print(json.dumps(results, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

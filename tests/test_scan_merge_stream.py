@@ -103,3 +103,15 @@ def test_unmatched_ends_are_dropped_after_one_window_and_counted(tmp_path, monke
         assert summary.arrivals == 0 and summary.unmatched == iterations * 8
         peaks.append(summary.peak_pending)
     assert peaks[0] == peaks[1] == 2 * 8
+
+
+def test_fixed_width_numbers_are_the_exact_decimals():
+    import numpy as np
+
+    from megatronapp.scan.fixed_lines import format_micros, format_uints
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([[0, 1, 9, 10, 999, 1000, 10**18], rng.integers(0, 10**12, 500), rng.integers(0, 100, 50)])
+    assert [bytes(r).decode().lstrip(" ") for r in format_uints(values)] == [str(v) for v in values.tolist()]
+    assert [bytes(r).decode().lstrip(" ") for r in format_micros(values[:-1])] == [
+        f"{v // 1000}.{v % 1000:03d}" for v in values[:-1].tolist()]

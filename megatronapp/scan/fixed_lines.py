@@ -28,30 +28,33 @@ def _digit_count(values: np.ndarray) -> int:
     return max(1, len(str(top)))
 
 
-def format_uints(values: np.ndarray, width: int | None = None) -> np.ndarray:
-    """Non-negative ints -> (n, width) right-aligned decimal bytes, space-padded."""
+def _write_uints(out: np.ndarray, values: np.ndarray) -> None:
+    """Write non-negative ints right-aligned and space-padded into `out` (n, width), in place."""
     values = values.astype(np.int64, copy=False)
-    width = width or _digit_count(values)
-    chunks = -(-width // 3)
-    out = np.empty((len(values), chunks * 3), np.uint8)
+    width = out.shape[1]
     rest = values
-    for k in range(chunks):
+    for k in range(-(-width // 3)):
         chunk = rest % 1000
         rest = rest // 1000
-        index = chunk + np.where(rest == 0, 1000, 0)  # top chunk: leading zeros become spaces
+        index = chunk + (rest == 0) * 1000  # top chunk: leading zeros become spaces
         if k:
-            index = np.where(values < 1000**k, 2000, index)  # wholly above the top digit
-        col = (chunks - 1 - k) * 3
-        out[:, col:col + 3] = _TRIPLES[index]
-    return out[:, chunks * 3 - width:]
+            index[values < 1000**k] = 2000  # wholly above the top digit
+        hi = width - 3 * k
+        lo = max(0, hi - 3)
+        out[:, lo:hi] = _TRIPLES[index, 3 - (hi - lo):]
+
+
+def format_uints(values: np.ndarray, width: int | None = None) -> np.ndarray:
+    """Non-negative ints -> (n, width) right-aligned decimal bytes, space-padded."""
+    out = np.empty((len(values), width or _digit_count(values)), np.uint8)
+    _write_uints(out, values)
+    return out
 
 
 def format_micros(ns: np.ndarray) -> np.ndarray:
     """Non-negative ns -> microseconds with exactly three decimals ("12.345"), right-aligned."""
-    whole = format_uints(ns // 1000)
-    frac = _TRIPLES[ns % 1000]
-    dot = np.full((len(ns), 1), ord("."), np.uint8)
-    return np.concatenate([whole, dot, frac], axis=1)
+    block = LineBlock(len(ns)).micros(ns)
+    return np.frombuffer(block.to_bytes(), np.uint8).reshape(len(ns), -1)
 
 
 class TextTable:
@@ -70,34 +73,44 @@ class TextTable:
 
 
 class LineBlock:
-    """One line layout for n rows: add parts left to right, then `to_bytes()`."""
+    """One line layout for n rows: add parts left to right, then `to_bytes()`. Numbers are
+    written straight into the output matrix (no per-field temporary)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self._parts: list[np.ndarray] = []
+        self._parts: list[tuple[int, object]] = []  # (width, constant row | matrix | ("uint", values))
 
     def text(self, constant: str) -> "LineBlock":
-        self._parts.append(np.frombuffer(constant.encode(), np.uint8)[None, :])
+        row = np.frombuffer(constant.encode(), np.uint8)
+        self._parts.append((len(row), row))
         return self
 
     def field(self, matrix: np.ndarray) -> "LineBlock":
-        self._parts.append(matrix)
+        self._parts.append((matrix.shape[1], matrix))
         return self
 
     def uint(self, values: np.ndarray) -> "LineBlock":
-        return self.field(format_uints(values))
+        self._parts.append((_digit_count(values), ("uint", values)))
+        return self
 
     def micros(self, ns: np.ndarray) -> "LineBlock":
-        return self.field(format_micros(ns))
+        self.uint(ns // 1000).text(".")
+        self._parts.append((3, ("frac", ns % 1000)))
+        return self
 
     def to_bytes(self) -> memoryview:
         """The n lines, concatenated (a view of one fresh buffer: write it, no copy)."""
         if self.n == 0:
             return memoryview(b"")
-        widths = [p.shape[1] for p in self._parts]
-        out = np.empty((self.n, sum(widths)), np.uint8)
+        out = np.empty((self.n, sum(w for w, _ in self._parts)), np.uint8)
         col = 0
-        for part, width in zip(self._parts, widths):
-            out[:, col:col + width] = part
+        for width, part in self._parts:
+            target = out[:, col:col + width]
+            if isinstance(part, tuple) and part[0] == "uint":
+                _write_uints(target, part[1])
+            elif isinstance(part, tuple):
+                target[:] = _TRIPLES[part[1]]
+            else:
+                target[:] = part
             col += width
         return memoryview(out).cast("B")

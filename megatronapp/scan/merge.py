@@ -45,7 +45,7 @@ from megatronapp.scan.stream import RankSurvey, Vocabulary, WindowReader, survey
 
 __all__ = ["ARRIVAL_NS", "MergeSummary", "merge_traces", "merge_traces_split", "place_arrival", "split_output_name"]
 
-ALIGN_SAMPLE_ITERATIONS = 16  # traced iterations per rank whose comm rows align the clocks
+ALIGN_SAMPLE_ITERATIONS = 8  # traced iterations per rank whose comm rows align the clocks
 WINDOW_EVENTS = 1 << 16  # rows (all ranks) merged at a time, about
 _ALL = 2**31 - 1
 

@@ -117,6 +117,12 @@ def pack_message_keys(src: np.ndarray, dst: np.ndarray, seq: np.ndarray) -> np.n
     return (src.astype(np.int64) << (_RANK_BITS + _SEQ_BITS)) | (dst.astype(np.int64) << _SEQ_BITS) | seq
 
 
+def unpack_message_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of pack_message_keys: (src, dst, seq)."""
+    mask = (1 << _RANK_BITS) - 1
+    return keys >> (_RANK_BITS + _SEQ_BITS), (keys >> _SEQ_BITS) & mask, keys & ((1 << _SEQ_BITS) - 1)
+
+
 def match_message_keys(send_keys: np.ndarray, recv_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Indices (into send_keys, into recv_keys) of the messages both of whose ends are given."""
     _, send_at, recv_at = np.intersect1d(send_keys, recv_keys, assume_unique=False, return_indices=True)

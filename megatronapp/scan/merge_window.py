@@ -26,7 +26,13 @@ from megatronapp.scan.chrome import (
     thread_lines,
 )
 from megatronapp.scan.format import RankTrace
-from megatronapp.scan.matching import CommEnd, match_message_keys, order_collective_members, pack_message_keys
+from megatronapp.scan.matching import (
+    CommEnd,
+    match_message_keys,
+    order_collective_members,
+    pack_message_keys,
+    unpack_message_keys,
+)
 from megatronapp.scan.stream import Vocabulary
 
 ARRIVAL_NS = 1_000  # length of a message's arrival slice (see place_arrival)
@@ -160,29 +166,32 @@ class WindowMerger:
         return out[0], out[1]
 
     def _add_arrivals(self, cols: dict, sends: dict, recvs: dict) -> tuple[dict, dict, np.ndarray]:
-        """Match sends to recvs, keep the unmatched of this window for the next one, and append
-        one arrival row per message on its receiver."""
+        """Match sends to recvs, keep this window's unmatched ends for the next one (the carried
+        ones still unmatched are dropped and counted), and append one arrival row per message
+        on its receiver. Returns the columns, the matched sends and the arrival rows."""
         send_at, recv_at = match_message_keys(sends["key"], recvs["key"])
-        carried = len(self._sends["key"]), len(self._recvs["key"])
-        for ends, at, n_old, name in ((sends, send_at, carried[0], "_sends"), (recvs, recv_at, carried[1], "_recvs")):
-            left = np.ones(len(ends["key"]), bool)
-            left[at] = False
-            self.unmatched += int(left[:n_old].sum())
-            left[:n_old] = False
-            setattr(self, name, _take(ends, np.flatnonzero(left)))
+        self._sends = self._still_pending(sends, send_at, len(self._sends["key"]))
+        self._recvs = self._still_pending(recvs, recv_at, len(self._recvs["key"]))
         self.peak_pending = max(self.peak_pending, len(self._sends["key"]) + len(self._recvs["key"]))
         send, recv = _take(sends, send_at), _take(recvs, recv_at)
         start, end = place_arrivals(send["start"], recv["start"], recv["end"])
+        src, _, seq = unpack_message_keys(recv["key"])
         n, m = len(start), len(cols["rank"])
         extra = {k: np.full(n, -1, v.dtype) for k, v in cols.items()}
-        extra.update(rank=recv["rank"], start_ns=start, end_ns=end, iteration=recv["iteration"].astype(cols["iteration"].dtype),
-                     peer=(recv["key"] >> 47).astype(cols["peer"].dtype), seq=recv["key"] & ((1 << 31) - 1),
-                     bytes=recv["bytes"])
-        for k in ("name", "cat", "op", "group"):
-            extra[k] = np.full(n, {"name": self._arrival, "cat": self._comm}.get(k, self._empty), cols[k].dtype)
+        extra.update(rank=recv["rank"], start_ns=start, end_ns=end, iteration=recv["iteration"], peer=src, seq=seq,
+                     bytes=recv["bytes"], name=np.full(n, self._arrival), cat=np.full(n, self._comm),
+                     op=np.full(n, self._empty), group=np.full(n, self._empty))
         self.arrivals += n
-        # Carried sends get their tid stored now, for the flow written when they match later.
         return _concat(cols, {k: extra[k].astype(cols[k].dtype) for k in cols}), send, np.arange(m, m + n)
+
+    def _still_pending(self, ends: dict, matched: np.ndarray, carried: int) -> dict:
+        """The unmatched ends of this window; the first `carried` (from the last window) that are
+        still unmatched are dropped and counted."""
+        left = np.ones(len(ends["key"]), bool)
+        left[matched] = False
+        self.unmatched += int(left[:carried].sum())
+        left[:carried] = False
+        return _take(ends, np.flatnonzero(left))
 
     def _new_threads(self, rank: np.ndarray, tids: np.ndarray) -> bytes:
         keys = np.unique(rank * (LANES_PER_TRACK * len(TRACKS) + 1) + tids).tolist()

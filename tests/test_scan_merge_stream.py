@@ -115,3 +115,21 @@ def test_fixed_width_numbers_are_the_exact_decimals():
     assert [bytes(r).decode().lstrip(" ") for r in format_uints(values)] == [str(v) for v in values.tolist()]
     assert [bytes(r).decode().lstrip(" ") for r in format_micros(values[:-1])] == [
         f"{v // 1000}.{v % 1000:03d}" for v in values[:-1].tolist()]
+
+
+def test_truncated_rank_is_merged_up_to_its_last_batch_and_reported(trace_dir, tmp_path):
+    import shutil
+    import warnings
+
+    broken = tmp_path / "broken"
+    shutil.copytree(trace_dir, broken)
+    victim = broken / trace_file_name(4)
+    victim.write_bytes(victim.read_bytes()[:-300])  # a crash mid-batch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = merge.merge_traces(broken, tmp_path / "t.json")
+    assert [str(w.message).split(":")[0] for w in caught] == [str(victim)]  # warned once
+    with open(tmp_path / "t.json") as f:
+        other = json.load(f)["otherData"]["megascan"]
+    full = merge.merge_traces(trace_dir, tmp_path / "full.json")
+    assert other["partial_ranks"] == [4] and 0 < full.events - summary.events < 200

@@ -59,11 +59,12 @@ class Vocabulary:
         return table[column.indices.to_numpy(zero_copy_only=False)]
 
 
-def iter_rank_batches(path: str | os.PathLike) -> Iterator[pa.RecordBatch]:
-    """The record batches of one rank file, in order. The first item is the file's meta dict.
+def iter_rank_batches(path: str | os.PathLike, warn: bool = True) -> Iterator[pa.RecordBatch | dict | str]:
+    """The record batches of one rank file, in order. The first item is the file's meta dict;
+    a stream that stops early ends with the item "partial".
 
     Raises TraceFormatError naming the file if it is not a MegaScan stream; a truncated stream
-    warns (naming the file) and ends after its last complete batch."""
+    warns (naming the file, if `warn`) and ends after its last complete batch."""
     source = str(path)
     try:
         handle = open(source, "rb")
@@ -88,8 +89,9 @@ def iter_rank_batches(path: str | os.PathLike) -> Iterator[pa.RecordBatch]:
             yield batch
         handle.seek(-len(END_OF_STREAM), os.SEEK_END)
         if error is not None or handle.read() != END_OF_STREAM:
-            why = f"truncated stream ({error})" if error else "no end-of-stream marker"
-            warnings.warn(f"{source}: {why}; using the {count} complete batches", stacklevel=2)
+            if warn:
+                why = f"truncated stream ({error})" if error else "no end-of-stream marker"
+                warnings.warn(f"{source}: {why}; using the {count} complete batches", stacklevel=2)
             yield "partial"
 
 
@@ -150,7 +152,7 @@ class WindowReader:
     dropped, as numpy columns (strings as Vocabulary ids)."""
 
     def __init__(self, path: str | os.PathLike, vocab: Vocabulary, iterations: Container[int] | None) -> None:
-        self._batches = iter_rank_batches(path)
+        self._batches = iter_rank_batches(path, warn=False)  # the survey warned already
         next(self._batches)  # meta: surveyed already
         self._vocab, self._iterations = vocab, iterations
         self._calib = vocab.id_of(CAT_CALIB)

@@ -21,6 +21,13 @@ _TRIPLES = np.array(
     + [list(b"   ")],
     dtype=np.uint8,
 )
+# The same rows padded to 4 bytes, one uint32 each: a 1-D take is ~4x faster than a 2-D gather.
+_TRIPLES32 = np.concatenate([_TRIPLES, np.zeros((len(_TRIPLES), 1), np.uint8)], axis=1).view(np.uint32).ravel()
+
+
+def _triples(index: np.ndarray) -> np.ndarray:
+    """(n, 3) bytes of _TRIPLES rows `index`."""
+    return np.take(_TRIPLES32, index).view(np.uint8).reshape(len(index), 4)[:, :3]  # (n, 3)
 
 
 def _digit_count(values: np.ndarray) -> int:
@@ -34,14 +41,13 @@ def _write_uints(out: np.ndarray, values: np.ndarray) -> None:
     width = out.shape[1]
     rest = values
     for k in range(-(-width // 3)):
-        chunk = rest % 1000
-        rest = rest // 1000
-        index = chunk + (rest == 0) * 1000  # top chunk: leading zeros become spaces
+        rest, index = np.divmod(rest, 1000)
+        index += (rest == 0) * 1000  # top chunk: leading zeros become spaces
         if k:
             index[values < 1000**k] = 2000  # wholly above the top digit
         hi = width - 3 * k
         lo = max(0, hi - 3)
-        out[:, lo:hi] = _TRIPLES[index, 3 - (hi - lo):]
+        out[:, lo:hi] = _triples(index)[:, 3 - (hi - lo):]
 
 
 def format_uints(values: np.ndarray, width: int | None = None) -> np.ndarray:
@@ -66,10 +72,12 @@ class TextTable:
         self.matrix = np.full((len(encoded), max(1, int(self.lengths.max()))), _SPACE, np.uint8)
         for k, t in enumerate(encoded):
             self.matrix[k, :len(t)] = np.frombuffer(t, np.uint8)
+        self._rows = self.matrix.view(f"V{self.matrix.shape[1]}").ravel()
 
     def take(self, ids: np.ndarray) -> np.ndarray:
         width = max(1, int(self.lengths[ids].max(initial=1))) if len(ids) else 1
-        return self.matrix[ids, :width]
+        rows = np.take(self._rows, ids)  # 1-D take of whole rows: far faster than a 2-D gather
+        return rows.view(np.uint8).reshape(len(ids), self.matrix.shape[1])[:, :width]
 
 
 class LineBlock:
@@ -109,7 +117,7 @@ class LineBlock:
             if isinstance(part, tuple) and part[0] == "uint":
                 _write_uints(target, part[1])
             elif isinstance(part, tuple):
-                target[:] = _TRIPLES[part[1]]
+                target[:] = _triples(part[1])
             else:
                 target[:] = part
             col += width

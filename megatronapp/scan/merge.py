@@ -22,6 +22,10 @@ Memory does not grow with the trace. Two passes over the rank files:
    (an op finishing after a flush), then is dropped and counted (`unmatched`); a collective
    instance is closed with its window.
 
+What is held at once: one window of rows, one decoded record batch per rank (a tracer flush),
+the alignment sample, and one first start per traced iteration; none of it grows with the
+number of events (benchmarks/scan_merge_scale.py measures it).
+
 Output goes to a temporary file that replaces `out` only when complete; `.gz` outputs are
 gzipped. The alignment report, the time origin and merge statistics go to "otherData".
 """

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO
 
 from megatronapp.scan.align import AlignmentReport, align_traces
+from megatronapp.scan.chrome import process_lines
 from megatronapp.scan.format import check_file_rank, select_trace_files
 from megatronapp.scan.merge_window import ARRIVAL_NS, RankClocks, WindowMerger, place_arrival
 from megatronapp.scan.stream import RankSurvey, Vocabulary, WindowReader, survey_rank
@@ -149,7 +150,7 @@ def _write_part(out: str | os.PathLike, survey: _Survey, readers: dict, vocab: V
     try:
         with stream:
             sort_index = _sort_indices(survey.surveys)
-            meta = [line for s in survey.surveys for line in merger.process_lines(s.trace.meta, sort_index[s.trace.rank])]
+            meta = [line for s in survey.surveys for line in process_lines(s.trace.meta, sort_index[s.trace.rank])]
             stream.write(('{"traceEvents": [\n' + ",\n".join(meta)).encode())
             for k, window in enumerate(windows):
                 stop = _ALL if last and k == len(windows) - 1 else window[-1] + 1

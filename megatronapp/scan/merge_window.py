@@ -21,7 +21,6 @@ from megatronapp.scan.chrome import (
     compute_lanes,
     flow_lines,
     json_vocab,
-    process_lines,
     span_lines,
     thread_lines,
 )
@@ -107,9 +106,6 @@ class WindowMerger:
         self._threads: set[int] = set()
         self._next_flow = 0
         self.spans = self.arrivals = self.flows = self.unmatched = self.peak_rows = self.peak_pending = 0
-
-    def process_lines(self, meta: dict, sort_index: int) -> list[str]:
-        return process_lines(meta, sort_index)
 
     def stats(self) -> dict:
         return {"events": self.spans, "arrivals": self.arrivals, "flows": self.flows, "unmatched": self.unmatched,

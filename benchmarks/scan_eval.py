@@ -156,32 +156,39 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def _summary_header(path: Path, ok: list[dict], failed: list[dict], default_thresholds: bool) -> dict:
+    """Provenance lines of a summary: split and seed, thresholds and their file, run counts."""
+    errors = "; ".join(sorted({f["error"][:80] for f in failed})[:3])
+    return {"file": path.name, "split": f"{ok[0]['split']} (seed {SPLIT_SEEDS.get(ok[0]['split'])})",
+            "thresholds": "defaults" if default_thresholds else (ok[0]["thresholds"] or "defaults"),
+            "thresholds file": ok[0].get("thresholds_file") or "-", "runs scored": len(ok),
+            "runs failed (not scored)": f"{len(failed)}: {errors}" if failed else "0",
+            "median seconds per run": sorted(r["seconds"] for r in ok)[len(ok) // 2]}
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def cmd_summarize(args) -> int:
     path = Path(args.results)
     records = load_records(path)
-    ok = [r for r in records if not r["error"]]
+    ok, failed = [r for r in records if not r["error"]], [r for r in records if r["error"]]
     if not ok:
         raise UsageError(f"{path}: no successful runs to summarize")
-    splits, thresholds = {r["split"] for r in ok}, {json.dumps(r["thresholds"], sort_keys=True) for r in ok}
-    if len(splits) > 1 or len(thresholds) > 1:
-        raise UsageError(f"{path}: mixes splits {sorted(splits)} or thresholds: one evaluation per file")
+    if len({r["split"] for r in ok}) > 1 or len({json.dumps(r["thresholds"], sort_keys=True) for r in ok}) > 1:
+        raise UsageError(f"{path}: mixes splits or thresholds: one evaluation per file")
     key = "default_suspects" if args.default_thresholds else "suspects"
     results = [(scenario_from_dict(r["scenario"]), r[key]) for r in ok]
     scores, layouts = compute_scores(results), compute_layout_scores(results)
-    failed = [r for r in records if r["error"]]
-    header = {"file": path.name, "split": f"{splits.pop()} (seed {SPLIT_SEEDS.get(ok[0]['split'])})",
-              "thresholds": "defaults" if args.default_thresholds else (ok[0]["thresholds"] or "defaults"),
-              "thresholds file": ok[0].get("thresholds_file") or "-",
-              "runs scored": len(ok), "runs failed (not scored)": f"{len(failed)} "
-              + "; ".join(sorted({f['error'][:80] for f in failed})[:3]),
-              "median seconds per run": sorted(r["seconds"] for r in ok)[len(ok) // 2]}
+    header = _summary_header(path, ok, failed, args.default_thresholds)
     md = Path(args.md) if args.md else path.with_suffix(".md")
     png = Path(args.png) if args.png else path.with_suffix(".png")
     text = render_markdown(scores, layouts, header)
-    fd, tmp = tempfile.mkstemp(dir=md.parent, prefix=md.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, md)
+    _write_text_atomic(md, text)
     plot_scores(scores, f"MegaScan detection, {header['split']}, {len(ok)} runs", png)
     save_json_atomic(md.with_suffix(".json"), {"header": header, "scores": scores, "layouts": layouts})
     print(text, end="")
@@ -200,11 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue --results, skipping the runs it holds")
     run.add_argument("--thresholds", help="heldout: the file `tune` wrote")
     run.add_argument("--default-thresholds", action="store_true", help="heldout without tuning (say so when quoting)")
-    run.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 4) // 4), help="runs at once (<= 4 ranks each)")
-    run.add_argument("--timeout", type=float, default=120.0, help="hard limit per run, seconds (whole process tree killed)")
+    run.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 4) // 4),
+                     help="runs at once (<= 4 ranks each; default: cores / 4)")
+    run.add_argument("--timeout", type=float, default=120.0,
+                     help="hard limit per run, seconds (the whole process tree is killed)")
     run.add_argument("--budget-s", type=float, default=0.0, help="stop starting/finish runs after this many seconds")
     run.add_argument("--work-dir", help="where traces go while a run is detected (default: a temp dir)")
-    run.add_argument("--keep-traces", action="store_true", help="keep every run's trace (default: only failed runs')")
+    run.add_argument("--keep-traces", action="store_true",
+                     help="keep every run's trace in --work-dir (default: failed runs' and wrong verdicts' only)")
     run.add_argument("--synthetic", action="store_true", help="simulate the jobs (plumbing smoke, not an evaluation)")
     tune = sub.add_parser("tune", help="choose thresholds on design results")
     tune.add_argument("results", help="design JSONL")

@@ -23,7 +23,8 @@ def render_markdown(scores: dict, layouts: dict, header: dict) -> str:
     Brackets are 95% Wilson intervals; (k/n) the counts they come from."""
     lines = [f"# MegaScan held-out detection: {header['file']}", ""]
     lines += [f"* {k}: {v}" for k, v in header.items() if k != "file"]
-    lines += ["", "| fault kind | runs | recall | precision | root cause, no victim named |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| fault kind | runs | recall | precision | root cause, no victim named |",
+              "| --- | --- | --- | --- | --- |"]
     for kind in FAULT_KINDS:
         s = scores[kind]
         lines.append(f"| {_KIND_LABEL[kind]} | {s['recall']['n']} | {format_rate(s['recall'])} | "
@@ -32,8 +33,10 @@ def render_markdown(scores: dict, layouts: dict, header: dict) -> str:
     lines.append(f"| clean (no fault) | {fa['n']} | | | false alarms {format_rate(fa)} |")
     lines += ["", "| verdict (all runs) | recall | precision |", "| --- | --- | --- |"]
     for cause in ("slow_compute", "slow_link"):
-        lines.append(f"| {cause} | {format_rate(scores[cause]['recall'])} | {format_rate(scores[cause]['precision'])} |")
-    lines += ["", "| layout | root cause, no victim named (fault runs) | false alarms (clean runs) |", "| --- | --- | --- |"]
+        s = scores[cause]
+        lines.append(f"| {cause} | {format_rate(s['recall'])} | {format_rate(s['precision'])} |")
+    lines += ["", "| layout | root cause, no victim named (fault runs) | false alarms (clean runs) |",
+              "| --- | --- | --- |"]
     for layout, s in layouts.items():
         lines.append(f"| {layout} | {format_rate(s['root_cause_accuracy'])} | {format_rate(s['false_alarm_rate'])} |")
     return "\n".join(lines) + "\n"

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from scan_eval_core import COMPUTE_GRID, LINK_GRID, Fault, Scenario, scenario_from_dict
+from scan_eval_core import COMPUTE_GRID, LINK_GRID, Fault, Scenario, named_causes, scenario_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 16  # analysed 1..15 (0 is warm-up): an intermittent 1-in-4 slowdown hits 3 of them
@@ -175,7 +175,8 @@ def execute_run(task: dict) -> dict:
             found = detect_run(run_dir / "trace", task["overrides"], grid=sc.split == "design")
         except (OSError, ValueError) as exc:
             error = f"detect: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-    if not task["keep_traces"] and not error:
+    right = not error and named_causes(found["suspects"]) == sc.truth()
+    if right and not task["keep_traces"]:  # wrong verdicts keep their trace, for diagnosis
         shutil.rmtree(run_dir, ignore_errors=True)
     return {"name": sc.name, "split": sc.split, "kind": sc.kind, "layout": sc.layout, "scenario": asdict(sc),
             "thresholds": task["overrides"], "thresholds_file": task["thresholds_file"], "error": error,

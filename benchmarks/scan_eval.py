@@ -2,16 +2,17 @@
 
 Thresholds are chosen on design scenarios; the reported figures come from held-out scenarios
 drawn from a different fixed seed (scan_eval_core.SPLIT_SEEDS), scored with the thresholds the
-design step wrote to a file:
+design step wrote to a file (the held-out step refuses to run without one, or without an
+explicit --default-thresholds; `tune` refuses anything but design results):
 
-    # 1. design runs, then tuning: writes thresholds.json (grid point, design scores, provenance)
-    python benchmarks/scan_eval.py run --split design --runs-per-kind 10 --clean-runs 15 --jobs 4 \\
+    # 1. design runs (default thresholds; every tuning-grid point recorded), then tuning
+    python benchmarks/scan_eval.py run --split design --runs-per-kind 8 --clean-runs 12 --jobs 4 \
         --results out/scan_eval/design.jsonl
     python benchmarks/scan_eval.py tune out/scan_eval/design.jsonl --out out/scan_eval/thresholds.json
-    # 2. held-out runs with those thresholds, then the tables (markdown) and chart (PNG)
-    python benchmarks/scan_eval.py run --split heldout --runs-per-kind 30 --clean-runs 50 --jobs 4 \\
-        --thresholds out/scan_eval/thresholds.json --results out/scan_eval/heldout.jsonl --budget-s 500
-    python benchmarks/scan_eval.py summarize out/scan_eval/heldout.jsonl     # heldout.md, heldout.png
+    # 2. held-out runs with those thresholds (>= 30 per fault kind, >= 50 clean), then the tables
+    python benchmarks/scan_eval.py run --split heldout --runs-per-kind 30 --clean-runs 50 --jobs 4 \
+        --thresholds out/scan_eval/thresholds.json --results out/scan_eval/heldout.jsonl --budget-s 480
+    python benchmarks/scan_eval.py summarize out/scan_eval/heldout.jsonl   # heldout.md/.png/.json
 
 Kinds: none, compute (constant slowdown 1.2-2x), intermittent (the same in 1 of every 2-4
 iterations), link (2-50 ms late arrival on a pipeline link), two_faults (a slowdown and a link at
@@ -20,8 +21,15 @@ the plain DDP example under `megatronapp trace run` (scan_eval_core.SOURCES). Ea
 gloo job, one torch thread per rank, `--jobs` of them at once (one core per rank: 4 on 16
 cores), each under `--timeout`. One JSON line per finished run is appended to `--results` at
 once (single write + fsync), so a run stopped by `--budget-s` or killed outright keeps every
-finished run; `--resume` skips the runs already there. `--synthetic` swaps the jobs for the
-trace simulator (a smoke test of the plumbing, not an evaluation).
+finished run; `--resume` skips the runs already there. Each line holds the scenario, the
+verdict with the thresholds under test and with the defaults, timings, and (design) the verdict
+at every grid point, so tuning and summaries need no traces. `--synthetic` swaps the jobs for
+the trace simulator (a smoke test of the plumbing, not an evaluation).
+
+Cost: a 4-rank run is ~23 s of CPU, mostly five Python processes importing torch (launcher +
+ranks; training itself ~1.5 s), ~14 s wall on an idle 2-core VM; design runs add ~25
+detections (~1-3 s). On 16 cores with --jobs 4, expect ~8-12 s per run, so ~2-3 s per run of
+throughput: 170 held-out runs in ~6-8 min (hence --budget-s 480; --resume finishes a cut run).
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue --results, skipping the runs it holds")
     run.add_argument("--thresholds", help="heldout: the file `tune` wrote")
     run.add_argument("--default-thresholds", action="store_true", help="heldout without tuning (say so when quoting)")
-    run.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 4) // 4),
+    run.add_argument("--jobs", type=int, default=max(1, len(os.sched_getaffinity(0)) // 4),
                      help="runs at once (<= 4 ranks each; default: cores / 4)")
     run.add_argument("--timeout", type=float, default=120.0,
                      help="hard limit per run, seconds (the whole process tree is killed)")

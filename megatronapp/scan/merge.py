@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import numpy as np
+
 from megatronapp.scan.align import AlignmentReport, align_traces
 from megatronapp.scan.chrome import process_lines
 from megatronapp.scan.format import check_file_rank, select_trace_files
@@ -82,12 +84,13 @@ class _Survey:
     report: AlignmentReport
 
     def present_iterations(self) -> list[int]:
-        return sorted(set().union(*(s.first_start for s in self.surveys)))
+        return np.unique(np.concatenate([s.iterations for s in self.surveys])).tolist()
 
     def origin(self, iterations: Sequence[int]) -> int:
         """Earliest aligned start of any span of `iterations` (0 if there is none)."""
-        firsts = [self.clocks.apply_one(s.trace.rank, min(s.first_start[i] for i in iterations if i in s.first_start))
-                  for s in self.surveys if any(i in s.first_start for i in iterations)]
+        wanted = np.asarray(iterations, np.int64)
+        firsts = [self.clocks.apply_one(s.trace.rank, first) for s in self.surveys
+                  if (first := s.first_start(wanted)) is not None]
         return min(firsts) if firsts else 0
 
 

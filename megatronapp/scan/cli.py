@@ -15,7 +15,7 @@ import sys
 from megatronapp.scan.analysis import analyze_trace_dir
 from megatronapp.scan.detect import DetectConfig, render_report, report_to_json
 from megatronapp.scan.format import TraceFormatError
-from megatronapp.scan.merge import merge_traces, merge_traces_split
+from megatronapp.scan.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
 from megatronapp.scan.trace_run import add_trace_run_arguments
 
 _NO_END = 2**31 - 1
@@ -75,7 +75,8 @@ def run_merge(args: argparse.Namespace) -> int:
           f"({summary.arrivals} p2p messages)")
     print(f"merged in {summary.seconds:.2f} s ({summary.events_per_s:,.0f} events/s)")
     print(
-        f"alignment: {report.anchors} collective anchors, {report.p2p_messages} p2p messages, "
+        f"alignment (first {ALIGN_SAMPLE_ITERATIONS} traced iterations): {report.anchors} collective anchors, "
+        f"{report.p2p_messages} p2p messages, "
         f"median residual {report.median_residual_ns / 1e3:.1f} us, "
         f"{report.violations} causality violations left (of {report.violations_before})"
     )

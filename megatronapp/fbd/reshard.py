@@ -76,9 +76,10 @@ def pack_weights(module: nn.Module, pieces: list[WeightPiece], version: int, dev
     if not 0 <= version < MAX_EXACT_TAG:
         raise ValueError(f"weight version {version} does not fit an fp32 tag")
     params = dict(module.named_parameters())
-    parts = [torch.tensor([float(version)], device=device)]
-    parts += [_view(params[pc.name].detach(), pc, pc.src_start).reshape(-1).float().to(device) for pc in pieces]
-    return torch.cat(parts)
+    home = next(iter(params.values())).device  # assemble where the weights are, then one copy (host staging)
+    parts = [torch.tensor([float(version)], device=home)]
+    parts += [_view(params[pc.name].detach(), pc, pc.src_start).reshape(-1).float() for pc in pieces]
+    return torch.cat(parts).to(device)
 
 
 def weight_message_numel(module: nn.Module, pieces: list[WeightPiece]) -> int:
@@ -103,8 +104,8 @@ def unpack_weights(module: nn.Module, pieces: list[WeightPiece], message: torch.
 
 def frame(tags: tuple[int, ...], payload: torch.Tensor, device) -> torch.Tensor:
     """[tags..., payload.flatten()] as fp32 on `device`."""
-    head = torch.tensor([float(t) for t in tags], device=device)
-    return torch.cat([head, payload.detach().float().reshape(-1).to(device)])
+    head = torch.tensor([float(t) for t in tags], device=payload.device)
+    return torch.cat([head, payload.detach().float().reshape(-1)]).to(device)
 
 
 def unframe(message: torch.Tensor, expected: tuple[int, ...], what: str, source: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from megatronapp.fbd.config import FbdConfig
 from megatronapp.fbd.links import LinkDevices, Outbox, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_forward_actions
 from megatronapp.fbd.reshard import (compute_weight_pieces, frame, full_param_specs, unframe, unpack_weights,
-                                     weight_message_numel)
+                                     weight_message_dtype, weight_message_numel)
 from megatronapp.model.gpt import ChunkOptions, TPContext, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
 from megatronapp.parallel.groups import RoleGroups
@@ -117,7 +117,8 @@ class ForwardWorker:
         self.iteration += 1
 
     def _recv_weights(self, a: FbdAction, it: _Iteration) -> None:
-        posted = {src: PostedRecv(weight_message_numel(self.chunk, pcs), src, self.links(src))
+        dtype = weight_message_dtype(self.chunk)
+        posted = {src: PostedRecv(weight_message_numel(self.chunk, pcs), src, self.links(src), dtype)
                   for src, pcs in self.weight_pieces.items()}
         with self.waits.on_other_role(self.tracer, spans.WAIT_WEIGHTS):
             messages = {src: p.wait() for src, p in posted.items()}

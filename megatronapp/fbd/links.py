@@ -64,9 +64,9 @@ class RoleWaits:
 
 
 class PostedRecv:
-    def __init__(self, numel: int, source: int, device):
+    def __init__(self, numel: int, source: int, device, dtype: torch.dtype = torch.float32):
         self.source = source
-        self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        self.buffer = torch.empty(numel, dtype=dtype, device=device)
         self.work = dist.irecv(self.buffer, source)
 
     def wait(self) -> torch.Tensor:

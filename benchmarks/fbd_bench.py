@@ -220,8 +220,9 @@ def main(argv=None) -> int:
         return 2
     resolve_defaults(cfg)
     budget, save = Budget(cfg.budget_s), _saver(cfg.out)
+    # no CUDA call that makes a context here: it would hold GPU memory the search measures
     machine = {"gpus": torch.cuda.device_count() if cfg.device == "cuda" else 0, "cpus": os.cpu_count(),
-               "gpu": torch.cuda.get_device_name(0) if cfg.device == "cuda" else None, "torch": torch.__version__}
+               "torch": torch.__version__}
     report = {"args": vars(cfg), "machine": machine, "throughput": {}, "max_micro_batch": {}}
     fast = [v for v in cfg.variants if v != "fbd_cpu_forward" or cfg.device == "cpu"]
     bench_throughput(cfg, budget, report, save, fast, cfg.rounds)

@@ -88,13 +88,13 @@ def setup_rank(rank: int, world: int, variant: str, cfg, store_path: str) -> Ran
     """Place this rank, set its threads, start torch.distributed and build its groups."""
     import torch.distributed as dist
 
-    from megatronapp.fbd.launch import place_fbd_rank
+    from megatronapp.fbd.launch import place_rank
     from megatronapp.parallel.groups import build_process_groups, build_role_groups
     from megatronapp.parallel.layout import RoleLayout
     from megatronapp.parallel.placement import compute_default_backend
 
     placements = compute_placements(variant, cfg, torch.cuda.device_count() if cfg.device == "cuda" else 0)
-    placed = place_fbd_rank(placements, rank)  # device, per-link devices, default backend
+    placed = place_rank(placements, rank)  # device, per-link devices, default backend
     torch.set_num_threads(cfg.threads if placed.device.type == "cuda" or cfg.device == "cpu"
                           else cfg.cpu_forward_threads)
     if world > 1:

@@ -38,14 +38,14 @@ class CliParts:
 
 @dataclass(frozen=True)
 class RankPlacement:
-    """What one FBD rank needs from the job's placements (parallel/placement.py)."""
+    """What one rank needs from the job's placements (parallel/placement.py): FBD ranks and the benchmark's."""
 
     device: torch.device  # where it computes (the current CUDA device is set to it)
     links: LinkDevices  # where each of its point-to-point links keeps its tensors
     backend: str  # of the default process group
 
 
-def place_fbd_rank(placements: tuple[Placement, ...], rank: int) -> RankPlacement:
+def place_rank(placements: tuple[Placement, ...], rank: int) -> RankPlacement:
     p = placements[rank]
     device = torch.device("cuda", p.index) if p.is_cuda else torch.device("cpu")
     if p.is_cuda:
@@ -60,7 +60,7 @@ def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: Cli
     lay, fbd = role_layout_from_args(args, world), fbd_config_from_args(args)
     placements = fbd_placements_from_args(args, lay, torch.cuda.device_count(),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    placed = place_fbd_rank(placements, rank)
+    placed = place_rank(placements, rank)
     device = placed.device
     if not dist.is_initialized():  # no device_id: NCCL communicators are made per group, lazily
         dist.init_process_group(placed.backend, rank=rank, world_size=world)

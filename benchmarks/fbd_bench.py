@@ -95,7 +95,10 @@ def run_job(variant: str, cfg, probes: list[tuple], budget: Budget) -> list[dict
     for p in procs:
         if out and "error" in out[-1]:
             p.kill()
-        p.join(timeout=60)
+        p.join(timeout=20)
+        if p.is_alive():  # finished its probes but hangs on exit: not worth the budget
+            p.kill()
+            p.join()
     return out
 
 

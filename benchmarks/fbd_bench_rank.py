@@ -155,6 +155,10 @@ def child(rank: int, world: int, variant: str, cfg, store_path: str, probes: lis
         setup = setup_rank(rank, world, variant, cfg, store_path)
         for micro_batch, microbatches, steps, warmup in probes:
             results.put((rank, micro_batch, run_probe(setup, cfg, micro_batch, microbatches, steps, warmup), None))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - an out-of-memory is a result when searching the largest batch
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         results.put((rank, micro_batch, None, f"{type(e).__name__}: {first}"[:300]))

@@ -169,17 +169,24 @@ class RankScheduler:
         """
         self.counter.finish(task)
         self.remaining -= 1
-        consumer = compute_consumer(task, self.pp_rank, self.pp_size, self.num_chunks)
-        if consumer is not None and consumer[0] == self.pp_rank:
-            self.add_input(consumer[1])
-            return None
-        return consumer
+        return route_output(self, task)
 
     def observe(self, busy_s: float, waited_s: float) -> None:
         """Record one task's compute time and the wait before it (adaptive's input)."""
         total = busy_s + waited_s
         if total > 0:
             self.wait_fraction += _EWMA * (waited_s / total - self.wait_fraction)
+
+
+def route_output(agent, task: Action) -> tuple[int, Action] | None:
+    """Where `task`'s output goes: (pp rank, task) on another rank, or None after making a
+    consumer on `agent`'s own rank available (`agent.add_input`). Shared by every scheduler
+    and by the simulator's static agents."""
+    consumer = compute_consumer(task, agent.pp_rank, agent.pp_size, agent.num_chunks)
+    if consumer is not None and consumer[0] == agent.pp_rank:
+        agent.add_input(consumer[1])
+        return None
+    return consumer
 
 
 def _sort_key(t: Action) -> tuple[int, int, int]:

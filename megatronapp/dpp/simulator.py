@@ -1,16 +1,19 @@
 """Event-driven simulation of one pipeline step, static or dynamic, against a cost model.
 
 Model: each rank runs one compute task at a time. A task's output message to another rank
-arrives `p2p_latency_s + message_bytes / p2p_bandwidth_Bps` after the task ends (sends are
-asynchronous, so the sender continues at once; a local output is available at once). A
-rank that is free picks its next task from what has *arrived* by then: a static schedule
-takes the next action of its list (waiting for its input), a dynamic rank asks its
-`RankScheduler`. Task time = the cost model's time for (rank, chunk, kind) times the rank's
-jitter factor, drawn uniformly from [1, max_factor] by a generator seeded with (seed, rank)
-in the order the rank runs its tasks (`JitterSpec`, the same rule as the runtime's
-injection), plus `task_overhead_s` (host work between spans) and, for dynamic decisions,
-`decision_s`. A span covers the task's compute; the overhead is counted busy too. All events of one instant are applied
-before any rank decides, so a decision sees every message that arrived by then.
+arrives `p2p_latency_s + message_bytes / p2p_bandwidth_Bps` (+ the pair's `link_delay_s`)
+after the task ends (sends are asynchronous, so the sender continues at once; a local output
+is available at once). A rank that is free picks its next task from what has *arrived* by
+then: a dynamic rank asks its `RankScheduler`; a static schedule takes the next action of
+its list, under one of two comm models (static_agents.py): "eager" (it waits only for its
+input, as above) or "rendezvous" (the static runtime on gloo: batches waited whole, a send
+moves only once its receiver posted the recv). Task time = the cost model's time for
+(rank, chunk, kind) times the rank's jitter factor, drawn uniformly from [1, max_factor] by
+a generator seeded with (seed, rank) in the order the rank runs its tasks (`JitterSpec`, the
+same rule as the runtime's injection), plus `task_overhead_s` (host work between spans) and,
+for dynamic decisions, `decision_s`. A span covers the task's compute; the overhead is
+counted busy too. All events of one instant are applied before any rank decides, so a
+decision sees every message that arrived by then.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "breadth-first": ("breadth-first", True, []),
     "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first"]),
     "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive"]),
+    "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order"]),
 }
 
 
@@ -159,7 +160,7 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--variants", nargs="+", default=["interleaved", "breadth-first", "dynamic-df",
-                                                     "dynamic-adaptive"], choices=list(VARIANTS))
+                                                     "dynamic-inorder"], choices=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300, help="per cell")
     p.add_argument("--budget-s", type=float, default=None,

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--backward-ms", type=float, default=20.0)
     p.add_argument("--latency-ms", type=float, default=0.5)
     p.add_argument("--seeds", type=int, default=30)
-    p.add_argument("--traversals", nargs="+", default=["depth-first", "breadth-first", "adaptive"])
+    p.add_argument("--traversals", nargs="+", default=["depth-first", "breadth-first", "adaptive", "in-order"])
     p.add_argument("--json", default=None, help="also write the table here")
     a = p.parse_args(argv)
     if a.pp < 3 or a.microbatches % a.pp:

@@ -36,7 +36,6 @@ def test_fused_layer_accumulates_fp32_weight_grads_over_microbatches(cls):
         x.grad = None
         layer.weight.grad = None  # what the main-grad hook does with the placeholder
         assert layer.weight.grad_added_to_main_grad
-        layer.weight.grad_added_to_main_grad = False
     # fp32 accumulation of exact bf16 products: only fp32 rounding differs from the reference
     torch.testing.assert_close(layer.weight.main_grad, want, rtol=1e-5, atol=1e-5)
 

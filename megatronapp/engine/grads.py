@@ -117,9 +117,7 @@ class GradReducer:
     def _make_hook(self, chunk: int, bucket: _Bucket):
         def hook(param):
             if param.dtype != torch.float32:
-                if getattr(param, "grad_added_to_main_grad", False):  # fused GEMM did it (wgrad_fusion)
-                    param.grad_added_to_main_grad = False
-                else:
+                if not getattr(param, "grad_added_to_main_grad", False):  # else the fused GEMM did it
                     param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
                 param.grad = None
             if self.overlap and self.final_microbatch[chunk]:

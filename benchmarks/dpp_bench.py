@@ -1,12 +1,16 @@
 """MegaDPP benchmark: static 1F1B / interleaved / breadth-first vs dynamic, with and without jitter.
 
-Every run is a real `megatronapp train` job (gloo, CPU, one thread per rank). Variants run
-interleaved within each repeat (shuffled per repeat with --seed), so slow drifts of the host
-hit all variants alike; per run the median step time after --warmup iterations is kept,
-and the report gives, per scenario and variant, the median over repeats, the spread
-(min..max), iterations/s relative to static interleaved, and the peak in-flight activation
-sets per pipeline rank the schedule allows (static: the schedule's own peak from the
-simulator; dynamic: its cap, which the runtime never exceeds).
+Every run (a *cell*: one scenario, one variant) is a real `megatronapp train` job (gloo, CPU,
+one thread per rank). Cells run interleaved within each repeat (shuffled per repeat with
+--seed), so slow drifts of the host hit all variants alike; per cell the median step time
+after --warmup iterations is kept. Each cell's result is appended to OUT/dpp_bench.jsonl
+(flushed) the moment it is measured, with a progress line, so an interrupted run keeps what
+it measured; --budget-s stops starting cells that would not finish in time. The summary
+(also OUT/dpp_bench.json) gives, per scenario and variant, the median over repeats, the
+spread (min..max), iterations/s relative to static interleaved, and per pipeline rank the
+peak in-flight activation sets the schedule allows (static: its own peak, simulated;
+dynamic: its cap, which the runtime never exceeds) and what they hold: layer inputs and the
+activation memory of Korthikanti et al.'s formula for those layers (an estimate).
 
 Scenarios (global ranks; the default layout is PP4 x DP2, so rank 4 is pp 2 of replica 0):
   balanced  no injection
@@ -14,7 +18,7 @@ Scenarios (global ranks; the default layout is PP4 x DP2, so rank 4 is pp 2 of r
   jitter2   --inject-jitter 2:1.5:1 --inject-jitter 4:1.5:2   two ranks, independently (they alternate)
   link      --inject-link-delay 2:4:5       pp1 -> pp2 of replica 0 delayed 5 ms
 
-    python benchmarks/dpp_bench.py --out runs/dpp_bench                 # 8 ranks, for a 16-core host
+    python benchmarks/dpp_bench.py --out runs/dpp_bench --budget-s 500  # 8 ranks, 16-core host, < 9 min
     python benchmarks/dpp_bench.py --smoke --out /tmp/dpp_smoke         # tiny, a couple of minutes
 """
 
@@ -43,6 +47,7 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "breadth-first": ("breadth-first", True, []),
     "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first"]),
     "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive"]),
+    "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order"]),
 }
 
 
@@ -60,8 +65,8 @@ def _train_cmd(a, variant: str, scenario: str, metrics: str) -> list[str]:
     return cmd
 
 
-def run_once(a, variant: str, scenario: str) -> float:
-    """Median step seconds of one job after the warm-up iterations."""
+def run_once(a, variant: str, scenario: str) -> list[float]:
+    """Step seconds of one job after the warm-up iterations."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -70,7 +75,7 @@ def run_once(a, variant: str, scenario: str) -> float:
         if res.returncode:
             raise RuntimeError(f"{variant}/{scenario} failed: {res.stderr[-2000:]}")
         steps = [json.loads(line)["step_time_s"] for line in Path(metrics).read_text().splitlines()]
-    return statistics.median(steps[a.warmup:])
+    return steps[a.warmup:]
 
 
 def schedule_peaks(a, variant: str) -> list[int]:
@@ -88,25 +93,59 @@ def schedule_peaks(a, variant: str) -> list[int]:
     return res.peak_activations
 
 
-def report(a, times: dict) -> dict:
+def memory_fields(a, variant: str) -> dict:
+    """Peak in-flight sets per pipeline rank and the activation memory they stand for."""
+    layers = a.num_layers // (a.pp * (a.vpp if VARIANTS[variant][1] else 1))
+    peaks = schedule_peaks(a, variant)
+    s, h = a.seq_length, a.hidden_size
+    per_layer = 2 * s * h * (34 + 5 * a.heads * s / h)  # fp32, micro-batch 1, no recompute (estimate)
+    return {"peak_inflight_sets": peaks, "layers_per_set": layers,
+            "layer_input_MiB": [round(p * layers * s * h * 4 / 2**20, 2) for p in peaks],
+            "activation_MiB_est": [round(p * layers * per_layer / 2**20, 1) for p in peaks]}
+
+
+def measure_cell(a, scenario: str, variant: str, repeat: int, log) -> dict:
+    """Run one cell and append its record to the JSONL log at once (flushed to disk)."""
+    t0 = time.time()
+    try:
+        steps = run_once(a, variant, scenario)
+        rec = {"scenario": scenario, "variant": variant, "repeat": repeat, "median_s": statistics.median(steps),
+               "steps_s": steps, "wall_s": round(time.time() - t0, 1), **memory_fields(a, variant)}
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        rec = {"scenario": scenario, "variant": variant, "repeat": repeat, "error": str(exc)[-500:],
+               "wall_s": round(time.time() - t0, 1)}
+    log.write(json.dumps(rec) + "\n")
+    log.flush()
+    os.fsync(log.fileno())
+    return rec
+
+
+def summarize(a, records: list[dict]) -> dict:
+    """Per scenario and variant: median over repeats, spread, speed vs interleaved, memory."""
+    times: dict = {}
+    for r in records:
+        if "median_s" in r:
+            times.setdefault((r["scenario"], r["variant"]), []).append(r["median_s"])
     out = {}
     for scenario in a.scenarios:
         base = statistics.median(times[(scenario, "interleaved")]) if (scenario, "interleaved") in times else None
-        print(f"\n{scenario}: median ms/iteration over {a.repeats} repeats (spread), speed vs interleaved")
+        print(f"\n{scenario}: median ms/iteration over repeats (spread), speed vs interleaved")
         for variant in a.variants:
-            runs = times[(scenario, variant)]
+            runs = times.get((scenario, variant))
+            if not runs:
+                print(f"  {variant:<17} not measured")
+                continue
             med = statistics.median(runs)
             speed = base / med if base else float("nan")
-            per_vstage_layers = a.num_layers // (a.pp * (a.vpp if VARIANTS[variant][1] else 1))
-            peaks = schedule_peaks(a, variant)
-            print(f"  {variant:<17} {med * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f})  "
-                  f"x{speed:.3f}  peak in-flight {peaks} sets of {per_vstage_layers} layer(s)")
-            out[f"{scenario}/{variant}"] = {"median_s": med, "runs_s": runs, "speed_vs_interleaved": speed,
-                                            "peak_inflight_sets": peaks, "layers_per_set": per_vstage_layers}
+            mem = memory_fields(a, variant)
+            print(f"  {variant:<17} {med * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f}, n={len(runs)})"
+                  f"  x{speed:.3f}  peak sets {mem['peak_inflight_sets']} x {mem['layers_per_set']} layer(s), "
+                  f"~{mem['activation_MiB_est']} MiB")
+            out[f"{scenario}/{variant}"] = {"median_s": med, "runs_s": runs, "speed_vs_interleaved": speed, **mem}
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=8)
     p.add_argument("--pp", type=int, default=4)
@@ -114,14 +153,18 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", type=int, default=8, help="per DP replica")
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4, help="the demo preset's; only for the memory estimate")
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--iters", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["interleaved", "breadth-first", "dynamic-df",
+                                                     "dynamic-inorder"], choices=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=300, help="per cell")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no cell that would end after this many seconds (by the slowest cell so far)")
     p.add_argument("--smoke", action="store_true", help="2 ranks, tiny model, 1 repeat, balanced + jitter1")
     p.add_argument("--out", default="runs/dpp_bench")
     a = p.parse_args(argv)
@@ -129,21 +172,40 @@ def main(argv=None) -> int:
         a.nproc, a.pp, a.microbatches, a.num_layers, a.hidden_size, a.seq_length = 2, 2, 4, 4, 64, 32
         a.iters, a.warmup, a.repeats, a.scenarios = 5, 2, 1, ["balanced", "jitter1"]
         SCENARIOS["jitter1"] = ["--inject-jitter", "1:1.5"]
-    rng, times = random.Random(a.seed), {}
-    t0 = time.time()
-    for rep in range(a.repeats):
-        jobs = [(s, v) for s in a.scenarios for v in a.variants]
-        rng.shuffle(jobs)
-        for scenario, variant in jobs:
-            times.setdefault((scenario, variant), []).append(run_once(a, variant, scenario))
-        print(f"repeat {rep + 1}/{a.repeats} done after {time.time() - t0:.0f} s", flush=True)
-    results = report(a, times)
+    if a.iters <= a.warmup or a.nproc % a.pp or a.num_layers % (a.pp * a.vpp):
+        p.error("needs --iters > --warmup, --nproc divisible by --pp and --num-layers by pp * vpp")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    rng, records, t0 = random.Random(a.seed), [], time.time()
+    cells = [(s, v) for s in a.scenarios for v in a.variants]
+    total, slowest = a.repeats * len(cells), 0.0
+    with open(Path(a.out) / "dpp_bench.jsonl", "a") as log:
+        for rep in range(a.repeats):
+            rng.shuffle(cells)
+            for scenario, variant in cells:
+                elapsed = time.time() - t0
+                if a.budget_s is not None and elapsed + slowest > a.budget_s:
+                    print(f"budget: {elapsed:.0f} s used, the next cell may take {slowest:.0f} s: stopping", flush=True)
+                    break
+                rec = measure_cell(a, scenario, variant, rep, log)
+                records.append(rec)
+                slowest = max(slowest, rec["wall_s"])
+                what = f"{rec['median_s'] * 1e3:.1f} ms/iter" if "median_s" in rec else "FAILED: " + rec["error"][-200:]
+                print(f"[{len(records)}/{total}] {time.time() - t0:5.0f} s  repeat {rep} {scenario}/{variant}: {what} "
+                      f"({rec['wall_s']:.0f} s)", flush=True)
+            else:
+                continue
+            break
+    results = summarize(a, records)
     path = Path(a.out) / "dpp_bench.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    tmp.write_text(json.dumps({"args": vars(a), "results": results, "records": records}, indent=1))
     os.replace(tmp, path)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path} and {path.with_suffix('.jsonl')}")
     return 0
 
 

@@ -73,6 +73,7 @@ _NO_FAULT_HANDLER = pytest.mark.filterwarnings("ignore:Unable to enable fault ha
     (["--dpp-max-inflight", "1"], "below the 2 activation sets"),
     (["--inject-jitter", "1:0.5"], "MAXFACTOR must be >= 1"),
     (["--inject-jitter", "9:1.5"], "outside world size"),
+    (["--dpp-traversal", "in-order", "--dpp-max-inflight", "2"], "in-order traversal holds on pipeline rank 0"),
 ])
 def test_bad_dpp_flags_fail_in_one_line_before_launch(args, message, capsys):
     code = main(["train", "--device", "cpu", "--model", "tiny", "--nproc-per-node", "2",
@@ -84,7 +85,8 @@ def test_bad_dpp_flags_fail_in_one_line_before_launch(args, message, capsys):
 
 @_NO_FAULT_HANDLER
 @pytest.mark.parametrize("args", [["-p", "0"], ["--forward-ms", "a"], ["--dpp-max-inflight", "1", "-v", "2"],
-                                  ["--inject-jitter", "7:1.5", "-p", "2"], ["--from-trace", "/nonexistent/dir"]])
+                                  ["--inject-jitter", "7:1.5", "-p", "2"], ["--from-trace", "/nonexistent/dir"],
+                                  ["--dpp-traversal", "in-order", "--dpp-max-inflight", "2"]])
 def test_schedule_simulate_refuses_bad_input_in_one_line(args, capsys):
     code = main(["schedule", "simulate", *args])
     err = capsys.readouterr().err

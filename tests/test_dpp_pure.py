@@ -45,8 +45,9 @@ def _random_case(seed: int):
 def test_dynamic_never_deadlocks_nor_exceeds_cap(seed):
     pp, v, m, cost, cap = _random_case(seed)
     for traversal in TRAVERSALS:
-        res = simulate(pp, v, m, cost, traversal=traversal, caps=[cap] * pp)
-        assert max(res.peak_activations) <= cap
+        caps = compute_default_caps(pp, v, m) if traversal == "in-order" else [cap] * pp  # in-order: its own peak
+        res = simulate(pp, v, m, cost, traversal=traversal, caps=caps)
+        assert all(peak <= c for peak, c in zip(res.peak_activations, caps))
         assert len(res.spans) == 2 * pp * v * m
     # an adversarial policy, driven through the same scheduler
     agents = [RankScheduler(p, pp, v, m, cap, RandomPolicy(seed * 10 + p)) for p in range(pp)]
@@ -164,3 +165,23 @@ def test_jitter_injection_draws_what_the_simulator_draws():
     rng = random.Random("9:2")
     assert inj.factors == [rng.uniform(1.0, 1.5) for _ in range(5)]
     assert len(stalls) == 5 and all(s >= 0 for s in stalls)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_in_order_runs_the_static_order_with_receives_ahead(seed):
+    # in-order = interleaved 1F1B (1F1B for V = 1) under the eager comm model: the same
+    # task start times on every rank, jitter and latency included; never above its cap
+    pp, v, m, cost, _ = _random_case(seed)
+    m = pp * max(1, m // pp)
+    caps = compute_default_caps(pp, v, m)
+    dynamic = simulate(pp, v, m, cost, traversal="in-order", caps=caps)
+    static = simulate(pp, v, m, cost, schedule=build_schedule("interleaved" if v > 1 else "1f1b", pp, v, m))
+    assert sorted((s.pp_rank, s.start_s, str(s.task)) for s in dynamic.spans) == \
+        pytest.approx(sorted((s.pp_rank, s.start_s, str(s.task)) for s in static.spans))
+    assert all(peak <= c for peak, c in zip(dynamic.peak_activations, caps))
+
+
+def test_in_order_cap_below_its_peak_is_refused_in_one_line():
+    with pytest.raises(CapError, match="below the 11 activation sets the in-order traversal holds on pipeline rank 0"):
+        RankScheduler(0, 4, 2, 8, 10, build_policy("in-order", 0, 4, 2, 8))
+    RankScheduler(0, 4, 2, 8, 11, build_policy("in-order", 0, 4, 2, 8))

@@ -22,6 +22,7 @@ from megatronapp.dpp.config import DppConfig, parse_jitter
 from megatronapp.dpp.policies import TRAVERSALS
 from megatronapp.dpp.scheduler import check_cap, compute_default_caps
 from megatronapp.dpp.simulator import CostModel, SimResult, simulate
+from megatronapp.dpp.static_agents import STATIC_COMM_MODELS
 from megatronapp.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 
 
@@ -40,6 +41,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p2p-bandwidth-gbps", type=float, default=0.0, help="0: infinite")
     p.add_argument("--message-bytes", type=int, default=0)
     p.add_argument("--decision-us", type=float, default=0.0, help="cost of each dynamic decision")
+    p.add_argument("--static-comm", choices=STATIC_COMM_MODELS, default=None,
+                   help="how a static schedule's messages move: rendezvous = the static runtime on gloo "
+                        "(batches waited whole, a send moves once its recv is posted); eager = every recv "
+                        "posted ahead (dpp/static_agents.py). Default: rendezvous, or eager with --from-trace "
+                        "(the overhead fitted from a trace already holds the rendezvous waits)")
     p.add_argument("--inject-jitter", action="append", default=[], metavar="PPRANK:MAXFACTOR[:SEED]")
     p.add_argument("--from-trace", default=None, metavar="DIR", help="task times (and layout) of a MegaScan trace")
 
@@ -108,7 +114,8 @@ def simulate_from_args(args) -> tuple[SimResult, str, list[int] | None, object]:
             raise ValueError(f"--inject-jitter rank {j.rank} is not a pipeline rank (pp size {pp})")
     if name != "dynamic":
         schedule = build_schedule(name, pp, vpp, m)
-        return simulate(pp, vpp, m, cost, schedule=schedule), name, None, run
+        comm = args.static_comm or ("eager" if run is not None else "rendezvous")
+        return simulate(pp, vpp, m, cost, schedule=schedule, static_comm=comm), name, None, run
     DppConfig(args.dpp_traversal, args.dpp_max_inflight)
     caps = [args.dpp_max_inflight] * pp if args.dpp_max_inflight else compute_default_caps(pp, vpp, m)
     check_cap(caps[0], vpp)

@@ -14,8 +14,15 @@ it can instead of idling (list scheduling). Orders:
   * adaptive: depth-first while the rank keeps up; breadth-first while it recently waited
     for inputs more than `starve_enter` of its time, until that drops below `starve_exit`
     (hysteresis keeps it from flapping every task), and never within one slot of the cap.
+  * in-order: the depth-first order, never left: the rank waits for the order's next task
+    even when others are ready (it returns None). This is interleaved 1F1B with every
+    receive posted ahead and sends that never block, the best the simulator found at the
+    same cap (dpp_sim_study.py, BENCHMARKS.md: reordering on a missing input costs ~1.5%,
+    the late task is usually on the critical path). Its deadlock freedom is the static
+    order's, not scheduler.py's: see InOrderPolicy.
 A policy is a pure function of the ready set and what the rank observed (`RankView`), so a
-decision can be replayed from a trace. Deadlock freedom does not depend on it (scheduler.py).
+decision can be replayed from a trace. For every policy that picks some ready task whenever
+one exists, deadlock freedom does not depend on it (scheduler.py).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from megatronapp.pipeline.schedules import (
     compute_interleaved_steps,
 )
 
-TRAVERSALS = ("depth-first", "breadth-first", "adaptive")
+TRAVERSALS = ("depth-first", "breadth-first", "adaptive", "in-order")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class RankView:
     in_flight: int  # activation sets this rank holds
     cap: int  # the most it may hold
     wait_fraction: float  # recent share of time spent waiting for inputs (EWMA, 0..1)
+    started: frozenset | set = frozenset()  # tasks of this step already started (read only)
 
 
 def compute_depth_first_order(pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int) -> list[Action]:
@@ -85,6 +93,29 @@ class AdaptivePolicy:
         return self.depth.pick(ready), self.depth.name
 
 
+class InOrderPolicy:
+    """Runs `order` exactly; None (wait) while its next task is not ready.
+
+    Deadlock freedom: every rank runs its depth-first order, i.e. Megatron's interleaved 1F1B
+    (1F1B for V = 1), whose schedule validate.py proves deadlock-free even when a send blocks
+    until its recv is posted; here sends never block and receives are posted ahead, so each
+    task waits only for its own input and the rank's previous task, which can only make
+    every task start earlier. For M not a multiple of P the order is the padded one with the
+    extra microbatches dropped on every rank; they depend only on themselves, so dropping
+    them everywhere keeps every remaining start time feasible. The in-flight cap must let the
+    order through (scheduler.check_order_fits), which is checked before the step starts.
+    """
+
+    name = "in-order"
+
+    def __init__(self, order: list[Action]):
+        self.order = order
+
+    def choose(self, ready: Sequence[Action], view: RankView) -> tuple[Action | None, str]:
+        nxt = next(t for t in self.order if t not in view.started)
+        return (nxt if nxt in ready else None), self.name
+
+
 def build_policy(traversal: str, pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int):
     """A policy with `.name` and `.choose(ready, view) -> (task, name of the order that picked it)`."""
     if traversal not in TRAVERSALS:
@@ -93,4 +124,6 @@ def build_policy(traversal: str, pp_rank: int, pp_size: int, num_chunks: int, nu
     breadth = _OrderPolicy("breadth-first", compute_breadth_first_order(num_chunks, num_microbatches))
     if traversal == "adaptive":
         return AdaptivePolicy(depth, breadth)
+    if traversal == "in-order":
+        return InOrderPolicy(list(depth.priority))
     return depth if traversal == "depth-first" else breadth

@@ -32,7 +32,10 @@ microbatches only freed slots, and m*'s own forwards moved units from owed(m*) t
 now A + owed(m*) <= cap; owed(m*) >= 1 (T is one), so A + 1 <= cap: T is ready. With no
 such e, A + owed(m*) <= V <= cap likewise. Either way a rank has a ready task:
 contradiction. Tasks are finite and every decision runs one, so each step completes,
-whatever the policy picks and however late messages are. A cap below V fails: one
+whatever the policy picks (among ready tasks, whenever one is ready) and however late
+messages are. The in-order policy waits instead and so leaves R3; it is deadlock-free for
+another reason (policies.InOrderPolicy) and needs a cap its order fits (check_order_fits).
+A cap below V fails: one
 microbatch alone holds V activation sets on a rank before its first backward there, hence
 `check_cap`. The randomised tests check this on real gloo ranks.
 """
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatronapp.dpp.policies import RankView, compute_depth_first_order
+from megatronapp.dpp.policies import InOrderPolicy, RankView, compute_depth_first_order
 from megatronapp.dpp.tasks import FORWARD, compute_consumer, forward_task
 from megatronapp.pipeline.actions import Action, virtual_stage
 
@@ -100,12 +103,26 @@ class InflightCounter:
             self.microbatches -= 1
 
 
+def check_order_fits(order: list[Action], cap: int, num_chunks: int, pp_rank: int) -> None:
+    """Refuse (CapError, one line) a cap below the activation sets `order` holds at its peak on
+    pipeline rank `pp_rank`: the in-order traversal, which admits by the cap alone (no R2
+    reserve: it never reorders, so it needs none), would stop there."""
+    check_cap(cap, num_chunks)
+    peak = compute_peak_inflight(order)
+    if peak > cap:
+        raise CapError(f"--dpp-max-inflight {cap} is below the {peak} activation sets the in-order traversal "
+                       f"holds on pipeline rank {pp_rank} (the default cap fits)")
+
+
 class RankScheduler:
     """Ready set, admission and decisions of one pipeline rank for one step."""
 
     def __init__(self, pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int,
                  cap: int, policy):
         check_cap(cap, num_chunks)
+        self.reserve_for_older = not isinstance(policy, InOrderPolicy)  # R2; in-order needs only the cap
+        if not self.reserve_for_older:
+            check_order_fits(policy.order, cap, num_chunks, pp_rank)
         self.pp_rank, self.pp_size, self.num_chunks = pp_rank, pp_size, num_chunks
         self.num_microbatches, self.cap, self.policy = num_microbatches, cap, policy
         self.counter = InflightCounter(cap)
@@ -114,6 +131,7 @@ class RankScheduler:
         self.owed: dict[int, int] = {}  # admitted microbatch -> forwards it still runs here (R2)
         self.remaining = 2 * num_chunks * num_microbatches
         self.wait_fraction = 0.0
+        self.started: set[Action] = set()
         if virtual_stage(0, pp_rank, pp_size) == 0:  # tokens are local: every F(0, m) has its input
             self.available.update(forward_task(0, m) for m in range(num_microbatches))
 
@@ -131,7 +149,7 @@ class RankScheduler:
         m = task.microbatch
         if task.chunk == 0 and m != self.next_admit:
             return False
-        older = [k for k in self.owed if k < m]  # admitted, forwards left (R2)
+        older = [k for k in self.owed if k < m] if self.reserve_for_older else []  # admitted, forwards left (R2)
         reserve = self.owed[min(older)] if older else 0
         return self.counter.activations + 1 + reserve <= self.cap
 
@@ -139,18 +157,25 @@ class RankScheduler:
         return [t for t in self.available if self._admissible(t)]
 
     def decide(self) -> Decision | None:
-        """The task to run next by the policy, or None when nothing is ready."""
+        """The task to run next by the policy, or None when nothing is ready (or, in-order,
+        while the order's next task is not)."""
         ready = self.ready()
         if not ready:
             return None
-        view = RankView(self.counter.activations, self.cap, self.wait_fraction)
+        view = RankView(self.counter.activations, self.cap, self.wait_fraction, self.started)
         task, policy = self.policy.choose(ready, view)
+        if task is None:  # the in-order policy waits for its order's next task
+            return None
         return Decision(task, policy, tuple(sorted(ready, key=_sort_key)), self.counter.activations)
 
     def start(self, task: Action) -> None:
         if task not in self.available or not self._admissible(task):
             raise RuntimeError(f"pp rank {self.pp_rank}: {task} started but it is not ready")
         self.available.remove(task)
+        self.started.add(task)
+        self._account_start(task)
+
+    def _account_start(self, task: Action) -> None:
         if task.kind is FORWARD:
             m = task.microbatch
             if task.chunk == 0:
@@ -169,17 +194,24 @@ class RankScheduler:
         """
         self.counter.finish(task)
         self.remaining -= 1
-        consumer = compute_consumer(task, self.pp_rank, self.pp_size, self.num_chunks)
-        if consumer is not None and consumer[0] == self.pp_rank:
-            self.add_input(consumer[1])
-            return None
-        return consumer
+        return route_output(self, task)
 
     def observe(self, busy_s: float, waited_s: float) -> None:
         """Record one task's compute time and the wait before it (adaptive's input)."""
         total = busy_s + waited_s
         if total > 0:
             self.wait_fraction += _EWMA * (waited_s / total - self.wait_fraction)
+
+
+def route_output(agent, task: Action) -> tuple[int, Action] | None:
+    """Where `task`'s output goes: (pp rank, task) on another rank, or None after making a
+    consumer on `agent`'s own rank available (`agent.add_input`). Shared by every scheduler
+    and by the simulator's static agents."""
+    consumer = compute_consumer(task, agent.pp_rank, agent.pp_size, agent.num_chunks)
+    if consumer is not None and consumer[0] == agent.pp_rank:
+        agent.add_input(consumer[1])
+        return None
+    return consumer
 
 
 def _sort_key(t: Action) -> tuple[int, int, int]:

@@ -7,7 +7,8 @@ import functools
 
 from megatronapp.dpp.config import DppConfig, build_dpp_config
 from megatronapp.dpp.jitter import apply_jitter
-from megatronapp.dpp.scheduler import check_cap
+from megatronapp.dpp.policies import compute_depth_first_order
+from megatronapp.dpp.scheduler import check_cap, check_order_fits
 
 
 def check_dpp_job(args: argparse.Namespace, job) -> DppConfig:
@@ -18,6 +19,11 @@ def check_dpp_job(args: argparse.Namespace, job) -> DppConfig:
             raise ValueError("--pipeline-schedule dynamic runs on CPU/gloo only for now; use --device cpu")
         if cfg.max_inflight is not None:
             check_cap(cfg.max_inflight, job.layout.virtual_pp_size)
+        if cfg.max_inflight is not None and cfg.traversal == "in-order":
+            pp, v = job.layout.pp_size, job.layout.virtual_pp_size
+            for p in range(pp):
+                order = compute_depth_first_order(p, pp, v, job.num_microbatches)
+                check_order_fits(order, cfg.max_inflight, v, p)
     return cfg
 
 

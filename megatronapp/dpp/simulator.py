@@ -1,16 +1,19 @@
 """Event-driven simulation of one pipeline step, static or dynamic, against a cost model.
 
 Model: each rank runs one compute task at a time. A task's output message to another rank
-arrives `p2p_latency_s + message_bytes / p2p_bandwidth_Bps` after the task ends (sends are
-asynchronous, so the sender continues at once; a local output is available at once). A
-rank that is free picks its next task from what has *arrived* by then: a static schedule
-takes the next action of its list (waiting for its input), a dynamic rank asks its
-`RankScheduler`. Task time = the cost model's time for (rank, chunk, kind) times the rank's
-jitter factor, drawn uniformly from [1, max_factor] by a generator seeded with (seed, rank)
-in the order the rank runs its tasks (`JitterSpec`, the same rule as the runtime's
-injection), plus `task_overhead_s` (host work between spans) and, for dynamic decisions,
-`decision_s`. A span covers the task's compute; the overhead is counted busy too. All events of one instant are applied
-before any rank decides, so a decision sees every message that arrived by then.
+arrives `p2p_latency_s + message_bytes / p2p_bandwidth_Bps` (+ the pair's `link_delay_s`)
+after the task ends (sends are asynchronous, so the sender continues at once; a local output
+is available at once). A rank that is free picks its next task from what has *arrived* by
+then: a dynamic rank asks its `RankScheduler`; a static schedule takes the next action of
+its list, under one of two comm models (static_agents.py): "eager" (it waits only for its
+input, as above) or "rendezvous" (the static runtime on gloo: batches waited whole, a send
+moves only once its receiver posted the recv). Task time = the cost model's time for
+(rank, chunk, kind) times the rank's jitter factor, drawn uniformly from [1, max_factor] by
+a generator seeded with (seed, rank) in the order the rank runs its tasks (`JitterSpec`, the
+same rule as the runtime's injection), plus `task_overhead_s` (host work between spans) and,
+for dynamic decisions, `decision_s`. A span covers the task's compute; the overhead is
+counted busy too. All events of one instant are applied before any rank decides, so a
+decision sees every message that arrived by then.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from dataclasses import dataclass, field
 
 from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.policies import build_policy
-from megatronapp.dpp.scheduler import Decision, InflightCounter, RankScheduler
-from megatronapp.dpp.tasks import FORWARD, compute_consumer, compute_producer_rank
+from megatronapp.dpp.scheduler import Decision, RankScheduler
+from megatronapp.dpp.static_agents import build_static_agents
+from megatronapp.dpp.tasks import FORWARD
 from megatronapp.pipeline.actions import Action, PipelineSchedule
 
 
@@ -38,6 +42,7 @@ class CostModel:
     jitter: tuple[JitterSpec, ...] = ()
     decision_s: float = 0.0  # extra host time per dynamic decision
     task_overhead_s: float = 0.0  # host time around every task outside its span (posting comm, bookkeeping)
+    link_delay_s: tuple[tuple[int, int, float], ...] = ()  # (src pp rank, dst pp rank, extra seconds per message)
 
     @classmethod
     def uniform(cls, pp_size: int, num_chunks: int, forward_s: float = 1.0, backward_s: float = 2.0,
@@ -48,8 +53,9 @@ class CostModel:
         table = self.forward_s if task.kind is FORWARD else self.backward_s
         return table[pp_rank][task.chunk]
 
-    def transfer_s(self) -> float:
-        return self.p2p_latency_s + self.message_bytes / self.p2p_bandwidth_Bps
+    def transfer_s(self, src: int | None = None, dst: int | None = None) -> float:
+        extra = sum(d for s, t, d in self.link_delay_s if (s, t) == (src, dst))
+        return self.p2p_latency_s + self.message_bytes / self.p2p_bandwidth_Bps + extra
 
 
 @dataclass(frozen=True)
@@ -70,54 +76,20 @@ class SimResult:
     spans: list[Span] = field(default_factory=list)
 
 
-class _StaticAgent:
-    """A rank running a fixed compute order (the same interface as RankScheduler)."""
-
-    def __init__(self, pp_rank: int, schedule: PipelineSchedule):
-        self.pp_rank, self.pp_size, self.num_chunks = pp_rank, schedule.pp_size, schedule.num_chunks
-        self.order = [a for a in schedule.for_rank(pp_rank) if not a.kind.is_comm]
-        self.index, self.arrived = 0, set()
-        self.counter = InflightCounter()
-
-    @property
-    def done(self) -> bool:
-        return self.index == len(self.order)
-
-    def add_input(self, task: Action) -> None:
-        self.arrived.add(task)
-
-    def decide(self) -> Decision | None:
-        task = self.order[self.index]
-        if compute_producer_rank(task, self.pp_rank, self.pp_size, self.num_chunks) is None or task in self.arrived:
-            return Decision(task, "static", (task,), self.counter.microbatches)
-        return None
-
-    def start(self, task: Action) -> None:
-        self.index += 1
-        self.counter.start(task)
-
-    def finish(self, task: Action) -> tuple[int, Action] | None:
-        self.counter.finish(task)
-        consumer = compute_consumer(task, self.pp_rank, self.pp_size, self.num_chunks)
-        if consumer is not None and consumer[0] == self.pp_rank:
-            self.add_input(consumer[1])
-            return None
-        return consumer
-
-    def observe(self, busy_s: float, waited_s: float) -> None:
-        pass
-
-
 class _Simulation:
     def __init__(self, agents, cost: CostModel, overhead_s: float):
         self.agents, self.cost, self.overhead_s = agents, cost, overhead_s
-        self.events: list = []  # (time, priority 0 arrival / 1 free, seq, rank, task)
-        self.seq = 0
+        self.events: list = []  # (time, priority 0 arrival or wake-up (task None) / 1 free, seq, rank, task)
+        self.seq, self.now = 0, 0.0
         self.busy_until = [0.0] * len(agents)
         self.idle_since: list[float | None] = [0.0] * len(agents)
         self.spans: list[Span] = []
         specs = {j.rank: j for j in cost.jitter}
         self.jitter = {r: (random.Random(f"{j.seed}:{r}"), j.max_factor) for r, j in specs.items()}
+
+    def wake(self, t: float, rank: int) -> None:
+        """Make `rank` decide again at time t (a rendezvous completing)."""
+        self._push(t, 0, rank, None)
 
     def _push(self, t: float, priority: int, rank: int, task: Action | None) -> None:
         heapq.heappush(self.events, (t, priority, self.seq, rank, task))
@@ -149,15 +121,16 @@ class _Simulation:
             self._try_start(rank, 0.0)
         now = 0.0
         while self.events:
-            now = self.events[0][0]
+            now = self.now = self.events[0][0]
             while self.events and self.events[0][0] == now:  # every event of this instant first
                 _, priority, _, rank, task = heapq.heappop(self.events)
                 if priority == 0:
-                    self.agents[rank].add_input(task)
+                    if task is not None:
+                        self.agents[rank].add_input(task)
                     continue
                 consumer = self.agents[rank].finish(task)
                 if consumer is not None:
-                    self._push(now + self.cost.transfer_s(), 0, consumer[0], consumer[1])
+                    self._push(now + self.cost.transfer_s(rank, consumer[0]), 0, consumer[0], consumer[1])
                 self.idle_since[rank] = now
             for rank in range(len(self.agents)):
                 self._try_start(rank, now)
@@ -169,27 +142,31 @@ class _Simulation:
 
 def simulate(pp_size: int, num_chunks: int, num_microbatches: int, cost: CostModel, *,
              schedule: PipelineSchedule | None = None, traversal: str | None = None,
-             caps: list[int] | None = None) -> SimResult:
-    """Simulate one step of a static `schedule` or of the dynamic `traversal` under `caps` (per rank)."""
+             caps: list[int] | None = None, static_comm: str = "eager") -> SimResult:
+    """Simulate one step of a static `schedule` (its comm modelled as `static_comm`, see
+    static_agents.py) or of the dynamic `traversal` under `caps` (per rank)."""
     if (schedule is None) == (traversal is None):
         raise ValueError("simulate needs exactly one of schedule= or traversal=")
     if schedule is not None:
-        agents = [_StaticAgent(p, schedule) for p in range(pp_size)]
-        overhead = 0.0
-    else:
-        caps = caps or [num_chunks * num_microbatches] * pp_size  # no cap
-        agents = [RankScheduler(p, pp_size, num_chunks, num_microbatches, caps[p],
-                                build_policy(traversal, p, pp_size, num_chunks, num_microbatches))
-                  for p in range(pp_size)]
-        overhead = cost.decision_s
-    return simulate_agents(agents, cost, overhead)
+        agents, hub = build_static_agents(schedule, static_comm, cost.transfer_s)
+        return simulate_agents(agents, cost, hub=hub)
+    caps = caps or [num_chunks * num_microbatches] * pp_size  # no cap
+    agents = [RankScheduler(p, pp_size, num_chunks, num_microbatches, caps[p],
+                            build_policy(traversal, p, pp_size, num_chunks, num_microbatches))
+              for p in range(pp_size)]
+    return simulate_agents(agents, cost, cost.decision_s)
 
 
-def simulate_agents(agents: list, cost: CostModel, decision_s: float = 0.0) -> SimResult:
+def simulate_agents(agents: list, cost: CostModel, decision_s: float = 0.0, hub=None) -> SimResult:
     """Simulate one step of ranks given as scheduler objects (RankScheduler or any object with
-    its interface: done, decide, start, finish, add_input, observe, counter)."""
+    its interface: done, decide, start, finish, add_input, observe, counter); `hub`: the
+    rendezvous hub of static agents that exchange messages through it."""
     sim = _Simulation(agents, cost, decision_s)
+    if hub is not None:
+        hub.wake, hub.now = sim.wake, lambda: sim.now
     makespan = sim.run()
+    if hub is not None and hub.posted:
+        raise RuntimeError(f"simulation ended with {len(hub.posted)} unmatched sends/recvs")
     busy = sum(s.end_s - s.start_s for s in sim.spans)
     return SimResult(makespan, 1.0 - busy / (len(agents) * makespan) if makespan else 0.0,
                      [a.counter.peak_microbatches for a in agents], [a.counter.peak_activations for a in agents],

@@ -120,11 +120,10 @@ def _suspects_json(report) -> list[dict]:
 def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
     """Suspects with `overrides` and with the defaults; with grid, the compute ranks at every
     COMPUTE_GRID point and the links at every LINK_GRID point (scan_eval_core.tune_on_design)."""
-    from megatronapp.scan.align import align_traces
+    from megatronapp.scan.analysis import load_aligned_traces
     from megatronapp.scan.detect import DetectConfig, detect
-    from megatronapp.scan.format import load_trace_dir
 
-    aligned, _ = align_traces(load_trace_dir(trace_dir))
+    aligned, _ = load_aligned_traces(trace_dir)
     out = {"suspects": _suspects_json(detect(aligned, config=DetectConfig(**overrides))),
            "default_suspects": _suspects_json(detect(aligned, config=DetectConfig()))}
     if grid:

@@ -16,8 +16,9 @@ None when its current configuration cannot be replayed), `graph_hook_ids` (the f
 installed, safe to replay) and `record_decode(model, out)`, device work on what its hooks saw
 in this forward, with fixed shapes and no host sync. With CUDA graphs that work is recorded
 into the decode graph, and its result, refreshed by every replay, is in `step_records[key]`
-when `step_end` runs. Graphs are kept per (batch, recorder keys) while the static cache lives,
-so a new capture configuration captures a new graph and an old one is replayed again.
+when `step_end` runs. Graphs are kept per recorder keys while the static cache (one batch
+size and length) lives, so a new capture configuration captures a new graph and an old one
+is replayed again; an eager generation in between keeps them, a new static shape drops them.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class InferenceModel:
         self.cache: KVCache | None = None
         self.step = 0  # forward steps since the last `start`
         self.cuda_graphs = False  # replay decode steps as a CUDA graph (one process on CUDA, see graphs.py)
-        self._graphs: dict = {}  # (batch, recorder keys) -> DecodeGraph over the current static cache
+        self._static_cache: KVCache | None = None  # the last static cache, reset and reused by shape
+        self._graphs: dict = {}  # recorder keys -> DecodeGraph over _static_cache
         self._use_graph, self._graph, self._logged = False, None, set()
         self.recording = False  # this step runs the recorders (static decode step, one process)
         self.step_records: dict = {}  # recorder key -> what its record_decode returned this step
@@ -89,14 +91,16 @@ class InferenceModel:
         graphs = self._graphs_possible()
         static = graphs if static is None else static
         length = compute_static_length(max_len, self.cfg.seq_length) if static else max_len
-        if static and self.cache is not None and self.cache.matches(batch, length):
-            self.cache.reset(pad_left)
+        if static and self._static_cache is not None and self._static_cache.matches(batch, length):
+            self._static_cache.reset(pad_left)
+            self.cache = self._static_cache
         else:
             tp = self.groups.layout.tp_size
             self.cache = KVCache(self.layers, batch=batch, local_heads=self.cfg.num_attention_heads // tp,
                                  head_dim=self.cfg.head_dim, max_len=length, pad_left=pad_left,
                                  dtype=self.dtype, device=self.device, static=static)
-            self._graphs = {}  # they read the old cache's tensors
+            if static:  # kept across eager generations, so interleaved eager runs keep the graphs
+                self._static_cache, self._graphs = self.cache, {}  # old graphs read the old cache
         self.step, self._graph = 0, None
         self._use_graph = graphs
 
@@ -142,7 +146,7 @@ class InferenceModel:
             dist.recv(x, g.pp_ranks[g.pp_rank - 1])
         if self.recording and self._use_graph:
             recorders = self._recorders()
-            key = (b, tuple(r.decode_key for r in recorders))
+            key = tuple(r.decode_key for r in recorders)
             if key not in self._graphs:
                 if len(self._graphs) >= MAX_DECODE_GRAPHS:
                     self._graphs.pop(next(iter(self._graphs)))

@@ -92,10 +92,11 @@ class Capture:
         self.want_lens = "logit_lens" in cfg.sites
         if self.target.model is None and ({"topk", "logit_lens"} & set(cfg.sites)):
             raise ValueError("topk and logit_lens need an InferenceModel (they read the logits / output layer)")
-        self.items: list[CapturedItem] = []
+        self._items: list[CapturedItem] = []
+        self._unread: list[tuple] = []  # steps whose copies are queued, their items not yet built
         self.steps: list[dict] = []  # {"step", "tokens", "bytes"} of each captured step
         self.recorded_steps: list[int] = []  # steps whose items came from record_decode
-        self.hooks, self._pending, self.staging = None, None, HostStaging()
+        self.hooks, self.staging, self._template_bytes = None, HostStaging(), (None, 0)
         self.graph_unsupported = compute_replay_blocker(cfg.sites, self.compress)
         self.decode_key = None  # set on entry when this capture can be recorded (InferenceModel)
 
@@ -134,9 +135,11 @@ class Capture:
         if record is not None:  # recorded on device (maybe replayed): only the copy is left
             self.hooks.stash.clear()
             buffer, template = record
+            if self._template_bytes[0] is not template:
+                self._template_bytes = (template, sum(it.nbytes for it in template))
             cache = model.cache
-            self._start_transfer(model.step, _items_for_step(template, model.step), buffer,
-                                 cache.positions.numel(), key_columns=cache.start + cache.num_new)
+            self._start_transfer(model.step, template, buffer, cache.positions.numel(), self._template_bytes[1],
+                                 template=True, key_columns=cache.start + cache.num_new)
             self.recorded_steps.append(model.step)
             return
         gathered = collect_step(model, self.target, self.layers, self.cfg.sites, self.hooks.stash, self.want_lens)
@@ -177,16 +180,17 @@ class Capture:
     # -- serving rank: compress, one async copy --------------------------------------------
     def _finish_step(self, step: int, gathered, tokens: int) -> None:
         items = self._build_items(step, gathered)
-        self._start_transfer(step, items, pack_items(items, "cpu"), tokens)
+        self._start_transfer(step, items, pack_items(items, "cpu"), tokens, sum(it.nbytes for it in items))
 
-    def _start_transfer(self, step: int, items, buffer: torch.Tensor, tokens: int, key_columns=None) -> None:
-        """Queue the copy of this step's buffer, then complete the previous step's (its copy
-        finished long ago; the Python here overlaps this step's kernels)."""
+    def _start_transfer(self, step: int, items, buffer: torch.Tensor, tokens: int, nbytes: int,
+                        template: bool = False, key_columns=None) -> None:
+        """Queue the copy of this step's buffer. Its items (`items`, or made from them for `step`
+        when they are a `template`) are built when `items` is next read: per step nothing but the
+        copy and an event, the views and Python objects later (at the end, or when asked)."""
         host, event = self.staging.copy(buffer)
-        entry = {"step": step, "tokens": tokens, "bytes": sum(it.nbytes for it in items)}
+        entry = {"step": step, "tokens": tokens, "bytes": nbytes}
         self.steps.append(entry)
-        previous, self._pending = self._pending, (host, event, items, entry, key_columns)
-        self._complete(previous)
+        self._unread.append((host, event, items, step if template else None, entry, key_columns))
 
     def _build_items(self, step: int, gathered) -> list[CapturedItem]:
         """Compressed items in gathered order. A per-layer site is stacked over layers and
@@ -221,27 +225,31 @@ class Capture:
                 for i, (name, layer, _) in enumerate(entries)]
 
     def _finish_transfer(self) -> None:
-        """Complete the pending step now (waits for its copy)."""
-        previous, self._pending = self._pending, None
-        self._complete(previous)
+        """Build the items of every queued step now (waits for their copies)."""
+        unread, self._unread = self._unread, []
+        for host, event, items, step, entry, key_columns in unread:
+            if event is not None:
+                event.synchronize()
+            if step is not None:
+                items = _items_for_step(items, step)
+            view_items(host, items)
+            if key_columns is not None:  # static attention maps span the whole cache: keep the keys so far
+                for it in items:
+                    if it.site == "attn_probs":
+                        _narrow_keys(it, key_columns)
+                entry["bytes"] = sum(it.nbytes for it in items)
+            self._items.extend(items)
 
-    def _complete(self, pending) -> None:
-        if pending is None:
-            return
-        host, event, items, entry, key_columns = pending
-        if event is not None:
-            event.synchronize()
-        view_items(host, items)
-        if key_columns is not None:  # static attention maps span the whole cache: keep the keys so far
-            for it in items:
-                if it.site == "attn_probs":
-                    _narrow_keys(it, key_columns)
-            entry["bytes"] = sum(it.nbytes for it in items)
-        self.items.extend(items)
+    @property
+    def items(self) -> list[CapturedItem]:
+        """Every captured item so far (on the serving rank), in step order."""
+        self._finish_transfer()
+        return self._items
 
     # -- results -------------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> float:
+        self._finish_transfer()
         tokens = sum(s["tokens"] for s in self.steps)
         return sum(s["bytes"] for s in self.steps) / tokens if tokens else 0.0
 

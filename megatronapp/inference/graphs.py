@@ -25,7 +25,8 @@ class DecodeGraph:
                 step_fn(self.tokens)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: a server thread's unrelated CUDA call must not abort this capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = step_fn(self.tokens)
 
     def run(self, tokens: torch.Tensor):

@@ -115,6 +115,20 @@ def test_reconfiguration_recaptures_and_reuses_graphs(caplog):
     with caplog.at_level("WARNING", logger="megatronapp.inference"):
         with scope.perturb(model, spec):
             _, _, cap = run(model, CONFIGS["default"], graphs=True)
-    assert cap.recorded_steps == [] and not model.cache.static  # eager on the dynamic cache
-    assert len(model._graphs) == 3  # kept for the next graph run
+    assert model._graph is None and cap.recorded_steps  # eager (recorded without a graph)
+    assert model.cache is model._static_cache and len(model._graphs) == 3  # kept for the next graph run
     assert any("perturbation" in r.getMessage() for r in caplog.records)
+
+
+def test_perturbed_eager_fallback_runs_the_replayed_kernels():
+    """A perturbation hook forces eager decode, on the same static cache: with a perturbation
+    that changes nothing, the logits equal the graph replay's bit for bit (so the UI's clean
+    vs perturbed comparison shows only the perturbation)."""
+    model = build(torch.bfloat16)
+    _, replayed, _ = run(model, None, graphs=True)
+    with scope.perturb(model, Perturbation("offset", Target("residual", layers=(1,)), value=0.0)):
+        _, fallback, _ = run(model, None, graphs=True)
+        assert model._graph is None
+    assert len(fallback) == len(replayed)
+    for a, b in zip(fallback, replayed):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

@@ -87,9 +87,11 @@ class InferenceModel:
     def start(self, batch: int, max_len: int, pad_left: torch.Tensor, static: bool | None = None) -> None:
         """Fresh KV cache for a batch whose rows are left-padded by `pad_left` columns. Static
         (fixed-shape, length rounded up, reset in place when the shape repeats) when asked, or
-        when CUDA graphs will be used."""
+        when CUDA graphs are asked for on one CUDA process: then even a step that cannot be
+        replayed (a perturbation hook) runs eagerly on the static cache, i.e. the same kernels
+        as the replay, so clean and perturbed runs differ only by the perturbation."""
         graphs = self._graphs_possible()
-        static = graphs if static is None else static
+        static = self.cuda_graphs and self._graph_device() if static is None else static
         length = compute_static_length(max_len, self.cfg.seq_length) if static else max_len
         if static and self._static_cache is not None and self._static_cache.matches(batch, length):
             self._static_cache.reset(pad_left)
@@ -116,11 +118,13 @@ class InferenceModel:
             return "forward hooks that decide per step (a perturbation) are installed"
         return None
 
+    def _graph_device(self) -> bool:
+        return self.device.type == "cuda" and self.groups.layout.world_size == 1
+
     def _graphs_possible(self) -> bool:
         if not self.cuda_graphs:
             return False
-        why = ("CUDA graphs need one process on a CUDA device"
-               if self.device.type != "cuda" or self.groups.layout.world_size != 1 else self.replay_blocker())
+        why = "CUDA graphs need one process on a CUDA device" if not self._graph_device() else self.replay_blocker()
         if why is not None and why not in self._logged:
             self._logged.add(why)
             log.warning("decode steps run eagerly, not as a CUDA graph: %s", why)
@@ -144,17 +148,8 @@ class InferenceModel:
         else:
             x = torch.empty((b, s, self.cfg.hidden_size), dtype=self.dtype, device=self.device)
             dist.recv(x, g.pp_ranks[g.pp_rank - 1])
-        if self.recording and self._use_graph:
-            recorders = self._recorders()
-            key = tuple(r.decode_key for r in recorders)
-            if key not in self._graphs:
-                if len(self._graphs) >= MAX_DECODE_GRAPHS:
-                    self._graphs.pop(next(iter(self._graphs)))
-                self._graphs[key] = DecodeGraph(lambda t: self._decode_body(t, recorders), b, self.device)
-            self._graph = self._graphs[key]
-            out, self.step_records = self._graph.run(x)
-        elif self.recording:
-            out, self.step_records = self._decode_body(x, self._recorders())
+        if self.recording:
+            out, self.step_records = self._run_decode(x)
         else:  # hidden states (B, S, H); logits (B, S, V/TP) on the last stage
             out, self.step_records = self._chunk_forward(x), {}
         logits = None
@@ -171,6 +166,20 @@ class InferenceModel:
     def _chunk_forward(self, x: torch.Tensor) -> torch.Tensor:
         self.cache.prepare()
         return self.chunk(x, cache=self.cache)
+
+    def _run_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """A static decode step and its records: replayed from the graph of the current recorder
+        configuration (captured now if new), or run eagerly when graphs are off or blocked."""
+        recorders = self._recorders()
+        if not self._use_graph:
+            return self._decode_body(x, recorders)
+        key = tuple(r.decode_key for r in recorders)
+        if key not in self._graphs:
+            if len(self._graphs) >= MAX_DECODE_GRAPHS:  # the oldest configuration goes
+                self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[key] = DecodeGraph(lambda t: self._decode_body(t, recorders), x.shape[0], self.device)
+        self._graph = self._graphs[key]
+        return self._graph.run(x)
 
     def _decode_body(self, x: torch.Tensor, recorders) -> tuple[torch.Tensor, dict]:
         """One static decode step and the recorders' device work (what a decode graph holds)."""

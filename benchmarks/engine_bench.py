@@ -132,12 +132,12 @@ def _engine_factory(job: JobConfig, data: Batches):
 def bench_throughput(args, results: dict) -> None:
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
-    cudnn = replace(job, train=replace(job.train, attention_backend="cudnn"))
-    variants = {"engine": _engine_factory(job, data), "engine_cudnn_attention": _engine_factory(cudnn, data),
+    unfused = replace(job, train=replace(job.train, gradient_accumulation_fusion=False))
+    variants = {"engine": _engine_factory(job, data), "engine_no_wgrad_fusion": _engine_factory(unfused, data),
                 "plain_bf16": lambda: PlainRunner(job, data).steps}
     out = _interleave(variants, args)
     _annotate(out, job)
-    for name in ("engine", "engine_cudnn_attention"):
+    for name in ("engine", "engine_no_wgrad_fusion"):
         out[f"{name}_vs_plain"] = out["plain_bf16"]["step_s"] / out[name]["step_s"]
     results["throughput"] = out
 

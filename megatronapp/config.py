@@ -128,6 +128,9 @@ class TrainConfig:
     overlap_param_gather: bool = False  # distributed optimizer: all-gather params during the next forward
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
+    # bf16/fp16: weight-gradient GEMMs accumulate straight into the fp32 main grads
+    # (Megatron's --gradient-accumulation-fusion, on by default there too; parallel/wgrad_fusion.py)
+    gradient_accumulation_fusion: bool = True
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
     recompute_method: str = "uniform"  # uniform | block, for full recompute

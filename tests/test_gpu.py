@@ -108,3 +108,17 @@ def test_cudnn_attention_backend_trains_like_default():
     default = _losses(_job(bf16=True))
     cudnn = _losses(_job(bf16=True, attention_backend="cudnn"))
     torch.testing.assert_close(cudnn, default, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_weight_grad_accumulation_on_cuda_matches_fp32_reference():
+    """The CUDA path (addmm with out_dtype=float32 into main_grad) accumulates exact bf16
+    products in fp32, like the CPU path."""
+    from megatronapp.parallel.wgrad_fusion import accumulate_weight_grad
+
+    torch.manual_seed(0)
+    gy = torch.randn(512, 96, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16)
+    main = torch.randn(96, 64, device="cuda")
+    want = main + gy.float().t() @ x.float()
+    accumulate_weight_grad(main, gy, x)
+    torch.testing.assert_close(main, want, rtol=1e-4, atol=1e-4)

@@ -31,6 +31,7 @@ _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "m
                 "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
                 "bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
                 "hysteresis", "use_distributed_optimizer", "overlap_param_gather", "compile", "overlap_grad_reduce",
+                "gradient_accumulation_fusion",
                 "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
                 "attention_backend", "log_interval", "save", "load", "save_interval",
                 "metrics_file")
@@ -67,6 +68,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                 "(needs TP > 1)", action="store_true")
     _train_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None)
+    _train_flag(g, "--gradient-accumulation-fusion", "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 "
+                "main grads (default)", action="store_true")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   default=None)
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=tuple(MODEL_PRESETS), default="demo", help="preset; flags below override")

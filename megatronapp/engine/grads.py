@@ -4,7 +4,9 @@ Each model chunk's gradients live in one flat fp32 buffer; `param.main_grad` (Me
 name) is a view into it. fp32 parameters also get `param.grad` = that view, so autograd
 accumulates microbatches in place. bf16/fp16 parameters accumulate each microbatch's
 gradient into `main_grad` in a post-accumulate-grad hook and drop the low-precision
-`.grad` right away, so it lives only between its production and the hook.
+`.grad` right away, so it lives only between its production and the hook. With
+gradient-accumulation fusion (parallel/wgrad_fusion.py) the linears' weight-gradient GEMMs
+accumulate into `main_grad` themselves and the hook only drops a placeholder.
 
 Parameters are placed in reverse order (roughly the order backward produces them) and the
 buffer is cut into buckets of about `bucket_mb` MiB. During the *last* microbatch's
@@ -115,7 +117,8 @@ class GradReducer:
     def _make_hook(self, chunk: int, bucket: _Bucket):
         def hook(param):
             if param.dtype != torch.float32:
-                param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
+                if not getattr(param, "grad_added_to_main_grad", False):  # else the fused GEMM did it
+                    param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
                 param.grad = None
             if self.overlap and self.final_microbatch[chunk]:
                 bucket.ready += 1

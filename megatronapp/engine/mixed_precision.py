@@ -29,6 +29,7 @@ from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_range
 from megatronapp.engine.grad_scaler import build_grad_scaler
 from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
 from megatronapp.engine.optim import build_adamw
+from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 
 log = logging.getLogger("megatronapp.engine")
 
@@ -262,5 +263,7 @@ def build_grads_and_optimizer(chunks: list[nn.Module], cfg: TrainConfig, groups,
     if cfg.overlap_param_gather:
         for i, c in enumerate(chunks):  # a chunk's first forward waits for its params' all-gather
             c.register_forward_pre_hook(lambda *_, i=i: reducer.wait_param_gather(i))
+    if cfg.gradient_accumulation_fusion:  # needs the main grads, so after the reducer
+        enable_grad_accumulation_fusion(m for c in chunks for m in c.modules())
     optimizer = MixedPrecisionOptimizer(reducer, cfg, groups, device, log_overflow=groups.rank == 0)
     return reducer, optimizer

@@ -29,6 +29,7 @@ from megatronapp.parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence_parallel,
 )
+from megatronapp.parallel.wgrad_fusion import linear_with_grad_accumulation
 
 
 def init_full_normal(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
@@ -65,10 +66,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark_split(nn.Parameter(_shard(full, 0, tp_size, tp_rank, device)), 0)
         self.bias = (mark_split(nn.Parameter(torch.zeros(out_features // tp_size, device=device)), 0)
                      if bias else None)
+        self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = (gather_from_sequence_parallel(x, self.tp_group) if self.sequence_parallel
              else copy_to_tp(x, self.tp_group))
+        if self.wgrad_fusion:
+            return linear_with_grad_accumulation(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -86,9 +90,10 @@ class RowParallelLinear(nn.Module):
         self.bias = mark_split(nn.Parameter(torch.zeros(out_features, device=device)), None) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
+        self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear_with_grad_accumulation(x, self.weight, None) if self.wgrad_fusion else F.linear(x, self.weight)
         y = (reduce_scatter_to_sequence_parallel(y, self.tp_group) if self.sequence_parallel
              else reduce_from_tp(y, self.tp_group))
         return y if self.bias is None else y + sp_replicated(self.bias, self.tp_group, self.sequence_parallel)

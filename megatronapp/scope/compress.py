@@ -16,6 +16,7 @@ quantize may follow topk.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -65,9 +66,11 @@ def select_indices(data: torch.Tensor, dim: int, indices) -> torch.Tensor:
     return torch.cat([data.narrow(dim, int(i), 1) for i in indices], dim=dim)
 
 
+@functools.lru_cache(maxsize=64)
 def compute_buckets(n: int, width: int, device) -> torch.Tensor:
     """Bucket of each of n positions (n,) for `width` buckets, as torch.tensor_split makes them
-    (the first n % width buckets one longer); built on the device from an arange."""
+    (the first n % width buckets one longer); built on the device from an arange, once per
+    (n, width, device) (memoised: a decode graph then holds no kernels for it). Read-only."""
     size, extra = divmod(n, width)
     i = torch.arange(n, device=device)
     long_part = extra * (size + 1)
@@ -85,7 +88,7 @@ def _reduce(item: CapturedItem, op: str, width: int) -> CapturedItem:
     data = item.tensors["data"].float()
     n = data.shape[-1]
     width = min(width, n)
-    bucket = compute_buckets(n, width, data.device).expand_as(data)
+    bucket = compute_buckets(n, width, data.device).expand_as(data)  # (..., n): bucket of each column
     src = {"mean": data, "max": data, "absmax": data.abs(), "l2": data * data}[op]
     how = {"mean": "mean", "max": "amax", "absmax": "amax", "l2": "sum"}[op]
     out = torch.zeros((*data.shape[:-1], width), device=data.device)

@@ -21,7 +21,8 @@ CONFIGS = {
     "default": dict(sites=DEFAULT_SITES, compress=DEFAULT_COMPRESS),
     "heads_attn_int8": dict(sites=("q", "k", "v", "attn_probs", "attn_out", "fc1"), heads=(0, 2),
                             compress="slice:heads=1;quantize:dtype=int8"),
-    "l2_topk": dict(sites=("residual", "fc1", "topk"), topk=3, compress="reduce:op=l2,width=5;topk:k=3;quantize:dtype=fp16"),
+    "l2_topk": dict(sites=("residual", "fc1", "topk"), topk=3,
+                    compress="reduce:op=l2,width=5;topk:k=3;quantize:dtype=fp16"),
     "layers_mean": dict(sites=("mlp_out", "q", "logit_lens"), layers=(1, 3),
                         compress="slice:tokens=-1:,layers=1;reduce:op=mean,width=8"),
 }

@@ -86,7 +86,10 @@ class CaptureHooks:
                 self.stash[(layer, "attn_out")] = output.detach()
             if "attn_probs" in self.sites:
                 cache = args[3] if len(args) > 3 else None
-                keys, mask = cache.keys_so_far(self.full_keys) if cache is not None else (self.stash[(layer, "k")], None)
+                if cache is not None:
+                    keys, mask = cache.keys_so_far(self.full_keys)
+                else:
+                    keys, mask = self.stash[(layer, "k")], None
                 self.stash[(layer, "attn_probs")] = attention_probs(self.stash[(layer, "q")], keys, mask)
         return hook
 

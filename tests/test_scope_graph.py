@@ -156,3 +156,17 @@ def test_graphs_requested_without_cuda_log_one_line(model, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "CUDA device" in lines[0] and "\n" not in lines[0]
     assert not model.cache.static  # eager, dynamic cache
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sites": ("resid",)}, "unknown capture site"),
+    ({"sites": ("attn_probs",), "layers": (9,)}, "layer 9 is out of range"),
+    ({"sites": ("residual",), "compress": "reduce:op=median,width=4"}, "reduce op must be"),
+    ({"sites": ("residual",), "compress": "quantize:dtype=fp16;reduce:op=max,width=4"}, "quantize must be the last"),
+])
+def test_bad_configurations_rejected_in_one_line_before_anything_is_installed(model, kwargs, message):
+    with pytest.raises(ValueError, match=message) as err:
+        scope.capture(model, **kwargs)
+    assert "\n" not in str(err.value)
+    assert not model.observers and model.replay_blocker() is None
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.chunk.modules()) == 0

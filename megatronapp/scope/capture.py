@@ -8,8 +8,9 @@
 
 Per step: hooks stash on device; at the step's end every rank joins `gather.collect_step`
 (TP all-gather, logit lens, one packed P2P transfer per stage); the serving rank compresses
-and starts ONE asynchronous device-to-host copy of everything (a uint8 buffer, staging.py),
-completed (viewed into items) one step later or on exit.
+and queues ONE asynchronous device-to-host copy of everything (a uint8 buffer into pinned
+memory, staging.py). Items are built from the host copies when `items` is next read (or on
+exit), so a step costs no host sync and no per-item Python.
 
 Decode steps in one process on a static KV cache (the CUDA-graph path, InferenceModel's
 "recorders") take a second route to the same items: `record_decode` runs right after the
@@ -17,9 +18,9 @@ forward, inside the decode graph, and does the whole of the above on device (log
 one batched matmul, compression, packing into one buffer); after each replay `step_end` only
 queues the copy of that static buffer. Configurations it cannot record (attention
 probabilities reduced or top-k'd over the key dim, whose used width grows every step) keep
-the hook path, and the model says so in one log line. Nothing is installed until the with-block is entered and nothing
-stays after it. With GPT chunks instead of an InferenceModel (one process, e.g. during
-training), call `cap.end_step()` after each forward.
+the hook path, and the model says so in one log line. Nothing is installed until the
+with-block is entered and nothing stays after it. With GPT chunks instead of an
+InferenceModel (one process, e.g. during training), call `cap.end_step()` after each forward.
 """
 
 from __future__ import annotations

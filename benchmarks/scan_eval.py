@@ -1,20 +1,35 @@
-"""Held-out evaluation of MegaScan's detector: generate faulty runs from a seed, tune on one split,
-score on another, report rates with 95% Wilson intervals.
+"""Held-out evaluation of MegaScan's straggler detection on real multi-process CPU jobs.
 
-    # 1. design runs (the only ones thresholds are tuned on), then tune
-    python benchmarks/scan_eval.py run   --split design  --runs-per-kind 30 --clean-runs 50 --out out/scan_eval
-    python benchmarks/scan_eval.py tune  --out out/scan_eval                       # writes tuned.json
-    # 2. fresh held-out runs, scored with the tuned thresholds
-    python benchmarks/scan_eval.py run   --split heldout --runs-per-kind 30 --clean-runs 50 --out out/scan_eval
-    python benchmarks/scan_eval.py score --split heldout --out out/scan_eval       # scores-heldout.json
+Thresholds are chosen on design scenarios; the reported figures come from held-out scenarios
+drawn from a different fixed seed (scan_eval_core.SPLIT_SEEDS), scored with the thresholds the
+design step wrote to a file (the held-out step refuses to run without one, or without an
+explicit --default-thresholds; `tune` refuses anything but design results):
 
-Kinds: none, compute (constant slowdown 1.2-2x), intermittent (the same every 2-4 iterations),
-link (2-50 ms arrival delay on a pipeline link), two_faults (a slowdown and a link at once).
-Sources, drawn per run: real engine jobs on TP/PP/DP layouts (`megatronapp train --trace`) and
-the plain DDP example under `megatronapp trace run`; `--synthetic` replaces both with the trace
-simulator (tests/scan_simulation.py), for a quick smoke. Each run leaves OUT/SPLIT/NAME/trace and
-result.json; `run` skips runs whose result.json exists, so it resumes after an interruption and
-a larger --runs-per-kind only adds runs.
+    # 1. design runs (default thresholds; every tuning-grid point recorded), then tuning
+    python benchmarks/scan_eval.py run --split design --runs-per-kind 8 --clean-runs 12 --jobs 4 \
+        --results out/scan_eval/design.jsonl
+    python benchmarks/scan_eval.py tune out/scan_eval/design.jsonl --out out/scan_eval/thresholds.json
+    # 2. held-out runs with those thresholds (>= 30 per fault kind, >= 50 clean), then the tables
+    python benchmarks/scan_eval.py run --split heldout --runs-per-kind 30 --clean-runs 50 --jobs 4 \
+        --thresholds out/scan_eval/thresholds.json --results out/scan_eval/heldout.jsonl --budget-s 480
+    python benchmarks/scan_eval.py summarize out/scan_eval/heldout.jsonl   # heldout.md/.png/.json
+
+Kinds: none, compute (constant slowdown 1.2-2x), intermittent (the same in 1 of every 2-4
+iterations), link (2-50 ms late arrival on a pipeline link), two_faults (a slowdown and a link at
+once), on random ranks/links. Sources: `megatronapp train` on TP/PP/DP layouts of <= 4 ranks and
+the plain DDP example under `megatronapp trace run` (scan_eval_core.SOURCES). Each run is a real
+gloo job, one torch thread per rank, `--jobs` of them at once (one core per rank: 4 on 16
+cores), each under `--timeout`. One JSON line per finished run is appended to `--results` at
+once (single write + fsync), so a run stopped by `--budget-s` or killed outright keeps every
+finished run; `--resume` skips the runs already there. Each line holds the scenario, the
+verdict with the thresholds under test and with the defaults, timings, and (design) the verdict
+at every grid point, so tuning and summaries need no traces. `--synthetic` swaps the jobs for
+the trace simulator (a smoke test of the plumbing, not an evaluation).
+
+Cost: a 4-rank run is ~23 s of CPU, mostly five Python processes importing torch (launcher +
+ranks; training itself ~1.5 s), ~14 s wall on an idle 2-core VM; design runs add ~25
+detections (~1-3 s). On 16 cores with --jobs 4, expect ~8-12 s per run, so ~2-3 s per run of
+throughput: 170 held-out runs in ~6-8 min (hence --budget-s 480; --resume finishes a cut run).
 """
 
 from __future__ import annotations
@@ -22,33 +37,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the trace simulator lives with the tests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scan_eval_core import (  # noqa: E402
-    FAULT_KINDS,
-    Fault,
-    Scenario,
+    COMPUTE_GRID,
+    LINK_GRID,
+    SPLIT_SEEDS,
+    compute_layout_scores,
     compute_scores,
     plan_scenarios,
-    select_thresholds,
-    threshold_grid,
+    scenario_from_dict,
+    tune_on_design,
 )
+from scan_eval_report import plot_scores, render_markdown  # noqa: E402
+from scan_eval_runner import append_record, execute_run, load_records  # noqa: E402
 
-from megatronapp.scan.align import align_traces  # noqa: E402
-from megatronapp.scan.detect import DetectConfig, detect  # noqa: E402
-from megatronapp.scan.format import load_trace_dir  # noqa: E402
 
-ITERS = 12  # analysed: 1..11 (0 is warm-up), so a 1-in-4 slowdown hits >= 2 iterations
+class UsageError(ValueError):
+    """Bad flags or files: one line on stderr, exit code 2."""
 
 
 def save_json_atomic(path: Path, payload: dict) -> None:
@@ -59,163 +72,182 @@ def save_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _fault_flags(f: Fault) -> list[str]:
-    flags = []
-    if f.factor > 1.0:
-        flags += ["--inject-slowdown", f"{f.rank}:{f.factor}:{f.every}"]
-    if f.link is not None:
-        flags += ["--inject-link-delay", f"{f.link[0]}:{f.link[1]}:{f.delay_ms}"]
-    return flags
-
-
-def build_command(sc: Scenario, trace_dir: Path) -> list[str]:
-    """The CLI invocation that produces the scenario's trace directory."""
-    cli = [sys.executable, "-m", "megatronapp.cli.main"]
-    if sc.source == "ddp":
-        return cli + ["trace", "run", "--nproc-per-node", str(sc.nproc), "--trace-dir", str(trace_dir),
-                      *_fault_flags(sc.fault), "--", str(ROOT / "examples" / "ddp_train.py"), "--steps", str(ITERS)]
-    return cli + ["train", "--nproc-per-node", str(sc.nproc), "--tensor-model-parallel-size", str(sc.tp),
-                  "--pipeline-model-parallel-size", str(sc.pp), "--model", "tiny", "--train-iters", str(ITERS),
-                  "--global-batch-size", "16", "--micro-batch-size", "2", "--seed", str(sc.seed % 10_000),
-                  "--trace", "--trace-dir", str(trace_dir), "--device", "cpu", *_fault_flags(sc.fault)]
-
-
-def _simulate(sc: Scenario, trace_dir: Path) -> None:
-    from scan_simulation import SimulatedJob, simulate_job_traces
-
-    from megatronapp.scan.format import TraceWriter, trace_file_name
-
-    f = sc.fault
-    job = SimulatedJob(tp_size=sc.tp, pp_size=sc.pp, dp_size=sc.nproc // (sc.tp * sc.pp), iterations=ITERS,
-                       noise=0.15, hiccup_prob=0.03, rank_bias=0.03, seed=sc.seed,
-                       slow_rank=f.rank if f.factor > 1 else None, slow_factor=f.factor, slow_every=f.every,
-                       slow_link=f.link, link_delay_ns=int(f.delay_ms * 1e6))
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    for t in simulate_job_traces(job):
-        with TraceWriter(trace_dir / trace_file_name(t.rank), t.meta) as w:
-            w.append(t.events.combine_chunks().to_batches()[0])
-
-
-def detect_dir(trace_dir: Path, configs: list[DetectConfig]) -> list[list[dict]]:
-    """Suspects (JSON form) per config; the traces are loaded and aligned once."""
-    aligned, _ = align_traces(load_trace_dir(trace_dir))
-    out = []
-    for config in configs:
-        report = detect(aligned, config=config)
-        out.append([{"rank": s.rank, "cause": s.cause, "link": list(s.link) if s.link else None,
-                     "confidence": s.confidence} for s in report.suspects])
-    return out
-
-
-def execute(sc: Scenario, out: Path, synthetic: bool, timeout: int) -> dict:
-    """Produce the trace, detect with the default thresholds, write result.json (atomic)."""
-    run_dir = out / sc.split / sc.name
-    trace_dir, t0, error, suspects = run_dir / "trace", time.perf_counter(), "", []
+def load_thresholds(path: str) -> dict:
+    """The overrides of a thresholds file written by `tune` (on design runs only)."""
     try:
-        if synthetic:
-            _simulate(sc, trace_dir)
-        else:
-            proc = subprocess.run(build_command(sc, trace_dir), capture_output=True, text=True, timeout=timeout,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-            (run_dir / "log.txt").parent.mkdir(parents=True, exist_ok=True)
-            (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
-            if proc.returncode != 0:
-                raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
-        suspects = detect_dir(trace_dir, [DetectConfig()])[0]
-    except (OSError, ValueError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    result = {"scenario": asdict(sc), "suspects": suspects, "error": error,
-              "seconds": round(time.perf_counter() - t0, 2), "synthetic": synthetic}
-    save_json_atomic(run_dir / "result.json", result)
-    return result
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--thresholds {path}: cannot read ({exc})") from None
+    if doc.get("tuned_on_split") != "design" or not isinstance(doc.get("overrides"), dict):
+        raise UsageError(f"--thresholds {path}: not a thresholds file written by `scan_eval.py tune`")
+    return doc["overrides"]
 
 
-def load_results(out: Path, split: str) -> list[tuple[Scenario, Path, dict]]:
-    found = []
-    for path in sorted((out / split).glob("*/result.json")):
-        r = json.loads(path.read_text())
-        s, f = r["scenario"], r["scenario"]["fault"]
-        fault = Fault(**{**f, "link": tuple(f["link"]) if f["link"] else None})
-        found.append((Scenario(**{**s, "fault": fault}), path.parent / "trace", r))
-    return found
+def _prepare_results(path: Path, resume: bool, overrides: dict) -> set[str]:
+    """Names already recorded (with --resume); refuses to mix thresholds or clobber results."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return set()
+    if not resume:
+        raise UsageError(f"{path} already holds results: pass --resume to continue it, or another --results")
+    text = path.read_bytes()
+    if not text.endswith(b"\n"):  # a killed run's partial last line: cut it so appends stay valid
+        with open(path, "r+b") as f:
+            f.truncate(text.rfind(b"\n") + 1)
+    records = load_records(path)
+    if any(r.get("thresholds") != overrides for r in records):
+        raise UsageError(f"{path} was run with other thresholds than now: use another --results")
+    return {r["name"] for r in records}
+
+
+def _tasks(args, overrides: dict, done: set[str]) -> list[dict]:
+    plan = plan_scenarios(args.split, args.runs_per_kind, args.clean_runs)
+    deadline = time.time() + args.budget_s if args.budget_s else None
+    work = args.work_dir or tempfile.mkdtemp(prefix="scan-eval-")
+    print(f"{len(plan)} scenarios in {args.split} (seed {SPLIT_SEEDS[args.split]}), {len(done)} done already, "
+          f"running {len(plan) - len(done & {s.name for s in plan})} with {args.jobs} at once; work dir {work}",
+          flush=True)
+    return [{"scenario": asdict(sc), "work_dir": work, "timeout_s": args.timeout, "deadline": deadline,
+             "overrides": overrides, "thresholds_file": args.thresholds, "synthetic": args.synthetic,
+             "keep_traces": args.keep_traces} for sc in plan if sc.name not in done]
+
+
+def _verdict(r: dict) -> str:
+    return r["error"] or ", ".join(f"{s['cause']}@{s['link'] or s['rank']}" for s in r["suspects"]) or "nobody"
 
 
 def cmd_run(args) -> int:
-    plan = plan_scenarios(args.split, args.seed, args.runs_per_kind, args.clean_runs)
-    todo = [sc for sc in plan if not (Path(args.out) / sc.split / sc.name / "result.json").is_file()]
-    print(f"{len(plan)} scenarios in {args.split}, {len(plan) - len(todo)} done already, running {len(todo)}")
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for sc, r in zip(todo, pool.map(lambda s: execute(s, Path(args.out), args.synthetic, args.timeout), todo)):
-            verdict = r["error"] or ", ".join(f"{s['cause']}@{s['link'] or s['rank']}" for s in r["suspects"]) or "nobody"
-            print(f"{sc.name:28s} {sc.source}:{sc.tp}x{sc.pp}x{sc.nproc} {sc.fault} -> {verdict} ({r['seconds']}s)",
-                  flush=True)
+    if args.split == "heldout" and not (args.thresholds or args.default_thresholds):
+        raise UsageError("--split heldout needs --thresholds FILE (from `tune`) or, explicitly, --default-thresholds")
+    if args.split == "design" and args.thresholds:
+        raise UsageError("design runs use the default thresholds (tuning happens after them): drop --thresholds")
+    overrides = load_thresholds(args.thresholds) if args.thresholds else {}
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    tasks = _tasks(args, overrides, _prepare_results(results, args.resume, overrides))
+    t0, recorded, cut = time.perf_counter(), [], 0
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(execute_run, t) for t in tasks]
+        for fut in as_completed(futures):
+            r = fut.result()
+            if r["error"] == "deadline":
+                cut += 1
+                continue
+            append_record(results, r)
+            recorded.append(r)
+            sc = scenario_from_dict(r["scenario"])
+            print(f"[{len(recorded)}/{len(tasks)} {time.perf_counter() - t0:6.0f}s] {sc.name:26s} {sc.layout:20s} "
+                  f"{sc.fault} -> {_verdict(r)} ({r['seconds']}s)", flush=True)
+    wall = time.perf_counter() - t0
+    per_run = sorted(r["seconds"] for r in recorded)
+    median = per_run[len(per_run) // 2] if per_run else 0.0
+    print(f"recorded {len(recorded)} runs ({sum(bool(r['error']) for r in recorded)} failed) in {wall:.0f} s "
+          f"({wall / max(len(recorded), 1):.1f} s per run with {args.jobs} at once; median run {median:.1f} s); "
+          f"{cut} not started or cut by --budget-s (--resume continues) -> {results}")
     return 0
 
 
 def cmd_tune(args) -> int:
-    runs = [(sc, d) for sc, d, r in load_results(Path(args.out), "design") if not r["error"]]
+    records = [r for r in load_records(Path(args.results)) if not r["error"]]
+    if any(r["split"] != "design" for r in records):
+        raise UsageError(f"{args.results}: thresholds may only be tuned on design runs")
+    if any("grid_compute" not in r for r in records):
+        raise UsageError(f"{args.results}: records lack the tuning grid (written by an older harness?)")
+    runs = [(scenario_from_dict(r["scenario"]), r["grid_compute"], r["grid_link"]) for r in records]
     if not runs:
-        print("error: no design runs to tune on (run --split design first)", file=sys.stderr)
-        return 2
-    grid = threshold_grid()
-    configs = [DetectConfig(**g) for g in grid]
-    per_run = [detect_dir(d, configs) for _, d in runs]
-    scored = [(g, compute_scores([(sc, per_run[i][k]) for i, (sc, _) in enumerate(runs)])) for k, g in enumerate(grid)]
-    best = select_thresholds(scored)
-    design_scores = next(s for g, s in scored if g == best)
-    save_json_atomic(Path(args.out) / "tuned.json", {"overrides": best, "design_runs": len(runs),
-                                                      "design_scores": design_scores})
-    print(f"tuned on {len(runs)} design runs: {best} -> {Path(args.out) / 'tuned.json'}")
+        raise UsageError(f"{args.results}: no successful design runs to tune on")
+    best, scores = tune_on_design(runs)
+    save_json_atomic(Path(args.out), {"tuned_on_split": "design", "design_seed": SPLIT_SEEDS["design"],
+                                      "design_results": str(args.results), "design_runs": len(runs),
+                                      "overrides": best, "grid": {"compute": COMPUTE_GRID, "link": LINK_GRID},
+                                      "design_scores": scores})
+    print(f"tuned on {len(runs)} design runs: {best} -> {args.out}")
     return 0
 
 
-def cmd_score(args) -> int:
-    out = Path(args.out)
-    tuned = out / "tuned.json"
-    overrides = json.loads(tuned.read_text())["overrides"] if tuned.is_file() and not args.default_thresholds else {}
-    results = load_results(out, args.split)
-    ok = [(sc, d) for sc, d, r in results if not r["error"]]
-    scores = compute_scores([(sc, detect_dir(d, [DetectConfig(**overrides)])[0]) for sc, d in ok])
-    payload = {"split": args.split, "thresholds": overrides or "defaults", "runs": len(ok),
-               "failed": len(results) - len(ok), "scores": scores}
-    save_json_atomic(out / f"scores-{args.split}.json", payload)
-    print(f"{args.split}: {len(ok)} runs scored ({len(results) - len(ok)} failed), thresholds {overrides or 'default'}")
-    print(f"  clean: false alarms {scores['none']['false_alarm_rate']}")
-    for kind in FAULT_KINDS:
-        s = scores[kind]
-        print(f"  {kind:13s} recall {s['recall']}  precision {s['precision']}  root-cause {s['root_cause_accuracy']}")
+def _summary_header(path: Path, ok: list[dict], failed: list[dict], default_thresholds: bool) -> dict:
+    """Provenance lines of a summary: split and seed, thresholds and their file, run counts."""
+    errors = "; ".join(sorted({f["error"][:80] for f in failed})[:3])
+    return {"file": path.name, "split": f"{ok[0]['split']} (seed {SPLIT_SEEDS.get(ok[0]['split'])})",
+            "thresholds": "defaults" if default_thresholds else (ok[0]["thresholds"] or "defaults"),
+            "thresholds file": ok[0].get("thresholds_file") or "-", "runs scored": len(ok),
+            "runs failed (not scored)": f"{len(failed)}: {errors}" if failed else "0",
+            "median seconds per run": sorted(r["seconds"] for r in ok)[len(ok) // 2]}
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def cmd_summarize(args) -> int:
+    path = Path(args.results)
+    records = load_records(path)
+    ok, failed = [r for r in records if not r["error"]], [r for r in records if r["error"]]
+    if not ok:
+        raise UsageError(f"{path}: no successful runs to summarize")
+    if len({r["split"] for r in ok}) > 1 or len({json.dumps(r["thresholds"], sort_keys=True) for r in ok}) > 1:
+        raise UsageError(f"{path}: mixes splits or thresholds: one evaluation per file")
+    key = "default_suspects" if args.default_thresholds else "suspects"
+    results = [(scenario_from_dict(r["scenario"]), r[key]) for r in ok]
+    scores, layouts = compute_scores(results), compute_layout_scores(results)
+    header = _summary_header(path, ok, failed, args.default_thresholds)
+    md = Path(args.md) if args.md else path.with_suffix(".md")
+    png = Path(args.png) if args.png else path.with_suffix(".png")
+    text = render_markdown(scores, layouts, header)
+    _write_text_atomic(md, text)
+    plot_scores(scores, f"MegaScan detection, {header['split']}, {len(ok)} runs", png)
+    save_json_atomic(md.with_suffix(".json"), {"header": header, "scores": scores, "layouts": layouts})
+    print(text, end="")
+    print(f"-> {md}, {png}, {md.with_suffix('.json')}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="execute the scenarios of a split (resumable)")
-    run.add_argument("--split", choices=("design", "heldout"), required=True)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--runs-per-kind", type=int, default=30)
+    run = sub.add_parser("run", help="execute a split's scenarios, one JSON line per run (resumable)")
+    run.add_argument("--split", choices=tuple(SPLIT_SEEDS), required=True)
+    run.add_argument("--runs-per-kind", type=int, default=30, help="runs of each fault kind")
     run.add_argument("--clean-runs", type=int, default=50)
-    run.add_argument("--synthetic", action="store_true", help="simulate the jobs (no training)")
-    run.add_argument("--jobs", type=int, default=1, help="scenarios run at once (each job uses nproc processes)")
-    run.add_argument("--timeout", type=int, default=900, help="seconds per job")
-    tune = sub.add_parser("tune", help="choose thresholds on the design split")
-    score = sub.add_parser("score", help="score a split with the tuned (or default) thresholds")
-    score.add_argument("--split", choices=("design", "heldout"), default="heldout")
-    score.add_argument("--default-thresholds", action="store_true")
-    for sp in (run, tune, score):
-        sp.add_argument("--out", default="out/scan_eval")
+    run.add_argument("--results", required=True, help="JSONL file the runs are appended to")
+    run.add_argument("--resume", action="store_true", help="continue --results, skipping the runs it holds")
+    run.add_argument("--thresholds", help="heldout: the file `tune` wrote")
+    run.add_argument("--default-thresholds", action="store_true", help="heldout without tuning (say so when quoting)")
+    run.add_argument("--jobs", type=int, default=max(1, len(os.sched_getaffinity(0)) // 4),
+                     help="runs at once (<= 4 ranks each; default: cores / 4)")
+    run.add_argument("--timeout", type=float, default=120.0,
+                     help="hard limit per run, seconds (the whole process tree is killed)")
+    run.add_argument("--budget-s", type=float, default=0.0, help="stop starting/finish runs after this many seconds")
+    run.add_argument("--work-dir", help="where traces go while a run is detected (default: a temp dir)")
+    run.add_argument("--keep-traces", action="store_true",
+                     help="keep every run's trace in --work-dir (default: failed runs' and wrong verdicts' only)")
+    run.add_argument("--synthetic", action="store_true", help="simulate the jobs (plumbing smoke, not an evaluation)")
+    tune = sub.add_parser("tune", help="choose thresholds on design results")
+    tune.add_argument("results", help="design JSONL")
+    tune.add_argument("--out", required=True, help="thresholds file to write (read by run --thresholds)")
+    summ = sub.add_parser("summarize", help="metrics with 95%% Wilson intervals: markdown, PNG and JSON")
+    summ.add_argument("results", help="JSONL of one split")
+    summ.add_argument("--md", help="default: RESULTS with .md")
+    summ.add_argument("--png", help="default: RESULTS with .png")
+    summ.add_argument("--default-thresholds", action="store_true", help="score the default-threshold verdicts instead")
     run.set_defaults(func=cmd_run)
     tune.set_defaults(func=cmd_tune)
-    score.set_defaults(func=cmd_score)
+    summ.set_defaults(func=cmd_summarize)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "run" and (args.runs_per_kind < 0 or args.clean_runs < 0 or args.jobs < 1):
-        print("error: --runs-per-kind and --clean-runs must be >= 0, --jobs >= 1", file=sys.stderr)
+    try:
+        if args.command == "run" and (args.runs_per_kind < 0 or args.clean_runs < 0 or args.jobs < 1
+                                      or args.timeout <= 0 or args.budget_s < 0):
+            raise UsageError("--runs-per-kind/--clean-runs/--budget-s must be >= 0, --jobs >= 1, --timeout > 0")
+        return args.func(args)
+    except (UsageError, ValueError, OSError) as exc:
+        print(f"scan_eval: error: {exc}", file=sys.stderr)
         return 2
-    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from engine_jobs import RandomTokenBatches, full_grads
 from megatronapp.fbd.backward import BackwardWorker
 from megatronapp.fbd.config import FbdConfig
 from megatronapp.fbd.forward import ForwardWorker
+from megatronapp.fbd.links import LinkDevices
 from megatronapp.parallel.groups import build_role_groups
 from megatronapp.parallel.layout import RoleLayout
+from megatronapp.parallel.placement import compute_role_placements
 
 
 def build_worker(rank: int, world: int, job, fbd: FbdConfig):
@@ -19,8 +21,9 @@ def build_worker(rank: int, world: int, job, fbd: FbdConfig):
     groups = build_role_groups(lay, rank)
     data = RandomTokenBatches(job, groups.coords.dp)
     cpu = torch.device("cpu")
+    links = LinkDevices.from_placements(compute_role_placements(lay, "cpu", "cpu"), rank, cpu)
     cls = ForwardWorker if groups.is_forward else BackwardWorker
-    return cls(job, fbd, groups, cpu, data, link_device=cpu), data
+    return cls(job, fbd, groups, cpu, data, links=links), data
 
 
 def fbd_train_and_report(rank: int, world: int, job, fbd: FbdConfig) -> dict:

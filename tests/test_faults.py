@@ -3,6 +3,7 @@ delays arrival only (2 gloo ranks, traced and untraced)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -72,6 +73,25 @@ def test_intermittent_slowdown_applies_every_nth_iteration_only():
             _compute(injector)
     assert sorted(stalls) == [(0, 0), (0, 2)]  # rank 0, iterations 0 and 2 only
     assert all(0.02 <= s < 0.2 for s in stalls.values())  # (3 - 1) x >= 10 ms of CPU time
+
+
+def test_slowdown_stretches_by_the_calling_threads_cpu_not_the_processs():
+    """Other threads' CPU (gloo workers, the trace writer) must not inflate the factor: a Python
+    thread spinning alongside takes about half the GIL, doubling process time, not the stall."""
+    stop, stalls = threading.Event(), []
+    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    injector = FaultInjector(parse_fault_plan(["0:2"], []), rank=0, device=torch.device("cpu"))
+    injector.on_stall = stalls.append
+    spinner.start()
+    try:
+        with injector.compute():
+            end = time.thread_time() + 0.05
+            while time.thread_time() < end:  # 50 ms of this thread's CPU
+                pass
+    finally:
+        stop.set()
+        spinner.join()
+    assert 0.05 <= stalls[0] < 0.07  # (2 - 1) x 50 ms, not ~100 ms of process time
 
 
 # -- a slow link between two real ranks ------------------------------------------------------------

@@ -26,6 +26,10 @@ CASES = {
     "pp2_hidden_and_attention_dropout": (2, 1, 2, 1, "both"),  # TF = TP: the same tracked streams
     "tp2_tf1_hidden_dropout": (2, 2, 1, 1, "hidden"),
     "dp2_distributed_optimizer": (2, 1, 1, 1, None),  # weights published from gathered shards
+    # sequence parallelism on the backward workers: TF1 hands each TP rank its sequence slice
+    "tp2_pp2_sp_tf1": (4, 2, 2, 1, "hidden"),
+    "tp2_pp2_sp_tf2": (4, 2, 2, 2, None),  # TF = TP: forward workers are sequence-parallel too
+    "pp2_bf16": (2, 1, 2, 1, None),  # bf16 params: weights published in bf16, activations framed in fp32
 }
 
 
@@ -53,7 +57,8 @@ def _world(job, tf):
 @pytest.mark.parametrize("name", list(CASES))
 def test_fbd_trains_the_same_numbers_as_the_plain_engine(cluster, name):
     backward_world, tp, pp, tf, dropout = CASES[name]
-    job = _job(backward_world, tp, pp, dropout, use_distributed_optimizer="distributed_optimizer" in name)
+    job = _job(backward_world, tp, pp, dropout, use_distributed_optimizer="distributed_optimizer" in name,
+               sequence_parallel="_sp" in name, bf16="bf16" in name)
     plain = cluster.run(train_and_report, backward_world, job)
     reports = cluster.run(fbd_train_and_report, _world(job, tf), job, FbdConfig(forward_tp_size=tf, max_ahead=2))
     backward = [r for r in reports if r["role"] == "backward"]

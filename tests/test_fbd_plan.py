@@ -143,6 +143,23 @@ def test_weights_of_another_version_are_refused():
         unpack_weights(dst, pieces, pack_weights(src, pieces, 3, "cpu"), 4, source=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_versions_are_exact_in_half_precision_messages(dtype):
+    """Weights travel in the parameters' dtype; the version rides as base-256 digits, which
+    bf16 and fp16 hold exactly (a version above 256 would not survive as one bf16 number)."""
+    cfg = model_preset("tiny", num_layers=1, seq_length=8)
+    (src,), (dst,) = _chunks(cfg, 1, 7), _chunks(cfg, 1, 1)
+    src.to(dtype), dst.to(dtype)
+    pieces = compute_weight_pieces(full_param_specs(src, 1), 1, 0, 1, 0)
+    message = pack_weights(src, pieces, 70_001, "cpu")
+    assert message.dtype == dtype
+    with pytest.raises(RuntimeError, match="expected weights of version 70000 from rank 2, got version 70001"):
+        unpack_weights(dst, pieces, message, 70_000, source=2)
+    unpack_weights(dst, pieces, message, 70_001, source=2)
+    for (name, got), want in zip(dst.named_parameters(), src.parameters()):
+        assert got.dtype == dtype and torch.equal(got, want), name
+
+
 def test_plan_builder_rejects_bad_sizes():
     with pytest.raises(ValueError, match="max_ahead"):
         build_fbd_plan(RoleLayout(2, 1, 1, 1), 2, 0, range(1))

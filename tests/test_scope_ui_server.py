@@ -248,7 +248,7 @@ def test_fuzz_ten_thousand_malformed_messages(server):
         ws.send("x" * (5 * P.Limits().max_message_bytes))
         with pytest.raises(ConnectionClosed):
             while True:  # (a role message may come first: the driving tab may just have left)
-                assert recv_json(ws, timeout=10)["type"] == "role"
+                assert recv_json(ws, timeout=10)["type"] in ("role", "welcome")
     server.hub.backend.perturbations.clear()
     assert len(generate_over_ws(server, prompt="still serving", max_new_tokens=3)) >= 1
     assert weights_digest(model) == digest

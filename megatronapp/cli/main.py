@@ -24,6 +24,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments, build_job_config
+from megatronapp.cli.devices import check_job_devices
 from megatronapp.config import ConfigError
 from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.dpp.setup import check_dpp_job
@@ -67,6 +68,7 @@ def check_train_args(args: argparse.Namespace):
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
     check_dpp_job(args, job)
+    check_job_devices(args, job, world)
     plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
     (fault_plan_from_env() if plan.empty else plan).check(world)
     check_training_scope(args, world)

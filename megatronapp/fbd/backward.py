@@ -20,7 +20,7 @@ from megatronapp import spans
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.trainer import Trainer
 from megatronapp.fbd.config import FbdConfig
-from megatronapp.fbd.links import Outbox, PostedRecv, RoleFaults, RoleWaits
+from megatronapp.fbd.links import LinkDevices, Outbox, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
 from megatronapp.fbd.reshard import compute_weight_pieces, frame, full_param_specs, pack_weights, unframe
 from megatronapp.parallel.groups import ParallelGroups, RoleGroups
@@ -46,12 +46,12 @@ class BackwardRuntime:
     (built through Trainer(runtime_factory=...): the engine's runtime arguments plus FBD's settings)."""
 
     def __init__(self, model, groups: ParallelGroups, *, device, tracer, reducer, injector,
-                 grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, link_device: torch.device,
+                 grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, links: LinkDevices,
                  num_microbatches: int):
         lay, c = roles.layout, roles.coords
         self.model, self.reducer, self.fbd, self.roles = model, reducer, fbd, roles
         self.grad_scale_func = grad_scale_func  # fp16 loss scaling, applied before backward
-        self.device, self.tracer, self.link_device = device, tracer, link_device
+        self.device, self.tracer, self.links = device, tracer, links  # links(peer): that link's tensor device
         (self.chunk,) = model.chunks
         self.num_microbatches = num_microbatches
         specs = full_param_specs(self.chunk, lay.tp_size)
@@ -87,13 +87,13 @@ class BackwardRuntime:
 
     def _send_weights(self, a: FbdAction, it: _Iteration) -> None:
         self.reducer.wait_param_gather()  # distributed optimizer: the step's all-gather may be in flight
-        self.outbox.post([(pack_weights(self.chunk, pieces, it.index, self.link_device), (dst,))
+        self.outbox.post([(pack_weights(self.chunk, pieces, it.index, self.links(dst)), (dst,))
                           for dst, pieces in self.weight_pieces.items()])
 
     def _recv_input(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         spec = self.model.input_spec(0, it.tokens[a.microbatch])
-        it.posted[a.microbatch] = PostedRecv(2 + math.prod(spec.shape), src, self.link_device)
+        it.posted[a.microbatch] = PostedRecv(2 + math.prod(spec.shape), src, self.links(src))
 
     def _recompute(self, a: FbdAction, it: _Iteration) -> None:
         m, tokens = a.microbatch, it.tokens[a.microbatch]
@@ -119,9 +119,9 @@ class BackwardRuntime:
     def _recv_grad(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         spec = self.model.output_spec(0, it.tokens[a.microbatch])
-        message = PostedRecv(2 + math.prod(spec.shape), src, self.device).wait()
+        message = PostedRecv(2 + math.prod(spec.shape), src, self.links(src)).wait()
         grad = unframe(message, (it.index, a.microbatch), "output grad", src)
-        it.grads[a.microbatch] = grad.view(spec.shape).to(spec.dtype)
+        it.grads[a.microbatch] = grad.view(spec.shape).to(self.device, spec.dtype)
 
     def _backward(self, a: FbdAction, it: _Iteration) -> None:
         m = a.microbatch
@@ -136,11 +136,12 @@ class BackwardRuntime:
 
     def _send_grad(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs.pop(a.microbatch)
-        self.outbox.post([(frame((it.index, a.microbatch), x.grad, self.device), a.peers)])
+        self.outbox.post([(frame((it.index, a.microbatch), x.grad, device), peers)
+                          for device, peers in self.links.group_peers(a.peers)])
 
     def _recv_losses(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
-        posted = PostedRecv(1 + self.num_microbatches, src, self.link_device)
+        posted = PostedRecv(1 + self.num_microbatches, src, self.links(src))
         with self.waits.on_other_role(self.tracer, spans.WAIT_FORWARD):
             message = posted.wait()
         forward = unframe(message, (it.index,), "forward losses", src).to(self.device)
@@ -158,8 +159,8 @@ class BackwardWorker:
     role = "backward"
 
     def __init__(self, job, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
-                 link_device: torch.device, tracer=NULL_TRACER, injector=None):
-        factory = functools.partial(BackwardRuntime, fbd=fbd, roles=groups, link_device=link_device,
+                 links: LinkDevices, tracer=NULL_TRACER, injector=None):
+        factory = functools.partial(BackwardRuntime, fbd=fbd, roles=groups, links=links,
                                     num_microbatches=job.num_microbatches)
         self.trainer = Trainer(job, groups.parallel, device, data, tracer=tracer, injector=injector,
                                runtime_factory=factory)

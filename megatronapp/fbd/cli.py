@@ -13,6 +13,8 @@ from megatronapp.fbd.config import FbdConfig, parse_crash_spec, validate_fbd_job
 from megatronapp.fbd.plan import build_fbd_plan
 from megatronapp.fbd.validate import validate_fbd_plan
 from megatronapp.parallel.layout import LayoutError, RoleLayout
+from megatronapp.parallel.placement import (Placement, check_gpu_groups, compute_role_placements,
+                                            resolve_device_kind, role_group_ranks)
 
 
 def add_fbd_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,3 +66,17 @@ def check_fbd_job(args: argparse.Namespace, job: JobConfig, world: int) -> None:
     plan = build_fbd_plan(role_layout_from_args(args, world), job.num_microbatches, cfg.max_ahead, range(2),
                           job.train.log_interval)
     validate_fbd_plan(plan)
+
+
+def fbd_placements_from_args(args: argparse.Namespace, lay: RoleLayout, visible_gpus: int,
+                             ranks_per_node: int | None = None) -> tuple[Placement, ...]:
+    """Where every rank of the FBD job computes (--device, --forward-device); one-line ConfigError
+    for a device that is not there or a layout NCCL cannot run (two ranks of a group on one GPU)."""
+    try:
+        backward = resolve_device_kind(args.device, visible_gpus)
+        forward = resolve_device_kind(args.forward_device or backward, visible_gpus, "--forward-device")
+        placements = compute_role_placements(lay, backward, forward, visible_gpus, ranks_per_node)
+        check_gpu_groups(role_group_ranks(lay), placements, visible_gpus)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    return placements

@@ -15,10 +15,10 @@ from megatronapp.engine.checkpoint import find_latest
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import params_dtype
 from megatronapp.fbd.config import FbdConfig
-from megatronapp.fbd.links import Outbox, PostedRecv, RoleFaults, RoleWaits
+from megatronapp.fbd.links import LinkDevices, Outbox, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_forward_actions
 from megatronapp.fbd.reshard import (compute_weight_pieces, frame, full_param_specs, unframe, unpack_weights,
-                                     weight_message_numel)
+                                     weight_message_dtype, weight_message_numel)
 from megatronapp.model.gpt import ChunkOptions, TPContext, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
 from megatronapp.parallel.groups import RoleGroups
@@ -62,10 +62,10 @@ class ForwardWorker:
     role = "forward"
 
     def __init__(self, job: JobConfig, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
-                 link_device: torch.device, tracer=NULL_TRACER):
+                 links: LinkDevices, tracer=NULL_TRACER):
         lay, c = groups.layout, groups.coords
         self.job, self.fbd, self.groups, self.device, self.data = job, fbd, groups, device, data
-        self.link_device, self.tracer = link_device, tracer
+        self.links, self.tracer = links, tracer  # links(peer): device of that link's tensors
         self.model = build_forward_model(job, fbd, groups, device)
         (self.chunk,) = self.model.chunks
         self.rng_tracker = self.chunk.options.rng_tracker
@@ -90,7 +90,7 @@ class ForwardWorker:
         folder = find_latest(load_dir)
         meta = json.loads((folder / "meta.json").read_text())
         lay, c = self.groups.layout, self.groups.coords
-        twin = lay.backward_rank(c.tp % lay.tp_size, c.dp, c.pp)
+        twin = lay.twin_of(self.groups.rank)
         same_world = meta["layout"]["world_size"] == lay.num_backward
         state = torch.load(folder / f"rank{twin if same_world else 0:05d}.pt", map_location="cpu", weights_only=True)
         self.data.load_state_dict(state["data"])  # the data position is global: any rank's file serves
@@ -117,7 +117,8 @@ class ForwardWorker:
         self.iteration += 1
 
     def _recv_weights(self, a: FbdAction, it: _Iteration) -> None:
-        posted = {src: PostedRecv(weight_message_numel(self.chunk, pcs), src, self.link_device)
+        dtype = weight_message_dtype(self.chunk)
+        posted = {src: PostedRecv(weight_message_numel(self.chunk, pcs), src, self.links(src), dtype)
                   for src, pcs in self.weight_pieces.items()}
         with self.waits.on_other_role(self.tracer, spans.WAIT_WEIGHTS):
             messages = {src: p.wait() for src, p in posted.items()}
@@ -127,20 +128,20 @@ class ForwardWorker:
     def _recv_act(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         spec = self.model.input_spec(0, it.tokens[a.microbatch])
-        message = PostedRecv(2 + math.prod(spec.shape), src, self.device).wait()
+        message = PostedRecv(2 + math.prod(spec.shape), src, self.links(src)).wait()
         payload = unframe(message, (it.index, a.microbatch), "activation", src)
-        it.inputs[a.microbatch] = payload.view(spec.shape).to(spec.dtype)
+        it.inputs[a.microbatch] = payload.view(spec.shape).to(self.device, spec.dtype)
 
     def _send_input(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs[a.microbatch]
         waiting = lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD)  # noqa: E731
         tags = (it.index, a.microbatch)
         if not self.slice_for_targets:
-            self.hand_off.post([(frame(tags, x, self.link_device), a.peers)], waiting)
+            self.hand_off.post(self._framed(tags, x, a.peers), waiting)
             return
         lay, shard = self.groups.layout, x.shape[1] // self.groups.layout.tp_size
         pieces = [(x[:, t * shard:(t + 1) * shard], target) for target in a.peers for t in [lay.role_of(target).tp]]
-        self.hand_off.post([(frame(tags, piece, self.link_device), (target,)) for piece, target in pieces], waiting)
+        self.hand_off.post([(frame(tags, piece, self.links(target)), (target,)) for piece, target in pieces], waiting)
 
     def _forward(self, a: FbdAction, it: _Iteration) -> None:
         tokens = it.tokens[a.microbatch]
@@ -164,12 +165,15 @@ class ForwardWorker:
             it.outputs[a.microbatch] = out
 
     def _send_act(self, a: FbdAction, it: _Iteration) -> None:
-        message = frame((it.index, a.microbatch), it.outputs.pop(a.microbatch), self.device)
-        self.downstream.post([(message, a.peers)])
+        self.downstream.post(self._framed((it.index, a.microbatch), it.outputs.pop(a.microbatch), a.peers))
 
     def _send_losses(self, a: FbdAction, it: _Iteration) -> None:
-        message = frame((it.index,), torch.stack(it.losses), self.link_device)
-        self.hand_off.post([(message, a.peers)], lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD))
+        self.hand_off.post(self._framed((it.index,), torch.stack(it.losses), a.peers),
+                           lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD))
+
+    def _framed(self, tags: tuple, x: torch.Tensor, peers) -> list:
+        """One framed copy of x per link device among `peers` (Outbox messages)."""
+        return [(frame(tags, x, device), group) for device, group in self.links.group_peers(peers)]
 
     _HANDLERS = {Op.RECV_WEIGHTS: _recv_weights, Op.RECV_ACT: _recv_act, Op.SEND_INPUT: _send_input,
                  Op.FORWARD: _forward, Op.SEND_ACT: _send_act, Op.SEND_LOSSES: _send_losses}

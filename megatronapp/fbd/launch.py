@@ -19,10 +19,12 @@ import torch.distributed as dist
 from megatronapp.config import JobConfig
 from megatronapp.engine.checkpoint import has_checkpoint
 from megatronapp.fbd.backward import BackwardWorker
-from megatronapp.fbd.cli import fbd_config_from_args, role_layout_from_args
+from megatronapp.fbd.cli import fbd_config_from_args, fbd_placements_from_args, role_layout_from_args
 from megatronapp.fbd.forward import ForwardWorker
+from megatronapp.fbd.links import LinkDevices
 from megatronapp.parallel.groups import build_role_groups
 from megatronapp.parallel.layout import RoleLayout
+from megatronapp.parallel.placement import Placement, compute_default_backend
 
 
 @dataclass(frozen=True)
@@ -34,37 +36,34 @@ class CliParts:
     maybe_load: Callable  # (job, trainer, data, rank): resume from --load when it holds a checkpoint
 
 
-def select_role_device(args: argparse.Namespace, lay: RoleLayout, rank: int, local_rank: int) -> torch.device:
-    """Backward workers: --device; forward workers: --forward-device (default: the same), on
-    the GPU of their backward twin (spare memory on the expensive device) when it is CUDA."""
-    coords = lay.role_of(rank)
-    wanted = (args.forward_device or args.device) if coords.is_forward else args.device
-    if wanted == "cpu" or (wanted is None and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("megatronapp: CUDA requested but not available")
-    twin = lay.backward_rank(coords.tp % lay.tp_size, coords.dp, coords.pp) if coords.is_forward else rank
-    index = (local_rank - rank + twin) % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+@dataclass(frozen=True)
+class RankPlacement:
+    """What one rank needs from the job's placements (parallel/placement.py): FBD ranks and the benchmark's."""
+
+    device: torch.device  # where it computes (the current CUDA device is set to it)
+    links: LinkDevices  # where each of its point-to-point links keeps its tensors
+    backend: str  # of the default process group
 
 
-def _backend(args: argparse.Namespace) -> str:
-    devices = {args.device or ("cuda" if torch.cuda.is_available() else "cpu")}
-    devices.add(args.forward_device or next(iter(devices)))
-    if devices == {"cpu"}:
-        return "gloo"
-    return "nccl" if devices == {"cuda"} else "cpu:gloo,cuda:nccl"
+def place_rank(placements: tuple[Placement, ...], rank: int) -> RankPlacement:
+    p = placements[rank]
+    device = torch.device("cuda", p.index) if p.is_cuda else torch.device("cpu")
+    if p.is_cuda:
+        torch.cuda.set_device(device)
+    return RankPlacement(device, LinkDevices.from_placements(placements, rank, device),
+                         compute_default_backend(placements))
 
 
 def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: CliParts) -> list[dict]:
     """Train as global rank RANK of an FBD job; backward rank 0 returns the metrics history."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     lay, fbd = role_layout_from_args(args, world), fbd_config_from_args(args)
-    device = select_role_device(args, lay, rank, int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group(_backend(args), rank=rank, world_size=world)
-    link = torch.device("cpu") if "gloo" in _backend(args) else device  # cross-role messages travel here
+    placements = fbd_placements_from_args(args, lay, torch.cuda.device_count(),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    placed = place_rank(placements, rank)
+    device = placed.device
+    if not dist.is_initialized():  # no device_id: NCCL communicators are made per group, lazily
+        dist.init_process_group(placed.backend, rank=rank, world_size=world)
     tracer = instrumentation = None
     try:  # every exit path tears the process group down and flushes the trace
         groups = build_role_groups(lay, rank)
@@ -72,7 +71,7 @@ def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: Cli
         role = "forward" if groups.is_forward else "backward"
         tracer, instrumentation = parts.build_tracer(args, job, groups.parallel, device,
                                                      {"rank": rank, "world_size": world, "role": role})
-        kw = {"link_device": link, **({"tracer": tracer} if tracer else {})}
+        kw = {"links": placed.links, **({"tracer": tracer} if tracer else {})}
         history: list[dict] = []
         if groups.is_forward:
             worker = ForwardWorker(job, fbd, groups, device, data, **kw)
@@ -84,7 +83,7 @@ def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: Cli
             worker = BackwardWorker(job, fbd, groups, device, data, injector=injector, **kw)
             parts.maybe_load(job, worker.trainer, data, rank)
             history = parts.train_loop(args, job, worker.trainer, data, rank, injector)
-        stats = gather_role_waits(worker, lay, rank, device if _backend(args) == "nccl" else None)
+        stats = gather_role_waits(worker, lay, rank)
         if rank == 0 and args.summary_file:
             _add_summary_rows(Path(args.summary_file), stats)
         return history
@@ -97,10 +96,11 @@ def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: Cli
             dist.destroy_process_group()
 
 
-def gather_role_waits(worker, lay: RoleLayout, rank: int, device=None) -> dict:
+def gather_role_waits(worker, lay: RoleLayout, rank: int) -> dict:
     """Once, after training, on every rank: seconds each role waited on the other, and the
-    largest gap between forward-worker and recomputed losses."""
-    values = torch.zeros(lay.world_size + 1, dtype=torch.float64, device=device or "cpu")
+    largest gap between forward-worker and recomputed losses. On the CPU (gloo): the default
+    group may hold two ranks of one GPU, which NCCL refuses."""
+    values = torch.zeros(lay.world_size + 1, dtype=torch.float64)
     values[rank] = worker.waits.on_other_role_s
     if worker.role == "backward":
         values[-1] = worker.runtime.loss_gap

@@ -16,6 +16,37 @@ import torch
 import torch.distributed as dist
 
 from megatronapp import spans
+from megatronapp.parallel.placement import Placement, compute_link_device_kind
+
+
+class LinkDevices:
+    """Device of the tensors of each point-to-point link of this rank, so of its transport on a
+    "cpu:gloo,cuda:nccl" default group: the compute device where the link may use NCCL (both
+    ends on distinct GPUs), host memory (gloo) where the ends share a GPU or one is a CPU."""
+
+    def __init__(self, by_peer: dict[int, torch.device], default: torch.device):
+        self._by_peer, self._default = dict(by_peer), default
+
+    @classmethod
+    def uniform(cls, device: torch.device) -> LinkDevices:
+        return cls({}, device)
+
+    @classmethod
+    def from_placements(cls, placements: tuple[Placement, ...], rank: int, device: torch.device) -> LinkDevices:
+        """Both ends of every link compute the same choice from the same placements."""
+        cpu = torch.device("cpu")
+        return cls({peer: device if compute_link_device_kind(placements[rank], p) == "cuda" else cpu
+                    for peer, p in enumerate(placements) if peer != rank}, cpu)
+
+    def __call__(self, peer: int) -> torch.device:
+        return self._by_peer.get(peer, self._default)
+
+    def group_peers(self, peers) -> list[tuple[torch.device, tuple[int, ...]]]:
+        """Peers grouped by link device, in first-seen order (one framed copy per device)."""
+        out: dict[torch.device, list[int]] = {}
+        for p in peers:
+            out.setdefault(self(p), []).append(p)
+        return [(d, tuple(ps)) for d, ps in out.items()]
 
 
 class RoleWaits:
@@ -33,9 +64,9 @@ class RoleWaits:
 
 
 class PostedRecv:
-    def __init__(self, numel: int, source: int, device):
+    def __init__(self, numel: int, source: int, device, dtype: torch.dtype = torch.float32):
         self.source = source
-        self.buffer = torch.empty(numel, dtype=torch.float32, device=device)
+        self.buffer = torch.empty(numel, dtype=dtype, device=device)
         self.work = dist.irecv(self.buffer, source)
 
     def wait(self) -> torch.Tensor:

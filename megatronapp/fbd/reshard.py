@@ -71,29 +71,42 @@ def _view(p: torch.Tensor, piece: WeightPiece, start: int) -> torch.Tensor:
     return p if piece.dim is None else p.narrow(piece.dim, start, piece.length)
 
 
+VERSION_DIGITS = 3  # a weight message's version as base-256 digits: exact in bf16, fp16 and fp32
+
+
+def weight_message_dtype(module: nn.Module) -> torch.dtype:
+    """Weights travel in the parameters' dtype (bf16 under --bf16: half the bytes of fp32, exact)."""
+    return next(module.parameters()).dtype
+
+
 def pack_weights(module: nn.Module, pieces: list[WeightPiece], version: int, device) -> torch.Tensor:
-    """[version, pieces...] as one fp32 tensor on `device` (a copy: the optimizer may step meanwhile)."""
-    if not 0 <= version < MAX_EXACT_TAG:
-        raise ValueError(f"weight version {version} does not fit an fp32 tag")
+    """[version digits, pieces...] as one tensor of the parameters' dtype on `device` (a copy:
+    the optimizer may step meanwhile)."""
+    if not 0 <= version < 256**VERSION_DIGITS:
+        raise ValueError(f"weight version {version} does not fit {VERSION_DIGITS} base-256 digits")
     params = dict(module.named_parameters())
-    parts = [torch.tensor([float(version)], device=device)]
-    parts += [_view(params[pc.name].detach(), pc, pc.src_start).reshape(-1).float().to(device) for pc in pieces]
-    return torch.cat(parts)
+    home, dtype = next(iter(params.values())).device, weight_message_dtype(module)
+    digits = [(version >> (8 * i)) & 255 for i in reversed(range(VERSION_DIGITS))]
+    parts = [torch.tensor(digits, dtype=dtype, device=home)]  # assembled where the weights are, then one
+    parts += [_view(params[pc.name].detach(), pc, pc.src_start).reshape(-1) for pc in pieces]  # copy (host staging)
+    return torch.cat(parts).to(device)
 
 
 def weight_message_numel(module: nn.Module, pieces: list[WeightPiece]) -> int:
     params = dict(module.named_parameters())
-    return 1 + sum(_view(params[pc.name], pc, pc.dst_start).numel() for pc in pieces)
+    return VERSION_DIGITS + sum(_view(params[pc.name], pc, pc.dst_start).numel() for pc in pieces)
 
 
 def unpack_weights(module: nn.Module, pieces: list[WeightPiece], message: torch.Tensor, expected_version: int,
                    source: int) -> None:
     """Copy a weight message into the forward shard; RuntimeError if its version is not the expected one."""
-    version = int(message[0].item())
+    version = 0
+    for digit in message[:VERSION_DIGITS].tolist():
+        version = version * 256 + int(digit)
     if version != expected_version:
         raise RuntimeError(f"forward worker expected weights of version {expected_version} from rank {source}, "
                            f"got version {version}")
-    params, offset = dict(module.named_parameters()), 1
+    params, offset = dict(module.named_parameters()), VERSION_DIGITS
     with torch.no_grad():
         for pc in pieces:
             dst = _view(params[pc.name], pc, pc.dst_start)
@@ -103,8 +116,8 @@ def unpack_weights(module: nn.Module, pieces: list[WeightPiece], message: torch.
 
 def frame(tags: tuple[int, ...], payload: torch.Tensor, device) -> torch.Tensor:
     """[tags..., payload.flatten()] as fp32 on `device`."""
-    head = torch.tensor([float(t) for t in tags], device=device)
-    return torch.cat([head, payload.detach().float().reshape(-1).to(device)])
+    head = torch.tensor([float(t) for t in tags], device=payload.device)
+    return torch.cat([head, payload.detach().float().reshape(-1)]).to(device)
 
 
 def unframe(message: torch.Tensor, expected: tuple[int, ...], what: str, source: int) -> torch.Tensor:

@@ -53,47 +53,57 @@ def mark_split(param: nn.Parameter, dim: int | None) -> nn.Parameter:
     return param
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """Shared state of the TP linears: the weight's shard along `split_dim` (0: output rows,
+    1: input columns) and the flags the forward reads."""
+
+    def __init__(self, name: str, in_features: int, out_features: int, split_dim: int, *, tp_group,
+                 tp_size: int, tp_rank: int, std: float, seed: int, device, sequence_parallel: bool):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
+        self.weight = mark_split(nn.Parameter(_shard(full, split_dim, tp_size, tp_rank, device)), split_dim)
+        self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.wgrad_fusion:
+            return linear_with_grad_accumulation(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """y = x A^T with A split along its output dim; input replicated (or a sequence shard
     gathered here), output sharded."""
 
     def __init__(self, name: str, in_features: int, out_features: int, *, tp_group, tp_size: int,
                  tp_rank: int, std: float, seed: int, bias: bool = True, device="cpu",
                  sequence_parallel: bool = False):
-        super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
-        self.weight = mark_split(nn.Parameter(_shard(full, 0, tp_size, tp_rank, device)), 0)
+        super().__init__(name, in_features, out_features, 0, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
+                         std=std, seed=seed, device=device, sequence_parallel=sequence_parallel)
         self.bias = (mark_split(nn.Parameter(torch.zeros(out_features // tp_size, device=device)), 0)
                      if bias else None)
-        self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = (gather_from_sequence_parallel(x, self.tp_group) if self.sequence_parallel
              else copy_to_tp(x, self.tp_group))
-        if self.wgrad_fusion:
-            return linear_with_grad_accumulation(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = x A^T with A split along its input dim; input sharded, output summed over TP."""
 
     def __init__(self, name: str, in_features: int, out_features: int, *, tp_group, tp_size: int,
                  tp_rank: int, std: float, seed: int, bias: bool = True, device="cpu",
                  sequence_parallel: bool = False):
-        super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
-        self.weight = mark_split(nn.Parameter(_shard(full, 1, tp_size, tp_rank, device)), 1)
+        super().__init__(name, in_features, out_features, 1, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
+                         std=std, seed=seed, device=device, sequence_parallel=sequence_parallel)
         # The bias is replicated and added after the reduction, once.
         self.bias = mark_split(nn.Parameter(torch.zeros(out_features, device=device)), None) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
-        self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_with_grad_accumulation(x, self.weight, None) if self.wgrad_fusion else F.linear(x, self.weight)
+        y = self._matmul(x, None)
         y = (reduce_scatter_to_sequence_parallel(y, self.tp_group) if self.sequence_parallel
              else reduce_from_tp(y, self.tp_group))
         return y if self.bias is None else y + sp_replicated(self.bias, self.tp_group, self.sequence_parallel)

@@ -197,6 +197,12 @@ class RoleLayout:
     def forward_rank(self, tp: int, dp: int, pp: int) -> int:
         return self.num_backward + self.forward.rank_of(tp, dp, pp)
 
+    def twin_of(self, rank: int) -> int:
+        """Backward worker whose device a forward worker shares when both roles are on GPUs
+        (itself for a backward worker): forward (tf, dp, pp) -> backward (tf mod TP, dp, pp)."""
+        c = self.role_of(rank)
+        return self.backward_rank(c.tp % self.tp_size, c.dp, c.pp) if c.is_forward else rank
+
     def input_source(self, tp: int, dp: int, pp: int) -> int:
         """Forward rank that sends backward worker (tp, dp, pp) its stage inputs and losses."""
         return self.forward_rank(tp % self.forward_tp_size, dp, pp)

@@ -5,8 +5,12 @@
     megatronapp scope serve                                # no checkpoint: uses ./ckpt, or trains a tiny one
     megatronapp train --model tiny --train-iters 500 --device cpu --log-interval 1 --scope [--scope-port P]
 
-The model runs in this one process (layout flags other than one process are refused here:
-the page talks to the process that holds the whole model).
+    megatronapp scope serve --load ckpt --nproc-per-node 4 --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2                   # the model over 4 ranks, UI on rank 0
+
+`serve` runs the model on any TP x PP layout, launched as for `generate`: rank 0 hosts the
+web server and every rank runs each generation (scope_ui/ranks.py). `train --scope` serves
+the training view from a one-process run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 from pathlib import Path
 
 from megatronapp.config import ConfigError
+from megatronapp.inference.cli import add_layout_arguments, check_layout_args, under_launcher
 
 DEMO_CHECKPOINTS = ("ckpt",)  # where the README's training example saves
 TINY_DEMO_DIR = Path.home() / ".cache" / "megatronapp" / "scope-demo"
@@ -30,9 +35,8 @@ def add_serve_subcommand(cmds) -> None:
     p.add_argument("--load", default=None, help="checkpoint folder; default: ./ckpt, or train a tiny demo model")
     add_server_arguments(p, default_port=8765)
     p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
-    p.add_argument("--bf16", action="store_true")
-    p.set_defaults(func=serve_main)
+    add_layout_arguments(p)  # --nproc-per-node, TP/PP sizes, --device, --bf16
+    p.set_defaults(run_with_argv=serve_main)
 
 
 def add_server_arguments(p: argparse.ArgumentParser, default_port: int, prefix: str = "") -> None:
@@ -71,7 +75,8 @@ def find_demo_checkpoint(train_if_missing: bool) -> str:
     return str(TINY_DEMO_DIR)
 
 
-def build_generation_backend(load: str, tokenizer_model, device, bf16: bool, limits):
+def build_generation_backend(load: str, tokenizer_model, device, bf16: bool, limits, model=None):
+    """The UI's GenerationRunner over `model` (default: the whole model in this process)."""
     import torch
 
     from megatronapp.data.tokenizer import load_tokenizer
@@ -79,24 +84,49 @@ def build_generation_backend(load: str, tokenizer_model, device, bf16: bool, lim
     from megatronapp.parallel.groups import single_process_groups
     from megatronapp.scope_ui.runner import GenerationRunner
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_inference_model(read_model_config(load), single_process_groups(), dev, load_dir=load,
-                                  dtype=torch.bfloat16 if bf16 else torch.float32)
-    # Decode steps replayed as a CUDA graph with the UI's capture recorded inside them; runs
-    # with a perturbation that hooks activations fall back to eager (and say so in the log).
-    model.cuda_graphs = dev.type == "cuda"
+    if model is None:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = build_inference_model(read_model_config(load), single_process_groups(), dev, load_dir=load,
+                                      dtype=torch.bfloat16 if bf16 else torch.float32)
+        # Decode steps replayed as a CUDA graph with the UI's capture recorded inside them; runs
+        # with a perturbation that hooks activations fall back to eager (and say so in the log).
+        model.cuda_graphs = dev.type == "cuda"
     return GenerationRunner(model, load_tokenizer(tokenizer_model), limits)
 
 
-def serve_main(args) -> int:
+def _check_serve_args(args):
+    """(server config, checkpoint folder); ConfigError before anything starts."""
+    cfg = server_config(args.host, args.port, args.token)
+    if args.load is None and (args.nproc_per_node or 1) > 1:
+        raise ConfigError("--nproc-per-node needs --load (the demo model is served by one process)")
+    args.load = args.load or find_demo_checkpoint(train_if_missing=not under_launcher())
+    if not os.path.isfile(os.path.join(args.load, "latest")):
+        raise ConfigError(f"--load {args.load}: no complete checkpoint there (missing 'latest')")
+    check_layout_args(args)
+    return cfg, args.load
+
+
+def serve_main(args, argv: list[str]) -> int:
+    try:
+        cfg, load = _check_serve_args(args)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"megatronapp: error: {exc}", file=sys.stderr)
+        return 2
+    if not under_launcher() and (args.nproc_per_node or 1) > 1:
+        import tempfile
+
+        from megatronapp.inference.launch import launch_ranks
+
+        return launch_ranks(argv, args.nproc_per_node, Path(tempfile.mkdtemp(prefix="megatronapp-")) / "unused")
+    if under_launcher():
+        return _serve_ranks(args, cfg, load)
+    return _serve(build_generation_backend(load, args.tokenizer_model, args.device, args.bf16, cfg.limits), cfg, load)
+
+
+def _serve(backend, cfg, load: str) -> int:
     from megatronapp.scope_ui.server import Hub, RunningServer
 
     try:
-        cfg = server_config(args.host, args.port, args.token)
-        load = args.load or find_demo_checkpoint(train_if_missing=True)
-        if not os.path.isfile(os.path.join(load, "latest")):
-            raise ConfigError(f"--load {load}: no complete checkpoint there (missing 'latest')")
-        backend = build_generation_backend(load, args.tokenizer_model, args.device, args.bf16, cfg.limits)
         server = RunningServer(Hub(backend, cfg.limits), cfg)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
@@ -104,3 +134,24 @@ def serve_main(args) -> int:
     print(f"MegaScope UI ({load}): {server.url}", flush=True)
     server.run()
     return 0
+
+
+def _serve_ranks(args, cfg, load: str) -> int:
+    """Under the launcher: rank 0 serves and leads, the other ranks follow (scope_ui/ranks.py)."""
+    from megatronapp.inference.launch import finish_worker, start_worker
+    from megatronapp.scope_ui.ranks import JobChannel, LeaderRunner, follow
+
+    model = start_worker(args)
+    runner = build_generation_backend(load, args.tokenizer_model, None, args.bf16, cfg.limits, model=model)
+    channel = JobChannel(model.device)
+    try:
+        if model.groups.rank != 0:
+            follow(runner, channel)
+            return 0
+        leader = LeaderRunner(runner, channel)
+        try:
+            return _serve(leader, cfg, load)
+        finally:
+            leader.stop()
+    finally:
+        finish_worker()

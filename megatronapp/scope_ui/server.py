@@ -258,6 +258,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host.strip("[]"), port))
+    sock.listen(128)  # the printed URL accepts connections at once (they queue until uvicorn runs)
     return sock
 
 

@@ -5,8 +5,11 @@
     python benchmarks/generate_bench.py --model tiny --device cpu --new-tokens 16          # CPU smoke
 
 Without --load, a checkpoint of the preset (random init, vocab 50304) is written to a temp
-folder. Variants are interleaved in rounds (ours-off, ours-capture, hf, ours-off, ...); each
-figure is the median over rounds with min/max. Decode tokens/s counts new tokens after the
+folder. Variants are interleaved in rounds (ours_off, ours_capture, [ours_eager,
+ours_eager_capture,] hf, ours_off, ...), after one warm-up generation each (which captures
+the decode graphs); each figure is the median over rounds with min/max. With --cuda-graphs,
+ours_off / ours_capture replay the decode step as a CUDA graph (the capture recorded inside
+it) and ours_eager* are the same without graphs. Decode tokens/s counts new tokens after the
 first (prefill excluded), batch 1, no stop at end-of-text. "capture" is the default
 compressed capture (scope.sites.DEFAULT_SITES, scope.compress.DEFAULT_COMPRESS).
 """
@@ -52,15 +55,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def time_ours(model, prompt, new_tokens: int, vocab: int, with_capture: bool) -> tuple[float, float]:
-    """(decode tokens/s, capture bytes/token or 0)."""
+def time_ours(model, prompt, new_tokens: int, vocab: int, with_capture: bool) -> tuple[float, dict]:
+    """(decode tokens/s, {"bytes_per_token", "recorded_fraction"} of the capture, or {})."""
     sampling = SamplingConfig(max_new_tokens=new_tokens, stop_on_eod=False)
     if not with_capture:
         res = generate(model, [prompt], sampling, eod_id=0, vocab_size=vocab)
-        return res.decode_tokens_per_s, 0.0
+        return res.decode_tokens_per_s, {}
     with capture(model, DEFAULT_SITES, compress=DEFAULT_COMPRESS) as cap:
         res = generate(model, [prompt], sampling, eod_id=0, vocab_size=vocab)
-    return res.decode_tokens_per_s, cap.bytes_per_token
+    # recorded_fraction: decode steps whose capture ran inside the decode step (graph path)
+    return res.decode_tokens_per_s, {"bytes_per_token": cap.bytes_per_token,
+                                     "recorded_fraction": len(cap.recorded_steps) / max(res.decode_steps, 1)}
 
 
 def load_hf(ckpt: str, device, dtype):
@@ -92,6 +97,23 @@ def time_hf(hf, prompt, new_tokens: int, device) -> float:
     return (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
 
 
+def run_interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
+    """Every variant once to warm up (kernels, allocator, decode graphs), then `rounds` rounds of
+    all variants in turn; tokens/s per variant plus the capture figures of "ours_capture"."""
+    results = {name: [] for name in variants}
+    results.update(bytes_per_token=[], capture_recorded_fraction=[])
+    for run in variants.values():
+        run()
+    for _ in range(rounds):
+        for name, run in variants.items():
+            tps, extra = run()
+            results[name].append(tps)
+            if name == "ours_capture":
+                results["bytes_per_token"].append(extra["bytes_per_token"])
+                results["capture_recorded_fraction"].append(extra["recorded_fraction"])
+    return results
+
+
 def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -113,29 +135,31 @@ def main() -> None:
     ckpt = args.load or write_preset_checkpoint(args.model, device)
     cfg = read_model_config(ckpt)
     model = build_inference_model(cfg, single_process_groups(), device, load_dir=ckpt, dtype=dtype)
-    model.cuda_graphs = args.cuda_graphs  # capture rounds run eager (hooks), see InferenceModel
     hf = None if args.no_hf else load_hf(ckpt, device, dtype)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     new = min(args.new_tokens, cfg.seq_length - args.prompt_len)
-    results = {"ours_off": [], "ours_eager": [], "ours_capture": [], "hf": [], "bytes_per_token": []}
-    time_ours(model, prompt, new, cfg.vocab_size, False)  # warm-up
-    for _ in range(args.rounds):
-        results["ours_off"].append(time_ours(model, prompt, new, cfg.vocab_size, False)[0])
-        if args.cuda_graphs:  # the eager decode path side by side with the graph replay
-            model.cuda_graphs = False
-            results["ours_eager"].append(time_ours(model, prompt, new, cfg.vocab_size, False)[0])
-            model.cuda_graphs = True
-        tps, bpt = time_ours(model, prompt, new, cfg.vocab_size, True)
-        results["ours_capture"].append(tps)
-        results["bytes_per_token"].append(bpt)
-        if hf is not None:
-            results["hf"].append(time_hf(hf, prompt, new, device))
+
+    def ours(graphs: bool, with_capture: bool):
+        def run() -> tuple[float, dict]:
+            model.cuda_graphs = graphs
+            return time_ours(model, prompt, new, cfg.vocab_size, with_capture)
+        return run
+
+    variants = {"ours_off": ours(args.cuda_graphs, False), "ours_capture": ours(args.cuda_graphs, True)}
+    if args.cuda_graphs:  # the eager decode path side by side with the graph replay
+        variants.update(ours_eager=ours(False, False), ours_eager_capture=ours(False, True))
+    if hf is not None:
+        variants["hf"] = lambda: (time_hf(hf, prompt, new, device), {})
+    results = run_interleaved(variants, args.rounds)
     report = {"model": args.model if not args.load else args.load, "device": str(device), "dtype": str(dtype),
               "cuda_graphs": args.cuda_graphs,
               "prompt_len": args.prompt_len, "new_tokens": new,
               **{k: summarize(v) for k, v in results.items() if v}}
     off, on = report["ours_off"]["median"], report["ours_capture"]["median"]
-    report["capture_overhead_pct"] = 100.0 * (off / on - 1.0)
+    report["capture_overhead_pct"] = 100.0 * (off / on - 1.0)  # per token: time on / time off - 1
+    if args.cuda_graphs:
+        eager_off, eager_on = report["ours_eager"]["median"], report["ours_eager_capture"]["median"]
+        report["eager_capture_overhead_pct"] = 100.0 * (eager_off / eager_on - 1.0)
     if hf is not None:
         report["speedup_vs_hf"] = off / report["hf"]["median"]
     print(json.dumps(report, indent=1))

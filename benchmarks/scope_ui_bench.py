@@ -2,7 +2,7 @@
 vs plain generate(), and training step time with the training view on vs off.
 
     python benchmarks/scope_ui_bench.py --model tiny --device cpu --out scope_ui_bench.json     # CPU smoke
-    python benchmarks/scope_ui_bench.py --model 1.3b --device cuda --bf16 --new-tokens 64 \\
+    python benchmarks/scope_ui_bench.py --model 1.3b --device cuda --bf16 --cuda-graphs --new-tokens 64 \\
         --train-model 1.3b --micro-batch-size 4 --global-batch-size 32 --out scope_ui_bench.json   # H200
 
 Latency: the server stamps each token message with the Unix ms it left the model; the page
@@ -53,6 +53,7 @@ def start_server(args, device):
     model = build_inference_model(model_preset(args.model, seq_length=max(64, args.new_tokens + 32)),
                                   single_process_groups(), device, dtype=dtype)
     limits = Limits(max_new_tokens=max(256, args.new_tokens), max_capture_bytes=1 << 34)
+    model.cuda_graphs = args.cuda_graphs and device.type == "cuda"  # as `scope serve` does on CUDA
     runner = GenerationRunner(model, load_tokenizer(None), limits)
     cfg = ServerConfig(port=0, limits=limits)
     return model, RunningServer(Hub(runner, limits), cfg).start()
@@ -78,7 +79,7 @@ def bench_generation(args, model, server, device) -> dict:
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, stop_on_eod=False)
     plain, ui = [], []
     generate(model, [prompt], sampling, eod_id=tok.eod_id, vocab_size=tok.vocab_size)  # warm-up
-    ui_generation_s(server.port, 2)
+    ui_generation_s(server.port, args.new_tokens)  # same shape as the rounds: captures its decode graph
     for _ in range(args.rounds):
         t0 = time.perf_counter()
         generate(model, [prompt], sampling, eod_id=tok.eod_id, vocab_size=tok.vocab_size)
@@ -165,6 +166,7 @@ def main() -> None:
     p.add_argument("--train-model", default="tiny")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed as a CUDA graph (both variants)")
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=5, help="steps per block")

@@ -3,8 +3,11 @@
 Decoding a small batch is bound by kernel launches; a graph replays the whole step's
 kernels at once. It needs a static KV cache (kv_cache.py, static mode) so every step has
 the same shapes and addresses, and one process (collectives are not captured here). The
-graph is captured at the first decode step of a generation, after two warm-up runs on a
-side stream (they write the same cache column the real step then overwrites).
+graph is captured at the first decode step that needs it, after two warm-up runs on a side
+stream (they write the same cache column the real step then overwrites), and replayed for
+later generations too while the static cache lives (InferenceModel keeps one per batch and
+recorder configuration). `step_fn` may return any structure of tensors (and plain Python
+objects): `run` returns that same structure, its tensors refreshed by the replay.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ class DecodeGraph:
                 step_fn(self.tokens)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: a server thread's unrelated CUDA call must not abort this capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = step_fn(self.tokens)
 
-    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor):
         """The step's output for `tokens` (B, 1); valid until the next run."""
         self.tokens.copy_(tokens)
         self.graph.replay()

@@ -14,7 +14,9 @@ once for the longest sequence and written in place.
 Static mode (for CUDA graphs): the step's start column lives in a device tensor, keys and
 values are written with index_copy_ and attention always spans all `max_len` columns (the
 mask hides the unwritten ones), so a decode step has the same shapes and addresses every
-time; positions and mask are computed inside the forward by `prepare()`.
+time; positions and mask are computed inside the forward by `prepare()`. A static cache is
+`reset` for the next generation of the same shape instead of reallocated, so a captured decode
+graph (which reads these very tensors) can be replayed again.
 """
 
 from __future__ import annotations
@@ -60,11 +62,23 @@ class LayerCache:
         values[:, :, start:end] = v
         return keys[:, :, :end], values[:, :, :end]
 
-    def keys_so_far(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_so_far(self, full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys (B, local heads, T, D), mask (B, 1, S, T)) over the T columns written so far,
-        this step's included (read by MegaScope's attention maps)."""
+        this step's included (read by MegaScope's attention maps). `full` (static mode): all
+        max_len columns, unwritten ones masked, so the shapes do not change between steps."""
+        if full and self.cache.static:
+            return self.cache.keys[self.layer], self.cache.attn_mask
         end = self.cache.start + self.cache.num_new
         return self.cache.keys[self.layer][:, :, :end], self.cache.attn_mask[..., :end]
+
+
+STATIC_LENGTH_STEP = 64
+
+
+def compute_static_length(max_len: int, seq_length: int) -> int:
+    """Columns of a static cache: `max_len` rounded up to a multiple of 64 (at most the model's
+    sequence length), so generations of similar length share one cache and decode graph."""
+    return min(seq_length, -(-max_len // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP)
 
 
 class KVCache:
@@ -82,6 +96,18 @@ class KVCache:
         self.positions = self.attn_mask = None
         self.static = static
         self.start_t = torch.zeros((), dtype=torch.long, device=device)  # static mode's start column
+
+    def matches(self, batch: int, max_len: int) -> bool:
+        """True when this static cache can serve a generation of `batch` rows and `max_len` columns."""
+        return self.static and self.pad_left.shape[0] == batch and self.max_len == max_len
+
+    def reset(self, pad_left: torch.Tensor) -> None:
+        """Empty the cache for a new batch, in place (same tensors: captured graphs stay valid)."""
+        for t in (*self.keys.values(), *self.values.values()):
+            t.zero_()  # stale columns are masked, but 0 * NaN would still leak through attention
+        self.pad_left.copy_(pad_left)
+        self.start = self.num_new = 0
+        self.start_t.fill_(0)
 
     def begin_step(self, num_new: int) -> None:
         """Prepare positions and mask for `num_new` new columns (call before the forward)."""

@@ -8,21 +8,33 @@
 
 Per step: hooks stash on device; at the step's end every rank joins `gather.collect_step`
 (TP all-gather, logit lens, one packed P2P transfer per stage); the serving rank compresses
-and starts ONE asynchronous device-to-host copy of everything (a uint8 buffer), finished at
-the next step or on exit. Nothing is installed until the with-block is entered and nothing
-stays after it. With GPT chunks instead of an InferenceModel (one process, e.g. during
-training), call `cap.end_step()` after each forward.
+and queues ONE asynchronous device-to-host copy of everything (a uint8 buffer into pinned
+memory, staging.py). Items are built from the host copies when `items` is next read (or on
+exit), so a step costs no host sync and no per-item Python.
+
+Decode steps in one process on a static KV cache (the CUDA-graph path, InferenceModel's
+"recorders") take a second route to the same items: `record_decode` runs right after the
+forward, inside the decode graph, and does the whole of the above on device (logit lens as
+one batched matmul, compression, packing into one buffer); after each replay `step_end` only
+queues the copy of that static buffer. Configurations it cannot record (attention
+probabilities reduced or top-k'd over the key dim, whose used width grows every step) keep
+the hook path, and the model says so in one log line. Nothing is installed until the
+with-block is entered and nothing stays after it. With GPT chunks instead of an
+InferenceModel (one process, e.g. during training), call `cap.end_step()` after each forward.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
 
 from megatronapp.scope.compress import CapturedItem, apply_pipeline, check_pipeline, parse_pipeline
-from megatronapp.scope.gather import collect_step, stage_items
+from megatronapp.scope.compress import select_indices
+from megatronapp.scope.gather import collect_step, compute_logit_lens, stage_items
 from megatronapp.scope.hooks import CaptureHooks
+from megatronapp.scope.staging import HostStaging, pack_items, view_items
 from megatronapp.scope.sites import (DEFAULT_SITES, HEAD_SITES, check_heads, check_layers, check_sites,
                                      site_numel)
 from megatronapp.scope.target import resolve_target
@@ -55,6 +67,15 @@ def validate_capture(model_cfg, cfg: CaptureConfig) -> tuple[tuple[int, ...], tu
     return layers, heads, compress
 
 
+def compute_replay_blocker(sites, compress) -> str | None:
+    """Why a capture of `sites` compressed by `compress` cannot be recorded into a decode graph."""
+    key_dim_ops = [op["name"] for op in compress if op["name"] in ("reduce", "topk")]
+    if "attn_probs" in sites and key_dim_ops:
+        return (f"capture of attn_probs with {key_dim_ops[0]} (it acts on the key dim, which grows "
+                f"every step) runs on the hook path")
+    return None
+
+
 def make_capture_config(sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
                         max_bytes_per_step: int = 1 << 30) -> CaptureConfig:
     """CaptureConfig from loose arguments (`compress` may be the text form)."""
@@ -72,16 +93,27 @@ class Capture:
         self.want_lens = "logit_lens" in cfg.sites
         if self.target.model is None and ({"topk", "logit_lens"} & set(cfg.sites)):
             raise ValueError("topk and logit_lens need an InferenceModel (they read the logits / output layer)")
-        self.items: list[CapturedItem] = []
+        self._items: list[CapturedItem] = []
+        self._unread: list[tuple] = []  # steps whose copies are queued, their items not yet built
         self.steps: list[dict] = []  # {"step", "tokens", "bytes"} of each captured step
-        self.hooks, self._pending = None, None
+        self.recorded_steps: list[int] = []  # steps whose items came from record_decode
+        self.hooks, self.staging, self._template_bytes = None, HostStaging(), (None, 0)
+        self.graph_unsupported = compute_replay_blocker(cfg.sites, self.compress)
+        self.decode_key = None  # set on entry when this capture can be recorded (InferenceModel)
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> "Capture":
         self.hooks = CaptureHooks(self.target, self.layers, self.cfg.sites, self.want_lens)
         if self.target.model is not None:
+            if self.graph_unsupported is None:
+                self.decode_key = ("scope.capture", json.dumps(self._config_dict(), sort_keys=True))
             self.target.model.observers.append(self)
         return self
+
+    @property
+    def graph_hook_ids(self) -> set[int]:
+        """Ids of the hooks this capture installed (all safe to replay in a decode graph)."""
+        return {h.id for h in self.hooks.handles} if self.hooks is not None else set()
 
     def __exit__(self, *exc) -> None:
         if self.target.model is not None and self in self.target.model.observers:
@@ -90,9 +122,9 @@ class Capture:
         self._finish_transfer()
 
     def step_begin(self, model) -> None:
-        self._finish_transfer()
+        self.hooks.full_keys = model.recording and self.decode_key is not None
         cache = model.cache
-        b, new, total = cache.positions.shape[0], cache.num_new, cache.start + cache.num_new
+        b, new, total = cache.pad_left.shape[0], cache.num_new, cache.start + cache.num_new
         raw = 4 * len(self.layers) * sum(site_numel(s, model.cfg, b, new, total)
                                          for s in self.cfg.sites if s in DIMS and s not in ("logit_lens", "topk"))
         if raw > self.cfg.max_bytes_per_step:
@@ -100,15 +132,42 @@ class Capture:
                              f"{self.cfg.max_bytes_per_step}; capture fewer sites/layers or shorter prompts")
 
     def step_end(self, model, logits) -> None:
+        record = model.step_records.get(self.decode_key) if self.decode_key is not None else None
+        if record is not None:  # recorded on device (maybe replayed): only the copy is left
+            self.hooks.stash.clear()
+            buffer, template = record
+            if self._template_bytes[0] is not template:
+                self._template_bytes = (template, sum(it.nbytes for it in template))
+            cache = model.cache
+            self._start_transfer(model.step, template, buffer, cache.positions.numel(), self._template_bytes[1],
+                                 template=True, key_columns=cache.start + cache.num_new)
+            self.recorded_steps.append(model.step)
+            return
         gathered = collect_step(model, self.target, self.layers, self.cfg.sites, self.hooks.stash, self.want_lens)
         self.hooks.stash.clear()
         if gathered is None:
             return
         if "topk" in self.cfg.sites:
-            probs = logits[:, :model.cfg.vocab_size].float().softmax(-1).topk(self.cfg.topk, dim=-1)
-            gathered.append(("topk", None, "topk", probs))
+            gathered.append(("topk", None, "topk", self._next_token_topk(model, logits)))
         tokens = model.cache.positions.numel()
         self._finish_step(model.step, gathered, tokens)
+
+    def _next_token_topk(self, model, logits: torch.Tensor):
+        return logits[:, :model.cfg.vocab_size].float().softmax(-1).topk(self.cfg.topk, dim=-1)
+
+    def record_decode(self, model, out: torch.Tensor) -> tuple[torch.Tensor, list[CapturedItem]]:
+        """Device work of a static decode step in one process, right after the forward (recorded
+        into the decode graph): (packed uint8 buffer, items describing its layout). The same
+        items, in the same order, as the hook path's step_end."""
+        stash = self.hooks.stash
+        gathered = stage_items(self.target, self.layers, self.cfg.sites, stash)
+        if self.want_lens:  # one process: every layer's residual is here, one batched matmul
+            gathered.append(("logit_lens", None, "logit_lens", compute_logit_lens(model, stash)))
+        if "topk" in self.cfg.sites:
+            gathered.append(("topk", None, "topk", self._next_token_topk(model, out[:, -1])))
+        stash.clear()
+        items = self._build_items(0, gathered)
+        return pack_items(items, out.device), items
 
     def end_step(self) -> None:
         """Chunk targets (no InferenceModel): collect what the last forward stashed."""
@@ -122,22 +181,17 @@ class Capture:
     # -- serving rank: compress, one async copy --------------------------------------------
     def _finish_step(self, step: int, gathered, tokens: int) -> None:
         items = self._build_items(step, gathered)
-        flat = []
-        for t in (t for it in items for t in it.tensors.values()):
-            raw = t.contiguous().reshape(-1).view(torch.uint8)
-            flat.append(raw)
-            if raw.numel() % 8:  # every tensor starts 8-byte aligned: host slices view as any dtype
-                flat.append(torch.zeros(-raw.numel() % 8, dtype=torch.uint8, device=raw.device))
-        buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-        if buffer.is_cuda:
-            host = torch.empty(buffer.shape, dtype=torch.uint8, pin_memory=True)
-            host.copy_(buffer, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = buffer, None
-        self._pending = (host, event, items)
-        self.steps.append({"step": step, "tokens": tokens, "bytes": sum(it.nbytes for it in items)})
+        self._start_transfer(step, items, pack_items(items, "cpu"), tokens, sum(it.nbytes for it in items))
+
+    def _start_transfer(self, step: int, items, buffer: torch.Tensor, tokens: int, nbytes: int,
+                        template: bool = False, key_columns=None) -> None:
+        """Queue the copy of this step's buffer. Its items (`items`, or made from them for `step`
+        when they are a `template`) are built when `items` is next read: per step nothing but the
+        copy and an event, the views and Python objects later (at the end, or when asked)."""
+        host, event = self.staging.copy(buffer)
+        entry = {"step": step, "tokens": tokens, "bytes": nbytes}
+        self.steps.append(entry)
+        self._unread.append((host, event, items, step if template else None, entry, key_columns))
 
     def _build_items(self, step: int, gathered) -> list[CapturedItem]:
         """Compressed items in gathered order. A per-layer site is stacked over layers and
@@ -161,9 +215,9 @@ class Capture:
                             {"data": top.values, "indices": top.indices.to(torch.int32)})
 
     def _compress_site(self, step: int, site: str, entries) -> list[CapturedItem]:
-        data = torch.stack([d.float() for _, _, d in entries])  # (layers, ...)
+        data = torch.stack([d for _, _, d in entries]).float()  # (layers, ...)
         if self.heads is not None and site in HEAD_SITES:
-            data = data.index_select(2, torch.tensor(self.heads, device=data.device))
+            data = select_indices(data, 2, self.heads)
         stacked = apply_pipeline(CapturedItem("", site, step, None, ("layer", *DIMS[site]), {"data": data}),
                                  self.compress)
         ops = [{**op, "shape": op["shape"][1:]} for op in stacked.ops]
@@ -172,23 +226,31 @@ class Capture:
                 for i, (name, layer, _) in enumerate(entries)]
 
     def _finish_transfer(self) -> None:
-        if self._pending is None:
-            return
-        host, event, items = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()
-        offset = 0
-        for it in items:
-            for key, t in it.tensors.items():
-                n = t.numel() * t.element_size()
-                it.tensors[key] = host[offset:offset + n].view(t.dtype).view(t.shape)
-                offset += n + (-n % 8)
-        self.items.extend(items)
+        """Build the items of every queued step now (waits for their copies)."""
+        unread, self._unread = self._unread, []
+        for host, event, items, step, entry, key_columns in unread:
+            if event is not None:
+                event.synchronize()
+            if step is not None:
+                items = _items_for_step(items, step)
+            view_items(host, items)
+            if key_columns is not None:  # static attention maps span the whole cache: keep the keys so far
+                for it in items:
+                    if it.site == "attn_probs":
+                        _narrow_keys(it, key_columns)
+                entry["bytes"] = sum(it.nbytes for it in items)
+            self._items.extend(items)
+
+    @property
+    def items(self) -> list[CapturedItem]:
+        """Every captured item so far (on the serving rank), in step order."""
+        self._finish_transfer()
+        return self._items
 
     # -- results -------------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> float:
+        self._finish_transfer()
         tokens = sum(s["tokens"] for s in self.steps)
         return sum(s["bytes"] for s in self.steps) / tokens if tokens else 0.0
 
@@ -205,12 +267,28 @@ class Capture:
         layer = self.layers[-1] if layer is None else layer
         return compute_pca(token_rows(self.get(site, layer)), k)
 
+    def _config_dict(self) -> dict:
+        return {"sites": list(self.cfg.sites), "layers": list(self.layers),
+                "heads": None if self.heads is None else list(self.heads), "compress": list(self.compress),
+                "topk": self.cfg.topk}
+
     def manifest(self) -> dict:
-        return {"config": {"sites": list(self.cfg.sites), "layers": list(self.layers),
-                           "heads": None if self.heads is None else list(self.heads),
-                           "compress": list(self.compress), "topk": self.cfg.topk},
-                "steps": list(self.steps), "bytes_per_token": self.bytes_per_token,
+        return {"config": self._config_dict(), "steps": list(self.steps), "bytes_per_token": self.bytes_per_token,
                 "items": [it.manifest() for it in self.items]}
+
+
+def _items_for_step(template: list[CapturedItem], step: int) -> list[CapturedItem]:
+    """Fresh items of `step` with the template's layout (its tensors give shapes and dtypes)."""
+    return [CapturedItem(f"step{step}/{it.name.partition('/')[2]}", it.site, step, it.layer, it.dims,
+                         dict(it.tensors), [{**op, "shape": list(op["shape"])} for op in it.ops])
+            for it in template]
+
+
+def _narrow_keys(item: CapturedItem, columns: int) -> None:
+    """An attention map's key dim (last; only slice / quantize ops touched it) cut to `columns`."""
+    item.tensors["data"] = item.tensors["data"][..., :columns]
+    for op in item.ops:
+        op["shape"][-1] = columns
 
 
 def capture(model, sites=DEFAULT_SITES, **kwargs) -> Capture:

@@ -16,6 +16,7 @@ quantize may follow topk.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,7 @@ def _slice(item: CapturedItem, layers=None, heads=None, tokens=None) -> Captured
         return None
     data = item.tensors["data"]
     if heads is not None and "head" in item.dims:
-        data = data.index_select(item.dims.index("head"), torch.tensor(heads, device=data.device))
+        data = select_indices(data, item.dims.index("head"), heads)
     if tokens is not None and "token" in item.dims:
         dim = item.dims.index("token")
         start, end = tokens
@@ -59,20 +60,35 @@ def _slice(item: CapturedItem, layers=None, heads=None, tokens=None) -> Captured
     return item
 
 
+def select_indices(data: torch.Tensor, dim: int, indices) -> torch.Tensor:
+    """data's entries `indices` (a list of ints) along `dim`, by views and one cat: no index tensor
+    is copied to the device, so this can be recorded into a CUDA graph."""
+    return torch.cat([data.narrow(dim, int(i), 1) for i in indices], dim=dim)
+
+
+@functools.lru_cache(maxsize=64)
+def compute_buckets(n: int, width: int, device) -> torch.Tensor:
+    """Bucket of each of n positions (n,) for `width` buckets, as torch.tensor_split makes them
+    (the first n % width buckets one longer); built on the device from an arange, once per
+    (n, width, device) (memoised: a decode graph then holds no kernels for it). Read-only."""
+    size, extra = divmod(n, width)
+    i = torch.arange(n, device=device)
+    long_part = extra * (size + 1)
+    return torch.where(i < long_part, i // (size + 1), extra + (i - long_part) // max(size, 1))
+
+
 def _window(length: int, start, end) -> tuple[int, int]:
     lo, hi, _ = slice(start, end).indices(length)
     return lo, max(0, hi - lo)
 
 
 def _reduce(item: CapturedItem, op: str, width: int) -> CapturedItem:
-    # Buckets as torch.tensor_split makes them (the first n % width one longer), reduced in
-    # one scatter_reduce rather than one kernel per bucket.
+    # One scatter_reduce over all buckets rather than one kernel per bucket; device ops only,
+    # so a CUDA graph can record it.
     data = item.tensors["data"].float()
     n = data.shape[-1]
     width = min(width, n)
-    sizes = torch.full((width,), n // width, dtype=torch.long)
-    sizes[: n % width] += 1
-    bucket = torch.repeat_interleave(torch.arange(width), sizes).to(data.device).expand_as(data)
+    bucket = compute_buckets(n, width, data.device).expand_as(data)  # (..., n): bucket of each column
     src = {"mean": data, "max": data, "absmax": data.abs(), "l2": data * data}[op]
     how = {"mean": "mean", "max": "amax", "absmax": "amax", "l2": "sum"}[op]
     out = torch.zeros((*data.shape[:-1], width), device=data.device)

@@ -2,6 +2,9 @@
 
 Installed only while a capture is active; `remove()` leaves the modules with no hooks. The
 stash maps (layer, site) to this rank's local tensor: heads / ffn columns of its TP shard.
+The hooks only do tensor work, so in a decode step recorded into a CUDA graph (see
+capture.py) their kernels are replayed while their Python is not; `full_keys` makes the
+attention probabilities span the whole static cache then (fixed shape, unwritten columns 0).
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ class CaptureHooks:
         self.target, self.sites = target, set(sites)
         self.stash: dict[tuple[int, str], torch.Tensor] = {}
         self.handles = []
+        self.full_keys = False
         self._attn_args: dict[int, tuple] = {}
         need_qkv = self.sites & {"q", "k", "v", "attn_probs"}
         for layer, block in target.blocks().items():
-            if layer not in layers:
-                continue
             m = layer_modules(block)
+            if layer not in layers:  # the logit lens reads every layer's residual all the same
+                if want_lens:
+                    self.handles.append(m["block"].register_forward_hook(self._residual(layer, True, False)))
+                continue
             if need_qkv:
                 self.handles.append(m["attn"].register_forward_pre_hook(self._remember_attn_args(layer)))
                 self.handles.append(m["qkv"].register_forward_hook(self._qkv(layer)))
@@ -47,7 +53,8 @@ class CaptureHooks:
             if "mlp_out" in self.sites:
                 self.handles.append(m["mlp"].register_forward_hook(self._store(layer, "mlp_out")))
             if "residual" in self.sites or want_lens:
-                self.handles.append(m["block"].register_forward_hook(self._residual(layer, want_lens)))
+                self.handles.append(m["block"].register_forward_hook(
+                    self._residual(layer, want_lens, "residual" in self.sites)))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -79,7 +86,10 @@ class CaptureHooks:
                 self.stash[(layer, "attn_out")] = output.detach()
             if "attn_probs" in self.sites:
                 cache = args[3] if len(args) > 3 else None
-                keys, mask = cache.keys_so_far() if cache is not None else (self.stash[(layer, "k")], None)
+                if cache is not None:
+                    keys, mask = cache.keys_so_far(self.full_keys)
+                else:
+                    keys, mask = self.stash[(layer, "k")], None
                 self.stash[(layer, "attn_probs")] = attention_probs(self.stash[(layer, "q")], keys, mask)
         return hook
 
@@ -93,9 +103,9 @@ class CaptureHooks:
             self.stash[(layer, site)] = output.detach()
         return hook
 
-    def _residual(self, layer: int, want_lens: bool):
+    def _residual(self, layer: int, want_lens: bool, want_residual: bool):
         def hook(module, args, output):
-            if "residual" in self.sites:
+            if want_residual:
                 self.stash[(layer, "residual")] = output.detach()
             if want_lens:
                 self.stash[(layer, LENS)] = output.detach()[:, -1]

@@ -88,6 +88,9 @@ def build_generation_backend(load: str, tokenizer_model, device, bf16: bool, lim
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_inference_model(read_model_config(load), single_process_groups(), dev, load_dir=load,
                                       dtype=torch.bfloat16 if bf16 else torch.float32)
+        # Decode steps replayed as a CUDA graph with the UI's capture recorded inside them; runs
+        # with a perturbation that hooks activations fall back to eager (and say so in the log).
+        model.cuda_graphs = dev.type == "cuda"
     return GenerationRunner(model, load_tokenizer(tokenizer_model), limits)
 
 

@@ -6,8 +6,9 @@ Built only on scope I's public API (scope.capture, scope.perturb, specs) and
 inference.generate, so UI tokens are exactly `megatronapp generate`'s: the same generate()
 with the same SamplingConfig. Two adapters bridge what that API does not expose:
 `_TokenTap` sees each sampled token as the input of the next forward step, and
-`_flush_capture` finishes the capture's pending host copy at the end of a step (the capture
-otherwise finishes it at the next step) so the page gets a step's tensors with its token.
+`_flush_capture` finishes the capture's queued host copies at the end of a step (the capture
+otherwise builds its items only when they are read) so the page gets a step's tensors with
+its token.
 """
 
 from __future__ import annotations

@@ -1,0 +1,134 @@
+"""MegaScope capture replayed inside the CUDA-graph decode step (needs a CUDA device)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatronapp import scope
+from megatronapp.config import model_preset
+from megatronapp.inference.generate import SamplingConfig, generate
+from megatronapp.inference.model import build_inference_model
+from megatronapp.parallel.groups import single_process_groups
+from megatronapp.scope.compress import DEFAULT_COMPRESS
+from megatronapp.scope.sites import DEFAULT_SITES
+from megatronapp.scope.specs import Perturbation, Target
+from megatronapp.scope.store import dequantized
+
+pytestmark = pytest.mark.gpu
+
+EOD, VOCAB = 256, 257
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [10, 11, 12, 13, 14, 15, 16]]
+SAMPLING = SamplingConfig(max_new_tokens=12, stop_on_eod=False)
+CONFIGS = {
+    "default": dict(sites=DEFAULT_SITES, compress=DEFAULT_COMPRESS),
+    "rich": dict(sites=("q", "attn_probs", "fc1", "residual", "topk", "logit_lens"), heads=(0, 3),
+                 compress="slice:heads=1;quantize:dtype=int8", topk=4),
+}
+
+
+class LogitsTap:
+    """Observer without hooks: keeps each step's logits."""
+
+    def __init__(self):
+        self.logits = []
+
+    def step_begin(self, model) -> None:
+        pass
+
+    def step_end(self, model, logits) -> None:
+        self.logits.append(logits.clone())
+
+
+def build(dtype=torch.float32):
+    cfg = model_preset("demo", vocab_size=VOCAB)
+    return build_inference_model(cfg, single_process_groups(), "cuda", seed=5, dtype=dtype)
+
+
+def run(model, config: dict | None, graphs: bool):
+    """(tokens, logits per step, capture or None); graphs=False: the reference, i.e. the same
+    static cache run eagerly with the capture on its hook path."""
+    model.cuda_graphs = graphs
+    tap, start = LogitsTap(), model.start
+    model.observers.append(tap)
+    if not graphs:
+        model.start = lambda b, n, pad: start(b, n, pad, static=True)
+    try:
+        if config is None:
+            return generate(model, PROMPTS, SAMPLING, eod_id=EOD, vocab_size=VOCAB).tokens, tap.logits, None
+        with scope.capture(model, **config) as cap:
+            if not graphs:
+                cap.decode_key = None
+            tokens = generate(model, PROMPTS, SAMPLING, eod_id=EOD, vocab_size=VOCAB).tokens
+        return tokens, tap.logits, cap
+    finally:
+        model.observers.remove(tap)
+        model.start = start
+
+
+def assert_same_captures(got, want) -> None:
+    assert [it.name for it in got.items] == [it.name for it in want.items]
+    for a, b in zip(got.items, want.items):
+        assert a.dims == b.dims and a.ops == b.ops, a.name
+        if a.site in ("topk", "logit_lens"):
+            assert torch.equal(a.tensors["indices"], b.tensors["indices"]), a.name
+        quantum = float(b.tensors["scale"].max()) if "scale" in b.tensors else 0.0
+        torch.testing.assert_close(dequantized(a), dequantized(b), rtol=1e-5, atol=1e-6 + quantum, msg=a.name)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_graph_capture_equals_eager_hook_capture(name):
+    model = build()
+    eager_tokens, _, eager = run(model, CONFIGS[name], graphs=False)
+    assert eager.recorded_steps == []
+    tokens, _, cap = run(model, CONFIGS[name], graphs=True)
+    assert model._graph is not None and model.cache.static
+    assert cap.recorded_steps == list(range(1, SAMPLING.max_new_tokens))
+    assert tokens == eager_tokens
+    assert_same_captures(cap, eager)
+    assert cap.bytes_per_token == eager.bytes_per_token
+
+
+def test_graph_capture_leaves_logits_bitwise_identical():
+    model = build(torch.bfloat16)
+    off_tokens, off_logits, _ = run(model, None, graphs=True)
+    on_tokens, on_logits, cap = run(model, CONFIGS["default"], graphs=True)
+    assert cap.recorded_steps and on_tokens == off_tokens
+    for a, b in zip(on_logits, off_logits):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_reconfiguration_recaptures_and_reuses_graphs(caplog):
+    model = build()
+    refs = {name: run(model, config, graphs=False)[2] for name, config in CONFIGS.items()}
+    graphs = {}
+    for name in ("default", "rich", None, "default"):
+        tokens, _, cap = run(model, None if name is None else CONFIGS[name], graphs=True)
+        key = () if cap is None else (cap.decode_key,)
+        assert model._graph is model._graphs[key]
+        graphs.setdefault(key, model._graph)
+        assert graphs[key] is model._graph  # the same configuration replays its graph again
+        if cap is not None:
+            assert_same_captures(cap, refs[name])
+    assert len(model._graphs) == 3
+    spec = Perturbation("offset", Target("residual", layers=(0,)), value=1.0)
+    with caplog.at_level("WARNING", logger="megatronapp.inference"):
+        with scope.perturb(model, spec):
+            _, _, cap = run(model, CONFIGS["default"], graphs=True)
+    assert model._graph is None and cap.recorded_steps  # eager (recorded without a graph)
+    assert model.cache is model._static_cache and len(model._graphs) == 3  # kept for the next graph run
+    assert any("perturbation" in r.getMessage() for r in caplog.records)
+
+
+def test_perturbed_eager_fallback_runs_the_replayed_kernels():
+    """A perturbation hook forces eager decode, on the same static cache: with a perturbation
+    that changes nothing, the logits equal the graph replay's bit for bit (so the UI's clean
+    vs perturbed comparison shows only the perturbation)."""
+    model = build(torch.bfloat16)
+    _, replayed, _ = run(model, None, graphs=True)
+    with scope.perturb(model, Perturbation("offset", Target("residual", layers=(1,)), value=0.0)):
+        _, fallback, _ = run(model, None, graphs=True)
+        assert model._graph is None
+    assert len(fallback) == len(replayed)
+    for a, b in zip(fallback, replayed):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

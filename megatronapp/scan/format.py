@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -281,15 +282,18 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     return RankTrace(meta=meta, events=table, path=source, partial=partial)
 
 
+def iteration_mask(iterations: np.ndarray, wanted: Container[int]) -> np.ndarray:
+    """Which entries of `iterations` (an int array) are in `wanted` (a range or any container)."""
+    if isinstance(wanted, range) and wanted.step == 1:
+        return (iterations >= wanted.start) & (iterations < wanted.stop)
+    return np.isin(iterations, np.fromiter(sorted(set(wanted)), np.int64))
+
+
 def filter_iterations(events: pa.Table, iterations: Container[int]) -> pa.Table:
     """Rows whose iteration is in `iterations`, plus every calib row (alignment needs them)."""
-    col = events.column("iteration")
-    if isinstance(iterations, range) and iterations.step == 1:
-        keep = pc.and_(pc.greater_equal(col, iterations.start), pc.less(col, iterations.stop))
-    else:
-        keep = pc.is_in(col, value_set=pa.array(sorted(set(iterations)), type=pa.int32()))
-    keep = pc.or_(keep, pc.equal(events.column("cat").cast(pa.string()), "calib"))
-    return events.filter(keep)
+    keep = iteration_mask(events.column("iteration").to_numpy(), iterations)
+    keep |= np.asarray(pc.equal(events.column("cat").cast(pa.string()), "calib").to_numpy(zero_copy_only=False), bool)
+    return events.filter(pa.array(keep))
 
 
 def list_trace_files(trace_dir: str | os.PathLike) -> dict[int, Path]:

@@ -28,7 +28,7 @@ from megatronapp.scan.format import (
     EVENT_SCHEMA,
     RankTrace,
     TraceFormatError,
-    filter_iterations,
+    iteration_mask,
     read_meta,
 )
 
@@ -111,22 +111,64 @@ class RankSurvey:
         return int(self.first_starts[hit].min()) if hit.any() else None
 
 
-def _is_category(batch: pa.RecordBatch, cat: str) -> pa.Array:
-    return pc.equal(batch.column("cat").cast(pa.string()), cat)
+def category_mask(column: pa.Array, text: str) -> np.ndarray:
+    """Rows of a string (or dictionary) column equal to `text`; on a dictionary column this
+    compares indices, never materialising the strings."""
+    if not pa.types.is_dictionary(column.type):
+        return np.asarray(pc.equal(column, text).to_numpy(zero_copy_only=False), bool)
+    hits = [k for k, v in enumerate(column.dictionary.to_pylist()) if v == text]
+    indices = column.indices.to_numpy(zero_copy_only=False)
+    if len(hits) <= 1:
+        return indices == hits[0] if hits else np.zeros(len(indices), bool)
+    return np.isin(indices, hits)
 
 
 def _earliest_per_iteration(iterations: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct iterations and the earliest start of each."""
-    order = np.lexsort((starts, iterations))
-    its, sts = iterations[order], starts[order]
-    head = np.flatnonzero(np.append(True, its[1:] != its[:-1])) if len(its) else np.zeros(0, np.int64)
-    return its[head], sts[head]
+    if len(iterations) == 0:
+        return iterations.astype(np.int64), starts
+    if np.any(iterations[1:] < iterations[:-1]):  # rows come sorted but for late ones
+        order = np.argsort(iterations, kind="stable")
+        iterations, starts = iterations[order], starts[order]
+    head = np.flatnonzero(np.append(True, iterations[1:] != iterations[:-1]))
+    return iterations[head].astype(np.int64), np.minimum.reduceat(starts, head)
 
 
 def _note_first_starts(survey: RankSurvey, iterations: np.ndarray, starts: np.ndarray) -> None:
-    its, sts = _earliest_per_iteration(np.concatenate([survey.iterations, iterations.astype(np.int64)]),
-                                       np.concatenate([survey.first_starts, starts]))
+    its, sts = _earliest_per_iteration(iterations, starts)
+    if len(survey.iterations) and len(its) and its[0] <= survey.iterations[-1]:  # overlaps what is known
+        its, sts = _earliest_per_iteration(np.concatenate([survey.iterations, its]),
+                                           np.concatenate([survey.first_starts, sts]))
+    elif len(survey.iterations):
+        its, sts = np.concatenate([survey.iterations, its]), np.concatenate([survey.first_starts, sts])
     survey.iterations, survey.first_starts = its, sts
+
+
+class _AlignSample:
+    """The keyed comm rows of a rank's first `size` traced iterations, plus every calib row."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.iterations, self.tables = size, np.zeros(0, np.int64), []
+
+    def add(self, batch: pa.RecordBatch, calib: np.ndarray, spans: np.ndarray, iterations: np.ndarray) -> None:
+        """`spans`: the batch's non-calib rows that pass the iteration filter."""
+        if len(self.iterations) < self.size:
+            seen = np.unique(iterations[spans])
+            fresh = seen[~np.isin(seen, self.iterations)][:self.size - len(self.iterations)]
+            self.iterations = np.concatenate([self.iterations, fresh])
+        rows = np.zeros(len(iterations), bool)
+        if len(self.iterations) and len(iterations) and iterations.min() <= self.iterations.max():
+            rows = spans & np.isin(iterations, self.iterations)
+        if rows.any():
+            rows &= category_mask(batch.column("cat"), CAT_COMM) & (batch.column("seq").to_numpy() >= 0)
+        rows |= calib
+        if rows.any():
+            self.tables.append(pa.Table.from_batches([batch.filter(pa.array(rows))]))
+
+    def table(self) -> pa.Table:
+        if not self.tables:
+            return EVENT_SCHEMA.empty_table()
+        return pa.concat_tables(self.tables).unify_dictionaries().combine_chunks()
 
 
 def survey_rank(path: str | os.PathLike, iterations: Container[int] | None, sample_iterations: int) -> RankSurvey:
@@ -134,27 +176,51 @@ def survey_rank(path: str | os.PathLike, iterations: Container[int] | None, samp
     `sample_iterations` traced iterations, and the earliest start of every iteration."""
     batches = iter_rank_batches(path)
     meta = next(batches)
-    kept, partial, sampled = [], False, set()
+    partial, sample = False, _AlignSample(sample_iterations)
     survey = RankSurvey(RankTrace(meta, EVENT_SCHEMA.empty_table(), str(path)))
     for batch in batches:
         if isinstance(batch, str):
             partial = True
             continue
-        table = pa.Table.from_batches([batch])
-        if iterations is not None:
-            table = filter_iterations(table, iterations)
-        calib = np.asarray(_is_category(table, CAT_CALIB).to_numpy(zero_copy_only=False), bool)
-        its, starts = table.column("iteration").to_numpy()[~calib], table.column("start_ns").to_numpy()[~calib]
-        survey.events += len(its)
-        _note_first_starts(survey, its, starts)
-        for it in np.unique(its).tolist()[:max(0, sample_iterations - len(sampled))]:
-            sampled.add(it)
-        keyed = pc.and_(_is_category(table, CAT_COMM), pc.greater_equal(table.column("seq"), 0))
-        in_sample = pc.is_in(table.column("iteration"), value_set=pa.array(sorted(sampled), pa.int32()))
-        kept.append(table.filter(pc.or_(pa.array(calib), pc.and_(keyed, in_sample))))
-    events = pa.concat_tables(kept).unify_dictionaries().combine_chunks() if kept else EVENT_SCHEMA.empty_table()
-    survey.trace = RankTrace(meta, events, str(path), partial)
+        its = batch.column("iteration").to_numpy()
+        calib = category_mask(batch.column("cat"), CAT_CALIB)
+        spans = ~calib if iterations is None else ~calib & iteration_mask(its, iterations)
+        survey.events += int(spans.sum())
+        _note_first_starts(survey, its[spans], batch.column("start_ns").to_numpy()[spans])
+        sample.add(batch, calib, spans, its)
+    survey.trace = RankTrace(meta, sample.table(), str(path), partial)
     return survey
+
+
+class _HeldRows:
+    """Decoded rows of one batch not handed out yet: rows[pos:] if `ordered` (iterations
+    non-decreasing, the usual case: take by slicing), else all of `cols` (take by mask)."""
+
+    def __init__(self, cols: dict[str, np.ndarray]) -> None:
+        its = cols["iteration"]
+        self.cols, self.pos = cols, 0
+        self.ordered = not np.any(its[1:] < its[:-1])
+        self.top = int(its.max(initial=-1))  # highest iteration still held
+
+    def take(self, stop: int) -> dict[str, np.ndarray] | None:
+        """Hand out the held rows with iteration < stop (None if none), in row order."""
+        its = self.cols["iteration"]
+        if self.ordered:
+            end = self.pos + int(np.searchsorted(its[self.pos:], stop, "left"))
+            out = {k: v[self.pos:end] for k, v in self.cols.items()} if end > self.pos else None
+            self.pos = end
+            return out
+        early = its < stop
+        if not early.any():
+            return None
+        out = {k: v[early] for k, v in self.cols.items()}
+        self.cols = {k: v[~early] for k, v in self.cols.items()}
+        self.top = int(self.cols["iteration"].max(initial=-1))
+        return out
+
+    @property
+    def empty(self) -> bool:
+        return self.pos == len(self.cols["iteration"])
 
 
 class WindowReader:
@@ -166,38 +232,30 @@ class WindowReader:
         self._batches = iter_rank_batches(path, warn=False)  # the survey warned already
         next(self._batches)  # meta: surveyed already
         self._vocab, self._iterations = vocab, iterations
-        self._calib = vocab.id_of(CAT_CALIB)
-        self._held: list[dict[str, np.ndarray]] = []
+        self._held: list[_HeldRows] = []
         self._done = False
 
     def _read_one(self) -> bool:
         for batch in self._batches:
             if isinstance(batch, str):
                 continue
+            keep = ~category_mask(batch.column("cat"), CAT_CALIB)
             if self._iterations is not None:
-                batch = filter_iterations(pa.Table.from_batches([batch]), self._iterations).combine_chunks()
-                batch = batch.to_batches()[0] if batch.num_rows else None
-            if batch is not None and batch.num_rows:
+                keep &= iteration_mask(batch.column("iteration").to_numpy(), self._iterations)
+            if keep.any():
                 cols = {name: self._vocab.encode(batch.column(name)) for name in STRING_COLUMNS}
                 cols.update({name: batch.column(name).to_numpy() for name in INT_COLUMNS})
-                keep = cols["cat"] != self._calib
-                self._held.append({k: v[keep] for k, v in cols.items()})
+                self._held.append(_HeldRows(cols if keep.all() else {k: v[keep] for k, v in cols.items()}))
                 return True
         self._done = True
         return False
 
     def take(self, stop: int) -> dict[str, np.ndarray] | None:
         """Rows with iteration < stop (None if there are none)."""
-        while not self._done and not any(int(c["iteration"].max(initial=-1)) >= stop for c in self._held):
+        while not self._done and not any(h.top >= stop for h in self._held):
             self._read_one()
-        out, rest = [], []
-        for cols in self._held:
-            early = cols["iteration"] < stop
-            out.append({k: v[early] for k, v in cols.items()})
-            if not early.all():
-                rest.append({k: v[~early] for k, v in cols.items()})
-        self._held = rest
-        out = [c for c in out if len(c["iteration"])]
-        if not out:
-            return None
+        out = [part for h in self._held if (part := h.take(stop)) is not None]
+        self._held = [h for h in self._held if not h.empty]
+        if len(out) <= 1:
+            return out[0] if out else None
         return {k: np.concatenate([c[k] for c in out]) for k in out[0]}

@@ -73,6 +73,30 @@ def _non_nesting(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     return bad
 
 
+def _order_by(key: np.ndarray, tie: np.ndarray) -> np.ndarray:
+    """Stable order by (key, tie): np.lexsort((tie, key)), but one stable argsort of `key` (fast
+    on the nearly sorted rows a trace gives), then a lexsort of the tied runs only."""
+    order = np.argsort(key, kind="stable")
+    k = key[order]
+    tied = np.flatnonzero(k[1:] == k[:-1])
+    if len(tied):
+        in_run = np.zeros(len(k), bool)
+        in_run[tied] = in_run[tied + 1] = True
+        at = np.flatnonzero(in_run)  # positions in runs of equal keys
+        rows = order[at]
+        order[at] = rows[np.lexsort((rows, tie[rows], k[at]))]
+    return order
+
+
+def _dense_ids(values: np.ndarray) -> np.ndarray:
+    """Small non-negative ints -> 0, 1, ... in the same order (ids of the distinct values)."""
+    if int(values.min()) < 0 or int(values.max()) > 4 * len(values) + 1024:
+        return np.unique(values, return_inverse=True)[1].astype(np.int64).reshape(-1)
+    present = np.zeros(int(values.max()) + 1, np.int64)
+    present[values] = 1
+    return (np.cumsum(present) - 1)[values]
+
+
 def compute_lanes(group: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """assign_lanes applied within each group (e.g. one rank's track), vectorised.
 
@@ -83,11 +107,17 @@ def compute_lanes(group: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
     lanes = np.zeros(n, np.int64)
     if n == 0:
         return lanes
-    order = np.lexsort((-ends, starts, group))
-    g = np.unique(group[order], return_inverse=True)[1].astype(np.int64)
     base = int(starts.min())
     width = int(max(ends.max(), starts.max())) - base + 1
-    s, e = g * width + (starts[order] - base), g * width + (ends[order] - base)  # groups on disjoint ranges
+    g = _dense_ids(group)
+    if int(g.max()) >= (1 << 62) // width:  # groups cannot share one int64 axis: sort the slow way
+        order = np.lexsort((-ends, starts, group))
+        g = np.unique(group[order], return_inverse=True)[1].astype(np.int64)
+        s, e = g * width + (starts[order] - base), g * width + (ends[order] - base)
+    else:
+        s, e = g * width + (starts - base), g * width + (ends - base)  # groups on disjoint ranges
+        order = _order_by(s, -e)
+        s, e = s[order], e[order]
     new = np.ones(n, bool)
     new[1:] = s[1:] >= np.maximum.accumulate(e)[:-1]
     cluster = np.cumsum(new) - 1

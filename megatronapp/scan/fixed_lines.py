@@ -2,8 +2,16 @@
 
 JSON allows whitespace between tokens, so a number or string literal padded with spaces to the
 widest value of its column is still the same JSON value. `LineBlock` lays out one line
-template (constant text and column fields) as an (n, width) byte matrix and fills each field
-for all rows at once; numbers are written three digits at a time through a lookup table.
+template (constant text and column fields) as an (n, width) byte matrix: the constant text is
+broadcast into every row at once, then each field is stored column by column. Numbers are
+written three digits at a time through a lookup table.
+
+Why stores are whole words: numpy copies a narrow 2-D byte slice (n, 3) of a wide matrix one
+byte loop per row (~5 ns a row), but an unaligned 4-byte word (or a `V<w>` record) per row in
+one strided store (~1 ns). A digit triple is therefore stored as a 4-byte word whose extra
+byte is what belongs after it: the template's constant there, or anything where a later
+(left-to-right) store will overwrite it. The buffer has a few spare bytes after the last row
+so the last row's words stay inside it.
 """
 
 from __future__ import annotations
@@ -13,21 +21,17 @@ from collections.abc import Sequence
 import numpy as np
 
 _SPACE = ord(" ")
+_SPARE = 4  # bytes after the last row: room for a word store's overhang
 # Rows 0..999: "000".."999"; 1000..1999: the same with leading zeros as spaces ("  7");
-# 2000: three spaces (a chunk above the number's top digit).
-_TRIPLES = np.array(
-    [list(f"{v:03d}".encode()) for v in range(1000)]
-    + [list(f"{v:3d}".encode()) for v in range(1000)]
-    + [list(b"   ")],
-    dtype=np.uint8,
+# 2000: three spaces (a chunk above the number's top digit). One little-endian uint32 each:
+# chars in bytes 0..2, byte 3 zero.
+_TRIPLES32 = np.array(
+    [int.from_bytes(f"{v:03d}".encode(), "little") for v in range(1000)]
+    + [int.from_bytes(f"{v:3d}".encode(), "little") for v in range(1000)]
+    + [int.from_bytes(b"   ", "little")],
+    dtype=np.uint32,
 )
-# The same rows padded to 4 bytes, one uint32 each: a 1-D take is ~4x faster than a 2-D gather.
-_TRIPLES32 = np.concatenate([_TRIPLES, np.zeros((len(_TRIPLES), 1), np.uint8)], axis=1).view(np.uint32).ravel()
-
-
-def _triples(index: np.ndarray) -> np.ndarray:
-    """(n, 3) bytes of _TRIPLES rows `index`."""
-    return np.take(_TRIPLES32, index).view(np.uint8).reshape(len(index), 4)[:, :3]  # (n, 3)
+_TRIPLES = _TRIPLES32.view(np.uint8).reshape(-1, 4)[:, :3]  # (2001, 3) chars
 
 
 def _digit_count(values: np.ndarray) -> int:
@@ -35,26 +39,26 @@ def _digit_count(values: np.ndarray) -> int:
     return max(1, len(str(top)))
 
 
-def _write_uints(out: np.ndarray, values: np.ndarray) -> None:
-    """Write non-negative ints right-aligned and space-padded into `out` (n, width), in place."""
+def _chunk_indices(values: np.ndarray, width: int) -> list[np.ndarray]:
+    """_TRIPLES rows of the base-1000 chunks of non-negative ints written right-aligned and
+    space-padded in `width` chars, lowest chunk first."""
     values = values.astype(np.int64, copy=False)
-    width = out.shape[1]
-    rest = values
+    out, rest, below = [], values, None  # below: value < 1000**k (chunk k is blank)
     for k in range(-(-width // 3)):
-        rest, index = np.divmod(rest, 1000)
-        index += (rest == 0) * 1000  # top chunk: leading zeros become spaces
-        if k:
-            index[values < 1000**k] = 2000  # wholly above the top digit
-        hi = width - 3 * k
-        lo = max(0, hi - 3)
-        out[:, lo:hi] = _triples(index)[:, 3 - (hi - lo):]
+        high = rest // 1000
+        index = rest - high * 1000
+        top = high == 0  # leading zeros of this chunk become spaces
+        index += top * 1000 if below is None else (top.astype(np.int64) + below) * 1000
+        out.append(index)
+        below, rest = top, high
+    return out
 
 
 def format_uints(values: np.ndarray, width: int | None = None) -> np.ndarray:
     """Non-negative ints -> (n, width) right-aligned decimal bytes, space-padded."""
-    out = np.empty((len(values), width or _digit_count(values)), np.uint8)
-    _write_uints(out, values)
-    return out
+    block = LineBlock(len(values))
+    block._parts.append((width or _digit_count(values), ("uint", values)))
+    return np.frombuffer(block.to_bytes(), np.uint8).reshape(len(values), -1)
 
 
 def format_micros(ns: np.ndarray) -> np.ndarray:
@@ -72,25 +76,26 @@ class TextTable:
         self.matrix = np.full((len(encoded), max(1, int(self.lengths.max()))), _SPACE, np.uint8)
         for k, t in enumerate(encoded):
             self.matrix[k, :len(t)] = np.frombuffer(t, np.uint8)
-        self._rows = self.matrix.view(f"V{self.matrix.shape[1]}").ravel()
+        self._records: dict[int, np.ndarray] = {}  # width -> rows cut to it, one V<width> record each
 
     def take(self, ids: np.ndarray) -> np.ndarray:
+        """(n, width) bytes, C-contiguous: the strings of `ids`, padded to the longest of them."""
         width = max(1, int(self.lengths[ids].max(initial=1))) if len(ids) else 1
-        rows = np.take(self._rows, ids)  # 1-D take of whole rows: far faster than a 2-D gather
-        return rows.view(np.uint8).reshape(len(ids), self.matrix.shape[1])[:, :width]
+        if width not in self._records:
+            self._records[width] = np.ascontiguousarray(self.matrix[:, :width]).view(f"V{width}").ravel()
+        return np.take(self._records[width], ids).view(np.uint8).reshape(len(ids), width)
 
 
 class LineBlock:
-    """One line layout for n rows: add parts left to right, then `to_bytes()`. Numbers are
-    written straight into the output matrix (no per-field temporary)."""
+    """One line layout for n rows: add parts left to right, then `to_bytes()`."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self._parts: list[tuple[int, object]] = []  # (width, constant row | matrix | ("uint", values))
+        self._parts: list[tuple[int, object]] = []  # (width, constant bytes | matrix | ("uint"/"frac", values))
 
     def text(self, constant: str) -> "LineBlock":
-        row = np.frombuffer(constant.encode(), np.uint8)
-        self._parts.append((len(row), row))
+        encoded = constant.encode()
+        self._parts.append((len(encoded), encoded))
         return self
 
     def field(self, matrix: np.ndarray) -> "LineBlock":
@@ -102,23 +107,62 @@ class LineBlock:
         return self
 
     def micros(self, ns: np.ndarray) -> "LineBlock":
-        self.uint(ns // 1000).text(".")
-        self._parts.append((3, ("frac", ns % 1000)))
+        ns = ns.astype(np.int64, copy=False)
+        whole = ns // 1000
+        self.uint(whole).text(".")
+        self._parts.append((3, ("frac", ns - whole * 1000)))
         return self
 
     def to_bytes(self) -> memoryview:
         """The n lines, concatenated (a view of one fresh buffer: write it, no copy)."""
         if self.n == 0:
             return memoryview(b"")
-        out = np.empty((self.n, sum(w for w, _ in self._parts)), np.uint8)
+        template, constant = bytearray(), []
+        for width, part in self._parts:
+            template += part if isinstance(part, bytes) else b" " * width
+            constant += [isinstance(part, bytes)] * width
+        line = len(template)
+        flat = np.empty(self.n * line + _SPARE, np.uint8)
+        flat[:self.n * line].reshape(self.n, line)[:] = np.frombuffer(bytes(template), np.uint8)
+        # Overhang past a row's end lands on the next row's start, stored already unless constant.
+        wrap_ok = all(constant[:min(line, _SPARE)])
+        cyclic = bytes(template) * (2 + _SPARE // line)  # template bytes after a position, wrapping into the next row
         col = 0
         for width, part in self._parts:
-            target = out[:, col:col + width]
-            if isinstance(part, tuple) and part[0] == "uint":
-                _write_uints(target, part[1])
-            elif isinstance(part, tuple):
-                target[:] = _triples(part[1])
-            else:
-                target[:] = part
+            if isinstance(part, tuple):
+                chunks = _chunk_indices(part[1], width) if part[0] == "uint" else [part[1]]
+                _store_chunks(flat, line, col, width, chunks, cyclic, wrap_ok)
+            elif not isinstance(part, bytes):
+                _store_records(flat, line, col, np.ascontiguousarray(part))
             col += width
-        return memoryview(out).cast("B")
+        return memoryview(flat[:self.n * line]).cast("B")
+
+
+def _store_records(flat: np.ndarray, line: int, col: int, matrix: np.ndarray) -> None:
+    """Store an (n, w) byte matrix at column `col` of every row, one V<w> record per row."""
+    width = matrix.shape[1]
+    target = np.ndarray((len(matrix),), f"V{width}", buffer=flat, offset=col, strides=(line,))
+    target[:] = matrix.view(f"V{width}").ravel()
+
+
+def _store_chunks(flat: np.ndarray, line: int, col: int, width: int, chunks: list[np.ndarray], cyclic: bytes,
+                  wrap_ok: bool) -> None:
+    """Store a `width`-char number, given as _TRIPLES rows lowest chunk first, at column `col`
+    of every row: one 4-byte word per chunk, left to right. A word holds the chunk's chars
+    (the top one may be cut to its last width % 3) and then the template's bytes that follow,
+    so the overhang leaves constants intact and is overwritten where a field follows.
+    Unless `wrap_ok`, a chunk whose overhang would reach into the next row is copied exactly."""
+    n = (len(flat) - _SPARE) // line
+    end = col + width
+    for k in reversed(range(len(chunks))):
+        hi = end - 3 * k
+        lo = max(col, hi - 3)
+        kept = hi - lo  # chars of this chunk inside the field
+        if not wrap_ok and lo + 4 > line:
+            rows = flat[:n * line].reshape(n, line)
+            rows[:, lo:hi] = _TRIPLES[chunks[k]][:, 3 - kept:]
+            continue
+        after = int.from_bytes(cyclic[hi % line:hi % line + 4 - kept], "little") << (8 * kept)
+        table = ((_TRIPLES32 >> np.uint32(8 * (3 - kept))) | np.uint32(after)) if kept < 3 or after else _TRIPLES32
+        target = np.ndarray((n,), "<u4", buffer=flat, offset=lo, strides=(line,))
+        target[:] = np.take(table, chunks[k])

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -27,9 +28,10 @@ MessageKey = tuple[int, int, int]  # (src, dst, seq)
 InstanceKey = tuple[str, int]  # (group, seq)
 
 
-@dataclass(frozen=True)
-class CommEnd:
-    """One rank's span of a message or collective instance. `row` indexes the table it came from."""
+class CommEnd(NamedTuple):
+    """One rank's span of a message or collective instance. `row` indexes the table it came from.
+    (A named tuple, not a frozen dataclass: alignment builds one per keyed comm span, and a
+    frozen dataclass costs several times more to construct.)"""
 
     rank: int
     start: int
@@ -61,6 +63,18 @@ class CommIndex:
         return {k: m for k, m in self.collectives.items() if m and m[0].op in SYNC_COLLECTIVES}
 
 
+def _string_values(column: pa.ChunkedArray) -> np.ndarray:
+    """A string or dictionary column as an object array of str (dictionaries decoded once)."""
+    parts = []
+    for chunk in column.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            words = np.array(chunk.dictionary.to_pylist(), dtype=object)
+            parts.append(words[chunk.indices.to_numpy(zero_copy_only=False)])
+        else:
+            parts.append(np.array(chunk.to_pylist(), dtype=object))
+    return np.concatenate(parts) if parts else np.zeros(0, object)
+
+
 def comm_rows(events: pa.Table) -> dict[str, np.ndarray]:
     """Numpy columns (op, group, seq, peer, start_ns, end_ns, iteration, bytes, row) of the
     keyed comm rows of one rank's table (seq >= 0); strings as object arrays."""
@@ -70,7 +84,7 @@ def comm_rows(events: pa.Table) -> dict[str, np.ndarray]:
     sub = events.take(pa.array(rows, pa.int64()))
     out = {"row": rows}
     for name in ("op", "group"):
-        out[name] = np.array(sub.column(name).cast(pa.string()).to_pylist(), dtype=object)
+        out[name] = _string_values(sub.column(name))
     for name in ("seq", "peer", "start_ns", "end_ns", "iteration", "bytes"):
         out[name] = sub.column(name).to_numpy().astype(np.int64)
     return out

@@ -152,18 +152,17 @@ class _AlignSample:
 
     def add(self, batch: pa.RecordBatch, calib: np.ndarray, spans: np.ndarray, iterations: np.ndarray) -> None:
         """`spans`: the batch's non-calib rows that pass the iteration filter."""
-        if len(self.iterations) < self.size:
+        if len(self.iterations) < self.size and spans.any():
             seen = np.unique(iterations[spans])
             fresh = seen[~np.isin(seen, self.iterations)][:self.size - len(self.iterations)]
             self.iterations = np.concatenate([self.iterations, fresh])
-        rows = np.zeros(len(iterations), bool)
-        if len(self.iterations) and len(iterations) and iterations.min() <= self.iterations.max():
-            rows = spans & np.isin(iterations, self.iterations)
-        if rows.any():
-            rows &= category_mask(batch.column("cat"), CAT_COMM) & (batch.column("seq").to_numpy() >= 0)
-        rows |= calib
-        if rows.any():
-            self.tables.append(pa.Table.from_batches([batch.filter(pa.array(rows))]))
+        rows = calib
+        if len(self.iterations) and spans.any() and iterations[spans].min() <= self.iterations.max():
+            rows = calib | (spans & np.isin(iterations, self.iterations) & category_mask(batch.column("cat"), CAT_COMM)
+                            & (batch.column("seq").to_numpy() >= 0))
+        picked = np.flatnonzero(rows)
+        if len(picked):
+            self.tables.append(pa.Table.from_batches([batch.take(pa.array(picked))]))
 
     def table(self) -> pa.Table:
         if not self.tables:

@@ -3,10 +3,15 @@ MegaScan tracing overhead (off / base / full) on a compute-bound and a launch-bo
 
     python benchmarks/gpu_bench.py --out results.json [--compile-baseline]
 
-Modes are interleaved in rounds (A B C A B C ...) so clock/thermal drift hits all alike;
+MFU modes are interleaved in rounds (A B C A B C ...) so clock/thermal drift hits all alike;
 each figure is the median over rounds of (wall time of `--steps` steps / steps), measured
-with torch.cuda.synchronize around the steps. Traced rounds include closing the tracer,
-i.e. writing the trace files. MFU counts 6*params + 12*layers*hidden*seq FLOPs per token
+with torch.cuda.synchronize around the steps. Tracing overhead uses paired rounds (off /
+base / full back to back in random order, median of per-round ratios with a bootstrap CI;
+see scan_overhead.py), one line per variant:
+
+    python benchmarks/gpu_bench.py --only trace_small --overhead-rounds 30
+
+MFU counts 6*params + 12*layers*hidden*seq FLOPs per token
 against 989 TFLOP/s (H200 dense bf16).
 """
 
@@ -16,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,14 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import scan_overhead  # noqa: E402
 from plain_gpt import PlainGPT, plain_train_step  # noqa: E402
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
-from megatronapp.engine.hooks import NULL_TRACER  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
-from megatronapp.scan.format import build_rank_meta  # noqa: E402
-from megatronapp.scan.tracer import TraceConfig, Tracer  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
@@ -66,14 +68,6 @@ def timed(fn, steps: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / steps
-
-
-def new_tracer(granularity: str, trace_dir: str) -> Tracer:
-    meta = build_rank_meta(rank=0, world_size=1, coords={"tp": 0, "dp": 0, "pp": 0},
-                           layout={"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
-                           host="device", device=torch.cuda.get_device_name(), run_id="bench", clock="cuda")
-    cfg = TraceConfig(enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1, granularity=granularity)
-    return Tracer(cfg, meta, torch.device("cuda"))
 
 
 def bench_mfu(args, results: dict) -> None:
@@ -114,47 +108,13 @@ def bench_mfu(args, results: dict) -> None:
 
 
 def bench_trace_overhead(args, results: dict, preset: str, micro_batch: int, label: str, steps: int) -> None:
-    """Step time with tracing off / base / full on the compiled engine, rounds interleaved.
-
-    Each traced round creates a tracer, runs `steps` traced steps (the background writer
-    appends every window meanwhile) and closes it; close time is reported apart and also
-    folded into the per-step figure ("with_close")."""
-    from megatronapp.scan.format import load_rank_trace
-
-    job = compiled_job(make_job(preset, micro_batch, args.num_micro))
-    dev = torch.device("cuda")
-    trainer = Trainer(job, single_process_groups(), dev, GpuRandomBatches(job, dev))
-    for _ in range(args.warmup):
-        trainer.train_step()
-    times = {"off": [], "base": [], "full": []}
-    closes = {"base": [], "full": []}
-    sizes = {}
-    for _ in range(args.rounds):
-        for mode in times:
-            if mode == "off":
-                trainer.set_tracer(NULL_TRACER)
-                times[mode].append(timed(trainer.train_step, steps))
-                continue
-            d = tempfile.mkdtemp(prefix=f"trace-{mode}-")
-            tracer = new_tracer(mode, d)
-            trainer.set_tracer(tracer)
-            trainer.iteration = 1  # tracing windows start at iteration 1 with interval 1
-            times[mode].append(timed(trainer.train_step, steps))
-            closes[mode].append(timed(tracer.close, 1))
-            f = next(Path(d).glob("*.mscan"))
-            sizes[mode] = (f.stat().st_size, load_rank_trace(f).events.num_rows)
-    trainer.set_tracer(NULL_TRACER)
-    off = statistics.median(times["off"])
-    res = {"off_step_s": off, "steps_per_round": steps}
-    for mode in ("base", "full"):
-        t, c = statistics.median(times[mode]), statistics.median(closes[mode])
-        size, n = sizes[mode]
-        res[mode] = {"step_s": t, "overhead": t / off - 1.0, "close_s": c,
-                     "overhead_with_close": (t + c / steps) / off - 1.0,
-                     "events_per_step": n / steps, "bytes_per_event": size / max(n, 1)}
-    res["rounds"] = times
-    results[f"trace_overhead_{label}"] = res
-    del trainer
+    """Step time with tracing off / base / full on the compiled engine: paired rounds, median
+    of per-round ratios with a bootstrap CI (scan_overhead.py says why and how)."""
+    summary = scan_overhead.bench(preset, micro_batch, args.num_micro, torch.device("cuda"), steps,
+                                  args.overhead_rounds, args.warmup, compile_model=True, seed=args.seed)
+    for variant in scan_overhead.VARIANTS[1:]:
+        print(scan_overhead.format_line(label, variant, summary), flush=True)
+    results[f"trace_overhead_{label}"] = summary
     torch.cuda.empty_cache()
 
 
@@ -166,6 +126,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--num-micro", type=int, default=2)
     p.add_argument("--only", default="mfu,trace_big,trace_small")
+    p.add_argument("--overhead-rounds", type=int, default=30, help="paired rounds of the tracing-overhead benchmarks")
+    p.add_argument("--seed", type=int, default=0, help="order of the variants within the paired rounds")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="engine modes with ZeRO-1 (DP 1 here)")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -175,11 +137,9 @@ def main() -> None:
         bench_mfu(args, results)
         print(json.dumps(results["mfu_1.3b"], indent=1), flush=True)
     if "trace_small" in only:
-        bench_trace_overhead(args, results, "small", 2, "small", steps=20)
-        print(json.dumps({k: v for k, v in results["trace_overhead_small"].items() if k != "rounds"}), flush=True)
+        bench_trace_overhead(args, results, "small", 2, "small", steps=10)
     if "trace_big" in only:
-        bench_trace_overhead(args, results, "1.3b", 4, "1.3b", steps=5)
-        print(json.dumps({k: v for k, v in results["trace_overhead_1.3b"].items() if k != "rounds"}), flush=True)
+        bench_trace_overhead(args, results, "1.3b", 4, "1.3b", steps=3)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 

@@ -1,0 +1,224 @@
+"""MegaScan tracing overhead, measured so that about 1% is resolved: paired rounds.
+
+    python benchmarks/scan_overhead.py --preset small --rounds 40 --steps 10            # H200
+    python benchmarks/scan_overhead.py --device cpu --preset tiny --rounds 6 --steps 3   # smoke
+
+Why paired: a launch-bound model's step time drifts by +-20% between rounds a few seconds
+apart (host clocks, other processes), far more than the 1-3% to resolve. So every round runs
+the variants off / base / full back to back, in a fresh random order, on the same warmed
+model, and the figure is the per-round ratio traced / off: drift slower than a round cancels.
+Reported per variant: the median of the per-round ratios with a 95% bootstrap confidence
+interval over rounds, with and without closing the tracer (close writes what the background
+writer has not written yet; with rounds shorter than TraceConfig.flush_seconds that is the
+whole trace, so "with close" is the cost including writing the trace).
+
+Timing: torch.cuda.synchronize around every timed segment (on CUDA); Python's garbage
+collector runs before and is disabled during each segment, so a collection triggered by
+earlier rounds does not land in a random variant's time. Each traced segment makes a fresh
+tracer (outside the timing: it stands for the tracer made once at the start of a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
+from megatronapp.engine.hooks import NULL_TRACER  # noqa: E402
+from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.parallel.groups import single_process_groups  # noqa: E402
+from megatronapp.scan.format import build_rank_meta, load_rank_trace  # noqa: E402
+from megatronapp.scan.tracer import TraceConfig, Tracer  # noqa: E402
+
+VARIANTS = ("off", "base", "full")
+
+
+# ----------------------------------------------------------------------------- pure statistics
+def bootstrap_median_ci(ratios: Sequence[float], seed: int = 0, resamples: int = 4000,
+                        level: float = 0.95) -> tuple[float, float, float]:
+    """(median, low, high): the median of `ratios` and a percentile-bootstrap confidence
+    interval of it (rounds resampled with replacement)."""
+    values = np.asarray(ratios, dtype=np.float64)
+    if len(values) == 0:
+        raise ValueError("no rounds to summarise")
+    rng = np.random.default_rng(seed)
+    medians = np.median(values[rng.integers(0, len(values), (resamples, len(values)))], axis=1)
+    tail = (1.0 - level) / 2 * 100
+    return float(np.median(values)), float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+
+def paired_ratios(times: dict[str, list[float]], baseline: str = "off") -> dict[str, list[float]]:
+    """Per round, each variant's time over the baseline's time of the same round."""
+    base = times[baseline]
+    return {k: [t / b for t, b in zip(v, base)] for k, v in times.items() if k != baseline}
+
+
+def run_rounds(measure: Callable[[str], dict[str, float]], variants: Sequence[str], rounds: int,
+               seed: int) -> list[dict[str, dict[str, float]]]:
+    """`rounds` rounds; each runs every variant once, in a fresh random order (seeded)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)
+        out.append({v: measure(v) for v in order})
+    return out
+
+
+def summarize(results: list[dict[str, dict[str, float]]], steps: int, seed: int = 0) -> dict:
+    """Median step time of "off" and, per traced variant, the paired ratios' median and CI
+    (with and without close), as fractions (+0.012 = 1.2% slower than off)."""
+    off = [r["off"]["steps_s"] / steps for r in results]
+    out: dict = {"rounds": len(results), "steps_per_round": steps, "off_step_ms": statistics.median(off) * 1e3,
+                 "off_step_ms_range": [min(off) * 1e3, max(off) * 1e3]}
+    for key, label in (("steps_s", "overhead"), ("with_close_s", "overhead_with_close")):
+        times = {v: [r[v].get(key, r[v]["steps_s"]) for r in results] for v in results[0]}
+        for variant, ratios in paired_ratios(times).items():
+            median, lo, hi = bootstrap_median_ci(ratios, seed)
+            out.setdefault(variant, {})[label] = {"median": median - 1, "ci95": [lo - 1, hi - 1],
+                                                  "round_range": [min(ratios) - 1, max(ratios) - 1]}
+    return out
+
+
+def format_line(label: str, variant: str, summary: dict) -> str:
+    """One line per variant, e.g. "small base: +0.41% [95% CI -0.20%, +1.02%] ..."."""
+    s = summary[variant]
+    w, wo = s["overhead_with_close"], s["overhead"]
+    return (f"{label} {variant}: {w['median']:+.2%} [95% CI {w['ci95'][0]:+.2%}, {w['ci95'][1]:+.2%}] with close, "
+            f"{wo['median']:+.2%} [{wo['ci95'][0]:+.2%}, {wo['ci95'][1]:+.2%}] steps only; "
+            f"median of {summary['rounds']} paired rounds x {summary['steps_per_round']} steps, "
+            f"off {summary['off_step_ms']:.2f} ms/step")
+
+
+# ----------------------------------------------------------------------------- measurement
+class RandomBatches:
+    """The same random token microbatches every step (data loading is not what is measured)."""
+
+    def __init__(self, job: JobConfig, device: torch.device) -> None:
+        t, m = job.train, job.model
+        self.mbs = [torch.randint(0, m.padded_vocab_size, (t.micro_batch_size, m.seq_length + 1), device=device)
+                    for _ in range(job.num_microbatches)]
+
+    def next_microbatches(self):
+        return self.mbs
+
+
+def make_job(preset: str, micro_batch: int, num_micro: int, device: torch.device, compile_model: bool) -> JobConfig:
+    """bf16 (Megatron-style) on CUDA, fp32 on CPU; single process."""
+    model = model_preset(preset, vocab_size=50304 if device.type == "cuda" else 1024)
+    train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * num_micro, train_iters=10**6,
+                        lr=1e-4, bf16=device.type == "cuda", compile=compile_model)
+    return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeat: int = 1) -> float:
+    """Seconds for `repeat` calls of fn, synchronised, with the garbage collector held off."""
+    gc.collect()
+    gc.disable()
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        _sync(device)
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+
+
+def _new_tracer(granularity: str, trace_dir: str, device: torch.device) -> Tracer:
+    meta = build_rank_meta(rank=0, world_size=1, coords={"tp": 0, "dp": 0, "pp": 0},
+                           layout={"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
+                           host="bench", device=str(device), run_id="overhead", clock="monotonic")
+    cfg = TraceConfig(enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1, granularity=granularity)
+    return Tracer(cfg, meta, device)
+
+
+def measure_overhead(trainer: Trainer, device: torch.device, steps: int, rounds: int, seed: int = 0) -> dict:
+    """Paired rounds of off / base / full on a warmed `trainer` (see the module docstring);
+    returns summarize()'s dict plus bytes and events per step of the last traced segments."""
+    sizes: dict[str, tuple[int, int]] = {}
+
+    def measure(variant: str) -> dict[str, float]:
+        if variant == "off":
+            trainer.set_tracer(NULL_TRACER)
+            return {"steps_s": _timed(trainer.train_step, device, steps)}
+        with tempfile.TemporaryDirectory(prefix=f"overhead-{variant}-") as d:
+            tracer = _new_tracer(variant, d, device)
+            trainer.set_tracer(tracer)
+            trainer.iteration = max(trainer.iteration, 1)  # interval 1 traces from iteration 1 on
+            steps_s = _timed(trainer.train_step, device, steps)
+            close_s = _timed(tracer.close, device)
+            trainer.set_tracer(NULL_TRACER)
+            path = next(Path(d).glob("*.mscan"))
+            sizes[variant] = (path.stat().st_size, load_rank_trace(path).events.num_rows)
+        return {"steps_s": steps_s, "with_close_s": steps_s + close_s}
+
+    results = run_rounds(measure, VARIANTS, rounds, seed)
+    summary = summarize(results, steps, seed)
+    for variant, (size, rows) in sizes.items():
+        summary[variant].update(bytes_per_event=size / max(rows, 1), events_per_step=rows / steps)
+    summary["per_round"] = results
+    return summary
+
+
+def bench(preset: str, micro_batch: int, num_micro: int, device: torch.device, steps: int, rounds: int,
+          warmup: int, compile_model: bool, seed: int = 0) -> dict:
+    """Build and warm the model, then measure_overhead."""
+    job = make_job(preset, micro_batch, num_micro, device, compile_model)
+    trainer = Trainer(job, single_process_groups(), device, RandomBatches(job, device))
+    for _ in range(warmup):
+        trainer.train_step()
+    return measure_overhead(trainer, device, steps, rounds, seed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--num-micro", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-compile", action="store_true", help="eager model (default: compiled on CUDA)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the summary (and every round) as JSON here")
+    args = p.parse_args()
+    if args.steps < 1 or args.rounds < 2:
+        p.error("--steps must be >= 1 and --rounds >= 2")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available: use --device cpu for a smoke run")
+    began = time.perf_counter()
+    summary = bench(args.preset, args.micro_batch, args.num_micro, device, args.steps, args.rounds, args.warmup,
+                    device.type == "cuda" and not args.no_compile, args.seed)
+    for variant in VARIANTS[1:]:
+        print(format_line(args.preset, variant, summary), flush=True)
+    print(f"({time.perf_counter() - began:.0f} s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), **summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -181,3 +181,44 @@ def test_load_trace_dir_errors_are_clear(tmp_path):
         warnings.simplefilter("error")
         with pytest.raises(TraceFormatError, match="rank00000.mscan"):
             load_trace_dir(tmp_path)
+
+
+def _trace_base_steps(trace_dir, steps: int) -> None:
+    """What base granularity records for a single-stage job with 2 microbatches (the issue's
+    launch-bound case): 9 spans a step, handed to the writer once, at close."""
+    from megatronapp import spans
+    from megatronapp.scan.tracer import TraceConfig, Tracer
+
+    config = TraceConfig(enabled=True, trace_dir=str(trace_dir), interval=1, flush_seconds=3600.0)
+    tracer = Tracer(config, make_meta(rank=0, world_size=1), "cpu")
+    for it in range(1, steps + 1):
+        tracer.step_begin(it)
+        for mb in range(2):
+            with tracer.span(spans.FORWARD, microbatch=mb, chunk=0), tracer.span(spans.LOSS, microbatch=mb):
+                pass
+        for mb in range(2):
+            with tracer.span(spans.BACKWARD, microbatch=mb, chunk=0):
+                pass
+        with tracer.span(spans.GRAD_REDUCE, cat="comm"):
+            pass
+        with tracer.span(spans.OPTIMIZER):
+            pass
+        tracer.step_end(it)
+    tracer.close()
+
+
+@pytest.mark.parametrize("steps", [20, 100])
+def test_short_base_trace_takes_at_most_40_bytes_per_event(tmp_path, steps):
+    """A short trace is mostly fixed cost (schema, per-batch headers): the file writes the schema
+    itself instead of an empty batch, string dictionaries only when they grow, and the start
+    calibration pair with the first window."""
+    _trace_base_steps(tmp_path, steps)
+    path = tmp_path / trace_file_name(0)
+    events = load_rank_trace(path).events
+    spans_ = events.filter(pa.compute.not_equal(events.column("cat").cast(pa.string()), "calib"))
+    assert spans_.num_rows == 9 * steps
+    assert path.stat().st_size / spans_.num_rows <= 40
+    assert events.num_rows - spans_.num_rows == 2  # start and end calibration pairs, both kept
+    assert spans_.column("name").to_pylist()[:9] == ["loss", "forward", "loss", "forward", "backward", "backward",
+                                                      "grad_reduce", "optimizer", "iteration"]
+    assert spans_.column("microbatch").to_pylist()[:6] == [0, 0, 1, 1, 0, 1]

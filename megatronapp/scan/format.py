@@ -183,7 +183,67 @@ def build_event_batch_from_columns(cols: Mapping[str, Sequence[Any]]) -> pa.Reco
 
 
 def _schema_with_meta(meta: Mapping[str, Any]) -> pa.Schema:
-    return EVENT_SCHEMA.with_metadata({META_FIELD: json.dumps(meta, sort_keys=True).encode()})
+    return EVENT_SCHEMA.with_metadata({META_FIELD: json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()})
+
+
+class _GrowingDictionaries:
+    """Per string column, every value written so far, in order of first sight. Each batch is
+    re-encoded against it, so its dictionary extends the last one written: the IPC writer then
+    writes only the new strings (a delta), and nothing once the names repeat. (A dictionary
+    per batch costs ~200 bytes of message header per string column and batch.)"""
+
+    def __init__(self) -> None:
+        self._words: dict[str, dict[str, int]] = {f.name: {} for f in EVENT_SCHEMA if pa.types.is_dictionary(f.type)}
+
+    def encode(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        arrays = []
+        for f, column in zip(EVENT_SCHEMA, batch.columns):
+            if f.name not in self._words:
+                arrays.append(column)
+                continue
+            ids = self._words[f.name]
+            column = column if pa.types.is_dictionary(column.type) else column.dictionary_encode()
+            local = np.array([ids.setdefault(w, len(ids)) for w in column.dictionary.to_pylist()] or [0], np.int32)
+            indices = local[column.indices.to_numpy(zero_copy_only=False)]
+            arrays.append(pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()), pa.array(list(ids), pa.string())))
+        return pa.RecordBatch.from_arrays(arrays, schema=batch.schema)
+
+
+class _SchemaWrittenSink:
+    """The IPC writer's sink: the file, minus the schema message the writer writes first
+    (TraceWriter wrote that message itself when it opened the file, so the file is a
+    readable, empty trace at once without an empty batch's ~1.5 KB of headers)."""
+
+    def __init__(self, handle: Any, schema_message: bytes) -> None:
+        self._handle, self._message, self._position = handle, schema_message, 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        data = memoryview(data).cast("B")
+        skipped = self._position
+        if skipped < len(self._message):
+            n = min(len(self._message) - skipped, len(data))
+            if data[:n] != self._message[skipped:skipped + n]:  # not the message written: rewrite the file
+                self._handle.seek(0)
+                self._handle.truncate()
+                self._handle.write(self._message[:skipped])
+                self._message = b""
+            else:
+                data = data[n:]
+                self._position += n
+        self._handle.write(data)
+        self._position += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def close(self) -> None:
+        self.closed = True
+        self._handle.close()
 
 
 class TraceWriter:
@@ -196,13 +256,15 @@ class TraceWriter:
         validate_rank_meta(meta, str(path))
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._sink = pa.OSFile(str(self.path), "wb")
         schema = _schema_with_meta(meta)
-        self._writer = pa.ipc.new_stream(self._sink, schema, options=pa.ipc.IpcWriteOptions(compression=_COMPRESSION))
-        # Arrow writes the schema lazily; an empty batch puts it on disk now, so the
-        # file is a readable (empty) trace from the moment the writer exists.
-        self._writer.write_batch(build_event_batch([]).replace_schema_metadata(schema.metadata))
-        self._sink.flush()
+        message = schema.serialize().to_pybytes()
+        handle = open(self.path, "wb")
+        handle.write(message)  # readable (empty) from now on; Arrow would write it with the first batch
+        handle.flush()
+        self._sink = _SchemaWrittenSink(handle, message)
+        options = pa.ipc.IpcWriteOptions(compression=_COMPRESSION, emit_dictionary_deltas=True)
+        self._writer = pa.ipc.new_stream(self._sink, schema, options=options)
+        self._dictionaries = _GrowingDictionaries()
         self.rows_written = 0
 
     def append(self, rows: Iterable[Mapping[str, Any]] | pa.RecordBatch) -> None:
@@ -212,7 +274,7 @@ class TraceWriter:
         batch = rows if isinstance(rows, pa.RecordBatch) else build_event_batch(rows)
         if batch.num_rows == 0:
             return
-        self._writer.write_batch(batch)
+        self._writer.write_batch(self._dictionaries.encode(batch))
         self._sink.flush()
         self.rows_written += batch.num_rows
 

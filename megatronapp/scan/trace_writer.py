@@ -22,8 +22,8 @@ ATTR_DEFAULTS = (-1, -1, -1, "", "", -1, -1, -1)
 _RECORDS_PER_GIL_SLICE = 64
 
 
-def build_window_batch(records: list, clock: Any, calib: tuple[int, int] | None):
-    """Columns of one flushed window (plus an optional calibration row) as a batch."""
+def build_window_batch(records: list, clock: Any, calibs: list[tuple[int, int]]):
+    """Columns of one flushed window (plus its calibration rows) as a batch."""
     cols: dict[str, list] = {c: [] for c in ("name", "cat", "start_ns", "end_ns", "iteration", *SPAN_ATTRS)}
     markers = []
     for k, (name, cat, start, end, iteration, attrs) in enumerate(records):
@@ -39,7 +39,7 @@ def build_window_batch(records: list, clock: Any, calib: tuple[int, int] | None)
         for key, value in zip(SPAN_ATTRS, attrs):
             cols[key].append(value)
         markers += (start, end)
-    if calib is not None:
+    for calib in calibs:
         for key, value in zip(cols, ("clock", CAT_CALIB, calib[0], calib[1], -1, *ATTR_DEFAULTS)):
             cols[key].append(value)
     clock.release(markers)
@@ -72,16 +72,27 @@ class BackgroundWriter:
             return False
 
     def _run(self) -> None:
+        held: list[tuple[int, int]] = []  # calibration pairs not written yet
         while (job := self._queue.get()) is not None:
-            if self.error is not None:
-                continue
             records, calib = job
-            try:
-                calib = calib or self._clock.calibration_pair()
-                self._writer.append(build_window_batch(records, self._clock, calib))
-            except Exception as exc:  # keep training alive; close() reports it
-                self.error = exc
-                warnings.warn(f"MegaScan writer for {self._writer.path} failed: {exc!r}", stacklevel=1)
+            if records or calib is None:
+                self._write(records, held + ([calib] if calib else []), fresh_pair=calib is None)
+                held = []
+            else:  # a lone pair (the tracer's start pair) rides with the next window: a batch of its own costs ~1 KB
+                held.append(calib)
+        if held:
+            self._write([], held, fresh_pair=False)
+
+    def _write(self, records: list, pairs: list[tuple[int, int]], fresh_pair: bool) -> None:
+        """Append `records` and the calibration `pairs` (+ one taken now if `fresh_pair`) as one batch."""
+        if self.error is not None:
+            return
+        try:
+            pairs = [*pairs, self._clock.calibration_pair()] if fresh_pair else pairs
+            self._writer.append(build_window_batch(records, self._clock, pairs))
+        except Exception as exc:  # keep training alive; close() reports it
+            self.error = exc
+            warnings.warn(f"MegaScan writer for {self._writer.path} failed: {exc!r}", stacklevel=1)
 
     def close(self) -> None:
         self._queue.put(None)  # blocks until there is room: the writer drains what is queued

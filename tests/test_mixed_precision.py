@@ -169,3 +169,25 @@ def test_low_precision_on_cuda_is_close_to_fp32(kw):
     low, fp32 = losses(**kw), losses()
     assert low[-1] < low[0]
     torch.testing.assert_close(low, fp32, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_fused_adamw_folds_clipping_into_its_grad_scale(bf16):
+    """The GPU path (fused AdamW, clip factor passed as grad_scale) against explicit clipping
+    then unfused AdamW, with a clip that binds: same params, same (clipped) main grads."""
+    from megatronapp.engine.mixed_precision import MixedPrecisionOptimizer
+    torch.set_num_threads(1)
+    runs = []
+    for fused in (False, True):
+        trainer, _ = _trainer(make_job(1, bf16=bf16, clip_grad=0.05))
+        trainer.optimizer = MixedPrecisionOptimizer(trainer.reducer, trainer.job.train, trainer.groups, CPU,
+                                                    fused=fused)
+        trainer.runtime.grad_scale_func = trainer.optimizer.scale_loss
+        norms = [trainer.train_step().grad_norm for _ in range(3)]
+        runs.append((norms, _params(trainer)))
+    (norms, ref), (fused_norms, got) = runs
+    assert min(norms) > 0.05 * 2  # the clip really scaled the grads
+    torch.testing.assert_close(fused_norms, norms, rtol=1e-5, atol=0)
+    for name, p in got.items():
+        torch.testing.assert_close(p, ref[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.main_grad, ref[name].main_grad, rtol=1e-5, atol=1e-8)

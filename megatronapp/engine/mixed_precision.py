@@ -28,6 +28,7 @@ from megatronapp.config import TrainConfig
 from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
 from megatronapp.engine.grad_scaler import build_grad_scaler
 from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norm
+from megatronapp.engine import master_adam
 from megatronapp.engine.optim import build_adamw
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 
@@ -95,6 +96,10 @@ class MixedPrecisionOptimizer:
         self.fused = device.type == "cuda" if fused is None else fused
         self.optimizer = build_adamw([(m.main_param, m.model_param.ndim >= 2) for m in self.mains], cfg,
                                      fused=self.fused)
+        # bf16/fp16 on CUDA: AdamW + clip + master->model copy in one kernel (engine/master_adam.py)
+        self.master_kernel = (cfg.fused_master_adamw and self._has_separate_mains()
+                              and master_adam.available(device))
+        self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
         self.grad_scaler = build_grad_scaler(cfg, device)
         self.skipped_iterations = 0
         self.log_overflow = log_overflow
@@ -139,9 +144,15 @@ class MixedPrecisionOptimizer:
         grads = self.main_grads()
         norm = compute_grad_norm([m.main_param.grad for m in self.mains if m.count_in_norm],
                                  self._norm_groups, self.device)
-        self._clip(grads, norm)
-        self.optimizer.step()
-        self._copy_main_to_model_params()
+        if self.master_kernel:
+            inv_clip = clip_coefficient(norm, self.cfg.clip_grad).reciprocal() if self.cfg.clip_grad > 0 else None
+            master_adam.adamw_master_step(self.optimizer, self._model_view_of, inv_clip)
+        else:
+            self._clip(grads, norm)
+            self.optimizer.step()
+            self._copy_main_to_model_params()
+        # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
+        self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
         return StepResult(True, norm, scale)
 
     def _clip(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:
@@ -166,8 +177,6 @@ class MixedPrecisionOptimizer:
         pairs = [(self._model_view(m), m.main_param) for m in self.mains if m.model_param.dtype != torch.float32]
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-        # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
-        self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
 
     @staticmethod
     def _model_view(m: MainParam) -> torch.Tensor:

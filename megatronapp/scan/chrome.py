@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatronapp.scan.fixed_lines import LineBlock, TextTable
+from megatronapp.scan.fixed_lines import LineBlock, OutputArena, TextTable
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
 LANES_PER_TRACK = 1000  # tid = track index * this + lane + 1
@@ -142,8 +142,8 @@ _STRING_ARGS = ("op", "group")
 _TRACK_JSON = TextTable([json.dumps(t) for t in TRACKS])
 
 
-def span_lines(cols: dict[str, np.ndarray], track: np.ndarray, tids: np.ndarray, starts: np.ndarray,
-               ends: np.ndarray, vocab_json: TextTable, empty_id: int) -> list[memoryview]:
+def span_lines(cols: dict[str, np.ndarray], track: np.ndarray, tids: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+               vocab_json: TextTable, empty_id: int, arena: OutputArena | None = None) -> list[memoryview]:
     """",\n" + one Chrome "X" line per row (times in ns since the timeline origin; starts >= 0).
 
     Rows are laid out in groups of the same args keys (ARG_COLUMNS that are not -1 / ""), so
@@ -158,7 +158,7 @@ def span_lines(cols: dict[str, np.ndarray], track: np.ndarray, tids: np.ndarray,
     for rows in np.split(order, bounds):
         if len(rows) == 0:
             continue
-        block = (LineBlock(len(rows)).text(',\n{"ph":"X","name":').field(vocab_json.take(cols["name"][rows]))
+        block = (LineBlock(len(rows), arena).text(',\n{"ph":"X","name":').field(vocab_json.take(cols["name"][rows]))
                  .text(',"cat":').field(_TRACK_JSON.take(track[rows])).text(',"pid":').uint(cols["rank"][rows])
                  .text(',"tid":').uint(tids[rows]).text(',"ts":').micros(starts[rows])
                  .text(',"dur":').micros(ends[rows] - starts[rows]).text(',"args":{'))
@@ -177,12 +177,12 @@ _PHASES = TextTable(['"s"', '"t"', '"f"'])
 
 
 def flow_lines(ph: np.ndarray, ids: np.ndarray, name: str, ranks: np.ndarray, tids: np.ndarray,
-               starts: np.ndarray) -> list[memoryview]:
+               starts: np.ndarray, arena: OutputArena | None = None) -> list[memoryview]:
     """",\n" + one v1 flow event per row; ph 0 "s", 1 "t", 2 "f" ("t"/"f" bind to the enclosing slice)."""
     out = []
     for binds in (False, True):
         rows = np.flatnonzero((ph > 0) == binds)
-        block = (LineBlock(len(rows)).text(',\n{"ph":').field(_PHASES.take(ph[rows])).text(',"id":').uint(ids[rows])
+        block = (LineBlock(len(rows), arena).text(',\n{"ph":').field(_PHASES.take(ph[rows])).text(',"id":').uint(ids[rows])
                  .text(f',"name":"{name}","cat":"flow","pid":').uint(ranks[rows]).text(',"tid":').uint(tids[rows])
                  .text(',"ts":').micros(np.maximum(starts[rows], 0)).text(',"bp":"e"}' if binds else "}"))
         out.append(block.to_bytes())

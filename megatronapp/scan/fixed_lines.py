@@ -89,11 +89,38 @@ class TextTable:
         return np.take(self._records[width], ids).view(np.uint8).reshape(len(ids), width)
 
 
-class LineBlock:
-    """One line layout for n rows: add parts left to right, then `to_bytes()`."""
+class OutputArena:
+    """Memory that blocks of lines are formatted into, reused from one `reset()` to the next.
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    Why: a window's lines fill tens of megabytes; fresh buffers each window are fresh pages,
+    one page fault per 4 KB (on a VM a noticeable share of the merge). Views handed out stay
+    valid until the next `reset()`."""
+
+    def __init__(self) -> None:
+        self._chunks: list[np.ndarray] = []
+        self._used = 0  # bytes handed out of the last chunk
+
+    def reset(self) -> None:
+        """Forget what was handed out; keep (one chunk of) the memory for the next round."""
+        if len(self._chunks) > 1:  # one chunk as large as everything last used
+            self._chunks = [np.empty(sum(len(c) for c in self._chunks), np.uint8)]
+        self._used = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if not self._chunks or self._used + nbytes > len(self._chunks[-1]):
+            self._chunks.append(np.empty(max(nbytes, 2 * len(self._chunks[-1]) if self._chunks else nbytes), np.uint8))
+            self._used = 0
+        out = self._chunks[-1][self._used:self._used + nbytes]
+        self._used += nbytes
+        return out
+
+
+class LineBlock:
+    """One line layout for n rows: add parts left to right, then `to_bytes()` (into `arena`'s
+    memory if given, else a fresh buffer)."""
+
+    def __init__(self, n: int, arena: OutputArena | None = None) -> None:
+        self.n, self.arena = n, arena
         self._parts: list[tuple[int, object]] = []  # (width, constant bytes | matrix | ("uint"/"frac", values))
 
     def text(self, constant: str) -> "LineBlock":
@@ -125,7 +152,8 @@ class LineBlock:
             template += part if isinstance(part, bytes) else b" " * width
             constant += [isinstance(part, bytes)] * width
         line = len(template)
-        flat = np.empty(self.n * line + _SPARE, np.uint8)
+        size = self.n * line + _SPARE
+        flat = self.arena.take(size) if self.arena is not None else np.empty(size, np.uint8)
         flat[:self.n * line].reshape(self.n, line)[:] = np.frombuffer(bytes(template), np.uint8)
         # Overhang past a row's end lands on the next row's start, stored already unless constant.
         wrap_ok = all(constant[:min(line, _SPARE)])

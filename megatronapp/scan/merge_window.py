@@ -24,6 +24,7 @@ from megatronapp.scan.chrome import (
     span_lines,
     thread_lines,
 )
+from megatronapp.scan.fixed_lines import OutputArena
 from megatronapp.scan.format import RankTrace
 from megatronapp.scan.matching import (
     CommEnd,
@@ -104,6 +105,7 @@ class WindowMerger:
         self._empty, self._comm, self._send, self._recv, self._arrival = (ids[k] for k in ("", CAT_COMM, SEND, RECV, ARRIVAL))
         self._sends, self._recvs = _empty_pending(), _empty_pending()
         self._threads: set[int] = set()
+        self._arena = OutputArena()  # the lines of one window; reused by the next
         self._next_flow = 0
         self.spans = self.arrivals = self.flows = self.unmatched = self.peak_rows = self.peak_pending = 0
 
@@ -125,7 +127,8 @@ class WindowMerger:
 
     def merge(self, per_rank: dict[int, dict[str, np.ndarray]]) -> list:
         """Chrome trace text (",\\n" + line, per line) of one window of rows of every rank, as
-        buffers to write in turn."""
+        buffers to write in turn; they stay valid until the next call."""
+        self._arena.reset()
         if not per_rank:
             return []
         cols = {k: np.concatenate([c[k] for c in per_rank.values()]) for k in next(iter(per_rank.values()))}
@@ -141,7 +144,7 @@ class WindowMerger:
         tids = track * LANES_PER_TRACK + compute_lanes(cols["rank"] * len(TRACKS) + track, starts, ends) + 1
         vocab_json = json_vocab(self.vocab.strings)
         parts = [self._new_threads(cols["rank"], tids),
-                 *span_lines(cols, track, tids, np.maximum(starts, 0), ends, vocab_json, self._empty),
+                 *span_lines(cols, track, tids, np.maximum(starts, 0), ends, vocab_json, self._empty, self._arena),
                  *self._message_flows(cols, tids, send_rows, arrival_rows),
                  *self._collective_flows(cols, tids)]
         return parts
@@ -212,9 +215,9 @@ class WindowMerger:
         ids = self._next_flow + 1 + np.arange(n)
         self._next_flow += n
         self.flows += n
-        return [*flow_lines(np.zeros(n, np.int64), ids, "p2p", send["rank"], send_tid, send_start),
+        return [*flow_lines(np.zeros(n, np.int64), ids, "p2p", send["rank"], send_tid, send_start, self._arena),
                 *flow_lines(np.full(n, 2), ids, "p2p", cols["rank"][arrival_rows], tids[arrival_rows],
-                            cols["start_ns"][arrival_rows])]
+                            cols["start_ns"][arrival_rows], self._arena)]
 
     def _remember_pending_tids(self, cols: dict, tids: np.ndarray) -> None:
         """Sends waiting for the next window: replace their row by their tid and placed start."""
@@ -243,4 +246,4 @@ class WindowMerger:
         self.flows += int(len(rows) - len(kept_instances))
         last = position == size[instance] - 1
         ph = np.where(position == 0, 0, np.where(last, 2, 1))
-        return flow_lines(ph, ids, "collective", cols["rank"][rows], tids[rows], cols["start_ns"][rows])
+        return flow_lines(ph, ids, "collective", cols["rank"][rows], tids[rows], cols["start_ns"][rows], self._arena)

@@ -5,6 +5,8 @@ Each rank writes `rank{R:05d}.mscan` in the trace directory. The file is an Arro
 training runs: the schema is written once at open, every flush appends one record
 batch, and `close()` writes the end-of-stream marker. A rank that crashes mid-run
 therefore leaves a readable prefix; `load_rank_trace` returns it with `partial=True`.
+The string columns of a file share one dictionary that only grows (IPC dictionary
+deltas), so a batch carries dictionary messages only when it brings new strings.
 
 Rank metadata is JSON under the schema metadata key ``megascan`` (see `META_KEYS`).
 Every event is one row of `EVENT_SCHEMA`; all columns are non-null and use -1 / ""

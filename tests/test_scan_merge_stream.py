@@ -133,3 +133,48 @@ def test_truncated_rank_is_merged_up_to_its_last_batch_and_reported(trace_dir, t
         other = json.load(f)["otherData"]["megascan"]
     full = merge.merge_traces(trace_dir, tmp_path / "full.json")
     assert other["partial_ranks"] == [4] and 0 < full.events - summary.events < 200
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_line_blocks_equal_python_formatting_for_random_layouts(seed):
+    """Word stores overhang their field (fixed_lines.py): whatever the layout (numbers next to
+    numbers or strings, at a line's start or end, one char wide), every line is exact, and
+    blocks sharing an arena do not overwrite each other."""
+    import numpy as np
+
+    from megatronapp.scan.fixed_lines import LineBlock, OutputArena, TextTable
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    arena = OutputArena()
+    made = []
+    for _ in range(3):
+        block, expected = LineBlock(n, arena), [""] * n
+        for _ in range(int(rng.integers(1, 8))):
+            kind = rng.choice(["text", "uint", "micros", "field"])
+            if kind == "text":
+                text = "".join(rng.choice(list('ab,:{}"')) for _ in range(int(rng.integers(0, 4))))
+                block.text(text)
+                column = [text] * n
+            elif kind == "field":
+                words = ["".join(rng.choice(list("xyz")) for _ in range(k)) for k in range(1, 6)]
+                ids = rng.integers(0, len(words), n)
+                block.field(TextTable(words).take(ids))
+                width = max(len(words[i]) for i in ids)
+                column = [words[i].ljust(width) for i in ids]
+            else:
+                values = rng.integers(0, 10 ** int(rng.integers(1, 13)), n)
+                if kind == "uint":
+                    block.uint(values)
+                    text = [str(v) for v in values.tolist()]
+                else:
+                    block.micros(values)
+                    text = [f"{v // 1000}" for v in values.tolist()]
+                width = max(len(t) for t in text)
+                column = [t.rjust(width) for t in text]
+                if kind == "micros":
+                    column = [c + f".{v % 1000:03d}" for c, v in zip(column, values.tolist())]
+            expected = [e + c for e, c in zip(expected, column)]
+        made.append((block.to_bytes(), "".join(expected).encode()))
+    for got, want in made:
+        assert bytes(got) == want

@@ -152,6 +152,8 @@ class LineBlock:
             template += part if isinstance(part, bytes) else b" " * width
             constant += [isinstance(part, bytes)] * width
         line = len(template)
+        if line == 0:
+            return memoryview(b"")
         size = self.n * line + _SPARE
         flat = self.arena.take(size) if self.arena is not None else np.empty(size, np.uint8)
         flat[:self.n * line].reshape(self.n, line)[:] = np.frombuffer(bytes(template), np.uint8)

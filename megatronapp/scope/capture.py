@@ -69,6 +69,14 @@ def compute_replay_blocker(sites, compress) -> str | None:
     return None
 
 
+def compute_raw_bytes(model_cfg, sites, num_layers: int) -> tuple[int, int]:
+    """(a, b): an uncompressed fp32 step capture of `sites` at `num_layers` layers takes
+    batch * new columns * (a + b * keys so far) bytes (only attention maps grow with the keys)."""
+    per_layer = [site_numel(s, model_cfg, 1, 1, 1) for s in sites if s not in ("logit_lens", "topk")]
+    per_key = site_numel("attn_probs", model_cfg, 1, 1, 1) if "attn_probs" in sites else 0
+    return 4 * num_layers * (sum(per_layer) - per_key), 4 * num_layers * per_key
+
+
 def make_capture_config(sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
                         max_bytes_per_step: int = 1 << 30) -> CaptureConfig:
     """CaptureConfig from loose arguments (`compress` may be the text form)."""
@@ -92,6 +100,7 @@ class Capture:
         self.recorded_steps: list[int] = []  # steps whose items came from record_decode
         self.hooks, self.staging, self._template_bytes = None, HostStaging(), (None, 0)
         self.graph_unsupported = compute_replay_blocker(cfg.sites, self.compress)
+        self._raw_bytes = compute_raw_bytes(self.target.cfg, cfg.sites, len(self.layers))
         self.decode_key = None  # set on entry when this capture can be recorded (InferenceModel)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -115,11 +124,11 @@ class Capture:
         self._finish_transfer()
 
     def step_begin(self, model) -> None:
+        # Runs before a replayed decode step is launched, while the GPU waits: a few integer ops.
         self.hooks.full_keys = model.recording and self.decode_key is not None
         cache = model.cache
-        b, new, total = cache.pad_left.shape[0], cache.num_new, cache.start + cache.num_new
-        raw = 4 * len(self.layers) * sum(site_numel(s, model.cfg, b, new, total)
-                                         for s in self.cfg.sites if s in DIMS and s not in ("logit_lens", "topk"))
+        per_column, per_column_key = self._raw_bytes
+        raw = cache.pad_left.shape[0] * cache.num_new * (per_column + per_column_key * (cache.start + cache.num_new))
         if raw > self.cfg.max_bytes_per_step:
             raise ValueError(f"capture would need {raw} bytes this step, over the limit of "
                              f"{self.cfg.max_bytes_per_step}; capture fewer sites/layers or shorter prompts")

@@ -28,6 +28,7 @@ from megatronapp import scope
 from megatronapp.config import model_preset
 from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
+from megatronapp.scope import compress
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
 
@@ -88,6 +89,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
+    compress.FUSED_ABSMAX_DEVICES = ("cuda", "cpu")  # the ops the GPU runs (one absmax kernel)
     cfg = model_preset("1.3b", num_layers=args.layers, hidden_size=128, num_attention_heads=16, seq_length=64,
                        vocab_size=50304)
     model = build_inference_model(cfg, single_process_groups(), "cpu", seed=0, dtype=torch.bfloat16)

@@ -13,6 +13,7 @@ import torch
 from megatronapp.config import model_preset
 from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
+from megatronapp.scope import compress
 from megatronapp.scope.batching import compress_step
 from megatronapp.scope.compress import CapturedItem, apply_pipeline, parse_pipeline, reduce_equal_buckets
 from megatronapp.scope.sites import DEFAULT_SITES
@@ -41,7 +42,9 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("op", ["max", "absmax"])
 @pytest.mark.parametrize("width", [1, 4, 64, 128])
-def test_equal_bucket_reduction_is_the_fp32_scatter_bit_for_bit(dtype, op, width):
+@pytest.mark.parametrize("fused", [False, True])
+def test_equal_bucket_reduction_is_the_fp32_scatter_bit_for_bit(dtype, op, width, fused, monkeypatch):
+    monkeypatch.setattr(compress, "FUSED_ABSMAX_DEVICES", ("cpu",) if fused else ())  # norm kernel / abs + amax
     x = special_values((3, 2, 128), dtype, seed=width)
     fast = reduce_equal_buckets(x, op, width).float()
     bucket = torch.arange(128) // (128 // width)

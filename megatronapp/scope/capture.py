@@ -8,8 +8,10 @@
 
 Per step: hooks stash on device; at the step's end every rank joins `gather.collect_step`
 (TP all-gather, logit lens, one packed P2P transfer per stage); the serving rank compresses
-and queues ONE asynchronous device-to-host copy of everything (a uint8 buffer into pinned
-memory, staging.py). Items are built from the host copies when `items` is next read (or on
+(batching.py: every per-layer site of one shape in one chain of ops) and queues ONE
+asynchronous device-to-host copy of everything (a uint8 buffer into pinned memory,
+staging.py). A step's token count is its batch x new columns, host state set before the
+forward (a replayed graph runs no Python, so nothing the forward assigns can be trusted). Items are built from the host copies when `items` is next read (or on
 exit), so a step costs no host sync and no per-item Python.
 
 Decode steps in one process on a static KV cache (the CUDA-graph path, InferenceModel's

@@ -169,3 +169,58 @@ def test_low_precision_on_cuda_is_close_to_fp32(kw):
     low, fp32 = losses(**kw), losses()
     assert low[-1] < low[0]
     torch.testing.assert_close(low, fp32, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_fused_adamw_folds_clipping_into_its_grad_scale(bf16):
+    """The GPU path (fused AdamW, clip factor passed as grad_scale) against explicit clipping
+    then unfused AdamW, with a clip that binds: same params, same (clipped) main grads."""
+    from megatronapp.engine.mixed_precision import MixedPrecisionOptimizer
+    torch.set_num_threads(1)
+    runs = []
+    for fused in (False, True):
+        trainer, _ = _trainer(make_job(1, bf16=bf16, clip_grad=0.05))
+        trainer.optimizer = MixedPrecisionOptimizer(trainer.reducer, trainer.job.train, trainer.groups, CPU,
+                                                    fused=fused)
+        trainer.runtime.grad_scale_func = trainer.optimizer.scale_loss
+        norms = [trainer.train_step().grad_norm for _ in range(3)]
+        runs.append((norms, _params(trainer)))
+    (norms, ref), (fused_norms, got) = runs
+    assert min(norms) > 0.05 * 2  # the clip really scaled the grads
+    torch.testing.assert_close(fused_norms, norms, rtol=1e-5, atol=0)
+    for name, p in got.items():
+        torch.testing.assert_close(p, ref[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.main_grad, ref[name].main_grad, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
+def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
+    """The Triton master-weight kernel (AdamW + clip + model-weight write) against torch's fused
+    AdamW, clip and the master->bf16 copy: same fp32 masters, Adam state and model weights."""
+    from megatronapp.config import JobConfig, build_layout, model_preset
+    from megatronapp.engine import master_adam
+
+    assert master_adam.available(torch.device("cuda"))
+    runs = []
+    for kernel in (False, True):
+        job = JobConfig(model=model_preset("small", num_layers=2, seq_length=128),
+                        train=TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3,
+                                          clip_grad=0.05, bf16=True, use_distributed_optimizer=distopt,
+                                          fused_master_adamw=kernel), layout=build_layout(1, 1, 1))
+        torch.manual_seed(0)
+        trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
+        assert trainer.optimizer.master_kernel == kernel
+        norms = [m.grad_norm for m in trainer.train(3)]
+        opt = trainer.optimizer
+        rounded = all(torch.equal(opt._model_view(m), m.main_param.to(torch.bfloat16)) for m in opt.mains)
+        runs.append((norms, [m.main_param.clone() for m in opt.mains],
+                     [opt.optimizer.state[m.main_param]["exp_avg_sq"].clone() for m in opt.mains], rounded))
+    (norms, mains, sq, rounded), (k_norms, k_mains, k_sq, k_rounded) = runs
+    assert min(norms) > 0.1  # the clip binds
+    torch.testing.assert_close(k_norms, norms, rtol=1e-4, atol=0)
+    for a, b in zip(k_mains, mains):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(k_sq, sq):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-12)
+    assert rounded and k_rounded  # model weights = masters rounded to nearest even

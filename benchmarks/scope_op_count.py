@@ -1,6 +1,7 @@
-"""Kernels a MegaScope capture adds to one decode step, counted on the CPU.
+"""Kernels a MegaScope capture adds to one decode step: ATen ops on the CPU, kernels on a GPU.
 
     python benchmarks/scope_op_count.py [--layers 24] [--sites ...] [--compress TEXT] [--out F]
+    python benchmarks/scope_op_count.py --device cuda      # the CUDA kernels themselves (profiler)
 
 At batch 1 a decode step is bound by kernel launches, not FLOPs, so what a capture recorded
 into the CUDA-graph decode step costs is, to first order, how many kernels it adds. This runs
@@ -58,9 +59,32 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-def count_decode_step(model, cfg_kwargs: dict | None, prompt_len: int = 8) -> OpCounter:
-    """Ops of the second decode step's graph body with capture `cfg_kwargs` (None: off)."""
-    counter, body = OpCounter(), model._decode_body
+class CudaKernelCounter:
+    """On a GPU: the kernels (and memcpy / memset) the step launched, by name, from the
+    profiler's device events; what a decode graph replays."""
+
+    def __init__(self):
+        self.kernels, self.no_kernel = Counter(), Counter()
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                       torch.profiler.ProfilerActivity.CUDA])
+
+    def __enter__(self):
+        self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.prof.__exit__(*exc)
+        for event in self.prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                self.kernels[event.name[:48]] += 1
+
+
+def count_decode_step(model, cfg_kwargs: dict | None, prompt_len: int = 8):
+    """Ops (kernels on a GPU) of the second decode step's graph body with capture `cfg_kwargs`
+    (None: off), run eagerly on the static cache."""
+    counter = CudaKernelCounter() if model.device.type == "cuda" else OpCounter()
+    body = model._decode_body
 
     def counted(x, recorders):
         with counter:
@@ -86,18 +110,21 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--sites", nargs="+", default=list(DEFAULT_SITES))
     p.add_argument("--compress", default=DEFAULT_COMPRESS)
+    p.add_argument("--device", default="cpu", help="cuda: count the CUDA kernels instead (profiler)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
     compress.FUSED_ABSMAX_DEVICES = ("cuda", "cpu")  # the ops the GPU runs (one absmax kernel)
     cfg = model_preset("1.3b", num_layers=args.layers, hidden_size=128, num_attention_heads=16, seq_length=64,
                        vocab_size=50304)
-    model = build_inference_model(cfg, single_process_groups(), "cpu", seed=0, dtype=torch.bfloat16)
+    if args.device == "cuda":  # real width: kernel choice (e.g. top-k's multi-block path) depends on it
+        cfg = model_preset("1.3b", num_layers=args.layers, vocab_size=50304)
+    model = build_inference_model(cfg, single_process_groups(), args.device, seed=0, dtype=torch.bfloat16)
     off = count_decode_step(model, None)
     on = count_decode_step(model, dict(sites=args.sites, compress=args.compress))
     added = on.kernels.copy()
     added.subtract(off.kernels)
-    report = {"layers": args.layers, "sites": args.sites, "compress": args.compress,
+    report = {"device": args.device, "layers": args.layers, "sites": args.sites, "compress": args.compress,
               "kernels_off": sum(off.kernels.values()), "kernels_on": sum(on.kernels.values()),
               "kernels_added": sum(on.kernels.values()) - sum(off.kernels.values()),
               "added_by_op": {k: v for k, v in sorted(added.items()) if v},

@@ -10,9 +10,10 @@ Per step: hooks stash on device; at the step's end every rank joins `gather.coll
 (TP all-gather, logit lens, one packed P2P transfer per stage); the serving rank compresses
 (batching.py: every per-layer site of one shape in one chain of ops) and queues ONE
 asynchronous device-to-host copy of everything (a uint8 buffer into pinned memory,
-staging.py). A step's token count is its batch x new columns, host state set before the
-forward (a replayed graph runs no Python, so nothing the forward assigns can be trusted). Items are built from the host copies when `items` is next read (or on
-exit), so a step costs no host sync and no per-item Python.
+staging.py). Items are built from the host copies when `items` is next read (or on exit),
+so a step costs no host sync and no per-item Python. A step's token count is its batch x new
+columns, host state set before the forward: a replayed graph runs no Python, so nothing the
+forward assigns (e.g. cache.positions) belongs to the step.
 
 Decode steps in one process on a static KV cache (the CUDA-graph path, InferenceModel's
 "recorders") take a second route to the same items: `record_decode` runs right after the
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronapp.scope.batching import DIMS, compress_step
+from megatronapp.scope.batching import compress_step
 from megatronapp.scope.compress import CapturedItem, check_pipeline, parse_pipeline
 from megatronapp.scope.gather import collect_step, compute_logit_lens, stage_items
 from megatronapp.scope.hooks import CaptureHooks

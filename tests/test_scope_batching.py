@@ -15,7 +15,8 @@ from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope import compress
 from megatronapp.scope.batching import compress_step
-from megatronapp.scope.compress import CapturedItem, apply_pipeline, parse_pipeline, reduce_equal_buckets
+from megatronapp.scope.compress import (DEFAULT_COMPRESS, CapturedItem, apply_pipeline, parse_pipeline,
+                                         reduce_equal_buckets)
 from megatronapp.scope.sites import DEFAULT_SITES
 from megatronapp.scope.staging import pack_blocks, view_items
 
@@ -107,6 +108,6 @@ def test_recorded_capture_adds_the_same_kernels_for_any_depth():
         cfg = model_preset("demo", num_layers=layers, vocab_size=257)
         model = build_inference_model(cfg, single_process_groups(), "cpu", seed=0, dtype=torch.bfloat16)
         off = count_decode_step(model, None)
-        on = count_decode_step(model, dict(sites=DEFAULT_SITES, compress="reduce:op=absmax,width=64;quantize:dtype=fp16"))
+        on = count_decode_step(model, dict(sites=DEFAULT_SITES, compress=DEFAULT_COMPRESS))
         added.append(sum(on.kernels.values()) - sum(off.kernels.values()))
     assert added[0] == added[1] > 0

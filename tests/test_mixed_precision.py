@@ -194,10 +194,45 @@ def test_fused_adamw_folds_clipping_into_its_grad_scale(bf16):
 
 
 @pytest.mark.gpu
+def test_master_adamw_kernel_equals_torch_adamw_then_copy():
+    """The Triton kernel on fixed inputs against torch's AdamW on pre-divided grads, 3 steps,
+    two param groups (with and without weight decay), odd sizes (masked tails)."""
+    from megatronapp.engine import master_adam
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    shapes = [(513, 77), (4097,), (3,)]
+    ref = [torch.randn(s, device=dev) for s in shapes]
+    mains = [r.clone() for r in ref]
+    models = [m.to(torch.bfloat16) for m in mains]
+
+    def adamw(ps):
+        return torch.optim.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
+                                 lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    torch_opt, kernel_opt = adamw(ref), adamw(mains)
+    views = {id(m): v for m, v in zip(mains, models)}
+    for _ in range(3):
+        grads = [torch.randn_like(r) for r in ref]
+        for r, g in zip(ref, grads):
+            r.grad = g / 4.0
+        for m, g in zip(mains, grads):
+            m.grad = g.clone()
+        torch_opt.step()
+        master_adam.adamw_master_step(kernel_opt, views, torch.tensor(4.0, device=dev))
+    for r, m, v in zip(ref, mains, models):
+        torch.testing.assert_close(m, r, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(kernel_opt.state[m]["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"],
+                                   rtol=1e-6, atol=0)
+        assert torch.equal(v, m.to(torch.bfloat16))  # rounded to nearest even, as .to() does
+        assert float(kernel_opt.state[m]["step"]) == 3.0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("distopt", [False, True], ids=["plain", "distopt"])
 def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
-    """The Triton master-weight kernel (AdamW + clip + model-weight write) against torch's fused
-    AdamW, clip and the master->bf16 copy: same fp32 masters, Adam state and model weights."""
+    """The engine with the Triton master-weight kernel (AdamW + clip + model-weight write) against
+    torch's fused AdamW + clip + master->bf16 copy: the kernel is used, trains the same, and the
+    model weights are exactly the rounded masters."""
     from megatronapp.config import JobConfig, build_layout, model_preset
     from megatronapp.engine import master_adam
 
@@ -211,16 +246,14 @@ def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
         torch.manual_seed(0)
         trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
         assert trainer.optimizer.master_kernel == kernel
-        norms = [m.grad_norm for m in trainer.train(3)]
+        metrics = trainer.train(3)
         opt = trainer.optimizer
         rounded = all(torch.equal(opt._model_view(m), m.main_param.to(torch.bfloat16)) for m in opt.mains)
-        runs.append((norms, [m.main_param.clone() for m in opt.mains],
-                     [opt.optimizer.state[m.main_param]["exp_avg_sq"].clone() for m in opt.mains], rounded))
-    (norms, mains, sq, rounded), (k_norms, k_mains, k_sq, k_rounded) = runs
+        runs.append(([m.grad_norm for m in metrics], [m.loss for m in metrics], rounded))
+    (norms, losses, rounded), (k_norms, k_losses, k_rounded) = runs
+    # GPU backward is not bit-deterministic and Adam turns tiny grad differences into lr-sized
+    # steps where |grad| ~ 0, so compare trajectories loosely; the kernel's exactness is the test above
     assert min(norms) > 0.1  # the clip binds
-    torch.testing.assert_close(k_norms, norms, rtol=1e-4, atol=0)
-    for a, b in zip(k_mains, mains):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for a, b in zip(k_sq, sq):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(k_norms, norms, rtol=1e-3, atol=0)
+    torch.testing.assert_close(k_losses, losses, rtol=1e-3, atol=0)
     assert rounded and k_rounded  # model weights = masters rounded to nearest even

@@ -43,15 +43,16 @@ if triton is not None:
         m = tl.load(exp_avg_ptr + offs, mask=mask)
         v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
         if HAS_GRAD_SCALE:
-            g = g / tl.load(grad_scale_ptr)
+            g = tl.div_rn(g, tl.load(grad_scale_ptr))
         step = tl.load(step_ptr)  # already counts this update
         bias_correction1 = 1.0 - tl.exp(step * tl.log(beta1))
         bias_correction2 = 1.0 - tl.exp(step * tl.log(beta2))
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
         p = p * (1.0 - lr * weight_decay)
-        denom = tl.sqrt(v) / tl.sqrt(bias_correction2) + eps
-        p = p - (lr / bias_correction1) * (m / denom)
+        # IEEE-rounded sqrt and division (tl.sqrt and / are approximate), as torch's kernel computes
+        denom = tl.div_rn(tl.sqrt_rn(v), tl.sqrt_rn(bias_correction2)) + eps
+        p = p - (lr / bias_correction1) * tl.div_rn(m, denom)
         tl.store(main_ptr + offs, p, mask=mask)
         tl.store(exp_avg_ptr + offs, m, mask=mask)
         tl.store(exp_avg_sq_ptr + offs, v, mask=mask)

@@ -99,19 +99,22 @@ class OutputArena:
     def __init__(self) -> None:
         self._chunks: list[np.ndarray] = []
         self._used = 0  # bytes handed out of the last chunk
+        self._round = 0  # bytes handed out since reset()
 
     def reset(self) -> None:
-        """Forget what was handed out; keep (one chunk of) the memory for the next round."""
-        if len(self._chunks) > 1:  # one chunk as large as everything last used
-            self._chunks = [np.empty(sum(len(c) for c in self._chunks), np.uint8)]
-        self._used = 0
+        """Forget what was handed out; keep memory for the next round: the one chunk, or one
+        chunk of what this round used if it took several."""
+        if len(self._chunks) > 1:
+            self._chunks = [np.empty(self._round + self._round // 4, np.uint8)]
+        self._used = self._round = 0
 
     def take(self, nbytes: int) -> np.ndarray:
         if not self._chunks or self._used + nbytes > len(self._chunks[-1]):
-            self._chunks.append(np.empty(max(nbytes, 2 * len(self._chunks[-1]) if self._chunks else nbytes), np.uint8))
+            self._chunks.append(np.empty(max(nbytes, 1 << 20), np.uint8))
             self._used = 0
         out = self._chunks[-1][self._used:self._used + nbytes]
         self._used += nbytes
+        self._round += nbytes
         return out
 
 

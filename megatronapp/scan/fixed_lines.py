@@ -102,15 +102,17 @@ class OutputArena:
         self._round = 0  # bytes handed out since reset()
 
     def reset(self) -> None:
-        """Forget what was handed out; keep memory for the next round: the one chunk, or one
-        chunk of what this round used if it took several."""
+        """Forget what was handed out; keep memory for the next round: the one chunk, or, if
+        this round took several, one of twice what it used (so growth stops after a few rounds;
+        pages never written are never resident)."""
         if len(self._chunks) > 1:
-            self._chunks = [np.empty(self._round + self._round // 4, np.uint8)]
+            self._chunks = [np.empty(2 * self._round, np.uint8)]
         self._used = self._round = 0
 
     def take(self, nbytes: int) -> np.ndarray:
         if not self._chunks or self._used + nbytes > len(self._chunks[-1]):
-            self._chunks.append(np.empty(max(nbytes, 1 << 20), np.uint8))
+            grown = 2 * len(self._chunks[-1]) if self._chunks else 0  # doubling: few chunks per round
+            self._chunks.append(np.empty(max(nbytes, grown), np.uint8))
             self._used = 0
         out = self._chunks[-1][self._used:self._used + nbytes]
         self._used += nbytes

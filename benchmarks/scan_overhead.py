@@ -99,10 +99,11 @@ def format_line(label: str, variant: str, summary: dict) -> str:
     """One line per variant, e.g. "small base: +0.41% [95% CI -0.20%, +1.02%] ..."."""
     s = summary[variant]
     w, wo = s["overhead_with_close"], s["overhead"]
+    size = f", {s['bytes_per_event']:.1f} bytes/event" if "bytes_per_event" in s else ""
     return (f"{label} {variant}: {w['median']:+.2%} [95% CI {w['ci95'][0]:+.2%}, {w['ci95'][1]:+.2%}] with close, "
             f"{wo['median']:+.2%} [{wo['ci95'][0]:+.2%}, {wo['ci95'][1]:+.2%}] steps only; "
             f"median of {summary['rounds']} paired rounds x {summary['steps_per_round']} steps, "
-            f"off {summary['off_step_ms']:.2f} ms/step")
+            f"off {summary['off_step_ms']:.2f} ms/step{size}")
 
 
 # ----------------------------------------------------------------------------- measurement

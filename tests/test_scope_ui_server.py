@@ -56,8 +56,8 @@ def generate_over_ws(srv, **settings) -> list[int]:
         while tokens is None:
             msg = recv_json(ws)
             assert msg["type"] != "error", msg
-            if msg["type"] == "token" and msg["run"] == "clean":
-                streamed.append(msg["id"])
+            if msg["type"] == "tokens":
+                streamed += [t["id"] for t in msg["tokens"] if t["run"] == "clean"]
             if msg["type"] == "run_end" and msg["run"] == "clean":
                 tokens = msg["tokens"]
     assert streamed == tokens  # what streamed is what the run returned
@@ -107,7 +107,8 @@ def test_limits_refuse_and_change_nothing(server):
               "refused"),
              ({"type": "perturb", "spec": {"kind": "evil", "target": {"site": "residual"}}}, "refused"),
              ({"type": "train_control", "action": "pause"}, "wrong_mode"),
-             ({"type": "hello", "version": 2}, "version"),
+             ({"type": "hello", "version": 1}, "version"),
+             ({"type": "view", "layer": 4}, "refused"),  # the model has 4 layers
              ({"type": "__import__('os').system('true')"}, "bad_message")]
     with connect(ws_url(server), max_size=None) as ws:
         recv_json(ws)
@@ -129,7 +130,7 @@ def test_rate_limit(ckpt):
         with connect(ws_url(srv)) as ws:
             recv_json(ws)
             for _ in range(20):
-                ws.send(json.dumps({"type": "hello", "version": 1}))
+                ws.send(json.dumps({"type": "hello", "version": P.PROTOCOL_VERSION}))
             codes = [recv_json(ws).get("code") for _ in range(20)]
         assert codes.count("rate_limited") >= 10 and codes.count(None) >= 5
     finally:
@@ -184,7 +185,7 @@ def test_tensor_frame_round_trip_and_rate_limiter():
 
 
 def _fuzz_message(rng: random.Random) -> str | bytes:
-    kind = rng.randrange(9)
+    kind = rng.randrange(10)
     if kind == 0:
         return rng.randbytes(rng.randrange(1, 300))  # binary garbage
     if kind == 1:
@@ -205,6 +206,8 @@ def _fuzz_message(rng: random.Random) -> str | bytes:
         return json.dumps(rng.choice([[], 1, "s", None, {"no": "type"}]))
     if kind == 7:
         return "[" * rng.randrange(1, 5000)  # deep nesting
+    if kind == 8:  # (a valid view gets no reply; these are all refused)
+        return json.dumps({"type": "view", "layer": rng.choice([-1, 4, 99, "0", None, 1.5]), "head": rng.choice([0, 9])})
     return json.dumps({"type": rng.choice(["hello", "train_control", "take_drive", "clear_perturbations"]),
                        "version": rng.choice([1, 2, "1"]), "action": rng.choice(["pause", "stop", 1])})
 

@@ -304,3 +304,52 @@ def test_perturbation_during_training_shows_in_loss_and_is_removed():
             assert hit["iteration"] > start["iteration"]
     finally:
         training.stop()
+
+
+def _frames_until(ws, done) -> list:
+    """Frames (dicts, or (header, array) for tensors) until done(frames) holds."""
+    import numpy as np
+
+    frames = []
+    while not done(frames):
+        f = ws.recv(timeout=60)
+        if isinstance(f, str):
+            frames.append(json.loads(f))
+        else:
+            h, payload = P.decode_tensor_frame(f)
+            frames.append((h, np.frombuffer(payload, dtype=h["dtype"]).reshape(h["shape"])))
+    return frames
+
+
+def _layer_rows(frames, site: str, layer: int) -> list:
+    """The rows the page holds after `frames`; attention row r cut to its r + 1 causal keys (a
+    merged frame pads the keys of its shorter rows with zeros)."""
+    rows = []
+    for f in frames:
+        if isinstance(f, tuple) and (f[0]["site"], f[0]["layer"], f[0]["run"]) == (site, layer, "clean"):
+            axis = 2 if site == "attn_probs" else 1
+            rows = rows[:f[0]["start"]] + [f[1].take(i, axis=axis) for i in range(f[1].shape[axis])]
+    return [(r[..., :i + 1] if site == "attn_probs" else r).tolist() for i, r in enumerate(rows)]
+
+
+def test_layer_switch_after_a_run_refills_that_layer_exactly(server):
+    request = {"type": "generate", "prompt": "Hello there", "max_new_tokens": 5, "stop_on_eod": False}
+    ended = lambda fs: any(isinstance(f, dict) and f["type"] == "run_end" for f in fs)
+    with connect(ws_url(server), max_size=None) as ws:
+        recv_json(ws)
+        ws.send(json.dumps({"type": "take_drive"}))
+        ws.send(json.dumps({"type": "view", "layer": 0, "head": 0}))
+        ws.send(json.dumps(request))
+        first = _frames_until(ws, ended)
+        positions = len(_layer_rows(first, "residual", 0))
+        assert positions == len(first[-1]["tokens"]) - 1 + len(
+            next(f for f in first if isinstance(f, dict) and f["type"] == "run_start")["prompt_tokens"])
+        assert not _layer_rows(first, "residual", 2)  # only the shown layer was captured
+        ws.send(json.dumps({"type": "view", "layer": 2, "head": 0}))  # refilled: same request, layer 2 only
+        refill = _frames_until(ws, lambda fs: len(_layer_rows(fs, "residual", 2)) == positions
+                               and len(_layer_rows(fs, "attn_probs", 2)) == positions)
+        assert all(isinstance(f, tuple) for f in refill)  # views only: no tokens, no run messages
+        ws.send(json.dumps(request))  # now streamed live with layer 2 shown from the start
+        live = _frames_until(ws, ended)
+    for site in ("attn_probs", "residual"):
+        assert _layer_rows(refill, site, 2) == _layer_rows(live, site, 2)

@@ -31,6 +31,7 @@ export function renderAttention(gridEl, canvas, layerRows, head, labels, onPick)
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   const rows = layerRows && layerRows[head] ? layerRows[head] : [];
   drawMatrix(ctx, rows, margin, margin, size);
+  canvas.dataset.rows = String(rows.length);
   canvas.dataset.checksum = String(rows.reduce((s, r, i) => s + r.reduce((a, v, j) => a + v * (i + 1) * (j + 2), 0), 0));
   ctx.fillStyle = "#333"; ctx.font = "10px monospace";
   const n = rows.length, cell = n ? size / n : 0;

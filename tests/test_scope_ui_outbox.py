@@ -168,3 +168,40 @@ def test_stalled_tab_gets_every_token_and_the_same_rows_in_few_frames(runner):
         assert np.array_equal(_rows(slow, site, 1), _rows(fast, site, 1))
         assert len(_rows(slow, site, 1)) == len(runner.tokenizer.encode("Once upon")) + n - 1
     assert _rows(other, "attn_probs", 2).shape[2] == runner.model.cfg.num_attention_heads  # (rows, B, heads, T): its own layer
+
+
+def test_ui_captures_are_recordable_into_the_decode_graph(runner):
+    from megatronapp.scope_ui.runner import stream_captures
+
+    for cap in stream_captures(runner.model, [0, 2], True, 1 << 30):
+        assert cap.graph_unsupported is None, cap.graph_unsupported
+
+
+@pytest.mark.gpu
+def test_ui_generation_on_cuda_keeps_graphs_and_tokens(caplog):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from megatronapp.config import model_preset
+    from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.inference.generate import SamplingConfig, generate
+    from megatronapp.inference.model import build_inference_model
+    from megatronapp.parallel.groups import single_process_groups
+    from megatronapp.scope_ui.runner import GenerationRunner
+
+    model = build_inference_model(model_preset("tiny", seq_length=64), single_process_groups(), torch.device("cuda"))
+    model.cuda_graphs = True
+    tok = load_tokenizer(None)
+    runner, got = GenerationRunner(model, tok, P.Limits()), []
+
+    class Sink:
+        def post(self, items):
+            got.extend(items)
+
+    msg = P.Generate(type="generate", prompt="Once upon a time", max_new_tokens=12, stop_on_eod=False)
+    with caplog.at_level("WARNING"):
+        runner.run(msg, Sink(), [1])
+    assert not [r for r in caplog.records if "eagerly" in r.getMessage()]
+    plain = generate(model, [tok.encode(msg.prompt)], SamplingConfig(max_new_tokens=12, stop_on_eod=False),
+                     eod_id=tok.eod_id, vocab_size=tok.vocab_size).tokens[0]
+    assert [t.id for t in got if isinstance(t, TokenOut)] == plain
+    assert {v.layer for v in got if isinstance(v, ViewOut)} == {1}

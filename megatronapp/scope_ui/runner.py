@@ -102,22 +102,19 @@ class _TokenTap:
         return getattr(self._model, name)
 
 
-class _StepStream:
-    """Observer after the captures: at each step end, read the step's new items (`items` makes
-    the capture finish that step's host copy) and turn them into small records: the shown
-    layers' rows as ViewOut (a copy: the capture's host buffers are its own), top-k and logit
-    lens for the token. Nothing is encoded here; the records wait in `views` until the step's
-    token is known and then go to the sink in one post."""
+class _RunStream:
+    """Turns the captures' new items into small records: the shown layers' rows as ViewOut (a
+    copy: the capture's host buffers are its own), top-k and logit lens for the token message.
+    Read when step s's token is known, i.e. at the start of step s+1: generate() has synced on
+    step s by then, so reading `items` (which finishes the queued host copies) never waits on
+    the device, and no work is added inside a step."""
 
     def __init__(self, caps, run: str, prompt_len: int):
         self.caps, self.run, self.prompt_len = caps, run, prompt_len
         self.seen = [0] * len(caps)
         self.step_info, self.views = {}, []
 
-    def step_begin(self, model) -> None:
-        pass
-
-    def step_end(self, model, logits) -> None:
+    def collect(self) -> None:
         for i, cap in enumerate(self.caps):
             items = cap.items
             for item in items[self.seen[i]:]:
@@ -248,13 +245,13 @@ class GenerationRunner:
             # every layer's full residual, only for the clean-vs-perturbed difference norms
             diff = stack.enter_context(capture(self.model, sites=("residual",),
                                                max_bytes_per_step=self.limits.max_capture_bytes)) if compare else None
-            stream = _StepStream(caps, run, len(prompt))
-            self.model.observers.append(stream)
+            stream = _RunStream(caps, run, len(prompt))
             sent = []
 
             def on_tokens(step: int, tokens: torch.Tensor) -> None:
                 token_id = int(tokens[0, 0])
                 sent.append(token_id)
+                stream.collect()
                 info = stream.step_info.pop(step, {})
                 records = stream.take_views()
                 if not quiet:
@@ -262,13 +259,10 @@ class GenerationRunner:
                                             lens=info.get("lens", ()), t_server_ms=time.time() * 1000))
                 sink.post(records)
 
-            try:
-                t0 = time.perf_counter()
-                res = generate(_TokenTap(self.model, on_tokens), [prompt], self.sampling(msg),
-                               eod_id=self.tokenizer.eod_id, vocab_size=self.tokenizer.vocab_size)
-                elapsed = time.perf_counter() - t0
-            finally:
-                self.model.observers.remove(stream)
+            t0 = time.perf_counter()
+            res = generate(_TokenTap(self.model, on_tokens), [prompt], self.sampling(msg),
+                           eod_id=self.tokenizer.eod_id, vocab_size=self.tokenizer.vocab_size)
+            elapsed = time.perf_counter() - t0
             tokens = res.tokens[0]
             for step in range(len(sent), len(tokens)):  # the last step has no next forward
                 on_tokens(step, torch.tensor([[tokens[step]]]))

@@ -49,7 +49,8 @@ function onTensor({ header, data }) {
     rows.length = Math.min(rows.length, h.start);
     for (let i = 0; i < s; i++) rows.push(data.subarray(i * width, (i + 1) * width));
   }
-  scheduleDraw();
+  // a live run's rows are drawn with its tokens (they follow); probe and refill rows have none
+  if (!run || run.done) scheduleDraw();
 }
 
 const handlers = {
@@ -75,14 +76,8 @@ const handlers = {
   tokens(m) {  // every token not sent before, in order (several when this tab fell behind)
     for (const t of m.tokens) (state.runs[t.run] ||= newRun()).tokens.push(t);
     window.__scope.tokensSeen += m.tokens.length;
-    draw();
-    requestAnimationFrame(() => {  // pixels are committed at the next frame
-      const now = performance.timeOrigin + performance.now();
-      for (const t of m.tokens) {
-        performance.mark(`token-${t.run}-${t.step}`);
-        window.__scope.latencies.push(now - t.t_server_ms);
-      }
-    });
+    unmarked.push(...m.tokens);
+    scheduleDraw();  // one draw per animation frame, however many tokens came in since the last
   },
   run_end(m) { const run = state.runs[m.run]; if (run) { run.done = true; run.tokensPerS = m.tokens_per_s; } draw(); },
   compare(m) { state.compare = m; draw(); },
@@ -102,8 +97,20 @@ function fillSelect(sel, n, value) {
   for (let i = 0; i < n; i++) sel.add(new Option(String(i), String(i), false, i === value));
 }
 
+// Tokens drawn by the next frame's draw: their token->pixels latency is read right after that
+// draw (the canvases and DOM are updated; the frame paints next).
+const unmarked = [];
 let pending = false;
-function scheduleDraw() { if (!pending) { pending = true; requestAnimationFrame(() => { pending = false; draw(); }); } }
+function scheduleDraw() { if (!pending) { pending = true; requestAnimationFrame(drawFrame); } }
+function drawFrame() {
+  pending = false;
+  draw();
+  const now = performance.timeOrigin + performance.now();
+  for (const t of unmarked.splice(0)) {
+    performance.mark(`token-${t.run}-${t.step}`);
+    window.__scope.latencies.push(now - t.t_server_ms);
+  }
+}
 
 export function draw() {
   if (!state.welcome) return;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import re
 
 import torch
@@ -14,7 +15,8 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class LayerNorms:
     """Per-layer weight and gradient L2 norms, computed on the parameters' device with no host
     sync: `start()` queues the kernels (two fused foreach norms) and the copy of the (2, L)
-    result to host memory; `finish(pending)` waits for that copy (any thread) and returns
+    result into a pinned host buffer (from a small pool: no pinned allocation per step);
+    `finish(pending)` waits for that copy (any thread), gives the buffer back and returns
     ([weight norms], [grad norms])."""
 
     def __init__(self, named_params: dict, num_layers: int):
@@ -23,8 +25,16 @@ class LayerNorms:
         self.num_layers = num_layers
         self.params = [p for _, p in picked]
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.layer_of = torch.tensor([i for i, _ in picked], dtype=torch.long, device=device)
+        self.layers = [i for i, _ in picked]
+        self.layer_of = torch.tensor(self.layers, dtype=torch.long, device=device)
         self.device = device
+        self.free: queue.SimpleQueue = queue.SimpleQueue()  # pinned (2, L) buffers not in flight
+        self._grad_index = (None, None)  # (which params had grads, their layer ids on device)
+
+    def _grad_layers(self, which: tuple) -> torch.Tensor:
+        if self._grad_index[0] != which:  # the same params have grads every step: one H2D copy
+            self._grad_index = (which, torch.tensor([self.layers[i] for i in which], device=self.device))
+        return self._grad_index[1]
 
     def start(self):
         with torch.no_grad():
@@ -36,22 +46,25 @@ class LayerNorms:
                              if (g := p.grad if p.grad is not None else getattr(p, "main_grad", None)) is not None]
                 if with_grad:
                     g = torch.stack(torch._foreach_norm([g for _, g in with_grad])).float()
-                    idx = self.layer_of[torch.tensor([i for i, _ in with_grad], device=self.device)]
-                    sq[1].index_add_(0, idx, g * g)
+                    sq[1].index_add_(0, self._grad_layers(tuple(i for i, _ in with_grad)), g * g)
             if sq.is_cuda:
-                host = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
+                try:
+                    host = self.free.get_nowait()
+                except queue.Empty:
+                    host = torch.empty(sq.shape, dtype=sq.dtype, pin_memory=True)
                 host.copy_(sq, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
                 return host, event
             return sq, None
 
-    @staticmethod
-    def finish(pending) -> tuple[list[float], list[float]]:
+    def finish(self, pending) -> tuple[list[float], list[float]]:
         host, event = pending
         if event is not None:
             event.synchronize()
         norms = host.sqrt().tolist()
+        if event is not None:
+            self.free.put(host)
         return norms[0], norms[1]
 
 

@@ -154,7 +154,8 @@ def _serve_one_generation(runner, stalled: bool, n: int):
     return asyncio.run(scenario())
 
 
-def test_stalled_tab_gets_every_token_and_the_same_rows_in_few_frames(runner):
+def test_stalled_tab_gets_every_token_and_the_same_rows_in_few_frames(runner, monkeypatch):
+    monkeypatch.setattr("megatronapp.scope_ui.runner.FLUSH_S", 0.0)  # one post per token: the tab coalesces
     n = 12
     slow, other = _serve_one_generation(runner, stalled=True, n=n)
     fast, _ = _serve_one_generation(runner, stalled=False, n=n)
@@ -168,6 +169,25 @@ def test_stalled_tab_gets_every_token_and_the_same_rows_in_few_frames(runner):
         assert np.array_equal(_rows(slow, site, 1), _rows(fast, site, 1))
         assert len(_rows(slow, site, 1)) == len(runner.tokenizer.encode("Once upon")) + n - 1
     assert _rows(other, "attn_probs", 2).shape[2] == runner.model.cfg.num_attention_heads  # (rows, B, heads, T): its own layer
+
+
+def test_model_thread_posts_at_most_once_per_flush_interval(runner, monkeypatch):
+    monkeypatch.setattr("megatronapp.scope_ui.runner.FLUSH_S", 3600.0)
+    posts = []
+
+    class Sink:
+        def post(self, items):
+            posts.append(list(items))
+
+    n = 9
+    runner.run(P.Generate(type="generate", prompt="Once upon", max_new_tokens=n, stop_on_eod=False), Sink(), [3])
+    assert [type(p[0]).__name__ for p in posts] == ["RunStart", "ViewOut", "RunEnd"]  # one post for the run's body
+    body = posts[1]
+    assert [t.step for t in body if isinstance(t, TokenOut)] == list(range(n))
+    assert [t.id for t in body if isinstance(t, TokenOut)] == posts[2][0].tokens
+    assert all(len(t.topk) == 5 and len(t.lens) == runner.model.cfg.num_layers for t in body if isinstance(t, TokenOut))
+    assert sorted({(v.site, v.step) for v in body if isinstance(v, ViewOut)}) == sorted(
+        (site, s) for site in ("attn_probs", "residual") for s in range(n))  # a forward step per token
 
 
 def test_ui_captures_are_recordable_into_the_decode_graph(runner):

@@ -1,7 +1,7 @@
 """The model side of the UI: generation streamed token by token with MegaScope captures, the
 perturbation list, and clean-vs-perturbed comparison. Runs in ONE worker thread that owns the
 model; results leave as small records (outbox.py) through `sink.post(list)`, one post per
-token; the server encodes and sends them on its own thread.
+FLUSH_S at most; the server encodes and sends them on its own thread.
 
 Only what the tabs show is captured: the shown layers' attention (all heads, fp16) and
 residual (bucket means, fp16), top-k and logit lens. Those captures can be recorded into the
@@ -41,6 +41,8 @@ TOPK = 5
 ATTN_COMPRESS = "quantize:dtype=fp16"
 RESIDUAL_WIDTH = 64  # feature buckets of the residual heatmap / PCA
 RESIDUAL_COMPRESS = f"reduce:op=mean,width={RESIDUAL_WIDTH};quantize:dtype=fp16"
+FLUSH_S = 0.010  # records leave the model thread at most this often: one wakeup of the server per
+# ~frame, not per token (the page draws once per frame anyway; its latency goal is 50 ms)
 
 
 def describe_model(cfg, param_shapes: dict) -> dict:
@@ -103,23 +105,39 @@ class _TokenTap:
 
 
 class _RunStream:
-    """Turns the captures' new items into small records: the shown layers' rows as ViewOut (a
-    copy: the capture's host buffers are its own), top-k and logit lens for the token message.
-    Read when step s's token is known, i.e. at the start of step s+1: generate() has synced on
-    step s by then, so reading `items` (which finishes the queued host copies) never waits on
-    the device, and no work is added inside a step."""
+    """A run's records for the sink. `token(step, id)` is called when step s's token is known,
+    i.e. at the start of step s+1: generate() has synced on step s by then, so reading the
+    captures' `items` (which finishes their queued host copies) never waits on the device, and
+    no work is added inside a step. Records leave in one post at most every FLUSH_S (and at the
+    end): per token the model thread only notes the id and the time; the captures' new items
+    become ViewOut rows of the shown layers (copied: the capture's host buffers are its own)
+    and each token's top-k and logit lens at the flush."""
 
-    def __init__(self, caps, run: str, prompt_len: int):
-        self.caps, self.run, self.prompt_len = caps, run, prompt_len
+    def __init__(self, caps, run: str, prompt_len: int, sink, with_tokens: bool):
+        self.caps, self.run, self.prompt_len, self.sink, self.with_tokens = caps, run, prompt_len, sink, with_tokens
         self.seen = [0] * len(caps)
-        self.step_info, self.views = {}, []
+        self.step_info, self.views, self.tokens = {}, [], []
+        self.last_flush = time.monotonic()
 
-    def collect(self) -> None:
+    def token(self, step: int, token_id: int) -> None:
+        self.tokens.append((step, token_id, time.time() * 1000))
+        if time.monotonic() - self.last_flush >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self.last_flush = time.monotonic()
         for i, cap in enumerate(self.caps):
             items = cap.items
             for item in items[self.seen[i]:]:
                 self._take(item)
             self.seen[i] = len(items)
+        records, self.views = self.views, []
+        for step, token_id, t_ms in self.tokens if self.with_tokens else ():
+            info = self.step_info.pop(step, {})
+            records.append(TokenOut(run=self.run, step=step, id=token_id, topk=info.get("topk", ()),
+                                    lens=info.get("lens", ()), t_server_ms=t_ms))
+        self.tokens = []
+        self.sink.post(records)
 
     def _take(self, item) -> None:
         if item.site in STREAM_SITES:
@@ -135,9 +153,6 @@ class _RunStream:
             self.step_info.setdefault(item.step, {})["lens"] = _pairs(t["data"][:, 0, 0], t["indices"][:, 0, 0],
                                                                       exp=True)
 
-    def take_views(self) -> list:
-        views, self.views = self.views, []
-        return views
 
 
 def _pairs(values, ids, exp: bool) -> tuple:
@@ -245,19 +260,12 @@ class GenerationRunner:
             # every layer's full residual, only for the clean-vs-perturbed difference norms
             diff = stack.enter_context(capture(self.model, sites=("residual",),
                                                max_bytes_per_step=self.limits.max_capture_bytes)) if compare else None
-            stream = _RunStream(caps, run, len(prompt))
+            stream = _RunStream(caps, run, len(prompt), sink, with_tokens=not quiet)
             sent = []
 
             def on_tokens(step: int, tokens: torch.Tensor) -> None:
-                token_id = int(tokens[0, 0])
-                sent.append(token_id)
-                stream.collect()
-                info = stream.step_info.pop(step, {})
-                records = stream.take_views()
-                if not quiet:
-                    records.append(TokenOut(run=run, step=step, id=token_id, topk=info.get("topk", ()),
-                                            lens=info.get("lens", ()), t_server_ms=time.time() * 1000))
-                sink.post(records)
+                sent.append(int(tokens[0, 0]))
+                stream.token(step, sent[-1])
 
             t0 = time.perf_counter()
             res = generate(_TokenTap(self.model, on_tokens), [prompt], self.sampling(msg),
@@ -265,7 +273,8 @@ class GenerationRunner:
             elapsed = time.perf_counter() - t0
             tokens = res.tokens[0]
             for step in range(len(sent), len(tokens)):  # the last step has no next forward
-                on_tokens(step, torch.tensor([[tokens[step]]]))
+                stream.token(step, tokens[step])
+            stream.flush()
         if not quiet:
             sink.post([P.RunEnd(run=run, tokens=tokens, text=decode(tokens),
                                 tokens_per_s=len(tokens) / max(elapsed, 1e-9))])

@@ -154,7 +154,6 @@ class _RunStream:
                                                                       exp=True)
 
 
-
 def _pairs(values, ids, exp: bool) -> tuple:
     values = values.float().exp() if exp else values.float()
     return tuple(zip(ids.tolist(), values.tolist()))

@@ -132,12 +132,12 @@ def _engine_factory(job: JobConfig, data: Batches):
 def bench_throughput(args, results: dict) -> None:
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
-    unfused = replace(job, train=replace(job.train, gradient_accumulation_fusion=False))
-    variants = {"engine": _engine_factory(job, data), "engine_no_wgrad_fusion": _engine_factory(unfused, data),
+    torch_adamw = replace(job, train=replace(job.train, fused_master_adamw=False))
+    variants = {"engine": _engine_factory(job, data), "engine_torch_adamw": _engine_factory(torch_adamw, data),
                 "plain_bf16": lambda: PlainRunner(job, data).steps}
     out = _interleave(variants, args)
     _annotate(out, job)
-    for name in ("engine", "engine_no_wgrad_fusion"):
+    for name in ("engine", "engine_torch_adamw"):
         out[f"{name}_vs_plain"] = out["plain_bf16"]["step_s"] / out[name]["step_s"]
     results["throughput"] = out
 

@@ -131,6 +131,9 @@ class TrainConfig:
     # bf16/fp16: weight-gradient GEMMs accumulate straight into the fp32 main grads
     # (Megatron's --gradient-accumulation-fusion, on by default there too; parallel/wgrad_fusion.py)
     gradient_accumulation_fusion: bool = True
+    # bf16/fp16 on CUDA: one Triton kernel per tensor does AdamW on the fp32 master weight, the
+    # clip and the write of the model weight (as TE's FusedAdam with master weights; engine/master_adam.py)
+    fused_master_adamw: bool = True
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
     recompute_method: str = "uniform"  # uniform | block, for full recompute

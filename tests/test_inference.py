@@ -123,6 +123,26 @@ def test_cli_bad_input_one_line(ckpt, args, message, capsys):
     assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
+@pytest.mark.parametrize("command, gpus, extra, message", [
+    ("generate", 1, ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
+     "tensor-parallel group [0, 1] would put ranks 0 and 1 on GPU 0 (1 visible)"),
+    ("generate", 0, [], "--device cuda requested but no GPU is visible"),
+    ("scope", 1, ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"],
+     "pipeline-parallel group [0, 1] would put ranks 0 and 1 on GPU 0 (1 visible)"),
+])
+def test_cli_refuses_ranks_sharing_a_gpu_before_launch(ckpt, monkeypatch, capsys, command, gpus, extra, message):
+    """Inference commands place ranks by the training rule and refuse what NCCL would refuse later."""
+    from megatronapp.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    argv = (["generate", "--prompt", "hi"] if command == "generate"
+            else ["scope", "capture", "--prompt", "hi", "--out", "unused.safetensors"])
+    code = main([*argv, "--device", "cuda", "--load", ckpt, *extra])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
 def test_cli_json_tp2_matches_library(ckpt):
     res = _cli(["--load", ckpt, "--prompt", "Hello", "--max-new-tokens", "6", "--json", "--nproc-per-node", "2",
                 "--tensor-model-parallel-size", "2"])

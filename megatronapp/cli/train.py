@@ -27,17 +27,9 @@ from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_
 from megatronapp.engine.faults import FaultInjector, fault_plan_from_env, parse_fault_plan
 from megatronapp.engine.link_delay import install_link_delays
 from megatronapp.engine.trainer import Trainer
+from megatronapp.parallel.device import select_device
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.scope_ui.training import training_scope
-
-
-def select_device(requested: str | None, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise SystemExit("megatronapp: --device cuda requested but CUDA is not available")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
 
 
 def _build_data(args, tokenizer, job, groups):

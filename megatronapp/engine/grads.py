@@ -194,9 +194,13 @@ def compute_grad_norm(grads: list[torch.Tensor], groups: list, device) -> torch.
     return sq.sqrt()
 
 
+def clip_coefficient(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / norm), Megatron's clip factor (a device tensor: no host sync)."""
+    return (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+
+
 def clip_grads(grads: list[torch.Tensor], grad_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale all gradients by min(1, max_norm / norm); no host sync."""
+    """Scale all gradients by the clip coefficient; no host sync."""
     if max_norm <= 0 or not grads:
         return
-    coef = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, coef)
+    torch._foreach_mul_(grads, clip_coefficient(grad_norm, max_norm))

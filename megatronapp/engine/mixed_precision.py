@@ -27,7 +27,8 @@ from torch import nn
 from megatronapp.config import TrainConfig
 from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
 from megatronapp.engine.grad_scaler import build_grad_scaler
-from megatronapp.engine.grads import GradReducer, clip_grads, compute_grad_norm
+from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norm
+from megatronapp.engine import master_adam
 from megatronapp.engine.optim import build_adamw
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 
@@ -87,12 +88,18 @@ class MixedPrecisionOptimizer:
     """AdamW over fp32 main params, with loss scaling, clipping and (optionally) DP sharding."""
 
     def __init__(self, reducer: GradReducer, cfg: TrainConfig, groups, device: torch.device, *,
-                 log_overflow: bool = True):
+                 log_overflow: bool = True, fused: bool | None = None):
         self.reducer, self.cfg, self.groups, self.device = reducer, cfg, groups, device
         self.chunk_mains = _main_params_of(reducer, groups.tp_rank)
         self.mains = [m for chunk in self.chunk_mains for m in chunk]
+        # fused (one CUDA kernel; default on GPU) also takes the clip factor as its grad_scale
+        self.fused = device.type == "cuda" if fused is None else fused
         self.optimizer = build_adamw([(m.main_param, m.model_param.ndim >= 2) for m in self.mains], cfg,
-                                     fused=device.type == "cuda")
+                                     fused=self.fused)
+        # bf16/fp16 on CUDA: AdamW + clip + master->model copy in one kernel (engine/master_adam.py)
+        self.master_kernel = (cfg.fused_master_adamw and self._has_separate_mains()
+                              and master_adam.available(device))
+        self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
         self.grad_scaler = build_grad_scaler(cfg, device)
         self.skipped_iterations = 0
         self.log_overflow = log_overflow
@@ -137,10 +144,24 @@ class MixedPrecisionOptimizer:
         grads = self.main_grads()
         norm = compute_grad_norm([m.main_param.grad for m in self.mains if m.count_in_norm],
                                  self._norm_groups, self.device)
-        clip_grads(grads, norm, self.cfg.clip_grad)
-        self.optimizer.step()
-        self._copy_main_to_model_params()
+        if self.master_kernel:
+            inv_clip = clip_coefficient(norm, self.cfg.clip_grad).reciprocal() if self.cfg.clip_grad > 0 else None
+            master_adam.adamw_master_step(self.optimizer, self._model_view_of, inv_clip)
+        else:
+            self._clip(grads, norm)
+            self.optimizer.step()
+            self._copy_main_to_model_params()
+        # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
+        self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
         return StepResult(True, norm, scale)
+
+    def _clip(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:
+        """Fused AdamW divides each grad by its `grad_scale` in the update kernel (and stores
+        the quotient back), which saves clip_grads' read-modify-write pass over every grad."""
+        if not self.fused:
+            clip_grads(grads, norm, self.cfg.clip_grad)
+        elif self.cfg.clip_grad > 0:
+            self.optimizer.grad_scale = clip_coefficient(norm, self.cfg.clip_grad).reciprocal()
 
     def _unscale_and_check_for_nan(self) -> bool:
         found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
@@ -156,8 +177,6 @@ class MixedPrecisionOptimizer:
         pairs = [(self._model_view(m), m.main_param) for m in self.mains if m.model_param.dtype != torch.float32]
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-        # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
-        self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
 
     @staticmethod
     def _model_view(m: MainParam) -> torch.Tensor:

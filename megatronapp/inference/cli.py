@@ -74,6 +74,8 @@ def check_layout_args(args: argparse.Namespace):
     """Validate load folder and layout before launching; returns (model config, layout)."""
     from megatronapp.config import build_layout
     from megatronapp.inference.model import check_inference_layout, read_model_config
+    from megatronapp.parallel.device import check_layout_devices
+    from megatronapp.parallel.layout import LayoutError
 
     if not os.path.isfile(os.path.join(args.load, "latest")):
         raise ConfigError(f"--load {args.load}: no complete checkpoint there (missing 'latest')")
@@ -85,6 +87,11 @@ def check_layout_args(args: argparse.Namespace):
     cfg = read_model_config(args.load)
     layout = build_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     check_inference_layout(cfg, layout)
+    if not under_launcher():  # the launcher checked the whole job's devices before starting it
+        try:
+            check_layout_devices(getattr(args, "device", None), layout)
+        except LayoutError as exc:
+            raise ConfigError(str(exc)) from None
     return cfg, layout
 
 

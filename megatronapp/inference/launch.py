@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatronapp.parallel.device import select_device
+
 
 def _without_nproc(argv: list[str]) -> list[str]:
     out, skip = [], False
@@ -39,13 +41,6 @@ def launch_ranks(argv: list[str], nproc: int, result_file: Path) -> int:
         print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {failure.message}", file=sys.stderr)
         return 1
     return 0
-
-
-def select_device(requested: str | None, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
 
 
 def start_worker(args: argparse.Namespace):

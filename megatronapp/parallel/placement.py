@@ -64,10 +64,15 @@ def resolve_device_kind(requested: str | None, visible_gpus: int, flag: str = "-
     return requested
 
 
-def _gpu_of(rank: int, gpus_per_node: int, ranks_per_node: int) -> Placement:
+def local_gpu_index(local_rank: int, gpus_per_node: int) -> int:
+    """The placement rule: local rank r computes on GPU r mod (GPUs of its node)."""
     if gpus_per_node < 1:
         raise LayoutError("CUDA requested but no GPU is visible")
-    return Placement("cuda", (rank % ranks_per_node) % gpus_per_node, rank // ranks_per_node)
+    return local_rank % gpus_per_node
+
+
+def _gpu_of(rank: int, gpus_per_node: int, ranks_per_node: int) -> Placement:
+    return Placement("cuda", local_gpu_index(rank % ranks_per_node, gpus_per_node), rank // ranks_per_node)
 
 
 def compute_plain_placements(world_size: int, kind: str, gpus_per_node: int = 0,

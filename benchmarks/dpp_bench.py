@@ -1,7 +1,11 @@
 """MegaDPP benchmark: static 1F1B / interleaved / breadth-first vs dynamic, with and without jitter.
 
 Every run (a *cell*: one scenario, one variant) is a real `megatronapp train` job (gloo, CPU,
-one thread per rank). Cells run interleaved within each repeat (shuffled per repeat with
+one thread per rank). By default all cells run in one launched set of ranks, one job after the
+other (`run_worker(..., keep_process_group=True)`: fresh groups, trainer, data and injections per
+cell, the process group and the imported torch kept), which cuts a cell from ~28 s (8 processes
+starting torch) to a few seconds on the 16-core host; --isolated starts a fresh
+`megatronapp train` per cell instead. Cells run interleaved within each repeat (shuffled per repeat with
 --seed), so slow drifts of the host hit all variants alike; per cell the median step time
 after --warmup iterations is kept. Each cell's result is appended to OUT/dpp_bench.jsonl
 (flushed) the moment it is measured, with a progress line, so an interrupted run keeps what
@@ -28,10 +32,12 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -59,10 +65,96 @@ def _train_cmd(a, variant: str, scenario: str, metrics: str) -> list[str]:
            "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--seq-length", str(a.seq_length),
            "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches * (a.nproc // a.pp)),
            "--train-iters", str(a.iters), "--log-interval", "1", "--pipeline-schedule", schedule,
-           "--metrics-file", metrics, *extra, *SCENARIOS[scenario]]
+           "--metrics-file", metrics, *extra, *a.scenario_flags[scenario]]
     if virtual:
         cmd += ["--num-layers-per-virtual-pipeline-stage", str(per_vstage)]
     return cmd
+
+
+def _train_argv(a, variant: str, scenario: str, metrics: str) -> list[str]:
+    """`megatronapp train` arguments of a cell, for a rank that is already launched."""
+    cmd = _train_cmd(a, variant, scenario, metrics)[3:]  # drop python -m megatronapp.cli.main
+    i = cmd.index("--nproc-per-node")
+    return cmd[:i] + cmd[i + 2:]
+
+
+def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
+    """Rank body of the persistent mode (under torch.distributed.run): every cell of `plan` in
+    order, rank 0 appending each record to OUT/dpp_bench.jsonl when the cell ends."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megatronapp.cli.main import build_parser
+    from megatronapp.cli.train import run_worker
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=a.timeout))
+    rank, t0, slowest = dist.get_rank(), time.time(), 0.0
+    log = open(Path(a.out) / "dpp_bench.jsonl", "a") if rank == 0 else None
+    try:
+        for k, (rep, scenario, variant) in enumerate(plan):
+            go = torch.tensor([a.budget_s is None or time.time() - t0 + slowest <= a.budget_s])
+            dist.broadcast(go, 0)  # rank 0's clock decides, so every rank stops at the same cell
+            if not go.item():
+                if rank == 0:
+                    print(f"budget: {time.time() - t0:.0f} s used, the next cell may take {slowest:.0f} s: "
+                          "stopping", flush=True)
+                break
+            with tempfile.TemporaryDirectory() as tmp:
+                metrics, start = os.path.join(tmp, "m.jsonl"), time.time()
+                run_worker(build_parser().parse_args(_train_argv(a, variant, scenario, metrics)),
+                           keep_process_group=True)
+                dist.barrier()
+                slowest = max(slowest, time.time() - start)
+                if rank == 0:
+                    steps = [json.loads(line)["step_time_s"] for line in Path(metrics).read_text().splitlines()]
+                    rec = _record(a, scenario, variant, rep, steps[a.warmup:], time.time() - start)
+                    _append(log, rec)
+                    _progress(k + 1, len(plan), t0, rep, scenario, variant, rec)
+    finally:
+        if log is not None:
+            log.close()
+        dist.destroy_process_group()
+
+
+def _run_echoing_progress(cmd: list[str], env: dict, limit: float, log_path: Path):
+    """Run `cmd` with its output in `log_path`, echoing the per-cell progress lines; exit code."""
+    with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      env=env, text=True, start_new_session=True) as proc:
+        # a hung job cannot outlive the budget: kill the launcher and its ranks together
+        timer = threading.Timer(limit, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if line.startswith(("[", "budget:")):
+                    print(line, end="", flush=True)
+        finally:
+            timer.cancel()
+        return proc.wait()
+
+
+def run_persistent(a, plan: list[tuple[int, str, str]]) -> list[dict]:
+    """Launch the ranks once for the whole plan; the records they wrote (the job's error as one
+    record if it died: the cells it finished stay on disk)."""
+    path = Path(a.out) / "dpp_bench.jsonl"
+    offset = path.stat().st_size if path.exists() else 0
+    plan_file = Path(a.out) / "plan.json"
+    plan_file.write_text(json.dumps({"args": vars(a), "plan": plan}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
+           __file__, "--worker", str(plan_file)]
+    limit = (a.budget_s or a.timeout * len(plan)) + a.timeout
+    code = _run_echoing_progress(cmd, env, limit, Path(a.out) / "ranks.log")
+    with open(path) as f:
+        f.seek(offset)
+        records = [json.loads(line) for line in f if line.strip()]
+    if code != 0:
+        tail = (Path(a.out) / "ranks.log").read_text()[-1500:]
+        print(f"the ranks' job ended with {code} after {len(records)} cells; end of {a.out}/ranks.log:\n{tail}")
+    return records
 
 
 def run_once(a, variant: str, scenario: str) -> list[float]:
@@ -104,19 +196,32 @@ def memory_fields(a, variant: str) -> dict:
             "activation_MiB_est": [round(p * layers * per_layer / 2**20, 1) for p in peaks]}
 
 
-def measure_cell(a, scenario: str, variant: str, repeat: int, log) -> dict:
-    """Run one cell and append its record to the JSONL log at once (flushed to disk)."""
-    t0 = time.time()
-    try:
-        steps = run_once(a, variant, scenario)
-        rec = {"scenario": scenario, "variant": variant, "repeat": repeat, "median_s": statistics.median(steps),
-               "steps_s": steps, "wall_s": round(time.time() - t0, 1), **memory_fields(a, variant)}
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        rec = {"scenario": scenario, "variant": variant, "repeat": repeat, "error": str(exc)[-500:],
-               "wall_s": round(time.time() - t0, 1)}
+def _record(a, scenario: str, variant: str, repeat: int, steps: list[float], wall_s: float) -> dict:
+    return {"scenario": scenario, "variant": variant, "repeat": repeat, "median_s": statistics.median(steps),
+            "steps_s": steps, "wall_s": round(wall_s, 1), **memory_fields(a, variant)}
+
+
+def _append(log, rec: dict) -> None:
     log.write(json.dumps(rec) + "\n")
     log.flush()
     os.fsync(log.fileno())
+
+
+def _progress(done: int, total: int, t0: float, rep: int, scenario: str, variant: str, rec: dict) -> None:
+    what = f"{rec['median_s'] * 1e3:.1f} ms/iter" if "median_s" in rec else "FAILED: " + rec["error"][-200:]
+    print(f"[{done}/{total}] {time.time() - t0:5.0f} s  repeat {rep} {scenario}/{variant}: {what} "
+          f"({rec['wall_s']:.0f} s)", flush=True)
+
+
+def measure_cell(a, scenario: str, variant: str, repeat: int, log) -> dict:
+    """Run one cell as its own job and append its record to the JSONL log at once (flushed)."""
+    t0 = time.time()
+    try:
+        rec = _record(a, scenario, variant, repeat, run_once(a, variant, scenario), time.time() - t0)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        rec = {"scenario": scenario, "variant": variant, "repeat": repeat, "error": str(exc)[-500:],
+               "wall_s": round(time.time() - t0, 1)}
+    _append(log, rec)
     return rec
 
 
@@ -167,39 +272,53 @@ def parse_args(argv):
                    help="start no cell that would end after this many seconds (by the slowest cell so far)")
     p.add_argument("--smoke", action="store_true", help="2 ranks, tiny model, 1 repeat, balanced + jitter1")
     p.add_argument("--out", default="runs/dpp_bench")
+    p.add_argument("--isolated", action="store_true", help="a fresh `megatronapp train` job per cell")
     a = p.parse_args(argv)
+    a.scenario_flags = dict(SCENARIOS)
     if a.smoke:
         a.nproc, a.pp, a.microbatches, a.num_layers, a.hidden_size, a.seq_length = 2, 2, 4, 4, 64, 32
-        a.iters, a.warmup, a.repeats, a.scenarios = 5, 2, 1, ["balanced", "jitter1"]
-        SCENARIOS["jitter1"] = ["--inject-jitter", "1:1.5"]
+        a.iters, a.warmup, a.repeats = 5, 2, 1
+        a.scenarios = [sc for sc in a.scenarios if sc in ("balanced", "jitter1")] or ["balanced"]
+        a.scenario_flags["jitter1"] = ["--inject-jitter", "1:1.5"]
     if a.iters <= a.warmup or a.nproc % a.pp or a.num_layers % (a.pp * a.vpp):
         p.error("needs --iters > --warmup, --nproc divisible by --pp and --num-layers by pp * vpp")
     return a
 
 
+def build_plan(a) -> list[tuple[int, str, str]]:
+    """(repeat, scenario, variant) for every cell; the cells of each repeat shuffled by --seed."""
+    rng, cells, plan = random.Random(a.seed), [(s, v) for s in a.scenarios for v in a.variants], []
+    for rep in range(a.repeats):
+        rng.shuffle(cells)
+        plan += [(rep, s, v) for s, v in cells]
+    return plan
+
+
+def run_isolated(a, plan: list[tuple[int, str, str]]) -> list[dict]:
+    records, t0, slowest = [], time.time(), 0.0
+    with open(Path(a.out) / "dpp_bench.jsonl", "a") as log:
+        for rep, scenario, variant in plan:
+            elapsed = time.time() - t0
+            if a.budget_s is not None and elapsed + slowest > a.budget_s:
+                print(f"budget: {elapsed:.0f} s used, the next cell may take {slowest:.0f} s: stopping", flush=True)
+                break
+            rec = measure_cell(a, scenario, variant, rep, log)
+            records.append(rec)
+            slowest = max(slowest, rec["wall_s"])
+            _progress(len(records), len(plan), t0, rep, scenario, variant, rec)
+    return records
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:  # one rank of the persistent mode
+        spec = json.loads(Path(argv[1]).read_text())
+        run_cells_in_worker(argparse.Namespace(**spec["args"]), [tuple(c) for c in spec["plan"]])
+        return 0
     a = parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    rng, records, t0 = random.Random(a.seed), [], time.time()
-    cells = [(s, v) for s in a.scenarios for v in a.variants]
-    total, slowest = a.repeats * len(cells), 0.0
-    with open(Path(a.out) / "dpp_bench.jsonl", "a") as log:
-        for rep in range(a.repeats):
-            rng.shuffle(cells)
-            for scenario, variant in cells:
-                elapsed = time.time() - t0
-                if a.budget_s is not None and elapsed + slowest > a.budget_s:
-                    print(f"budget: {elapsed:.0f} s used, the next cell may take {slowest:.0f} s: stopping", flush=True)
-                    break
-                rec = measure_cell(a, scenario, variant, rep, log)
-                records.append(rec)
-                slowest = max(slowest, rec["wall_s"])
-                what = f"{rec['median_s'] * 1e3:.1f} ms/iter" if "median_s" in rec else "FAILED: " + rec["error"][-200:]
-                print(f"[{len(records)}/{total}] {time.time() - t0:5.0f} s  repeat {rep} {scenario}/{variant}: {what} "
-                      f"({rec['wall_s']:.0f} s)", flush=True)
-            else:
-                continue
-            break
+    plan = build_plan(a)
+    records = run_isolated(a, plan) if a.isolated else run_persistent(a, plan)
     results = summarize(a, records)
     path = Path(a.out) / "dpp_bench.json"
     tmp = path.with_suffix(".tmp")

@@ -2,12 +2,16 @@
 `transformers` generate on the exported model, MegaScope capture off/on, bytes per token.
 
     python benchmarks/generate_bench.py --model 1.3b --bf16 [--cuda-graphs] --out generate_bench.json   # GPU
-    python benchmarks/generate_bench.py --model tiny --device cpu --new-tokens 16          # CPU smoke
+    python benchmarks/generate_bench.py --model tiny --device cpu --prompt-len 8 --new-tokens 16   # CPU smoke
 
 Without --load, a checkpoint of the preset (random init, vocab 50304) is written to a temp
-folder. Variants are interleaved in rounds (ours_off, ours_capture, [ours_eager,
-ours_eager_capture,] hf, ours_off, ...), after one warm-up generation each (which captures
-the decode graphs); each figure is the median over rounds with min/max. With --cuda-graphs,
+folder. Variants are interleaved in rounds (ours_off, ours_capture, ours_scope_off,
+[ours_eager, ours_eager_capture,] hf, ours_off, ...), after one warm-up generation each
+(which captures the decode graphs); each figure is the median over rounds with min/max.
+ours_scope_off is capture off with MegaScope used just before (a capture entered and left):
+capture_off_overhead_pct compares it with ours_off (goal: within 0.5%; the same code runs,
+so this is the noise floor). Bytes per token count every captured step's items over the
+step's new tokens (prefill included); the per-step kernel count is scope_op_count.py's. With --cuda-graphs,
 ours_off / ours_capture replay the decode step as a CUDA graph (the capture recorded inside
 it) and ours_eager* are the same without graphs. Decode tokens/s counts new tokens after the
 first (prefill excluded), batch 1, no stop at end-of-text. "capture" is the default
@@ -55,9 +59,14 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def time_ours(model, prompt, new_tokens: int, vocab: int, with_capture: bool) -> tuple[float, dict]:
-    """(decode tokens/s, {"bytes_per_token", "recorded_fraction"} of the capture, or {})."""
+def time_ours(model, prompt, new_tokens: int, vocab: int, with_capture: bool,
+              after_capture: bool = False) -> tuple[float, dict]:
+    """(decode tokens/s, {"bytes_per_token", "recorded_fraction"} of the capture, or {});
+    after_capture: capture off, right after a capture was entered and left (nothing stays)."""
     sampling = SamplingConfig(max_new_tokens=new_tokens, stop_on_eod=False)
+    if after_capture:
+        with capture(model, DEFAULT_SITES, compress=DEFAULT_COMPRESS):
+            pass
     if not with_capture:
         res = generate(model, [prompt], sampling, eod_id=0, vocab_size=vocab)
         return res.decode_tokens_per_s, {}
@@ -138,14 +147,17 @@ def main() -> None:
     hf = None if args.no_hf else load_hf(ckpt, device, dtype)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     new = min(args.new_tokens, cfg.seq_length - args.prompt_len)
+    if new < 2:
+        p.error(f"--prompt-len {args.prompt_len} leaves {new} new tokens in the model's {cfg.seq_length} positions")
 
-    def ours(graphs: bool, with_capture: bool):
+    def ours(graphs: bool, with_capture: bool, after_capture: bool = False):
         def run() -> tuple[float, dict]:
             model.cuda_graphs = graphs
-            return time_ours(model, prompt, new, cfg.vocab_size, with_capture)
+            return time_ours(model, prompt, new, cfg.vocab_size, with_capture, after_capture)
         return run
 
-    variants = {"ours_off": ours(args.cuda_graphs, False), "ours_capture": ours(args.cuda_graphs, True)}
+    variants = {"ours_off": ours(args.cuda_graphs, False), "ours_capture": ours(args.cuda_graphs, True),
+                "ours_scope_off": ours(args.cuda_graphs, False, after_capture=True)}
     if args.cuda_graphs:  # the eager decode path side by side with the graph replay
         variants.update(ours_eager=ours(False, False), ours_eager_capture=ours(False, True))
     if hf is not None:
@@ -157,6 +169,7 @@ def main() -> None:
               **{k: summarize(v) for k, v in results.items() if v}}
     off, on = report["ours_off"]["median"], report["ours_capture"]["median"]
     report["capture_overhead_pct"] = 100.0 * (off / on - 1.0)  # per token: time on / time off - 1
+    report["capture_off_overhead_pct"] = 100.0 * (off / report["ours_scope_off"]["median"] - 1.0)
     if args.cuda_graphs:
         eager_off, eager_on = report["ours_eager"]["median"], report["ours_eager_capture"]["median"]
         report["eager_capture_overhead_pct"] = 100.0 * (eager_off / eager_on - 1.0)

@@ -23,7 +23,7 @@ def test_each_cell_is_written_when_measured_and_failures_are_kept(tmp_path, monk
         return [0.5, 0.4, 0.6] if variant == "interleaved" else [0.25]
 
     monkeypatch.setattr(dpp_bench, "run_once", fake_run_once)
-    assert dpp_bench.main(["--out", str(tmp_path), "--repeats", "2"]) == 0
+    assert dpp_bench.main(["--isolated", "--out", str(tmp_path), "--repeats", "2"]) == 0
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(lines) == 2 * 4 * 4 and seen_on_disk == list(range(32))  # cell k saw k cells on disk
     failed = [r for r in lines if "error" in r]
@@ -38,6 +38,19 @@ def test_budget_stops_starting_cells(tmp_path, monkeypatch):
     clock = iter(range(0, 10_000, 100))  # each call to time.time() advances 100 s
     monkeypatch.setattr(dpp_bench.time, "time", lambda: next(clock))
     monkeypatch.setattr(dpp_bench, "run_once", lambda a, v, s: [0.1])
-    dpp_bench.main(["--out", str(tmp_path), "--budget-s", "1000"])
+    dpp_bench.main(["--isolated", "--out", str(tmp_path), "--budget-s", "1000"])
     lines = (tmp_path / "dpp_bench.jsonl").read_text().splitlines()
     assert 0 < len(lines) < 32
+
+
+def test_persistent_ranks_run_every_cell_one_after_the_other(tmp_path):
+    """The default mode: one launched set of ranks runs all cells (static and dynamic schedules,
+    with and without jitter) with fresh groups per cell; every cell's record reaches the JSONL."""
+    code = dpp_bench.main(["--smoke", "--out", str(tmp_path), "--variants", "interleaved", "dynamic-df",
+                           "--timeout", "240"])
+    assert code == 0
+    lines = [json.loads(x) for x in (tmp_path / "dpp_bench.jsonl").read_text().splitlines()]
+    assert sorted((r["scenario"], r["variant"]) for r in lines) == [
+        ("balanced", "dynamic-df"), ("balanced", "interleaved"), ("jitter1", "dynamic-df"), ("jitter1", "interleaved")]
+    for r in lines:
+        assert "error" not in r and len(r["steps_s"]) == 3 and all(t > 0 for t in r["steps_s"])

@@ -10,7 +10,7 @@ from megatronapp.config import model_preset
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
-from megatronapp.scope.compress import DEFAULT_COMPRESS
+from megatronapp.scope.compress import DEFAULT_COMPRESS, reduce_equal_buckets
 from megatronapp.scope.sites import DEFAULT_SITES
 from megatronapp.scope.specs import Perturbation, Target
 from megatronapp.scope.store import dequantized
@@ -81,12 +81,13 @@ def test_graph_capture_equals_eager_hook_capture(name):
     model = build()
     eager_tokens, _, eager = run(model, CONFIGS[name], graphs=False)
     assert eager.recorded_steps == []
-    tokens, _, cap = run(model, CONFIGS[name], graphs=True)
-    assert model._graph is not None and model.cache.static
-    assert cap.recorded_steps == list(range(1, SAMPLING.max_new_tokens))
-    assert tokens == eager_tokens
-    assert_same_captures(cap, eager)
-    assert cap.bytes_per_token == eager.bytes_per_token
+    for _ in range(2):  # the second generation replays the first one's graph from its first step
+        tokens, _, cap = run(model, CONFIGS[name], graphs=True)
+        assert model._graph is not None and model.cache.static
+        assert cap.recorded_steps == list(range(1, SAMPLING.max_new_tokens))
+        assert tokens == eager_tokens
+        assert_same_captures(cap, eager)
+        assert cap.steps == eager.steps and cap.bytes_per_token == eager.bytes_per_token
 
 
 def test_graph_capture_leaves_logits_bitwise_identical():
@@ -132,3 +133,20 @@ def test_perturbed_eager_fallback_runs_the_replayed_kernels():
     assert len(fallback) == len(replayed)
     for a, b in zip(fallback, replayed):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["max", "absmax"])
+def test_equal_bucket_reduction_is_the_fp32_scatter_on_cuda(dtype, op):
+    """Bit for bit with the scatter it replaces, except that a NaN now shows in its bucket as on
+    the CPU (CUDA's atomic fmax in scatter_reduce drops it: an injected NaN went unseen)."""
+    x = torch.randn(4, 3, 2048, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x.view(-1)[[700, 701, 9000]] = torch.tensor([float("inf"), -0.0, float("-inf")]).to(dtype)
+    x = x.cuda()
+    bucket = (torch.arange(2048, device="cuda") // 32).expand_as(x)
+    src = x.float().abs() if op == "absmax" else x.float()
+    scatter = torch.zeros(4, 3, 64, device="cuda").scatter_reduce(-1, bucket, src, "amax", include_self=False)
+    assert torch.equal(reduce_equal_buckets(x, op, 64).float().view(torch.int32), scatter.view(torch.int32))
+    x.view(-1)[5] = float("nan")
+    with_nan = reduce_equal_buckets(x, op, 64).float()
+    assert with_nan.isnan().sum() == 1 and with_nan[0, 0, 0].isnan()

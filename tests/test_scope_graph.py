@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
+import megatronapp.inference.model as inference_model
 from inference_jobs import PROMPTS, load_model, save_tiny_checkpoint
 from megatronapp import scope
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
 from megatronapp.scope.specs import Perturbation, Target
+from megatronapp.scope.staging import HostStaging
 from megatronapp.scope.store import dequantized
 
 EOD, VOCAB = 256, 257
@@ -170,3 +173,56 @@ def test_bad_configurations_rejected_in_one_line_before_anything_is_installed(mo
     assert "\n" not in str(err.value)
     assert not model.observers and model.replay_blocker() is None
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.chunk.modules()) == 0
+
+
+class EmulatedDecodeGraph:
+    """CPU stand-in for inference.graphs.DecodeGraph that replays like a CUDA graph: the step
+    is run once (warm-up), then traced into an FX graph of ATen ops (make_fx; the model's
+    weights, the KV cache and the hooks' kernels are baked in, tensors it closes over are the
+    real ones), and every `run` replays that trace: the recorded kernels run again, the Python
+    does not (no hook, no cache.prepare, no record_decode). The results are copied into the
+    tensors of the recorded output, which `run` returns each time, as DecodeGraph does."""
+
+    def __init__(self, step_fn, batch: int, device):
+        self.tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.out = step_fn(self.tokens)
+        self.trace = make_fx(lambda t: _tensors(step_fn(t)))(self.tokens)
+        self.replays = 0
+
+    def run(self, tokens: torch.Tensor):
+        self.tokens.copy_(tokens)
+        for recorded, fresh in zip(_tensors(self.out), self.trace(self.tokens), strict=True):
+            recorded.copy_(fresh)
+        self.replays += 1
+        return self.out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors of nested tuples / lists / dicts (other objects, e.g. items, skipped)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
+    return [t for v in values for t in _tensors(v)]
+
+
+@pytest.mark.parametrize("name", ["default", "heads_attn_int8"])
+def test_replayed_capture_equals_hook_capture_and_counts_each_steps_tokens(model, monkeypatch, name):
+    """Two generations on emulated graph replays (the second replays the first's graph): steps,
+    bytes per token and items equal the dynamic hook path's. A step's token count once came
+    from cache.positions, which a replay leaves at the prefill's (B, prompt) tensor: the H200
+    run reported 459 instead of ~9,900 bytes per token."""
+    _, reference = run(model, CONFIGS[name], static=False)
+    assert not reference.recorded_steps
+    monkeypatch.setattr(inference_model, "DecodeGraph", EmulatedDecodeGraph)
+    monkeypatch.setattr(model, "_graph_device", lambda: True)
+    monkeypatch.setattr(HostStaging, "copy", lambda self, buffer: (buffer.clone(), None))  # the D2H copy
+    monkeypatch.setattr(model, "cuda_graphs", True)
+    for generation in range(2):
+        with scope.capture(model, **CONFIGS[name]) as cap:
+            generate(model, PROMPTS, SAMPLING, eod_id=EOD, vocab_size=VOCAB)
+        assert cap.recorded_steps == list(range(1, STEPS))
+        assert model._graph.replays == (generation + 1) * (STEPS - 1)
+        tokens = [s["tokens"] for s in cap.steps]
+        assert tokens == [len(PROMPTS) * max(map(len, PROMPTS))] + [len(PROMPTS)] * (STEPS - 1), generation
+        assert cap.steps == reference.steps and cap.bytes_per_token == reference.bytes_per_token
+        assert_same_items(cap, reference, rtol=1e-4, atol=1e-5)

@@ -28,7 +28,7 @@ from megatronapp.engine.faults import FaultInjector, fault_plan_from_env, parse_
 from megatronapp.engine.link_delay import install_link_delays
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.device import select_device
-from megatronapp.parallel.groups import build_process_groups
+from megatronapp.parallel.groups import build_process_groups, destroy_subgroups
 from megatronapp.scope_ui.training import training_scope
 
 
@@ -69,8 +69,10 @@ def _build_tracer(args, job, groups, device, meta_overrides=None):
     return tracer, install_distributed_instrumentation(tracer)
 
 
-def run_worker(args: argparse.Namespace) -> list[dict]:
-    """Train in this process as one rank of the job; returns the metrics history."""
+def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) -> list[dict]:
+    """Train in this process as one rank of the job; returns the metrics history.
+    keep_process_group: leave the default group up (only this job's subgroups are destroyed),
+    so one launched set of ranks can run several jobs in a row (benchmarks/dpp_bench.py)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     tokenizer = load_tokenizer(args.tokenizer_model)
@@ -89,7 +91,7 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
-    tracer = instrumentation = link_delays = None
+    tracer = instrumentation = link_delays = groups = None
     try:  # every exit path tears the process group down and flushes the trace
         groups = build_process_groups(job.layout, rank)
         data = _build_data(args, tokenizer, job, groups)
@@ -109,7 +111,9 @@ def run_worker(args: argparse.Namespace) -> list[dict]:
             tracer.close()
         if link_delays is not None:
             link_delays.uninstall()
-        if dist.is_initialized():
+        if keep_process_group:
+            destroy_subgroups(groups)
+        elif dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -56,6 +56,15 @@ def single_process_groups(layout: ParallelLayout | None = None) -> ParallelGroup
     return ParallelGroups(layout, 0, layout.coords(0), None, None, None, None, (0,))
 
 
+def destroy_subgroups(groups: ParallelGroups | None) -> None:
+    """Destroy the TP/DP/PP/model-parallel groups this rank belongs to (not the default group)."""
+    if groups is None or not dist.is_initialized():
+        return
+    for group in {g for g in (groups.tp, groups.dp, groups.pp, groups.model_parallel) if g is not None}:
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+
+
 def _new_groups(all_ranks: list[list[int]], rank: int) -> dist.ProcessGroup | None:
     mine = None
     for ranks in all_ranks:

@@ -8,9 +8,12 @@
 
 Per step: hooks stash on device; at the step's end every rank joins `gather.collect_step`
 (TP all-gather, logit lens, one packed P2P transfer per stage); the serving rank compresses
-and queues ONE asynchronous device-to-host copy of everything (a uint8 buffer into pinned
-memory, staging.py). Items are built from the host copies when `items` is next read (or on
-exit), so a step costs no host sync and no per-item Python.
+(batching.py: every per-layer site of one shape in one chain of ops) and queues ONE
+asynchronous device-to-host copy of everything (a uint8 buffer into pinned memory,
+staging.py). Items are built from the host copies when `items` is next read (or on exit),
+so a step costs no host sync and no per-item Python. A step's token count is its batch x new
+columns, host state set before the forward: a replayed graph runs no Python, so nothing the
+forward assigns (e.g. cache.positions) belongs to the step.
 
 Decode steps in one process on a static KV cache (the CUDA-graph path, InferenceModel's
 "recorders") take a second route to the same items: `record_decode` runs right after the
@@ -30,20 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronapp.scope.compress import CapturedItem, apply_pipeline, check_pipeline, parse_pipeline
-from megatronapp.scope.compress import select_indices
+from megatronapp.scope.batching import compress_step
+from megatronapp.scope.compress import CapturedItem, check_pipeline, parse_pipeline
 from megatronapp.scope.gather import collect_step, compute_logit_lens, stage_items
 from megatronapp.scope.hooks import CaptureHooks
-from megatronapp.scope.staging import HostStaging, pack_items, view_items
-from megatronapp.scope.sites import (DEFAULT_SITES, HEAD_SITES, check_heads, check_layers, check_sites,
-                                     site_numel)
+from megatronapp.scope.sites import DEFAULT_SITES, check_heads, check_layers, check_sites, site_numel
+from megatronapp.scope.staging import HostStaging, pack_blocks, view_items
 from megatronapp.scope.target import resolve_target
-
-DIMS = {"q": ("batch", "head", "token", "dim"), "k": ("batch", "head", "token", "dim"),
-        "v": ("batch", "head", "token", "dim"), "attn_probs": ("batch", "head", "token", "key"),
-        "attn_out": ("batch", "token", "hidden"), "fc1": ("batch", "token", "ffn"),
-        "mlp_out": ("batch", "token", "hidden"), "residual": ("batch", "token", "hidden"),
-        "logit_lens": ("layer", "batch", "k"), "topk": ("batch", "k")}
 
 
 @dataclass(frozen=True)
@@ -76,6 +72,14 @@ def compute_replay_blocker(sites, compress) -> str | None:
     return None
 
 
+def compute_raw_bytes(model_cfg, sites, num_layers: int) -> tuple[int, int]:
+    """(a, b): an uncompressed fp32 step capture of `sites` at `num_layers` layers takes
+    batch * new columns * (a + b * keys so far) bytes (only attention maps grow with the keys)."""
+    per_layer = [site_numel(s, model_cfg, 1, 1, 1) for s in sites if s not in ("logit_lens", "topk")]
+    per_key = site_numel("attn_probs", model_cfg, 1, 1, 1) if "attn_probs" in sites else 0
+    return 4 * num_layers * (sum(per_layer) - per_key), 4 * num_layers * per_key
+
+
 def make_capture_config(sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
                         max_bytes_per_step: int = 1 << 30) -> CaptureConfig:
     """CaptureConfig from loose arguments (`compress` may be the text form)."""
@@ -99,6 +103,7 @@ class Capture:
         self.recorded_steps: list[int] = []  # steps whose items came from record_decode
         self.hooks, self.staging, self._template_bytes = None, HostStaging(), (None, 0)
         self.graph_unsupported = compute_replay_blocker(cfg.sites, self.compress)
+        self._raw_bytes = compute_raw_bytes(self.target.cfg, cfg.sites, len(self.layers))
         self.decode_key = None  # set on entry when this capture can be recorded (InferenceModel)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -122,24 +127,27 @@ class Capture:
         self._finish_transfer()
 
     def step_begin(self, model) -> None:
+        # Runs before a replayed decode step is launched, while the GPU waits: a few integer ops.
         self.hooks.full_keys = model.recording and self.decode_key is not None
         cache = model.cache
-        b, new, total = cache.pad_left.shape[0], cache.num_new, cache.start + cache.num_new
-        raw = 4 * len(self.layers) * sum(site_numel(s, model.cfg, b, new, total)
-                                         for s in self.cfg.sites if s in DIMS and s not in ("logit_lens", "topk"))
+        per_column, per_column_key = self._raw_bytes
+        raw = cache.pad_left.shape[0] * cache.num_new * (per_column + per_column_key * (cache.start + cache.num_new))
         if raw > self.cfg.max_bytes_per_step:
             raise ValueError(f"capture would need {raw} bytes this step, over the limit of "
                              f"{self.cfg.max_bytes_per_step}; capture fewer sites/layers or shorter prompts")
 
     def step_end(self, model, logits) -> None:
         record = model.step_records.get(self.decode_key) if self.decode_key is not None else None
+        cache = model.cache
+        # The step's tokens from host state set before the forward: a replayed graph runs no
+        # Python, so what the forward assigns (cache.positions) may be another step's.
+        tokens = cache.pad_left.shape[0] * cache.num_new
         if record is not None:  # recorded on device (maybe replayed): only the copy is left
             self.hooks.stash.clear()
-            buffer, template = record
+            buffer, template, offsets = record
             if self._template_bytes[0] is not template:
                 self._template_bytes = (template, sum(it.nbytes for it in template))
-            cache = model.cache
-            self._start_transfer(model.step, template, buffer, cache.positions.numel(), self._template_bytes[1],
+            self._start_transfer(model.step, (template, offsets), buffer, tokens, self._template_bytes[1],
                                  template=True, key_columns=cache.start + cache.num_new)
             self.recorded_steps.append(model.step)
             return
@@ -149,16 +157,16 @@ class Capture:
             return
         if "topk" in self.cfg.sites:
             gathered.append(("topk", None, "topk", self._next_token_topk(model, logits)))
-        tokens = model.cache.positions.numel()
         self._finish_step(model.step, gathered, tokens)
 
     def _next_token_topk(self, model, logits: torch.Tensor):
         return logits[:, :model.cfg.vocab_size].float().softmax(-1).topk(self.cfg.topk, dim=-1)
 
-    def record_decode(self, model, out: torch.Tensor) -> tuple[torch.Tensor, list[CapturedItem]]:
+    def record_decode(self, model, out: torch.Tensor) -> tuple[torch.Tensor, list[CapturedItem], list[dict]]:
         """Device work of a static decode step in one process, right after the forward (recorded
-        into the decode graph): (packed uint8 buffer, items describing its layout). The same
-        items, in the same order, as the hook path's step_end."""
+        into the decode graph): (packed uint8 buffer, items describing its contents, their byte
+        offsets in it). The same items, in the same order, as the hook path's step_end. A
+        fixed number of kernels whatever the number of layers (batching.py)."""
         stash = self.hooks.stash
         gathered = stage_items(self.target, self.layers, self.cfg.sites, stash)
         if self.want_lens:  # one process: every layer's residual is here, one batched matmul
@@ -166,8 +174,9 @@ class Capture:
         if "topk" in self.cfg.sites:
             gathered.append(("topk", None, "topk", self._next_token_topk(model, out[:, -1])))
         stash.clear()
-        items = self._build_items(0, gathered)
-        return pack_items(items, out.device), items
+        items, blocks = compress_step(0, gathered, self.compress, self.heads, self.cfg.topk)
+        buffer, offsets = pack_blocks(blocks, items, out.device)
+        return buffer, items, offsets
 
     def end_step(self) -> None:
         """Chunk targets (no InferenceModel): collect what the last forward stashed."""
@@ -180,60 +189,30 @@ class Capture:
 
     # -- serving rank: compress, one async copy --------------------------------------------
     def _finish_step(self, step: int, gathered, tokens: int) -> None:
-        items = self._build_items(step, gathered)
-        self._start_transfer(step, items, pack_items(items, "cpu"), tokens, sum(it.nbytes for it in items))
+        items, blocks = compress_step(step, gathered, self.compress, self.heads, self.cfg.topk)
+        buffer, offsets = pack_blocks(blocks, items, "cpu")
+        self._start_transfer(step, (items, offsets), buffer, tokens, sum(it.nbytes for it in items))
 
-    def _start_transfer(self, step: int, items, buffer: torch.Tensor, tokens: int, nbytes: int,
+    def _start_transfer(self, step: int, layout, buffer: torch.Tensor, tokens: int, nbytes: int,
                         template: bool = False, key_columns=None) -> None:
-        """Queue the copy of this step's buffer. Its items (`items`, or made from them for `step`
-        when they are a `template`) are built when `items` is next read: per step nothing but the
-        copy and an event, the views and Python objects later (at the end, or when asked)."""
+        """Queue the copy of this step's buffer. Its items (`layout` = (items, their offsets in the
+        buffer); items are made from them for `step` when they are a `template`) are built when
+        `items` is next read: per step nothing but the copy and an event, the views and Python
+        objects later (at the end, or when asked)."""
         host, event = self.staging.copy(buffer)
         entry = {"step": step, "tokens": tokens, "bytes": nbytes}
         self.steps.append(entry)
-        self._unread.append((host, event, items, step if template else None, entry, key_columns))
-
-    def _build_items(self, step: int, gathered) -> list[CapturedItem]:
-        """Compressed items in gathered order. A per-layer site is stacked over layers and
-        compressed once (a few kernels per site and step, not per layer), then split."""
-        kept_layers = [set(op["layers"]) for op in self.compress if op["name"] == "slice" and "layers" in op]
-        by_site: dict[str, list] = {}
-        built: dict[str, CapturedItem] = {}
-        for name, layer, site, data in gathered:
-            if site in ("topk", "logit_lens"):
-                built[name] = self._final_item(step, site, data)
-            elif all(layer in keep for keep in kept_layers):
-                by_site.setdefault(site, []).append((name, layer, data))
-        for site, entries in by_site.items():
-            for name, item in zip((e[0] for e in entries), self._compress_site(step, site, entries)):
-                built[name] = item
-        return [built[name] for name, *_ in gathered if name in built]
-
-    def _final_item(self, step: int, site: str, data) -> CapturedItem:
-        top = data if site == "topk" else data.topk(self.cfg.topk, dim=-1)  # lens: top-k per layer
-        return CapturedItem(f"step{step}/{site}", site, step, None, DIMS[site],
-                            {"data": top.values, "indices": top.indices.to(torch.int32)})
-
-    def _compress_site(self, step: int, site: str, entries) -> list[CapturedItem]:
-        data = torch.stack([d for _, _, d in entries]).float()  # (layers, ...)
-        if self.heads is not None and site in HEAD_SITES:
-            data = select_indices(data, 2, self.heads)
-        stacked = apply_pipeline(CapturedItem("", site, step, None, ("layer", *DIMS[site]), {"data": data}),
-                                 self.compress)
-        ops = [{**op, "shape": op["shape"][1:]} for op in stacked.ops]
-        return [CapturedItem(f"step{step}/{name}", site, step, layer, stacked.dims[1:],
-                             {k: v[i] for k, v in stacked.tensors.items()}, list(ops))
-                for i, (name, layer, _) in enumerate(entries)]
+        self._unread.append((host, event, layout, step if template else None, entry, key_columns))
 
     def _finish_transfer(self) -> None:
         """Build the items of every queued step now (waits for their copies)."""
         unread, self._unread = self._unread, []
-        for host, event, items, step, entry, key_columns in unread:
+        for host, event, (items, offsets), step, entry, key_columns in unread:
             if event is not None:
                 event.synchronize()
             if step is not None:
                 items = _items_for_step(items, step)
-            view_items(host, items)
+            view_items(host, items, offsets)
             if key_columns is not None:  # static attention maps span the whole cache: keep the keys so far
                 for it in items:
                     if it.site == "attn_probs":

@@ -11,7 +11,11 @@ A pipeline is a list of ops, each a dict {"name": NAME, ...params}; text form fo
 
 Ops act on a CapturedItem: named dims, a dict of tensors ("data", and "scale" / "indices"
 when an op adds them) and a record of what was done. quantize must come last; nothing but
-quantize may follow topk.
+quantize may follow topk. Every op acts per last-dim row (or on named dims), never across
+the leading dim, so items stacked along a new leading dim are compressed in one go
+(batching.py). An op computes in fp32 unless working in the capture's own dtype gives the
+same bits (slice, max / absmax over equal buckets, the fp16 cast); an unquantized result
+ends in fp32.
 """
 
 from __future__ import annotations
@@ -83,13 +87,17 @@ def _window(length: int, start, end) -> tuple[int, int]:
 
 
 def _reduce(item: CapturedItem, op: str, width: int) -> CapturedItem:
-    # One scatter_reduce over all buckets rather than one kernel per bucket; device ops only,
-    # so a CUDA graph can record it.
-    data = item.tensors["data"].float()
+    data = item.tensors["data"]
     n = data.shape[-1]
     width = min(width, n)
+    if op in ("max", "absmax") and n % width == 0:
+        item.tensors["data"] = reduce_equal_buckets(data, op, width)
+        return item
+    # Uneven buckets, mean, l2: one scatter_reduce over all buckets in fp32 (not one kernel per
+    # bucket); device ops only, so a CUDA graph can record it.
+    data = data.float()
     bucket = compute_buckets(n, width, data.device).expand_as(data)  # (..., n): bucket of each column
-    src = {"mean": data, "max": data, "absmax": data.abs(), "l2": data * data}[op]
+    src = data.abs() if op == "absmax" else data * data if op == "l2" else data
     how = {"mean": "mean", "max": "amax", "absmax": "amax", "l2": "sum"}[op]
     out = torch.zeros((*data.shape[:-1], width), device=data.device)
     out = out.scatter_reduce(-1, bucket, src, reduce=how, include_self=False)
@@ -97,8 +105,25 @@ def _reduce(item: CapturedItem, op: str, width: int) -> CapturedItem:
     return item
 
 
+def reduce_equal_buckets(data: torch.Tensor, op: str, width: int) -> torch.Tensor:
+    """max / absmax of `width` equal contiguous buckets of the last dim, as one reduction in
+    data's own dtype: a maximum is one of its inputs, so this is exactly the fp32 scatter's
+    value (NaN propagates as on the CPU there), without its cast, abs, fill and scatter kernels."""
+    buckets = data.reshape(*data.shape[:-1], width, data.shape[-1] // width)
+    if op == "absmax":
+        if data.device.type in FUSED_ABSMAX_DEVICES:
+            return torch.linalg.vector_norm(buckets, float("inf"), dim=-1)  # max |x|: abs fused in
+        buckets = buckets.abs()
+    return buckets.amax(dim=-1)
+
+
+# Where absmax is the inf-norm kernel (one launch) rather than abs + amax: on the CPU the
+# norm is ~40x slower than the two ops for short buckets (and launches cost nothing there).
+FUSED_ABSMAX_DEVICES = ("cuda",)
+
+
 def _topk(item: CapturedItem, k: int) -> CapturedItem:
-    data = item.tensors["data"]
+    data = item.tensors["data"].float()
     k = min(k, data.shape[-1])
     idx = data.abs().topk(k, dim=-1).indices
     item.tensors["data"] = data.gather(-1, idx)
@@ -108,10 +133,11 @@ def _topk(item: CapturedItem, k: int) -> CapturedItem:
 
 
 def _quantize(item: CapturedItem, dtype: str) -> CapturedItem:
-    data = item.tensors["data"].float()
-    if dtype == "fp16":
+    data = item.tensors["data"]
+    if dtype == "fp16":  # straight from bf16: the same rounding as via fp32 (exact), one kernel
         item.tensors["data"] = data.half()
         return item
+    data = data.float()
     scale = (data.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-30)
     item.tensors["data"] = (data / scale).round().clamp(-127, 127).to(torch.int8)
     item.tensors["scale"] = scale
@@ -209,11 +235,14 @@ def parse_pipeline(text: str) -> tuple[dict, ...]:
 
 
 def apply_pipeline(item: CapturedItem, ops: tuple[dict, ...]) -> CapturedItem | None:
-    """Run validated ops on item, recording each with the resulting data shape; None if sliced away."""
+    """Run validated ops on item, recording each with the resulting data shape; None if sliced
+    away. Floating results come back in fp32 unless quantized."""
     for op in ops:
         params = {k: v for k, v in op.items() if k != "name"}
         item = REGISTRY[op["name"]][1](item, **params)
         if item is None:
             return None
         item.ops.append({**op, "shape": list(item.tensors["data"].shape)})
+    if not any(op["name"] == "quantize" for op in ops):  # ops may have kept an exact bf16 result
+        item.tensors = {k: t.float() if t.is_floating_point() else t for k, t in item.tensors.items()}
     return item

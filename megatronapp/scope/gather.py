@@ -55,7 +55,7 @@ def compute_logit_lens(model, stash) -> torch.Tensor | None:
         buf = torch.empty_like(mine)
         dist.recv(buf, g.pp_ranks[p])
         parts.append(buf)
-    residuals = torch.cat(parts + [mine])  # (L, B, H)
+    residuals = torch.cat(parts + [mine]) if parts else mine  # (L, B, H); a cat of one would copy
     # over the real vocabulary, like the next-token probabilities (padding ids excluded)
     return model.compute_logits(residuals)[..., :model.cfg.vocab_size].float().log_softmax(dim=-1)
 

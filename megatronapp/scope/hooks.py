@@ -19,14 +19,16 @@ from megatronapp.scope.sites import layer_modules
 LENS = "_lens"  # internal: residual of the newest column, for the logit lens
 
 
-def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                    hidden: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) in fp32: q (B, h, S, D), k (B, h, T, D), bool mask (B, 1, S, T)
-    or None for causal attention over the same columns (S == T)."""
+    or None for causal attention over the same columns (S == T); `hidden` = ~mask when the
+    caller has it already (one per step, shared by the layers)."""
     scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
     if mask is None:
         s, t = scores.shape[-2:]
         mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
-    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return scores.masked_fill(~mask if hidden is None else hidden, float("-inf")).softmax(dim=-1)
 
 
 class CaptureHooks:
@@ -36,6 +38,9 @@ class CaptureHooks:
         self.handles = []
         self.full_keys = False
         self._attn_args: dict[int, tuple] = {}
+        # Per forward, shared by every layer (each layer gets the same rotary tables and mask):
+        # the tables cast to the activations' dtype and the inverted mask, made once, not per layer.
+        self._tables, self._hidden = None, None
         need_qkv = self.sites & {"q", "k", "v", "attn_probs"}
         for layer, block in target.blocks().items():
             m = layer_modules(block)
@@ -60,6 +65,7 @@ class CaptureHooks:
         for h in self.handles:
             h.remove()
         self.handles, self.stash, self._attn_args = [], {}, {}
+        self._tables, self._hidden = None, None
 
     def _remember_attn_args(self, layer: int):
         def hook(module, args):
@@ -69,16 +75,29 @@ class CaptureHooks:
     def _qkv(self, layer: int):
         def hook(module, args, output):
             b, s, _ = output.shape
-            cos, sin = self._attn_args[layer][:2]
-            if cos.dim() == 2:  # no cache: the full tables, sliced as the model does
-                cos, sin = cos[:s], sin[:s]
+            cos, sin, *cache = self._attn_args[layer]
+            cos, sin = self._rotary_tables(cos, sin, s, output.dtype)
             qkv = output.detach().view(b, s, -1, 3, self.target.cfg.head_dim)
             q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, h, S, D)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            wanted = self.sites & {"q", "k", "v"}
+            if "attn_probs" in self.sites:  # with a cache, the keys come from it (this step's included)
+                wanted |= {"q"} if cache and cache[0] is not None else {"q", "k"}
             for site, t in (("q", q), ("k", k), ("v", v)):
-                if site in self.sites or (site in "qk" and "attn_probs" in self.sites):
-                    self.stash[(layer, site)] = t
+                if site in wanted:
+                    self.stash[(layer, site)] = t if site == "v" else apply_rotary(t, cos, sin)
         return hook
+
+    def _rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor, s: int, dtype) -> tuple:
+        """The rotary tables as the model applies them: sliced to S columns without a cache,
+        in the activations' dtype (apply_rotary's own cast is then a no-op): once per forward."""
+        t = self._tables
+        if t is None or t[0] is not cos or t[1] is not sin or (t[2], t[3]) != (s, dtype):
+            if cos.dim() == 2:  # no cache: the full tables, sliced as the model does
+                cos_s, sin_s = cos[:s], sin[:s]
+            else:
+                cos_s, sin_s = cos, sin
+            self._tables = (cos, sin, s, dtype, cos_s.to(dtype), sin_s.to(dtype))
+        return self._tables[4:]
 
     def _attn(self, layer: int):
         def hook(module, args, output):
@@ -86,12 +105,21 @@ class CaptureHooks:
                 self.stash[(layer, "attn_out")] = output.detach()
             if "attn_probs" in self.sites:
                 cache = args[3] if len(args) > 3 else None
+                hidden = None
                 if cache is not None:
                     keys, mask = cache.keys_so_far(self.full_keys)
+                    hidden = self._hidden_mask(cache.attn_mask, mask)
                 else:
                     keys, mask = self.stash[(layer, "k")], None
-                self.stash[(layer, "attn_probs")] = attention_probs(self.stash[(layer, "q")], keys, mask)
+                self.stash[(layer, "attn_probs")] = attention_probs(self.stash[(layer, "q")], keys, mask, hidden)
         return hook
+
+    def _hidden_mask(self, step_mask: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """~mask, computed by the first layer of a forward (`step_mask`: the cache's mask of this
+        forward, of which `mask` is a column slice) and reused by the others."""
+        if self._hidden is None or self._hidden[0] is not step_mask or self._hidden[1] != mask.shape:
+            self._hidden = (step_mask, mask.shape, ~mask)
+        return self._hidden[2]
 
     def _fc1(self, layer: int):
         def hook(module, args):

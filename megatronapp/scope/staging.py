@@ -1,12 +1,15 @@
 """A step's captured tensors as ONE device buffer, one asynchronous copy to pinned host memory,
 and the items viewed back out of it.
 
-    buffer  uint8 (N,): every item tensor flattened as bytes, in item order, each padded to a
-            multiple of 8 bytes so its host slice can be viewed as any dtype
+    buffer   uint8 (N,): each block tensor (batching.py: the items' tensors as rows) flattened
+             as bytes, widest element size first (fp32 / int32, then fp16, then int8), so every
+             piece starts aligned for its dtype with no padding
+    offsets  per item, {key: byte offset of its tensor}; shapes and dtypes are the items' own
 
-`pack_items` uses device ops only, so it can run inside a CUDA graph (the graph's output is
-then a static buffer refreshed by every replay). `HostStaging` hands out slices of large pinned
-blocks, so a step costs one non_blocking copy and one event, not a pinned allocation.
+`pack_blocks` is one cat (no per-item or padding kernels) of device tensors, so it can run
+inside a CUDA graph (the graph's output is then a static buffer refreshed by every replay).
+`HostStaging` hands out slices of large pinned blocks, so a step costs one non_blocking copy
+and one event, not a pinned allocation.
 """
 
 from __future__ import annotations
@@ -18,26 +21,29 @@ from megatronapp.scope.compress import CapturedItem
 PINNED_BLOCK_BYTES = 1 << 20
 
 
-def pack_items(items: list[CapturedItem], device) -> torch.Tensor:
-    """The items' tensors as one uint8 buffer (layout above)."""
-    flat = []
-    for t in (t for it in items for t in it.tensors.values()):
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        flat.append(raw)
-        if raw.numel() % 8:
-            flat.append(torch.zeros(-raw.numel() % 8, dtype=torch.uint8, device=raw.device))
-    return torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+def pack_blocks(blocks, items: list[CapturedItem], device) -> tuple[torch.Tensor, list[dict[str, int]]]:
+    """(buffer, offsets of each of `items`) of the blocks that hold `items` (layout above)."""
+    pieces = [(key, t.contiguous(), b) for b in blocks for key, t in b.tensors.items()]
+    at = {}  # id(item) -> {key: offset}
+    flat, offset = [], 0
+    for key, t, block in sorted(pieces, key=lambda p: -p[1].element_size()):  # stable: block order kept
+        row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
+        for i, it in enumerate(block.items):
+            at.setdefault(id(it), {})[key] = offset + i * row_bytes
+        flat.append(t.reshape(-1).view(torch.uint8))
+        offset += t.numel() * t.element_size()
+    offsets = [at[id(it)] for it in items]
+    buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    return buffer, offsets
 
 
-def view_items(host: torch.Tensor, items: list[CapturedItem]) -> None:
-    """Point every tensor of `items` (whose shapes and dtypes describe `host`'s layout) at its
-    slice of the host buffer, in place."""
-    offset = 0
-    for it in items:
+def view_items(host: torch.Tensor, items: list[CapturedItem], offsets: list[dict[str, int]]) -> None:
+    """Point every tensor of `items` (whose shapes and dtypes describe their slices) at its
+    slice of the host buffer at `offsets` (pack_blocks', in the same item order), in place."""
+    for it, at in zip(items, offsets, strict=True):
         for key, t in it.tensors.items():
             n = t.numel() * t.element_size()
-            it.tensors[key] = host[offset:offset + n].view(t.dtype).view(t.shape)
-            offset += n + (-n % 8)
+            it.tensors[key] = host[at[key]:at[key] + n].view(t.dtype).view(t.shape)
 
 
 class HostStaging:

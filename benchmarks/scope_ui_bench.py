@@ -13,7 +13,10 @@ same InferenceModel, "ui" is the wall time from sending `generate` to the clean 
 greedy, no stop at end-of-text (the UI test checks both give the same tokens). Training: the
 same Trainer alternates blocks of steps with on_step plain and wrapped by the training view
 (server running, one client reading, probe every --probe-every steps). Variants interleave
-in rounds; figures are medians with min/max.
+in rounds (which goes first alternates); figures are medians with min/max, and the last
+lines printed are the per-round ratios the goals are judged by (RATIO generation ui/plain,
+RATIO training scope/no-scope) and the latency percentiles. The UI client sends `view` for
+layer 0, as a fresh page does (the server then captures that layer only).
 """
 
 from __future__ import annotations

@@ -86,7 +86,10 @@ def test_switching_layer_and_head_changes_attention(gen_page, shots):
     page.select_option("#head", "2")
     after_head = checksum()
     assert after_head != before and pixels() != before_px
-    page.select_option("#layer", "3")
+    rows = page.get_attribute("#attn-matrix", "data-rows")
+    assert int(rows) >= 2
+    page.select_option("#layer", "3")  # not captured by the run: the server refills it
+    page.wait_for_function(f"document.getElementById('attn-matrix').dataset.rows === '{rows}'")
     assert checksum() != after_head
     page.locator("#head-grid canvas").nth(1).click()  # the grid picks a head too
     assert page.input_value("#head") == "1"

@@ -20,6 +20,7 @@ from megatronapp.config import build_layout
 from megatronapp.inference.model import build_inference_model, read_model_config
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.scope_ui import protocol as P
+from megatronapp.scope_ui.outbox import TokenOut, ViewOut
 from scope_ui_jobs import save_ui_checkpoint
 
 FLIP = {"kind": "bitflip", "bits": [30], "seed": 5, "target": {"site": "residual", "layers": [1], "positions": [2]}}
@@ -49,25 +50,31 @@ def _runner(rank: int, world: int, tp: int, pp: int, ckpt: str):
     return build_generation_backend(ckpt, None, "cpu", False, P.Limits(), model=model)
 
 
+class _Sink:
+    """What the page would get: tokens, top-k, residual rows per layer, the comparison."""
+
+    def __init__(self):
+        self.out = {"tokens": {}, "topk": [], "residual": {}, "compare": None}
+
+    def post(self, items) -> None:
+        for it in items:
+            if isinstance(it, P.RunEnd):
+                self.out["tokens"][it.run] = it.tokens
+            elif isinstance(it, TokenOut) and it.run == "clean":
+                self.out["topk"].append([i for i, _ in it.topk])
+            elif isinstance(it, ViewOut) and it.site == "residual" and it.run == "clean":
+                self.out["residual"].setdefault(it.layer, []).append(it.data.tolist())
+            elif isinstance(it, P.Compare):
+                self.out["compare"] = it.first_divergence
+
+
 def _collect(runner, leader=None) -> dict:
-    """Run REQUEST with FLIP set; what the page would get: tokens, top-k, residual frames."""
-    out = {"tokens": {}, "topk": [], "residual_bytes": 0, "compare": None}
-
-    def emit(msg):
-        if isinstance(msg, P.RunEnd):
-            out["tokens"][msg.run] = msg.tokens
-        elif isinstance(msg, P.Token) and msg.run == "clean":
-            out["topk"].append([e.id for e in msg.topk])
-        elif isinstance(msg, P.Compare):
-            out["compare"] = msg.first_divergence
-
-    def emit_tensor(header, data):
-        if header.site == "residual" and header.run == "clean":
-            out["residual_bytes"] += len(data)
-
+    """Run REQUEST with FLIP set showing layer 0, then refill layer 1 (the followers join both)."""
+    sink = _Sink()
     runner.perturbations.add(dict(FLIP))
-    (leader or runner).run(P.Generate.model_validate(REQUEST), emit, emit_tensor)
-    return out
+    (leader or runner).run(P.Generate.model_validate(REQUEST), sink, [0])
+    (leader or runner).refill(1, sink)
+    return sink.out
 
 
 def serve_ranks_job(rank: int, world: int, tp: int, pp: int, ckpt: str):
@@ -87,12 +94,15 @@ def serve_ranks_job(rank: int, world: int, tp: int, pp: int, ckpt: str):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_two_rank_serving_equals_one_process(cluster, ckpt, tp, pp):
     want = _collect(_runner(0, 1, 1, 1, ckpt))
-    assert want["tokens"]["clean"] and want["residual_bytes"] > 0
+    assert want["tokens"]["clean"] and sorted(want["residual"]) == [0, 1]
     lead, follower = cluster.run(serve_ranks_job, 2, tp, pp, ckpt)
-    assert follower == {"followed": 1}
+    assert follower == {"followed": 2}  # the generation and the refill
     assert lead["tokens"] == want["tokens"]  # clean and perturbed runs
     assert lead["topk"] == want["topk"]
-    assert lead["residual_bytes"] == want["residual_bytes"]  # captures gathered to rank 0
+    for layer in (0, 1):  # captures gathered to rank 0 (fp16 bucket means: equal up to fp16 rounding)
+        assert len(lead["residual"][layer]) == len(want["residual"][layer])
+        for a, b in zip(lead["residual"][layer], want["residual"][layer]):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=2e-2, rtol=2e-2)
     assert lead["compare"] == want["compare"]
 
 
@@ -125,11 +135,9 @@ def test_serve_cli_on_two_ranks_over_websocket(ckpt):
 
 
 def _collect_clean(ckpt: str) -> list[int]:
-    runner = _runner(0, 1, 1, 1, ckpt)
-    tokens = {}
-    runner.run(P.Generate.model_validate(REQUEST),
-               lambda m: tokens.setdefault("t", m.tokens) if isinstance(m, P.RunEnd) else None, lambda *a: None)
-    return tokens["t"]
+    runner, sink = _runner(0, 1, 1, 1, ckpt), _Sink()
+    runner.run(P.Generate.model_validate(REQUEST), sink, [0])
+    return sink.out["tokens"]["clean"]
 
 
 def _wait_for_url(proc, timeout: float) -> str:

@@ -56,8 +56,8 @@ def generate_over_ws(srv, **settings) -> list[int]:
         while tokens is None:
             msg = recv_json(ws)
             assert msg["type"] != "error", msg
-            if msg["type"] == "token" and msg["run"] == "clean":
-                streamed.append(msg["id"])
+            if msg["type"] == "tokens":
+                streamed += [t["id"] for t in msg["tokens"] if t["run"] == "clean"]
             if msg["type"] == "run_end" and msg["run"] == "clean":
                 tokens = msg["tokens"]
     assert streamed == tokens  # what streamed is what the run returned
@@ -107,7 +107,8 @@ def test_limits_refuse_and_change_nothing(server):
               "refused"),
              ({"type": "perturb", "spec": {"kind": "evil", "target": {"site": "residual"}}}, "refused"),
              ({"type": "train_control", "action": "pause"}, "wrong_mode"),
-             ({"type": "hello", "version": 2}, "version"),
+             ({"type": "hello", "version": 1}, "version"),
+             ({"type": "view", "layer": 4}, "refused"),  # the model has 4 layers
              ({"type": "__import__('os').system('true')"}, "bad_message")]
     with connect(ws_url(server), max_size=None) as ws:
         recv_json(ws)
@@ -129,7 +130,7 @@ def test_rate_limit(ckpt):
         with connect(ws_url(srv)) as ws:
             recv_json(ws)
             for _ in range(20):
-                ws.send(json.dumps({"type": "hello", "version": 1}))
+                ws.send(json.dumps({"type": "hello", "version": P.PROTOCOL_VERSION}))
             codes = [recv_json(ws).get("code") for _ in range(20)]
         assert codes.count("rate_limited") >= 10 and codes.count(None) >= 5
     finally:
@@ -184,7 +185,7 @@ def test_tensor_frame_round_trip_and_rate_limiter():
 
 
 def _fuzz_message(rng: random.Random) -> str | bytes:
-    kind = rng.randrange(9)
+    kind = rng.randrange(10)
     if kind == 0:
         return rng.randbytes(rng.randrange(1, 300))  # binary garbage
     if kind == 1:
@@ -205,6 +206,8 @@ def _fuzz_message(rng: random.Random) -> str | bytes:
         return json.dumps(rng.choice([[], 1, "s", None, {"no": "type"}]))
     if kind == 7:
         return "[" * rng.randrange(1, 5000)  # deep nesting
+    if kind == 8:  # (a valid view gets no reply; these are all refused)
+        return json.dumps({"type": "view", "layer": rng.choice([-1, 4, 99, "0", None, 1.5]), "head": rng.choice([0, 9])})
     return json.dumps({"type": rng.choice(["hello", "train_control", "take_drive", "clear_perturbations"]),
                        "version": rng.choice([1, 2, "1"]), "action": rng.choice(["pause", "stop", 1])})
 
@@ -301,3 +304,52 @@ def test_perturbation_during_training_shows_in_loss_and_is_removed():
             assert hit["iteration"] > start["iteration"]
     finally:
         training.stop()
+
+
+def _frames_until(ws, done) -> list:
+    """Frames (dicts, or (header, array) for tensors) until done(frames) holds."""
+    import numpy as np
+
+    frames = []
+    while not done(frames):
+        f = ws.recv(timeout=60)
+        if isinstance(f, str):
+            frames.append(json.loads(f))
+        else:
+            h, payload = P.decode_tensor_frame(f)
+            frames.append((h, np.frombuffer(payload, dtype=h["dtype"]).reshape(h["shape"])))
+    return frames
+
+
+def _layer_rows(frames, site: str, layer: int) -> list:
+    """The rows the page holds after `frames`; attention row r cut to its r + 1 causal keys (a
+    merged frame pads the keys of its shorter rows with zeros)."""
+    rows = []
+    for f in frames:
+        if isinstance(f, tuple) and (f[0]["site"], f[0]["layer"], f[0]["run"]) == (site, layer, "clean"):
+            axis = 2 if site == "attn_probs" else 1
+            rows = rows[:f[0]["start"]] + [f[1].take(i, axis=axis) for i in range(f[1].shape[axis])]
+    return [(r[..., :i + 1] if site == "attn_probs" else r).tolist() for i, r in enumerate(rows)]
+
+
+def test_layer_switch_after_a_run_refills_that_layer_exactly(server):
+    request = {"type": "generate", "prompt": "Hello there", "max_new_tokens": 5, "stop_on_eod": False}
+    ended = lambda fs: any(isinstance(f, dict) and f["type"] == "run_end" for f in fs)
+    with connect(ws_url(server), max_size=None) as ws:
+        recv_json(ws)
+        ws.send(json.dumps({"type": "take_drive"}))
+        ws.send(json.dumps({"type": "view", "layer": 0, "head": 0}))
+        ws.send(json.dumps(request))
+        first = _frames_until(ws, ended)
+        positions = len(_layer_rows(first, "residual", 0))
+        assert positions == len(first[-1]["tokens"]) - 1 + len(
+            next(f for f in first if isinstance(f, dict) and f["type"] == "run_start")["prompt_tokens"])
+        assert not _layer_rows(first, "residual", 2)  # only the shown layer was captured
+        ws.send(json.dumps({"type": "view", "layer": 2, "head": 0}))  # refilled: same request, layer 2 only
+        refill = _frames_until(ws, lambda fs: len(_layer_rows(fs, "residual", 2)) == positions
+                               and len(_layer_rows(fs, "attn_probs", 2)) == positions)
+        assert all(isinstance(f, tuple) for f in refill)  # views only: no tokens, no run messages
+        ws.send(json.dumps(request))  # now streamed live with layer 2 shown from the start
+        live = _frames_until(ws, ended)
+    for site in ("attn_probs", "residual"):
+        assert _layer_rows(refill, site, 2) == _layer_rows(live, site, 2)

@@ -1,4 +1,4 @@
-"""MegaScope UI wire protocol, version 1: every message between browser and server.
+"""MegaScope UI wire protocol, version 2: every message between browser and server.
 
 One WebSocket per tab at /ws. Text frames carry one JSON object with a "type" field;
 binary frames carry one tensor:
@@ -7,7 +7,12 @@ binary frames carry one tensor:
 
 Client -> server (text only; a binary frame from a client is an error):
 
-    hello        {"type": "hello", "version": 1}                 first message; answered by "welcome"
+    hello        {"type": "hello", "version": 2}                 first message; answered by "welcome"
+    view         {"type": "view", "layer": L, "head": H}         what this tab shows (any tab; default layer 0):
+                                                                 generation tensors are captured and sent
+                                                                 for the shown layers only; a layer the
+                                                                 last generation did not capture is refilled
+                                                                 (the same request rerun, views only)
     generate     prompt + sampling (as `megatronapp generate`)   driver only; clean run, then a
                                                                  perturbed run when perturbations are set
     perturb      {"type": "perturb", "spec": {...}}              add a scope Perturbation (specs.py format);
@@ -20,10 +25,16 @@ Server -> client:
 
     welcome      protocol version, mode, role, model structure, limits, perturbation kinds
     run_start    a run began ("clean" or "perturbed"), prompt tokens with their text
-    token        one generated token of a run, its top-k and logit lens; `t_server_ms` (Unix ms)
-                 is when it left the model, for the page's latency marks
-    tensor       (binary) a captured tensor of one step: attn_probs (B, heads, S, T) or residual
-                 (B, S, H) of one layer, after the compression named in the header
+    tokens       generated tokens of a run, in order, each with its top-k and logit lens;
+                 `t_server_ms` (Unix ms) is when it left the model, for the page's latency
+                 marks. One message carries every token the tab has not been sent yet (several
+                 when the tab fell behind); tokens are never dropped
+    tensor       (binary) rows `start ..` of one layer's site in a run: attn_probs (B, heads, S, T)
+                 of the tab's layer, in fp16, or residual (B, S, W) of that layer reduced to W
+                 bucket means, in fp16 (see `compression`); rows are token positions. The page
+                 cuts its rows at `start` and appends, so a frame that merges several steps
+                 (a slow tab) or restarts at 0 (a refill) both land right. Probe frames
+                 (training) carry all rows of the probe prompt and replace the previous ones
     run_end      tokens of the run, tokens/s
     compare      clean vs perturbed: first diverging token index, per-layer residual difference norms
     perturbations the active perturbation list (with seeds) after any change
@@ -32,6 +43,9 @@ Server -> client:
     train_state  paused / running, iteration
     role         your role changed (driver / watcher)
     error        {"code", "message"}: the request was refused and nothing changed
+
+Version 2 (this one) replaced v1's one `token` message per token and one tensor frame per
+layer and site per token with `tokens` batches, the `view` request and row-addressed frames.
 
 Limits (Limits below) are enforced before anything is parsed further: frame size, prompt
 length, tokens requested, capture bytes per step, and messages per second per connection.
@@ -46,7 +60,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,12 @@ class _Msg(BaseModel):
 class Hello(_Msg):
     type: Literal["hello"]
     version: int
+
+
+class View(_Msg):
+    type: Literal["view"]
+    layer: int = Field(ge=0)  # checked against the model by the server
+    head: int = Field(default=0, ge=0)
 
 
 class Generate(_Msg):
@@ -100,7 +120,7 @@ class TakeDrive(_Msg):
     type: Literal["take_drive"]
 
 
-ClientMessage = Annotated[Union[Hello, Generate, Perturb, ClearPerturbations, TrainControl, TakeDrive],
+ClientMessage = Annotated[Union[Hello, View, Generate, Perturb, ClearPerturbations, TrainControl, TakeDrive],
                           Field(discriminator="type")]
 _CLIENT = TypeAdapter(ClientMessage)
 
@@ -134,7 +154,6 @@ class RunStart(_Msg):
 
 
 class Token(_Msg):
-    type: Literal["token"] = "token"
     run: Literal["clean", "perturbed"]
     step: int
     id: int
@@ -144,12 +163,18 @@ class Token(_Msg):
     t_server_ms: float
 
 
+class Tokens(_Msg):
+    type: Literal["tokens"] = "tokens"
+    tokens: list[Token]
+
+
 class TensorHeader(_Msg):
     type: Literal["tensor"] = "tensor"
     run: Literal["clean", "perturbed", "probe"]
     step: int
     site: str
     layer: int
+    start: int = 0  # position (row) of the first row in this frame
     dims: list[str]
     dtype: Literal["float32", "float16", "int32"]
     shape: list[int]

@@ -2,7 +2,8 @@
 rank runs the same generation.
 
 The UI's requests reach rank 0 only. Before rank 0 starts a generation it publishes the
-job — the validated `generate` message and the active perturbation specs, as JSON — to
+job — the validated `generate` message, the active perturbation specs and the shown layers
+(or a refill: one layer of the last request), as JSON — to
 every rank (`JobChannel`: a length, then the UTF-8 bytes as a uint8 tensor, broadcast over
 the world group; no pickling). Each follower rebuilds the same request from it and runs
 the same `GenerationRunner.run`, so every collective of generate(), capture() and
@@ -53,11 +54,16 @@ class LeaderRunner:
     def __getattr__(self, name):  # mode, info, perturbations, check, welcome_fields, backlog, ...
         return getattr(self.runner, name)
 
-    def run(self, msg: P.Generate, emit, emit_tensor) -> None:
+    def run(self, msg: P.Generate, sink, layers) -> None:
         self.runner.check(msg)  # refuse here, before any rank starts work
-        self.channel.publish({"kind": "generate", "msg": msg.model_dump(),
+        self.channel.publish({"kind": "generate", "msg": msg.model_dump(), "layers": list(layers),
                               "perturbations": self.runner.perturbations.as_dicts()})
-        self.runner.run(msg, emit, emit_tensor)
+        self.runner.run(msg, sink, layers)
+
+    def refill(self, layer: int, sink) -> None:
+        if self.runner.needs_refill(layer):
+            self.channel.publish({"kind": "refill", "layer": layer})
+            self.runner.refill(layer, sink)
 
     def stop(self) -> None:
         self.channel.publish({"kind": "stop"})
@@ -70,14 +76,19 @@ def follow(runner, channel: JobChannel) -> int:
         job = channel.receive()
         if job["kind"] == "stop":
             return done
-        msg = P.Generate.model_validate(job["msg"])
-        runner.perturbations.specs = [perturbation_from_dict(d) for d in job["perturbations"]]
         try:
-            runner.run(msg, _drop, _drop)
+            if job["kind"] == "refill":
+                runner.refill(int(job["layer"]), _Drop())
+            else:
+                runner.perturbations.specs = [perturbation_from_dict(d) for d in job["perturbations"]]
+                runner.run(P.Generate.model_validate(job["msg"]), _Drop(), [int(x) for x in job["layers"]])
         except Exception as e:  # rank 0 sees the same failure and reports it to the page
             log.warning("generation failed on this rank: %s: %s", type(e).__name__, e)
         done += 1
 
 
-def _drop(*_args) -> None:
-    """Followers' emit: only rank 0 talks to the page."""
+class _Drop:
+    """Followers' sink: only rank 0 talks to the page."""
+
+    def post(self, items) -> None:
+        pass

@@ -1,14 +1,19 @@
 """The model side of the UI: generation streamed token by token with MegaScope captures, the
 perturbation list, and clean-vs-perturbed comparison. Runs in ONE worker thread that owns the
-model; results leave through `emit(message)` / `emit_tensor(header, bytes)` callbacks.
+model; results leave as small records (outbox.py) through `sink.post(list)`, one post per
+FLUSH_S at most; the server encodes and sends them on its own thread.
+
+Only what the tabs show is captured: the shown layers' attention (all heads, fp16) and
+residual (bucket means, fp16), top-k and logit lens. Those captures can be recorded into the
+decode graph, so with CUDA graphs on the UI decodes like plain generation. A tab that switches
+to another layer gets it by a refill: the last request rerun (same tokens) capturing that
+layer only. Every layer's full residual is captured only when perturbations are set (for the
+per-layer difference norms).
 
 Built only on scope I's public API (scope.capture, scope.perturb, specs) and
 inference.generate, so UI tokens are exactly `megatronapp generate`'s: the same generate()
-with the same SamplingConfig. Two adapters bridge what that API does not expose:
-`_TokenTap` sees each sampled token as the input of the next forward step, and
-`_flush_capture` finishes the capture's queued host copies at the end of a step (the capture
-otherwise builds its items only when they are read) so the page gets a step's tensors with
-its token.
+with the same SamplingConfig. `_TokenTap` bridges what that API does not expose: it sees each
+sampled token as the input of the next forward step.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 import random
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 
@@ -28,10 +34,15 @@ from megatronapp.scope.specs import KINDS, PerturbSpecError, perturbation_from_d
 from megatronapp.scope.sites import PERTURB_SITES
 from megatronapp.scope.target import resolve_target
 from megatronapp.scope_ui import protocol as P
+from megatronapp.scope_ui.outbox import TokenOut, ViewOut
 
-STREAM_SITES = ("attn_probs", "residual")  # sent as tensor frames, per layer and step
-CAPTURE_SITES = STREAM_SITES + ("topk", "logit_lens")
+STREAM_SITES = ("attn_probs", "residual")  # sent as tensor frames, per shown layer and step
 TOPK = 5
+ATTN_COMPRESS = "quantize:dtype=fp16"
+RESIDUAL_WIDTH = 64  # feature buckets of the residual heatmap / PCA
+RESIDUAL_COMPRESS = f"reduce:op=mean,width={RESIDUAL_WIDTH};quantize:dtype=fp16"
+FLUSH_S = 0.010  # records leave the model thread at most this often: one wakeup of the server per
+# ~frame, not per token (the page draws once per frame anyway; its latency goal is 50 ms)
 
 
 def describe_model(cfg, param_shapes: dict) -> dict:
@@ -93,51 +104,86 @@ class _TokenTap:
         return getattr(self._model, name)
 
 
-def _flush_capture(cap) -> None:
-    cap._finish_transfer()  # scope I exposes no public flush; this is its own end-of-step work
+class _RunStream:
+    """A run's records for the sink. `token(step, id)` is called when step s's token is known,
+    i.e. at the start of step s+1: generate() has synced on step s by then, so reading the
+    captures' `items` (which finishes their queued host copies) never waits on the device, and
+    no work is added inside a step. Records leave in one post at most every FLUSH_S (and at the
+    end): per token the model thread only notes the id and the time; the captures' new items
+    become ViewOut rows of the shown layers (copied: the capture's host buffers are its own)
+    and each token's top-k and logit lens at the flush."""
+
+    def __init__(self, caps, run: str, prompt_len: int, sink, with_tokens: bool):
+        self.caps, self.run, self.prompt_len, self.sink, self.with_tokens = caps, run, prompt_len, sink, with_tokens
+        self.seen = [0] * len(caps)
+        self.step_info, self.views, self.tokens = {}, [], []
+        self.last_flush = time.monotonic()
+
+    def token(self, step: int, token_id: int) -> None:
+        self.tokens.append((step, token_id, time.time() * 1000))
+        if time.monotonic() - self.last_flush >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self.last_flush = time.monotonic()
+        for i, cap in enumerate(self.caps):
+            items = cap.items
+            for item in items[self.seen[i]:]:
+                self._take(item)
+            self.seen[i] = len(items)
+        records, self.views = self.views, []
+        for step, token_id, t_ms in self.tokens if self.with_tokens else ():
+            info = self.step_info.pop(step, {})
+            records.append(TokenOut(run=self.run, step=step, id=token_id, topk=info.get("topk", ()),
+                                    lens=info.get("lens", ()), t_server_ms=t_ms))
+        self.tokens = []
+        self.sink.post(records)
+
+    def _take(self, item) -> None:
+        if item.site in STREAM_SITES:
+            start = 0 if item.step == 0 else self.prompt_len + item.step - 1
+            self.views.append(ViewOut(run=self.run, step=item.step, site=item.site, layer=item.layer, start=start,
+                                      dims=tuple(item.dims), compression=tuple(item.ops),
+                                      data=item.tensors["data"].numpy().copy()))
+        elif item.site == "topk":
+            t = item.tensors
+            self.step_info.setdefault(item.step, {})["topk"] = _pairs(t["data"][0], t["indices"][0], exp=False)
+        elif item.site == "logit_lens":  # (layers, batch, k): row 0, top entry per layer
+            t = item.tensors
+            self.step_info.setdefault(item.step, {})["lens"] = _pairs(t["data"][:, 0, 0], t["indices"][:, 0, 0],
+                                                                      exp=True)
 
 
-class _StepStream:
-    """Observer after the Capture: at each step end, send the step's tensors and keep its top-k /
-    logit lens for the token message."""
+def _pairs(values, ids, exp: bool) -> tuple:
+    values = values.float().exp() if exp else values.float()
+    return tuple(zip(ids.tolist(), values.tolist()))
 
-    def __init__(self, cap, run: str, emit_tensor, decode):
-        self.cap, self.run, self.emit_tensor, self.decode = cap, run, emit_tensor, decode
-        self.seen, self.step_info = 0, {}
 
-    def step_begin(self, model) -> None:
-        pass
+def stream_captures(model, layers, with_tokens: bool, max_bytes: int) -> tuple:
+    """The capture contexts of a UI run (not entered): the shown layers' attention (fp16) with
+    top-k and logit lens, and their residual reduced to RESIDUAL_WIDTH bucket means (fp16). Two
+    captures because reduce may not touch attention's growing key dim; both are recordable
+    into the decode graph, so CUDA graphs stay on."""
+    finals = ("topk", "logit_lens") if with_tokens else ()
+    return (capture(model, sites=("attn_probs",) + finals, layers=layers, topk=TOPK, compress=ATTN_COMPRESS,
+                    max_bytes_per_step=max_bytes),
+            capture(model, sites=("residual",), layers=layers, compress=RESIDUAL_COMPRESS,
+                    max_bytes_per_step=max_bytes))
 
-    def step_end(self, model, logits) -> None:
-        _flush_capture(self.cap)
-        for item in self.cap.items[self.seen:]:
-            if item.site in STREAM_SITES:
-                self._send(item)
-            elif item.site == "topk":
-                self.step_info.setdefault(item.step, {})["topk"] = self._entries(item.tensors, 0, exp=False)
-            elif item.site == "logit_lens":  # (layers, batch, k): row 0, top entry per layer
-                t = item.tensors
-                self.step_info.setdefault(item.step, {})["lens"] = self._top_entries(
-                    t["data"][:, 0, 0], t["indices"][:, 0, 0], exp=True)
-        self.seen = len(self.cap.items)
 
-    def _entries(self, tensors, row: int, exp: bool) -> list[P.TopEntry]:
-        return self._top_entries(tensors["data"][row], tensors["indices"][row], exp)
+@dataclass(frozen=True)
+class LastRequest:
+    """The last generation: what a refill reruns (same prompt, sampling, perturbations)."""
 
-    def _top_entries(self, values, ids, exp: bool) -> list[P.TopEntry]:
-        values = values.float().exp() if exp else values.float()
-        return [P.TopEntry(id=i, text=self.decode([i]), p=v) for v, i in zip(values.tolist(), ids.tolist())]
-
-    def _send(self, item) -> None:
-        data = item.tensors["data"].contiguous().cpu()
-        header = P.TensorHeader(run=self.run, step=item.step, site=item.site, layer=item.layer,
-                                dims=list(item.dims), dtype=str(data.dtype).removeprefix("torch."),
-                                shape=list(data.shape), compression=list(item.ops))
-        self.emit_tensor(header, data.numpy().tobytes())
+    prompt: tuple[int, ...]
+    msg: P.Generate
+    runs: tuple  # ((name, specs), ...)
+    layers: frozenset
 
 
 class GenerationRunner:
-    """Owns an InferenceModel (one process) and a tokenizer; call `run` from one thread only."""
+    """Owns an InferenceModel (one process) and a tokenizer; call `run` / `refill` from one
+    thread only. Records go to `sink.post(list)` (the Hub, or one tab)."""
 
     mode = "generate"
 
@@ -146,12 +192,16 @@ class GenerationRunner:
         shapes = resolve_target(model).full_param_shapes()
         self.info = describe_model(model.cfg, shapes)
         self.perturbations = PerturbationSet(model.cfg, shapes, limits.max_perturbations)
+        self.last: LastRequest | None = None
 
     def welcome_fields(self) -> dict:
         return welcome_fields(self.info)
 
     def backlog(self) -> list:
         return []
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def sampling(self, msg: P.Generate) -> SamplingConfig:
         return SamplingConfig(max_new_tokens=msg.max_new_tokens, greedy=msg.greedy, temperature=msg.temperature,
@@ -168,47 +218,66 @@ class GenerationRunner:
             raise P.ProtocolError("refused", str(e)) from None
         return tokens
 
-    def run(self, msg: P.Generate, emit, emit_tensor) -> None:
-        """Clean run, then (with perturbations set) the perturbed run and a comparison."""
+    def run(self, msg: P.Generate, sink, layers) -> None:
+        """Clean run, then (with perturbations set) the perturbed run and a comparison; tensors
+        of `layers` (the layers the tabs show) are captured and streamed."""
         prompt = self.check(msg)
-        clean, clean_cap = self._run_one("clean", prompt, msg, (), emit, emit_tensor)
-        if not self.perturbations.specs:
-            return
-        bad, bad_cap = self._run_one("perturbed", prompt, msg, tuple(self.perturbations.specs), emit, emit_tensor)
-        emit(P.Compare(first_divergence=first_divergence(clean, bad),
-                       layer_diff_norms=layer_diff_norms(clean_cap, bad_cap, self.model.cfg.num_layers)))
+        specs = tuple(self.perturbations.specs)
+        runs = (("clean", ()),) + ((("perturbed", specs),) if specs else ())
+        self.last = None  # a refill of the previous request must not run against this one
+        results = [self._run_one(name, prompt, msg, sp, sink, tuple(layers), compare=bool(specs)) for name, sp in runs]
+        self.last = LastRequest(tuple(prompt), msg, runs, frozenset(layers))
+        if specs:
+            (clean, clean_cap), (bad, bad_cap) = results
+            sink.post([P.Compare(first_divergence=first_divergence(clean, bad),
+                                 layer_diff_norms=layer_diff_norms(clean_cap, bad_cap, self.model.cfg.num_layers))])
 
-    def _run_one(self, run: str, prompt: list[int], msg: P.Generate, specs, emit, emit_tensor):
+    def needs_refill(self, layer: int) -> bool:
+        last = self.last
+        return last is not None and layer not in last.layers
+
+    def refill(self, layer: int, sink) -> None:
+        """The last request's runs again (same tokens: same sampling, seed and perturbations),
+        capturing `layer` only and sending its rows (from 0) to `sink`; no token messages."""
+        last = self.last
+        if last is None or layer in last.layers:
+            return
+        for name, specs in last.runs:
+            self._run_one(name, list(last.prompt), last.msg, specs, sink, (layer,), compare=False, quiet=True)
+        self.last = LastRequest(last.prompt, last.msg, last.runs, last.layers | {layer})
+
+    def _run_one(self, run: str, prompt: list[int], msg: P.Generate, specs, sink, layers, compare: bool,
+                 quiet: bool = False):
         decode = self.tokenizer.decode
-        emit(P.RunStart(run=run, prompt_tokens=prompt, prompt_text=[decode([t]) for t in prompt]))
+        if not quiet:
+            sink.post([P.RunStart(run=run, prompt_tokens=prompt, prompt_text=[decode([t]) for t in prompt])])
         with ExitStack() as stack:
             for spec in specs:
                 stack.enter_context(perturb(self.model, spec))
-            cap = stack.enter_context(capture(self.model, sites=CAPTURE_SITES, topk=TOPK,
-                                              max_bytes_per_step=self.limits.max_capture_bytes))
-            stream = _StepStream(cap, run, emit_tensor, decode)
-            self.model.observers.append(stream)
+            caps = [stack.enter_context(c) for c in stream_captures(self.model, layers, not quiet,
+                                                                     self.limits.max_capture_bytes)]
+            # every layer's full residual, only for the clean-vs-perturbed difference norms
+            diff = stack.enter_context(capture(self.model, sites=("residual",),
+                                               max_bytes_per_step=self.limits.max_capture_bytes)) if compare else None
+            stream = _RunStream(caps, run, len(prompt), sink, with_tokens=not quiet)
             sent = []
 
             def on_tokens(step: int, tokens: torch.Tensor) -> None:
-                token_id = int(tokens[0, 0])
-                sent.append(token_id)
-                info = stream.step_info.get(step, {})
-                emit(P.Token(run=run, step=step, id=token_id, text=decode([token_id]), topk=info.get("topk", []),
-                             lens=info.get("lens", []), t_server_ms=time.time() * 1000))
+                sent.append(int(tokens[0, 0]))
+                stream.token(step, sent[-1])
 
-            try:
-                t0 = time.perf_counter()
-                res = generate(_TokenTap(self.model, on_tokens), [prompt], self.sampling(msg),
-                               eod_id=self.tokenizer.eod_id, vocab_size=self.tokenizer.vocab_size)
-                elapsed = time.perf_counter() - t0
-            finally:
-                self.model.observers.remove(stream)
+            t0 = time.perf_counter()
+            res = generate(_TokenTap(self.model, on_tokens), [prompt], self.sampling(msg),
+                           eod_id=self.tokenizer.eod_id, vocab_size=self.tokenizer.vocab_size)
+            elapsed = time.perf_counter() - t0
             tokens = res.tokens[0]
             for step in range(len(sent), len(tokens)):  # the last step has no next forward
-                on_tokens(step, torch.tensor([[tokens[step]]]))
-        emit(P.RunEnd(run=run, tokens=tokens, text=decode(tokens), tokens_per_s=len(tokens) / max(elapsed, 1e-9)))
-        return tokens, cap
+                stream.token(step, tokens[step])
+            stream.flush()
+        if not quiet:
+            sink.post([P.RunEnd(run=run, tokens=tokens, text=decode(tokens),
+                                tokens_per_s=len(tokens) / max(elapsed, 1e-9))])
+        return tokens, diff
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -7,13 +7,19 @@ server's is refused. Client frames are parsed by protocol.py only: nothing from 
 evaluated, executed or unpickled.
 
 Tabs: the first tab drives (generate, perturb, train controls), later ones watch; when the
-driver leaves, the oldest watcher drives. Each tab has its own ordered outbound queue, so a
-slow tab is dropped instead of slowing the model.
+driver leaves, the oldest watcher drives. Each tab says which layer it shows (`view`).
+
+Outbound: the model's thread only posts small records (outbox.py) with one
+call_soon_threadsafe per step; each tab has its own backlog, which its sender task takes
+whole whenever the socket is ready, coalesces (outbox.coalesce: tokens all kept and batched,
+view updates merged or dropped when stale) and encodes. So a slow tab gets fewer, larger
+frames and never slows the model; one whose backlog still passes MAX_PENDING is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import secrets
@@ -30,9 +36,10 @@ from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketDisconnect
 
 from megatronapp.scope_ui import protocol as P
+from megatronapp.scope_ui.outbox import coalesce, encode
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
-MAX_QUEUED = 20000  # frames waiting for one tab before it is dropped
+MAX_PENDING = 20000  # records waiting for one tab, after coalescing, before it is dropped
 
 
 def is_loopback(host: str) -> bool:
@@ -68,8 +75,20 @@ class ServerConfig:
 
 class _Client:
     def __init__(self, ws, limits: P.Limits):
-        self.ws, self.queue = ws, asyncio.Queue()
+        self.ws, self.pending, self.wake = ws, [], asyncio.Event()
+        self.layer, self.head = 0, 0  # what the tab shows (`view`)
+        self.frames_sent = 0
         self.limiter = P.RateLimiter(limits.max_messages_per_s, limits.burst, time.monotonic())
+
+
+class ClientSink:
+    """Posts records to one tab only (a refill's frames)."""
+
+    def __init__(self, hub: "Hub", client: _Client):
+        self.hub, self.client = hub, client
+
+    def post(self, items: list) -> None:
+        self.hub.post(items, self.client)
 
 
 class Hub:
@@ -82,32 +101,38 @@ class Hub:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scope-model")
         self.busy = False
+        decode = getattr(backend, "decode_token", str)
+        self.decode = functools.lru_cache(maxsize=1 << 16)(decode)  # token texts, on the loop thread
 
     # -- outbound (thread-safe) ------------------------------------------------------------
     def broadcast(self, msg) -> None:
-        self._post(None, msg.model_dump_json())
-
-    def broadcast_tensor(self, header: P.TensorHeader, payload: bytes) -> None:
-        self._post(None, P.encode_tensor_frame(header, payload))
+        self.post([msg])
 
     def send(self, client: _Client, msg) -> None:
-        self._post(client, msg.model_dump_json())
+        self.post([msg], client)
 
-    def _post(self, client, frame) -> None:
-        if self.loop is None:
+    def post(self, items: list, client: _Client | None = None) -> None:
+        """Queue records (outbox.py) or messages for one tab or all; callable from any thread."""
+        if self.loop is None or not items:
             return
         try:
-            self.loop.call_soon_threadsafe(self._enqueue, client, frame)
+            self.loop.call_soon_threadsafe(self._enqueue, client, items)
         except RuntimeError:  # loop closed: server shutting down
             pass
 
-    def _enqueue(self, client, frame) -> None:
+    def layers_shown(self) -> list[int]:
+        """The layers the connected tabs show (what a generation captures)."""
+        return sorted({c.layer for c in list(self.clients)}) or [0]
+
+    def _enqueue(self, client, items: list) -> None:
         for c in ([client] if client is not None else list(self.clients)):
-            if c.queue.qsize() > MAX_QUEUED:
+            c.pending.extend(items)
+            if len(c.pending) > MAX_PENDING:
+                c.pending = coalesce(c.pending, c.layer)
+            if len(c.pending) > MAX_PENDING:
                 self.leave(c)
                 asyncio.ensure_future(c.ws.close(code=1013))
-            else:
-                c.queue.put_nowait(frame)
+            c.wake.set()
 
     # -- membership ------------------------------------------------------------------------
     def join(self, ws) -> _Client:
@@ -137,6 +162,8 @@ class Hub:
         """Act on one parsed message; ProtocolError when refused (nothing changed)."""
         if isinstance(msg, P.Hello):
             return self.send(client, self.welcome(client))
+        if isinstance(msg, P.View):
+            return self._view(client, msg)
         if isinstance(msg, P.TakeDrive):
             if self.driver is not None and self.driver is not client:
                 raise P.ProtocolError("not_driver", "another tab drives")
@@ -163,15 +190,33 @@ class Hub:
             self.busy = True
             self.worker.submit(self._generate, client, msg)
 
+    def _view(self, client: _Client, msg: P.View) -> None:
+        info = self.backend.info
+        if msg.layer >= info["num_layers"] or msg.head >= info["num_heads"]:
+            raise P.ProtocolError("refused", f"view: layer must be < {info['num_layers']}, head < {info['num_heads']}")
+        client.layer, client.head = msg.layer, msg.head
+        # a generation running now captures the layers shown when it began: check after it
+        if self.backend.mode == "generate" and (self.busy or self.backend.needs_refill(msg.layer)):
+            self.worker.submit(self._refill, client, msg.layer)
+
+    def _refill(self, client: _Client, layer: int) -> None:
+        if client not in self.clients or client.layer != layer or not self.backend.needs_refill(layer):
+            return  # the tab left or moved on, or a generation since captured this layer
+        self._run_guarded(client, lambda: self.backend.refill(layer, ClientSink(self, client)))
+
     def _generate(self, client: _Client, msg: P.Generate) -> None:
         try:
-            self.backend.run(msg, self.broadcast, self.broadcast_tensor)
+            self._run_guarded(client, lambda: self.backend.run(msg, self, self.layers_shown()))
+        finally:
+            self.busy = False
+
+    def _run_guarded(self, client: _Client, work) -> None:
+        try:
+            work()
         except P.ProtocolError as e:
             self.send(client, e.error)
         except Exception as e:  # a model-side failure ends this request only
             self.send(client, P.Error(code="refused", message=f"{type(e).__name__}: {e}"[:300]))
-        finally:
-            self.busy = False
 
 
 def build_app(hub: Hub, cfg: ServerConfig):
@@ -209,7 +254,7 @@ def build_app(hub: Hub, cfg: ServerConfig):
         await ws.accept()
         hub.loop = asyncio.get_running_loop()
         client = hub.join(ws)
-        sender = asyncio.create_task(_send_loop(client))
+        sender = asyncio.create_task(_send_loop(client, hub.decode))
         hub.send(client, hub.welcome(client))
         for msg in hub.backend.backlog():  # e.g. the training curve so far
             hub.send(client, msg)
@@ -241,14 +286,20 @@ def _receive_one(hub: Hub, client: _Client, frame: dict) -> None:
         hub.send(client, P.Error(code="refused", message=f"internal error: {type(e).__name__}: {e}"[:300]))
 
 
-async def _send_loop(client: _Client) -> None:
+async def _send_loop(client: _Client, decode) -> None:
+    """Whenever the socket is ready: the tab's whole backlog, coalesced, encoded, sent."""
     try:
         while True:
-            frame = await client.queue.get()
-            if isinstance(frame, bytes):
-                await client.ws.send_bytes(frame)
-            else:
-                await client.ws.send_text(frame)
+            await client.wake.wait()
+            client.wake.clear()
+            backlog, client.pending = client.pending, []
+            for item in coalesce(backlog, client.layer):
+                frame = encode(item, decode)
+                if isinstance(frame, bytes):
+                    await client.ws.send_bytes(frame)
+                else:
+                    await client.ws.send_text(frame)
+                client.frames_sent += 1
     except Exception:  # the tab went away; leave() is run by the receive side
         pass
 

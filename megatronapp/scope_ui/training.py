@@ -4,11 +4,15 @@
         trainer.train(on_step=on_step)
 
 After each reported step (every --log-interval steps; use 1 for a live view) the wrapped
-callback: sends loss / LR / grad norm and per-layer weight and gradient norms; every K
-steps runs the probe prompt through the same chunk (eval mode, no grad) with a capture and
-sends its top-k, attention and per-layer activation statistics; swaps in the perturbations
-set from the page (active from the next step; parameter faults restored when removed); and
-blocks while the page has paused training ("step" lets exactly one more step run).
+callback: queues the per-layer weight and gradient norms on the device (no host sync; the
+`reporter` thread waits for them and sends them with loss / LR / grad norm, so a step
+without a probe only pays for launching two fused norm kernels); every K steps runs the
+probe prompt through the same chunk (eval mode, no grad) with a capture and posts its top-k,
+attention and per-layer activation statistics (encoded on the server's thread); swaps in the
+perturbations set from the page (active from the next step; parameter faults restored when
+removed); and blocks while the page has paused training ("step" lets exactly one more step
+run). Step reports and the training thread's state changes go through the one reporter
+queue, so the page never sees "waiting after step N" before step N itself.
 One process only (PP 1, TP 1, DP 1): the page talks to the process holding the whole model.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import queue
 import threading
 
 HISTORY = 5000  # training steps replayed to a tab that connects late
@@ -60,12 +65,14 @@ class TrainingScope:
 
     def __init__(self, trainer, tokenizer, probe: str, every: int, max_perturbations: int, paused: bool = False):
         from megatronapp.scope.target import resolve_target
+        from megatronapp.scope_ui.probe import LayerNorms
         from megatronapp.scope_ui.runner import PerturbationSet, describe_model
 
         self.trainer, self.tokenizer, self.every, self.hub = trainer, tokenizer, every, None
         self.probe_tokens = tokenizer.encode(probe)[: trainer.job.model.seq_length - 1] or [0]
         target = resolve_target(trainer.chunks)
         self.named_params = target.named_params()
+        self.norms = LayerNorms(self.named_params, trainer.job.model.num_layers)
         shapes = target.full_param_shapes()
         self.info = describe_model(trainer.job.model, shapes)
         self.perturbations = PerturbationSet(trainer.job.model, shapes, max_perturbations)
@@ -73,6 +80,10 @@ class TrainingScope:
         self.cond = threading.Condition()
         self.paused, self.steps_allowed, self.closed = paused, 0, False
         self.history = collections.deque(maxlen=HISTORY)  # TrainStep messages a new tab is sent first
+        self.history_lock = threading.Lock()
+        self.reports: queue.Queue = queue.Queue()  # (metrics, pending norms) or a message; None ends
+        self.reporter = threading.Thread(target=self._report_loop, name="scope-train-report", daemon=True)
+        self.reporter.start()
 
     def welcome_fields(self) -> dict:
         from megatronapp.scope_ui.runner import welcome_fields
@@ -82,7 +93,12 @@ class TrainingScope:
     def backlog(self) -> list:
         from megatronapp.scope_ui import protocol as P
 
-        return [*list(self.history), P.TrainState(paused=self.paused, waiting=False, iteration=self.trainer.iteration)]
+        with self.history_lock:
+            steps = list(self.history)
+        return [*steps, P.TrainState(paused=self.paused, waiting=False, iteration=self.trainer.iteration)]
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     # -- page controls (event-loop thread) -------------------------------------------------
     def control(self, action: str) -> None:
@@ -90,13 +106,33 @@ class TrainingScope:
             self.paused = action != "resume"
             self.steps_allowed = 1 if action == "step" else 0
             self.cond.notify_all()
-        self._send_state(waiting=False)
+        if self.hub is not None:
+            self.hub.broadcast(self._state(waiting=False))
 
-    def _send_state(self, waiting: bool) -> None:
+    def _state(self, waiting: bool):
         from megatronapp.scope_ui import protocol as P
 
-        if self.hub is not None:
-            self.hub.broadcast(P.TrainState(paused=self.paused, waiting=waiting, iteration=self.trainer.iteration))
+        return P.TrainState(paused=self.paused, waiting=waiting, iteration=self.trainer.iteration)
+
+    # -- reporter thread: waits for the norms, sends in order -------------------------------
+    def _report_loop(self) -> None:
+        while (job := self.reports.get()) is not None:
+            if self.hub is None:
+                continue
+            if isinstance(job, tuple):
+                self.hub.broadcast(self._train_step(*job))
+            else:
+                self.hub.broadcast(job)
+
+    def _train_step(self, metrics, pending):
+        from megatronapp.scope_ui import protocol as P
+
+        weights, grads = self.norms.finish(pending)
+        step = P.TrainStep(iteration=metrics.iteration, loss=metrics.loss, lr=metrics.lr, grad_norm=metrics.grad_norm,
+                           layer_weight_norms=weights, layer_grad_norms=grads)
+        with self.history_lock:
+            self.history.append(step)
+        return step
 
     # -- training thread -------------------------------------------------------------------
     def wrap(self, on_step):
@@ -106,14 +142,9 @@ class TrainingScope:
         return scoped_on_step
 
     def after_step(self, metrics) -> None:
-        from megatronapp.scope_ui import protocol as P
-        from megatronapp.scope_ui.probe import layer_norms, run_probe
+        from megatronapp.scope_ui.probe import run_probe
 
-        weights, grads = layer_norms(self.named_params, self.trainer.job.model.num_layers)
-        step = P.TrainStep(iteration=metrics.iteration, loss=metrics.loss, lr=metrics.lr, grad_norm=metrics.grad_norm,
-                           layer_weight_norms=weights, layer_grad_norms=grads)
-        self.history.append(step)
-        self.hub.broadcast(step)
+        self.reports.put((metrics, self.norms.start()))
         if metrics.iteration % self.every == 0:
             run_probe(self.trainer, self.tokenizer, self.probe_tokens, metrics.iteration, self.hub)
         self._swap_perturbations()
@@ -134,7 +165,7 @@ class TrainingScope:
     def _wait_while_paused(self) -> None:
         with self.cond:
             if self.paused:
-                self._send_state(waiting=True)
+                self.reports.put(self._state(waiting=True))
             while self.paused and not self.closed:
                 if self.steps_allowed:
                     self.steps_allowed -= 1
@@ -145,4 +176,6 @@ class TrainingScope:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+        self.reports.put(None)
+        self.reporter.join(timeout=30)
         self._stack.close()

@@ -30,22 +30,27 @@ ws.onmessage = (ev) => {
   (handlers[msg.type] || (() => {}))(msg);
 };
 
-// Rows of a (B, heads, S, T) attention step or a (B, S, H) residual step appended per layer.
+// Rows `start ..` of a (B, heads, S, T) attention frame or a (B, S, W) residual frame of one
+// layer: the layer's rows are cut at `start`, then appended (a merged frame of several steps,
+// a refill from 0 and a probe all land right).
 function onTensor({ header, data }) {
   const h = header, run = h.run === "probe" ? null : (state.runs[h.run] ||= newRun());
   const store = h.site === "attn_probs" ? (run ? run.attn : state.train.probeAttn) : (run ? run.resid : state.train.probeResid);
-  if (h.run === "probe") { store[h.layer] = null; }
   if (h.site === "attn_probs") {
     const [, heads, s, t] = h.shape;
     const rows = (store[h.layer] ||= Array.from({ length: heads }, () => []));
-    for (let hd = 0; hd < heads; hd++)
+    for (let hd = 0; hd < heads; hd++) {
+      rows[hd].length = Math.min(rows[hd].length, h.start);
       for (let i = 0; i < s; i++) rows[hd].push(data.subarray((hd * s + i) * t, (hd * s + i + 1) * t));
+    }
   } else if (h.site === "residual") {
     const [, s, width] = h.shape;
     const rows = (store[h.layer] ||= []);
+    rows.length = Math.min(rows.length, h.start);
     for (let i = 0; i < s; i++) rows.push(data.subarray(i * width, (i + 1) * width));
   }
-  if (h.run === "probe") scheduleDraw();
+  // a live run's rows are drawn with its tokens (they follow); probe and refill rows have none
+  if (!run || run.done) scheduleDraw();
 }
 
 const handlers = {
@@ -58,6 +63,7 @@ const handlers = {
     fillSelect($("layer"), m.model.num_layers, state.layer); fillSelect($("head"), m.model.num_heads, state.head);
     setupPerturbPanel($("perturb-panel"), m, send);
     if (m.mode === "train") setupTraining(send);
+    sendView();
     draw();
   },
   role(m) { state.role = m.role; $("role").textContent = m.role; },
@@ -67,15 +73,11 @@ const handlers = {
     run.prompt = m.prompt_tokens.map((id, i) => ({ id, text: m.prompt_text[i] }));
     state.view = m.run; draw();
   },
-  token(m) {
-    const run = (state.runs[m.run] ||= newRun());
-    run.tokens.push(m); window.__scope.tokensSeen++;
-    draw();
-    requestAnimationFrame(() => {  // pixels are committed at the next frame
-      const latency = performance.timeOrigin + performance.now() - m.t_server_ms;
-      performance.mark(`token-${m.run}-${m.step}`);
-      window.__scope.latencies.push(latency);
-    });
+  tokens(m) {  // every token not sent before, in order (several when this tab fell behind)
+    for (const t of m.tokens) (state.runs[t.run] ||= newRun()).tokens.push(t);
+    window.__scope.tokensSeen += m.tokens.length;
+    unmarked.push(...m.tokens);
+    scheduleDraw();  // one draw per animation frame, however many tokens came in since the last
   },
   run_end(m) { const run = state.runs[m.run]; if (run) { run.done = true; run.tokensPerS = m.tokens_per_s; } draw(); },
   compare(m) { state.compare = m; draw(); },
@@ -95,8 +97,20 @@ function fillSelect(sel, n, value) {
   for (let i = 0; i < n; i++) sel.add(new Option(String(i), String(i), false, i === value));
 }
 
+// Tokens drawn by the next frame's draw: their token->pixels latency is read right after that
+// draw (the canvases and DOM are updated; the frame paints next).
+const unmarked = [];
 let pending = false;
-function scheduleDraw() { if (!pending) { pending = true; requestAnimationFrame(() => { pending = false; draw(); }); } }
+function scheduleDraw() { if (!pending) { pending = true; requestAnimationFrame(drawFrame); } }
+function drawFrame() {
+  pending = false;
+  draw();
+  const now = performance.timeOrigin + performance.now();
+  for (const t of unmarked.splice(0)) {
+    performance.mark(`token-${t.run}-${t.step}`);
+    window.__scope.latencies.push(now - t.t_server_ms);
+  }
+}
 
 export function draw() {
   if (!state.welcome) return;
@@ -107,7 +121,7 @@ export function draw() {
   const labels = train ? (state.train.probe ? state.train.probe.prompt_text : [])
     : run ? [...run.prompt.map((t) => t.text), ...run.tokens.map((t) => t.text)] : [];
   renderAttention($("head-grid"), $("attn-matrix"), attn[state.layer], state.head, labels, (h) => {
-    state.head = h; $("head").value = String(h); draw();
+    state.head = h; $("head").value = String(h); sendView(); draw();
   });
   renderHeatmap($("heatmap"), resid[state.layer]);
   renderPca($("pca"), resid[state.layer]);
@@ -117,8 +131,10 @@ export function draw() {
   renderCompare($("compare"), state);
 }
 
-$("layer").onchange = (e) => { state.layer = Number(e.target.value); draw(); };
-$("head").onchange = (e) => { state.head = Number(e.target.value); draw(); };
+// The server captures and sends the shown layer only (a layer switch after a run is refilled).
+const sendView = () => send(proto.view(state.layer, state.head));
+$("layer").onchange = (e) => { state.layer = Number(e.target.value); sendView(); draw(); };
+$("head").onchange = (e) => { state.head = Number(e.target.value); sendView(); draw(); };
 $("generate").onclick = () => send(proto.generate({
   prompt: $("prompt").value, max_new_tokens: Number($("max-new-tokens").value), greedy: $("greedy").checked,
   temperature: Number($("temperature").value), top_k: Number($("top-k").value), top_p: Number($("top-p").value),

@@ -1,7 +1,8 @@
-// Mirror of megatronapp/scope_ui/protocol.py (version 1): message builders and the tensor frame decoder.
-export const PROTOCOL_VERSION = 1;
+// Mirror of megatronapp/scope_ui/protocol.py (version 2): message builders and the tensor frame decoder.
+export const PROTOCOL_VERSION = 2;
 
 export const hello = () => ({ type: "hello", version: PROTOCOL_VERSION });
+export const view = (layer, head) => ({ type: "view", layer, head });
 export const generate = (s) => ({ type: "generate", ...s });
 export const perturb = (spec) => ({ type: "perturb", spec });
 export const clearPerturbations = () => ({ type: "clear_perturbations" });

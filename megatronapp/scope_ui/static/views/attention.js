@@ -1,15 +1,16 @@
 // Head grid (one thumbnail per head of the selected layer) and the selected head's matrix with token labels.
-import { seq } from "./colormap.js";
+import { paintGrid, seqRgb } from "./colormap.js";
 
+const BLACK = [0, 0, 0], WHITE = [255, 255, 255];
 function drawMatrix(ctx, rows, x0, y0, size) {
   const n = rows.length;
   ctx.fillStyle = "#fff"; ctx.fillRect(x0, y0, size, size);
   if (!n) return;
-  const cell = size / n;
-  rows.forEach((row, i) => row.forEach((v, j) => {
-    // NaN/inf (e.g. after a bit flip) in black
-    if (j < n) { ctx.fillStyle = Number.isFinite(v) ? seq(v) : "#000"; ctx.fillRect(x0 + j * cell, y0 + i * cell, Math.ceil(cell), Math.ceil(cell)); }
-  }));
+  paintGrid(ctx, n, n, x0, y0, size, size, (i, j) => {
+    if (j >= rows[i].length) return WHITE;
+    const v = rows[i][j];
+    return Number.isFinite(v) ? seqRgb(v) : BLACK;  // NaN/inf (e.g. after a bit flip) in black
+  });
 }
 
 export function renderAttention(gridEl, canvas, layerRows, head, labels, onPick) {
@@ -31,6 +32,7 @@ export function renderAttention(gridEl, canvas, layerRows, head, labels, onPick)
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   const rows = layerRows && layerRows[head] ? layerRows[head] : [];
   drawMatrix(ctx, rows, margin, margin, size);
+  canvas.dataset.rows = String(rows.length);
   canvas.dataset.checksum = String(rows.reduce((s, r, i) => s + r.reduce((a, v, j) => a + v * (i + 1) * (j + 2), 0), 0));
   ctx.fillStyle = "#333"; ctx.font = "10px monospace";
   const n = rows.length, cell = n ? size / n : 0;

@@ -1,14 +1,18 @@
 // PCA scatter of the selected layer's residual rows (one point per token), coloured by position.
-// Two principal axes by power iteration with deflation on the centred rows.
+// Two principal axes by power iteration with deflation on the centred rows. Each redraw adds a
+// row or so, so the axes barely move: the previous draw's axes start a few iterations (which
+// also keeps the picture from flipping sign); a cold start iterates 50 times.
 
+let previous = null;
 function topAxes(rows, k) {
   const n = rows.length, d = rows[0].length, mean = new Float64Array(d);
   for (const r of rows) for (let j = 0; j < d; j++) mean[j] += r[j] / n;
   const x = rows.map((r) => Float64Array.from(r, (v, j) => (Number.isFinite(v) ? v - mean[j] : 0)));
   const axes = [];
   for (let a = 0; a < k; a++) {
-    let v = Float64Array.from({ length: d }, (_, j) => Math.sin(j * 12.9898 + a * 78.233));
-    for (let it = 0; it < 50; it++) {
+    const warm = previous && previous[a] && previous[a].length === d;
+    let v = warm ? previous[a] : Float64Array.from({ length: d }, (_, j) => Math.sin(j * 12.9898 + a * 78.233));
+    for (let it = 0; it < (warm ? 8 : 50); it++) {
       const w = new Float64Array(d);
       for (const r of x) { let s = 0; for (let j = 0; j < d; j++) s += r[j] * v[j]; for (let j = 0; j < d; j++) w[j] += s * r[j]; }
       for (const u of axes) { let s = 0; for (let j = 0; j < d; j++) s += w[j] * u[j]; for (let j = 0; j < d; j++) w[j] -= s * u[j]; }
@@ -17,6 +21,7 @@ function topAxes(rows, k) {
     }
     axes.push(v);
   }
+  previous = axes;
   return x.map((r) => axes.map((u) => r.reduce((s, e, j) => s + e * u[j], 0)));
 }
 

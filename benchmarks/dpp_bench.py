@@ -143,7 +143,9 @@ def run_persistent(a, plan: list[tuple[int, str, str]]) -> list[dict]:
     offset = path.stat().st_size if path.exists() else 0
     plan_file = Path(a.out) / "plan.json"
     plan_file.write_text(json.dumps({"args": vars(a), "plan": plan}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR"}
+    root = str(Path(__file__).resolve().parents[1])  # the ranks import this checkout, installed or not
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
            __file__, "--worker", str(plan_file)]
     limit = (a.budget_s or a.timeout * len(plan)) + a.timeout

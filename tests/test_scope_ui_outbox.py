@@ -84,24 +84,18 @@ def test_encode_frames():
     assert msg["tokens"][0]["topk"][0] == {"id": 1, "text": "<1>", "p": 0.5}
 
 
-class _StalledSocket:
-    """A tab whose socket takes nothing until `gate` opens; records what it was sent."""
+class _RecordingSocket:
+    """A tab's socket that records what it was sent."""
 
-    def __init__(self, gate: asyncio.Event | None):
-        self.gate, self.frames = gate, []
+    def __init__(self):
+        self.frames = []
 
     async def send_text(self, text: str) -> None:
-        await self._wait()
         self.frames.append(json.loads(text))
 
     async def send_bytes(self, data: bytes) -> None:
-        await self._wait()
         header, payload = P.decode_tensor_frame(data)
         self.frames.append((header, np.frombuffer(payload, dtype=header["dtype"]).reshape(header["shape"])))
-
-    async def _wait(self) -> None:
-        if self.gate is not None:
-            await self.gate.wait()
 
 
 @pytest.fixture(scope="module")
@@ -128,23 +122,23 @@ def _rows(frames, site: str, layer: int) -> np.ndarray:
 
 def _serve_one_generation(runner, stalled: bool, n: int):
     """Two tabs (layers 1 and 2) on a Hub, one generation; with `stalled`, the layer-1 tab's socket
-    takes nothing until the generation is over. Returns each tab's frames."""
+    takes nothing until the generation is over (its sender starts only then, so the whole run is
+    its backlog whatever the timing). Returns each tab's frames."""
 
     async def scenario():
         hub = Hub(runner, P.Limits())
         hub.loop = asyncio.get_running_loop()
-        gate = asyncio.Event() if stalled else None
-        tabs = [hub.join(_StalledSocket(gate)), hub.join(_StalledSocket(None))]
+        tabs = [hub.join(_RecordingSocket()), hub.join(_RecordingSocket())]
         tabs[0].layer, tabs[1].layer = 1, 2
-        senders = [asyncio.create_task(_send_loop(t, hub.decode)) for t in tabs]
+        senders = [asyncio.create_task(_send_loop(t, hub.decode)) for t in (tabs[1:] if stalled else tabs)]
         msg = P.Generate(type="generate", prompt="Once upon", max_new_tokens=n, stop_on_eod=False)
         done = threading.Event()
         threading.Thread(target=lambda: (runner.run(msg, hub, hub.layers_shown()), done.set()), daemon=True).start()
         while not done.is_set():
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        if gate is not None:
-            gate.set()
+        await asyncio.sleep(0.05)  # the model thread's last posts reach the loop
+        if stalled:
+            senders.append(asyncio.create_task(_send_loop(tabs[0], hub.decode)))
         while not any(isinstance(f, dict) and f["type"] == "run_end" for f in tabs[0].ws.frames):
             await asyncio.sleep(0.01)
         for s in senders:

@@ -57,25 +57,23 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
 }
 
 
-def _train_cmd(a, variant: str, scenario: str, metrics: str) -> list[str]:
-    schedule, virtual, extra = VARIANTS[variant]
-    per_vstage = a.num_layers // (a.pp * a.vpp)
-    cmd = [sys.executable, "-m", "megatronapp.cli.main", "train", "--device", "cpu", "--model", "demo",
-           "--nproc-per-node", str(a.nproc), "--pipeline-model-parallel-size", str(a.pp),
-           "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--seq-length", str(a.seq_length),
-           "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches * (a.nproc // a.pp)),
-           "--train-iters", str(a.iters), "--log-interval", "1", "--pipeline-schedule", schedule,
-           "--metrics-file", metrics, *extra, *a.scenario_flags[scenario]]
-    if virtual:
-        cmd += ["--num-layers-per-virtual-pipeline-stage", str(per_vstage)]
-    return cmd
-
-
 def _train_argv(a, variant: str, scenario: str, metrics: str) -> list[str]:
-    """`megatronapp train` arguments of a cell, for a rank that is already launched."""
-    cmd = _train_cmd(a, variant, scenario, metrics)[3:]  # drop python -m megatronapp.cli.main
-    i = cmd.index("--nproc-per-node")
-    return cmd[:i] + cmd[i + 2:]
+    """`megatronapp train` arguments of a cell, without the launch: for ranks already running."""
+    schedule, virtual, extra = VARIANTS[variant]
+    argv = ["train", "--device", "cpu", "--model", "demo", "--pipeline-model-parallel-size", str(a.pp),
+            "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--seq-length", str(a.seq_length),
+            "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches * (a.nproc // a.pp)),
+            "--train-iters", str(a.iters), "--log-interval", "1", "--pipeline-schedule", schedule,
+            "--metrics-file", metrics, *extra, *a.scenario_flags[scenario]]
+    if virtual:
+        argv += ["--num-layers-per-virtual-pipeline-stage", str(a.num_layers // (a.pp * a.vpp))]
+    return argv
+
+
+def _train_cmd(a, variant: str, scenario: str, metrics: str) -> list[str]:
+    """The same cell as its own `megatronapp train` job (--isolated)."""
+    return [sys.executable, "-m", "megatronapp.cli.main", *_train_argv(a, variant, scenario, metrics),
+            "--nproc-per-node", str(a.nproc)]
 
 
 def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:

@@ -7,8 +7,8 @@ Traces come from tests/scan_simulation.py, which simulates the waiting of every 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa

@@ -7,7 +7,6 @@ import json
 import math
 import random
 import socket
-import time
 
 import pytest
 import torch

@@ -141,27 +141,25 @@ class MixedPrecisionOptimizer:
                     log.warning("found inf/nan in gradients: skipped the step, loss scale %g -> %g",
                                 scale, float(self.grad_scaler.scale))
                 return StepResult(False, None, scale)
-        grads = self.main_grads()
         norm = compute_grad_norm([m.main_param.grad for m in self.mains if m.count_in_norm],
                                  self._norm_groups, self.device)
         if self.master_kernel:
-            inv_clip = clip_coefficient(norm, self.cfg.clip_grad).reciprocal() if self.cfg.clip_grad > 0 else None
-            master_adam.adamw_master_step(self.optimizer, self._model_view_of, inv_clip)
+            master_adam.adamw_master_step(self.optimizer, self._model_view_of, self._clip_divisor(norm))
         else:
-            self._clip(grads, norm)
+            if self.fused:
+                self.optimizer.grad_scale = self._clip_divisor(norm)
+            else:
+                clip_grads(self.main_grads(), norm, self.cfg.clip_grad)
             self.optimizer.step()
             self._copy_main_to_model_params()
         # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
         self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
         return StepResult(True, norm, scale)
 
-    def _clip(self, grads: list[torch.Tensor], norm: torch.Tensor) -> None:
-        """Fused AdamW divides each grad by its `grad_scale` in the update kernel (and stores
-        the quotient back), which saves clip_grads' read-modify-write pass over every grad."""
-        if not self.fused:
-            clip_grads(grads, norm, self.cfg.clip_grad)
-        elif self.cfg.clip_grad > 0:
-            self.optimizer.grad_scale = clip_coefficient(norm, self.cfg.clip_grad).reciprocal()
+    def _clip_divisor(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """1 / clip factor, for kernels that divide each grad by it on the way (fused AdamW's
+        `grad_scale`, the master kernel): no read-modify-write pass of clip_grads over the grads."""
+        return clip_coefficient(norm, self.cfg.clip_grad).reciprocal() if self.cfg.clip_grad > 0 else None
 
     def _unscale_and_check_for_nan(self) -> bool:
         found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)

@@ -89,7 +89,7 @@ class ForwardWorker:
         stream. The weights themselves arrive with the first publication."""
         folder = find_latest(load_dir)
         meta = json.loads((folder / "meta.json").read_text())
-        lay, c = self.groups.layout, self.groups.coords
+        lay = self.groups.layout
         twin = lay.twin_of(self.groups.rank)
         same_world = meta["layout"]["world_size"] == lay.num_backward
         state = torch.load(folder / f"rank{twin if same_world else 0:05d}.pt", map_location="cpu", weights_only=True)
@@ -109,7 +109,7 @@ class ForwardWorker:
         self.faults.before_iteration(it.index)
         self.tracer.step_begin(it.index)
         it.tokens = [mb.to(self.device) for mb in self.data.next_microbatches()]
-        lay, c = self.groups.layout, self.groups.coords
+        lay = self.groups.layout
         for a in compute_forward_actions(lay, self.groups.rank, it.index, self.job.num_microbatches):
             with self.tracer.context(chunk=0, microbatch=a.microbatch):
                 self._HANDLERS[a.op](self, a, it)

@@ -240,10 +240,11 @@ class WindowMerger:
         rows, position, instance = rows[keep], position[keep], instance[keep]
         if len(rows) == 0:
             return []
-        kept_instances = np.unique(instance)
-        ids = self._next_flow + 1 + np.searchsorted(kept_instances, instance)
-        self._next_flow += len(kept_instances)
-        self.flows += int(len(rows) - len(kept_instances))
+        dense = np.cumsum(position == 0) - 1  # instance, renumbered 0.. over the kept ones (rows are by instance)
+        kept_instances = int(dense[-1]) + 1
+        ids = self._next_flow + 1 + dense
+        self._next_flow += kept_instances
+        self.flows += int(len(rows) - kept_instances)
         last = position == size[instance] - 1
         ph = np.where(position == 0, 0, np.where(last, 2, 1))
         return flow_lines(ph, ids, "collective", cols["rank"][rows], tids[rows], cols["start_ns"][rows], self._arena)

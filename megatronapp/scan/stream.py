@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,10 +24,13 @@ import pyarrow.compute as pc
 
 from megatronapp.spans import CAT_CALIB, CAT_COMM
 from megatronapp.scan.format import (
+    COLUMN_DEFAULTS,
     END_OF_STREAM,
+    EVENT_COLUMNS,
     EVENT_SCHEMA,
     RankTrace,
     TraceFormatError,
+    build_event_batch_from_columns,
     iteration_mask,
     read_meta,
 )
@@ -59,9 +62,11 @@ class Vocabulary:
         return table[column.indices.to_numpy(zero_copy_only=False)]
 
 
-def iter_rank_batches(path: str | os.PathLike, warn: bool = True) -> Iterator[pa.RecordBatch | dict | str]:
+def iter_rank_batches(path: str | os.PathLike, warn: bool = True,
+                      columns: Sequence[str] | None = None) -> Iterator[pa.RecordBatch | dict | str]:
     """The record batches of one rank file, in order. The first item is the file's meta dict;
-    a stream that stops early ends with the item "partial".
+    a stream that stops early ends with the item "partial". With `columns`, batches hold only
+    those (the others are never decompressed).
 
     Raises TraceFormatError naming the file if it is not a MegaScan stream; a truncated stream
     warns (naming the file, if `warn`) and ends after its last complete batch."""
@@ -76,6 +81,10 @@ def iter_rank_batches(path: str | os.PathLike, warn: bool = True) -> Iterator[pa
         except (pa.ArrowInvalid, OSError) as exc:
             raise TraceFormatError(f"{source}: not a MegaScan trace (no Arrow IPC stream header: {exc})") from None
         yield read_meta(reader.schema, source)
+        if columns is not None:  # reopen, reading only `columns` (indices into this file's schema)
+            fields = sorted(reader.schema.get_field_index(c) for c in columns)
+            handle.seek(0)
+            reader = pa.ipc.open_stream(handle, options=pa.ipc.IpcReadOptions(use_threads=False, included_fields=fields))
         count, error = 0, None
         while True:
             try:
@@ -144,49 +153,85 @@ def _note_first_starts(survey: RankSurvey, iterations: np.ndarray, starts: np.nd
     survey.iterations, survey.first_starts = its, sts
 
 
+# What the survey decodes of every batch: calib pairs, first starts, the sample's rows.
+_SURVEY_COLUMNS = ("cat", "start_ns", "end_ns", "iteration", "seq")
+
+
+class _FullBatches:
+    """A rank file's batches with every column, decoded only as far as they are asked for:
+    the alignment sample needs whole rows, but only of a few (usually the first) batches."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self._batches = iter_rank_batches(path, warn=False)
+        next(self._batches)  # meta
+        self._index, self._batch = -1, None
+
+    def batch(self, index: int) -> pa.RecordBatch:
+        """Batch number `index` (0 = first); indices must not decrease from call to call."""
+        while self._index < index:
+            self._batch = next(b for b in self._batches if not isinstance(b, str))
+            self._index += 1
+        return self._batch
+
+
 class _AlignSample:
-    """The keyed comm rows of a rank's first `size` traced iterations, plus every calib row."""
+    """The keyed comm rows of a rank's first `size` traced iterations (every column), plus every
+    calib row (only its clock pair, start_ns/end_ns: all alignment reads of it)."""
 
-    def __init__(self, size: int) -> None:
-        self.size, self.iterations, self.tables = size, np.zeros(0, np.int64), []
+    def __init__(self, size: int, full: _FullBatches) -> None:
+        self.size, self.iterations, self.full = size, np.zeros(0, np.int64), full
+        self.tables: list[pa.Table] = []
+        self.calib: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def add(self, batch: pa.RecordBatch, calib: np.ndarray, spans: np.ndarray, iterations: np.ndarray) -> None:
-        """`spans`: the batch's non-calib rows that pass the iteration filter."""
+    def add(self, index: int, batch: pa.RecordBatch, calib: np.ndarray, spans: np.ndarray,
+            iterations: np.ndarray) -> None:
+        """Batch number `index` (its _SURVEY_COLUMNS); `spans`: its non-calib rows that pass the
+        iteration filter."""
         if len(self.iterations) < self.size and spans.any():
             seen = np.unique(iterations[spans])
             fresh = seen[~np.isin(seen, self.iterations)][:self.size - len(self.iterations)]
             self.iterations = np.concatenate([self.iterations, fresh])
-        rows = calib
+        if calib.any():
+            self.calib.append((batch.column("start_ns").to_numpy()[calib], batch.column("end_ns").to_numpy()[calib]))
         if len(self.iterations) and spans.any() and iterations[spans].min() <= self.iterations.max():
-            rows = calib | (spans & np.isin(iterations, self.iterations) & category_mask(batch.column("cat"), CAT_COMM)
-                            & (batch.column("seq").to_numpy() >= 0))
-        picked = np.flatnonzero(rows)
-        if len(picked):
-            self.tables.append(pa.Table.from_batches([batch.take(pa.array(picked))]))
+            rows = np.flatnonzero(spans & np.isin(iterations, self.iterations)
+                                  & category_mask(batch.column("cat"), CAT_COMM) & (batch.column("seq").to_numpy() >= 0))
+            if len(rows):
+                self.tables.append(pa.Table.from_batches([self.full.batch(index).take(pa.array(rows))]))
 
     def table(self) -> pa.Table:
-        if not self.tables:
+        """The comm rows in file order, then the calib rows in file order."""
+        tables = list(self.tables)
+        if self.calib:
+            starts, ends = (np.concatenate(part) for part in zip(*self.calib))
+            columns = {c: [COLUMN_DEFAULTS[c]] * len(starts) for c in EVENT_COLUMNS}
+            columns.update(cat=[CAT_CALIB] * len(starts), start_ns=starts, end_ns=ends)
+            tables.append(pa.Table.from_batches([build_event_batch_from_columns(columns)]))
+        if not tables:
             return EVENT_SCHEMA.empty_table()
-        return pa.concat_tables(self.tables).unify_dictionaries().combine_chunks()
+        return pa.concat_tables(tables).unify_dictionaries().combine_chunks()
 
 
 def survey_rank(path: str | os.PathLike, iterations: Container[int] | None, sample_iterations: int) -> RankSurvey:
-    """One pass over a rank file: calibration rows, the keyed comm rows of its first
-    `sample_iterations` traced iterations, and the earliest start of every iteration."""
-    batches = iter_rank_batches(path)
+    """One pass over a rank file: calibration pairs, the keyed comm rows of its first
+    `sample_iterations` traced iterations, and the earliest start of every iteration. Only
+    _SURVEY_COLUMNS are decoded, but for the (few) batches that hold the sample's rows."""
+    batches = iter_rank_batches(path, columns=_SURVEY_COLUMNS)
     meta = next(batches)
-    partial, sample = False, _AlignSample(sample_iterations)
+    partial, sample = False, _AlignSample(sample_iterations, _FullBatches(path))
     survey = RankSurvey(RankTrace(meta, EVENT_SCHEMA.empty_table(), str(path)))
+    index = -1
     for batch in batches:
         if isinstance(batch, str):
             partial = True
             continue
+        index += 1
         its = batch.column("iteration").to_numpy()
         calib = category_mask(batch.column("cat"), CAT_CALIB)
         spans = ~calib if iterations is None else ~calib & iteration_mask(its, iterations)
         survey.events += int(spans.sum())
         _note_first_starts(survey, its[spans], batch.column("start_ns").to_numpy()[spans])
-        sample.add(batch, calib, spans, its)
+        sample.add(index, batch, calib, spans, its)
     survey.trace = RankTrace(meta, sample.table(), str(path), partial)
     return survey
 

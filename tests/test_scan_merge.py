@@ -242,14 +242,15 @@ def test_assign_lanes_nests_every_lane():
     assert assign_lanes([0, 2], [5, 8]) == [0, 1]
 
 
+@pytest.mark.parametrize("spread", [3000, 60_000])  # dense: large clusters; sparse: clusters of 1-3 spans
 @pytest.mark.parametrize("seed", range(6))
-def test_vectorised_lanes_equal_the_greedy_rule_per_group(seed):
+def test_vectorised_lanes_equal_the_greedy_rule_per_group(seed, spread):
     """compute_lanes (clusters, bracket check, greedy only where spans cross) == assign_lanes
     run on each group alone, including ties, zero-length spans and touching spans."""
     rng = np.random.default_rng(seed)
     n = 2000
     group = rng.integers(0, 5, n)
-    starts = rng.integers(0, 3000, n) // 10 * 10  # coarse grid: many equal starts
+    starts = rng.integers(0, spread, n) // 10 * 10  # coarse grid: many equal starts
     ends = starts + rng.choice([0, 10, 20, 50, 300], n) * (rng.random(n) < 0.9)
     lanes = compute_lanes(group, starts, ends)
     for g in range(5):

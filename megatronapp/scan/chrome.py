@@ -97,6 +97,23 @@ def _dense_ids(values: np.ndarray) -> np.ndarray:
     return (np.cumsum(present) - 1)[values]
 
 
+def _small_clusters_not_nesting(first: np.ndarray, cluster: np.ndarray, size: np.ndarray, s: np.ndarray,
+                                e: np.ndarray) -> np.ndarray:
+    """Per cluster, whether the greedy rule puts one of its spans off lane 0; answered for the
+    clusters of two and three spans, False for the others. `first`: mask of each cluster's
+    first span; spans sorted by (start, -end). In a cluster every span starts before the earlier
+    ones have all ended, so the first one, a, stays open: b fits lane 0 iff it ends inside a;
+    then c iff it ends inside b when it starts before b's end, else inside a."""
+    bad = np.zeros(len(size), bool)
+    a = np.flatnonzero(first & (size[cluster] == 2))
+    bad[cluster[a]] = e[a + 1] > e[a]
+    a = np.flatnonzero(first & (size[cluster] == 3))
+    b, c = a + 1, a + 2
+    c_fits = np.where(s[c] < e[b], e[c] <= e[b], e[c] <= e[a])
+    bad[cluster[a]] = (e[b] > e[a]) | ~c_fits
+    return bad
+
+
 def compute_lanes(group: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """assign_lanes applied within each group (e.g. one rank's track), vectorised.
 
@@ -122,10 +139,8 @@ def compute_lanes(group: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
     new[1:] = s[1:] >= np.maximum.accumulate(e)[:-1]
     cluster = np.cumsum(new) - 1
     size = np.bincount(cluster)
-    bad_cluster = np.zeros(len(size), bool)
-    pairs = np.flatnonzero(new & (size[cluster] == 2))  # first of a two-span cluster
-    bad_cluster[cluster[pairs]] = e[pairs + 1] > e[pairs]
-    big = np.flatnonzero((size[cluster] > 2) & (e > s))  # zero-length spans always fit lane 0
+    bad_cluster = _small_clusters_not_nesting(new, cluster, size, s, e)
+    big = np.flatnonzero((size[cluster] > 3) & (e > s))  # zero-length spans always fit lane 0
     if len(big):
         bad_cluster[cluster[big[_non_nesting(s[big], e[big])]]] = True
     for c in np.flatnonzero(bad_cluster).tolist():

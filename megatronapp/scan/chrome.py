@@ -164,9 +164,8 @@ def span_lines(cols: dict[str, np.ndarray], track: np.ndarray, tids: np.ndarray,
     Rows are laid out in groups of the same args keys (ARG_COLUMNS that are not -1 / ""), so
     a line holds only its own args."""
     present = np.stack([_arg_present(cols, k, empty_id) for k in ARG_COLUMNS], axis=1)
-    pattern = np.zeros(len(present), np.uint16)  # 16 bits: a stable argsort is a radix sort
-    for k in range(len(ARG_COLUMNS)):
-        pattern |= present[:, k].astype(np.uint16) << k
+    # bit k = ARG_COLUMNS[k] present; 16 bits, so a stable argsort is a radix sort
+    pattern = np.packbits(present, axis=1, bitorder="little").view("<u2").ravel()
     order = np.argsort(pattern, kind="stable")
     bounds = np.flatnonzero(np.diff(pattern[order])) + 1
     out = []

@@ -3,15 +3,16 @@
 JSON allows whitespace between tokens, so a number or string literal padded with spaces to the
 widest value of its column is still the same JSON value. `LineBlock` lays out one line
 template (constant text and column fields) as an (n, width) byte matrix: the constant text is
-broadcast into every row at once, then each field is stored column by column. Numbers are
-written three digits at a time through a lookup table.
+broadcast into every row at once, then each field is stored column by column. Integers are
+written four digits at a time through a lookup table (a microsecond value's decimals, three).
 
 Why stores are whole words: numpy copies a narrow 2-D byte slice (n, 3) of a wide matrix one
 byte loop per row (~5 ns a row), but an unaligned 4-byte word (or a `V<w>` record) per row in
-one strided store (~1 ns). A digit triple is therefore stored as a 4-byte word whose extra
-byte is what belongs after it: the template's constant there, or anything where a later
-(left-to-right) store will overwrite it. The buffer has a few spare bytes after the last row
-so the last row's words stay inside it.
+one strided store (~1 ns). A chunk of fewer than four chars (three decimals, or a number's
+top chunk cut to the field) is therefore stored as a 4-byte word whose extra bytes are what
+belongs after it: the template's constant there, or anything where a later (left-to-right)
+store will overwrite it. The buffer has a few spare bytes after the last row so the last
+row's words stay inside it.
 """
 
 from __future__ import annotations
@@ -22,16 +23,32 @@ import numpy as np
 
 _SPACE = ord(" ")
 _SPARE = 4  # bytes after the last row: room for a word store's overhang
-# Rows 0..999: "000".."999"; 1000..1999: the same with leading zeros as spaces ("  7");
-# 2000: three spaces (a chunk above the number's top digit). One little-endian uint32 each:
-# chars in bytes 0..2, byte 3 zero.
-_TRIPLES32 = np.array(
-    [int.from_bytes(f"{v:03d}".encode(), "little") for v in range(1000)]
-    + [int.from_bytes(f"{v:3d}".encode(), "little") for v in range(1000)]
-    + [int.from_bytes(b"   ", "little")],
-    dtype=np.uint32,
-)
-_TRIPLES = _TRIPLES32.view(np.uint8).reshape(-1, 4)[:, :3]  # (2001, 3) chars
+
+
+class _DigitTable:
+    """Base-10**chars chunks of numbers as little-endian uint32 words, chars in the low bytes:
+    rows 0..base-1 hold the chunk with leading zeros ("042"), base..2*base-1 with leading
+    spaces ("  7": a number's top chunk), 2*base all spaces (a chunk above the top digit)."""
+
+    def __init__(self, chars: int) -> None:
+        self.chars, self.base = chars, 10 ** chars
+        texts = ([f"{v:0{chars}d}" for v in range(self.base)] + [f"{v:{chars}d}" for v in range(self.base)]
+                 + [" " * chars])
+        self.words = np.array([int.from_bytes(t.encode(), "little") for t in texts], np.uint32)
+        self.matrix = self.words.view(np.uint8).reshape(-1, 4)[:, :chars]  # (rows, chars)
+        self._shifted: dict[tuple[int, int], np.ndarray] = {}
+
+    def table(self, kept: int, after: int) -> np.ndarray:
+        """Words holding a chunk's last `kept` chars, then the little-endian bytes of `after`."""
+        if kept == self.chars and after == 0:
+            return self.words
+        if (kept, after) not in self._shifted:  # a few per template: the bytes that follow a field
+            self._shifted[kept, after] = (self.words >> np.uint32(8 * (self.chars - kept))) | np.uint32(after)
+        return self._shifted[kept, after]
+
+
+_TRIPLES = _DigitTable(3)  # a microsecond value's three decimals: one word with a spare byte
+_QUADS = _DigitTable(4)  # integers: four digits per word, no spare byte (fewer stores)
 
 
 def _digit_count(values: np.ndarray) -> int:
@@ -40,18 +57,20 @@ def _digit_count(values: np.ndarray) -> int:
 
 
 def _chunk_indices(values: np.ndarray, width: int) -> list[np.ndarray]:
-    """_TRIPLES rows of the base-1000 chunks of non-negative ints written right-aligned and
+    """_QUADS rows of the base-10000 chunks of non-negative ints written right-aligned and
     space-padded in `width` chars, lowest chunk first."""
+    if width <= 4:  # one chunk, the top one (values < 10000): no arithmetic
+        return [values + _QUADS.base]
     # uint32 arithmetic where the values fit (width <= 9 digits): several times faster than int64.
     dtype = np.uint32 if width <= 9 else np.int64
     rest = values.astype(dtype, copy=False)
-    out, blank = [], None  # blank: value < 1000**k (chunk k is all spaces)
-    thousand = dtype(1000)
-    for _ in range(-(-width // 3)):
-        high = rest // thousand
-        index = rest - high * thousand
+    out, blank = [], None  # blank: value < 10000**k (chunk k is all spaces)
+    base = dtype(_QUADS.base)
+    for _ in range(-(-width // 4)):
+        high = rest // base
+        index = rest - high * base
         top = high == 0  # leading zeros of this chunk become spaces
-        index += (top if blank is None else top.view(np.uint8) + blank.view(np.uint8)).astype(dtype) * thousand
+        index += (top if blank is None else top.view(np.uint8) + blank.view(np.uint8)).astype(dtype) * base
         out.append(index)
         blank, rest = top, high
     return out
@@ -168,8 +187,10 @@ class LineBlock:
         col = 0
         for width, part in self._parts:
             if isinstance(part, tuple):
-                chunks = _chunk_indices(part[1], width) if part[0] == "uint" else [part[1]]
-                _store_chunks(flat, line, col, width, chunks, cyclic, wrap_ok)
+                if part[0] == "uint":
+                    _store_chunks(flat, line, col, width, _chunk_indices(part[1], width), _QUADS, cyclic, wrap_ok)
+                else:  # "frac": three decimals, leading zeros kept
+                    _store_chunks(flat, line, col, width, [part[1]], _TRIPLES, cyclic, wrap_ok)
             elif not isinstance(part, bytes):
                 _store_records(flat, line, col, np.ascontiguousarray(part))
             col += width
@@ -183,24 +204,23 @@ def _store_records(flat: np.ndarray, line: int, col: int, matrix: np.ndarray) ->
     target[:] = matrix.view(f"V{width}").ravel()
 
 
-def _store_chunks(flat: np.ndarray, line: int, col: int, width: int, chunks: list[np.ndarray], cyclic: bytes,
-                  wrap_ok: bool) -> None:
-    """Store a `width`-char number, given as _TRIPLES rows lowest chunk first, at column `col`
+def _store_chunks(flat: np.ndarray, line: int, col: int, width: int, chunks: list[np.ndarray], digits: _DigitTable,
+                  cyclic: bytes, wrap_ok: bool) -> None:
+    """Store a `width`-char number, given as `digits` rows lowest chunk first, at column `col`
     of every row: one 4-byte word per chunk, left to right. A word holds the chunk's chars
-    (the top one may be cut to its last width % 3) and then the template's bytes that follow,
+    (the top one may be cut to its last chars) and then the template's bytes that follow,
     so the overhang leaves constants intact and is overwritten where a field follows.
     Unless `wrap_ok`, a chunk whose overhang would reach into the next row is copied exactly."""
     n = (len(flat) - _SPARE) // line
-    end = col + width
+    end, size = col + width, digits.chars
     for k in reversed(range(len(chunks))):
-        hi = end - 3 * k
-        lo = max(col, hi - 3)
+        hi = end - size * k
+        lo = max(col, hi - size)
         kept = hi - lo  # chars of this chunk inside the field
         if not wrap_ok and lo + 4 > line:
             rows = flat[:n * line].reshape(n, line)
-            rows[:, lo:hi] = _TRIPLES[chunks[k]][:, 3 - kept:]
+            rows[:, lo:hi] = digits.matrix[chunks[k]][:, size - kept:]
             continue
         after = int.from_bytes(cyclic[hi % line:hi % line + 4 - kept], "little") << (8 * kept)
-        table = ((_TRIPLES32 >> np.uint32(8 * (3 - kept))) | np.uint32(after)) if kept < 3 or after else _TRIPLES32
         target = np.ndarray((n,), "<u4", buffer=flat, offset=lo, strides=(line,))
-        target[:] = np.take(table, chunks[k])
+        target[:] = np.take(digits.table(kept, after), chunks[k])

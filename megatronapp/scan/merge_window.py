@@ -84,6 +84,18 @@ class RankClocks:
         return int(ClockMapping(int(self.offset[rank]), float(self.drift[rank]), int(self.ref[rank])).apply(np.int64(t)))
 
 
+def _distinct(keys: np.ndarray) -> np.ndarray:
+    """np.unique of non-negative ints; by a bitmap where their range is small (no sort)."""
+    if len(keys) == 0:
+        return keys
+    low, high = int(keys.min()), int(keys.max())
+    if high - low > 4 * len(keys) + 4096:
+        return np.unique(keys)
+    seen = np.zeros(high - low + 1, bool)
+    seen[keys - low] = True
+    return np.flatnonzero(seen) + low
+
+
 def _empty_pending() -> dict[str, np.ndarray]:
     return {k: np.zeros(0, np.int64) for k in _PENDING_FIELDS}
 
@@ -193,7 +205,7 @@ class WindowMerger:
         return _take(ends, np.flatnonzero(left))
 
     def _new_threads(self, rank: np.ndarray, tids: np.ndarray) -> bytes:
-        keys = np.unique(rank * (LANES_PER_TRACK * len(TRACKS) + 1) + tids).tolist()
+        keys = _distinct(rank * (LANES_PER_TRACK * len(TRACKS) + 1) + tids).tolist()
         lines = []
         for key in keys:
             if key not in self._threads:

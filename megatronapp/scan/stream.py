@@ -58,8 +58,11 @@ class Vocabulary:
         """Dictionary (or plain string) column -> int32 ids."""
         if not pa.types.is_dictionary(column.type):
             column = column.dictionary_encode()
-        table = np.array([self.id_of(v) for v in column.dictionary.to_pylist()] or [0], dtype=np.int32)
-        return table[column.indices.to_numpy(zero_copy_only=False)]
+        return self.ids_of(column.dictionary)[column.indices.to_numpy(zero_copy_only=False)]
+
+    def ids_of(self, dictionary: pa.Array) -> np.ndarray:
+        """Vocabulary id of each string of `dictionary` (at least one entry, so it can be indexed)."""
+        return np.array([self.id_of(v) for v in dictionary.to_pylist()] or [0], dtype=np.int32)
 
 
 def iter_rank_batches(path: str | os.PathLike, warn: bool = True,
@@ -278,6 +281,16 @@ class WindowReader:
         self._vocab, self._iterations = vocab, iterations
         self._held: list[_HeldRows] = []
         self._done = False
+        self._known: dict[str, tuple[pa.Array, np.ndarray]] = {}  # column -> last dictionary, its ids
+
+    def _encode(self, name: str, column: pa.Array) -> np.ndarray:
+        """Vocabulary ids of a string column; a file's dictionary rarely changes between batches."""
+        if pa.types.is_dictionary(column.type):
+            known = self._known.get(name)
+            if known is None or not known[0].equals(column.dictionary):
+                self._known[name] = known = (column.dictionary, self._vocab.ids_of(column.dictionary))
+            return known[1][column.indices.to_numpy(zero_copy_only=False)]
+        return self._vocab.encode(column)
 
     def _read_one(self) -> bool:
         for batch in self._batches:
@@ -287,7 +300,7 @@ class WindowReader:
             if self._iterations is not None:
                 keep &= iteration_mask(batch.column("iteration").to_numpy(), self._iterations)
             if keep.any():
-                cols = {name: self._vocab.encode(batch.column(name)) for name in STRING_COLUMNS}
+                cols = {name: self._encode(name, batch.column(name)) for name in STRING_COLUMNS}
                 cols.update({name: batch.column(name).to_numpy() for name in INT_COLUMNS})
                 self._held.append(_HeldRows(cols if keep.all() else {k: v[keep] for k, v in cols.items()}))
                 return True

@@ -212,17 +212,15 @@ def compute_collective_offsets(ranks: list[int], diffs: dict[tuple[int, int], li
     )
 
 
-def _raise_bound(bounds: dict, src: int, dst: int, lower: int) -> None:
-    if lower > bounds.get((src, dst), lower - 1):
-        bounds[src, dst] = lower
-
-
 def compute_causality_bounds(comm: CommIndex) -> dict[tuple[int, int], int]:
     """(a, b) -> lower bound on x_b - x_a implied by causality: p2p (a sent to b) and
     synchronising collectives (a's arrival precedes b's departure)."""
     bounds: dict[tuple[int, int], int] = {}
+    get = bounds.get  # the loops below run once per pair of members: kept free of calls
     for (src, dst, _), send, recv in comm.messages():
-        _raise_bound(bounds, src, dst, send.start - recv.end)
+        lower = send.start - recv.end
+        if lower > get((src, dst), lower - 1):
+            bounds[src, dst] = lower
     for members in comm.sync_instances().values():
         if len(members) < 2:
             continue
@@ -233,7 +231,9 @@ def compute_causality_bounds(comm: CommIndex) -> dict[tuple[int, int], int]:
             pairs = [(last, m) for m in members if m.rank != last.rank]
             pairs += [(m, first_out) for m in members if m.rank != first_out.rank]
         for j, i in pairs:
-            _raise_bound(bounds, j.rank, i.rank, j.start - i.end)
+            lower = j.start - i.end
+            if lower > get((j.rank, i.rank), lower - 1):
+                bounds[j.rank, i.rank] = lower
     return bounds
 
 
@@ -301,10 +301,10 @@ def compute_collective_residuals(collectives: dict, x: dict[int, int]) -> tuple[
     for members in collectives.values():
         if len(members) < 2:
             continue
-        ends = np.array([m.end + x[m.rank] for m in members], dtype=np.int64)
-        centre = _int_median(ends)
+        ends = [m.end + x[m.rank] for m in members]  # exact ints; few per instance, so no numpy
+        centre = sorted(ends)[(len(ends) - 1) // 2]  # _int_median
         for m, end in zip(members, ends):
-            per_rank[m.rank].append(abs(int(end) - centre))
+            per_rank[m.rank].append(abs(end - centre))
     residual = {r: float(np.median(v)) for r, v in per_rank.items()}
     everything = [d for v in per_rank.values() for d in v]
     return residual, float(np.median(everything)) if everything else math.nan

@@ -187,18 +187,29 @@ def span_lines(cols: dict[str, np.ndarray], track: np.ndarray, tids: np.ndarray,
     return out
 
 
-_PHASES = TextTable(['"s"', '"t"', '"f"'])
+_PHASE_NAMES = ('"s"', '"t"', '"f"')
+_PHASES = TextTable(_PHASE_NAMES)
 
 
 def flow_lines(ph: np.ndarray, ids: np.ndarray, name: str, ranks: np.ndarray, tids: np.ndarray,
                starts: np.ndarray, arena: OutputArena | None = None) -> list[memoryview]:
     """",\n" + one v1 flow event per row; ph 0 "s", 1 "t", 2 "f" ("t"/"f" bind to the enclosing slice)."""
     out = []
+    binding = ph > 0
     for binds in (False, True):
-        rows = np.flatnonzero((ph > 0) == binds)
-        block = (LineBlock(len(rows), arena).text(',\n{"ph":').field(_PHASES.take(ph[rows])).text(',"id":').uint(ids[rows])
-                 .text(f',"name":"{name}","cat":"flow","pid":').uint(ranks[rows]).text(',"tid":').uint(tids[rows])
-                 .text(',"ts":').micros(np.maximum(starts[rows], 0)).text(',"bp":"e"}' if binds else "}"))
+        rows = np.flatnonzero(binding == binds)
+        if len(rows) == 0:
+            continue
+        pick = (lambda a: a[rows]) if len(rows) < len(ph) else (lambda a: a)  # all rows: no copies
+        phases = pick(ph)
+        block = LineBlock(len(rows), arena).text(',\n{"ph":')
+        if (phases == phases[0]).all():  # one phase: constant text, the same bytes as the field
+            block.text(_PHASE_NAMES[int(phases[0])])
+        else:
+            block.field(_PHASES.take(phases))
+        block = (block.text(',"id":').uint(pick(ids)).text(f',"name":"{name}","cat":"flow","pid":').uint(pick(ranks))
+                 .text(',"tid":').uint(pick(tids)).text(',"ts":').micros(np.maximum(pick(starts), 0))
+                 .text(',"bp":"e"}' if binds else "}"))
         out.append(block.to_bytes())
     return out
 

@@ -118,6 +118,7 @@ class WindowMerger:
         self._sends, self._recvs = _empty_pending(), _empty_pending()
         self._threads: set[int] = set()
         self._arena = OutputArena()  # the lines of one window; reused by the next
+        self._vocab_json = json_vocab(vocab.strings)  # each string as a JSON literal, by id
         self._next_flow = 0
         self.spans = self.arrivals = self.flows = self.unmatched = self.peak_rows = self.peak_pending = 0
 
@@ -144,7 +145,8 @@ class WindowMerger:
         if not per_rank:
             return []
         cols = {k: np.concatenate([c[k] for c in per_rank.values()]) for k in next(iter(per_rank.values()))}
-        cols["rank"] = np.concatenate([np.full(len(c["iteration"]), r, np.int64) for r, c in per_rank.items()])
+        cols["rank"] = np.repeat(np.fromiter(per_rank, np.int64, len(per_rank)),
+                                 [len(c["iteration"]) for c in per_rank.values()])
         self.spans += len(cols["rank"])
         cols["start_ns"] = self.clocks.apply(cols["rank"], cols["start_ns"]) - self.origin
         cols["end_ns"] = self.clocks.apply(cols["rank"], cols["end_ns"]) - self.origin
@@ -154,7 +156,9 @@ class WindowMerger:
         starts, ends = cols["start_ns"], np.maximum(cols["end_ns"], cols["start_ns"])
         track = self._track_of(cols["cat"])
         tids = track * LANES_PER_TRACK + compute_lanes(cols["rank"] * len(TRACKS) + track, starts, ends) + 1
-        vocab_json = json_vocab(self.vocab.strings)
+        if len(self._vocab_json.lengths) != len(self.vocab.strings):  # the vocabulary only grows
+            self._vocab_json = json_vocab(self.vocab.strings)
+        vocab_json = self._vocab_json
         parts = [self._new_threads(cols["rank"], tids),
                  *span_lines(cols, track, tids, np.maximum(starts, 0), ends, vocab_json, self._empty, self._arena),
                  *self._message_flows(cols, tids, send_rows, arrival_rows),

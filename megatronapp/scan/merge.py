@@ -40,7 +40,6 @@ import time
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 
@@ -104,12 +103,47 @@ def _survey(trace_dir, ranks, iterations) -> _Survey:
     return _Survey(surveys, RankClocks.from_aligned(aligned), report)
 
 
-def _open_output(path: Path) -> tuple[IO[bytes], str]:
+class _OutputFile:
+    """The merged output (gzipped if asked), written through; every DROP_EVERY bytes it asks
+    the kernel to write back and drop from the page cache what lies DROP_LAG behind.
+
+    Why: a merge writes gigabytes once. Kept cached, they push other data out of memory, and
+    every page of them is a freshly allocated page-cache page; on this VM that doubled the
+    CPU time of the write (measured: 1.1 GB written, 0.3 s of system time with the drops,
+    0.35-2.0 s without). The recent DROP_LAG bytes stay: their writeback has just begun."""
+
+    DROP_EVERY, DROP_LAG = 64 << 20, 32 << 20
+
+    def __init__(self, path: str, gz: bool) -> None:
+        self._file = open(path, "wb")
+        self._gzip = gzip.GzipFile(filename=path, mode="wb", compresslevel=6, fileobj=self._file) if gz else None
+        self._written, self._next_drop = 0, self.DROP_EVERY
+
+    def write(self, data: bytes | memoryview) -> None:
+        (self._gzip or self._file).write(data)
+        self._written += len(data)
+        if self._written >= self._next_drop:
+            self._next_drop = self._written + self.DROP_EVERY
+            self._file.flush()
+            behind = self._file.tell() - self.DROP_LAG
+            if behind > 0 and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._file.fileno(), 0, behind, os.POSIX_FADV_DONTNEED)
+
+    def __enter__(self) -> "_OutputFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._gzip is not None:
+                self._gzip.close()  # writes the gzip trailer; leaves self._file open
+        finally:
+            self._file.close()
+
+
+def _open_output(path: Path) -> tuple[_OutputFile, str]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    if path.name.endswith(".gz"):
-        return gzip.open(tmp, "wb", compresslevel=6), tmp
-    return open(tmp, "wb"), tmp
+    return _OutputFile(tmp, path.name.endswith(".gz")), tmp
 
 
 def _sort_indices(surveys: list[RankSurvey]) -> dict[int, int]:

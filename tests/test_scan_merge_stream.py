@@ -178,3 +178,28 @@ def test_line_blocks_equal_python_formatting_for_random_layouts(seed):
         made.append((block.to_bytes(), "".join(expected).encode()))
     for got, want in made:
         assert bytes(got) == want
+
+
+def test_collective_member_order_equals_lexsort_of_the_four_keys():
+    """The packed two-key sort (matching._instance_order) is np.lexsort((rank, start, seq, group)),
+    also where the keys do not fit its packing (then it is the lexsort itself)."""
+    import numpy as np
+
+    from megatronapp.scan.matching import _instance_order
+
+    rng = np.random.default_rng(0)
+    for start_range, seq_range in [(50, 20), (10**12, 2**31 - 1), (2**61, 30), (100, 2**40)]:
+        n = 3000
+        group, seq = rng.integers(0, 6, n), rng.integers(0, seq_range, n)
+        start, rank = rng.integers(0, start_range, n), rng.integers(0, 64, n)
+        assert np.array_equal(_instance_order(group, seq, start, rank), np.lexsort((rank, start, seq, group)))
+
+
+def test_distinct_keys_equal_np_unique():
+    import numpy as np
+
+    from megatronapp.scan.merge_window import _distinct
+
+    rng = np.random.default_rng(1)
+    for keys in (rng.integers(0, 50, 1000), rng.integers(0, 10**12, 1000), np.array([7]), np.zeros(0, np.int64)):
+        assert np.array_equal(_distinct(keys), np.unique(keys))

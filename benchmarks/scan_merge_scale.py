@@ -1,6 +1,8 @@
 """Streaming merge speed and memory on one core, for two trace lengths.
 
     python benchmarks/scan_merge_scale.py --events 10000000 --repeats 3 --out /tmp/merge_scale.json
+    # against another source tree (e.g. `git worktree add /tmp/base main`), interleaved:
+    python benchmarks/scan_merge_scale.py --events 4000000 --repeats 4 --baseline /tmp/base
 
 A simulated TP2xPP4xDP8 job (64 ranks, 8 microbatches, ~5,000 events per iteration) is
 written per rank through format.TraceWriter (tests/scan_simulation.write_repeated_job: one
@@ -8,8 +10,12 @@ record batch and calibration row per 100 iterations, as the tracer's timed flush
 once with --events/4 and once with --events events. Each merge runs in a fresh child process
 pinned to one core (taskset when present; numpy/Arrow single-threaded), which reports its CPU
 and wall time and its peak RSS (resource.getrusage). Repeats are interleaved across the two
-lengths; median and (min, max) are printed. Memory is bounded if the peak RSS does not grow
-with the length. Output goes to a temporary directory and is deleted after each run.
+lengths (and, with --baseline, across the two trees, in alternating order); median and
+(min, max) are printed, and with --baseline the ratio of median CPU times (baseline / this
+tree). CPU time is user + system; system time is mostly the kernel taking the ~280 bytes of
+JSON per event into the page cache and varies with the machine's state, so user time is
+reported on its own too. Memory is bounded if the peak RSS does not grow with the length.
+Output goes to a temporary directory and is deleted after each run.
 """
 
 from __future__ import annotations
@@ -33,18 +39,21 @@ import json, os, resource, sys, time
 import pyarrow as pa
 pa.set_cpu_count(1); pa.set_io_thread_count(1)
 from megatronapp.scan.merge import merge_traces
-cpu, wall = time.process_time(), time.perf_counter()
+r0, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 s = merge_traces(sys.argv[1], sys.argv[2])
-cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-print(json.dumps({"events": s.events, "cpu_s": cpu, "wall_s": wall, "flows": s.flows,
+r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
+user, system = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
+print(json.dumps({"events": s.events, "cpu_s": user + system, "user_s": user, "sys_s": system, "wall_s": wall,
+                  "flows": s.flows,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "peak_window_rows": s.peak_window_rows, "out_bytes": os.path.getsize(sys.argv[2])}))
 """
 
 
-def run_merge(trace_dir: Path, out: Path) -> dict:
-    """One merge in a fresh single-threaded child, pinned to one core where taskset exists."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+def run_merge(trace_dir: Path, out: Path, source: Path = ROOT) -> dict:
+    """One merge by the code of `source` in a fresh single-threaded child, pinned to one core
+    where taskset exists."""
+    env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     done = subprocess.run([*pin, sys.executable, "-c", _CHILD, str(trace_dir), str(out)], env=env,
                           capture_output=True, text=True, check=True)
@@ -56,6 +65,16 @@ def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def summarize_runs(runs: list[dict]) -> dict:
+    out = {key: summarize([x[key] for x in runs]) for key in ("cpu_s", "user_s", "sys_s", "peak_rss_mb")}
+    out["events_per_s_cpu"] = summarize([x["events"] / x["cpu_s"] for x in runs])
+    out["events_per_s_user"] = summarize([x["events"] / x["user_s"] for x in runs])
+    out["events_per_s_wall"] = summarize([x["events"] / x["wall_s"] for x in runs])
+    out["peak_window_rows"] = runs[0]["peak_window_rows"]
+    out["json_bytes_per_event"] = runs[0]["out_bytes"] / runs[0]["events"]
+    return out
+
+
 def main() -> None:
     from scan_simulation import SimulatedJob, write_repeated_job
 
@@ -63,7 +82,11 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=10_000_000, help="events of the long trace (short: a quarter)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--baseline", type=Path, default=None, help="another source tree to interleave with this one")
     args = parser.parse_args()
+    if args.baseline is not None and not (args.baseline / "megatronapp" / "scan" / "merge.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no megatronapp/scan/merge.py there")
+    sources = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     job = SimulatedJob(tp_size=2, pp_size=4, dp_size=8, num_microbatches=8, seed=5)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="scan_merge_scale.") as tmp:
@@ -77,18 +100,17 @@ def main() -> None:
             written = write_repeated_job(job, d, max(1, events // per_iteration), iterations_per_batch=100)
             size = sum(p.stat().st_size for p in d.glob("rank*.mscan"))
             results[label] = {"events": written, "ranks": job.world_size, "trace_bytes_per_event": size / written,
-                              "write_s": time.perf_counter() - t0, "runs": []}
+                              "write_s": time.perf_counter() - t0, "runs": {name: [] for name in sources}}
             dirs[label] = d
-        for _ in range(args.repeats):  # interleaved
+        for k in range(args.repeats):  # interleaved: lengths, and trees in alternating order
             for label, d in dirs.items():
-                results[label]["runs"].append(run_merge(d, Path(tmp) / "timeline.json"))
-    for label, r in results.items():
-        runs = r.pop("runs")
-        r["events_per_s_cpu"] = summarize([x["events"] / x["cpu_s"] for x in runs])
-        r["events_per_s_wall"] = summarize([x["events"] / x["wall_s"] for x in runs])
-        r["peak_rss_mb"] = summarize([x["peak_rss_mb"] for x in runs])
-        r["peak_window_rows"] = runs[0]["peak_window_rows"]
-        r["json_bytes_per_event"] = runs[0]["out_bytes"] / runs[0]["events"]
+                for name in (list(sources) if k % 2 == 0 else list(sources)[::-1]):
+                    results[label]["runs"][name].append(run_merge(d, Path(tmp) / "timeline.json", sources[name]))
+    for r in results.values():
+        r.update({name: summarize_runs(runs) for name, runs in r.pop("runs").items()})
+        if args.baseline:
+            r["cpu_time_ratio"] = r["baseline"]["cpu_s"]["median"] / r["this"]["cpu_s"]["median"]
+            r["user_time_ratio"] = r["baseline"]["user_s"]["median"] / r["this"]["user_s"]["median"]
     print(json.dumps(results, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -203,3 +203,40 @@ def test_distinct_keys_equal_np_unique():
     rng = np.random.default_rng(1)
     for keys in (rng.integers(0, 50, 1000), rng.integers(0, 10**12, 1000), np.array([7]), np.zeros(0, np.int64)):
         assert np.array_equal(_distinct(keys), np.unique(keys))
+
+
+def test_alignment_sample_holds_the_keyed_comm_rows_of_the_first_iterations(tmp_path):
+    """The survey decodes every column only until its sample of ALIGN_SAMPLE_ITERATIONS is
+    settled, then a few columns: its sample still equals the keyed comm rows of those iterations
+    from a full load, in file order, a late one (written after the sample settled) included,
+    and every calibration pair."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from megatronapp.scan.format import load_rank_trace
+    from megatronapp.scan.stream import survey_rank
+
+    job = SimulatedJob(tp_size=2, pp_size=2, dp_size=1, iterations=14, num_microbatches=2, seed=4)
+    trace = simulate_job_traces(job)[1]
+    events = trace.events
+    keyed = np.flatnonzero(pc.and_(pc.equal(events.column("cat").cast(pa.string()), "comm"),
+                                   pc.equal(events.column("iteration"), 1)).to_numpy(zero_copy_only=False))[:2]
+    late = np.concatenate([np.setdiff1d(np.arange(events.num_rows), keyed), keyed])  # two rows of iteration 1 come last
+    path = _write([type(trace)(trace.meta, events.take(pa.array(late)), trace.path)], tmp_path)
+    survey = survey_rank(path / trace_file_name(1), None, merge.ALIGN_SAMPLE_ITERATIONS)
+
+    full = load_rank_trace(path / trace_file_name(1)).events
+    cat = full.column("cat").cast(pa.string()).to_numpy(zero_copy_only=False)
+    its, seq = full.column("iteration").to_numpy(), full.column("seq").to_numpy()
+    first = list(dict.fromkeys(its[cat != "calib"].tolist()))[:merge.ALIGN_SAMPLE_ITERATIONS]
+    want = full.filter(pa.array((cat == "comm") & (seq >= 0) & np.isin(its, first)))
+    got = survey.trace.events
+    got_cat = got.column("cat").cast(pa.string()).to_numpy(zero_copy_only=False)
+    assert got.filter(pa.array(got_cat == "comm")).cast(full.schema).to_pylist() == want.to_pylist()
+    assert sum(r["iteration"] == 1 for r in want.to_pylist()[-2:]) == 2  # the late rows are in it
+    calib = full.filter(pa.array(cat == "calib"))
+    got_calib = got.filter(pa.array(got_cat == "calib"))
+    assert got_calib.column("start_ns").to_pylist() == calib.column("start_ns").to_pylist()
+    assert got_calib.column("end_ns").to_pylist() == calib.column("end_ns").to_pylist()
+    assert survey.events == int((cat != "calib").sum()) and len(first) == merge.ALIGN_SAMPLE_ITERATIONS

@@ -161,18 +161,20 @@ _SURVEY_COLUMNS = ("cat", "start_ns", "end_ns", "iteration", "seq")
 
 
 class _FullBatches:
-    """A rank file's batches with every column, decoded only as far as they are asked for:
-    the alignment sample needs whole rows, but only of a few (usually the first) batches."""
+    """A rank file's batches with every column, decoded (and the file opened) only as far as
+    they are asked for: the rare sample rows that come late, after the survey stopped decoding
+    every column."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self._batches = iter_rank_batches(path, warn=False)
-        next(self._batches)  # meta
+        self._path, self._batches = path, None
         self._index, self._batch = -1, None
 
     def batch(self, index: int) -> pa.RecordBatch:
         """Batch number `index` (0 = first); indices must not decrease from call to call."""
+        if self._batches is None:
+            self._batches = (b for b in iter_rank_batches(self._path, warn=False) if isinstance(b, pa.RecordBatch))
         while self._index < index:
-            self._batch = next(b for b in self._batches if not isinstance(b, str))
+            self._batch = next(self._batches)
             self._index += 1
         return self._batch
 
@@ -181,15 +183,15 @@ class _AlignSample:
     """The keyed comm rows of a rank's first `size` traced iterations (every column), plus every
     calib row (only its clock pair, start_ns/end_ns: all alignment reads of it)."""
 
-    def __init__(self, size: int, full: _FullBatches) -> None:
-        self.size, self.iterations, self.full = size, np.zeros(0, np.int64), full
+    def __init__(self, size: int, path: str | os.PathLike) -> None:
+        self.size, self.iterations, self.full = size, np.zeros(0, np.int64), _FullBatches(path)
         self.tables: list[pa.Table] = []
         self.calib: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def add(self, index: int, batch: pa.RecordBatch, calib: np.ndarray, spans: np.ndarray,
+    def add(self, index: int, batch: pa.RecordBatch, whole: bool, calib: np.ndarray, spans: np.ndarray,
             iterations: np.ndarray) -> None:
-        """Batch number `index` (its _SURVEY_COLUMNS); `spans`: its non-calib rows that pass the
-        iteration filter."""
+        """Batch number `index`: every column if `whole`, else its _SURVEY_COLUMNS; `spans`: its
+        non-calib rows that pass the iteration filter."""
         if len(self.iterations) < self.size and spans.any():
             seen = np.unique(iterations[spans])
             fresh = seen[~np.isin(seen, self.iterations)][:self.size - len(self.iterations)]
@@ -200,7 +202,13 @@ class _AlignSample:
             rows = np.flatnonzero(spans & np.isin(iterations, self.iterations)
                                   & category_mask(batch.column("cat"), CAT_COMM) & (batch.column("seq").to_numpy() >= 0))
             if len(rows):
-                self.tables.append(pa.Table.from_batches([self.full.batch(index).take(pa.array(rows))]))
+                source = batch if whole else self.full.batch(index)
+                self.tables.append(pa.Table.from_batches([source.take(pa.array(rows))]))
+
+    def settled(self, spans: np.ndarray, iterations: np.ndarray) -> bool:
+        """Whether the sample has its iterations and the batch went past them (later batches
+        rarely hold rows of them: decoding every column of every batch is then wasted)."""
+        return len(self.iterations) == self.size and bool(spans.any()) and iterations[spans].max() > self.iterations.max()
 
     def table(self) -> pa.Table:
         """The comm rows in file order, then the calib rows in file order."""
@@ -215,16 +223,24 @@ class _AlignSample:
         return pa.concat_tables(tables).unify_dictionaries().combine_chunks()
 
 
+def _batches_after(path: str | os.PathLike, count: int) -> Iterator[pa.RecordBatch | str]:
+    """iter_rank_batches(path, columns=_SURVEY_COLUMNS) from batch number `count` on."""
+    batches = iter_rank_batches(path, columns=_SURVEY_COLUMNS)
+    next(batches)  # meta
+    for _ in range(count):
+        next(batches)
+    return batches
+
+
 def survey_rank(path: str | os.PathLike, iterations: Container[int] | None, sample_iterations: int) -> RankSurvey:
     """One pass over a rank file: calibration pairs, the keyed comm rows of its first
-    `sample_iterations` traced iterations, and the earliest start of every iteration. Only
-    _SURVEY_COLUMNS are decoded, but for the (few) batches that hold the sample's rows."""
-    batches = iter_rank_batches(path, columns=_SURVEY_COLUMNS)
+    `sample_iterations` traced iterations, and the earliest start of every iteration. Every
+    column is decoded until the sample is settled, then only _SURVEY_COLUMNS."""
+    batches = iter_rank_batches(path)
     meta = next(batches)
-    partial, sample = False, _AlignSample(sample_iterations, _FullBatches(path))
+    partial, sample, whole, index = False, _AlignSample(sample_iterations, path), True, -1
     survey = RankSurvey(RankTrace(meta, EVENT_SCHEMA.empty_table(), str(path)))
-    index = -1
-    for batch in batches:
+    while (batch := next(batches, None)) is not None:
         if isinstance(batch, str):
             partial = True
             continue
@@ -234,7 +250,10 @@ def survey_rank(path: str | os.PathLike, iterations: Container[int] | None, samp
         spans = ~calib if iterations is None else ~calib & iteration_mask(its, iterations)
         survey.events += int(spans.sum())
         _note_first_starts(survey, its[spans], batch.column("start_ns").to_numpy()[spans])
-        sample.add(index, batch, calib, spans, its)
+        sample.add(index, batch, whole, calib, spans, its)
+        if whole and sample.settled(spans, its):
+            batches.close()
+            batches, whole = _batches_after(path, index + 1), False
     survey.trace = RankTrace(meta, sample.table(), str(path), partial)
     return survey
 

@@ -43,8 +43,9 @@ r0, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 s = merge_traces(sys.argv[1], sys.argv[2])
 r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
 user, system = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
-print(json.dumps({"events": s.events, "cpu_s": user + system, "user_s": user, "sys_s": system, "wall_s": wall,
-                  "flows": s.flows,
+source = os.path.dirname(os.path.dirname(sys.modules["megatronapp"].__file__))
+print(json.dumps({"events": s.events, "source": source, "cpu_s": user + system, "user_s": user, "sys_s": system,
+                  "wall_s": wall, "flows": s.flows,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "peak_window_rows": s.peak_window_rows, "out_bytes": os.path.getsize(sys.argv[2])}))
 """
@@ -55,10 +56,13 @@ def run_merge(trace_dir: Path, out: Path, source: Path = ROOT) -> dict:
     where taskset exists."""
     env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    done = subprocess.run([*pin, sys.executable, "-c", _CHILD, str(trace_dir), str(out)], env=env,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run([*pin, sys.executable, "-c", _CHILD, str(trace_dir), str(out)], env=env, cwd=source,
+                          capture_output=True, text=True, check=True)  # cwd: "-c" puts it first on sys.path
     out.unlink(missing_ok=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if Path(result["source"]).resolve() != Path(source).resolve():
+        raise RuntimeError(f"the merge ran {result['source']}'s code, not {source}'s")
+    return result
 
 
 def summarize(values: list[float]) -> dict:

@@ -180,7 +180,7 @@ class LineBlock:
             return memoryview(b"")
         size = self.n * line + _SPARE
         flat = self.arena.take(size) if self.arena is not None else np.empty(size, np.uint8)
-        flat[:self.n * line].reshape(self.n, line)[:] = np.frombuffer(bytes(template), np.uint8)
+        _fill_rows(flat, np.frombuffer(bytes(template), np.uint8), self.n)
         # Overhang past a row's end lands on the next row's start, stored already unless constant.
         wrap_ok = all(constant[:min(line, _SPARE)])
         cyclic = bytes(template) * (2 + _SPARE // line)  # template bytes after a position, wrapping into the next row
@@ -195,6 +195,17 @@ class LineBlock:
                 _store_records(flat, line, col, np.ascontiguousarray(part))
             col += width
         return memoryview(flat[:self.n * line]).cast("B")
+
+
+def _fill_rows(flat: np.ndarray, row: np.ndarray, n: int) -> None:
+    """flat[:n * len(row)] = row repeated n times, by doubling copies (memcpy of ever larger
+    blocks: ~2x faster than a broadcast, which copies row by row)."""
+    total, done = n * len(row), len(row)
+    flat[:done] = row
+    while done < total:
+        step = min(done, total - done)
+        flat[done:done + step] = flat[:step]
+        done += step
 
 
 def _store_records(flat: np.ndarray, line: int, col: int, matrix: np.ndarray) -> None:

@@ -37,6 +37,7 @@ import os
 import random
 import statistics
 import sys
+from dataclasses import replace
 
 from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_sim
 from megatronapp.dpp.scheduler import compute_default_caps
@@ -82,19 +83,24 @@ def lower_bounds_s(cost: CostModel, pp: int, vpp: int, m: int) -> tuple[float, f
     return clairvoyant, online
 
 
-def study_config(a, pp: int, vpp: int, m: int) -> dict:
-    """Scenario -> {"runs": {variant: [seconds per seed]}, "rows": {variant: summary}}."""
-    kinds = variants(pp, vpp, m, a.traversals)
+def study_config(base: CostModel, m: int, scenarios, seeds: int, traversals, on_result=None) -> dict:
+    """Scenario -> {"runs": {variant: [seconds per seed]}, "rows": {variant: summary}} for the
+    pipeline of `base` (its task times and link; the scenario adds jitter and link delays).
+    `on_result(scenario, variant, seed, SimResult)` sees every simulation (memory reports)."""
+    pp, vpp = len(base.forward_s), len(base.forward_s[0])
+    kinds = variants(pp, vpp, m, traversals)
     results = {}
-    for scen in a.scenarios:
+    for scen in scenarios:
         runs = {"bound": [], "online": [], **{name: [] for name in kinds}}
-        for seed in range(a.seeds):
-            cost = CostModel.uniform(pp, vpp, a.forward_ms / 1e3, a.backward_ms / 1e3,
-                                     p2p_latency_s=a.latency_ms / 1e3, **compute_scenario_sim(scen, pp, seed))
+        for seed in range(seeds):
+            cost = replace(base, **compute_scenario_sim(scen, pp, seed))
             for name, value in zip(("bound", "online"), lower_bounds_s(cost, pp, vpp, m)):
                 runs[name].append(value)
             for name, kw in kinds.items():
-                runs[name].append(simulate(pp, vpp, m, cost, **kw).makespan_s)
+                res = simulate(pp, vpp, m, cost, **kw)
+                runs[name].append(res.makespan_s)
+                if on_result is not None:
+                    on_result(scen, name, seed, res)
         results[scen] = {"runs": runs, "rows": summarize(runs)}
     return results
 
@@ -148,7 +154,8 @@ def main(argv=None) -> int:
           f"cells: mean ms per iteration, xN speed vs {REFERENCE} (ratio of means), (min..max per seed)")
     out = {}
     for pp, vpp, m in configs:
-        res = study_config(a, pp, vpp, m)
+        base = CostModel.uniform(pp, vpp, a.forward_ms / 1e3, a.backward_ms / 1e3, p2p_latency_s=a.latency_ms / 1e3)
+        res = study_config(base, m, a.scenarios, a.seeds, a.traversals)
         print_table(f"PP{pp} V{vpp} M{m}, dynamic at caps {compute_default_caps(pp, vpp, m)}", res)
         out[f"PP{pp}V{vpp}M{m}"] = res
     for (pp, vpp, m), why in SWEEP_SKIPPED.items() if a.sweep else ():

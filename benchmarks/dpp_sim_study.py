@@ -50,8 +50,9 @@ SWEEP = [(4, 2, 8), (4, 2, 12), (4, 2, 16), (8, 2, 8), (8, 2, 16)]  # the issue'
 SWEEP_SKIPPED = {(8, 2, 12): "interleaved 1F1B needs M divisible by PP"}
 
 
-def variants(pp: int, vpp: int, m: int, traversals) -> dict:
-    """Name -> simulate(...) keyword arguments."""
+def variants(pp: int, vpp: int, m: int, traversals, cap_extra: tuple[int, ...] = ()) -> dict:
+    """Name -> simulate(...) keyword arguments. `cap_extra`: also dynamic depth-first with that
+    many more slots per rank than interleaved holds (what memory buys; not the same cap)."""
     caps = compute_default_caps(pp, vpp, m)
     out = {}
     for name in ("interleaved", "breadth-first"):
@@ -60,6 +61,8 @@ def variants(pp: int, vpp: int, m: int, traversals) -> dict:
             out[f"{name}/{comm}"] = dict(schedule=schedule, static_comm=comm)
     for traversal in traversals:
         out[f"dynamic-{traversal}"] = dict(traversal=traversal, caps=caps)
+    for extra in cap_extra:
+        out[f"dynamic-depth-first/cap+{extra}"] = dict(traversal="depth-first", caps=[c + extra for c in caps])
     return out
 
 
@@ -83,12 +86,13 @@ def lower_bounds_s(cost: CostModel, pp: int, vpp: int, m: int) -> tuple[float, f
     return clairvoyant, online
 
 
-def study_config(base: CostModel, m: int, scenarios, seeds: int, traversals, on_result=None) -> dict:
+def study_config(base: CostModel, m: int, scenarios, seeds: int, traversals, on_result=None,
+                 cap_extra: tuple[int, ...] = ()) -> dict:
     """Scenario -> {"runs": {variant: [seconds per seed]}, "rows": {variant: summary}} for the
     pipeline of `base` (its task times and link; the scenario adds jitter and link delays).
     `on_result(scenario, variant, seed, SimResult)` sees every simulation (memory reports)."""
     pp, vpp = len(base.forward_s), len(base.forward_s[0])
-    kinds = variants(pp, vpp, m, traversals)
+    kinds = variants(pp, vpp, m, traversals, cap_extra)
     results = {}
     for scen in scenarios:
         runs = {"bound": [], "online": [], **{name: [] for name in kinds}}
@@ -135,14 +139,20 @@ def parse_args(argv):
     p.add_argument("--forward-ms", type=float, default=10.0)
     p.add_argument("--backward-ms", type=float, default=20.0)
     p.add_argument("--latency-ms", type=float, default=0.5)
+    p.add_argument("--dynamic-overhead-ms", type=float, default=0.0,
+                   help="host time the dynamic runtime adds per task (decision, receiver threads); static: none")
     p.add_argument("--seeds", type=int, default=30)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--traversals", nargs="+", default=["depth-first", "breadth-first", "adaptive", "in-order"])
+    p.add_argument("--cap-extra", type=int, nargs="*", default=[], metavar="K",
+                   help="also dynamic depth-first with K more slots per rank than interleaved's cap")
     p.add_argument("--json", default=None, help="also write the tables (and per-seed times) here")
     a = p.parse_args(argv)
     if not a.sweep and (a.pp < 3 or a.microbatches % a.pp):
         p.error("needs --pp >= 3 and -m divisible by --pp (interleaved)")
-    if a.seeds < 1 or min(a.forward_ms, a.backward_ms) <= 0 or a.latency_ms < 0:
+    if any(k < 0 for k in a.cap_extra):
+        p.error("--cap-extra needs K >= 0")
+    if a.seeds < 1 or min(a.forward_ms, a.backward_ms) <= 0 or a.latency_ms < 0 or a.dynamic_overhead_ms < 0:
         p.error("needs --seeds >= 1, positive task times and a latency >= 0")
     return a
 
@@ -150,12 +160,14 @@ def parse_args(argv):
 def main(argv=None) -> int:
     a = parse_args(argv)
     configs = SWEEP if a.sweep else [(a.pp, a.vpp, a.microbatches)]
-    print(f"F {a.forward_ms} ms, B {a.backward_ms} ms per chunk, {a.latency_ms} ms per message, {a.seeds} seeds; "
+    print(f"F {a.forward_ms} ms, B {a.backward_ms} ms per chunk, {a.latency_ms} ms per message, dynamic "
+          f"+{a.dynamic_overhead_ms} ms per task, {a.seeds} seeds; "
           f"cells: mean ms per iteration, xN speed vs {REFERENCE} (ratio of means), (min..max per seed)")
     out = {}
     for pp, vpp, m in configs:
-        base = CostModel.uniform(pp, vpp, a.forward_ms / 1e3, a.backward_ms / 1e3, p2p_latency_s=a.latency_ms / 1e3)
-        res = study_config(base, m, a.scenarios, a.seeds, a.traversals)
+        base = CostModel.uniform(pp, vpp, a.forward_ms / 1e3, a.backward_ms / 1e3, p2p_latency_s=a.latency_ms / 1e3,
+                                 decision_s=a.dynamic_overhead_ms / 1e3)
+        res = study_config(base, m, a.scenarios, a.seeds, a.traversals, cap_extra=tuple(a.cap_extra))
         print_table(f"PP{pp} V{vpp} M{m}, dynamic at caps {compute_default_caps(pp, vpp, m)}", res)
         out[f"PP{pp}V{vpp}M{m}"] = res
     for (pp, vpp, m), why in SWEEP_SKIPPED.items() if a.sweep else ():
@@ -163,7 +175,7 @@ def main(argv=None) -> int:
     if a.json:
         tmp = a.json + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"args": vars(a), "results": out}, f, indent=1)
+            json.dump({"args": vars(a), "results": out}, f, separators=(",", ":"))
         os.replace(tmp, a.json)
     return 0
 

@@ -146,7 +146,7 @@ def parse_args(argv):
     p.add_argument("--traversals", nargs="+", default=["depth-first", "breadth-first", "adaptive", "in-order"])
     p.add_argument("--cap-extra", type=int, nargs="*", default=[], metavar="K",
                    help="also dynamic depth-first with K more slots per rank than interleaved's cap")
-    p.add_argument("--json", default=None, help="also write the tables (and per-seed times) here")
+    p.add_argument("--json", default=None, help="also write the tables here")
     a = p.parse_args(argv)
     if not a.sweep and (a.pp < 3 or a.microbatches % a.pp):
         p.error("needs --pp >= 3 and -m divisible by --pp (interleaved)")
@@ -175,7 +175,8 @@ def main(argv=None) -> int:
     if a.json:
         tmp = a.json + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"args": vars(a), "results": out}, f, separators=(",", ":"))
+            rows = {cfg: {scen: r["rows"] for scen, r in res.items()} for cfg, res in out.items()}
+            json.dump({"args": vars(a), "results": rows}, f, indent=1)
         os.replace(tmp, a.json)
     return 0
 

@@ -102,15 +102,6 @@ def _chunk_inputs(chunk, cfg, a, dtype, torch):
     return x.requires_grad_(), labels
 
 
-def run_task_pair(chunk, x, labels, grad_out):
-    """Forward then backward of one microbatch through `chunk`; the output is dropped."""
-    out = chunk(x, labels)
-    if labels is not None:
-        out.float().mean().backward()
-    else:
-        out.backward(grad_out)
-
-
 def measure_set_bytes(chunk, x, labels, torch) -> int:
     """Bytes autograd keeps from one forward of `chunk` for its backward (parameters excluded)."""
     params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
@@ -170,7 +161,7 @@ def trace_task_times(a, cfg, chunks, dtype, trace_dir: str, torch) -> list[list[
                         else:
                             out.backward(grads[p][c])
                     del out
-                chunk.zero_grad(set_to_none=True)
+                chunk.zero_grad(set_to_none=False)  # keep the grad buffers: steady-state accumulation
             for t in tracers:
                 t.step_end(it)
     finally:
@@ -202,10 +193,13 @@ def simulate_all(a, cost: CostModel, set_bytes) -> dict:
     return results
 
 
+def _ms(table) -> list:
+    return [[round(t * 1e3, 3) for t in row] for row in table]
+
+
 def print_report(a, cost: CostModel, set_bytes, results: dict) -> None:
-    ms = lambda table: [[round(t * 1e3, 3) for t in row] for row in table]  # noqa: E731
     print(f"{a.preset} on {a.device} ({a.dtype}), PP{a.pp} x V{a.vpp}, M{a.microbatches}, micro-batch {a.micro_batch}")
-    print(f"  forward ms [pp][chunk] {ms(cost.forward_s)}\n  backward ms [pp][chunk] {ms(cost.backward_s)}")
+    print(f"  forward ms [pp][chunk] {_ms(cost.forward_s)}\n  backward ms [pp][chunk] {_ms(cost.backward_s)}")
     print(f"  message {cost.message_bytes / 2**20:.2f} MiB: {cost.transfer_s() * 1e6:.1f} us per P2P "
           f"({a.link_GBps} GB/s, {a.latency_us} us); activation set MiB [pp][chunk] "
           f"{[[round(b / 2**20, 1) for b in row] for row in set_bytes]}")
@@ -287,7 +281,8 @@ def main(argv=None) -> int:
     cost = compute_link_cost(traced, message, a.link_GBps, a.latency_us)
     results = simulate_all(a, cost, set_bytes)
     print_report(a, cost, set_bytes, results)
-    print(f"\n{time.time() - t0:.0f} s; dynamic caps {compute_default_caps(a.pp, a.vpp, a.microbatches)} activation sets")
+    caps = compute_default_caps(a.pp, a.vpp, a.microbatches)
+    print(f"\n{time.time() - t0:.0f} s; dynamic caps {caps} activation sets")
     if a.out:
         device = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
         write_json(a, device, cost, set_bytes, results)

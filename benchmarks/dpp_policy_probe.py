@@ -59,8 +59,8 @@ def mean_makespan(pp, v, m, scen, seeds, make_policy=None) -> tuple[float, int]:
         if make_policy is None:
             res = simulate(pp, v, m, cost, schedule=build_schedule("interleaved", pp, v, m), static_comm="rendezvous")
         else:
-            res = simulate_agents([RankScheduler(p, pp, v, m, caps[p], make_policy(compute_depth_first_order(p, pp, v, m)))
-                                   for p in range(pp)], cost)
+            orders = [compute_depth_first_order(p, pp, v, m) for p in range(pp)]
+            res = simulate_agents([RankScheduler(p, pp, v, m, caps[p], make_policy(orders[p])) for p in range(pp)], cost)
         out.append(res.makespan_s)
         fills += sum(s.decision.policy == "early-backward" for s in res.spans if s.decision is not None)
     return statistics.fmean(out), fills

@@ -83,7 +83,8 @@ def test_bad_setup_is_one_line_exit_2(capsys):
 def test_cuda_run_times_chunks_with_cuda_events(tmp_path):
     """The same pipeline on CUDA (bf16, the tracer's CUDA-event clock): every task timed > 0."""
     code = dpp_gpu_sim.main(["--device", "cuda", "--preset", "tiny", "--num-layers", "8", "-m", "4", "--iters", "3",
-                             "--seeds", "1", "--scenarios", "balanced", "--traversals", "in-order", "--out", str(tmp_path)])
+                             "--seeds", "1", "--scenarios", "balanced", "--traversals", "in-order",
+                             "--out", str(tmp_path)])
     assert code == 0
     doc = json.loads((tmp_path / "dpp_gpu_sim.json").read_text())
     assert doc["args"]["dtype"] == "bf16" and doc["device"] != "cpu"

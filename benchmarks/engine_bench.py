@@ -198,17 +198,27 @@ def _kernel_category(name: str) -> str:
     return "other elementwise"
 
 
-def bench_profile(args, results: dict) -> None:
-    """GPU kernel time per category for one step of the engine and of the plain twin."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _warm_variants(args):
+    """(name, step function) of the engine and the plain twin, one at a time, each warmed up
+    and synchronised; each is freed before the next is built."""
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
-    out = {}
     for name, factory in (("engine", _engine_factory(job, data)), ("plain_bf16", lambda: PlainRunner(job, data).steps)):
         step = factory()
         step(args.warmup + 1)
         torch.cuda.synchronize()
+        yield name, step
+        del step
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def bench_profile(args, results: dict) -> None:
+    """GPU kernel time per category for one step of the engine and of the plain twin."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, step in _warm_variants(args):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step(1)
             torch.cuda.synchronize()
@@ -223,9 +233,6 @@ def bench_profile(args, results: dict) -> None:
         kernels.sort(reverse=True)
         out[name] = {"categories_ms": cats, "total_ms": sum(cats.values()), "top": kernels[:40]}
         print(name, json.dumps(out[name], indent=1), flush=True)
-        del step
-        gc.collect()
-        torch.cuda.empty_cache()
     results["profile"] = out
 
 
@@ -258,13 +265,8 @@ def bench_timeline(args, results: dict) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    job = make_job(4, args.num_micro, compile=True)
-    data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
     out = {}
-    for name, factory in (("engine", _engine_factory(job, data)), ("plain_bf16", lambda: PlainRunner(job, data).steps)):
-        step = factory()
-        step(args.warmup + 1)
-        torch.cuda.synchronize()
+    for name, step in _warm_variants(args):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(2)
             torch.cuda.synchronize()
@@ -272,9 +274,7 @@ def bench_timeline(args, results: dict) -> None:
         prof.export_chrome_trace(path)
         out[name] = _busy_and_gaps(path)
         print(name, json.dumps(out[name], indent=1), flush=True)
-        del step, prof
-        gc.collect()
-        torch.cuda.empty_cache()
+        del prof
     results["timeline"] = out
 
 

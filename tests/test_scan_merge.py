@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dist_harness import ProcessCluster
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.align import align_traces
 from megatronapp.scan.cli import add_trace_subcommands, parse_iteration_range, parse_rank_list
@@ -212,9 +211,9 @@ def test_contradictory_p2p_is_reported_not_looped_on():
             1: [message(0, "send", 1000, 1100), message(0, "recv", 0, 500)]}
     traces = [RankTrace(meta=rank_meta(layout, r), events=pa.Table.from_batches([build_event_batch(rows[r])]))
               for r in (0, 1)]
-    began = time.perf_counter()
+    began = time.process_time()  # CPU time, not wall: a loaded CI machine must not fail this
     _, report = align_traces(traces)
-    assert time.perf_counter() - began < 10
+    assert time.process_time() - began < 10
     assert report.p2p_messages == 2 and report.violations >= 1 and report.violations_before == 2
 
 
@@ -410,13 +409,6 @@ def traced_gloo_job(rank: int, world_size: int, trace_dir: str) -> dict:
     instrumentation.uninstall()
     tracer.close()
     return {"restored": dist.all_reduce.__module__ == "torch.distributed.distributed_c10d"}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=120)
-    yield c
-    c.close()
 
 
 def test_four_ranks_traced_merged_and_aligned(tmp_path, cluster):

@@ -127,7 +127,10 @@ class _OutputFile:
             self._file.flush()
             behind = self._file.tell() - self.DROP_LAG
             if behind > 0 and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._file.fileno(), 0, behind, os.POSIX_FADV_DONTNEED)
+                try:
+                    os.posix_fadvise(self._file.fileno(), 0, behind, os.POSIX_FADV_DONTNEED)
+                except OSError:  # a file system without it: the drops only save work, skip them
+                    self._next_drop = float("inf")
 
     def __enter__(self) -> "_OutputFile":
         return self

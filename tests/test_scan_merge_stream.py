@@ -115,6 +115,9 @@ def test_fixed_width_numbers_are_the_exact_decimals():
     assert [bytes(r).decode().lstrip(" ") for r in format_uints(values)] == [str(v) for v in values.tolist()]
     assert [bytes(r).decode().lstrip(" ") for r in format_micros(values[:-1])] == [
         f"{v // 1000}.{v % 1000:03d}" for v in values[:-1].tolist()]
+    for dtype in (np.uint8, np.int16, np.int32):  # narrow columns (chunk, layer are int16)
+        narrow = np.array([0, 7, 100, min(9999, np.iinfo(dtype).max)], dtype)
+        assert [bytes(r).decode().lstrip(" ") for r in format_uints(narrow)] == [str(v) for v in narrow.tolist()]
 
 
 def test_truncated_rank_is_merged_up_to_its_last_batch_and_reported(trace_dir, tmp_path):

@@ -60,7 +60,7 @@ def _chunk_indices(values: np.ndarray, width: int) -> list[np.ndarray]:
     """_QUADS rows of the base-10000 chunks of non-negative ints written right-aligned and
     space-padded in `width` chars, lowest chunk first."""
     if width <= 4:  # one chunk, the top one (values < 10000): no arithmetic
-        return [values + _QUADS.base]
+        return [np.add(values, _QUADS.base, dtype=np.int64)]  # int64: an int16 column + 10000 may not fit
     # uint32 arithmetic where the values fit (width <= 9 digits): several times faster than int64.
     dtype = np.uint32 if width <= 9 else np.int64
     rest = values.astype(dtype, copy=False)

@@ -180,7 +180,7 @@ def compute_layout_scores(results: list[tuple[Scenario, list[dict]]]) -> dict[st
 # detected once per compute point and once per link point, and any (compute, link) pair is the
 # union of the two: 16 + 9 detections per run cover a 144-point grid.
 COMPUTE_GRID = [{"compute_min_ratio": c, "compute_min_consistency": k, "intermittent_min_ratio": i}
-                for c, k, i in product((1.1, 1.15, 1.2, 1.3), (0.6, 0.7), (1.3, 1.5))]
+                for c, k, i in product((1.1, 1.15, 1.2, 1.3), (0.6, 0.7), (1.1, 1.2))]
 LINK_GRID = [{"link_min_ratio": r, "link_min_excess_ns": e}
              for r, e in product((1.5, 2.0, 3.0), (1_000_000, 2_000_000, 4_000_000))]
 

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scan_eval_core import (  # noqa: E402
     COMPUTE_GRID,
+    KINDS,
     LINK_GRID,
     SPLIT_SEEDS,
     compute_layout_scores,
@@ -100,7 +101,7 @@ def _prepare_results(path: Path, resume: bool, overrides: dict) -> set[str]:
 
 
 def _tasks(args, overrides: dict, done: set[str]) -> list[dict]:
-    plan = plan_scenarios(args.split, args.runs_per_kind, args.clean_runs)
+    plan = plan_scenarios(args.split, args.runs_per_kind, args.clean_runs, kinds=args.kinds)
     deadline = time.time() + args.budget_s if args.budget_s else None
     work = args.work_dir or tempfile.mkdtemp(prefix="scan-eval-")
     print(f"{len(plan)} scenarios in {args.split} (seed {SPLIT_SEEDS[args.split]}), {len(done)} done already, "
@@ -116,8 +117,9 @@ def _verdict(r: dict) -> str:
 
 
 def cmd_run(args) -> int:
-    if args.split == "heldout" and not (args.thresholds or args.default_thresholds):
-        raise UsageError("--split heldout needs --thresholds FILE (from `tune`) or, explicitly, --default-thresholds")
+    if args.split != "design" and not (args.thresholds or args.default_thresholds):
+        raise UsageError(f"--split {args.split} needs --thresholds FILE (from `tune`) or, explicitly, "
+                         "--default-thresholds")
     if args.split == "design" and args.thresholds:
         raise UsageError("design runs use the default thresholds (tuning happens after them): drop --thresholds")
     overrides = load_thresholds(args.thresholds) if args.thresholds else {}
@@ -204,17 +206,27 @@ def cmd_summarize(args) -> int:
     return 0
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not kinds or set(kinds) - set(KINDS):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(KINDS)}, got {text!r}")
+    return kinds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="execute a split's scenarios, one JSON line per run (resumable)")
     run.add_argument("--split", choices=tuple(SPLIT_SEEDS), required=True)
     run.add_argument("--runs-per-kind", type=int, default=30, help="runs of each fault kind")
+    run.add_argument("--kinds", type=_kinds, default=KINDS,
+                     help=f"comma-separated subset of {','.join(KINDS)} (default all; scenarios are the same)")
     run.add_argument("--clean-runs", type=int, default=50)
     run.add_argument("--results", required=True, help="JSONL file the runs are appended to")
     run.add_argument("--resume", action="store_true", help="continue --results, skipping the runs it holds")
-    run.add_argument("--thresholds", help="heldout: the file `tune` wrote")
-    run.add_argument("--default-thresholds", action="store_true", help="heldout without tuning (say so when quoting)")
+    run.add_argument("--thresholds", help="held-out splits: the file `tune` wrote")
+    run.add_argument("--default-thresholds", action="store_true",
+                     help="a held-out split without tuning (say so when quoting)")
     run.add_argument("--jobs", type=int, default=max(1, len(os.sched_getaffinity(0)) // 4),
                      help="runs at once (<= 4 ranks each; default: cores / 4)")
     run.add_argument("--timeout", type=float, default=120.0,

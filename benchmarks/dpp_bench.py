@@ -16,13 +16,16 @@ peak in-flight activation sets the schedule allows (static: its own peak, simula
 dynamic: its cap, which the runtime never exceeds) and what they hold: layer inputs and the
 activation memory of Korthikanti et al.'s formula for those layers (an estimate).
 
-Scenarios (global ranks; the default layout is PP4 x DP2, so rank 4 is pp 2 of replica 0):
+Scenarios, by pipeline stage of replica 0 (megatronapp/dpp/scenarios.py, shared with the
+simulator study), translated to global ranks for the layout; on the default PP4 x DP2:
   balanced  no injection
-  jitter1   --inject-jitter 4:1.5           one rank, each task up to 1.5x
-  jitter2   --inject-jitter 2:1.5:1 --inject-jitter 4:1.5:2   two ranks, independently (they alternate)
-  link      --inject-link-delay 2:4:5       pp1 -> pp2 of replica 0 delayed 5 ms
+  jitter1   --inject-jitter 4:1.5           pp 2, each task up to 1.5x
+  jitter2   --inject-jitter 2:1.5:1 --inject-jitter 4:1.5:2   pp 1 and pp 2, independently (they alternate)
+  link      --inject-link-delay 2:4:5       pp1 -> pp2 delayed 5 ms
+(on PP8: --inject-jitter 2:1.5; 1:1.5:1 and 2:1.5:2; --inject-link-delay 1:2:5).
 
     python benchmarks/dpp_bench.py --out runs/dpp_bench --budget-s 500  # 8 ranks, 16-core host, < 9 min
+    python benchmarks/dpp_bench.py --pp 8 --microbatches 16 --num-layers 16 --out runs/dpp_pp8  # PP8 V2 M16
     python benchmarks/dpp_bench.py --smoke --out /tmp/dpp_smoke         # tiny, a couple of minutes
 """
 
@@ -41,12 +44,8 @@ import threading
 import time
 from pathlib import Path
 
-SCENARIOS = {
-    "balanced": [],
-    "jitter1": ["--inject-jitter", "4:1.5"],
-    "jitter2": ["--inject-jitter", "2:1.5:1", "--inject-jitter", "4:1.5:2"],
-    "link": ["--inject-link-delay", "2:4:5"],
-}
+from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_flags
+
 VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
     "interleaved": ("interleaved", True, []),
@@ -274,14 +273,17 @@ def parse_args(argv):
     p.add_argument("--out", default="runs/dpp_bench")
     p.add_argument("--isolated", action="store_true", help="a fresh `megatronapp train` job per cell")
     a = p.parse_args(argv)
-    a.scenario_flags = dict(SCENARIOS)
     if a.smoke:
         a.nproc, a.pp, a.microbatches, a.num_layers, a.hidden_size, a.seq_length = 2, 2, 4, 4, 64, 32
         a.iters, a.warmup, a.repeats = 5, 2, 1
         a.scenarios = [sc for sc in a.scenarios if sc in ("balanced", "jitter1")] or ["balanced"]
-        a.scenario_flags["jitter1"] = ["--inject-jitter", "1:1.5"]
+        a.scenario_flags = {"balanced": [], "jitter1": ["--inject-jitter", "1:1.5"]}  # PP2: the last stage
+    elif a.pp < 3:
+        p.error("the scenarios perturb pipeline stages 1 and 2: needs --pp >= 3 (or --smoke)")
     if a.iters <= a.warmup or a.nproc % a.pp or a.num_layers % (a.pp * a.vpp):
         p.error("needs --iters > --warmup, --nproc divisible by --pp and --num-layers by pp * vpp")
+    if not a.smoke:
+        a.scenario_flags = {s: compute_scenario_flags(s, a.pp, a.nproc // a.pp) for s in SCENARIOS}
     return a
 
 

@@ -198,17 +198,27 @@ def _kernel_category(name: str) -> str:
     return "other elementwise"
 
 
-def bench_profile(args, results: dict) -> None:
-    """GPU kernel time per category for one step of the engine and of the plain twin."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _warm_variants(args):
+    """(name, step function) of the engine and the plain twin, one at a time, each warmed up
+    and synchronised; each is freed before the next is built."""
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
-    out = {}
     for name, factory in (("engine", _engine_factory(job, data)), ("plain_bf16", lambda: PlainRunner(job, data).steps)):
         step = factory()
         step(args.warmup + 1)
         torch.cuda.synchronize()
+        yield name, step
+        del step
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def bench_profile(args, results: dict) -> None:
+    """GPU kernel time per category for one step of the engine and of the plain twin."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, step in _warm_variants(args):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step(1)
             torch.cuda.synchronize()
@@ -223,10 +233,49 @@ def bench_profile(args, results: dict) -> None:
         kernels.sort(reverse=True)
         out[name] = {"categories_ms": cats, "total_ms": sum(cats.values()), "top": kernels[:40]}
         print(name, json.dumps(out[name], indent=1), flush=True)
-        del step
-        gc.collect()
-        torch.cuda.empty_cache()
     results["profile"] = out
+
+
+def _busy_and_gaps(trace_path: str, top: int = 30) -> dict:
+    """GPU busy time (union of kernel / memcpy / memset intervals) and the idle gaps between
+    them in a chrome trace, largest first, with the names around each gap."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    dev = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not dev:
+        return {}
+    busy, gaps, end, last = 0.0, [], dev[0][0], dev[0][2]
+    for t0, t1, name in dev:
+        if t0 > end:
+            gaps.append((t0 - end, last[:60], name[:60]))
+        busy += max(0.0, t1 - max(t0, end))
+        if t1 > end:
+            end, last = t1, name
+    gaps.sort(reverse=True)
+    span = end - dev[0][0]
+    return {"window_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "gaps_over_20us": sum(1 for g in gaps if g[0] > 20), "idle_in_gaps_over_20us_ms":
+            sum(g[0] for g in gaps if g[0] > 20) / 1e3, "kernels": len(dev),
+            "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]]}
+
+
+def bench_timeline(args, results: dict) -> None:
+    """CPU+CUDA timeline of two steps of each variant: where the GPU sits idle inside a step."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, step in _warm_variants(args):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(2)
+            torch.cuda.synchronize()
+        path = tempfile.mktemp(suffix=".json")
+        prof.export_chrome_trace(path)
+        out[name] = _busy_and_gaps(path)
+        print(name, json.dumps(out[name], indent=1), flush=True)
+        del prof
+    results["timeline"] = out
 
 
 def main() -> None:
@@ -240,7 +289,7 @@ def main() -> None:
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    benches = {"profile": bench_profile, "throughput": bench_throughput, "recompute": bench_recompute, "microbatch": bench_microbatch}
+    benches = {"profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "recompute": bench_recompute, "microbatch": bench_microbatch}
     for name in args.only.split(","):
         benches[name](args, results)
         gc.collect()

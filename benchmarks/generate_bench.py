@@ -10,7 +10,8 @@ folder. Variants are interleaved in rounds (ours_off, ours_capture, ours_scope_o
 (which captures the decode graphs); each figure is the median over rounds with min/max.
 ours_scope_off is capture off with MegaScope used just before (a capture entered and left):
 capture_off_overhead_pct compares it with ours_off (goal: within 0.5%; the same code runs,
-so this is the noise floor). Bytes per token count every captured step's items over the
+so this is the noise floor); *_paired_pct are the same comparisons paired within each round
+(median of per-round ratios, 95% bootstrap interval), which is what resolves 0.5%. Bytes per token count every captured step's items over the
 step's new tokens (prefill included); the per-step kernel count is scope_op_count.py's. With --cuda-graphs,
 ours_off / ours_capture replay the decode step as a CUDA graph (the capture recorded inside
 it) and ours_eager* are the same without graphs. Decode tokens/s counts new tokens after the
@@ -27,6 +28,7 @@ import tempfile
 import time
 
 import torch
+from scan_overhead import bootstrap_median_ci
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
@@ -123,6 +125,13 @@ def run_interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
     return results
 
 
+def paired_overhead_pct(off_tps: list[float], other_tps: list[float]) -> dict:
+    """Per-token time of `other` over `off` in the same round, minus 1, in percent: the median
+    over rounds and its 95% bootstrap interval (scan_overhead.bootstrap_median_ci)."""
+    med, lo, hi = bootstrap_median_ci([a / b for a, b in zip(off_tps, other_tps)])
+    return {"median": 100.0 * (med - 1.0), "ci95": [100.0 * (lo - 1.0), 100.0 * (hi - 1.0)], "rounds": len(off_tps)}
+
+
 def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -170,6 +179,8 @@ def main() -> None:
     off, on = report["ours_off"]["median"], report["ours_capture"]["median"]
     report["capture_overhead_pct"] = 100.0 * (off / on - 1.0)  # per token: time on / time off - 1
     report["capture_off_overhead_pct"] = 100.0 * (off / report["ours_scope_off"]["median"] - 1.0)
+    for name in ("ours_capture", "ours_scope_off"):  # paired within rounds: drift cancels
+        report[f"{name}_paired_pct"] = paired_overhead_pct(results["ours_off"], results[name])
     if args.cuda_graphs:
         eager_off, eager_on = report["ours_eager"]["median"], report["ours_eager_capture"]["median"]
         report["eager_capture_overhead_pct"] = 100.0 * (eager_off / eager_on - 1.0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import statistics
 import threading
 import time
@@ -124,10 +125,11 @@ def bench_latency(args, server) -> dict:
                                    timeout=600_000)
             page.wait_for_timeout(100)
             if r == 0:  # warm-up round
-                page.evaluate("window.__scope.latencies.length = 0")
-        lat = page.evaluate("window.__scope.latencies")
+                page.evaluate("for (const k of ['latencies', 'arrivals', 'draws']) window.__scope[k].length = 0")
+        lat, arr, draws = page.evaluate("[window.__scope.latencies, window.__scope.arrivals, window.__scope.draws]")
         browser.close()
-    return {"token_to_pixels_ms": summary(lat)}
+    # arrival: server stamp -> message handled in the page; draw: one frame's draw() call
+    return {"token_to_pixels_ms": summary(lat), "server_to_page_ms": summary(arr), "draw_ms": summary(draws)}
 
 
 def bench_training(args, device) -> dict:
@@ -185,6 +187,9 @@ def ratio_lines(result: dict) -> list[str]:
     if lat:
         lines.append(f"LATENCY token->pixels ms: p50 {lat['p50']:.1f}, p95 {lat['p95']:.1f} ({lat['n']} tokens; "
                      f"goal p95 <= 50)")
+        arr, draw = result["latency"]["server_to_page_ms"], result["latency"]["draw_ms"]
+        lines.append(f"  of which server->page p50 {arr['p50']:.1f}, p95 {arr['p95']:.1f}; one frame's draw "
+                     f"p50 {draw['p50']:.1f}, p95 {draw['p95']:.1f} ms")
     return lines
 
 
@@ -211,8 +216,12 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--chromium", default="/usr/bin/chromium")
     p.add_argument("--skip", default="", help="comma list of parts to skip: latency,generation,training")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="override sys.setswitchinterval (seconds) for this process (an A/B knob)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     device = torch.device(args.device)
     skip = set(filter(None, args.skip.split(",")))
     result = {"args": vars(args)}

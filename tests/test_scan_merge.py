@@ -212,9 +212,9 @@ def test_contradictory_p2p_is_reported_not_looped_on():
             1: [message(0, "send", 1000, 1100), message(0, "recv", 0, 500)]}
     traces = [RankTrace(meta=rank_meta(layout, r), events=pa.Table.from_batches([build_event_batch(rows[r])]))
               for r in (0, 1)]
-    began = time.perf_counter()
+    began = time.process_time()  # CPU time, not wall: a loaded CI machine must not fail this
     _, report = align_traces(traces)
-    assert time.perf_counter() - began < 10
+    assert time.process_time() - began < 10
     assert report.p2p_messages == 2 and report.violations >= 1 and report.violations_before == 2
 
 

@@ -375,6 +375,6 @@ def test_simulate_refuses_invalid_schedules():
 
 def test_validate_is_fast_for_large_schedules():
     schedule = build_interleaved_1f1b_schedule(16, 4, 64)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time, not wall: a loaded CI machine must not fail this
     validate_schedule(schedule)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0

@@ -15,7 +15,7 @@ export const state = {
   welcome: null, role: "watcher", layer: 0, head: 0, selected: null, runs: {}, view: "clean",
   compare: null, perturbations: [], train: { steps: [], probe: null, paused: false, probeAttn: {}, probeResid: {} },
 };
-window.__scope = { state, latencies: [], tokensSeen: 0 };
+window.__scope = { state, latencies: [], arrivals: [], draws: [], tokensSeen: 0 };
 
 const token = new URLSearchParams(location.search).get("token");
 const ws = new WebSocket(`ws://${location.host}/ws` + (token ? `?token=${encodeURIComponent(token)}` : ""));
@@ -76,6 +76,8 @@ const handlers = {
   tokens(m) {  // every token not sent before, in order (several when this tab fell behind)
     for (const t of m.tokens) (state.runs[t.run] ||= newRun()).tokens.push(t);
     window.__scope.tokensSeen += m.tokens.length;
+    const arrived = performance.timeOrigin + performance.now();
+    for (const t of m.tokens) t.arrived = arrived;
     unmarked.push(...m.tokens);
     scheduleDraw();  // one draw per animation frame, however many tokens came in since the last
   },
@@ -104,11 +106,14 @@ let pending = false;
 function scheduleDraw() { if (!pending) { pending = true; requestAnimationFrame(drawFrame); } }
 function drawFrame() {
   pending = false;
+  const start = performance.timeOrigin + performance.now();
   draw();
   const now = performance.timeOrigin + performance.now();
+  if (unmarked.length) window.__scope.draws.push(now - start);
   for (const t of unmarked.splice(0)) {
     performance.mark(`token-${t.run}-${t.step}`);
     window.__scope.latencies.push(now - t.t_server_ms);
+    window.__scope.arrivals.push(t.arrived - t.t_server_ms);  // server -> page; the rest waits for a frame and draws
   }
 }
 

@@ -53,12 +53,13 @@ from scan_eval_core import (  # noqa: E402
     SPLIT_SEEDS,
     compute_layout_scores,
     compute_scores,
+    named_causes,
     plan_scenarios,
     scenario_from_dict,
     tune_on_design,
 )
 from scan_eval_report import plot_scores, render_markdown  # noqa: E402
-from scan_eval_runner import append_record, execute_run, load_records  # noqa: E402
+from scan_eval_runner import append_record, detect_run, execute_run, load_records  # noqa: E402
 
 
 class UsageError(ValueError):
@@ -183,6 +184,31 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def cmd_rejudge(args) -> int:
+    """Judge the kept traces of a results file again with the detector as it is now (defaults),
+    next to the verdict recorded when they ran: before/after counts while changing the detector."""
+    records = [r for r in load_records(Path(args.results)) if not r["error"]]
+    rows, counts = [], {}
+    for r in records:
+        trace = Path(args.work_dir) / r["name"] / "trace"
+        if not trace.is_dir():
+            continue
+        sc = scenario_from_dict(r["scenario"])
+        now = named_causes(detect_run(trace, {}, grid=False)["default_suspects"])
+        then = named_causes(r["default_suspects"])
+        key = f"{sc.kind} {sc.source}"
+        c = counts.setdefault(key, [0, 0, 0])
+        c[0], c[1], c[2] = c[0] + 1, c[1] + (then == sc.truth()), c[2] + (now == sc.truth())
+        rows.append(f"{sc.name:28s} {sc.layout:20s} {sc.fault.factor}x/{sc.fault.every} truth {sorted(sc.truth())} "
+                    f"recorded {sorted(then)} now {sorted(now)}")
+    if not rows:
+        raise UsageError(f"no kept trace of {args.results} under {args.work_dir} (run with --keep-traces)")
+    print("\n".join(rows))
+    for key, (n, then, now) in sorted(counts.items()):
+        print(f"{key:24s} {n:3d} runs: exact verdicts recorded {then}, now {now}")
+    return 0
+
+
 def cmd_summarize(args) -> int:
     path = Path(args.results)
     records = load_records(path)
@@ -244,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     summ.add_argument("--md", help="default: RESULTS with .md")
     summ.add_argument("--png", help="default: RESULTS with .png")
     summ.add_argument("--default-thresholds", action="store_true", help="score the default-threshold verdicts instead")
+    rejudge = sub.add_parser("rejudge", help="detect again on kept traces (defaults): recorded vs current verdicts")
+    rejudge.add_argument("results", help="JSONL of runs made with --keep-traces")
+    rejudge.add_argument("--work-dir", required=True, help="the --work-dir those runs kept their traces in")
+    rejudge.set_defaults(func=cmd_rejudge)
     run.set_defaults(func=cmd_run)
     tune.set_defaults(func=cmd_tune)
     summ.set_defaults(func=cmd_summarize)

@@ -200,3 +200,18 @@ def test_synthetic_design_tune_heldout_summarize(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "h.png").stat().st_size > 10_000
     doc = json.loads((tmp_path / "h.json").read_text())
     assert doc["scores"]["none"]["false_alarm_rate"]["n"] == 1
+
+
+def test_rejudge_compares_recorded_and_current_verdicts_on_kept_traces(tmp_path, capsys):
+    results, work = tmp_path / "r.jsonl", tmp_path / "work"
+    argv = ["run", "--split", "heldout2", "--kinds", "intermittent,none", "--runs-per-kind", "1", "--clean-runs", "1",
+            "--jobs", "1", "--synthetic", "--default-thresholds", "--keep-traces", "--work-dir", str(work),
+            "--results", str(results)]
+    assert scan_eval.main(argv) == 0
+    assert {r["kind"] for r in runner.load_records(results)} == {"intermittent", "none"}
+    capsys.readouterr()
+    assert scan_eval.main(["rejudge", str(results), "--work-dir", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert "heldout2-0002-intermittent" in out and ("none engine" in out or "none ddp" in out)
+    assert "1 runs: exact verdicts recorded" in out
+    assert scan_eval.main(["rejudge", str(results), "--work-dir", str(tmp_path / "empty")]) == 2

@@ -81,7 +81,8 @@ def is_intermittent(stats: rules.ComputeStats, config: DetectConfig) -> bool:
     other iterations (a victim's ratio moves only because its peers' compute did)."""
     it = stats.intermittent
     return (it is not None and len(it.slow_iterations) >= config.intermittent_min_iterations
-            and it.p_value <= config.intermittent_alpha and it.slow_z >= NormalDist().inv_cdf(1 - config.intermittent_alpha)
+            and it.p_value <= config.intermittent_alpha
+            and it.slow_z >= NormalDist().inv_cdf(1.0 - config.intermittent_alpha)
             and min(it.slow_ratio, it.self_ratio) >= config.intermittent_min_ratio)
 
 
@@ -217,21 +218,19 @@ def _compute_evidence(st: rules.ComputeStats, config: DetectConfig) -> tuple[boo
     """(intermittent, ratio, summary, evidence fields) of a slow-compute suspect."""
     peers = {"dp_replicas": "DP replicas", "tp_peers": "TP peers", "pipeline_stages": "other pipeline stages"}
     it = st.intermittent
-    fields = {"intermittent": False, "slow_iterations": [], "slow_iteration_ratio": None, "intermittent_p": None}
-    if it is not None:
-        fields.update(slow_iterations=list(it.slow_iterations), slow_iteration_ratio=round(it.slow_ratio, 3),
-                      intermittent_p=float(f"{it.p_value:.3g}"), periodic=it.periodic,
-                      other_iteration_ratio=round(it.base_ratio, 3))
     if is_constant(st, config) or not is_intermittent(st, config):
         return False, st.ratio, (f"rank {st.rank} forward/backward compute is {st.ratio:.2f}x its {peers[st.basis]} "
                                  f"{list(st.peers)} (median of {st.samples} microbatch samples; slower in "
-                                 f"{st.consistency:.0%} of {st.iterations} iterations)"), fields
+                                 f"{st.consistency:.0%} of {st.iterations} iterations)"), {"intermittent": False}
+    fields = {"intermittent": True, "slow_iterations": list(it.slow_iterations),
+              "slow_iteration_ratio": round(it.slow_ratio, 3), "other_iteration_ratio": round(it.base_ratio, 3),
+              "intermittent_p": float(f"{it.p_value:.3g}"), "periodic": it.periodic}
     period = f", every {it.slow_iterations[1] - it.slow_iterations[0]}" if it.periodic else ""
     summary = (f"rank {st.rank} forward/backward compute is {it.slow_ratio:.2f}x its {peers[st.basis]} "
                f"{list(st.peers)} in iterations {list(it.slow_iterations)} ({len(it.slow_iterations)} of "
                f"{it.iterations}{period}; {it.base_ratio:.2f}x in the others): intermittent, "
                f"p = {it.p_value:.2g} for a clean run")
-    return True, it.slow_ratio, summary, {**fields, "intermittent": True}
+    return True, it.slow_ratio, summary, fields
 
 
 def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, config: DetectConfig) -> Suspect:

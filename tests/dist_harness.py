@@ -1,10 +1,12 @@
-"""A pool of spawned worker processes that run gloo jobs, paid for once per test module.
+"""A pool of spawned worker processes that run gloo jobs, paid for once per test session.
 
-`ProcessCluster(max_world)` spawns the workers (one torch thread each). `cluster.run(fn,
-world_size, *args)` makes the first `world_size` workers join a fresh gloo group (FileStore
-in a temp dir), call `fn(rank, world_size, *args)` and return the per-rank results. A child
-exception is re-raised here with its rank and traceback; a job that exceeds its timeout
-kills the pool (which restarts on the next run) and fails the test instead of hanging.
+`ProcessCluster(max_world)` spawns workers (one torch thread each) as jobs first need them.
+`cluster.run(fn, world_size, *args)` makes the first `world_size` workers join a fresh gloo
+group (FileStore in a temp dir), call `fn(rank, world_size, *args)` and return the per-rank
+results. A child exception is re-raised here with its rank and traceback; a job that exceeds
+its timeout kills the pool (which restarts on the next run) and fails the test instead of
+hanging. A job's `env` is set for that job only. conftest.py shares one pool (the `cluster`
+fixture) across every test module.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def _worker_loop(rank: int, tasks, results) -> None:
         if task is None:
             return
         fn, world_size, args, store_path, env = task
+        saved = dict(os.environ)
         os.environ.update(env)
         try:
             store = dist.FileStore(store_path, world_size)
@@ -38,6 +41,9 @@ def _worker_loop(rank: int, tasks, results) -> None:
             results.put((rank, True, out))
         except BaseException:  # report everything, including assertion errors, with the rank
             results.put((rank, False, traceback.format_exc()))
+        finally:  # the next job (maybe another module's) must not inherit this one's environment
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 class ProcessCluster:
@@ -45,20 +51,21 @@ class ProcessCluster:
         self.max_world, self.timeout = max_world, timeout
         self._procs = []
 
-    def _start(self) -> None:
+    def _grow(self, world_size: int) -> None:
+        """Spawn workers until there are `world_size` (the results queue is made with the first)."""
         ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.max_world)]
-        self._procs = [ctx.Process(target=_worker_loop, args=(r, self._tasks[r], self._results), daemon=True)
-                       for r in range(self.max_world)]
-        for p in self._procs:
+        if not self._procs:
+            self._results, self._tasks = ctx.Queue(), []
+        for r in range(len(self._procs), world_size):
+            self._tasks.append(ctx.Queue())
+            p = ctx.Process(target=_worker_loop, args=(r, self._tasks[r], self._results), daemon=True)
             p.start()
+            self._procs.append(p)
 
     def run(self, fn, world_size: int, *args, timeout: float | None = None, env: dict | None = None) -> list:
         if world_size > self.max_world:
             raise ValueError(f"cluster has {self.max_world} workers, job needs {world_size}")
-        if not self._procs:
-            self._start()
+        self._grow(world_size)
         tmp = tempfile.mkdtemp(prefix="mapp-store-")
         store_path = os.path.join(tmp, "store")
         for r in range(world_size):

@@ -5,18 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from engine_jobs import RandomTokenBatches, make_job
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=180)
-    yield c
-    c.close()
 
 
 def _trainer(job, rank):

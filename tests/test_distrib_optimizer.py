@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from engine_jobs import RandomTokenBatches, assemble_full_grads, make_job, train_and_report
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges
@@ -17,13 +16,6 @@ from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
 
 DISTOPT = {"use_distributed_optimizer": True}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=240)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from engine_jobs import RandomTokenBatches, assemble_full_grads, full_grads, make_job
 from megatronapp.dpp.config import DppConfig
 from megatronapp.dpp.policies import TRAVERSALS
@@ -81,13 +80,6 @@ def _check_against(results: list[dict], variants: list, ref: dict) -> None:
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6,
                                        msg=lambda msg: f"{variant} {name}: {msg}")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=300)
-    yield c
-    c.close()
 
 
 def test_dynamic_and_breadth_first_match_interleaved_and_one_process(cluster):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from engine_jobs import assemble_full_grads, make_job, train_and_report
 from test_checkpoint import train_save_resume
 
@@ -22,13 +21,6 @@ CASES = {
     "dropout_dp2": (2, 1, 1, {}, HIDDEN_DROPOUT),
     "recompute_full_tp2_dropout": (2, 2, 1, {"recompute_granularity": "full"}, HIDDEN_DROPOUT),
 }
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=240)
-    yield c
-    c.close()
 
 
 def _reference(model_kw: dict) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from engine_jobs import assemble_full_grads, make_job, train_and_report
 
 LAYOUTS = {
@@ -18,13 +17,6 @@ LAYOUTS = {
     "tp2_pp2_dp2": (8, 2, 2, 1, "1f1b"),
     "pp4_1f1b": (4, 1, 4, 1, "1f1b"),
 }
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=8, timeout=180)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

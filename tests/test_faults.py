@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from megatronapp.engine.faults import (
     FaultInjector,
     FaultPlan,
@@ -166,13 +165,6 @@ def slow_link_job(rank: int, world_size: int, traced: bool, trace_dir: str) -> d
     if delays:
         delays.uninstall()
     return out
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=2, timeout=120)
-    yield c
-    c.close()
 
 
 @pytest.mark.parametrize("traced", [False, True])

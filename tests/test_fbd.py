@@ -13,7 +13,6 @@ import dataclasses
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from engine_jobs import assemble_full_grads, make_job, train_and_report
 from fbd_jobs import fbd_losses, fbd_train_and_report, plain_losses
 from megatronapp.fbd.config import FbdConfig
@@ -31,13 +30,6 @@ CASES = {
     "tp2_pp2_sp_tf2": (4, 2, 2, 2, None),  # TF = TP: forward workers are sequence-parallel too
     "pp2_bf16": (2, 1, 2, 1, None),  # bf16 params: weights published in bf16, activations framed in fp32
 }
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=8, timeout=240)
-    yield c
-    c.close()
 
 
 def _job(backward_world, tp, pp, dropout, iters=3, **train_kw):

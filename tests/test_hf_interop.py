@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import ProcessCluster
 from engine_jobs import RandomTokenBatches, make_job
 from megatronapp.cli.main import main
 from megatronapp.config import validate_job
@@ -36,13 +35,6 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=240)
-    yield c
-    c.close()
 
 
 def _job(world: int, tp: int = 1, pp: int = 1, **kw):

@@ -10,19 +10,11 @@ import sys
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from inference_jobs import PROMPTS, load_model, save_tiny_checkpoint
 from megatronapp.config import ConfigError
 from megatronapp.inference.generate import SamplingConfig, compute_next_tokens, generate
 
 EOD, VOCAB = 256, 257
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=240)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from engine_jobs import RandomTokenBatches, make_job, train_and_report
 from megatronapp.config import ConfigError, TrainConfig
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -14,13 +13,6 @@ from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups, single_process_groups
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=2, timeout=240)
-    yield c
-    c.close()
 
 
 def _trainer(job, rank=0):

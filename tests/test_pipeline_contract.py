@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from dist_harness import ProcessCluster
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.parallel.layout import ParallelLayout
@@ -62,13 +61,6 @@ def pipeline_grads(rank: int, world: int, schedule: str, num_chunks: int) -> dic
         for j, block in enumerate(chunk):
             grads[first + j] = block[0].weight.grad.clone()
     return {"grads": grads, "loss": None if loss is None else loss.item()}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=2, timeout=120)
-    yield c
-    c.close()
 
 
 @pytest.mark.parametrize("schedule,num_chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])

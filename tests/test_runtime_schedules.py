@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from engine_jobs import RandomTokenBatches, make_job
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
@@ -33,13 +32,6 @@ def grads_for_combos(rank: int, world: int, combos) -> list[dict]:
         trainer.train_step()
         out.append({n: p.grad.clone() for c in trainer.chunks for n, p in c.named_parameters()})
     return out
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=240)
-    yield c
-    c.close()
 
 
 @pytest.mark.parametrize("pp", [2, 4])

@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dist_harness import ProcessCluster
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.align import align_traces
 from megatronapp.scan.cli import add_trace_subcommands, parse_iteration_range, parse_rank_list
@@ -409,13 +408,6 @@ def traced_gloo_job(rank: int, world_size: int, trace_dir: str) -> dict:
     instrumentation.uninstall()
     tracer.close()
     return {"restored": dist.all_reduce.__module__ == "torch.distributed.distributed_c10d"}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=120)
-    yield c
-    c.close()
 
 
 def test_four_ranks_traced_merged_and_aligned(tmp_path, cluster):

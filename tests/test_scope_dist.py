@@ -5,17 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import ProcessCluster
 from inference_jobs import save_tiny_checkpoint
 from megatronapp.scope.specs import Perturbation, Target
 from scope_jobs import capture_job
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=4, timeout=300)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

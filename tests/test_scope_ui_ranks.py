@@ -15,7 +15,6 @@ import pytest
 import torch
 from websockets.sync.client import connect
 
-from dist_harness import ProcessCluster
 from megatronapp.config import build_layout
 from megatronapp.inference.model import build_inference_model, read_model_config
 from megatronapp.parallel.groups import build_process_groups
@@ -33,13 +32,6 @@ def ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ui_ranks_ckpt"))
     save_ui_checkpoint(path)
     return path
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ProcessCluster(max_world=2, timeout=240)
-    yield c
-    c.close()
 
 
 def _runner(rank: int, world: int, tp: int, pp: int, ckpt: str):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.dpp.config import JitterSpec
+from megatronapp.parallel.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,12 @@ def _check(name: str, pp_size: int) -> Scenario:
 def compute_scenario_flags(name: str, pp_size: int, dp_size: int) -> list[str]:
     """`megatronapp train` flags of scenario `name` on a TP1 x PP x DP layout (replica 0)."""
     scen = _check(name, pp_size)
+    rank = lambda pp: ParallelLayout(pp_size * dp_size, 1, pp_size).rank_of(tp=0, dp=0, pp=pp)  # noqa: E731
     flags = []
     for pp, factor, seed in scen.jitter:
-        flags += ["--inject-jitter", f"{pp * dp_size}:{factor:g}" + (f":{seed}" if seed else "")]
+        flags += ["--inject-jitter", f"{rank(pp)}:{factor:g}" + (f":{seed}" if seed else "")]
     for src, dst, ms in scen.links:
-        flags += ["--inject-link-delay", f"{src * dp_size}:{dst * dp_size}:{ms:g}"]
+        flags += ["--inject-link-delay", f"{rank(src)}:{rank(dst)}:{ms:g}"]
     return flags
 
 

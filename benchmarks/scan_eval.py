@@ -48,16 +48,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scan_eval_core import (  # noqa: E402
     COMPUTE_GRID,
+    KINDS,
     LINK_GRID,
     SPLIT_SEEDS,
     compute_layout_scores,
     compute_scores,
+    named_causes,
     plan_scenarios,
     scenario_from_dict,
     tune_on_design,
 )
 from scan_eval_report import plot_scores, render_markdown  # noqa: E402
-from scan_eval_runner import append_record, execute_run, load_records  # noqa: E402
+from scan_eval_runner import append_record, detect_run, execute_run, load_records  # noqa: E402
 
 
 class UsageError(ValueError):
@@ -100,7 +102,7 @@ def _prepare_results(path: Path, resume: bool, overrides: dict) -> set[str]:
 
 
 def _tasks(args, overrides: dict, done: set[str]) -> list[dict]:
-    plan = plan_scenarios(args.split, args.runs_per_kind, args.clean_runs)
+    plan = plan_scenarios(args.split, args.runs_per_kind, args.clean_runs, kinds=args.kinds)
     deadline = time.time() + args.budget_s if args.budget_s else None
     work = args.work_dir or tempfile.mkdtemp(prefix="scan-eval-")
     print(f"{len(plan)} scenarios in {args.split} (seed {SPLIT_SEEDS[args.split]}), {len(done)} done already, "
@@ -116,8 +118,9 @@ def _verdict(r: dict) -> str:
 
 
 def cmd_run(args) -> int:
-    if args.split == "heldout" and not (args.thresholds or args.default_thresholds):
-        raise UsageError("--split heldout needs --thresholds FILE (from `tune`) or, explicitly, --default-thresholds")
+    if args.split != "design" and not (args.thresholds or args.default_thresholds):
+        raise UsageError(f"--split {args.split} needs --thresholds FILE (from `tune`) or, explicitly, "
+                         "--default-thresholds")
     if args.split == "design" and args.thresholds:
         raise UsageError("design runs use the default thresholds (tuning happens after them): drop --thresholds")
     overrides = load_thresholds(args.thresholds) if args.thresholds else {}
@@ -181,6 +184,31 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def cmd_rejudge(args) -> int:
+    """Judge the kept traces of a results file again with the detector as it is now (defaults),
+    next to the verdict recorded when they ran: before/after counts while changing the detector."""
+    records = [r for r in load_records(Path(args.results)) if not r["error"]]
+    rows, counts = [], {}
+    for r in records:
+        trace = Path(args.work_dir) / r["name"] / "trace"
+        if not trace.is_dir():
+            continue
+        sc = scenario_from_dict(r["scenario"])
+        now = named_causes(detect_run(trace, {}, grid=False)["default_suspects"])
+        then = named_causes(r["default_suspects"])
+        key = f"{sc.kind} {sc.source}"
+        c = counts.setdefault(key, [0, 0, 0])
+        c[0], c[1], c[2] = c[0] + 1, c[1] + (then == sc.truth()), c[2] + (now == sc.truth())
+        rows.append(f"{sc.name:28s} {sc.layout:20s} {sc.fault.factor}x/{sc.fault.every} truth {sorted(sc.truth())} "
+                    f"recorded {sorted(then)} now {sorted(now)}")
+    if not rows:
+        raise UsageError(f"no kept trace of {args.results} under {args.work_dir} (run with --keep-traces)")
+    print("\n".join(rows))
+    for key, (n, then, now) in sorted(counts.items()):
+        print(f"{key:24s} {n:3d} runs: exact verdicts recorded {then}, now {now}")
+    return 0
+
+
 def cmd_summarize(args) -> int:
     path = Path(args.results)
     records = load_records(path)
@@ -204,17 +232,27 @@ def cmd_summarize(args) -> int:
     return 0
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not kinds or set(kinds) - set(KINDS):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(KINDS)}, got {text!r}")
+    return kinds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="execute a split's scenarios, one JSON line per run (resumable)")
     run.add_argument("--split", choices=tuple(SPLIT_SEEDS), required=True)
     run.add_argument("--runs-per-kind", type=int, default=30, help="runs of each fault kind")
+    run.add_argument("--kinds", type=_kinds, default=KINDS,
+                     help=f"comma-separated subset of {','.join(KINDS)} (default all; scenarios are the same)")
     run.add_argument("--clean-runs", type=int, default=50)
     run.add_argument("--results", required=True, help="JSONL file the runs are appended to")
     run.add_argument("--resume", action="store_true", help="continue --results, skipping the runs it holds")
-    run.add_argument("--thresholds", help="heldout: the file `tune` wrote")
-    run.add_argument("--default-thresholds", action="store_true", help="heldout without tuning (say so when quoting)")
+    run.add_argument("--thresholds", help="held-out splits: the file `tune` wrote")
+    run.add_argument("--default-thresholds", action="store_true",
+                     help="a held-out split without tuning (say so when quoting)")
     run.add_argument("--jobs", type=int, default=max(1, len(os.sched_getaffinity(0)) // 4),
                      help="runs at once (<= 4 ranks each; default: cores / 4)")
     run.add_argument("--timeout", type=float, default=120.0,
@@ -232,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     summ.add_argument("--md", help="default: RESULTS with .md")
     summ.add_argument("--png", help="default: RESULTS with .png")
     summ.add_argument("--default-thresholds", action="store_true", help="score the default-threshold verdicts instead")
+    rejudge = sub.add_parser("rejudge", help="detect again on kept traces (defaults): recorded vs current verdicts")
+    rejudge.add_argument("results", help="JSONL of runs made with --keep-traces")
+    rejudge.add_argument("--work-dir", required=True, help="the --work-dir those runs kept their traces in")
+    rejudge.set_defaults(func=cmd_rejudge)
     run.set_defaults(func=cmd_run)
     tune.set_defaults(func=cmd_tune)
     summ.set_defaults(func=cmd_summarize)

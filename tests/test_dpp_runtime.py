@@ -18,8 +18,9 @@ from megatronapp.dpp.scheduler import compute_default_caps
 from megatronapp.dpp.setup import build_dynamic_runtime_factory
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
+from megatronapp.pipeline.runtime import NullInjector
 
-class RandomDelays:
+class RandomDelays(NullInjector):
     """Injector: every compute and every receive waits a random 0..max_ms first (seeded per rank)."""
 
     on_stall = None

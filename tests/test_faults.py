@@ -19,6 +19,7 @@ from megatronapp.engine.faults import (
     fault_plan_from_env,
     parse_fault_plan,
 )
+from megatronapp.pipeline.runtime import NullInjector
 
 DELAY_MS = 60
 
@@ -74,6 +75,35 @@ def test_intermittent_slowdown_applies_every_nth_iteration_only():
             _compute(injector)
     assert sorted(stalls) == [(0, 0), (0, 2)]  # rank 0, iterations 0 and 2 only
     assert all(0.02 <= s < 0.2 for s in stalls.values())  # (3 - 1) x >= 10 ms of CPU time
+
+
+class _IterationRecorder(NullInjector):
+    """Records which iteration the injector believed it was in at every compute span."""
+
+    def __init__(self):
+        self.iteration, self.seen = None, []
+
+    def set_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def compute(self):
+        self.seen.append(self.iteration)
+        return super().compute()
+
+
+def test_the_runtime_tells_the_injector_each_iteration_even_between_log_steps():
+    """An intermittent slowdown must know the iteration at every step, not only when metrics
+    reach on_step (every log_interval steps): otherwise '1 in 3' slows every iteration."""
+    from engine_jobs import RandomTokenBatches, make_job
+    from megatronapp.engine.trainer import Trainer
+    from megatronapp.parallel.groups import build_process_groups
+
+    job = make_job(1, global_batch=2, micro_batch=1, iters=4, num_layers=2, log_interval=4)
+    recorder = _IterationRecorder()
+    trainer = Trainer(job, build_process_groups(job.layout, 0), torch.device("cpu"),
+                      RandomTokenBatches(job, 0), injector=recorder)
+    trainer.train()
+    assert recorder.seen == [it for it in range(4) for _ in range(4)]  # 2 microbatches x (forward, backward)
 
 
 def test_slowdown_stretches_by_the_calling_threads_cpu_not_the_processs():

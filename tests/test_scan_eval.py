@@ -38,7 +38,9 @@ def test_scenarios_are_reproducible_disjoint_between_splits_and_in_range():
     design = plan_scenarios("design", runs_per_kind=30, clean_runs=50)
     assert design == plan_scenarios("design", runs_per_kind=30, clean_runs=50)
     heldout = plan_scenarios("heldout", runs_per_kind=30, clean_runs=50)
-    assert {sc.seed for sc in design}.isdisjoint({sc.seed for sc in heldout})
+    heldout2 = plan_scenarios("heldout2", runs_per_kind=30, clean_runs=50)
+    for a, b in ((design, heldout), (design, heldout2), (heldout, heldout2)):
+        assert {sc.seed for sc in a}.isdisjoint({sc.seed for sc in b})
     assert [sc.kind for sc in design[:5]] == list(KINDS)  # interleaved: a partial run covers every kind
     assert sum(sc.kind == "none" for sc in design) == 50 and len(design) == 50 + 4 * 30
     assert len({sc.name for sc in design}) == len(design)
@@ -61,6 +63,11 @@ def test_a_larger_plan_extends_a_smaller_one():
     small = plan_scenarios("heldout", runs_per_kind=2, clean_runs=3)
     large = plan_scenarios("heldout", runs_per_kind=30, clean_runs=50)
     assert set(small) <= set(large)
+    some = plan_scenarios("heldout2", runs_per_kind=30, clean_runs=50, kinds=("intermittent", "none"))
+    assert {sc.kind for sc in some} == {"intermittent", "none"} and len(some) == 80
+    assert set(some) <= set(plan_scenarios("heldout2", runs_per_kind=30, clean_runs=50))
+    with pytest.raises(ValueError, match="kinds"):
+        plan_scenarios("heldout2", 1, 1, kinds=("slow",))
     with pytest.raises(ValueError, match="split"):
         draw_scenario("test", 0, "none")
     with pytest.raises(ValueError, match="kind"):
@@ -158,6 +165,7 @@ def test_bad_invocations_are_one_line_errors(tmp_path, capsys):
     bogus = tmp_path / "t.json"
     bogus.write_text('{"overrides": {}}')
     cases = [["run", "--split", "heldout", "--results", str(tmp_path / "h.jsonl")],
+             ["run", "--split", "heldout2", "--results", str(tmp_path / "h.jsonl")],
              ["run", "--split", "heldout", "--results", str(tmp_path / "h.jsonl"), "--thresholds", str(bogus)],
              ["run", "--split", "design", "--results", str(tmp_path / "d.jsonl"), "--jobs", "0"],
              ["summarize", str(tmp_path / "missing.jsonl")]]
@@ -192,3 +200,18 @@ def test_synthetic_design_tune_heldout_summarize(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "h.png").stat().st_size > 10_000
     doc = json.loads((tmp_path / "h.json").read_text())
     assert doc["scores"]["none"]["false_alarm_rate"]["n"] == 1
+
+
+def test_rejudge_compares_recorded_and_current_verdicts_on_kept_traces(tmp_path, capsys):
+    results, work = tmp_path / "r.jsonl", tmp_path / "work"
+    argv = ["run", "--split", "heldout2", "--kinds", "intermittent,none", "--runs-per-kind", "1", "--clean-runs", "1",
+            "--jobs", "1", "--synthetic", "--default-thresholds", "--keep-traces", "--work-dir", str(work),
+            "--results", str(results)]
+    assert scan_eval.main(argv) == 0
+    assert {r["kind"] for r in runner.load_records(results)} == {"intermittent", "none"}
+    capsys.readouterr()
+    assert scan_eval.main(["rejudge", str(results), "--work-dir", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert "heldout2-0002-intermittent" in out and ("none engine" in out or "none ddp" in out)
+    assert "1 runs: exact verdicts recorded" in out
+    assert scan_eval.main(["rejudge", str(results), "--work-dir", str(tmp_path / "empty")]) == 2

@@ -89,6 +89,7 @@ class DynamicPipelineRuntime:
             raise ValueError(f"dynamic runtime expects {self.num_microbatches} microbatches, got {len(microbatches)}")
         sched = RankScheduler(self.groups.pp_rank, self.pp_size, self.num_chunks, self.num_microbatches,
                               self.cap, self.policy)
+        self.injector.set_iteration(iteration)  # as PipelineRuntime.run
         sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
         inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait)
         outbox, st = Outbox(), _Step(microbatches, iteration)

@@ -35,6 +35,9 @@ class NullInjector:
     def before_recv_wait(self, src_global: int, work) -> None:
         pass
 
+    def set_iteration(self, iteration: int) -> None:
+        pass
+
 
 class _PostedBatch:
     """Works of one batch_isend_irecv. NCCL may return one work for the whole group, so a recv
@@ -126,6 +129,7 @@ class PipelineRuntime:
         if len(microbatches) != self.schedule.num_microbatches:
             raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, got {len(microbatches)}")
         st = _StepState(microbatches=microbatches, iteration=iteration)
+        self.injector.set_iteration(iteration)  # intermittent faults: on_step may run only every log_interval
         i = 0
         while i < len(self.actions):
             if i in self.batch_end:

@@ -12,9 +12,13 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      (iteration, chunk, microbatch, kind) on peers doing identical work: DP replicas (same
      tp, pp); with dp_size 1, TP peers (same dp, pp); with tp_size 1 too, the other
      pipeline stages (weak: the middle stages are the reference, first/last stages need
-     `edge_stage_allowance` more for their embedding/head/loss work, and weight is lower). `config.compute_rule` decides; the default wants, over >= `min_samples`
-     samples, a median ratio >= `compute_min_ratio`, reached by the median of >=
-     `compute_min_consistency` of the iterations, with a robust (median/MAD) z >= `compute_min_z`.
+     `edge_stage_allowance` more for their embedding/head/loss work, and weight is lower).
+     `config.compute_rule` decides; the default wants, over >= `min_samples` samples, either
+     a constant slowdown (a median ratio >= `compute_min_ratio`, reached by the median of >=
+     `compute_min_consistency` of the iterations, with a robust (median/MAD) z >=
+     `compute_min_z`) or an intermittent one: a subset of iterations in which the rank is slow
+     that a clean run would produce with probability <= `intermittent_alpha`, by the noise
+     model of detect_intermittent.py (per-iteration evidence against the run's own jitter).
   2. Collectives (detect_rules.collect_collectives). Each (group, seq) instance splits into
      wait (last start - my start) and transfer (end - last start). Chronic last arrival
      (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence)
@@ -39,7 +43,8 @@ import os
 import shutil
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from statistics import NormalDist
 
 import numpy as np
 from rich.console import Console
@@ -47,6 +52,7 @@ from rich.table import Table
 
 from megatronapp.scan import detect_path as paths
 from megatronapp.scan import detect_rules as rules
+from megatronapp.scan.detect_intermittent import compare_intermittent
 from megatronapp.scan.matching import index_comm_events
 
 CAUSES = ("slow_compute", "slow_link")
@@ -59,24 +65,30 @@ class DetectInputError(ValueError):
     """Traces that cannot be analysed together; the message names the file."""
 
 
-def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
-    """Default compute rule (see the module docstring, step 1): constant or intermittent."""
+def is_constant(stats: rules.ComputeStats, config: DetectConfig) -> bool:
+    """Slow in most iterations: median ratio, consistency and robust z above their bars."""
     edge = stats.basis == "pipeline_stages" and stats.edge_stage
     threshold = config.compute_min_ratio * (config.edge_stage_allowance if edge else 1.0)
-    constant = (stats.ratio >= threshold and stats.consistency >= config.compute_min_consistency
-                and stats.z >= config.compute_min_z)
-    return stats.samples >= config.min_samples and (constant or is_intermittent(stats, config, threshold))
+    return (stats.ratio >= threshold and stats.consistency >= config.compute_min_consistency
+            and stats.z >= config.compute_min_z)
 
 
-def is_intermittent(stats: rules.ComputeStats, config: DetectConfig, threshold: float) -> bool:
-    """Slow in a minority of iterations (intermittent_min_share..intermittent_max_share, at least
-    intermittent_min_iterations), clearly (>= intermittent_min_ratio, robust z >= intermittent_min_z
-    within them), and as fast as its peers in the others (<= intermittent_max_base_ratio): a rank
-    that is a bit slow most of the time (a contended CPU) is neither constant nor intermittent."""
-    return (stats.slow_iterations >= config.intermittent_min_iterations
-            and config.intermittent_min_share <= stats.consistency <= config.intermittent_max_share
-            and stats.base_ratio <= config.intermittent_max_base_ratio
-            and stats.slow_ratio >= max(threshold, config.intermittent_min_ratio) and stats.slow_z >= config.intermittent_min_z)
+def is_intermittent(stats: rules.ComputeStats, config: DetectConfig) -> bool:
+    """Slow in a subset of iterations that a clean run produces with probability <= intermittent_alpha
+    (detect_intermittent.py: the p-value covers every rank and subset size tried), slower there
+    than its peers (not only than its usual self) at the same significance, and by a ratio worth
+    naming (>= intermittent_min_ratio) both against its peers and against its own compute in the
+    other iterations (a victim's ratio moves only because its peers' compute did)."""
+    it = stats.intermittent
+    return (it is not None and len(it.slow_iterations) >= config.intermittent_min_iterations
+            and it.p_value <= config.intermittent_alpha
+            and it.slow_z >= NormalDist().inv_cdf(1.0 - config.intermittent_alpha)
+            and min(it.slow_ratio, it.self_ratio) >= config.intermittent_min_ratio)
+
+
+def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
+    """Default compute rule (see the module docstring, step 1): constant or intermittent."""
+    return stats.samples >= config.min_samples and (is_constant(stats, config) or is_intermittent(stats, config))
 
 
 def is_slow_link(stats: rules.LinkStats, config: DetectConfig) -> bool:
@@ -96,12 +108,11 @@ class DetectConfig:
     compute_min_consistency: float = 0.7  # share of iterations whose median ratio reaches compute_min_ratio
     compute_min_z: float = 3.0  # robust significance of the median log-ratio
     strong_compute_ratio: float = 1.5  # ratio at which the effect size saturates
-    intermittent_min_share: float = 0.15  # of iterations, for an intermittent slowdown (e.g. 2 of 11)
-    intermittent_max_share: float = 0.5
+    intermittent_alpha: float = 0.02  # chance that a clean run names anybody intermittently slow (noise model:
+    # detect_intermittent.py); observed p-values of clean runs: >= 0.13 (simulated), >= 0.17 (2-core VM)
+    intermittent_max_share: float = 0.5  # of iterations: slower in more of them is a constant slowdown
     intermittent_min_iterations: int = 2
-    intermittent_min_ratio: float = 1.5  # within its slow iterations: stricter than compute_min_ratio, and
-    intermittent_min_z: float = 5.0  # than compute_min_z (a loaded 2-core VM gave clean ranks 1.85x, z 3.1 in 3 of 11)
-    intermittent_max_base_ratio: float = 1.1  # in its other iterations
+    intermittent_min_ratio: float = 1.1  # to its peers in the slow iterations: smaller is not worth naming
     edge_stage_allowance: float = 1.3  # cross-stage only: first/last stages carry embedding/head/loss work
     # (measured 1.19x on a fault-free 4-stage CPU run), so they need compute_min_ratio x this
     min_samples: int = 4
@@ -118,13 +129,15 @@ class DetectConfig:
 
     def __post_init__(self) -> None:
         for name in ("compute_min_ratio", "strong_compute_ratio", "link_min_ratio", "strong_link_ratio",
-                     "edge_stage_allowance"):
+                     "edge_stage_allowance", "intermittent_min_ratio"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
         for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share",
-                     "intermittent_min_share", "intermittent_max_share"):
+                     "intermittent_max_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.intermittent_alpha < 0.5:
+            raise ValueError(f"intermittent_alpha must be a probability in (0, 0.5), got {self.intermittent_alpha}")
         if self.min_samples < 1 or self.warmup_iterations < 0 or self.link_min_excess_ns < 0:
             raise ValueError("min_samples must be >= 1, warmup_iterations and link_min_excess_ns >= 0")
         if self.iterations is not None and self.iterations[1] <= self.iterations[0]:
@@ -201,24 +214,36 @@ def _ms(ns: float) -> float:
     return round(float(ns) / 1e6, 3)
 
 
+def _compute_evidence(st: rules.ComputeStats, config: DetectConfig) -> tuple[bool, float, str, dict]:
+    """(intermittent, ratio, summary, evidence fields) of a slow-compute suspect."""
+    peers = {"dp_replicas": "DP replicas", "tp_peers": "TP peers", "pipeline_stages": "other pipeline stages"}
+    it = st.intermittent
+    if is_constant(st, config) or not is_intermittent(st, config):
+        return False, st.ratio, (f"rank {st.rank} forward/backward compute is {st.ratio:.2f}x its {peers[st.basis]} "
+                                 f"{list(st.peers)} (median of {st.samples} microbatch samples; slower in "
+                                 f"{st.consistency:.0%} of {st.iterations} iterations)"), {"intermittent": False}
+    fields = {"intermittent": True, "slow_iterations": list(it.slow_iterations),
+              "slow_iteration_ratio": round(it.slow_ratio, 3), "other_iteration_ratio": round(it.base_ratio, 3),
+              "intermittent_p": float(f"{it.p_value:.3g}"), "periodic": it.periodic}
+    period = f", every {it.slow_iterations[1] - it.slow_iterations[0]}" if it.periodic else ""
+    summary = (f"rank {st.rank} forward/backward compute is {it.slow_ratio:.2f}x its {peers[st.basis]} "
+               f"{list(st.peers)} in iterations {list(it.slow_iterations)} ({len(it.slow_iterations)} of "
+               f"{it.iterations}{period}; {it.base_ratio:.2f}x in the others): intermittent, "
+               f"p = {it.p_value:.2g} for a clean run")
+    return True, it.slow_ratio, summary, fields
+
+
 def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, config: DetectConfig) -> Suspect:
     strag = stragglers.get(st.rank)
     shares = {fam: round(strag.share(fam), 3) for fam in strag.instances} if strag else {}
     corroborated = any(s >= config.straggler_min_share for s in shares.values())
-    intermittent = st.consistency < config.compute_min_consistency
-    ratio = st.slow_ratio if intermittent else st.ratio
+    intermittent, ratio, summary, fields = _compute_evidence(st, config)
     conf = _confidence(_BASIS_WEIGHT[st.basis], ratio, config.strong_compute_ratio, max(st.consistency, 0.5))
     conf = round(min(1.0, conf + (0.1 if corroborated else 0.0)), 3)
-    peers = {"dp_replicas": "DP replicas", "tp_peers": "TP peers", "pipeline_stages": "other pipeline stages"}
-    summary = (f"rank {st.rank} forward/backward compute is {ratio:.2f}x its {peers[st.basis]} "
-               f"{list(st.peers)} (median of {st.samples} microbatch samples; slower in "
-               f"{st.consistency:.0%} of {st.iterations} iterations{': intermittent' if intermittent else ''})")
     if corroborated:
         summary += f"; last to arrive at {max(shares.values()):.0%} of its collectives"
     evidence = {"summary": summary, "basis": st.basis, "peers": list(st.peers), "ratio": round(st.ratio, 3),
-                "intermittent": intermittent, "slow_iterations": st.slow_iterations,
-                "slow_iteration_ratio": round(st.slow_ratio, 3),
-                "consistency": round(st.consistency, 3), "sample_share": round(st.sample_share, 3),
+                **fields, "consistency": round(st.consistency, 3), "sample_share": round(st.sample_share, 3),
                 "z": round(min(st.z, 1e6), 2), "samples": st.samples, "iterations": st.iterations,
                 "rank_median_ms": _ms(st.rank_median_ns), "peer_median_ms": _ms(st.peer_median_ns),
                 "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration), "last_arrival_share": shares}
@@ -298,6 +323,8 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     spans = {r: rules.compute_pure_spans(ev, its) for r, ev in events.items()}
     basis, peers = rules.build_compute_peers(coords, layout)
     compute = rules.compare_compute(spans, peers, basis, layout.get("pp_size", 1), coords, config.compute_min_ratio)
+    slow_its = compare_intermittent(spans, peers, config.intermittent_min_iterations, config.intermittent_max_share)
+    compute = {r: replace(st, intermittent=slow_its.get(r)) for r, st in compute.items()}
     index = index_comm_events(traces)
     instances = rules.collect_collectives(index, events, its)
     stragglers = rules.compute_straggler_stats(instances)

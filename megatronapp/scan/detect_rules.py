@@ -21,11 +21,15 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatronapp.scan.matching import CommIndex
 from megatronapp.spans import COMPUTE_KINDS, ITERATION, NESTED_NON_COMPUTE, UNKEYED_DP_COLLECTIVES
+
+if TYPE_CHECKING:  # detect_intermittent builds on this module; the stats only travel through it
+    from megatronapp.scan.detect_intermittent import IntermittentStats
 
 _MAD_TO_SIGMA = 1.4826
 _MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
@@ -124,11 +128,7 @@ class ComputeStats:
     peer_median_ns: float
     excess_ns_per_iteration: float  # median over iterations of sum(my - peer median)
     edge_stage: bool  # first/last pipeline stage (extra embedding/loss work)
-    # Intermittent slowness: the iterations whose median ratio reaches the threshold, judged alone.
-    slow_iterations: int = 0
-    slow_ratio: float = 1.0  # median sample ratio within those iterations
-    slow_z: float = 0.0  # robust z of log-ratios within those iterations
-    base_ratio: float = 1.0  # median sample ratio in the other iterations
+    intermittent: IntermittentStats | None = None  # its slow iterations, if any (detect_intermittent.py)
 
 
 def _robust_z(logs: np.ndarray) -> float:
@@ -170,10 +170,6 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
         if not per_it:
             continue
         ratios = np.concatenate([np.asarray(r) for r in per_it.values()])
-        slow_its = [np.asarray(r) for r in per_it.values() if np.median(r) >= threshold]
-        slow = np.concatenate(slow_its) if slow_its else np.ones(1)
-        base_its = [np.asarray(r) for r in per_it.values() if np.median(r) < threshold]
-        base = np.concatenate(base_its) if base_its else np.ones(1)
         pp = coords[rank]["pp"]
         out[rank] = ComputeStats(
             rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios), iterations=len(per_it),
@@ -182,9 +178,7 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
             sample_share=float(np.mean(ratios >= threshold)), z=float(_robust_z(np.log(ratios))),
             rank_median_ns=float(np.median(my_vals)), peer_median_ns=float(np.median(peer_vals)),
             excess_ns_per_iteration=float(np.median(list(excess.values()))),
-            edge_stage=pp_size > 1 and pp in (0, pp_size - 1), slow_iterations=len(slow_its),
-            slow_ratio=float(np.exp(np.median(np.log(slow)))), slow_z=float(_robust_z(np.log(slow))),
-            base_ratio=float(np.exp(np.median(np.log(base)))))
+            edge_stage=pp_size > 1 and pp in (0, pp_size - 1))
     return out
 
 

@@ -87,7 +87,8 @@ def iter_rank_batches(path: str | os.PathLike, warn: bool = True,
         if columns is not None:  # reopen, reading only `columns` (indices into this file's schema)
             fields = sorted(reader.schema.get_field_index(c) for c in columns)
             handle.seek(0)
-            reader = pa.ipc.open_stream(handle, options=pa.ipc.IpcReadOptions(use_threads=False, included_fields=fields))
+            options = pa.ipc.IpcReadOptions(use_threads=False, included_fields=fields)
+            reader = pa.ipc.open_stream(handle, options=options)
         count, error = 0, None
         while True:
             try:
@@ -172,7 +173,8 @@ class _FullBatches:
     def batch(self, index: int) -> pa.RecordBatch:
         """Batch number `index` (0 = first); indices must not decrease from call to call."""
         if self._batches is None:
-            self._batches = (b for b in iter_rank_batches(self._path, warn=False) if isinstance(b, pa.RecordBatch))
+            every = iter_rank_batches(self._path, warn=False)
+            self._batches = (b for b in every if isinstance(b, pa.RecordBatch))
         while self._index < index:
             self._batch = next(self._batches)
             self._index += 1
@@ -197,10 +199,11 @@ class _AlignSample:
             fresh = seen[~np.isin(seen, self.iterations)][:self.size - len(self.iterations)]
             self.iterations = np.concatenate([self.iterations, fresh])
         if calib.any():
-            self.calib.append((batch.column("start_ns").to_numpy()[calib], batch.column("end_ns").to_numpy()[calib]))
+            pair = batch.column("start_ns").to_numpy()[calib], batch.column("end_ns").to_numpy()[calib]
+            self.calib.append(pair)
         if len(self.iterations) and spans.any() and iterations[spans].min() <= self.iterations.max():
-            rows = np.flatnonzero(spans & np.isin(iterations, self.iterations)
-                                  & category_mask(batch.column("cat"), CAT_COMM) & (batch.column("seq").to_numpy() >= 0))
+            keyed = category_mask(batch.column("cat"), CAT_COMM) & (batch.column("seq").to_numpy() >= 0)
+            rows = np.flatnonzero(spans & np.isin(iterations, self.iterations) & keyed)
             if len(rows):
                 source = batch if whole else self.full.batch(index)
                 self.tables.append(pa.Table.from_batches([source.take(pa.array(rows))]))
@@ -208,7 +211,9 @@ class _AlignSample:
     def settled(self, spans: np.ndarray, iterations: np.ndarray) -> bool:
         """Whether the sample has its iterations and the batch went past them (later batches
         rarely hold rows of them: decoding every column of every batch is then wasted)."""
-        return len(self.iterations) == self.size and bool(spans.any()) and iterations[spans].max() > self.iterations.max()
+        if len(self.iterations) < self.size or not spans.any():
+            return False
+        return bool(iterations[spans].max() > self.iterations.max())
 
     def table(self) -> pa.Table:
         """The comm rows in file order, then the calib rows in file order."""

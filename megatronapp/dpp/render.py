@@ -7,25 +7,11 @@ files out; both written atomically (temp file + os.replace).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 
 from megatronapp.dpp.simulator import Span
 from megatronapp.dpp.tasks import FORWARD
-
-
-def _atomic_write(path: str, write) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+from megatronapp.files import atomic_path, write_bytes_atomic
 
 
 def _label(span: Span) -> str:
@@ -49,7 +35,7 @@ def build_chrome_trace(spans: Sequence[Span], title: str) -> dict:
 
 def save_chrome_trace(spans: Sequence[Span], path: str, title: str = "schedule") -> None:
     data = json.dumps(build_chrome_trace(spans, title)).encode()
-    _atomic_write(path, lambda f: f.write(data))
+    write_bytes_atomic(path, data)
 
 
 def save_gantt_png(spans: Sequence[Span], path: str, title: str = "schedule") -> None:
@@ -76,5 +62,6 @@ def save_gantt_png(spans: Sequence[Span], path: str, title: str = "schedule") ->
     ax.set_xlabel("seconds")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)

@@ -28,17 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatronapp.files import atomic_path, write_text_atomic
+
 
 def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def _barrier(group) -> None:
@@ -71,7 +66,7 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         meta = {"iteration": it, "layout": asdict(trainer.job.layout),
                 "model": asdict(trainer.job.model), "train": asdict(trainer.job.train)}
-        _atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))
+        write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     _barrier(g.world)
     state = _shard_state(trainer)
     if g.dp_rank == 0:
@@ -82,7 +77,7 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
     _atomic_torch_save({"rng": rng, "data": data.state_dict()}, folder / f"rank{g.rank:05d}.pt")
     _barrier(g.world)
     if g.rank == 0:
-        _atomic_write_text(Path(save_dir) / "latest", str(it))
+        write_text_atomic(Path(save_dir) / "latest", str(it))
     return folder
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from megatronapp.config import ConfigError, ModelConfig, TrainConfig
-from megatronapp.engine.checkpoint import _atomic_torch_save, _atomic_write_text, _ShardReader, find_latest
+from megatronapp.engine.checkpoint import _atomic_torch_save, _ShardReader, find_latest
+from megatronapp.files import write_text_atomic
 from megatronapp.model.gpt import GPTChunk, TPContext, build_model_chunks
 from megatronapp.parallel.layout import ParallelLayout
 
@@ -119,7 +120,7 @@ def save_full_checkpoint(save_dir: str | os.PathLike, chunks: list[GPTChunk], *,
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"iteration": 0, "layout": asdict(ParallelLayout(world_size=1)), "model": asdict(cfg),
             "train": asdict(TrainConfig(seed=seed))}
-    _atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1))
+    write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     named = {name: p for c in chunks for name, p in c.named_parameters()}
     shard = {"params": {n: p.detach().cpu().contiguous() for n, p in named.items()},
              "split": {n: p.tp_split_dim for n, p in named.items()}, "optim": {}}
@@ -127,5 +128,5 @@ def save_full_checkpoint(save_dir: str | os.PathLike, chunks: list[GPTChunk], *,
     rng = {"torch": torch.Generator().manual_seed(seed).get_state(),
            "python": random.Random(seed).getstate()[1], "cuda": None}
     _atomic_torch_save({"rng": rng, "data": {"consumed_samples": 0}}, folder / "rank00000.pt")
-    _atomic_write_text(Path(save_dir) / "latest", "0")
+    write_text_atomic(Path(save_dir) / "latest", "0")
     return folder

@@ -22,6 +22,7 @@ from megatronapp.fbd.backward import BackwardWorker
 from megatronapp.fbd.cli import fbd_config_from_args, fbd_placements_from_args, role_layout_from_args
 from megatronapp.fbd.forward import ForwardWorker
 from megatronapp.fbd.links import LinkDevices
+from megatronapp.files import write_text_atomic
 from megatronapp.parallel.groups import build_role_groups
 from megatronapp.parallel.layout import RoleLayout
 from megatronapp.parallel.placement import Placement, compute_default_backend
@@ -120,6 +121,4 @@ def _add_summary_rows(path: Path, stats: dict) -> None:
         ["forward waited on backward (max rank)", f"{stats['forward_waited_on_backward_s']:.3f} s"],
         ["forward vs recomputed loss, max |diff|", f"{stats['forward_vs_recomputed_loss_max_abs']:.2e}"]]
     summary["fbd"] = stats
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(summary))

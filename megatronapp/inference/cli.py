@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from megatronapp.config import ConfigError
+from megatronapp.files import write_text_atomic
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,7 +122,7 @@ def run_command(args: argparse.Namespace, argv: list[str], check, worker, render
     if under_launcher() or not args.nproc_per_node or args.nproc_per_node == 1:
         result = worker(args)
         if result is not None and args.result_file:
-            write_json_atomic(Path(args.result_file), result)
+            write_text_atomic(args.result_file, json.dumps(result))
         elif result is not None:
             print(render(args, result))
         return 0
@@ -132,12 +133,6 @@ def run_command(args: argparse.Namespace, argv: list[str], check, worker, render
     if code == 0:
         print(render(args, json.loads(result_file.read_text())))
     return code
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
 
 
 def generate_worker(args: argparse.Namespace) -> dict | None:

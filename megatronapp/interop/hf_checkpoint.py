@@ -22,6 +22,7 @@ from megatronapp.engine.full_model import (
     resolve_checkpoint_folder,
     save_full_checkpoint,
 )
+from megatronapp.files import write_text_atomic
 from megatronapp.interop.hf_gptneox import (
     InteropError,
     compute_hf_config,
@@ -36,9 +37,7 @@ from megatronapp.interop.hf_tokenizer import compute_tokenizer_files, describe_h
 
 def _write_text_files(out: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        write_text_atomic(out / name, text)
 
 
 def _tokenizer_files(root: Path, tokenizer_model: str | None, cfg: ModelConfig) -> tuple[dict, int | None, list]:

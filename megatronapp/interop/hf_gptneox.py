@@ -19,13 +19,13 @@ by the logit-equality tests):
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from megatronapp.config import ConfigError, ModelConfig
+from megatronapp.files import atomic_path
 
 HF_ARCHITECTURE = "GPTNeoXForCausalLM"
 HF_ACTIVATION = "gelu_pytorch_tanh"
@@ -202,9 +202,8 @@ def load_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
 def save_hf_tensors(tensors: dict[str, torch.Tensor], out: Path) -> None:
     from safetensors.torch import save_file
 
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import tempfile
 import time
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatronapp.files import commit_temp, temp_path_beside
 from megatronapp.scan.align import AlignmentReport, align_traces
 from megatronapp.scan.chrome import process_lines
 from megatronapp.scan.format import check_file_rank, select_trace_files
@@ -144,8 +144,7 @@ class _OutputFile:
 
 
 def _open_output(path: Path) -> tuple[_OutputFile, str]:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = temp_path_beside(path)
     return _OutputFile(tmp, path.name.endswith(".gz")), tmp
 
 
@@ -203,7 +202,7 @@ def _write_part(out: str | os.PathLike, survey: _Survey, readers: dict, vocab: V
                      "events_per_s": round(merger.spans / seconds, 1) if seconds > 0 else None}
             other = json.dumps(_other_data(survey, origin, stats))
             stream.write(f'\n], "displayTimeUnit": "ms", "otherData": {other}}}\n'.encode())
-        os.replace(tmp, path)
+        commit_temp(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import html
 import os
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
+from megatronapp.files import write_text_atomic
 from megatronapp.scan import detect_rules as rules
 from megatronapp.scan.analysis import TraceAnalysis
 from megatronapp.scan.detect import report_to_json
@@ -134,13 +133,4 @@ analysed; median iteration {data.verdict['what_if']['iteration_ms']} ms
 
 def write_report(analysis: TraceAnalysis, out: str | os.PathLike, title: str, timeline: str | None) -> None:
     """Render and write atomically (temp file + os.replace)."""
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(render_report_html(compute_report_data(analysis), title, timeline))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(out, render_report_html(compute_report_data(analysis), title, timeline))

@@ -13,7 +13,6 @@ but the PCA.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +20,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from megatronapp.files import atomic_path, write_text_atomic
 from megatronapp.scope.compress import CapturedItem  # noqa: E402
 from megatronapp.scope.pca import compute_pca, token_rows  # noqa: E402
 from megatronapp.scope.store import dequantized, load_capture  # noqa: E402
@@ -29,10 +29,9 @@ MAX_PANELS = 16
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=90, bbox_inches="tight")
+    with atomic_path(path) as tmp:  # the temporary name keeps the .png suffix savefig reads
+        fig.savefig(tmp, dpi=90, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _grid(n: int):
@@ -125,7 +124,5 @@ def render_report(capture_file, out_dir) -> list[Path]:
              f"{len(items)} items, {manifest.get('bytes_per_token', 0):.0f} bytes/token", ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]
     index = out / "index.md"
-    tmp = index.with_name("index.md.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, index)
+    write_text_atomic(index, "\n".join(lines) + "\n")
     return written + [index]

@@ -10,19 +10,13 @@ Both are written to temp names and renamed. Loading reads JSON and tensors only 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatronapp.files import atomic_path, write_text_atomic
 from megatronapp.scope.compress import CapturedItem
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def save_capture(path, manifest: dict, items: list[CapturedItem], extra: dict | None = None) -> None:
@@ -32,8 +26,9 @@ def save_capture(path, manifest: dict, items: list[CapturedItem], extra: dict | 
     manifest = {**manifest, **(extra or {})}
     tensors = {f"{it.name}/{k}": t.detach().cpu().clone().contiguous() for it in items for k, t in it.tensors.items()}
     text = json.dumps(manifest)
-    _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"manifest": text}))
-    _atomic(path.with_name(path.name + ".json"), lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"manifest": text})
+    write_text_atomic(path.with_name(path.name + ".json"), json.dumps(manifest, indent=1))
 
 
 def load_capture(path) -> tuple[dict, list[CapturedItem]]:

@@ -112,3 +112,17 @@ def test_the_verdict_names_the_slow_iterations_and_the_period():
     assert (s["rank"], ev["intermittent"], ev["slow_iterations"], ev["periodic"]) == (2, True, [4, 8, 12], True)
     assert 1.3 < ev["slow_iteration_ratio"] < 1.8 and ev["intermittent_p"] < 0.02
     assert "every 4" in ev["summary"] and "iterations [4, 8, 12]" in ev["summary"]
+
+
+@pytest.mark.parametrize("name", ["DP4", "PP2xDP2", "TP2xPP2"])
+def test_what_if_of_an_intermittent_suspect_recovers_what_its_slow_iterations_cost(name):
+    """The saving counts only the slow iterations, averaged over all: the median iteration is an
+    unaffected one and would report no cost at all (the summary's ratio is the median, ~1.0x)."""
+    job = dict(**LAYOUTS[name], seed=7, **QUIET)
+    faulty = detect(simulate_job_traces(SimulatedJob(**job, slow_rank=2, slow_factor=1.5, slow_every=4)))
+    clean = detect(simulate_job_traces(SimulatedJob(**job)))  # same seed: same noise, no fault
+    (s,) = faulty.suspects
+    cost = faulty.iteration_mean_ns - clean.iteration_mean_ns
+    assert s.evidence["intermittent"] and cost > 0.04 * clean.iteration_mean_ns
+    assert s.iteration_ns == pytest.approx(faulty.iteration_mean_ns)
+    assert abs(s.saving_ns - cost) < 0.25 * cost

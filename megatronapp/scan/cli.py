@@ -121,9 +121,11 @@ def run_whatif(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**doc["what_if"], "faults": rows}, indent=2))
         return 0
-    print(f"iteration time now: {doc['what_if']['iteration_ms']} ms (median critical path)")
+    print(f"iteration time now: {doc['what_if']['iteration_ms']} ms (median critical path; mean "
+          f"{doc['what_if']['iteration_mean_ms']} ms)")
     for row in rows:
-        print(f"without {row['fault']}: {row['iteration_if_fixed_ms']} ms (-{row['saving_ms']} ms)")
+        basis = "" if row["over_iterations"] == "median" else f"; intermittent: mean of now {row['iteration_ms']} ms"
+        print(f"without {row['fault']}: {row['iteration_if_fixed_ms']} ms (-{row['saving_ms']} ms{basis})")
     if rows:
         print(f"without all of them: {doc['what_if']['iteration_if_all_fixed_ms']} ms")
     else:

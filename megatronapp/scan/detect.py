@@ -154,8 +154,8 @@ class Suspect:
     confidence: float  # 0..1
     evidence: dict  # numbers plus a one-line "summary"
     link: tuple[int, int] | None = None
-    iteration_ns: float = 0.0  # median iteration time (critical path)
-    what_if_iteration_ns: float = 0.0  # estimated iteration time were the suspect as fast as its peers
+    iteration_ns: float = 0.0  # median iteration time (critical path); the mean for an intermittent suspect
+    what_if_iteration_ns: float = 0.0  # the same, estimated were the suspect as fast as its peers
 
     @property
     def saving_ns(self) -> float:
@@ -167,6 +167,7 @@ class DetectionReport:
     suspects: tuple[Suspect, ...]  # most likely first
     iterations_analyzed: tuple[int, ...]
     iteration_ns: float  # median iteration time over the analysed iterations
+    iteration_mean_ns: float  # their mean (what an intermittent suspect's what-if is compared with)
     what_if_all_fixed_ns: float  # all suspects fixed at once (savings added up)
     world_size: int
     layout: dict
@@ -263,16 +264,24 @@ def _link_suspect(st: rules.LinkStats, coords: dict, config: DetectConfig) -> Su
 
 
 def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], busy: list[dict], spans: dict, links: dict) -> Suspect:
+    """`s` with its iteration time and the estimate were it fixed: medians over the iterations,
+    or means for an intermittent suspect (slow in a few iterations only: the median iteration
+    is an unaffected one, so it would hide the cost), whose saving counts only where it was slow."""
     if not crit:
         return s
+    intermittent = s.evidence.get("intermittent", False)
     if s.cause == "slow_compute":
-        savings = [paths.estimate_compute_saving(p, s.rank, spans.get(s.rank, []), s.evidence["ratio"]) for p in crit]
+        ratio = s.evidence["slow_iteration_ratio"] if intermittent else s.evidence["ratio"]
+        slow = set(s.evidence["slow_iterations"]) if intermittent else None
+        savings = [paths.estimate_compute_saving(p, s.rank, spans.get(s.rank, []), ratio)
+                   if slow is None or p.iteration in slow else 0.0 for p in crit]
         floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
     else:
         savings = [paths.estimate_link_saving(p, s.link, links[s.link].peer_median_ns) for p in crit]
         floors = [max(b.values(), default=0) for b in busy]
-    t = float(np.median([p.duration_ns for p in crit]))
-    what_if = float(np.median([max(p.duration_ns - v, f) for p, v, f in zip(crit, savings, floors)]))
+    average = np.mean if intermittent else np.median
+    t = float(average([p.duration_ns for p in crit]))
+    what_if = float(average([min(p.duration_ns, max(p.duration_ns - v, f)) for p, v, f in zip(crit, savings, floors)]))
     return Suspect(s.rank, s.coords, s.cause, s.confidence, s.evidence, s.link, t, min(what_if, t))
 
 
@@ -345,7 +354,8 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     # Pipeline bubbles make every clean run "wait": victims only mean something next to a culprit.
     victims = _victims(instances, messages, len(iterations), t, {s.rank for s in suspects}) if suspects else ()
     notes += _coverage_notes(layout, world, events, basis, instances, messages)
-    return DetectionReport(tuple(suspects), iterations, t, max(fixed, 0.0), world, layout, victims, tuple(notes))
+    mean = float(np.mean([p.duration_ns for p in crit]))
+    return DetectionReport(tuple(suspects), iterations, t, mean, max(fixed, 0.0), world, layout, victims, tuple(notes))
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -357,12 +367,13 @@ def report_to_json(report: DetectionReport) -> dict:
                  "link": list(s.link) if s.link else None, "confidence": s.confidence,
                  "evidence": dict(s.evidence),
                  "what_if": {"iteration_ms": _ms(s.iteration_ns), "iteration_if_fixed_ms": _ms(s.what_if_iteration_ns),
-                             "saving_ms": _ms(s.saving_ns)}}
+                             "saving_ms": _ms(s.saving_ns),
+                             "over_iterations": "mean" if s.evidence.get("intermittent") else "median"}}
                 for s in report.suspects]
     return {
         "suspects": suspects,
         "iterations_analyzed": list(report.iterations_analyzed),
-        "what_if": {"iteration_ms": _ms(report.iteration_ns),
+        "what_if": {"iteration_ms": _ms(report.iteration_ns), "iteration_mean_ms": _ms(report.iteration_mean_ns),
                     "iteration_if_all_fixed_ms": _ms(report.what_if_all_fixed_ns)},
         "victims": [{"rank": r, "wait_ms_per_iteration": _ms(w)} for r, w in report.victims],
         "world_size": report.world_size,

@@ -4,6 +4,7 @@ whole command line (simulated traces: real jobs are for the benchmark, not CI)."
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import scan_eval  # noqa: E402
 import scan_eval_core as core  # noqa: E402
 import scan_eval_runner as runner  # noqa: E402
 from scan_eval_core import (  # noqa: E402
+    HELDOUT_SPLITS,
     KINDS,
     Fault,
     Scenario,
@@ -38,8 +40,8 @@ def test_scenarios_are_reproducible_disjoint_between_splits_and_in_range():
     design = plan_scenarios("design", runs_per_kind=30, clean_runs=50)
     assert design == plan_scenarios("design", runs_per_kind=30, clean_runs=50)
     heldout = plan_scenarios("heldout", runs_per_kind=30, clean_runs=50)
-    heldout2 = plan_scenarios("heldout2", runs_per_kind=30, clean_runs=50)
-    for a, b in ((design, heldout), (design, heldout2), (heldout, heldout2)):
+    splits = [design] + [plan_scenarios(s, runs_per_kind=30, clean_runs=50) for s in HELDOUT_SPLITS]
+    for a, b in itertools.combinations(splits, 2):
         assert {sc.seed for sc in a}.isdisjoint({sc.seed for sc in b})
     assert [sc.kind for sc in design[:5]] == list(KINDS)  # interleaved: a partial run covers every kind
     assert sum(sc.kind == "none" for sc in design) == 50 and len(design) == 50 + 4 * 30

@@ -22,6 +22,7 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -261,8 +262,6 @@ def _busy_and_gaps(trace_path: str, top: int = 30) -> dict:
 
 def bench_timeline(args, results: dict) -> None:
     """CPU+CUDA timeline of two steps of each variant: where the GPU sits idle inside a step."""
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
@@ -270,9 +269,10 @@ def bench_timeline(args, results: dict) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step(2)
             torch.cuda.synchronize()
-        path = tempfile.mktemp(suffix=".json")
-        prof.export_chrome_trace(path)
-        out[name] = _busy_and_gaps(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(Path(tmp) / "trace.json")
+            prof.export_chrome_trace(path)
+            out[name] = _busy_and_gaps(path)
         print(name, json.dumps(out[name], indent=1), flush=True)
         del prof
     results["timeline"] = out

@@ -103,7 +103,7 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
         trainer = Trainer(job, groups, device, data, injector=injector, runtime_factory=runtime_factory,
                           **({"tracer": tracer} if tracer else {}))
         _maybe_load(job, trainer, data, rank)
-        return _train_loop(args, job, trainer, data, rank, injector)
+        return _train_loop(args, job, trainer, data, rank)
     finally:
         if instrumentation is not None:
             instrumentation.uninstall()
@@ -128,7 +128,7 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
               file=sys.stderr, flush=True)
 
 
-def _train_loop(args, job, trainer, data, rank: int, injector=None) -> list[dict]:
+def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
     from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
 
     t = job.train
@@ -144,8 +144,6 @@ def _train_loop(args, job, trainer, data, rank: int, injector=None) -> list[dict
         def on_step(metrics) -> None:
             m = metrics.as_dict()
             history.append(m)
-            if injector:
-                injector.set_iteration(trainer.iteration)
             progress.update(m)
             warning = online.update(m["iteration"], m["rank_compute_s"]) if online else None
             if warning:
@@ -156,8 +154,6 @@ def _train_loop(args, job, trainer, data, rank: int, injector=None) -> list[dict
             if t.save and t.save_interval and trainer.iteration % t.save_interval == 0:
                 save_checkpoint(t.save, trainer, data)
 
-        if injector:
-            injector.set_iteration(trainer.iteration)
         with training_scope(args, job, trainer, on_step) as on_step:  # unchanged unless --scope
             trainer.train(on_step=on_step)
     if t.save and not (t.save_interval and trainer.iteration % t.save_interval == 0):

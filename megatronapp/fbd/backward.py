@@ -73,6 +73,8 @@ class BackwardRuntime:
     def run(self, microbatches: list[torch.Tensor], iteration: int = 0) -> torch.Tensor | None:
         """Forward (recompute) + backward of every microbatch; summed 1/M-scaled loss on the last stage."""
         it = _Iteration(iteration, microbatches)
+        if self.injector is not None:
+            self.injector.set_iteration(iteration)  # as PipelineRuntime.run: intermittent slowdowns
         self.faults.before_iteration(it.index)
         self.outbox = Outbox()
         actions = compute_backward_actions(self.roles.layout, self.roles.rank, it.index, self.num_microbatches,

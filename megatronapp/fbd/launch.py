@@ -32,7 +32,7 @@ from megatronapp.parallel.placement import Placement, compute_default_backend
 class CliParts:
     build_data: Callable  # (args, tokenizer, job, groups: ParallelGroups) -> batch iterator
     build_tracer: Callable  # (args, job, groups, device, rank_meta_overrides) -> (tracer | None, instrumentation)
-    train_loop: Callable  # (args, job, trainer, data, rank, injector) -> metrics history (logs, saves, summary)
+    train_loop: Callable  # (args, job, trainer, data, rank) -> metrics history (logs, saves, summary)
     build_injector: Callable  # (rank, device) -> engine fault injector or None
     maybe_load: Callable  # (job, trainer, data, rank): resume from --load when it holds a checkpoint
 
@@ -83,7 +83,7 @@ def run_fbd_rank(args: argparse.Namespace, job: JobConfig, tokenizer, parts: Cli
             injector = parts.build_injector(rank, device)
             worker = BackwardWorker(job, fbd, groups, device, data, injector=injector, **kw)
             parts.maybe_load(job, worker.trainer, data, rank)
-            history = parts.train_loop(args, job, worker.trainer, data, rank, injector)
+            history = parts.train_loop(args, job, worker.trainer, data, rank)
         stats = gather_role_waits(worker, lay, rank)
         if rank == 0 and args.summary_file:
             _add_summary_rows(Path(args.summary_file), stats)

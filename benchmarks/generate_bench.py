@@ -147,6 +147,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed as a CUDA graph (ours)")
+    p.add_argument("--no-eager", action="store_true",
+                   help="with --cuda-graphs, skip the eager-decode variants (many cheap rounds for the paired CIs)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device, dtype = torch.device(args.device), torch.bfloat16 if args.bf16 else torch.float32
@@ -167,7 +169,8 @@ def main() -> None:
 
     variants = {"ours_off": ours(args.cuda_graphs, False), "ours_capture": ours(args.cuda_graphs, True),
                 "ours_scope_off": ours(args.cuda_graphs, False, after_capture=True)}
-    if args.cuda_graphs:  # the eager decode path side by side with the graph replay
+    eager_too = args.cuda_graphs and not args.no_eager
+    if eager_too:  # the eager decode path side by side with the graph replay
         variants.update(ours_eager=ours(False, False), ours_eager_capture=ours(False, True))
     if hf is not None:
         variants["hf"] = lambda: (time_hf(hf, prompt, new, device), {})
@@ -181,7 +184,7 @@ def main() -> None:
     report["capture_off_overhead_pct"] = 100.0 * (off / report["ours_scope_off"]["median"] - 1.0)
     for name in ("ours_capture", "ours_scope_off"):  # paired within rounds: drift cancels
         report[f"{name}_paired_pct"] = paired_overhead_pct(results["ours_off"], results[name])
-    if args.cuda_graphs:
+    if eager_too:
         eager_off, eager_on = report["ours_eager"]["median"], report["ours_eager_capture"]["median"]
         report["eager_capture_overhead_pct"] = 100.0 * (eager_off / eager_on - 1.0)
     if hf is not None:

@@ -318,3 +318,29 @@ def test_writer_queue_is_bounded_drops_and_counts_without_blocking(tmp_path, mon
     assert 1 <= len(steps) <= 3 and tracer.dropped_events == (8 - len(steps)) * per_window
     with pytest.raises(ValueError, match="max_pending_windows"):
         TraceConfig(max_pending_windows=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_marks_follow_the_current_stream(tmp_path):
+    """A span opened under a side stream times that stream's work, not the default stream's."""
+    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, continuous_iterations=1)
+    a = torch.randn(4096, 4096, device="cuda")
+    side = torch.cuda.Stream()
+
+    def body(tracer: Tracer, it: int) -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), tracer.span("side_work"):
+            for _ in range(8):
+                a @ a
+        torch.cuda.current_stream().wait_stream(side)
+        with tracer.span("default_empty"):
+            pass
+
+    with Tracer(config, {**META, "device": "gpu"}, device="cuda") as tracer:
+        run_iterations(tracer, range(1, 3), body)
+    rows = [r for r in rows_of(tracer) if r["cat"] != "calib"]
+    side_ns = [r["end_ns"] - r["start_ns"] for r in rows if r["name"] == "side_work"]
+    empty_ns = [r["end_ns"] - r["start_ns"] for r in rows if r["name"] == "default_empty"]
+    assert len(side_ns) == 2 and min(side_ns) > 1_000_000  # 8 GEMMs of 4096^3: well over 1 ms
+    assert max(empty_ns) < min(side_ns) / 10

@@ -68,10 +68,22 @@ class CudaClock:
         self._anchor.synchronize()
         self._anchor_ns = time.monotonic_ns() + skew_ns
         self._skew = skew_ns
+        self._device_index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+        self._current_stream = torch._C._cuda_getCurrentStream
+        self._record = torch._C._CudaEventBase.record  # the C method, without the Python wrapper
+        self._streams: dict[int, Any] = {}
 
     def mark(self) -> Any:
         event = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
-        event.record()
+        # Event.record() with no stream builds a Python Stream through current_stream() at every
+        # call (~40 Python calls, most of full granularity's host cost on a launch-bound model):
+        # look the current stream's id up in C and record on a cached Stream object instead.
+        stream_id, device_index, device_type = self._current_stream(self._device_index)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            stream = self._streams[stream_id] = self._torch.cuda.Stream(
+                stream_id=stream_id, device_index=device_index, device_type=device_type)
+        self._record(event, stream)
         return event
 
     def to_ns(self, event: Any) -> int:

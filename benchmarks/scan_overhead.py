@@ -193,15 +193,20 @@ def bench(preset: str, micro_batch: int, num_micro: int, device: torch.device, s
     return measure_overhead(trainer, device, steps, rounds, seed)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_job_args(p: argparse.ArgumentParser, rounds: int, warmup: int) -> None:
+    """The model and round arguments this benchmark shares with scan_overhead_profile.py."""
     p.add_argument("--preset", default="small")
     p.add_argument("--device", default="cuda")
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--num-micro", type=int, default=2)
     p.add_argument("--steps", type=int, default=10, help="steps per variant per round")
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--warmup", type=int, default=warmup)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_job_args(p, rounds=40, warmup=5)
     p.add_argument("--no-compile", action="store_true", help="eager model (default: compiled on CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the summary (and every round) as JSON here")

@@ -67,13 +67,7 @@ def run_segment(trainer: Trainer, variant: str, device: torch.device, steps: int
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="small")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--num-micro", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
+    scan_overhead.add_job_args(p, rounds=12, warmup=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device(args.device)

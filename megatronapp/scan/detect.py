@@ -349,13 +349,13 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
             for i in iterations]
     suspects = [_with_what_if(s, crit, busy, spans, links) for s in suspects]
     suspects.sort(key=lambda s: (-s.confidence, -s.saving_ns, s.rank))
-    t = float(np.median([p.duration_ns for p in crit]))
+    durations = [p.duration_ns for p in crit]
+    t = float(np.median(durations))
     fixed = t - sum(max(0.0, s.saving_ns) for s in suspects)
     # Pipeline bubbles make every clean run "wait": victims only mean something next to a culprit.
     victims = _victims(instances, messages, len(iterations), t, {s.rank for s in suspects}) if suspects else ()
     notes += _coverage_notes(layout, world, events, basis, instances, messages)
-    mean = float(np.mean([p.duration_ns for p in crit]))
-    return DetectionReport(tuple(suspects), iterations, t, mean, max(fixed, 0.0), world, layout, victims, tuple(notes))
+    return DetectionReport(tuple(suspects), iterations, t, float(np.mean(durations)), max(fixed, 0.0), world, layout, victims, tuple(notes))
 
 
 # -- output ----------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ p-1..0, plus the links). work(p) is p's least compute:
     know a task's factor before running it (every real one: the factor is the machine's)
     gets each draw independently of the task it runs, so E[work] is this, and
     E[makespan] >= max_p E[head + work + tail]: no real schedule beats it on average.
+Both are computed by megatronapp/dpp/bounds.py (with any cap), which also takes, beside all of
+p's tasks, the later task classes alone (a higher bound when M is small next to P), so they
+are at least the formula above.
 Costs default to the 8-rank CPU job's proportions (F 10 ms, B 20 ms per 1-layer chunk,
 0.5 ms per message).
 
@@ -34,15 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 from dataclasses import replace
 
+from megatronapp.dpp.bounds import compute_step_bound_s
 from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_sim
 from megatronapp.dpp.scheduler import compute_default_caps
 from megatronapp.dpp.simulator import CostModel, simulate
-from megatronapp.dpp.tasks import forward_task
 from megatronapp.pipeline.schedules import build_schedule
 
 REFERENCE = "interleaved/rendezvous"
@@ -67,23 +69,10 @@ def variants(pp: int, vpp: int, m: int, traversals, cap_extra: tuple[int, ...] =
 
 
 def lower_bounds_s(cost: CostModel, pp: int, vpp: int, m: int) -> tuple[float, float]:
-    """(clairvoyant bound, online bound) of the module docstring, for the seeds in `cost.jitter`."""
-    factors = {j.rank: j for j in cost.jitter}
-    clairvoyant = online = 0.0
-    for p in range(pp):
-        tasks = sorted((t for c in range(vpp) for t in (cost.forward_s[p][c], cost.backward_s[p][c])
-                        for _ in range(m)), reverse=True)
-        mean_work = sum(tasks)
-        if p in factors:  # the simulator's draws for this rank, smallest on the longest tasks
-            rng, top = random.Random(f"{factors[p].seed}:{p}"), factors[p].max_factor
-            drawn = sorted(rng.uniform(1.0, top) for _ in tasks)
-            tasks = [t * f for t, f in zip(tasks, drawn)]
-            mean_work *= (1.0 + top) / 2
-        head = sum(cost.task_s(q, forward_task(0, 0)) + cost.transfer_s(q, q + 1) for q in range(p))
-        tail = sum(cost.backward_s[q][0] + cost.transfer_s(q + 1, q) for q in range(p))
-        clairvoyant = max(clairvoyant, head + sum(tasks) + tail)
-        online = max(online, head + mean_work + tail)
-    return clairvoyant, online
+    """(clairvoyant bound, online bound) of the module docstring at any cap, for the seeds in
+    `cost.jitter` (megatronapp/dpp/bounds.py; its "expected" mode is the online bound)."""
+    return (compute_step_bound_s(cost, pp, vpp, m, mode="clairvoyant"),
+            compute_step_bound_s(cost, pp, vpp, m, mode="expected"))
 
 
 def study_config(base: CostModel, m: int, scenarios, seeds: int, traversals, on_result=None,

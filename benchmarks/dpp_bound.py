@@ -124,7 +124,7 @@ def print_tables(label: str, cells: dict, reference: str) -> None:
 
 
 def print_real(config: tuple, cells: dict) -> None:
-    real = REAL_INTERLEAVED_MS.get(config)
+    real = {scen: ms for scen, ms in REAL_INTERLEAVED_MS.get(config, {}).items() if scen in cells}
     if not real:
         return
     print(f"\nmeasured static interleaved (16-core host) / simulated bound, PP{config[0]} V{config[1]} M{config[2]}:")

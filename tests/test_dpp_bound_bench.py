@@ -54,11 +54,12 @@ def test_slow1_scales_only_the_slow_stage():
 
 def test_cli_writes_json_and_refuses_bad_configs(tmp_path, capsys):
     out = tmp_path / "b.json"
-    assert dpp_bound.main(["--configs", "4x2x4", "--seeds", "2", "--scenarios", "jitter1",
+    assert dpp_bound.main(["--configs", "4x2x8", "--seeds", "2", "--scenarios", "jitter1",
                            "--traversals", "in-order", "--search-moves", "5", "--json", str(out)]) == 0
-    data = json.loads(out.read_text())["results"]["PP4V2M4"]
+    data = json.loads(out.read_text())["results"]["PP4V2M8"]
     assert set(data) == {"jitter1"} and len(data["jitter1"]["runs"]["bound"]) == 2
-    assert "speed vs interleaved/rendezvous" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "speed vs interleaved/rendezvous" in printed and "jitter1   295.4 ms" in printed  # measured-run line
     for bad in (["--configs", "4x2x6"], ["--configs", "2x2x4"], ["--configs", "4-2-8"], ["--search-moves", "-1"]):
         with pytest.raises(SystemExit):
             dpp_bound.main(bad)

@@ -26,8 +26,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK = 4096
-# columns of a plan's pointer table: the addresses each tensor's update reads and writes
-_MAIN, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _MODEL, _STEP = range(6)
+# a plan's pointer table has one row per tensor: the addresses of its main param, grad, exp_avg,
+# exp_avg_sq, model tensor and step counter (the kernel reads them as columns 0-5)
+_STEP = 5
 
 
 def available(device: torch.device) -> bool:

@@ -18,7 +18,8 @@ below two ways:
     inequality). Holds per seed, even for an oracle that knows every draw;
   * expected: a policy that picks a task before its draw is made (every real one: the
     factor is the machine's) gets, at each position, a factor independent of the task, so
-    E[work(X)] = mean factor * costs and E[makespan] >= (*) with it. Holds for the mean over
+    E[work(X)] = mean factor * costs and E[makespan] >= (*) with it (whether a task belongs
+    to X is known when it is picked, for both kinds of set below). Holds for the mean over
     seeds only, not per seed.
 Sets X used (the bound is the max over ranks and sets):
   * thresholds: the tasks of every class (kind, chunk) with release >= a and tail >= b, for

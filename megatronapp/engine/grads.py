@@ -5,7 +5,7 @@ name) is a view into it. fp32 parameters also get `param.grad` = that view, so a
 accumulates microbatches in place. bf16/fp16 parameters accumulate each microbatch's
 gradient into `main_grad` in a post-accumulate-grad hook and drop the low-precision
 `.grad` right away. The adds of small parameters (biases, norms: hundreds of tiny kernels
-per microbatch) are deferred and run as one `_foreach_add_` per flush; a flush happens
+per microbatch) are deferred and run as a few batched kernels per flush; a flush happens
 before a bucket is reduced, before a parameter would be queued twice (the next
 microbatch's backward reached it) and in `finish`, so every add lands before anything
 reads the main grads. With gradient-accumulation fusion (parallel/wgrad_fusion.py) the
@@ -105,23 +105,30 @@ DEFERRED_ADD_MAX_NUMEL = 1 << 20
 
 
 class _DeferredAdds:
-    """Pending `main_grad += grad` of small low-precision parameters, run as one foreach."""
+    """Pending `main_grad += grad` of small low-precision parameters, run as a handful of kernels.
+
+    `_foreach_add_` has a fast path only for lists of one dtype (fp32 += bf16 falls back to one
+    kernel per tensor), so the grads are first concatenated (one batched copy) and widened to
+    fp32 in one pass; the adds are then one fp32 foreach. Each element still gets exactly one
+    fp32 add of its bf16/fp16 value, so the sums are those of adding each grad on its own.
+    """
 
     def __init__(self):
-        self.mains: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
+        self.mains: list[torch.Tensor] = []  # flat fp32 main-grad views
+        self.grads: list[torch.Tensor] = []  # flat low-precision grads
         self.queued: set[int] = set()
 
     def add(self, param: nn.Parameter) -> None:
         if id(param) in self.queued:  # its previous microbatch's add must land first
             self.flush()
-        self.mains.append(param.main_grad)
-        self.grads.append(param.grad)
+        self.mains.append(param.main_grad.view(-1))
+        self.grads.append(param.grad.reshape(-1))
         self.queued.add(id(param))
 
     def flush(self) -> None:
         if self.mains:
-            torch._foreach_add_(self.mains, self.grads)
+            widened = torch.cat(self.grads).float().split([g.numel() for g in self.grads])
+            torch._foreach_add_(self.mains, widened)
             self.mains, self.grads, self.queued = [], [], set()
 
 

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatronapp.parallel import wgrad_fusion
+
 # torch >= 2.13 renames the *_tensor collectives; same signature
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -97,6 +99,28 @@ class ChunkGradBuffer:
             if self.param_data is not None:
                 b.param_data = self.param_data[b.span.start:b.span.end]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._zero_plan: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+
+    def written_first(self) -> list[int]:
+        """Indices of the params whose main grad their first weight-gradient GEMM of a step
+        overwrites (gradient-accumulation fusion, parallel/wgrad_fusion.py)."""
+        return [i for i, p in enumerate(self.params) if getattr(p, "grad_added_to_main_grad", False)]
+
+    def zero(self, skip: list[int]) -> None:
+        """Zero the buffer except the main grads of params `skip` (padding included)."""
+        if not skip:
+            self.grad_data.zero_()
+            return
+        if self._zero_plan is None or self._zero_plan[0] != tuple(skip):
+            holes = sorted((self.offsets[i], self.offsets[i] + self.params[i].numel()) for i in skip)
+            views, pos = [], 0
+            for start, end in holes + [(self.grad_data.numel(), self.grad_data.numel())]:
+                if start > pos:
+                    views.append(self.grad_data[pos:start])
+                pos = max(pos, end)
+            self._zero_plan = (tuple(skip), views)
+        if self._zero_plan[1]:
+            torch._foreach_zero_(self._zero_plan[1])
 
 
 # parameters up to this many elements have their main-grad adds batched (see module doc);
@@ -178,12 +202,22 @@ class GradReducer:
             bucket.work = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=True)
 
     def zero_grad(self) -> None:
+        """Start a step: main grads read zero until written (fused weights: first write)."""
         self._deferred = _DeferredAdds()  # adds of an abandoned step must not land in the next
         for buf in self.buffers:
-            buf.grad_data.zero_()
+            first = buf.written_first()
+            buf.zero(skip=first)
+            wgrad_fusion.mark_first_write([buf.params[i].main_grad for i in first])
             for b in buf.buckets:
                 b.ready, b.work = 0, None
         self.final_microbatch = [False] * len(self.buffers)
+
+    def _zero_unwritten(self) -> None:
+        """Main grads still marked for a first write got no gradient this step: zero them."""
+        for buf in self.buffers:
+            unwritten = wgrad_fusion.take_unwritten([buf.params[i].main_grad for i in buf.written_first()])
+            if unwritten:
+                torch._foreach_zero_(unwritten)
 
     def mark_final_microbatch(self, chunk: int) -> None:
         """Called before the last microbatch's backward of `chunk`: its buckets may now be reduced."""
@@ -192,6 +226,7 @@ class GradReducer:
     def finish(self) -> None:
         """Complete the DP reduction of every bucket (launching any not yet launched)."""
         self._deferred.flush()
+        self._zero_unwritten()
         if self.dp_group is None:
             return
         for buf in self.buffers:

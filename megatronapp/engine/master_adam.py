@@ -169,5 +169,7 @@ class MasterAdamW:
             _adamw_master_kernel[(plan.block_tensor.numel(),)](
                 plan.table, plan.numels, plan.block_tensor, plan.block_start,
                 grad_scale if grad_scale is not None else plan.numels, plan.fp32_base, plan.model_base,
-                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=plan.aligned, BLOCK_SIZE=BLOCK, num_warps=8)
+                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+                HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=plan.aligned, BLOCK_SIZE=plan.block,
+                num_warps=self.num_warps)
 

@@ -29,6 +29,7 @@ InferenceModel (one process, e.g. during training), call `cap.end_step()` after 
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,7 @@ class Capture:
         if self.target.model is None and ({"topk", "logit_lens"} & set(cfg.sites)):
             raise ValueError("topk and logit_lens need an InferenceModel (they read the logits / output layer)")
         self._items: list[CapturedItem] = []
-        self._unread: list[tuple] = []  # steps whose copies are queued, their items not yet built
+        self._unread: deque[tuple] = deque()  # steps whose copies are queued, their items not yet built
         self.steps: list[dict] = []  # {"step", "tokens", "bytes"} of each captured step
         self.recorded_steps: list[int] = []  # steps whose items came from record_decode
         self.hooks, self.staging, self._template_bytes = None, HostStaging(), (None, 0)
@@ -204,12 +205,16 @@ class Capture:
         self.steps.append(entry)
         self._unread.append((host, event, layout, step if template else None, entry, key_columns))
 
-    def _finish_transfer(self) -> None:
-        """Build the items of every queued step now (waits for their copies)."""
-        unread, self._unread = self._unread, []
-        for host, event, (items, offsets), step, entry, key_columns in unread:
+    def _finish_transfer(self, wait: bool = True) -> None:
+        """Build the items of the queued steps now, in step order: every one (waiting for their
+        copies), or with wait=False those whose copies have landed, up to the first that has not."""
+        while self._unread:
+            host, event, (items, offsets), step, entry, key_columns = self._unread[0]
             if event is not None:
+                if not wait and not event.query():
+                    return
                 event.synchronize()
+            self._unread.popleft()
             if step is not None:
                 items = _items_for_step(items, step)
             view_items(host, items, offsets)
@@ -224,6 +229,13 @@ class Capture:
     def items(self) -> list[CapturedItem]:
         """Every captured item so far (on the serving rank), in step order."""
         self._finish_transfer()
+        return self._items
+
+    def landed_items(self) -> list[CapturedItem]:
+        """The captured items whose host copies have landed, in step order, without waiting on
+        the device: a caller that has just launched the next step (its copy still queued behind
+        the step's kernels) reads the earlier steps' items while the device computes."""
+        self._finish_transfer(wait=False)
         return self._items
 
     # -- results -------------------------------------------------------------------------

@@ -90,28 +90,54 @@ class PerturbationSet:
 
 class _TokenTap:
     """Stands in for the InferenceModel inside generate(): the tokens of step s are the input of
-    step s+1, so they are reported as soon as generate() feeds them back."""
+    step s+1. Their host copy is queued just before step s+1 is launched and `on_tokens(s, copy)`
+    runs just after the launch, so the UI's per-token host work (noting the token, a flush
+    every FLUSH_S) runs while the device computes step s+1 instead of holding back its launch,
+    and adds no sync: the copy was queued ahead of the step, so waiting for it never waits
+    for the step (generate() itself syncs once per step, as without the UI)."""
 
     def __init__(self, model, on_tokens):
         self._model, self._on_tokens = model, on_tokens
 
     def forward_step(self, tokens):
-        if self._model.step > 0:
-            self._on_tokens(self._model.step - 1, tokens)
-        return self._model.forward_step(tokens)
+        step = self._model.step
+        copied = queue_host_copy(tokens) if step > 0 else None
+        logits = self._model.forward_step(tokens)
+        if copied is not None:
+            self._on_tokens(step - 1, copied)
+        return logits
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
 
+def queue_host_copy(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """(host tensor, CUDA event or None): `t` copied to pinned host memory asynchronously on the
+    current stream, landed once the event has; a CPU tensor is its own copy."""
+    if not t.is_cuda:
+        return t, None
+    host = t.to("cpu", non_blocking=True)  # non_blocking from CUDA: pinned, asynchronous
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def read_landed(copied: tuple[torch.Tensor, object]) -> torch.Tensor:
+    host, event = copied
+    if event is not None:
+        event.synchronize()
+    return host
+
+
 class _RunStream:
     """A run's records for the sink. `token(step, id)` is called when step s's token is known,
-    i.e. at the start of step s+1: generate() has synced on step s by then, so reading the
-    captures' `items` (which finishes their queued host copies) never waits on the device, and
-    no work is added inside a step. Records leave in one post at most every FLUSH_S (and at the
-    end): per token the model thread only notes the id and the time; the captures' new items
-    become ViewOut rows of the shown layers (copied: the capture's host buffers are its own)
-    and each token's top-k and logit lens at the flush."""
+    right after step s+1 was launched (_TokenTap). Records leave in one post at most every
+    FLUSH_S (and at the end): per token the model thread only notes the id and the time; at a
+    flush the captures' items whose host copies have landed (every step up to s: generate()
+    synced on step s; never waiting for s+1, which the device is computing) become ViewOut
+    rows of the shown layers (copied: the capture's host buffers are its own) and each
+    token's top-k and logit lens. A token goes out with its step's top-k and lens, so one
+    whose captures have not landed yet waits for the next flush; the final flush waits."""
 
     def __init__(self, caps, run: str, prompt_len: int, sink, with_tokens: bool):
         self.caps, self.run, self.prompt_len, self.sink, self.with_tokens = caps, run, prompt_len, sink, with_tokens
@@ -124,20 +150,23 @@ class _RunStream:
         if time.monotonic() - self.last_flush >= FLUSH_S:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
         self.last_flush = time.monotonic()
         for i, cap in enumerate(self.caps):
-            items = cap.items
+            items = cap.items if final else cap.landed_items()
             for item in items[self.seen[i]:]:
                 self._take(item)
             self.seen[i] = len(items)
         records, self.views = self.views, []
-        for step, token_id, t_ms in self.tokens if self.with_tokens else ():
+        ready = len(self.tokens) if final or not self.with_tokens else next(
+            (i for i, (step, *_) in enumerate(self.tokens) if step not in self.step_info), len(self.tokens))
+        for step, token_id, t_ms in self.tokens[:ready] if self.with_tokens else ():
             info = self.step_info.pop(step, {})
             records.append(TokenOut(run=self.run, step=step, id=token_id, topk=info.get("topk", ()),
                                     lens=info.get("lens", ()), t_server_ms=t_ms))
-        self.tokens = []
-        self.sink.post(records)
+        del self.tokens[:ready]
+        if records:
+            self.sink.post(records)
 
     def _take(self, item) -> None:
         if item.site in STREAM_SITES:
@@ -262,8 +291,8 @@ class GenerationRunner:
             stream = _RunStream(caps, run, len(prompt), sink, with_tokens=not quiet)
             sent = []
 
-            def on_tokens(step: int, tokens: torch.Tensor) -> None:
-                sent.append(int(tokens[0, 0]))
+            def on_tokens(step: int, copied) -> None:
+                sent.append(int(read_landed(copied)[0, 0]))
                 stream.token(step, sent[-1])
 
             t0 = time.perf_counter()
@@ -273,7 +302,7 @@ class GenerationRunner:
             tokens = res.tokens[0]
             for step in range(len(sent), len(tokens)):  # the last step has no next forward
                 stream.token(step, tokens[step])
-            stream.flush()
+            stream.flush(final=True)
         if not quiet:
             sink.post([P.RunEnd(run=run, tokens=tokens, text=decode(tokens),
                                 tokens_per_s=len(tokens) / max(elapsed, 1e-9))])

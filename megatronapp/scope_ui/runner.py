@@ -41,6 +41,7 @@ TOPK = 5
 ATTN_COMPRESS = "quantize:dtype=fp16"
 RESIDUAL_WIDTH = 64  # feature buckets of the residual heatmap / PCA
 RESIDUAL_COMPRESS = f"reduce:op=mean,width={RESIDUAL_WIDTH};quantize:dtype=fp16"
+TOKEN_INFO = {"topk", "lens"}  # what a token message carries besides its id
 FLUSH_S = 0.010  # records leave the model thread at most this often: one wakeup of the server per
 # ~frame, not per token (the page draws once per frame anyway; its latency goal is 50 ms)
 
@@ -159,7 +160,8 @@ class _RunStream:
             self.seen[i] = len(items)
         records, self.views = self.views, []
         ready = len(self.tokens) if final or not self.with_tokens else next(
-            (i for i, (step, *_) in enumerate(self.tokens) if step not in self.step_info), len(self.tokens))
+            (i for i, (step, *_) in enumerate(self.tokens) if not self.step_info.get(step, {}).keys() >= TOKEN_INFO),
+            len(self.tokens))
         for step, token_id, t_ms in self.tokens[:ready] if self.with_tokens else ():
             info = self.step_info.pop(step, {})
             records.append(TokenOut(run=self.run, step=step, id=token_id, topk=info.get("topk", ()),
@@ -190,12 +192,13 @@ def _pairs(values, ids, exp: bool) -> tuple:
 
 def stream_captures(model, layers, with_tokens: bool, max_bytes: int) -> tuple:
     """The capture contexts of a UI run (not entered): the shown layers' attention (fp16) with
-    top-k and logit lens, and their residual reduced to RESIDUAL_WIDTH bucket means (fp16). Two
-    captures because reduce may not touch attention's growing key dim; both are recordable
-    into the decode graph, so CUDA graphs stay on."""
+    top-k and logit lens (its top token per layer: what the page shows, one max reduction, not a
+    top-k), and their residual reduced to RESIDUAL_WIDTH bucket means (fp16). Two captures
+    because reduce may not touch attention's growing key dim; both are recordable into the
+    decode graph, so CUDA graphs stay on."""
     finals = ("topk", "logit_lens") if with_tokens else ()
-    return (capture(model, sites=("attn_probs",) + finals, layers=layers, topk=TOPK, compress=ATTN_COMPRESS,
-                    max_bytes_per_step=max_bytes),
+    return (capture(model, sites=("attn_probs",) + finals, layers=layers, topk=TOPK, lens_topk=1,
+                    compress=ATTN_COMPRESS, max_bytes_per_step=max_bytes),
             capture(model, sites=("residual",), layers=layers, compress=RESIDUAL_COMPRESS,
                     max_bytes_per_step=max_bytes))
 

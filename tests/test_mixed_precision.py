@@ -186,36 +186,40 @@ def test_fused_adamw_folds_clipping_into_its_grad_scale(bf16):
 
 
 @pytest.mark.gpu
-def test_master_adamw_kernel_equals_torch_adamw_then_copy():
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_master_adamw_kernel_equals_torch_adamw_then_copy(model_dtype):
     """The Triton kernel on fixed inputs against torch's AdamW on pre-divided grads, 3 steps,
-    two param groups (with and without weight decay), odd sizes (masked tails)."""
+    two param groups (with and without weight decay), odd sizes (masked tails); one launch per
+    group over tables built once (grads written in place, as the engine's main-grad buffers)."""
     from megatronapp.engine import master_adam
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    shapes = [(513, 77), (4097,), (3,)]
+    shapes = [(513, 77), (4097,), (3,), (8192,)]
     ref = [torch.randn(s, device=dev) for s in shapes]
     mains = [r.clone() for r in ref]
-    models = [m.to(torch.bfloat16) for m in mains]
+    models = [m.to(model_dtype) for m in mains]
+    for m in mains:
+        m.grad = torch.zeros_like(m)
 
     def adamw(ps):
         return torch.optim.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
                                  lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     torch_opt, kernel_opt = adamw(ref), adamw(mains)
-    views = {id(m): v for m, v in zip(mains, models)}
+    kernel = master_adam.MasterAdamW(kernel_opt, {id(m): v for m, v in zip(mains, models)})
     for _ in range(3):
         grads = [torch.randn_like(r) for r in ref]
         for r, g in zip(ref, grads):
             r.grad = g / 4.0
         for m, g in zip(mains, grads):
-            m.grad = g.clone()
+            m.grad.copy_(g)
         torch_opt.step()
-        master_adam.adamw_master_step(kernel_opt, views, torch.tensor(4.0, device=dev))
+        kernel.step(torch.tensor(4.0, device=dev))
     for r, m, v in zip(ref, mains, models):
         torch.testing.assert_close(m, r, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(kernel_opt.state[m]["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"],
                                    rtol=1e-6, atol=0)
-        assert torch.equal(v, m.to(torch.bfloat16))  # rounded to nearest even, as .to() does
+        assert torch.equal(v, m.to(model_dtype))  # rounded to nearest even, as .to() does
         assert float(kernel_opt.state[m]["step"]) == 3.0
 
 
@@ -249,3 +253,67 @@ def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
     torch.testing.assert_close(k_norms, norms, rtol=1e-3, atol=0)
     torch.testing.assert_close(k_losses, losses, rtol=1e-3, atol=0)
     assert rounded and k_rounded  # model weights = masters rounded to nearest even
+
+
+@pytest.mark.gpu
+def test_master_adamw_kernel_resumes_into_a_trainer_that_already_stepped(tmp_path):
+    """Loading a checkpoint replaces the Adam state the kernel's address tables point at: the
+    tables are rebuilt, so the loaded state is the one stepped (step count 2 + 1, same weights)."""
+    from megatronapp.config import JobConfig, build_layout, model_preset
+
+    job = JobConfig(model=model_preset("small", num_layers=2, seq_length=128),
+                    train=TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3,
+                                      bf16=True), layout=build_layout(1, 1, 1))
+
+    def trainer():
+        torch.manual_seed(0)
+        t = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
+        assert t.optimizer.master_kernel
+        return t
+    source = trainer()
+    source.train(2)
+    save_checkpoint(tmp_path, source, source.data)
+    source.train(1)
+    target = trainer()
+    target.train(1)  # builds the kernel's tables over its own state
+    load_checkpoint(tmp_path, target, target.data)
+    target.train(1)
+    for m in target.optimizer.mains:
+        assert float(target.optimizer.optimizer.state[m.main_param]["step"]) == 3.0
+    for (name, p), q in zip(target.chunks[0].named_parameters(), source.chunks[0].parameters()):
+        torch.testing.assert_close(p.float(), q.float(), rtol=1e-2, atol=1e-3, msg=name)
+
+
+def test_small_params_main_grad_adds_are_deferred_and_land_exactly():
+    """bf16 biases/norms: each microbatch's grad is added to the fp32 main grad in a batched
+    foreach (pending until a flush), and after finish() the main grads equal the fp32 sums of
+    the per-microbatch bf16 grads, bit for bit; a large parameter is added at once."""
+    from torch import nn
+
+    from megatronapp.engine import grads as grads_mod
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6)).to(torch.bfloat16)
+    twin = nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6)).to(torch.bfloat16)
+    twin.load_state_dict(model.state_dict())
+    inputs = [torch.randn(5, 8, dtype=torch.bfloat16) for _ in range(3)]
+    want = {n: torch.zeros(p.shape) for n, p in twin.named_parameters()}
+    for x in inputs:
+        twin.zero_grad(set_to_none=True)
+        twin(x).square().sum().backward()
+        for n, p in twin.named_parameters():
+            want[n] += p.grad.float()
+    old_limit = grads_mod.DEFERRED_ADD_MAX_NUMEL
+    grads_mod.DEFERRED_ADD_MAX_NUMEL = 20  # the 48-element weight is "large": added at once
+    try:
+        reducer = grads_mod.GradReducer([model], None, 1, overlap=False, bucket_mb=1.0)
+        for x in inputs:
+            model(x).square().sum().backward()
+        assert len(reducer._deferred.mains) == 3  # the last microbatch's bias, norm weight, norm bias
+        assert float(model[0].weight.main_grad.abs().sum()) > 0  # the large one is already in
+        reducer.finish()
+    finally:
+        grads_mod.DEFERRED_ADD_MAX_NUMEL = old_limit
+    for n, p in model.named_parameters():
+        assert p.grad is None
+        assert torch.equal(p.main_grad, want[n]), n

@@ -4,9 +4,13 @@ Each model chunk's gradients live in one flat fp32 buffer; `param.main_grad` (Me
 name) is a view into it. fp32 parameters also get `param.grad` = that view, so autograd
 accumulates microbatches in place. bf16/fp16 parameters accumulate each microbatch's
 gradient into `main_grad` in a post-accumulate-grad hook and drop the low-precision
-`.grad` right away, so it lives only between its production and the hook. With
-gradient-accumulation fusion (parallel/wgrad_fusion.py) the linears' weight-gradient GEMMs
-accumulate into `main_grad` themselves and the hook only drops a placeholder.
+`.grad` right away. The adds of small parameters (biases, norms: hundreds of tiny kernels
+per microbatch) are deferred and run as one `_foreach_add_` per flush; a flush happens
+before a bucket is reduced, before a parameter would be queued twice (the next
+microbatch's backward reached it) and in `finish`, so every add lands before anything
+reads the main grads. With gradient-accumulation fusion (parallel/wgrad_fusion.py) the
+linears' weight-gradient GEMMs accumulate into `main_grad` themselves and the hook only
+drops a placeholder.
 
 Parameters are placed in reverse order (roughly the order backward produces them) and the
 buffer is cut into buckets of about `bucket_mb` MiB. During the *last* microbatch's
@@ -95,6 +99,32 @@ class ChunkGradBuffer:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
 
 
+# parameters up to this many elements have their main-grad adds batched (see module doc);
+# larger ones are added at once, so no large low-precision grad is kept alive
+DEFERRED_ADD_MAX_NUMEL = 1 << 20
+
+
+class _DeferredAdds:
+    """Pending `main_grad += grad` of small low-precision parameters, run as one foreach."""
+
+    def __init__(self):
+        self.mains: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.queued: set[int] = set()
+
+    def add(self, param: nn.Parameter) -> None:
+        if id(param) in self.queued:  # its previous microbatch's add must land first
+            self.flush()
+        self.mains.append(param.main_grad)
+        self.grads.append(param.grad)
+        self.queued.add(id(param))
+
+    def flush(self) -> None:
+        if self.mains:
+            torch._foreach_add_(self.mains, self.grads)
+            self.mains, self.grads, self.queued = [], [], set()
+
+
 class GradReducer:
     """Owns the main-grad buffers of all chunks and their DP reduction (and param all-gather)."""
 
@@ -109,6 +139,7 @@ class GradReducer:
                                         flat_params=distributed_optimizer) for c in chunks]
         self.final_microbatch = [False] * len(chunks)
         self._gather_works: list[list] = [[] for _ in chunks]
+        self._deferred = _DeferredAdds()
         for i, buf in enumerate(self.buffers):
             for p, bucket in buf.bucket_of.items():
                 if self.overlap or p.dtype != torch.float32:
@@ -117,12 +148,17 @@ class GradReducer:
     def _make_hook(self, chunk: int, bucket: _Bucket):
         def hook(param):
             if param.dtype != torch.float32:
-                if not getattr(param, "grad_added_to_main_grad", False):  # else the fused GEMM did it
+                if getattr(param, "grad_added_to_main_grad", False):  # the fused GEMM did it
+                    pass
+                elif param.numel() <= DEFERRED_ADD_MAX_NUMEL:
+                    self._deferred.add(param)
+                else:
                     param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
                 param.grad = None
             if self.overlap and self.final_microbatch[chunk]:
                 bucket.ready += 1
                 if bucket.ready == len(bucket.params):
+                    self._deferred.flush()
                     self._launch(bucket)
         return hook
 
@@ -135,6 +171,7 @@ class GradReducer:
             bucket.work = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=True)
 
     def zero_grad(self) -> None:
+        self._deferred = _DeferredAdds()  # adds of an abandoned step must not land in the next
         for buf in self.buffers:
             buf.grad_data.zero_()
             for b in buf.buckets:
@@ -147,6 +184,7 @@ class GradReducer:
 
     def finish(self) -> None:
         """Complete the DP reduction of every bucket (launching any not yet launched)."""
+        self._deferred.flush()
         if self.dp_group is None:
             return
         for buf in self.buffers:

@@ -3,10 +3,11 @@
 Megatron runs Apex's or Transformer Engine's FusedAdam for its mixed-precision optimizer;
 TE's keeps the master weights and writes the low-precision copy from the update kernel. Without
 it one step is AdamW (read grad, master, m, v; write master, m, v) and then a second pass that
-reads every master weight again to write the model weight. Here one Triton kernel per tensor
-reads 16 bytes and writes 14 per parameter, and divides the gradient by the clip factor's
-reciprocal on the way (as torch's fused AdamW does with `grad_scale`), so clipping costs no pass
-of its own either. The state lives in the torch AdamW's `state` dict under its usual names
+reads every master weight again to write the model weight. Here one Triton kernel launch per
+param group (a multi-tensor apply over a pointer table, as Apex's and TE's multi_tensor_apply;
+hundreds of per-tensor launches cost GPU tails and host time) reads 16 bytes and writes 14 per
+parameter, and divides the gradient by the clip factor's reciprocal on the way (as torch's
+fused AdamW does with `grad_scale`), so clipping costs no pass of its own either. The state lives in the torch AdamW's `state` dict under its usual names
 (`exp_avg`, `exp_avg_sq`, `step`), so checkpoints and the torch path read it unchanged.
 
 Used on CUDA when Triton imports; the torch path (engine.mixed_precision) is the reference.
@@ -25,6 +26,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK = 4096
+# a plan's pointer table has one row per tensor: the addresses of its main param, grad, exp_avg,
+# exp_avg_sq, model tensor and step counter (the kernel reads them as columns 0-5)
+_STEP = 5
 
 
 def available(device: torch.device) -> bool:
@@ -33,11 +37,38 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _adamw_master_kernel(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, step_ptr,
-                             grad_scale_ptr, n, lr, beta1, beta2, eps, weight_decay,
-                             HAS_GRAD_SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        mask = offs < n
+    def _address(row, column, base, ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr):
+        """Column `column` of a pointer-table row as a pointer of `base`'s type. It is built as
+        `base + index`: Triton tracks alignment through a hinted index, not through an address
+        loaded from memory, and without it every access is a scalar one (a quarter of the
+        bandwidth). ALIGNED: the plan has checked that every address is 16-byte aligned."""
+        index = (tl.load(row + column) - base.to(tl.int64, bitcast=True)) // ELEM_BYTES
+        if ALIGNED:
+            index = tl.multiple_of(index, 16 // ELEM_BYTES)
+        return base + index
+
+    @triton.jit
+    def _adamw_master_kernel(table_ptr, numel_ptr, block_tensor_ptr, block_start_ptr, grad_scale_ptr,
+                             fp32_base, model_base, lr, beta1, beta2, eps, weight_decay,
+                             HAS_GRAD_SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        # one program = one BLOCK_SIZE slice of one tensor; which tensor and where comes from
+        # the block table, its addresses from the pointer table (a multi-tensor apply)
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor_ptr + pid).to(tl.int64)
+        row = table_ptr + t * 6
+        main_ptr = _address(row, 0, fp32_base, 4, ALIGNED)
+        grad_ptr = _address(row, 1, fp32_base, 4, ALIGNED)
+        exp_avg_ptr = _address(row, 2, fp32_base, 4, ALIGNED)
+        exp_avg_sq_ptr = _address(row, 3, fp32_base, 4, ALIGNED)
+        model_ptr = _address(row, 4, model_base, 2, ALIGNED)
+        step_ptr = _address(row, 5, fp32_base, 4, False)
+        start = tl.load(block_start_ptr + pid)
+        numel = tl.load(numel_ptr + t)
+        if ALIGNED:  # and every size a multiple of 16: the mask is constant over vectors
+            start = tl.multiple_of(start, BLOCK_SIZE)
+            numel = tl.multiple_of(numel, 16)
+        offs = start + tl.arange(0, BLOCK_SIZE)
+        mask = offs < numel
         p = tl.load(main_ptr + offs, mask=mask)
         g = tl.load(grad_ptr + offs, mask=mask)
         m = tl.load(exp_avg_ptr + offs, mask=mask)
@@ -56,7 +87,7 @@ if triton is not None:
         tl.store(main_ptr + offs, p, mask=mask)
         tl.store(exp_avg_ptr + offs, m, mask=mask)
         tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-        tl.store(model_ptr + offs, p.to(model_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(model_ptr + offs, p.to(model_base.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def _state_of(optimizer: torch.optim.AdamW, main: torch.Tensor) -> dict:
@@ -68,25 +99,69 @@ def _state_of(optimizer: torch.optim.AdamW, main: torch.Tensor) -> dict:
     return state
 
 
-@torch.no_grad()
-def adamw_master_step(optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor],
-                      grad_scale: torch.Tensor | None) -> None:
-    """One AdamW step over `optimizer`'s fp32 main params (each with `.grad`), writing each
-    updated value also into `model_view_of[id(main)]` (the low-precision model tensor, same
-    number of contiguous elements). `grad_scale`: the grads are divided by it (device scalar)."""
-    for group in optimizer.param_groups:
-        mains = [p for p in group["params"] if p.grad is not None]
-        states = [_state_of(optimizer, p) for p in mains]
-        if not mains:
-            continue
-        torch._foreach_add_([s["step"] for s in states], 1.0)
-        beta1, beta2 = group["betas"]
-        for main, state in zip(mains, states):
-            model = model_view_of[id(main)]
+class _GroupPlan:
+    """The tables one launch over a param group needs: per tensor its six addresses and size,
+    per program its tensor and start. Valid while no tensor of the group is reallocated."""
+
+    def __init__(self, mains: list[torch.Tensor], states: list[dict], models: list[torch.Tensor]):
+        device = mains[0].device
+        rows, numels, block_tensor, block_start = [], [], [], []
+        for i, (main, state, model) in enumerate(zip(mains, states, models)):
             assert main.is_contiguous() and model.is_contiguous() and model.numel() == main.numel()
-            n = main.numel()
-            _adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
-                main, main.grad, state["exp_avg"], state["exp_avg_sq"], model, state["step"],
-                grad_scale if grad_scale is not None else main, n, float(group["lr"]), beta1, beta2,
-                group["eps"], group["weight_decay"], HAS_GRAD_SCALE=grad_scale is not None,
-                BLOCK_SIZE=BLOCK, num_warps=8)
+            assert main.grad.is_contiguous() and main.grad.dtype == torch.float32
+            rows.append([main.data_ptr(), main.grad.data_ptr(), state["exp_avg"].data_ptr(),
+                         state["exp_avg_sq"].data_ptr(), model.data_ptr(), state["step"].data_ptr()])
+            numels.append(main.numel())
+            starts = range(0, main.numel(), BLOCK)
+            block_tensor.extend([i] * len(starts))
+            block_start.extend(starts)
+        self.table = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
+        self.block_tensor = torch.tensor(block_tensor, dtype=torch.int32, device=device)
+        self.block_start = torch.tensor(block_start, dtype=torch.int64, device=device)
+        self.model_dtype = models[0].dtype
+        assert all(m.dtype == self.model_dtype for m in models)
+        # 16-byte aligned tensors whose sizes are multiples of 16 (all but odd-sized slices of a
+        # flat buffer) get vector access
+        self.aligned = (all(address % 16 == 0 for row in rows for address in row[:_STEP])
+                        and all(n % 16 == 0 for n in numels))
+        self.fp32_base, self.model_base = mains[0], models[0]
+        self.keepalive = (mains, states, models)  # the addresses above stay valid while these live
+        self.steps = [s["step"] for s in states]
+
+
+class MasterAdamW:
+    """AdamW over `optimizer`'s fp32 main params (each with `.grad`), writing each updated value
+    also into `model_view_of[id(main)]` (the low-precision model tensor, same number of contiguous
+    elements): one kernel launch per param group. Call `invalidate()` whenever a main param,
+    its grad, its Adam state or its model tensor is replaced (e.g. after loading a checkpoint)."""
+
+    def __init__(self, optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor]):
+        self.optimizer, self.model_view_of = optimizer, model_view_of
+        self._plans: list[_GroupPlan | None] | None = None
+
+    def invalidate(self) -> None:
+        self._plans = None
+
+    def _build_plans(self) -> list[_GroupPlan | None]:
+        plans = []
+        for group in self.optimizer.param_groups:
+            mains = [p for p in group["params"] if p.grad is not None]
+            states = [_state_of(self.optimizer, p) for p in mains]
+            plans.append(_GroupPlan(mains, states, [self.model_view_of[id(p)] for p in mains]) if mains else None)
+        return plans
+
+    @torch.no_grad()
+    def step(self, grad_scale: torch.Tensor | None) -> None:
+        """`grad_scale`: the grads are divided by it (a device scalar), or None."""
+        if self._plans is None:
+            self._plans = self._build_plans()
+        plans = [(g, plan) for g, plan in zip(self.optimizer.param_groups, self._plans) if plan is not None]
+        torch._foreach_add_([s for _, plan in plans for s in plan.steps], 1.0)
+        for group, plan in plans:
+            beta1, beta2 = group["betas"]
+            _adamw_master_kernel[(plan.block_tensor.numel(),)](
+                plan.table, plan.numels, plan.block_tensor, plan.block_start,
+                grad_scale if grad_scale is not None else plan.numels, plan.fp32_base, plan.model_base,
+                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=plan.aligned, BLOCK_SIZE=BLOCK, num_warps=8)
+

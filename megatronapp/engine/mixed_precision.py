@@ -100,6 +100,8 @@ class MixedPrecisionOptimizer:
         self.master_kernel = (cfg.fused_master_adamw and self._has_separate_mains()
                               and master_adam.available(device))
         self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
+        self._master_adamw = (master_adam.MasterAdamW(self.optimizer, self._model_view_of)
+                              if self.master_kernel else None)
         self.grad_scaler = build_grad_scaler(cfg, device)
         self.skipped_iterations = 0
         self.log_overflow = log_overflow
@@ -144,7 +146,7 @@ class MixedPrecisionOptimizer:
         norm = compute_grad_norm([m.main_param.grad for m in self.mains if m.count_in_norm],
                                  self._norm_groups, self.device)
         if self.master_kernel:
-            master_adam.adamw_master_step(self.optimizer, self._model_view_of, self._clip_divisor(norm))
+            self._master_adamw.step(self._clip_divisor(norm))
         else:
             if self.fused:
                 self.optimizer.grad_scale = self._clip_divisor(norm)
@@ -248,6 +250,8 @@ class MixedPrecisionOptimizer:
     def load_param_state(self, state_of) -> None:
         """`state_of(model_param)` -> the dict of param_state() (TP-local, full along DP) or
         None; the model params themselves must already hold the checkpoint's values."""
+        if self._master_adamw is not None:  # its address tables name the Adam state replaced below
+            self._master_adamw.invalidate()
         for m in self.mains:
             st = state_of(m.model_param)
             if m.model_param.dtype != torch.float32:

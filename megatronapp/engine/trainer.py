@@ -126,22 +126,26 @@ class Trainer:
                             result.loss_scale, self.optimizer.skipped_iterations)
 
     def _resolve(self, steps: list[_PendingStep], elapsed_s: float) -> list[StepMetrics]:
-        """Metrics of `steps` on every rank with one all-reduce and one host copy.
+        """Metrics of `steps` on every rank with one device->host copy and one all-reduce.
 
-        Row i of a (k, 1 + world) matrix: slot 0 sums the loss of the last stage's TP-rank-0
-        ranks, slot 1 + r carries rank r's compute seconds (zero elsewhere).
+        Row i of a (k, 1 + world) host matrix: slot 0 sums the loss of the last stage's TP-rank-0
+        ranks, slot 1 + r carries rank r's compute seconds (zero elsewhere). The matrix is built
+        on the host so that the only transfers are the device numbers' one copy out and, with
+        several ranks, the all-reduce (pageable single-element copies each stall the GPU queue).
         """
         world = self.job.layout.world_size
-        values = torch.zeros(len(steps), 1 + world, device=self.device)
-        for i, st in enumerate(steps):
-            if st.loss is not None:
-                values[i, 0] = st.loss
-        norms = torch.stack([st.grad_norm.float() for st in steps]).tolist()  # the sync
+        zero = torch.zeros((), device=self.device)
+        on_device = torch.stack([torch.stack([zero if st.loss is None else st.loss, st.grad_norm.float()])
+                                 for st in steps]).cpu()  # the sync
+        values = torch.zeros(len(steps), 1 + world, dtype=torch.float32)
+        values[:, 0] = on_device[:, 0]
         for i, st in enumerate(steps):
             values[i, 1 + self.groups.rank] = self.runtime.compute_timer.resolve(st.compute)
         if world > 1:
-            dist.all_reduce(values, group=self.groups.world)
-        rows = values.tolist()
+            reduced = values.to(self.device)
+            dist.all_reduce(reduced, group=self.groups.world)
+            values = reduced.cpu()
+        rows, norms = values.tolist(), on_device[:, 1].tolist()
         dt = elapsed_s / len(steps)
         tokens_per_s = self.job.train.global_batch_size * self.job.model.seq_length / dt
         tflops = compute_tflops_per_device(self.job.model.flops_per_token(), tokens_per_s, world)

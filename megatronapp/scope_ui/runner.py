@@ -91,43 +91,50 @@ class PerturbationSet:
 
 class _TokenTap:
     """Stands in for the InferenceModel inside generate(): the tokens of step s are the input of
-    step s+1. Their host copy is queued just before step s+1 is launched and `on_tokens(s, copy)`
-    runs just after the launch, so the UI's per-token host work (noting the token, a flush
-    every FLUSH_S) runs while the device computes step s+1 instead of holding back its launch,
-    and adds no sync: the copy was queued ahead of the step, so waiting for it never waits
-    for the step (generate() itself syncs once per step, as without the UI)."""
+    step s+1. Their host copy is queued just before step s+1 is launched and
+    `on_tokens(s, host tokens)` runs just after the launch, so the UI's per-token host work
+    (noting the token, a flush every FLUSH_S) runs while the device computes step s+1 instead of
+    holding back its launch, and adds no sync: the copy was queued ahead of the step, so
+    waiting for it never waits for the step (generate() itself syncs once per step, as
+    without the UI)."""
 
     def __init__(self, model, on_tokens):
-        self._model, self._on_tokens = model, on_tokens
+        self._model, self._on_tokens, self._landing = model, on_tokens, _HostLanding()
 
     def forward_step(self, tokens):
         step = self._model.step
-        copied = queue_host_copy(tokens) if step > 0 else None
+        queued = self._landing.queue(tokens) if step > 0 else None
         logits = self._model.forward_step(tokens)
-        if copied is not None:
-            self._on_tokens(step - 1, copied)
+        if queued is not None:
+            self._on_tokens(step - 1, self._landing.read(queued))
         return logits
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
 
-def queue_host_copy(t: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """(host tensor, CUDA event or None): `t` copied to pinned host memory asynchronously on the
-    current stream, landed once the event has; a CPU tensor is its own copy."""
-    if not t.is_cuda:
-        return t, None
-    host = t.to("cpu", non_blocking=True)  # non_blocking from CUDA: pinned, asynchronous
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
+class _HostLanding:
+    """Pinned host memory and one event for small device->host copies, reused by every step (a
+    copy is read before the next is queued): per step one asynchronous copy and one event
+    record, no allocation. A CPU tensor is its own copy."""
 
+    def __init__(self):
+        self.host, self.event = None, None
 
-def read_landed(copied: tuple[torch.Tensor, object]) -> torch.Tensor:
-    host, event = copied
-    if event is not None:
-        event.synchronize()
-    return host
+    def queue(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_cuda:
+            return t
+        if self.host is None or self.host.shape != t.shape or self.host.dtype != t.dtype:
+            self.host, self.event = torch.empty(t.shape, dtype=t.dtype, pin_memory=True), torch.cuda.Event()
+        self.host.copy_(t, non_blocking=True)
+        self.event.record()
+        return self.host
+
+    def read(self, queued: torch.Tensor) -> torch.Tensor:
+        """`queued` (what queue returned) once its copy has landed."""
+        if queued is self.host:
+            self.event.synchronize()
+        return queued
 
 
 class _RunStream:
@@ -294,8 +301,8 @@ class GenerationRunner:
             stream = _RunStream(caps, run, len(prompt), sink, with_tokens=not quiet)
             sent = []
 
-            def on_tokens(step: int, copied) -> None:
-                sent.append(int(read_landed(copied)[0, 0]))
+            def on_tokens(step: int, tokens: torch.Tensor) -> None:
+                sent.append(int(tokens[0, 0]))
                 stream.token(step, sent[-1])
 
             t0 = time.perf_counter()

@@ -256,8 +256,9 @@ def test_token_work_runs_after_the_next_step_is_launched(runner, monkeypatch):
         runner.model.observers.pop()
     assert [s for kind, s in log if kind == "token"] == list(range(n))
     for step in range(n - 1):  # the last token has no next step
-        assert log.index(("launch", step + 1)) < log.index(("token", step)) < log.index(("launch", step + 2)) \
-            if step + 2 < n else log.index(("launch", step + 1)) < log.index(("token", step))
+        assert log.index(("launch", step + 1)) < log.index(("token", step))
+        if step + 2 < n:
+            assert log.index(("token", step)) < log.index(("launch", step + 2))
     assert [t.id for t in posts if isinstance(t, TokenOut)] == posts[-1].tokens
 
 

@@ -25,7 +25,9 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+# elements per program and warps per program (benchmarks/master_adam_sweep.py times others)
 BLOCK = 4096
+NUM_WARPS = 8
 # a plan's pointer table has one row per tensor: the addresses of its main param, grad, exp_avg,
 # exp_avg_sq, model tensor and step counter (the kernel reads them as columns 0-5)
 _STEP = 5
@@ -103,7 +105,7 @@ class _GroupPlan:
     """The tables one launch over a param group needs: per tensor its six addresses and size,
     per program its tensor and start. Valid while no tensor of the group is reallocated."""
 
-    def __init__(self, mains: list[torch.Tensor], states: list[dict], models: list[torch.Tensor]):
+    def __init__(self, mains: list[torch.Tensor], states: list[dict], models: list[torch.Tensor], block: int):
         device = mains[0].device
         rows, numels, block_tensor, block_start = [], [], [], []
         for i, (main, state, model) in enumerate(zip(mains, states, models)):
@@ -112,7 +114,7 @@ class _GroupPlan:
             rows.append([main.data_ptr(), main.grad.data_ptr(), state["exp_avg"].data_ptr(),
                          state["exp_avg_sq"].data_ptr(), model.data_ptr(), state["step"].data_ptr()])
             numels.append(main.numel())
-            starts = range(0, main.numel(), BLOCK)
+            starts = range(0, main.numel(), block)
             block_tensor.extend([i] * len(starts))
             block_start.extend(starts)
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
@@ -125,6 +127,7 @@ class _GroupPlan:
         # flat buffer) get vector access
         self.aligned = (all(address % 16 == 0 for row in rows for address in row[:_STEP])
                         and all(n % 16 == 0 for n in numels))
+        self.block = block
         self.fp32_base, self.model_base = mains[0], models[0]
         self.keepalive = (mains, states, models)  # the addresses above stay valid while these live
         self.steps = [s["step"] for s in states]
@@ -136,8 +139,10 @@ class MasterAdamW:
     elements): one kernel launch per param group. Call `invalidate()` whenever a main param,
     its grad, its Adam state or its model tensor is replaced (e.g. after loading a checkpoint)."""
 
-    def __init__(self, optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor]):
+    def __init__(self, optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor], *,
+                 block: int = BLOCK, num_warps: int = NUM_WARPS):
         self.optimizer, self.model_view_of = optimizer, model_view_of
+        self.block, self.num_warps = block, num_warps
         self._plans: list[_GroupPlan | None] | None = None
 
     def invalidate(self) -> None:
@@ -148,7 +153,8 @@ class MasterAdamW:
         for group in self.optimizer.param_groups:
             mains = [p for p in group["params"] if p.grad is not None]
             states = [_state_of(self.optimizer, p) for p in mains]
-            plans.append(_GroupPlan(mains, states, [self.model_view_of[id(p)] for p in mains]) if mains else None)
+            models = [self.model_view_of[id(p)] for p in mains]
+            plans.append(_GroupPlan(mains, states, models, self.block) if mains else None)
         return plans
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: GPU time of the replayed decode graph vs wall time per step
-of `generate()`, for capture off, the default MegaScope capture, the UI's captures, and the
-UI's model thread (ui_runner: captures plus its per-token work, no server).
+of `generate()`, for capture off, the default MegaScope capture, the UI's captures (also with
+their host copies queued behind the step on the current stream, as before they moved to a side
+stream), and the UI's model thread (ui_runner: captures plus its per-token work, no server).
 
 If wall per step >> GPU per replay, decode is bound by the host (Python between replays and
 the per-step sync), and anything the host adds per step (capture bookkeeping, the UI's
@@ -28,6 +29,7 @@ from megatronapp.config import model_preset
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
+from megatronapp.scope import staging
 from megatronapp.scope.capture import capture
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
@@ -42,7 +44,20 @@ def variant_contexts(model):
     return {"off": lambda: [],
             "default_capture": lambda: [capture(model, DEFAULT_SITES, compress=DEFAULT_COMPRESS)],
             "ui_captures": lambda: list(stream_captures(model, (0,), True, 1 << 34)),
+            "ui_captures_copies_inline": lambda: [copies_on_current_stream(),
+                                                  *stream_captures(model, (0,), True, 1 << 34)],
             "ui_runner": lambda: []}
+
+
+@contextlib.contextmanager
+def copies_on_current_stream():
+    """The captures' device->host copies queued behind the step on the current stream (as before
+    2026-12-04) instead of on a side stream: the A/B of scope.staging.SIDE_STREAM_COPIES."""
+    staging.SIDE_STREAM_COPIES = False
+    try:
+        yield
+    finally:
+        staging.SIDE_STREAM_COPIES = True
 
 
 def runner_decode_ms_per_step(runner, prompt, new_tokens: int) -> float:

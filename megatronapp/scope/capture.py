@@ -129,9 +129,12 @@ class Capture:
             self.target.model.observers.remove(self)
         self.hooks.remove()
         self._finish_transfer()
+        self.staging.guard()  # every copy has landed: release the buffers they read
 
     def step_begin(self, model) -> None:
-        # Runs before a replayed decode step is launched, while the GPU waits: a few integer ops.
+        # Runs before a replayed decode step is launched, while the GPU waits: a few integer ops,
+        # and the device is told to finish the last step's copy before the replay overwrites it.
+        self.staging.guard()
         self.hooks.full_keys = model.recording and self.decode_key is not None
         cache = model.cache
         per_column, per_column_key = self._raw_bytes

@@ -116,18 +116,24 @@ class _TokenTap:
 class _HostLanding:
     """Pinned host memory and one event for small device->host copies, reused by every step (a
     copy is read before the next is queued): per step one asynchronous copy and one event
-    record, no allocation. A CPU tensor is its own copy."""
+    record, no allocation. The copy runs on a side stream once what is queued on the current
+    stream is done, so the step launched after it does not wait for the copy engine; the
+    copied tensor must stay unchanged until it is read (generate() keeps every step's tokens).
+    A CPU tensor is its own copy."""
 
     def __init__(self):
-        self.host, self.event = None, None
+        self.host, self.event, self.stream = None, None, None
 
     def queue(self, t: torch.Tensor) -> torch.Tensor:
         if not t.is_cuda:
             return t
         if self.host is None or self.host.shape != t.shape or self.host.dtype != t.dtype:
             self.host, self.event = torch.empty(t.shape, dtype=t.dtype, pin_memory=True), torch.cuda.Event()
-        self.host.copy_(t, non_blocking=True)
-        self.event.record()
+            self.stream = torch.cuda.Stream(device=t.device)
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            self.host.copy_(t, non_blocking=True)
+            self.event.record(self.stream)
         return self.host
 
     def read(self, queued: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,8 @@ class HostStaging:
             return host, event
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=buffer.device)
+        if self.last_copy is not None and self.last_copy.query():  # copies land in order: none reads
+            self.reading = []  # any more (bounds what is kept without a guard, e.g. chunk targets)
         self.stream.wait_stream(torch.cuda.current_stream(buffer.device))  # the step's work first
         with torch.cuda.stream(self.stream):
             host.copy_(buffer, non_blocking=True)

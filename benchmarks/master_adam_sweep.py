@@ -6,6 +6,9 @@ One multi-tensor launch per param group (engine/master_adam.py) over fp32 master
 Adam state and bf16 model weights shaped like the `1.3b` preset's parameters (1.41e9 elements,
 30 bytes each per step). Every (elements per program, warps) pair is timed with CUDA events,
 rounds interleaved over the pairs; median and range per pair, and the bandwidth it reaches.
+First, each pair's one step from the same state is checked against torch's fused AdamW followed
+by the bf16 copy (max |difference| of the masters, and how many elements the kernel left unchanged):
+a bandwidth above the memory's can only mean skipped work.
 """
 
 from __future__ import annotations
@@ -41,6 +44,31 @@ def build(shapes, device) -> tuple[torch.optim.AdamW, dict]:
     return torch.optim.AdamW(groups, lr=1e-4, fused=True), models
 
 
+def check_one_step(kernel: MasterAdamW, optimizer: torch.optim.AdamW, models: dict, scale) -> dict:
+    """One kernel step against torch's AdamW on copies of the same masters and state."""
+    mains = [p for g in optimizer.param_groups for p in g["params"]]
+    kernel.step(scale)  # compiles, builds the tables, creates the state
+    saved = [(p.clone(), {k: v.clone() for k, v in optimizer.state[p].items()}) for p in mains]
+    ref = []
+    for p, (value, state) in zip(mains, saved):  # torch's AdamW, one tensor at a time (memory)
+        q = value.clone()
+        q.grad = p.grad
+        opt = torch.optim.AdamW([q], lr=optimizer.param_groups[0]["lr"], fused=True,
+                                weight_decay=0.1 if p.ndim >= 2 else 0.0)
+        opt.state[q] = {k: v.clone() for k, v in state.items()}
+        opt.step()
+        ref.append(q.detach())
+    kernel.step(scale)
+    diff = max(float((p - r).abs().max()) for p, r in zip(mains, ref))
+    unchanged = sum(int((p == v).sum()) for p, (v, _) in zip(mains, saved))
+    bf16_mismatch = sum(int((models[id(p)] != p.to(torch.bfloat16)).sum()) for p in mains)
+    for p, (value, state) in zip(mains, saved):  # back to where it was
+        p.copy_(value)
+        for k, v in state.items():
+            optimizer.state[p][k].copy_(v)
+    return {"max_abs_diff": diff, "unchanged": unchanged, "bf16_mismatch": bf16_mismatch}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="1.3b")
@@ -56,8 +84,9 @@ def main() -> None:
     scale = torch.tensor(1.0, device=device)
     kernels = {(b, w): MasterAdamW(optimizer, models, block=b, num_warps=w)
                for b, w in itertools.product(map(int, args.blocks.split(",")), map(int, args.warps.split(",")))}
-    for k in kernels.values():  # compile and build the tables
-        k.step(scale)
+    checks = {key: check_one_step(k, optimizer, models, scale) for key, k in kernels.items()}
+    for key, c in checks.items():
+        print(f"check block {key[0]} warps {key[1]}: {c}", flush=True)
     times = {key: [] for key in kernels}
     for _ in range(args.rounds):
         for key, k in kernels.items():
@@ -71,7 +100,7 @@ def main() -> None:
     for (b, w), ts in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
         med = statistics.median(ts)
         rows.append({"block": b, "warps": w, "ms": med, "min_ms": min(ts), "max_ms": max(ts),
-                     "tb_per_s": elements * BYTES_PER_ELEMENT / med / 1e9})
+                     "tb_per_s": elements * BYTES_PER_ELEMENT / med / 1e9, **checks[(b, w)]})
         print(f"block {b:5d} warps {w:2d}: {med:6.2f} ms ({min(ts):.2f}..{max(ts):.2f}), "
               f"{rows[-1]['tb_per_s']:.2f} TB/s", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "elements": elements,

@@ -179,12 +179,11 @@ class GradReducer:
     def _make_hook(self, chunk: int, bucket: _Bucket):
         def hook(param):
             if param.dtype != torch.float32:
-                if getattr(param, "grad_added_to_main_grad", False):  # the fused GEMM did it
-                    pass
-                elif param.numel() <= DEFERRED_ADD_MAX_NUMEL:
-                    self._deferred.add(param)
-                else:
-                    param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
+                if not getattr(param, "grad_added_to_main_grad", False):  # else the fused GEMM did it
+                    if param.numel() <= DEFERRED_ADD_MAX_NUMEL:
+                        self._deferred.add(param)
+                    else:
+                        param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
                 param.grad = None
             if self.overlap and self.final_microbatch[chunk]:
                 bucket.ready += 1

@@ -7,8 +7,9 @@ reads every master weight again to write the model weight. Here one Triton kerne
 param group (a multi-tensor apply over a pointer table, as Apex's and TE's multi_tensor_apply;
 hundreds of per-tensor launches cost GPU tails and host time) reads 16 bytes and writes 14 per
 parameter, and divides the gradient by the clip factor's reciprocal on the way (as torch's
-fused AdamW does with `grad_scale`), so clipping costs no pass of its own either. The state lives in the torch AdamW's `state` dict under its usual names
-(`exp_avg`, `exp_avg_sq`, `step`), so checkpoints and the torch path read it unchanged.
+fused AdamW does with `grad_scale`), so clipping costs no pass of its own either. The state
+lives in the torch AdamW's `state` dict under its usual names (`exp_avg`, `exp_avg_sq`,
+`step`), so checkpoints and the torch path read it unchanged.
 
 Used on CUDA when Triton imports; the torch path (engine.mixed_precision) is the reference.
 Unlike torch's fused kernel it does not store the clipped gradient back (a 4-byte-per-parameter
@@ -169,5 +170,7 @@ class MasterAdamW:
             _adamw_master_kernel[(plan.block_tensor.numel(),)](
                 plan.table, plan.numels, plan.block_tensor, plan.block_start,
                 grad_scale if grad_scale is not None else plan.numels, plan.fp32_base, plan.model_base,
-                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=plan.aligned, BLOCK_SIZE=BLOCK, num_warps=8)
+                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+                HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=plan.aligned, BLOCK_SIZE=plan.block,
+                num_warps=self.num_warps)
 

@@ -1,5 +1,7 @@
 """Where a decode step's time goes: GPU time of the replayed decode graph vs wall time per step
-of `generate()`, for capture off, the default MegaScope capture and the UI's captures.
+of `generate()`, for capture off, the default MegaScope capture, the UI's captures (also with
+their host copies queued behind the step on the current stream, as before they moved to a side
+stream), and the UI's model thread (ui_runner: captures plus its per-token work, no server).
 
 If wall per step >> GPU per replay, decode is bound by the host (Python between replays and
 the per-step sync), and anything the host adds per step (capture bookkeeping, the UI's
@@ -27,17 +29,61 @@ from megatronapp.config import model_preset
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
+from megatronapp.scope import staging
 from megatronapp.scope.capture import capture
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
-from megatronapp.scope_ui.runner import stream_captures
+from megatronapp.data.tokenizer import load_tokenizer
+from megatronapp.scope_ui.protocol import Limits
+from megatronapp.scope_ui.runner import GenerationRunner, stream_captures
 
 
 def variant_contexts(model):
-    """name -> factory of the capture contexts that variant runs under."""
+    """name -> factory of the capture contexts that variant runs under (ui_runner: the UI's
+    model thread, GenerationRunner.run, which enters its own)."""
     return {"off": lambda: [],
             "default_capture": lambda: [capture(model, DEFAULT_SITES, compress=DEFAULT_COMPRESS)],
-            "ui_captures": lambda: list(stream_captures(model, (0,), True, 1 << 34))}
+            "ui_captures": lambda: list(stream_captures(model, (0,), True, 1 << 34)),
+            "ui_captures_copies_inline": lambda: [copies_on_current_stream(),
+                                                  *stream_captures(model, (0,), True, 1 << 34)],
+            "ui_runner": lambda: []}
+
+
+@contextlib.contextmanager
+def copies_on_current_stream():
+    """The captures' device->host copies queued behind the step on the current stream (as before
+    2026-12-04) instead of on a side stream: the A/B of scope.staging.SIDE_STREAM_COPIES."""
+    staging.SIDE_STREAM_COPIES = False
+    try:
+        yield
+    finally:
+        staging.SIDE_STREAM_COPIES = True
+
+
+def runner_decode_ms_per_step(runner, prompt, new_tokens: int) -> float:
+    """Decode ms/step of the UI's model thread (captures, token tap, records for the server)
+    with no server: its records go nowhere. generate()'s own timing, read from its result."""
+    from megatronapp.scope_ui import protocol as P
+    from megatronapp.scope_ui import runner as runner_mod
+
+    results, real = [], runner_mod.generate
+
+    def timed(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    class NoSink:
+        def post(self, items) -> None:
+            pass
+
+    runner.check = lambda msg: list(prompt)  # the benchmark's prompt ids, not a tokenised text
+    runner_mod.generate = timed
+    try:
+        runner.run(P.Generate(type="generate", prompt="x", max_new_tokens=new_tokens, stop_on_eod=False),
+                   NoSink(), [0])
+    finally:
+        runner_mod.generate = real
+    return 1e3 * results[0].decode_s / max(results[0].decode_steps, 1)
 
 
 def _sync(device) -> None:
@@ -96,8 +142,10 @@ def main() -> None:
     model = build_inference_model(cfg, single_process_groups(), device,
                                   dtype=torch.bfloat16 if args.bf16 else torch.float32)
     model.cuda_graphs = device.type == "cuda"
-    prompt = torch.randint(0, cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    tok = load_tokenizer(None)  # the runner's: ids below its vocabulary
+    prompt = torch.randint(0, tok.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     variants = variant_contexts(model)
+    runner = GenerationRunner(model, tok, Limits(max_new_tokens=max(256, args.new_tokens), max_capture_bytes=1 << 34))
     wall = {k: [] for k in variants}
     gpu = {k: [] for k in variants}
     kernels = {}
@@ -106,7 +154,8 @@ def main() -> None:
             with contextlib.ExitStack() as stack:
                 for c in make():
                     stack.enter_context(c)
-                ms = decode_ms_per_step(model, prompt, args.new_tokens)
+                ms = (runner_decode_ms_per_step(runner, prompt, args.new_tokens) if name == "ui_runner"
+                      else decode_ms_per_step(model, prompt, args.new_tokens))
                 rep = replay_ms(model, args.replays) if device.type == "cuda" else None
                 if r == 0 and device.type == "cuda":
                     kernels[name] = replay_kernels(model)

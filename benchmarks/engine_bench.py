@@ -12,6 +12,8 @@ Peak memory per variant = its resident state (measured when it was built and ste
 + the transient peak of its own step (max allocated during the step - allocated before).
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
 microbatch: the largest micro-batch (eager) whose step fits, with and without full recompute.
+phases: forward+backward and the optimizer phase of each variant timed apart (profile, timeline:
+kernel sums and GPU idle time of one or two steps).
 MFU convention: engine/throughput.py (6N without the input embedding + 12*L*H*S) / 989 TFLOP/s.
 """
 
@@ -278,6 +280,62 @@ def bench_timeline(args, results: dict) -> None:
     results["timeline"] = out
 
 
+def _engine_phases(trainer: Trainer, data: Batches):
+    """One engine step split at the end of backward: (forward+backward s, reduce+optimizer s)."""
+    def run() -> tuple[float, float]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        trainer.reducer.zero_grad()
+        trainer.runtime.run(data.mbs, iteration=trainer.iteration)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        trainer.reducer.finish()
+        trainer.optimizer.step()
+        torch.cuda.synchronize()
+        trainer.iteration += 1
+        trainer.runtime.compute_timer.take()
+        return t1 - t0, time.perf_counter() - t1
+    return run
+
+
+def _plain_phases(plain: PlainRunner):
+    def run() -> tuple[float, float]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plain.opt.zero_grad(set_to_none=True)
+        for mb in plain.data.mbs:
+            (plain.compiled(mb[:, :-1], mb[:, 1:]) / len(plain.data.mbs)).backward()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(plain.model.parameters(), 1.0, foreach=True)
+        plain.opt.step()
+        torch.cuda.synchronize()
+        return t1 - t0, time.perf_counter() - t1
+    return run
+
+
+def bench_phases(args, results: dict) -> None:
+    """Where the engine's extra step time is: forward+backward and the optimizer phase timed
+    apart (a device sync between them), both variants built at once, rounds interleaved."""
+    job = make_job(4, args.num_micro, compile=True)
+    data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
+    trainer, plain = Trainer(job, single_process_groups(), DEV, data), PlainRunner(job, data)
+    trainer.train(args.warmup)
+    plain.steps(args.warmup)
+    runs = {"engine": _engine_phases(trainer, data), "plain_bf16": _plain_phases(plain)}
+    times = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            times[name].extend(run() for _ in range(args.steps))
+    out = {}
+    for name, ts in times.items():
+        fb, opt = [t[0] for t in ts], [t[1] for t in ts]
+        out[name] = {"forward_backward_ms": statistics.median(fb) * 1e3, "optimizer_ms": statistics.median(opt) * 1e3,
+                     "forward_backward_range_ms": [min(fb) * 1e3, max(fb) * 1e3],
+                     "optimizer_range_ms": [min(opt) * 1e3, max(opt) * 1e3], "samples": len(ts)}
+    results["phases"] = out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="engine_bench.json")
@@ -289,7 +347,7 @@ def main() -> None:
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    benches = {"profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "recompute": bench_recompute, "microbatch": bench_microbatch}
+    benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "recompute": bench_recompute, "microbatch": bench_microbatch}
     for name in args.only.split(","):
         benches[name](args, results)
         gc.collect()

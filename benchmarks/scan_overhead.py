@@ -1,6 +1,7 @@
 """MegaScan tracing overhead, measured so that about 1% is resolved: paired rounds.
 
     python benchmarks/scan_overhead.py --preset small --rounds 40 --steps 10            # H200
+    python benchmarks/scan_overhead.py --preset small --method alternating --pairs 150  # H200
     python benchmarks/scan_overhead.py --device cpu --preset tiny --rounds 6 --steps 3   # smoke
 
 Why paired: a launch-bound model's step time drifts by +-20% between rounds a few seconds
@@ -11,6 +12,13 @@ Reported per variant: the median of the per-round ratios with a 95% bootstrap co
 interval over rounds, with and without closing the tracer (close writes what the background
 writer has not written yet; with rounds shorter than TraceConfig.flush_seconds that is the
 whole trace, so "with close" is the cost including writing the trace).
+
+--method alternating pairs adjacent steps instead of segments: one tracer per granularity
+traces every other iteration (interval 2), and each traced step is divided by the untraced
+step just before it, ~0.1 s apart, so even drift within a round cancels. This times the
+training thread; the background writer's own CPU time (`Tracer.writer_busy_s`) is then added
+as if all of it had stalled training (the GIL), which bounds the cost including writing the
+trace from above.
 
 Timing: torch.cuda.synchronize around every timed segment (on CUDA); Python's garbage
 collector runs before and is disabled during each segment, so a collection triggered by
@@ -183,13 +191,65 @@ def measure_overhead(trainer: Trainer, device: torch.device, steps: int, rounds:
     return summary
 
 
+def _alternating_tracer(granularity: str, trace_dir: str, device: torch.device) -> Tracer:
+    tracer = _new_tracer(granularity, trace_dir, device)
+    tracer.config = TraceConfig(enabled=True, trace_dir=trace_dir, interval=2, continuous_iterations=1,
+                                granularity=granularity)
+    return tracer
+
+
+def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed: int = 0) -> dict:
+    """Per granularity: `pairs` (untraced, traced) adjacent steps of one tracer that records
+    every other iteration (see the module docstring)."""
+    out: dict = {"pairs": pairs}
+    for variant in VARIANTS[1:]:
+        with tempfile.TemporaryDirectory(prefix=f"overhead-{variant}-") as d:
+            tracer = _alternating_tracer(variant, d, device)
+            trainer.set_tracer(tracer)
+            trainer.iteration = max(trainer.iteration, 2)
+            if tracer.should_trace(trainer.iteration):  # start on an untraced step
+                trainer.train_step()
+            steps = []
+            while len(steps) < 2 * pairs:
+                traced = tracer.should_trace(trainer.iteration)
+                steps.append((traced, _timed(trainer.train_step, device)))
+            close_s = _timed(tracer.close, device)
+            trainer.set_tracer(NULL_TRACER)
+            path = next(Path(d).glob("*.mscan"))
+            size, rows = path.stat().st_size, load_rank_trace(path).events.num_rows
+        assert all(not a[0] and b[0] for a, b in zip(steps[::2], steps[1::2])), "steps must alternate"
+        ratios = [b[1] / a[1] for a, b in zip(steps[::2], steps[1::2])]
+        median, lo, hi = bootstrap_median_ci(ratios, seed)
+        traced_s = sum(b[1] for b in steps[1::2])
+        writer = tracer.writer_busy_s / traced_s
+        out[variant] = {"overhead": {"median": median - 1, "ci95": [lo - 1, hi - 1],
+                                     "pair_range": [min(ratios) - 1, max(ratios) - 1]},
+                        "writer_cpu_share": writer,
+                        "overhead_with_writer_bound": {"median": median - 1 + writer,
+                                                       "ci95": [lo - 1 + writer, hi - 1 + writer]},
+                        "close_s": close_s, "untraced_step_ms": statistics.median(a[1] for a in steps[::2]) * 1e3,
+                        "bytes_per_event": size / max(rows, 1), "events_per_traced_step": rows / pairs}
+    return out
+
+
+def format_alternating(label: str, variant: str, out: dict) -> str:
+    v = out[variant]
+    o, w = v["overhead"], v["overhead_with_writer_bound"]
+    return (f"{label} {variant}: {o['median']:+.2%} [95% CI {o['ci95'][0]:+.2%}, {o['ci95'][1]:+.2%}] training thread, "
+            f"<= {w['median']:+.2%} [{w['ci95'][0]:+.2%}, {w['ci95'][1]:+.2%}] with the writer's CPU time; "
+            f"median of {out['pairs']} adjacent (untraced, traced) step pairs, untraced {v['untraced_step_ms']:.2f} ms/step, "
+            f"{v['bytes_per_event']:.1f} bytes/event")
+
+
 def bench(preset: str, micro_batch: int, num_micro: int, device: torch.device, steps: int, rounds: int,
-          warmup: int, compile_model: bool, seed: int = 0) -> dict:
-    """Build and warm the model, then measure_overhead."""
+          warmup: int, compile_model: bool, seed: int = 0, pairs: int | None = None) -> dict:
+    """Build and warm the model, then measure_overhead (or, given `pairs`, measure_alternating)."""
     job = make_job(preset, micro_batch, num_micro, device, compile_model)
     trainer = Trainer(job, single_process_groups(), device, RandomBatches(job, device))
     for _ in range(warmup):
         trainer.train_step()
+    if pairs is not None:
+        return measure_alternating(trainer, device, pairs, seed)
     return measure_overhead(trainer, device, steps, rounds, seed)
 
 
@@ -209,18 +269,21 @@ def main() -> None:
     add_job_args(p, rounds=40, warmup=5)
     p.add_argument("--no-compile", action="store_true", help="eager model (default: compiled on CUDA)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--method", choices=("segments", "alternating"), default="segments")
+    p.add_argument("--pairs", type=int, default=150, help="--method alternating: step pairs per granularity")
     p.add_argument("--out", default=None, help="write the summary (and every round) as JSON here")
     args = p.parse_args()
-    if args.steps < 1 or args.rounds < 2:
-        p.error("--steps must be >= 1 and --rounds >= 2")
+    if args.steps < 1 or args.rounds < 2 or args.pairs < 2:
+        p.error("--steps must be >= 1, --rounds >= 2 and --pairs >= 2")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available: use --device cpu for a smoke run")
     began = time.perf_counter()
+    alternating = args.method == "alternating"
     summary = bench(args.preset, args.micro_batch, args.num_micro, device, args.steps, args.rounds, args.warmup,
-                    device.type == "cuda" and not args.no_compile, args.seed)
+                    device.type == "cuda" and not args.no_compile, args.seed, args.pairs if alternating else None)
     for variant in VARIANTS[1:]:
-        print(format_line(args.preset, variant, summary), flush=True)
+        print((format_alternating if alternating else format_line)(args.preset, variant, summary), flush=True)
     print(f"({time.perf_counter() - began:.0f} s)")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), **summary}, indent=1))

@@ -1,6 +1,7 @@
 """Kernels a MegaScope capture adds to one decode step: ATen ops on the CPU, kernels on a GPU.
 
     python benchmarks/scope_op_count.py [--layers 24] [--sites ...] [--compress TEXT] [--out F]
+    python benchmarks/scope_op_count.py --ui               # the web UI's captures (scope_ui.runner)
     python benchmarks/scope_op_count.py --device cuda      # the CUDA kernels themselves (profiler)
 
 At batch 1 a decode step is bound by kernel launches, not FLOPs, so what a capture recorded
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import torch
 import torch.utils._pytree as pytree
@@ -80,9 +81,9 @@ class CudaKernelCounter:
                 self.kernels[event.name[:48]] += 1
 
 
-def count_decode_step(model, cfg_kwargs: dict | None, prompt_len: int = 8):
+def count_decode_step(model, cfg_kwargs: dict | None, prompt_len: int = 8, contexts=None):
     """Ops (kernels on a GPU) of the second decode step's graph body with capture `cfg_kwargs`
-    (None: off), run eagerly on the static cache."""
+    (None: off), or under the capture contexts `contexts()` makes, run eagerly on the static cache."""
     counter = CudaKernelCounter() if model.device.type == "cuda" else OpCounter()
     body = model._decode_body
 
@@ -92,7 +93,10 @@ def count_decode_step(model, cfg_kwargs: dict | None, prompt_len: int = 8):
 
     model.start(1, prompt_len + 4, torch.zeros(1, dtype=torch.long), static=True)
     tokens = torch.arange(1, prompt_len + 1)[None]
-    with scope.capture(model, **cfg_kwargs) if cfg_kwargs is not None else nullcontext() as cap:
+    if contexts is None:
+        contexts = lambda: [scope.capture(model, **cfg_kwargs)] if cfg_kwargs is not None else []
+    with ExitStack() as stack:
+        caps = [stack.enter_context(c) for c in contexts()]
         model.forward_step(tokens)  # prefill (hook path)
         model.forward_step(tokens[:, -1:])  # first decode step: warms memoised tables
         model._decode_body = counted
@@ -100,7 +104,7 @@ def count_decode_step(model, cfg_kwargs: dict | None, prompt_len: int = 8):
             model.forward_step(tokens[:, -1:])
         finally:
             del model._decode_body
-        if cap is not None:
+        for cap in caps:
             assert cap.recorded_steps == [1, 2], "this capture is not recorded into the decode step"
     return counter
 
@@ -110,6 +114,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--sites", nargs="+", default=list(DEFAULT_SITES))
     p.add_argument("--compress", default=DEFAULT_COMPRESS)
+    p.add_argument("--ui", action="store_true", help="count the web UI's captures (layer 0 shown) instead of --sites")
     p.add_argument("--device", default="cpu", help="cuda: count the CUDA kernels instead (profiler)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -121,7 +126,13 @@ def main() -> None:
         cfg = model_preset("1.3b", num_layers=args.layers, vocab_size=50304)
     model = build_inference_model(cfg, single_process_groups(), args.device, seed=0, dtype=torch.bfloat16)
     off = count_decode_step(model, None)
-    on = count_decode_step(model, dict(sites=args.sites, compress=args.compress))
+    if args.ui:
+        from megatronapp.scope_ui.runner import stream_captures
+
+        args.sites, args.compress = ["ui"], "ui"
+        on = count_decode_step(model, None, contexts=lambda: stream_captures(model, (0,), True, 1 << 34))
+    else:
+        on = count_decode_step(model, dict(sites=args.sites, compress=args.compress))
     added = on.kernels.copy()
     added.subtract(off.kernels)
     report = {"device": args.device, "layers": args.layers, "sites": args.sites, "compress": args.compress,

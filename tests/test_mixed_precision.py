@@ -186,16 +186,22 @@ def test_fused_adamw_folds_clipping_into_its_grad_scale(bf16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_master_adamw_kernel_equals_torch_adamw_then_copy(model_dtype):
+@pytest.mark.parametrize("model_dtype,shapes,block", [
+    (torch.bfloat16, [(513, 77), (4097,), (3,), (8192,)], 4096),  # odd sizes: the scalar path
+    (torch.float16, [(513, 77), (4097,), (3,), (8192,)], 4096),
+    (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 4096),  # aligned: the vector path
+    (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 8192),
+    (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 1024)], ids=["bf16", "fp16", "aligned",
+                                                                      "aligned-8192", "aligned-1024"])
+def test_master_adamw_kernel_equals_torch_adamw_then_copy(model_dtype, shapes, block):
     """The Triton kernel on fixed inputs against torch's AdamW on pre-divided grads, 3 steps,
-    two param groups (with and without weight decay), odd sizes (masked tails); one launch per
-    group over tables built once (grads written in place, as the engine's main-grad buffers)."""
+    two param groups (with and without weight decay), masked tails; one launch per group over
+    tables built once (grads written in place, as the engine's main-grad buffers); every
+    element is updated, on the scalar and the vector path and for several launch shapes."""
     from megatronapp.engine import master_adam
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    shapes = [(513, 77), (4097,), (3,), (8192,)]
     ref = [torch.randn(s, device=dev) for s in shapes]
     mains = [r.clone() for r in ref]
     models = [m.to(model_dtype) for m in mains]
@@ -206,7 +212,8 @@ def test_master_adamw_kernel_equals_torch_adamw_then_copy(model_dtype):
         return torch.optim.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
                                  lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     torch_opt, kernel_opt = adamw(ref), adamw(mains)
-    kernel = master_adam.MasterAdamW(kernel_opt, {id(m): v for m, v in zip(mains, models)})
+    kernel = master_adam.MasterAdamW(kernel_opt, {id(m): v for m, v in zip(mains, models)}, block=block)
+    before = [m.clone() for m in mains]
     for _ in range(3):
         grads = [torch.randn_like(r) for r in ref]
         for r, g in zip(ref, grads):
@@ -215,7 +222,10 @@ def test_master_adamw_kernel_equals_torch_adamw_then_copy(model_dtype):
             m.grad.copy_(g)
         torch_opt.step()
         kernel.step(torch.tensor(4.0, device=dev))
-    for r, m, v in zip(ref, mains, models):
+    aligned = shapes[0] == (640, 48)
+    assert [plan.aligned for plan in kernel._plans] == [aligned, aligned]
+    for r, m, v, b in zip(ref, mains, models, before):
+        assert bool((m != b).all())  # no element skipped
         torch.testing.assert_close(m, r, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(kernel_opt.state[m]["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"],
                                    rtol=1e-6, atol=0)

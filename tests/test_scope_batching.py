@@ -14,7 +14,7 @@ from megatronapp.config import model_preset
 from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope import compress
-from megatronapp.scope.batching import compress_step
+from megatronapp.scope.batching import compress_step, compute_top_probs
 from megatronapp.scope.compress import (DEFAULT_COMPRESS, CapturedItem, apply_pipeline, parse_pipeline,
                                          reduce_equal_buckets)
 from megatronapp.scope.sites import DEFAULT_SITES
@@ -111,3 +111,42 @@ def test_recorded_capture_adds_the_same_kernels_for_any_depth():
         on = count_decode_step(model, dict(sites=DEFAULT_SITES, compress=DEFAULT_COMPRESS))
         added.append(sum(on.kernels.values()) - sum(off.kernels.values()))
     assert added[0] == added[1] > 0
+
+
+@pytest.mark.parametrize("log", [True, False])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_top_probabilities_equal_softmax_then_topk(k, log):
+    """compute_top_probs (cast fused into the softmax, max for k = 1, ranking the logits) gives
+    the unfused reference's entries and probabilities: fp32 (L, B, V) logits without ties."""
+    logits = 4 * torch.randn(6, 2, 1000, generator=torch.Generator().manual_seed(k))
+    probs = logits.log_softmax(-1) if log else logits.softmax(-1)
+    want = probs.topk(k, dim=-1)
+    values, indices = compute_top_probs(logits, k, log=log)
+    assert values.dtype == torch.float32 and values.shape == indices.shape == (6, 2, k)
+    assert torch.equal(indices, want.indices)
+    torch.testing.assert_close(values, want.values, rtol=1e-6, atol=1e-7)
+
+
+def test_top_probabilities_of_bf16_logits_are_those_of_their_fp32_values():
+    """bf16 logits (ties are common): the probabilities are the fp32 reference's, each the
+    probability of the entry returned with it, largest first."""
+    logits = (3 * torch.randn(4, 1, 300, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    reference = logits.float().softmax(-1)
+    for k in (1, 5):
+        values, indices = compute_top_probs(logits, k, log=False)
+        torch.testing.assert_close(values, reference.topk(k, dim=-1).values, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(values, reference.gather(-1, indices), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 4, 64])
+def test_equal_bucket_mean_is_the_fp32_scatter_mean(dtype, width):
+    """The one-kernel mean of equal buckets (fp32 accumulation) equals the fp32 scatter mean
+    to rounding; NaN / inf land in the same buckets."""
+    x = special_values((3, 2, 128), dtype, seed=width)
+    fast = reduce_equal_buckets(x, "mean", width)
+    bucket = torch.arange(128) // (128 // width)
+    scatter = torch.zeros(3, 2, width).scatter_reduce(-1, bucket.expand(3, 2, 128), x.float(), "mean",
+                                                      include_self=False)
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast, scatter, rtol=1e-6, atol=1e-7, equal_nan=True)

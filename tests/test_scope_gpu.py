@@ -150,3 +150,19 @@ def test_equal_bucket_reduction_is_the_fp32_scatter_on_cuda(dtype, op):
     x.view(-1)[5] = float("nan")
     with_nan = reduce_equal_buckets(x, op, 64).float()
     assert with_nan.isnan().sum() == 1 and with_nan[0, 0, 0].isnan()
+
+
+@pytest.mark.parametrize("log", [True, False])
+def test_top_probabilities_on_cuda_are_the_fp32_reference(log):
+    """compute_top_probs on CUDA (softmax with the cast fused, a max for k = 1, a bf16 top-k and
+    a gather for k > 1) over the 1.3B preset's vocabulary: the fp32 reference's probabilities,
+    each that of the entry returned with it."""
+    from megatronapp.scope.batching import compute_top_probs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (4 * torch.randn(24, 1, 50304, generator=g, device="cuda")).to(torch.bfloat16)[..., :50257]
+    reference = logits.float().log_softmax(-1) if log else logits.float().softmax(-1)
+    for k in (1, 5):
+        values, indices = compute_top_probs(logits, k, log=log)
+        torch.testing.assert_close(values, reference.topk(k, dim=-1).values, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(values, reference.gather(-1, indices), rtol=1e-6, atol=1e-8)

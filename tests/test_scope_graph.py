@@ -28,6 +28,8 @@ CONFIGS = {
                     compress="reduce:op=l2,width=5;topk:k=3;quantize:dtype=fp16"),
     "layers_mean": dict(sites=("mlp_out", "q", "logit_lens"), layers=(1, 3),
                         compress="slice:tokens=-1:,layers=1;reduce:op=mean,width=8"),
+    "ui_lens_top1": dict(sites=("attn_probs", "topk", "logit_lens"), layers=(1,), topk=5, lens_topk=1,
+                         compress="quantize:dtype=fp16"),
 }
 
 
@@ -94,13 +96,19 @@ def test_recorded_attention_maps_cover_the_keys_so_far(model):
     assert cap.recorded_steps == list(range(1, STEPS))
 
 
-def test_batched_logit_lens_equals_per_layer(model):
-    _, cap = run(model, dict(sites=("residual", "logit_lens"), topk=6), static=True)
+@pytest.mark.parametrize("k,lens_topk", [(6, None), (5, 1)])
+def test_batched_logit_lens_equals_per_layer(model, k, lens_topk):
+    """The recorded lens (one matmul for every layer, top-k of log-probabilities without ranking
+    them in fp32; a max for the UI's top 1) equals each layer's residual through the final norm
+    and output layer, log_softmax, topk."""
+    _, cap = run(model, dict(sites=("residual", "logit_lens"), topk=k, lens_topk=lens_topk), static=True)
+    assert cap.recorded_steps
     for step in cap.recorded_steps:
         lens = cap.get("logit_lens", step=step)[0].tensors
+        assert lens["data"].shape == (model.cfg.num_layers, len(PROMPTS), lens_topk or k)
         for layer in range(model.cfg.num_layers):
             residual = cap.get("residual", layer, step)[0].tensors["data"][:, -1]  # (B, H)
-            per_layer = model.compute_logits(residual)[..., :VOCAB].float().log_softmax(-1).topk(6)
+            per_layer = model.compute_logits(residual)[..., :VOCAB].float().log_softmax(-1).topk(lens_topk or k)
             assert torch.equal(lens["indices"][layer], per_layer.indices.to(torch.int32))
             torch.testing.assert_close(lens["data"][layer], per_layer.values, rtol=1e-5, atol=1e-5)
 
@@ -226,3 +234,38 @@ def test_replayed_capture_equals_hook_capture_and_counts_each_steps_tokens(model
         assert tokens == [len(PROMPTS) * max(map(len, PROMPTS))] + [len(PROMPTS)] * (STEPS - 1), generation
         assert cap.steps == reference.steps and cap.bytes_per_token == reference.bytes_per_token
         assert_same_items(cap, reference, rtol=1e-4, atol=1e-5)
+
+
+class _CopyInFlight:
+    """A host copy's event that lands when the test says so (or when waited on)."""
+
+    def __init__(self):
+        self.landed, self.waited = False, False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = self.waited = True
+
+
+def test_landed_items_never_wait_and_keep_step_order(model, monkeypatch):
+    """landed_items builds the steps whose copies have landed, up to the first still in flight,
+    without waiting on any; `items` then waits for the rest. Items equal a plain capture's."""
+    _, reference = run(model, CONFIGS["default"], static=False)
+    events = []
+
+    def copy(self, buffer):
+        events.append(_CopyInFlight())
+        return buffer.clone(), events[-1]
+
+    monkeypatch.setattr(HostStaging, "copy", copy)
+    with scope.capture(model, **CONFIGS["default"]) as cap:
+        generate(model, PROMPTS, SAMPLING, eod_id=EOD, vocab_size=VOCAB)
+        assert len(events) == STEPS and cap.landed_items() == []
+        events[0].landed = events[1].landed = events[3].landed = True
+        assert sorted({it.step for it in cap.landed_items()}) == [0, 1]  # step 3 waits for step 2
+        assert not any(e.waited for e in events)
+        assert sorted({it.step for it in cap.items}) == list(range(STEPS))
+        assert events[2].waited and events[4].waited
+    assert_same_items(cap, reference, rtol=0, atol=0)

@@ -219,3 +219,90 @@ def test_ui_generation_on_cuda_keeps_graphs_and_tokens(caplog):
                      eod_id=tok.eod_id, vocab_size=tok.vocab_size).tokens[0]
     assert [t.id for t in got if isinstance(t, TokenOut)] == plain
     assert {v.layer for v in got if isinstance(v, ViewOut)} == {1}
+
+
+def test_token_work_runs_after_the_next_step_is_launched(runner, monkeypatch):
+    """The model thread notes step s's token (and flushes) only once step s+1 has been launched,
+    so that work overlaps the device's step instead of delaying its launch; tokens still
+    equal the run's."""
+    import megatronapp.scope_ui.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "FLUSH_S", 0.0)  # a flush with every token
+    log, token = [], runner_mod._RunStream.token
+
+    class Launches:  # an observer: step_begin runs just before a step's forward is launched
+        def step_begin(self, model) -> None:
+            log.append(("launch", model.step))
+
+        def step_end(self, model, logits) -> None:
+            pass
+
+    def noted(self, step, token_id):
+        log.append(("token", step))
+        token(self, step, token_id)
+
+    monkeypatch.setattr(runner_mod._RunStream, "token", noted)
+    posts = []
+
+    class Sink:
+        def post(self, items):
+            posts.extend(items)
+
+    n = 6
+    runner.model.observers.append(Launches())
+    try:
+        runner.run(P.Generate(type="generate", prompt="Once upon", max_new_tokens=n, stop_on_eod=False), Sink(), [0])
+    finally:
+        runner.model.observers.pop()
+    assert [s for kind, s in log if kind == "token"] == list(range(n))
+    for step in range(n - 1):  # the last token has no next step
+        assert log.index(("launch", step + 1)) < log.index(("token", step))
+        if step + 2 < n:
+            assert log.index(("token", step)) < log.index(("launch", step + 2))
+    assert [t.id for t in posts if isinstance(t, TokenOut)] == posts[-1].tokens
+
+
+class _LaggingCapture:
+    """A capture whose items land when the test says so."""
+
+    def __init__(self, items):
+        self.all, self.landed = items, 0
+
+    def landed_items(self):
+        return self.all[:self.landed]
+
+    @property
+    def items(self):
+        return self.all
+
+
+def test_a_token_waits_for_its_top_k_and_lens_to_land():
+    from megatronapp.scope.compress import CapturedItem
+    from megatronapp.scope_ui.runner import _RunStream
+
+    def finals(step):
+        top = CapturedItem(f"step{step}/topk", "topk", step, None, ("batch", "k"),
+                           {"data": torch.tensor([[0.5, 0.25]]), "indices": torch.tensor([[7 + step, 9]])})
+        lens = CapturedItem(f"step{step}/logit_lens", "logit_lens", step, None, ("layer", "batch", "k"),
+                            {"data": torch.full((3, 1, 1), -1.0), "indices": torch.full((3, 1, 1), step)})
+        return [top, lens]
+
+    cap, posts = _LaggingCapture(finals(0) + finals(1)), []
+
+    class Sink:
+        def post(self, items):
+            posts.append(items)
+
+    stream = _RunStream([cap], "clean", 3, Sink(), with_tokens=True)
+    stream.token(0, 100)
+    stream.token(1, 101)
+    cap.landed = 2  # step 0's top-k and lens
+    stream.flush()
+    cap.landed = 3  # step 1's top-k only: its lens is still in flight
+    stream.flush()
+    stream.flush(final=True)
+    tokens = [[t for t in p if isinstance(t, TokenOut)] for p in posts]
+    assert [[t.step for t in p] for p in tokens] == [[0], [1]]
+    (first,), (second,) = tokens
+    assert first.topk == ((7, 0.5), (9, 0.25)) and second.topk == ((8, 0.5), (9, 0.25))
+    assert first.lens == ((0, pytest.approx(np.exp(-1.0))),) * 3 and second.lens[0][0] == 1

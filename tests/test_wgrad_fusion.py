@@ -70,3 +70,36 @@ def test_trainer_with_fusion_matches_the_hook_path():
         err = (fused[name] - g).norm() / g.norm().clamp(min=1e-12)
         assert err < 1e-2, (name, float(err))
     torch.testing.assert_close(fused_losses, hooked_losses, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_first_write_replaces_zeroing_and_a_weight_without_gradient_reads_zero(device):
+    """GradReducer.zero_grad leaves fused weights' main grads alone (their first weight-gradient
+    GEMM of the step overwrites them) and zeroes everything else; after finish() the used
+    weight holds exactly this step's sum and the unused one reads zero, whatever was there."""
+    from torch import nn
+
+    from megatronapp.engine.grads import GradReducer
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList([ColumnParallelLinear(n, 16, 8, tp_group=None, tp_size=1, tp_rank=0, std=0.5, seed=3)
+                            for n in ("used", "unused")]).to(device=device, dtype=torch.bfloat16)
+    reducer = GradReducer([layers], None, 1, overlap=False, bucket_mb=1.0)
+    assert enable_grad_accumulation_fusion(layers.modules()) == 2
+    used, unused = layers
+    for p in layers.parameters():
+        p.main_grad.fill_(7.0)  # the previous step's sums
+    reducer.zero_grad()
+    assert torch.all(used.weight.main_grad == 7.0)  # no zeroing pass over fused weights
+    assert torch.all(used.bias.main_grad == 0.0) and torch.all(unused.bias.main_grad == 0.0)
+    want = torch.zeros(8, 16, device=device)
+    for _ in range(2):
+        x = torch.randn(2, 5, 16, dtype=torch.bfloat16, device=device)
+        gy = torch.randn(2, 5, 8, dtype=torch.bfloat16, device=device)
+        used(x).backward(gy)
+        want += gy.float().reshape(-1, 8).t() @ x.float().reshape(-1, 16)
+    reducer.finish()
+    torch.testing.assert_close(used.weight.main_grad, want, rtol=1e-5, atol=1e-5)
+    assert torch.all(unused.weight.main_grad == 0.0)
+    for p in layers.parameters():
+        assert p.grad is None

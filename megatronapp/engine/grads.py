@@ -5,7 +5,7 @@ name) is a view into it. fp32 parameters also get `param.grad` = that view, so a
 accumulates microbatches in place. bf16/fp16 parameters accumulate each microbatch's
 gradient into `main_grad` in a post-accumulate-grad hook and drop the low-precision
 `.grad` right away. The adds of small parameters (biases, norms: hundreds of tiny kernels
-per microbatch) are deferred and run as one `_foreach_add_` per flush; a flush happens
+per microbatch) are deferred and run as a few batched kernels per flush; a flush happens
 before a bucket is reduced, before a parameter would be queued twice (the next
 microbatch's backward reached it) and in `finish`, so every add lands before anything
 reads the main grads. With gradient-accumulation fusion (parallel/wgrad_fusion.py) the
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from megatronapp.parallel import wgrad_fusion
 
 # torch >= 2.13 renames the *_tensor collectives; same signature
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -97,6 +99,28 @@ class ChunkGradBuffer:
             if self.param_data is not None:
                 b.param_data = self.param_data[b.span.start:b.span.end]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._zero_plan: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+
+    def written_first(self) -> list[int]:
+        """Indices of the params whose main grad their first weight-gradient GEMM of a step
+        overwrites (gradient-accumulation fusion, parallel/wgrad_fusion.py)."""
+        return [i for i, p in enumerate(self.params) if getattr(p, "grad_added_to_main_grad", False)]
+
+    def zero(self, skip: list[int]) -> None:
+        """Zero the buffer except the main grads of params `skip` (padding included)."""
+        if not skip:
+            self.grad_data.zero_()
+            return
+        if self._zero_plan is None or self._zero_plan[0] != tuple(skip):
+            holes = sorted((self.offsets[i], self.offsets[i] + self.params[i].numel()) for i in skip)
+            views, pos = [], 0
+            for start, end in holes + [(self.grad_data.numel(), self.grad_data.numel())]:
+                if start > pos:
+                    views.append(self.grad_data[pos:start])
+                pos = max(pos, end)
+            self._zero_plan = (tuple(skip), views)
+        if self._zero_plan[1]:
+            torch._foreach_zero_(self._zero_plan[1])
 
 
 # parameters up to this many elements have their main-grad adds batched (see module doc);
@@ -105,23 +129,30 @@ DEFERRED_ADD_MAX_NUMEL = 1 << 20
 
 
 class _DeferredAdds:
-    """Pending `main_grad += grad` of small low-precision parameters, run as one foreach."""
+    """Pending `main_grad += grad` of small low-precision parameters, run as a handful of kernels.
+
+    `_foreach_add_` has a fast path only for lists of one dtype (fp32 += bf16 falls back to one
+    kernel per tensor), so the grads are first concatenated (one batched copy) and widened to
+    fp32 in one pass; the adds are then one fp32 foreach. Each element still gets exactly one
+    fp32 add of its bf16/fp16 value, so the sums are those of adding each grad on its own.
+    """
 
     def __init__(self):
-        self.mains: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
+        self.mains: list[torch.Tensor] = []  # flat fp32 main-grad views
+        self.grads: list[torch.Tensor] = []  # flat low-precision grads
         self.queued: set[int] = set()
 
     def add(self, param: nn.Parameter) -> None:
         if id(param) in self.queued:  # its previous microbatch's add must land first
             self.flush()
-        self.mains.append(param.main_grad)
-        self.grads.append(param.grad)
+        self.mains.append(param.main_grad.view(-1))
+        self.grads.append(param.grad.reshape(-1))
         self.queued.add(id(param))
 
     def flush(self) -> None:
         if self.mains:
-            torch._foreach_add_(self.mains, self.grads)
+            widened = torch.cat(self.grads).float().split([g.numel() for g in self.grads])
+            torch._foreach_add_(self.mains, widened)
             self.mains, self.grads, self.queued = [], [], set()
 
 
@@ -148,12 +179,11 @@ class GradReducer:
     def _make_hook(self, chunk: int, bucket: _Bucket):
         def hook(param):
             if param.dtype != torch.float32:
-                if getattr(param, "grad_added_to_main_grad", False):  # the fused GEMM did it
-                    pass
-                elif param.numel() <= DEFERRED_ADD_MAX_NUMEL:
-                    self._deferred.add(param)
-                else:
-                    param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
+                if not getattr(param, "grad_added_to_main_grad", False):  # else the fused GEMM did it
+                    if param.numel() <= DEFERRED_ADD_MAX_NUMEL:
+                        self._deferred.add(param)
+                    else:
+                        param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
                 param.grad = None
             if self.overlap and self.final_microbatch[chunk]:
                 bucket.ready += 1
@@ -171,12 +201,22 @@ class GradReducer:
             bucket.work = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=True)
 
     def zero_grad(self) -> None:
+        """Start a step: main grads read zero until written (fused weights: first write)."""
         self._deferred = _DeferredAdds()  # adds of an abandoned step must not land in the next
         for buf in self.buffers:
-            buf.grad_data.zero_()
+            first = buf.written_first()
+            buf.zero(skip=first)
+            wgrad_fusion.mark_first_write([buf.params[i].main_grad for i in first])
             for b in buf.buckets:
                 b.ready, b.work = 0, None
         self.final_microbatch = [False] * len(self.buffers)
+
+    def _zero_unwritten(self) -> None:
+        """Main grads still marked for a first write got no gradient this step: zero them."""
+        for buf in self.buffers:
+            unwritten = wgrad_fusion.take_unwritten([buf.params[i].main_grad for i in buf.written_first()])
+            if unwritten:
+                torch._foreach_zero_(unwritten)
 
     def mark_final_microbatch(self, chunk: int) -> None:
         """Called before the last microbatch's backward of `chunk`: its buckets may now be reduced."""
@@ -185,6 +225,7 @@ class GradReducer:
     def finish(self) -> None:
         """Complete the DP reduction of every bucket (launching any not yet launched)."""
         self._deferred.flush()
+        self._zero_unwritten()
         if self.dp_group is None:
             return
         for buf in self.buffers:

@@ -7,8 +7,9 @@ reads every master weight again to write the model weight. Here one Triton kerne
 param group (a multi-tensor apply over a pointer table, as Apex's and TE's multi_tensor_apply;
 hundreds of per-tensor launches cost GPU tails and host time) reads 16 bytes and writes 14 per
 parameter, and divides the gradient by the clip factor's reciprocal on the way (as torch's
-fused AdamW does with `grad_scale`), so clipping costs no pass of its own either. The state lives in the torch AdamW's `state` dict under its usual names
-(`exp_avg`, `exp_avg_sq`, `step`), so checkpoints and the torch path read it unchanged.
+fused AdamW does with `grad_scale`), so clipping costs no pass of its own either. The state
+lives in the torch AdamW's `state` dict under its usual names (`exp_avg`, `exp_avg_sq`,
+`step`), so checkpoints and the torch path read it unchanged.
 
 Used on CUDA when Triton imports; the torch path (engine.mixed_precision) is the reference.
 Unlike torch's fused kernel it does not store the clipped gradient back (a 4-byte-per-parameter
@@ -25,7 +26,9 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+# elements per program and warps per program (benchmarks/master_adam_sweep.py times others)
 BLOCK = 4096
+NUM_WARPS = 8
 # a plan's pointer table has one row per tensor: the addresses of its main param, grad, exp_avg,
 # exp_avg_sq, model tensor and step counter (the kernel reads them as columns 0-5)
 _STEP = 5
@@ -103,7 +106,7 @@ class _GroupPlan:
     """The tables one launch over a param group needs: per tensor its six addresses and size,
     per program its tensor and start. Valid while no tensor of the group is reallocated."""
 
-    def __init__(self, mains: list[torch.Tensor], states: list[dict], models: list[torch.Tensor]):
+    def __init__(self, mains: list[torch.Tensor], states: list[dict], models: list[torch.Tensor], block: int):
         device = mains[0].device
         rows, numels, block_tensor, block_start = [], [], [], []
         for i, (main, state, model) in enumerate(zip(mains, states, models)):
@@ -112,7 +115,7 @@ class _GroupPlan:
             rows.append([main.data_ptr(), main.grad.data_ptr(), state["exp_avg"].data_ptr(),
                          state["exp_avg_sq"].data_ptr(), model.data_ptr(), state["step"].data_ptr()])
             numels.append(main.numel())
-            starts = range(0, main.numel(), BLOCK)
+            starts = range(0, main.numel(), block)
             block_tensor.extend([i] * len(starts))
             block_start.extend(starts)
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
@@ -125,6 +128,7 @@ class _GroupPlan:
         # flat buffer) get vector access
         self.aligned = (all(address % 16 == 0 for row in rows for address in row[:_STEP])
                         and all(n % 16 == 0 for n in numels))
+        self.block = block
         self.fp32_base, self.model_base = mains[0], models[0]
         self.keepalive = (mains, states, models)  # the addresses above stay valid while these live
         self.steps = [s["step"] for s in states]
@@ -136,8 +140,10 @@ class MasterAdamW:
     elements): one kernel launch per param group. Call `invalidate()` whenever a main param,
     its grad, its Adam state or its model tensor is replaced (e.g. after loading a checkpoint)."""
 
-    def __init__(self, optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor]):
+    def __init__(self, optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor], *,
+                 block: int = BLOCK, num_warps: int = NUM_WARPS):
         self.optimizer, self.model_view_of = optimizer, model_view_of
+        self.block, self.num_warps = block, num_warps
         self._plans: list[_GroupPlan | None] | None = None
 
     def invalidate(self) -> None:
@@ -148,7 +154,8 @@ class MasterAdamW:
         for group in self.optimizer.param_groups:
             mains = [p for p in group["params"] if p.grad is not None]
             states = [_state_of(self.optimizer, p) for p in mains]
-            plans.append(_GroupPlan(mains, states, [self.model_view_of[id(p)] for p in mains]) if mains else None)
+            models = [self.model_view_of[id(p)] for p in mains]
+            plans.append(_GroupPlan(mains, states, models, self.block) if mains else None)
         return plans
 
     @torch.no_grad()
@@ -163,5 +170,7 @@ class MasterAdamW:
             _adamw_master_kernel[(plan.block_tensor.numel(),)](
                 plan.table, plan.numels, plan.block_tensor, plan.block_start,
                 grad_scale if grad_scale is not None else plan.numels, plan.fp32_base, plan.model_base,
-                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=plan.aligned, BLOCK_SIZE=BLOCK, num_warps=8)
+                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+                HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=plan.aligned, BLOCK_SIZE=plan.block,
+                num_warps=self.num_warps)
 

@@ -57,6 +57,7 @@ class BackgroundWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.error: BaseException | None = None
         self.dropped_windows = self.dropped_events = 0
+        self.busy_s = 0.0  # CPU time this thread spent converting and writing (final at close)
         self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
         self._thread.start()
 
@@ -87,12 +88,15 @@ class BackgroundWriter:
         """Append `records` and the calibration `pairs` (+ one taken now if `fresh_pair`) as one batch."""
         if self.error is not None:
             return
+        began = time.thread_time()
         try:
             pairs = [*pairs, self._clock.calibration_pair()] if fresh_pair else pairs
             self._writer.append(build_window_batch(records, self._clock, pairs))
         except Exception as exc:  # keep training alive; close() reports it
             self.error = exc
             warnings.warn(f"MegaScan writer for {self._writer.path} failed: {exc!r}", stacklevel=1)
+        finally:
+            self.busy_s += time.thread_time() - began
 
     def close(self) -> None:
         self._queue.put(None)  # blocks until there is room: the writer drains what is queued

@@ -144,6 +144,7 @@ class Tracer:
         self._step_span: _Span | None = None
         self._background: BackgroundWriter | None = None
         self.dropped_events = 0  # events lost because the writer queue was full (final at close)
+        self.writer_busy_s = 0.0  # the writer thread's CPU time (final at close)
         self.meta = dict(meta)
         if not config.enabled:
             return
@@ -264,7 +265,7 @@ class Tracer:
         self._flush()
         background, self._background = self._background, None
         background.close()
-        self.dropped_events = background.dropped_events
+        self.dropped_events, self.writer_busy_s = background.dropped_events, background.busy_s
         if background.dropped_windows:
             warnings.warn(f"MegaScan dropped {background.dropped_events} events ({background.dropped_windows} windows) "
                           f"of {self.path}: the writer could not keep up", stacklevel=2)

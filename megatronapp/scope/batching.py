@@ -37,17 +37,19 @@ class Block:
     tensors: dict[str, torch.Tensor]  # key -> (rows, *item shape)
 
 
-def compress_step(step: int, gathered, compress: tuple[dict, ...], heads, topk: int) -> tuple[list, list[Block]]:
+def compress_step(step: int, gathered, compress: tuple[dict, ...], heads, topk: int,
+                  lens_topk: int | None = None) -> tuple[list, list[Block]]:
     """(items in `gathered` order, the blocks holding their tensors) of one step's gathered
     (name, layer, site, tensor) captures: per-layer sites compressed by `compress` (after
-    keeping `heads` of head sites); topk / logit_lens data reduced to their top `topk`."""
+    keeping `heads` of head sites); topk data as given (its top `topk` already), logit_lens
+    logits (L, B, V) reduced to their top `lens_topk` (None: `topk`) log-probabilities."""
     kept_layers = [set(op["layers"]) for op in compress if op["name"] == "slice" and "layers" in op]
     groups: dict[tuple, list] = {}
     built: dict[str, CapturedItem] = {}
     blocks = []
     for name, layer, site, data in gathered:
         if site in ("topk", "logit_lens"):
-            block = final_block(step, site, data, topk)
+            block = final_block(step, site, data, topk if lens_topk is None else lens_topk)
             built[name] = block.items[0]
             blocks.append(block)
         elif all(layer in keep for keep in kept_layers):
@@ -62,18 +64,36 @@ def compress_step(step: int, gathered, compress: tuple[dict, ...], heads, topk: 
 
 
 def final_block(step: int, site: str, data, topk: int) -> Block:
-    """The one-item block of `topk` ((values, indices) already) or `logit_lens` (L, B, V)."""
-    top = data if site == "topk" else data.topk(topk, dim=-1)  # lens: top-k per layer
-    tensors = {"data": top.values, "indices": top.indices.to(torch.int32)}
+    """The one-item block of `topk` ((values, indices) already) or `logit_lens` (logits (L, B, V):
+    top-k log-probabilities per layer)."""
+    values, indices = data if site == "topk" else compute_top_probs(data, topk, log=True)
+    tensors = {"data": values, "indices": indices.to(torch.int32)}
     item = CapturedItem(f"step{step}/{site}", site, step, None, DIMS[site], tensors)
     return Block([item], {k: t.unsqueeze(0) for k, t in tensors.items()})
+
+
+def compute_top_probs(logits: torch.Tensor, k: int, log: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the top `k` of softmax(logits) (log_softmax with `log`) over the last
+    dim, values in fp32, largest first; what `logits.float().softmax(-1).topk(k)` gives, cheaper
+    on a GPU: the fp32 cast is fused into the softmax kernel, k = 1 is one max reduction, and a
+    larger k ranks the logits in their own dtype (softmax is monotonic, so the same entries; a
+    radix select over bf16 makes half the passes of one over fp32) and gathers their
+    probabilities. Only which of several entries with exactly equal probability comes first
+    may differ from ranking the probabilities."""
+    probs = logits.log_softmax(-1, dtype=torch.float32) if log else logits.softmax(-1, dtype=torch.float32)
+    if k == 1:
+        top = probs.max(dim=-1, keepdim=True)
+        return top.values, top.indices
+    indices = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
+    return probs.gather(-1, indices), indices
 
 
 def compress_rows(step: int, entries, compress: tuple[dict, ...], heads) -> Block:
     """One block of same-kind per-layer entries (name, layer, site, tensor): concatenated in
     one kernel (in the capture's dtype), compressed by the pipeline, fp32 unless quantized."""
     site = entries[0][2]
-    data = torch.stack([d for *_, d in entries])  # (rows, ...)
+    # (rows, ...); one row (e.g. the UI's one shown layer) is a view, not a copy
+    data = entries[0][3].unsqueeze(0) if len(entries) == 1 else torch.stack([d for *_, d in entries])
     if heads is not None and site in HEAD_SITES:
         data = select_indices(data, 2, heads)
     stacked = apply_pipeline(CapturedItem("", site, step, None, ("row", *DIMS[site]), {"data": data}), compress)

@@ -29,11 +29,12 @@ InferenceModel (one process, e.g. during training), call `cap.end_step()` after 
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from megatronapp.scope.batching import compress_step
+from megatronapp.scope.batching import compress_step, compute_top_probs
 from megatronapp.scope.compress import CapturedItem, check_pipeline, parse_pipeline
 from megatronapp.scope.gather import collect_step, compute_logit_lens, stage_items
 from megatronapp.scope.hooks import CaptureHooks
@@ -49,6 +50,7 @@ class CaptureConfig:
     heads: tuple[int, ...] | None = None  # q/k/v/attn_probs heads kept; None: all
     compress: tuple[dict, ...] = ()  # applied to per-layer sites (see compress.py)
     topk: int = 5  # next-token and logit-lens top-k
+    lens_topk: int | None = None  # logit-lens top-k when it differs (the UI shows the top one)
     max_bytes_per_step: int = 1 << 30  # raw (uncompressed) capture size a step may reach
 
 
@@ -60,6 +62,8 @@ def validate_capture(model_cfg, cfg: CaptureConfig) -> tuple[tuple[int, ...], tu
     compress = check_pipeline(cfg.compress)
     if cfg.topk < 1:
         raise ValueError(f"topk must be >= 1, got {cfg.topk}")
+    if cfg.lens_topk is not None and cfg.lens_topk < 1:
+        raise ValueError(f"lens_topk must be >= 1, got {cfg.lens_topk}")
     return layers, heads, compress
 
 
@@ -81,13 +85,13 @@ def compute_raw_bytes(model_cfg, sites, num_layers: int) -> tuple[int, int]:
 
 
 def make_capture_config(sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
-                        max_bytes_per_step: int = 1 << 30) -> CaptureConfig:
+                        lens_topk: int | None = None, max_bytes_per_step: int = 1 << 30) -> CaptureConfig:
     """CaptureConfig from loose arguments (`compress` may be the text form)."""
     if isinstance(compress, str):
         compress = parse_pipeline(compress)
     return CaptureConfig(sites=tuple(sites), layers=None if layers is None else tuple(layers),
                          heads=None if heads is None else tuple(heads), compress=tuple(compress), topk=topk,
-                         max_bytes_per_step=max_bytes_per_step)
+                         lens_topk=lens_topk, max_bytes_per_step=max_bytes_per_step)
 
 
 class Capture:
@@ -98,7 +102,7 @@ class Capture:
         if self.target.model is None and ({"topk", "logit_lens"} & set(cfg.sites)):
             raise ValueError("topk and logit_lens need an InferenceModel (they read the logits / output layer)")
         self._items: list[CapturedItem] = []
-        self._unread: list[tuple] = []  # steps whose copies are queued, their items not yet built
+        self._unread: deque[tuple] = deque()  # steps whose copies are queued, their items not yet built
         self.steps: list[dict] = []  # {"step", "tokens", "bytes"} of each captured step
         self.recorded_steps: list[int] = []  # steps whose items came from record_decode
         self.hooks, self.staging, self._template_bytes = None, HostStaging(), (None, 0)
@@ -125,9 +129,12 @@ class Capture:
             self.target.model.observers.remove(self)
         self.hooks.remove()
         self._finish_transfer()
+        self.staging.guard()  # every copy has landed: release the buffers they read
 
     def step_begin(self, model) -> None:
-        # Runs before a replayed decode step is launched, while the GPU waits: a few integer ops.
+        # Runs before a replayed decode step is launched, while the GPU waits: a few integer ops,
+        # and the device is told to finish the last step's copy before the replay overwrites it.
+        self.staging.guard()
         self.hooks.full_keys = model.recording and self.decode_key is not None
         cache = model.cache
         per_column, per_column_key = self._raw_bytes
@@ -160,7 +167,7 @@ class Capture:
         self._finish_step(model.step, gathered, tokens)
 
     def _next_token_topk(self, model, logits: torch.Tensor):
-        return logits[:, :model.cfg.vocab_size].float().softmax(-1).topk(self.cfg.topk, dim=-1)
+        return compute_top_probs(logits[:, :model.cfg.vocab_size], self.cfg.topk, log=False)
 
     def record_decode(self, model, out: torch.Tensor) -> tuple[torch.Tensor, list[CapturedItem], list[dict]]:
         """Device work of a static decode step in one process, right after the forward (recorded
@@ -174,7 +181,7 @@ class Capture:
         if "topk" in self.cfg.sites:
             gathered.append(("topk", None, "topk", self._next_token_topk(model, out[:, -1])))
         stash.clear()
-        items, blocks = compress_step(0, gathered, self.compress, self.heads, self.cfg.topk)
+        items, blocks = compress_step(0, gathered, self.compress, self.heads, self.cfg.topk, self.cfg.lens_topk)
         buffer, offsets = pack_blocks(blocks, items, out.device)
         return buffer, items, offsets
 
@@ -189,7 +196,7 @@ class Capture:
 
     # -- serving rank: compress, one async copy --------------------------------------------
     def _finish_step(self, step: int, gathered, tokens: int) -> None:
-        items, blocks = compress_step(step, gathered, self.compress, self.heads, self.cfg.topk)
+        items, blocks = compress_step(step, gathered, self.compress, self.heads, self.cfg.topk, self.cfg.lens_topk)
         buffer, offsets = pack_blocks(blocks, items, "cpu")
         self._start_transfer(step, (items, offsets), buffer, tokens, sum(it.nbytes for it in items))
 
@@ -204,12 +211,16 @@ class Capture:
         self.steps.append(entry)
         self._unread.append((host, event, layout, step if template else None, entry, key_columns))
 
-    def _finish_transfer(self) -> None:
-        """Build the items of every queued step now (waits for their copies)."""
-        unread, self._unread = self._unread, []
-        for host, event, (items, offsets), step, entry, key_columns in unread:
-            if event is not None:
+    def _finish_transfer(self, wait: bool = True) -> None:
+        """Build the items of the queued steps now, in step order: every one (waiting for their
+        copies), or with wait=False those whose copies have landed, up to the first that has not."""
+        while self._unread:
+            host, event, (items, offsets), step, entry, key_columns = self._unread[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
                 event.synchronize()
+            self._unread.popleft()
             if step is not None:
                 items = _items_for_step(items, step)
             view_items(host, items, offsets)
@@ -224,6 +235,13 @@ class Capture:
     def items(self) -> list[CapturedItem]:
         """Every captured item so far (on the serving rank), in step order."""
         self._finish_transfer()
+        return self._items
+
+    def landed_items(self) -> list[CapturedItem]:
+        """The captured items whose host copies have landed, in step order, without waiting on
+        the device: a caller that has just launched the next step (its copy still queued behind
+        the step's kernels) reads the earlier steps' items while the device computes."""
+        self._finish_transfer(wait=False)
         return self._items
 
     # -- results -------------------------------------------------------------------------
@@ -249,7 +267,7 @@ class Capture:
     def _config_dict(self) -> dict:
         return {"sites": list(self.cfg.sites), "layers": list(self.layers),
                 "heads": None if self.heads is None else list(self.heads), "compress": list(self.compress),
-                "topk": self.cfg.topk}
+                "topk": self.cfg.topk, "lens_topk": self.cfg.lens_topk or self.cfg.topk}
 
     def manifest(self) -> dict:
         return {"config": self._config_dict(), "steps": list(self.steps), "bytes_per_token": self.bytes_per_token,

@@ -90,10 +90,10 @@ def _reduce(item: CapturedItem, op: str, width: int) -> CapturedItem:
     data = item.tensors["data"]
     n = data.shape[-1]
     width = min(width, n)
-    if op in ("max", "absmax") and n % width == 0:
+    if op in ("max", "absmax", "mean") and n % width == 0:
         item.tensors["data"] = reduce_equal_buckets(data, op, width)
         return item
-    # Uneven buckets, mean, l2: one scatter_reduce over all buckets in fp32 (not one kernel per
+    # Uneven buckets, l2: one scatter_reduce over all buckets in fp32 (not one kernel per
     # bucket); device ops only, so a CUDA graph can record it.
     data = data.float()
     bucket = compute_buckets(n, width, data.device).expand_as(data)  # (..., n): bucket of each column
@@ -106,10 +106,14 @@ def _reduce(item: CapturedItem, op: str, width: int) -> CapturedItem:
 
 
 def reduce_equal_buckets(data: torch.Tensor, op: str, width: int) -> torch.Tensor:
-    """max / absmax of `width` equal contiguous buckets of the last dim, as one reduction in
-    data's own dtype: a maximum is one of its inputs, so this is exactly the fp32 scatter's
-    value (NaN propagates as on the CPU there), without its cast, abs, fill and scatter kernels."""
+    """max / absmax / mean of `width` equal contiguous buckets of the last dim, as one reduction.
+    max / absmax in data's own dtype: a maximum is one of its inputs, so this is exactly the fp32
+    scatter's value (NaN propagates as on the CPU there), without its cast, abs, fill and scatter
+    kernels. mean accumulates in fp32 (the cast fused in); its sum may round in another order
+    than the scatter's, and unlike CUDA's atomic scatter it is the same on every run."""
     buckets = data.reshape(*data.shape[:-1], width, data.shape[-1] // width)
+    if op == "mean":
+        return buckets.mean(dim=-1, dtype=torch.float32)
     if op == "absmax":
         if data.device.type in FUSED_ABSMAX_DEVICES:
             return torch.linalg.vector_norm(buckets, float("inf"), dim=-1)  # max |x|: abs fused in

@@ -43,8 +43,9 @@ def stage_items(target, layers, sites, stash) -> list[tuple[str, int, str, torch
 
 
 def compute_logit_lens(model, stash) -> torch.Tensor | None:
-    """Log-probabilities (L, B, V) of each layer's newest-column residual, on the last stage
-    (collective over the model: earlier stages send their residuals to the last one)."""
+    """Logits (L, B, V) over the real vocabulary of each layer's newest-column residual, in the
+    model's dtype, on the last stage (collective over the model: earlier stages send their
+    residuals to the last one). batching.compute_top_probs turns them into log-probabilities."""
     g, lay = model.groups, model.groups.layout
     mine = torch.stack([stash[(layer, LENS)] for layer in model.layers])  # (L_stage, B, H)
     if not g.is_last_stage:
@@ -57,7 +58,7 @@ def compute_logit_lens(model, stash) -> torch.Tensor | None:
         parts.append(buf)
     residuals = torch.cat(parts + [mine]) if parts else mine  # (L, B, H); a cat of one would copy
     # over the real vocabulary, like the next-token probabilities (padding ids excluded)
-    return model.compute_logits(residuals)[..., :model.cfg.vocab_size].float().log_softmax(dim=-1)
+    return model.compute_logits(residuals)[..., :model.cfg.vocab_size]
 
 
 def pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ and the items viewed back out of it.
 `pack_blocks` is one cat (no per-item or padding kernels) of device tensors, so it can run
 inside a CUDA graph (the graph's output is then a static buffer refreshed by every replay).
 `HostStaging` hands out slices of large pinned blocks, so a step costs one non_blocking copy
-and one event, not a pinned allocation.
+(on a side stream, off the token's critical path) and one event, not a pinned allocation.
 """
 
 from __future__ import annotations
@@ -46,15 +46,29 @@ def view_items(host: torch.Tensor, items: list[CapturedItem], offsets: list[dict
             it.tensors[key] = host[at[key]:at[key] + n].view(t.dtype).view(t.shape)
 
 
+# Copies run on a side stream (see HostStaging); False: on the current stream, queued right
+# behind the step (the behaviour before 2026-12-04; a switch for A/B timing).
+SIDE_STREAM_COPIES = True
+
+
 class HostStaging:
-    """Pinned host memory for device->host copies of packed steps (CPU buffers pass through)."""
+    """Pinned host memory for device->host copies of packed steps (CPU buffers pass through).
+
+    A copy runs on a side stream once the work queued so far on the current stream is done, so
+    the current stream goes on (e.g. to sampling the step's token and generate()'s one sync per
+    token) without waiting for the copy engine: a copy queued on it between the step and the
+    sampling put a compute->copy->compute hand-over on every token's critical path. In return,
+    `guard()` must be called before anything on the current stream may write a buffer handed to
+    `copy` (a replayed decode graph's static output: Capture.step_begin calls it): it orders the
+    current stream after the copies. Until then the buffers are kept alive here, so the caching
+    allocator cannot give their memory to new work while a copy still reads it."""
 
     def __init__(self, block_bytes: int = PINNED_BLOCK_BYTES):
         self.block_bytes, self.block, self.used = block_bytes, None, 0
+        self.stream, self.last_copy, self.reading = None, None, []
 
     def copy(self, buffer: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """(host tensor the buffer lands in, CUDA event to wait on or None). The copy is queued
-        on the current stream, so a graph replayed later cannot overwrite the buffer first."""
+        """(host tensor the buffer lands in, CUDA event to wait on or None)."""
         if not buffer.is_cuda:
             return buffer, None
         n = buffer.numel()
@@ -63,7 +77,26 @@ class HostStaging:
             self.used = 0
         host = self.block[self.used:self.used + n]
         self.used += n + (-n % 8)
-        host.copy_(buffer, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        if not SIDE_STREAM_COPIES:  # behind the step on the current stream: ordered by construction
+            host.copy_(buffer, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return host, event
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=buffer.device)
+        if self.last_copy is not None and self.last_copy.query():  # copies land in order: none reads
+            self.reading = []  # any more (bounds what is kept without a guard, e.g. chunk targets)
+        self.stream.wait_stream(torch.cuda.current_stream(buffer.device))  # the step's work first
+        with torch.cuda.stream(self.stream):
+            host.copy_(buffer, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.last_copy = event
+        self.reading.append(buffer)
         return host, event
+
+    def guard(self) -> None:
+        """Order the current stream after every copy queued so far (a no-op when there is none)."""
+        if self.last_copy is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.last_copy)
+            self.last_copy, self.reading = None, []

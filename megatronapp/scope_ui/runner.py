@@ -41,6 +41,7 @@ TOPK = 5
 ATTN_COMPRESS = "quantize:dtype=fp16"
 RESIDUAL_WIDTH = 64  # feature buckets of the residual heatmap / PCA
 RESIDUAL_COMPRESS = f"reduce:op=mean,width={RESIDUAL_WIDTH};quantize:dtype=fp16"
+TOKEN_INFO = {"topk", "lens"}  # what a token message carries besides its id
 FLUSH_S = 0.010  # records leave the model thread at most this often: one wakeup of the server per
 # ~frame, not per token (the page draws once per frame anyway; its latency goal is 50 ms)
 
@@ -90,28 +91,67 @@ class PerturbationSet:
 
 class _TokenTap:
     """Stands in for the InferenceModel inside generate(): the tokens of step s are the input of
-    step s+1, so they are reported as soon as generate() feeds them back."""
+    step s+1. Their host copy is queued just before step s+1 is launched and
+    `on_tokens(s, host tokens)` runs just after the launch, so the UI's per-token host work
+    (noting the token, a flush every FLUSH_S) runs while the device computes step s+1 instead of
+    holding back its launch, and adds no sync: the copy was queued ahead of the step, so
+    waiting for it never waits for the step (generate() itself syncs once per step, as
+    without the UI)."""
 
     def __init__(self, model, on_tokens):
-        self._model, self._on_tokens = model, on_tokens
+        self._model, self._on_tokens, self._landing = model, on_tokens, _HostLanding()
 
     def forward_step(self, tokens):
-        if self._model.step > 0:
-            self._on_tokens(self._model.step - 1, tokens)
-        return self._model.forward_step(tokens)
+        step = self._model.step
+        queued = self._landing.queue(tokens) if step > 0 else None
+        logits = self._model.forward_step(tokens)
+        if queued is not None:
+            self._on_tokens(step - 1, self._landing.read(queued))
+        return logits
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
 
+class _HostLanding:
+    """Pinned host memory and one event for small device->host copies, reused by every step (a
+    copy is read before the next is queued): per step one asynchronous copy and one event
+    record, no allocation. The copy runs on a side stream once what is queued on the current
+    stream is done, so the step launched after it does not wait for the copy engine; the
+    copied tensor must stay unchanged until it is read (generate() keeps every step's tokens).
+    A CPU tensor is its own copy."""
+
+    def __init__(self):
+        self.host, self.event, self.stream = None, None, None
+
+    def queue(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_cuda:
+            return t
+        if self.host is None or self.host.shape != t.shape or self.host.dtype != t.dtype:
+            self.host, self.event = torch.empty(t.shape, dtype=t.dtype, pin_memory=True), torch.cuda.Event()
+            self.stream = torch.cuda.Stream(device=t.device)
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            self.host.copy_(t, non_blocking=True)
+            self.event.record(self.stream)
+        return self.host
+
+    def read(self, queued: torch.Tensor) -> torch.Tensor:
+        """`queued` (what queue returned) once its copy has landed."""
+        if queued is self.host:
+            self.event.synchronize()
+        return queued
+
+
 class _RunStream:
     """A run's records for the sink. `token(step, id)` is called when step s's token is known,
-    i.e. at the start of step s+1: generate() has synced on step s by then, so reading the
-    captures' `items` (which finishes their queued host copies) never waits on the device, and
-    no work is added inside a step. Records leave in one post at most every FLUSH_S (and at the
-    end): per token the model thread only notes the id and the time; the captures' new items
-    become ViewOut rows of the shown layers (copied: the capture's host buffers are its own)
-    and each token's top-k and logit lens at the flush."""
+    right after step s+1 was launched (_TokenTap). Records leave in one post at most every
+    FLUSH_S (and at the end): per token the model thread only notes the id and the time; at a
+    flush the captures' items whose host copies have landed (every step up to s: generate()
+    synced on step s; never waiting for s+1, which the device is computing) become ViewOut
+    rows of the shown layers (copied: the capture's host buffers are its own) and each
+    token's top-k and logit lens. A token goes out with its step's top-k and lens, so one
+    whose captures have not landed yet waits for the next flush; the final flush waits."""
 
     def __init__(self, caps, run: str, prompt_len: int, sink, with_tokens: bool):
         self.caps, self.run, self.prompt_len, self.sink, self.with_tokens = caps, run, prompt_len, sink, with_tokens
@@ -124,20 +164,24 @@ class _RunStream:
         if time.monotonic() - self.last_flush >= FLUSH_S:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
         self.last_flush = time.monotonic()
         for i, cap in enumerate(self.caps):
-            items = cap.items
+            items = cap.items if final else cap.landed_items()
             for item in items[self.seen[i]:]:
                 self._take(item)
             self.seen[i] = len(items)
         records, self.views = self.views, []
-        for step, token_id, t_ms in self.tokens if self.with_tokens else ():
+        ready = len(self.tokens) if final or not self.with_tokens else next(
+            (i for i, (step, *_) in enumerate(self.tokens) if not self.step_info.get(step, {}).keys() >= TOKEN_INFO),
+            len(self.tokens))
+        for step, token_id, t_ms in self.tokens[:ready] if self.with_tokens else ():
             info = self.step_info.pop(step, {})
             records.append(TokenOut(run=self.run, step=step, id=token_id, topk=info.get("topk", ()),
                                     lens=info.get("lens", ()), t_server_ms=t_ms))
-        self.tokens = []
-        self.sink.post(records)
+        del self.tokens[:ready]
+        if records:
+            self.sink.post(records)
 
     def _take(self, item) -> None:
         if item.site in STREAM_SITES:
@@ -161,12 +205,13 @@ def _pairs(values, ids, exp: bool) -> tuple:
 
 def stream_captures(model, layers, with_tokens: bool, max_bytes: int) -> tuple:
     """The capture contexts of a UI run (not entered): the shown layers' attention (fp16) with
-    top-k and logit lens, and their residual reduced to RESIDUAL_WIDTH bucket means (fp16). Two
-    captures because reduce may not touch attention's growing key dim; both are recordable
-    into the decode graph, so CUDA graphs stay on."""
+    top-k and logit lens (its top token per layer: what the page shows, one max reduction, not a
+    top-k), and their residual reduced to RESIDUAL_WIDTH bucket means (fp16). Two captures
+    because reduce may not touch attention's growing key dim; both are recordable into the
+    decode graph, so CUDA graphs stay on."""
     finals = ("topk", "logit_lens") if with_tokens else ()
-    return (capture(model, sites=("attn_probs",) + finals, layers=layers, topk=TOPK, compress=ATTN_COMPRESS,
-                    max_bytes_per_step=max_bytes),
+    return (capture(model, sites=("attn_probs",) + finals, layers=layers, topk=TOPK, lens_topk=1,
+                    compress=ATTN_COMPRESS, max_bytes_per_step=max_bytes),
             capture(model, sites=("residual",), layers=layers, compress=RESIDUAL_COMPRESS,
                     max_bytes_per_step=max_bytes))
 
@@ -273,7 +318,7 @@ class GenerationRunner:
             tokens = res.tokens[0]
             for step in range(len(sent), len(tokens)):  # the last step has no next forward
                 stream.token(step, tokens[step])
-            stream.flush()
+            stream.flush(final=True)
         if not quiet:
             sink.post([P.RunEnd(run=run, tokens=tokens, text=decode(tokens),
                                 tokens_per_s=len(tokens) / max(elapsed, 1e-9))])

@@ -39,6 +39,7 @@ from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope.capture import capture
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
+from megatronapp.files import write_text_atomic
 
 
 class _NoData:
@@ -189,10 +190,10 @@ def main() -> None:
         report["eager_capture_overhead_pct"] = 100.0 * (eager_off / eager_on - 1.0)
     if hf is not None:
         report["speedup_vs_hf"] = off / report["hf"]["median"]
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_text_atomic(args.out, text)
 
 
 if __name__ == "__main__":

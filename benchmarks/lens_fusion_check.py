@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from megatronapp.files import write_text_atomic
 
 
 def time_ms(fn, device, reps: int) -> float:
@@ -79,10 +80,10 @@ def main() -> None:
               "trials": args.trials, "trials_with_a_differing_head_row": differing, "largest_difference": worst,
               "head_plus_lens_ms": statistics.median(two), "fused_ms": statistics.median(one),
               "saved_us_per_step": 1e3 * (statistics.median(two) - statistics.median(one))}
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_text_atomic(args.out, text)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope import compress
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
+from megatronapp.files import write_text_atomic
 
 ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
 
@@ -140,10 +141,10 @@ def main() -> None:
               "kernels_added": sum(on.kernels.values()) - sum(off.kernels.values()),
               "added_by_op": {k: v for k, v in sorted(added.items()) if v},
               "views_added": sum(on.no_kernel.values()) - sum(off.no_kernel.values())}
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_text_atomic(args.out, text)
 
 
 if __name__ == "__main__":

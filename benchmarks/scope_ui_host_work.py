@@ -40,6 +40,7 @@ from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import InferenceModel, build_inference_model
 from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope_ui import protocol as P
+from megatronapp.files import write_text_atomic
 
 PROMPT = "Once upon a time"
 WINDOWS = ("outside", "serial", "serial_done", "step", "overlapped")
@@ -174,10 +175,10 @@ def main() -> None:
                         "calls_outside_decode_per_generation": w.calls["outside"],
                         "serial_us_per_token_median": round(statistics.median(serial_us[name]), 1),
                         "serial_us_range": [round(min(serial_us[name]), 1), round(max(serial_us[name]), 1)]}
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_text_atomic(args.out, text)
 
 
 if __name__ == "__main__":

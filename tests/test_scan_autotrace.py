@@ -25,9 +25,15 @@ def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def _trace_run(trace_dir: Path, script: str, *extra: str, steps: int = STEPS) -> dict:
+# Clean runs use a real step's worth of compute. With the scripts' default toy sizes a traced CPU
+# forward is ~0.4 ms, mostly hook overhead, and a loaded 2-core CI machine once gave one rank a steady
+# +0.25 ms (1.47x, 6 of 7 iterations): a false alarm no detector can tell from a slow rank.
+WORK = ("--hidden", "1024", "--batch", "128")
+
+
+def _trace_run(trace_dir: Path, script: str, *extra: str, steps: int = STEPS, script_args: tuple = ()) -> dict:
     res = _cli(["run", "--nproc-per-node", "2", "--trace-dir", str(trace_dir), "--json", *extra,
-                "--", f"examples/{script}", "--steps", str(steps)])
+                "--", f"examples/{script}", "--steps", str(steps), *script_args])
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout[res.stdout.index("{"):])
 
@@ -39,7 +45,7 @@ def _comm_by_rank(trace_dir: Path) -> dict[int, list[dict]]:
 @pytest.fixture(scope="module")
 def ddp_clean(tmp_path_factory):
     d = tmp_path_factory.mktemp("ddp")
-    return d, _trace_run(d, "ddp_train.py")
+    return d, _trace_run(d, "ddp_train.py", script_args=WORK)
 
 
 def test_ddp_buckets_are_traced_on_every_rank_and_nobody_is_named(ddp_clean):
@@ -69,7 +75,7 @@ def test_ddp_slowed_rank_is_named(tmp_path):
 @pytest.fixture(scope="module")
 def fsdp_clean(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp")
-    return d, _trace_run(d, "fsdp2_train.py", "--trace-granularity", "full")
+    return d, _trace_run(d, "fsdp2_train.py", "--trace-granularity", "full", script_args=WORK)
 
 
 def test_fsdp2_gathers_and_scatters_are_traced_with_module_spans(fsdp_clean):

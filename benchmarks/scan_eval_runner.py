@@ -27,7 +27,11 @@ from pathlib import Path
 from scan_eval_core import COMPUTE_GRID, LINK_GRID, Fault, Scenario, named_causes, scenario_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-ITERS = 16  # analysed 1..15 (0 is warm-up): an intermittent 1-in-4 slowdown hits 3 of them
+ITERS = 32  # analysed 1..31 (0 is warm-up): an intermittent 1-in-4 slowdown hits 7 of them. Was 16 up to
+# heldout2, whose 3 intermittent misses had 3-5 slow iterations each (session 8: the protocol for heldout3)
+# The DDP example at a real step's size: at its toy default a traced CPU forward is ~0.4 ms, mostly hook
+# overhead, and a loaded machine's steady skew of ~0.25 ms alone reads as 1.5x (CI stop 18).
+DDP_WORK = ("--hidden", "1024", "--batch", "128")
 KILL_GRACE_S = 5.0  # after SIGTERM to the launcher, before SIGKILL to every descendant
 
 
@@ -45,7 +49,7 @@ def build_command(sc: Scenario, trace_dir: Path) -> list[str]:
     if sc.source == "ddp":
         return [sys.executable, "-m", "megatronapp.cli.main", "trace", "run", "--nproc-per-node", str(sc.nproc),
                 "--trace-dir", str(trace_dir), *_fault_flags(sc.fault), "--",
-                str(ROOT / "examples" / "ddp_train.py"), "--steps", str(ITERS)]
+                str(ROOT / "examples" / "ddp_train.py"), "--steps", str(ITERS), *DDP_WORK]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sc.nproc),
             "--monitor-interval", "0.1", "--module", "megatronapp.cli.main", "train",
             "--tensor-model-parallel-size", str(sc.tp), "--pipeline-model-parallel-size", str(sc.pp),

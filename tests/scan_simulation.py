@@ -68,6 +68,12 @@ class SimulatedJob:
     # Works, kept to compare), which a
     # sender later than the delay hides completely.
     link_delay_mode: str = "transfer"
+    # Work right after a long wait runs slower (cold caches, idle clocks; detect_rules' cold span):
+    # a work op starting within cold_recovery_ns of the end of a comm op that waited >=
+    # cold_after_ns takes cold_factor x as long.
+    cold_factor: float = 1.0
+    cold_after_ns: int = 3_000_000
+    cold_recovery_ns: int = 3_000_000
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "num_microbatches", "iterations"):
@@ -122,6 +128,10 @@ class _RankState:
     pc: int = 0
     posted_at: int | None = None  # batch post time while the current batch waits
     arrived: bool = False  # collective arrival registered for the current op
+    cold_factor: float = 1.0  # SimulatedJob's
+    cold_after_ns: int = 0
+    cold_recovery_ns: int = 0
+    woke_at: int | None = None  # end of the last long wait
     open_spans: list[_Event] = field(default_factory=list)
     events: list[_Event] = field(default_factory=list)
 
@@ -244,7 +254,8 @@ def _step(st: _RankState, colls: dict, sends: dict) -> bool:
     elif op[0] == "end":
         st.open_spans.pop().end_ns = st.t
     elif op[0] == "work":
-        st.t += op[1]
+        cold = st.woke_at is not None and st.t - st.woke_at < st.cold_recovery_ns
+        st.t += int(op[1] * (st.cold_factor if cold else 1.0))
     elif op[0] == "coll":
         ev, size, cost = op[1], op[2], op[3]
         arrivals = colls.setdefault((ev.group, ev.seq), {})
@@ -254,6 +265,7 @@ def _step(st: _RankState, colls: dict, sends: dict) -> bool:
             return False
         end = max(arrivals.values()) + cost
         st.events.append(_Event(**{**ev.__dict__, "start_ns": st.t, "end_ns": end}))
+        st.woke_at = end if end - st.t >= st.cold_after_ns else st.woke_at
         st.t, st.arrived = end, False
     else:  # batch: post every op at once, then wait for the recvs' senders
         _, batch_sends, batch_recvs, costs = op
@@ -270,6 +282,7 @@ def _step(st: _RankState, colls: dict, sends: dict) -> bool:
             ev_end = max(max(st.posted_at, sends[k]) + cost, st.posted_at + floor)
             st.events.append(_Event(**{**ev.__dict__, "start_ns": st.posted_at, "end_ns": ev_end}))
             end = max(end, ev_end)
+        st.woke_at = end if end - st.posted_at >= st.cold_after_ns else st.woke_at
         st.t, st.posted_at = end, None
     st.pc += 1
     return True
@@ -304,7 +317,9 @@ def simulate_job_traces(job: SimulatedJob, start_ns: int = 1_000_000_000) -> lis
     for it in range(job.iterations):
         for r in range(job.world_size):
             programs[r] += builder.iteration(r, it)
-    states = [_RankState(rank=r, program=programs[r], t=start_ns) for r in range(job.world_size)]
+    states = [_RankState(rank=r, program=programs[r], t=start_ns, cold_factor=job.cold_factor,
+                         cold_after_ns=job.cold_after_ns, cold_recovery_ns=job.cold_recovery_ns)
+              for r in range(job.world_size)]
     _run(states)
     lay = job.layout
     layout = {"tp_size": lay.tp_size, "pp_size": lay.pp_size, "dp_size": lay.dp_size, "virtual_pp_size": 1}

@@ -333,3 +333,52 @@ def test_online_detector_uses_the_trace_detectors_peers():
     warning = det.update(1, times)
     assert warning is not None and "rank 5 " in warning and warning.count("rank ") == 1
     assert rules.peer_median_ratio(2.0, [1.0, 4.0, 1.0]) == 2.0 and rules.peer_median_ratio(1.0, []) is None
+
+
+# -- cold spans: work right after a long wait runs slower ---------------------------------------
+
+COLD = dict(iterations=16, forward_ns=1_000_000, cold_factor=1.5, noise=0.05)  # a tiny CPU model's ~1 ms passes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_slow_links_receiver_computing_cold_after_each_wait_is_not_named(seed):
+    """PP2xDP2, link 0->2 30 ms late: rank 2 waits before every forward and then computes 1.5x
+    slower for 3 ms, as the 2-core VM's design runs did; the link is named, rank 2 is not."""
+    traces = simulate_job_traces(SimulatedJob(pp_size=2, dp_size=2, slow_link=(0, 2), link_delay_ns=30_000_000,
+                                              seed=seed, **COLD))
+    report = detect(traces)
+    assert [(s.cause, s.rank) for s in report.suspects] == [("slow_link", 0)]
+    assert any(n.startswith("rank 2:") and "not judged" in n for n in report.notes)
+    blind = detect(traces, config=DetectConfig(cold_idle_ns=0))  # the same traces, cold spans counted
+    assert ("slow_compute", 2) in [(s.cause, s.rank) for s in blind.suspects]
+
+
+@pytest.mark.parametrize("layout", ["DP2", "PP2xDP2"])
+def test_a_slow_rank_is_still_named_while_its_peers_wait_for_it_and_compute_cold(layout):
+    shape = dict(dp_size=2) if layout == "DP2" else dict(pp_size=2, dp_size=2)
+    for seed in range(4):
+        report = detect(simulate_job_traces(SimulatedJob(**shape, slow_rank=1, slow_factor=1.5, seed=seed, **COLD)))
+        assert [(s.cause, s.rank) for s in report.suspects] == [("slow_compute", 1)], seed
+
+
+def _rank_events(rows: list[tuple[str, str, int, int]]) -> rules.RankEvents:
+    """(cat, name, start ms, end ms) rows of iteration 1 as a rank's event columns."""
+    cols = {"cat": np.array([r[0] for r in rows], dtype=object), "name": np.array([r[1] for r in rows], dtype=object),
+            "start_ns": np.array([r[2] * 1_000_000 for r in rows]), "end_ns": np.array([r[3] * 1_000_000 for r in rows]),
+            "iteration": np.ones(len(rows), dtype=np.int64), "chunk": np.zeros(len(rows), dtype=np.int64),
+            "microbatch": np.arange(len(rows), dtype=np.int64)}
+    return rules.RankEvents(0, {"tp": 0, "pp": 0, "dp": 0}, "rank0", cols)
+
+
+def test_only_a_wait_in_comm_makes_the_next_spans_cold():
+    ev = _rank_events([
+        ("compute", "forward", 0, 1),
+        ("comm", "recv", 1, 11), ("compute", "forward", 11, 12),  # waited 10 ms in a recv: cold
+        ("compute", "backward", 13, 15),  # 2 ms after waking: still cold
+        ("compute", "backward", 15, 17),  # 4 ms after: warm
+        ("compute", "forward", 27, 28),  # 10 ms gap without comm (untraced optimizer, data): warm
+        ("comm", "recv", 28, 40), ("compute", "forward", 29, 41),  # a receive posted ahead, overlapped: warm
+    ])
+    spans = sorted(rules.compute_pure_spans(ev, {1}, 3_000_000, 3_000_000), key=lambda s: s.start)
+    assert [s.cold for s in spans] == [False, True, True, False, False, False]
+    assert not any(s.cold for s in rules.compute_pure_spans(ev, {1}))  # idle_ns 0: the rule is off

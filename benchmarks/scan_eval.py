@@ -186,15 +186,20 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 def cmd_rejudge(args) -> int:
     """Judge the kept traces of a results file again with the detector as it is now (defaults),
-    next to the verdict recorded when they ran: before/after counts while changing the detector."""
+    next to the verdict recorded when they ran: before/after counts while changing the detector.
+    With --out, also a results file of the new verdicts (the record's thresholds and the defaults),
+    which `summarize` scores like any other."""
     records = [r for r in load_records(Path(args.results)) if not r["error"]]
-    rows, counts = [], {}
+    rows, counts, rejudged = [], {}, []
     for r in records:
         trace = Path(args.work_dir) / r["name"] / "trace"
         if not trace.is_dir():
             continue
         sc = scenario_from_dict(r["scenario"])
-        now = named_causes(detect_run(trace, {}, grid=False)["default_suspects"])
+        verdicts = detect_run(trace, r.get("thresholds") or {}, grid=False)
+        rejudged.append({**r, "suspects": verdicts["suspects"], "default_suspects": verdicts["default_suspects"],
+                         "rejudged": True})
+        now = named_causes(verdicts["default_suspects"])
         then = named_causes(r["default_suspects"])
         key = f"{sc.kind} {sc.source}"
         c = counts.setdefault(key, [0, 0, 0])
@@ -206,6 +211,9 @@ def cmd_rejudge(args) -> int:
     print("\n".join(rows))
     for key, (n, then, now) in sorted(counts.items()):
         print(f"{key:24s} {n:3d} runs: exact verdicts recorded {then}, now {now}")
+    if args.out:
+        _write_text_atomic(Path(args.out), "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rejudged))
+        print(f"{len(rejudged)} re-judged runs -> {args.out}")
     return 0
 
 
@@ -273,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     rejudge = sub.add_parser("rejudge", help="detect again on kept traces (defaults): recorded vs current verdicts")
     rejudge.add_argument("results", help="JSONL of runs made with --keep-traces")
     rejudge.add_argument("--work-dir", required=True, help="the --work-dir those runs kept their traces in")
+    rejudge.add_argument("--out", help="write the runs with today's verdicts here (JSONL, for summarize)")
     rejudge.set_defaults(func=cmd_rejudge)
     run.set_defaults(func=cmd_run)
     tune.set_defaults(func=cmd_tune)

@@ -217,3 +217,14 @@ def test_rejudge_compares_recorded_and_current_verdicts_on_kept_traces(tmp_path,
     assert "heldout2-0002-intermittent" in out and ("none engine" in out or "none ddp" in out)
     assert "1 runs: exact verdicts recorded" in out
     assert scan_eval.main(["rejudge", str(results), "--work-dir", str(tmp_path / "empty")]) == 2
+    # --out: today's verdicts as a results file that summarize scores (the recorded ones tampered with first)
+    records = runner.load_records(results)
+    tampered = tmp_path / "t.jsonl"
+    tampered.write_text("".join(json.dumps({**r, "default_suspects": [{"cause": "slow_link", "rank": 0, "link": [0, 1]}]})
+                                + "\n" for r in records))
+    out_file = tmp_path / "now.jsonl"
+    assert scan_eval.main(["rejudge", str(tampered), "--work-dir", str(work), "--out", str(out_file)]) == 0
+    now = runner.load_records(out_file)
+    assert [r["name"] for r in now] == [r["name"] for r in records] and all(r["rejudged"] for r in now)
+    assert [r["default_suspects"] for r in now] == [r["default_suspects"] for r in records]
+    assert scan_eval.main(["summarize", str(out_file), "--default-thresholds"]) == 0

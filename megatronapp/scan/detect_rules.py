@@ -19,8 +19,10 @@ timeline. Three quantities matter:
     spans only, against all of its peers' spans (a culprit's peers wait for it, and a colder
     reference only makes the culprit look less slow). The price: a rank cold before nearly
     every span (a slow link's receiver) cannot be judged on constant slowness; the report says
-    so. Dividing cold spans by the run's own cold/warm ratio instead was tried on the design
-    runs and failed: that ratio comes from short waits (~1.1x) and undercorrects long ones.
+    so. Dividing cold spans by a cold/warm ratio measured on the run's other ranks instead was
+    tried on the design runs and failed both ways: from the same rank's streams it comes from
+    short waits (~1.1x) and undercorrects long ones; from the other ranks' ratios to their
+    peers it reads 1.5-2.3x (their warm reference includes cold spans) and hides a real 1.36x.
     The intermittent rule keeps every span: a victim is cold in all iterations, which is no
     subset, and dropping spans cost it most of its power on the loaded VM.
   * a p2p message: effective transfer = recv_end - max(send_start, recv_wait_start), where

@@ -128,3 +128,15 @@ def test_what_if_of_an_intermittent_suspect_recovers_what_its_slow_iterations_co
     assert s.evidence["intermittent"] and cost > 0.04 * clean.iteration_mean_ns
     assert s.iteration_ns == pytest.approx(faulty.iteration_mean_ns)
     assert abs(s.saving_ns - cost) < 0.25 * cost
+
+
+def test_an_intermittent_suspect_whose_fix_saves_too_little_is_a_note_not_a_suspect():
+    traces = simulate_job_traces(SimulatedJob(dp_size=4, seed=7, slow_rank=2, slow_factor=1.5, slow_every=4, **QUIET))
+    (named,) = detect(traces).suspects
+    share = named.saving_ns / named.iteration_ns
+    assert named.rank == 2 and share > DetectConfig().intermittent_min_saving
+    strict = detect(traces, config=DetectConfig(intermittent_min_saving=min(1.0, 1.5 * share)))
+    assert strict.suspects == () and any(n.startswith("rank 2 is intermittently slower") and "not named" in n
+                                         for n in strict.notes)
+    with pytest.raises(ValueError, match="intermittent_min_saving"):
+        DetectConfig(intermittent_min_saving=1.5)

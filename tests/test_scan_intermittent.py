@@ -136,7 +136,7 @@ def test_an_intermittent_suspect_whose_fix_saves_too_little_is_a_note_not_a_susp
     share = named.saving_ns / named.iteration_ns
     assert named.rank == 2 and share > DetectConfig().intermittent_min_saving
     strict = detect(traces, config=DetectConfig(intermittent_min_saving=min(1.0, 1.5 * share)))
-    assert strict.suspects == () and any(n.startswith("rank 2 is intermittently slower") and "not named" in n
+    assert strict.suspects == () and any(n.startswith("rank 2 is ") and "not named" in n
                                          for n in strict.notes)
     with pytest.raises(ValueError, match="intermittent_min_saving"):
         DetectConfig(intermittent_min_saving=1.5)

@@ -336,6 +336,13 @@ def _cold_notes(spans: dict, compute: dict, config: DetectConfig) -> list[str]:
     return notes
 
 
+def _negligible_note(s: Suspect) -> str:
+    ev = s.evidence
+    return (f"rank {s.rank} is {ev['slow_iteration_ratio']}x its peers in {len(ev['slow_iterations'])} of "
+            f"{ev['iterations']} iterations, but fixing it would save {_ms(s.saving_ns)} of {_ms(s.iteration_ns)} "
+            f"ms per iteration ({s.saving_ns / max(s.iteration_ns, 1):.2%}): not named")
+
+
 def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionReport:
     """Root-cause suspects of slowness in aligned per-rank traces (algorithm: module docstring).
 
@@ -375,9 +382,7 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     negligible = [s for s in suspects if s.evidence.get("intermittent")
                   and s.saving_ns < config.intermittent_min_saving * s.iteration_ns]
     suspects = [s for s in suspects if s not in negligible]
-    notes += [f"rank {s.rank} is intermittently slower ({s.evidence['summary'].split(': ')[0]}), but fixing it "
-              f"would save {_ms(s.saving_ns)} of {_ms(s.iteration_ns)} ms per iteration "
-              f"({s.saving_ns / max(s.iteration_ns, 1):.2%}): not named" for s in negligible]
+    notes += [_negligible_note(s) for s in negligible]
     suspects.sort(key=lambda s: (-s.confidence, -s.saving_ns, s.rank))
     durations = [p.duration_ns for p in crit]
     t = float(np.median(durations))

@@ -2,7 +2,7 @@
 
 Each function here is pure (traces in, numbers out) and documented with the exact quantity it
 measures; `detect.py` turns the numbers into suspects. Times are nanoseconds on the aligned
-timeline. Three quantities matter:
+timeline. Four quantities matter:
 
   * pure compute of a forward/backward span = its duration minus the union of the comm spans
     and "loss" spans fully nested in it. A TP victim waits *inside* its forward (in the TP
@@ -11,8 +11,8 @@ timeline. Three quantities matter:
   * a collective instance (group, seq): member i's span splits into wait = last_start -
     start_i and transfer = end_i - last_start; the last member to arrive is the straggler.
   * a cold span: one that starts less than `recovery_ns` after its rank waited for at least
-    `idle_ns` (between compute spans, inside comm spans). Work right after a long wait runs slower on the same
-    hardware: on the 2-core VM a 1 ms matmul chain takes 1.5x after a 5-45 ms sleep and ~3 ms
+    `idle_ns` (between compute spans, inside comm spans). Work right after a long wait runs
+    slower on the same hardware: on the 2-core VM a 1 ms matmul chain takes 1.5x after a 5-45 ms sleep and ~3 ms
     to recover (caches, clocks, a descheduled vCPU; GPUs lower clocks when idle too). The
     victims of a slow link or a slow stage wait the longest, so their cold spans read as
     1.3-1.8x their replicas' (PP2xDP2 design runs). compare_compute judges a rank on its warm
@@ -96,7 +96,7 @@ class ComputeSpan:
     start: int
     end: int
     pure_ns: int
-    cold: bool = False  # starts within the recovery window after a long idle gap (module docstring)
+    cold: bool = False  # starts within the recovery window after a long wait (module docstring)
 
 
 def _union_length(intervals: list[tuple[int, int]]) -> int:
@@ -123,11 +123,13 @@ def _wake_times(c: dict, idle_ns: int) -> np.ndarray:
     gap_lo, gap_hi = reach[:-1], starts[1:]
     long_gap = gap_hi - gap_lo >= idle_ns
     comm = c["cat"] == "comm"
-    c_start, c_end = c["start_ns"][comm], c["end_ns"][comm]
+    by_start = np.argsort(c["start_ns"][comm], kind="stable")
+    c_start, c_end = c["start_ns"][comm][by_start], c["end_ns"][comm][by_start]
+    longest = int((c_end - c_start).max()) if len(c_start) else 0
     wakes = []
-    for lo, hi in zip(gap_lo[long_gap], gap_hi[long_gap]):
-        hit = (c_start < hi) & (c_end > lo)
-        clipped = [(max(int(a), int(lo)), min(int(b), int(hi))) for a, b in zip(c_start[hit], c_end[hit])]
+    for lo, hi in zip(gap_lo[long_gap], gap_hi[long_gap]):  # only comm that starts in [lo - longest, hi) can overlap
+        a, b = np.searchsorted(c_start, lo - longest, "left"), np.searchsorted(c_start, hi, "left")
+        clipped = [(max(int(x), int(lo)), min(int(y), int(hi))) for x, y in zip(c_start[a:b], c_end[a:b]) if y > lo]
         if _union_length(clipped) >= idle_ns:
             wakes.append(int(hi))
     return np.asarray(wakes, dtype=np.int64)

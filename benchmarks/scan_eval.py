@@ -56,6 +56,7 @@ from scan_eval_core import (  # noqa: E402
     named_causes,
     plan_scenarios,
     scenario_from_dict,
+    sources_without,
     tune_on_design,
 )
 from scan_eval_report import plot_scores, render_markdown  # noqa: E402
@@ -102,7 +103,8 @@ def _prepare_results(path: Path, resume: bool, overrides: dict) -> set[str]:
 
 
 def _tasks(args, overrides: dict, done: set[str]) -> list[dict]:
-    plan = plan_scenarios(args.split, args.runs_per_kind, args.clean_runs, kinds=args.kinds)
+    plan = plan_scenarios(args.split, args.runs_per_kind, args.clean_runs, sources=sources_without(args.skip_layout),
+                          kinds=args.kinds)
     deadline = time.time() + args.budget_s if args.budget_s else None
     work = args.work_dir or tempfile.mkdtemp(prefix="scan-eval-")
     print(f"{len(plan)} scenarios in {args.split} (seed {SPLIT_SEEDS[args.split]}), {len(done)} done already, "
@@ -253,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="execute a split's scenarios, one JSON line per run (resumable)")
     run.add_argument("--split", choices=tuple(SPLIT_SEEDS), required=True)
     run.add_argument("--runs-per-kind", type=int, default=30, help="runs of each fault kind")
+    run.add_argument("--skip-layout", action="append", default=[], metavar="LAYOUT",
+                     help="leave this layout out of the plan, e.g. 'ddp dp4' on a host with fewer cores than its ranks")
     run.add_argument("--kinds", type=_kinds, default=KINDS,
                      help=f"comma-separated subset of {','.join(KINDS)} (default all; scenarios are the same)")
     run.add_argument("--clean-runs", type=int, default=50)

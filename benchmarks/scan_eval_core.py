@@ -20,8 +20,9 @@ FAULT_KINDS = KINDS[1:]
 # detector its figures describe; "heldout2" is fresh for the intermittent-noise-model detector
 # (all 170 runs scored in session 5); "heldout3" (drawn with secrets.randbelow) is reserved,
 # never run: the next detector change is judged on it.
-SPLIT_SEEDS = {"design": 20261203, "heldout": 917_450_311, "heldout2": 604_218_977, "heldout3": 802_045_250}
-HELDOUT_SPLITS = ("heldout", "heldout2", "heldout3")
+SPLIT_SEEDS = {"design": 20261203, "heldout": 917_450_311, "heldout2": 604_218_977, "heldout3": 802_045_250,
+               "heldout4": 371_904_586}
+HELDOUT_SPLITS = ("heldout", "heldout2", "heldout3", "heldout4")
 SPLITS = tuple(SPLIT_SEEDS)
 # (source, tp, pp, nproc), at most 4 ranks each so 4 runs share a 16-core host one core per rank:
 # engine layouts (TP/PP/DP mixes of `megatronapp train`) and the plain DDP example under `trace run`.
@@ -60,8 +61,7 @@ class Scenario:
     @property
     def layout(self) -> str:
         """'engine tp2 pp1 dp2' / 'ddp dp4': the row label of per-layout tables."""
-        dp = self.nproc // (self.tp * self.pp)
-        return f"ddp dp{dp}" if self.source == "ddp" else f"engine tp{self.tp} pp{self.pp} dp{dp}"
+        return source_label((self.source, self.tp, self.pp, self.nproc))
 
     def truth(self) -> set[tuple]:
         """The root causes a perfect detector names: ("slow_compute", rank) / ("slow_link", (src, dst))."""
@@ -78,6 +78,22 @@ def scenario_from_dict(d: dict) -> Scenario:
     f = dict(d["fault"])
     f["link"] = tuple(f["link"]) if f.get("link") else None
     return Scenario(**{**d, "fault": Fault(**f)})
+
+
+def source_label(source: tuple[str, int, int, int]) -> str:
+    """A SOURCES entry (source, tp, pp, nproc) as its layout label: 'engine tp2 pp1 dp2' / 'ddp dp4'."""
+    name, tp, pp, nproc = source
+    dp = nproc // (tp * pp)
+    return f"ddp dp{dp}" if name == "ddp" else f"engine tp{tp} pp{pp} dp{dp}"
+
+
+def sources_without(skipped: tuple[str, ...]) -> tuple:
+    """SOURCES less the layouts labelled in `skipped` (e.g. 'ddp dp4' on a host with fewer cores than
+    its compute-bound ranks); a plan drawn from fewer sources is another plan, named by the flag."""
+    unknown = set(skipped) - {source_label(s) for s in SOURCES}
+    if unknown:
+        raise ValueError(f"unknown layouts {sorted(unknown)}; known: {[source_label(s) for s in SOURCES]}")
+    return tuple(s for s in SOURCES if source_label(s) not in skipped)
 
 
 def _neighbour_link(rng: random.Random, tp: int, pp: int, nproc: int) -> tuple[int, int]:

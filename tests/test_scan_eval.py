@@ -228,3 +228,12 @@ def test_rejudge_compares_recorded_and_current_verdicts_on_kept_traces(tmp_path,
     assert [r["name"] for r in now] == [r["name"] for r in records] and all(r["rejudged"] for r in now)
     assert [r["default_suspects"] for r in now] == [r["default_suspects"] for r in records]
     assert scan_eval.main(["summarize", str(out_file), "--default-thresholds"]) == 0
+
+
+def test_a_skipped_layout_is_left_out_of_the_plan_and_a_bad_one_refused(tmp_path, capsys):
+    plan = core.plan_scenarios("heldout4", 10, 10, sources=core.sources_without(("ddp dp4",)))
+    layouts = {sc.layout for sc in plan}
+    assert "ddp dp4" not in layouts and "ddp dp2" in layouts
+    assert scan_eval.main(["run", "--split", "heldout4", "--skip-layout", "ddp dp8", "--default-thresholds",
+                           "--synthetic", "--results", str(tmp_path / "r.jsonl")]) == 2
+    assert "unknown layouts ['ddp dp8']" in capsys.readouterr().err

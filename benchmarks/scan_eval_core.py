@@ -21,8 +21,8 @@ FAULT_KINDS = KINDS[1:]
 # (all 170 runs scored in session 5); "heldout3" (drawn with secrets.randbelow) is reserved,
 # never run: the next detector change is judged on it.
 SPLIT_SEEDS = {"design": 20261203, "heldout": 917_450_311, "heldout2": 604_218_977, "heldout3": 802_045_250,
-               "heldout4": 371_904_586}
-HELDOUT_SPLITS = ("heldout", "heldout2", "heldout3", "heldout4")
+               "heldout4": 371_904_586, "heldout5": 269_905_560}
+HELDOUT_SPLITS = ("heldout", "heldout2", "heldout3", "heldout4", "heldout5")
 SPLITS = tuple(SPLIT_SEEDS)
 # (source, tp, pp, nproc), at most 4 ranks each so 4 runs share a 16-core host one core per rank:
 # engine layouts (TP/PP/DP mixes of `megatronapp train`) and the plain DDP example under `trace run`.

@@ -31,6 +31,9 @@ class MonotonicClock:
     def release(self, markers: list) -> None:
         pass
 
+    def wait_recorded(self, markers: list) -> None:
+        pass  # a host timestamp exists once taken
+
     def calibration_pair(self) -> tuple[int, int]:
         # Keep the tightest of a few monotonic brackets around the wall read, so a
         # preemption between the two clock reads does not become a clock offset.
@@ -85,6 +88,14 @@ class CudaClock:
                 stream_id=stream_id, device_index=device_index, device_type=device_type)
         self._record(event, stream)
         return event
+
+    def wait_recorded(self, events: list, poll_s: float = 2e-4) -> None:
+        """Sleep until the GPU has passed every event. Event.synchronize would spin a core for
+        as long as the GPU runs behind the host (the default CUDA scheduling of a host thread),
+        which the writer's CPU time (BackgroundWriter.busy_s) would then count as its work."""
+        for event in reversed(events):  # the last recorded is the last to complete, mostly
+            while not event.query():
+                time.sleep(poll_s)
 
     def to_ns(self, event: Any) -> int:
         event.synchronize()

@@ -13,7 +13,9 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      tp, pp); with dp_size 1, TP peers (same dp, pp); with tp_size 1 too, the other
      pipeline stages (weak: the middle stages are the reference, first/last stages need
      `edge_stage_allowance` more for their embedding/head/loss work, and weight is lower).
-     `config.compute_rule` decides; the default wants, over >= `min_samples` samples, either
+     Spans that start just after a long wait run cold and are left out of the rank's own
+     samples; the reference is the peers' warm spans where that comparison passes the rule,
+     else all of their spans (detect_rules: cold span). `config.compute_rule` decides; the default wants, over >= `min_samples` samples, either
      a constant slowdown (a median ratio >= `compute_min_ratio`, reached by the median of >=
      `compute_min_consistency` of the iterations, with a robust (median/MAD) z >=
      `compute_min_z`) or an intermittent one: a subset of iterations in which the rank is slow
@@ -322,6 +324,20 @@ def _coverage_notes(layout: dict, world: int, events: dict, basis: str, instance
     return notes
 
 
+def _judge_compute(spans: dict, peers: dict, basis: str, pp_size: int, coords: dict, slow_its: dict,
+                   config: DetectConfig) -> dict[int, rules.ComputeStats]:
+    """Per rank, its compute against the peers' warm spans if that comparison passes the compute
+    rule, else against all of their spans (detect_rules: cold span)."""
+    judged = {ref: {r: replace(st, intermittent=slow_its.get(r)) for r, st in
+                    rules.compare_compute(spans, peers, basis, pp_size, coords, config.compute_min_ratio, ref).items()}
+              for ref in ("warm", "all")}
+    out = {}
+    for rank in sorted(judged["warm"].keys() | judged["all"].keys()):
+        warm, everything = judged["warm"].get(rank), judged["all"].get(rank)
+        out[rank] = warm if warm is not None and (everything is None or config.compute_rule(warm, config)) else everything
+    return out
+
+
 def _cold_notes(spans: dict, compute: dict, config: DetectConfig) -> list[str]:
     """Ranks left with too few warm spans to be judged for a constant slowdown (detect_rules:
     cold span), e.g. a slow link's receiver."""
@@ -362,9 +378,8 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     spans = {r: rules.compute_pure_spans(ev, its, config.cold_idle_ns, config.cold_recovery_ns)
              for r, ev in events.items()}
     basis, peers = rules.build_compute_peers(coords, layout)
-    compute = rules.compare_compute(spans, peers, basis, layout.get("pp_size", 1), coords, config.compute_min_ratio)
     slow_its = compare_intermittent(spans, peers, config.intermittent_min_iterations, config.intermittent_max_share)
-    compute = {r: replace(st, intermittent=slow_its.get(r)) for r, st in compute.items()}
+    compute = _judge_compute(spans, peers, basis, layout.get("pp_size", 1), coords, slow_its, config)
     index = index_comm_events(traces)
     instances = rules.collect_collectives(index, events, its)
     stragglers = rules.compute_straggler_stats(instances)

@@ -57,7 +57,7 @@ class BackgroundWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.error: BaseException | None = None
         self.dropped_windows = self.dropped_events = 0
-        self.busy_s = 0.0  # CPU time this thread spent converting and writing (final at close)
+        self.busy_s = 0.0  # CPU time this thread spent converting and writing, not waiting for the GPU (final at close)
         self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
         self._thread.start()
 
@@ -88,6 +88,7 @@ class BackgroundWriter:
         """Append `records` and the calibration `pairs` (+ one taken now if `fresh_pair`) as one batch."""
         if self.error is not None:
             return
+        self._clock.wait_recorded([m for r in records for m in (r[2], r[3])])  # asleep, not counted
         began = time.thread_time()
         try:
             pairs = [*pairs, self._clock.calibration_pair()] if fresh_pair else pairs

@@ -146,7 +146,8 @@ def bench_generation(args, model, server, device) -> dict:
         client.close()
     ratios = [u / p for u, p in zip(ui, plain)]
     return {"plain_tokens_per_s": summary(plain), "ui_tokens_per_s": summary(ui),
-            "ui_over_plain": statistics.median(ui) / statistics.median(plain), "ui_over_plain_per_round": summary(ratios)}
+            "ui_over_plain": statistics.median(ui) / statistics.median(plain), "ui_over_plain_per_round": summary(ratios),
+            "rounds": {"plain_tokens_per_s": plain, "ui_tokens_per_s": ui}}  # raw, in run order, to pool runs
 
 
 def bench_latency(args, server) -> dict:

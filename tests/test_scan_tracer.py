@@ -275,6 +275,19 @@ def test_windows_are_batched_until_flush_seconds(tmp_path):
     assert {r["iteration"] for r in rows_of(tracer) if r["cat"] == "step"} == {1, 2, 3}
 
 
+def test_writer_accounts_each_batch_it_writes(tmp_path):
+    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=2, continuous_iterations=1,
+                         flush_seconds=0.0)
+    tracer = Tracer(config, META)
+    run_iterations(tracer, range(1, 7), nested_body)  # windows [2], [4], [6]
+    tracer.close()
+    spans = [r for r in rows_of(tracer) if r["cat"] != "calib"]
+    assert len(tracer.writer_writes) == 3
+    assert sum(n for n, _ in tracer.writer_writes) == len(spans)
+    assert tracer.writer_busy_s == pytest.approx(sum(s for _, s in tracer.writer_writes))
+    assert all(s >= 0 for _, s in tracer.writer_writes)
+
+
 def test_traced_work_runs_wait_hooks_after_completion_before_span_end():
     order = []
 

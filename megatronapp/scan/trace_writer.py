@@ -58,6 +58,9 @@ class BackgroundWriter:
         self.error: BaseException | None = None
         self.dropped_windows = self.dropped_events = 0
         self.busy_s = 0.0  # CPU time this thread spent converting and writing, not waiting for the GPU (final at close)
+        # (records, CPU seconds) of each batch written: the first one also pays the file's start
+        # (schema, dictionaries, the thread's first CUDA calls), a cost a long run pays once.
+        self.writes: list[tuple[int, float]] = []
         self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
         self._thread.start()
 
@@ -97,7 +100,9 @@ class BackgroundWriter:
             self.error = exc
             warnings.warn(f"MegaScan writer for {self._writer.path} failed: {exc!r}", stacklevel=1)
         finally:
-            self.busy_s += time.thread_time() - began
+            spent = time.thread_time() - began
+            self.busy_s += spent
+            self.writes.append((len(records), spent))
 
     def close(self) -> None:
         self._queue.put(None)  # blocks until there is room: the writer drains what is queued

@@ -145,6 +145,7 @@ class Tracer:
         self._background: BackgroundWriter | None = None
         self.dropped_events = 0  # events lost because the writer queue was full (final at close)
         self.writer_busy_s = 0.0  # the writer thread's CPU time (final at close)
+        self.writer_writes: list[tuple[int, float]] = []  # (records, CPU seconds) per batch written (final at close)
         self.meta = dict(meta)
         if not config.enabled:
             return
@@ -266,6 +267,7 @@ class Tracer:
         background, self._background = self._background, None
         background.close()
         self.dropped_events, self.writer_busy_s = background.dropped_events, background.busy_s
+        self.writer_writes = background.writes
         if background.dropped_windows:
             warnings.warn(f"MegaScan dropped {background.dropped_events} events ({background.dropped_windows} windows) "
                           f"of {self.path}: the writer could not keep up", stacklevel=2)

@@ -357,3 +357,23 @@ def test_cuda_marks_follow_the_current_stream(tmp_path):
     empty_ns = [r["end_ns"] - r["start_ns"] for r in rows if r["name"] == "default_empty"]
     assert len(side_ns) == 2 and min(side_ns) > 1_000_000  # 8 GEMMs of 4096^3: well over 1 ms
     assert max(empty_ns) < min(side_ns) / 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_clock_converts_a_mark_the_gpu_has_not_reached(tmp_path):
+    """to_ns of a mark still behind queued GPU work waits for it instead of failing, and the
+    window's marks come out in the order the GPU passed them."""
+    from megatronapp.scan.clocks import CudaClock
+
+    clock = CudaClock("cuda", 0)
+    a = torch.randn(4096, 4096, device="cuda")
+    first = clock.mark()
+    for _ in range(16):
+        a @ a
+    last = clock.mark()
+    assert not last.query(), "the GEMMs should still be running"
+    later, earlier = clock.to_ns(last), clock.to_ns(first)
+    assert later - earlier > 1_000_000
+    clock.wait_recorded([first, last])
+    assert last.query()

@@ -73,7 +73,8 @@ class CudaClock:
         self._skew = skew_ns
         self._device_index = self._device.index if self._device.index is not None else torch.cuda.current_device()
         self._current_stream = torch._C._cuda_getCurrentStream
-        self._record = torch._C._CudaEventBase.record  # the C method, without the Python wrapper
+        self._record = torch._C._CudaEventBase.record  # the C methods, without the Python wrappers
+        self._elapsed = torch._C._CudaEventBase.elapsed_time
         self._streams: dict[int, Any] = {}
 
     def mark(self) -> Any:
@@ -89,17 +90,29 @@ class CudaClock:
         self._record(event, stream)
         return event
 
-    def wait_recorded(self, events: list, poll_s: float = 2e-4) -> None:
-        """Sleep until the GPU has passed every event. Event.synchronize would spin a core for
-        as long as the GPU runs behind the host (the default CUDA scheduling of a host thread),
-        which the writer's CPU time (BackgroundWriter.busy_s) would then count as its work."""
-        for event in reversed(events):  # the last recorded is the last to complete, mostly
-            while not event.query():
-                time.sleep(poll_s)
+    def wait_recorded(self, events: list) -> None:
+        """Sleep until the GPU has passed the last of `events` (the last recorded: on one stream
+        the others are done then; one on another stream still running is waited for by to_ns).
+        Event.synchronize would spin a core for as long as the GPU runs behind the host (the
+        default CUDA scheduling of a host thread), which the writer's CPU time
+        (BackgroundWriter.busy_s) would then count as its work."""
+        if events:
+            self._sleep_until_done(events[-1])
 
     def to_ns(self, event: Any) -> int:
-        event.synchronize()
-        return self._anchor_ns + round(self._anchor.elapsed_time(event) * 1e6)
+        # One driver call per mark when it is done (the writer's case, after wait_recorded);
+        # a query or a synchronize first would make it three.
+        try:
+            elapsed_ms = self._elapsed(self._anchor, event)
+        except RuntimeError:  # not completed yet (cudaErrorNotReady)
+            self._sleep_until_done(event)
+            elapsed_ms = self._elapsed(self._anchor, event)
+        return self._anchor_ns + round(elapsed_ms * 1e6)
+
+    @staticmethod
+    def _sleep_until_done(event: Any, poll_s: float = 2e-4) -> None:
+        while not event.query():
+            time.sleep(poll_s)
 
     def release(self, events: list) -> None:
         self._pool.extend(events)

@@ -91,7 +91,8 @@ class BackgroundWriter:
         """Append `records` and the calibration `pairs` (+ one taken now if `fresh_pair`) as one batch."""
         if self.error is not None:
             return
-        self._clock.wait_recorded([m for r in records for m in (r[2], r[3])])  # asleep, not counted
+        # Asleep, not counted: until the GPU passes the window's last mark (its last span end).
+        self._clock.wait_recorded([r[3] for r in records[-1:]])
         began = time.thread_time()
         try:
             pairs = [*pairs, self._clock.calibration_pair()] if fresh_pair else pairs

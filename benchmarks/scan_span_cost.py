@@ -4,7 +4,8 @@
     python benchmarks/scan_span_cost.py --device cpu    # the host clock only
 
 Measures, on the training thread, microseconds per call of: the clock's mark alone; an empty
-`layer_span` (open + close = two marks, as the engine's per-layer spans); the same while the GPU
+`layer_span` (open + close = two marks); one of an adjacent pair (attention, then its MLP starting
+at the attention's end mark: three marks a pair, as the engine's layers); the same while the GPU
 is busy with queued work (a launch queue that is not empty, as in a real step); and on the
 writer's side the conversion of recorded spans into a batch (`build_window_batch`) once the GPU
 has passed them. Medians over --repeats of --n calls each, with the range.
@@ -64,9 +65,21 @@ def measure(device: torch.device, n: int, repeats: int) -> dict:
             recs, tracer._records = tracer._records, []
             clock.release([m for r in recs for m in (r[2], r[3])])
 
+        def layer_pairs(k: int) -> None:  # as the engine's layers: attention, then its MLP from its end
+            for _ in range(k // 2):
+                with tracer.layer_span(spans.ATTENTION, 3) as attention:
+                    pass
+                with tracer.layer_span(spans.MLP, 3, after=attention):
+                    pass
+            if cuda:
+                torch.cuda.synchronize()
+            recs, tracer._records = tracer._records, []
+            clock.release([m for r in recs for m in (r[2], r[3])])
+
         with tracer.context(chunk=0, microbatch=0):
             out["mark"] = _per_call_us(marks, n, repeats)
             out["layer_span"] = _per_call_us(layer_spans, n, repeats)
+            out["layer_span_in_adjacent_pair"] = _per_call_us(layer_pairs, n, repeats)
             if cuda:
                 a = torch.randn(2048, 2048, device=device)
 

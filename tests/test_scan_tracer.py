@@ -145,6 +145,45 @@ def test_spans_nest_inherit_context_and_follow_granularity(tmp_path, granularity
         assert step["start_ns"] <= r["start_ns"] and r["end_ns"] <= step["end_ns"]
 
 
+def test_adjacent_layer_spans_share_a_mark_and_keep_their_attributes(tmp_path):
+    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, granularity="full")
+
+    def body(tracer: Tracer, it: int) -> None:
+        with tracer.context(chunk=1, microbatch=it):
+            with tracer.layer_span("attention", 3) as attention:
+                time.sleep(0.001)
+            with tracer.layer_span("mlp", 3, after=attention):
+                time.sleep(0.001)
+            with tracer.layer_span("mlp", 4, after=stale[0] if stale else None, op="x"):
+                pass
+            stale[:] = [attention]
+
+    stale: list = []
+    with Tracer(config, META) as tracer:
+        run_iterations(tracer, range(1, 3), body)
+    rows = [r for r in rows_of(tracer) if r["cat"] == "compute"]
+    assert [(r["name"], r["layer"], r["chunk"], r["microbatch"], r["op"]) for r in rows] == [
+        ("attention", 3, 1, 1, ""), ("mlp", 3, 1, 1, ""), ("mlp", 4, 1, 1, "x"),
+        ("attention", 3, 1, 2, ""), ("mlp", 3, 1, 2, ""), ("mlp", 4, 1, 2, "x")]
+    for it in (0, 3):
+        attention, mlp, other = rows[it:it + 3]
+        assert mlp["start_ns"] == attention["end_ns"]  # the shared mark
+        assert mlp["end_ns"] - mlp["start_ns"] >= 1_000_000
+        # `after` from another iteration (iteration 2's layer 4) or none: a mark of its own
+        assert other["start_ns"] >= mlp["end_ns"]
+
+
+def test_cuda_clock_pools_a_shared_mark_once():
+    from types import SimpleNamespace
+
+    from megatronapp.scan.clocks import CudaClock
+
+    a, b = object(), object()
+    clock = SimpleNamespace(_pool=[])
+    CudaClock.release(clock, [a, b, b, a])  # records (a, b), (b, a): two spans sharing both ends
+    assert clock._pool == [a, b]
+
+
 def test_window_is_written_before_close_with_calibration(tmp_path):
     skew = 1_000_000_000_000  # 1000 s, far beyond any real gap between the clocks read
     config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=2, continuous_iterations=1,

@@ -170,9 +170,9 @@ class Block(nn.Module):
         key = dropout_key if self.mlp.dropout_p else None
         if tracer is None:
             return self.mlp(self.attention(x, cos, sin, key), key)
-        with tracer.layer_span(spans.ATTENTION, self.layer):
+        with tracer.layer_span(spans.ATTENTION, self.layer) as attention:
             x = self.attention(x, cos, sin, key)
-        with tracer.layer_span(spans.MLP, self.layer):
+        with tracer.layer_span(spans.MLP, self.layer, after=attention):
             return self.mlp(x, key)
 
 

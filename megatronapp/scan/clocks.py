@@ -115,7 +115,9 @@ class CudaClock:
             time.sleep(poll_s)
 
     def release(self, events: list) -> None:
-        self._pool.extend(events)
+        # Once each: adjacent spans can share a mark (Tracer.layer_span(after=...)), and an
+        # event twice in the pool would be recorded for two spans at once.
+        self._pool.extend({id(e): e for e in events}.values())
 
     def calibration_pair(self) -> tuple[int, int]:
         torch = self._torch

@@ -32,6 +32,7 @@ _SPAN_CATEGORIES = tuple(c for c in CATEGORIES if c != CAT_CALIB)
 # on CUDA that returns events to the pool before it runs dry (a new event costs a driver
 # call inside the step); on CPU it bounds memory.
 _FLUSH_RECORDS = INITIAL_EVENT_POOL // 4
+_LAYER = SPAN_ATTRS.index("layer")
 
 
 class _NoOpSpan:
@@ -55,24 +56,25 @@ NOOP_SPAN = _NoOpSpan()
 class _Span:
     """One open span; `finish()` (or leaving the `with`) records its end."""
 
-    __slots__ = ("_tracer", "_name", "_cat", "_attrs", "_iteration", "_start", "_done")
+    __slots__ = ("_tracer", "_name", "_cat", "_attrs", "_iteration", "_start", "_end", "_done")
 
     def __init__(self, tracer: "Tracer", name: str, cat: str, attrs: tuple) -> None:
         self._tracer, self._name, self._cat, self._attrs = tracer, name, cat, attrs
         # Captured at open: an async op may finish during a later iteration.
         self._iteration = tracer._iteration
-        self._start = None
+        self._start = self._end = None
         self._done = False
 
     def start(self) -> "_Span":
-        self._start = self._tracer._clock.mark()
+        if self._start is None:  # else set by layer_span(after=...)
+            self._start = self._tracer._clock.mark()
         return self
 
     def finish(self) -> None:
         if self._done or self._start is None:
             return
         self._done = True
-        end = self._tracer._clock.mark()
+        self._end = end = self._tracer._clock.mark()
         self._tracer._records.append(
             (self._name, self._cat, self._start, end, self._iteration, self._attrs)
         )
@@ -95,11 +97,11 @@ class _Context:
 
     def __enter__(self) -> "_Context":
         self._saved = self._tracer._defaults
-        self._tracer._defaults = {**self._saved, **self._attrs}
+        self._tracer._set_defaults({**self._saved, **self._attrs})
         return self
 
     def __exit__(self, *exc: object) -> bool:
-        self._tracer._defaults = self._saved
+        self._tracer._set_defaults(self._saved)
         return False
 
 
@@ -139,6 +141,7 @@ class Tracer:
         self._layers_active = False
         self._iteration = -1
         self._defaults: dict = {}
+        self._default_values = ATTR_DEFAULTS  # _defaults in SPAN_ATTRS order
         self._records: list = []
         self._last_flush = time.monotonic()
         self._step_span: _Span | None = None
@@ -235,11 +238,26 @@ class Tracer:
             return NOOP_SPAN
         return self._open(name, cat, attrs)
 
-    def layer_span(self, name: str, layer: int, **attrs: Any):
-        """Like span() but recorded only with granularity "full" (per-layer detail)."""
+    def layer_span(self, name: str, layer: int, after: Any = None, **attrs: Any):
+        """Like span() but recorded only with granularity "full" (per-layer detail).
+
+        `after`: a layer span of this iteration that has just closed with no device work
+        launched since (a layer's attention before its MLP). This span then starts at that
+        one's end mark: the same instant, and one CUDA event fewer per pair."""
         if not self._layers_active:
             return NOOP_SPAN
-        return self._open(name, "compute", {**attrs, "layer": layer})
+        if attrs:
+            span = self._open(name, "compute", {**attrs, "layer": layer})
+        else:  # the engine's spans: the context's attributes and the layer, without dict work
+            d = self._default_values
+            span = _Span(self, name, "compute", d[:_LAYER] + (layer,) + d[_LAYER + 1:])
+        if type(after) is _Span and after._tracer is self and after._iteration == self._iteration:
+            span._start = after._end  # None if it has not closed: start() then takes a mark
+        return span
+
+    def _set_defaults(self, defaults: dict) -> None:
+        self._defaults = defaults
+        self._default_values = tuple(defaults.get(k, d) for k, d in zip(SPAN_ATTRS, ATTR_DEFAULTS))
 
     def context(self, **attrs: Any):
         """Context manager giving spans opened inside it these default attributes."""

@@ -133,3 +133,85 @@ def test_random_delays_never_deadlock_sweep(cluster, seed):
     variants = _delay_variants(pp, vpp, m, seed)
     results = cluster.run(train_variants, pp, (1, pp, vpp, m, pp * vpp), variants, 1, 2.0, timeout=400)
     _check_against(results, variants, _reference(m, pp * vpp, iters=1))
+
+
+def _receive_over_slow_link(rank: int, world: int, delay_ms: float, known_spec: bool) -> dict | None:
+    """Rank 0 sends RECV_AHEAD messages back to back over a link delayed by `delay_ms`; rank 1
+    receives them with a PeerReceiver that knows the messages' spec or must read headers first."""
+    import queue
+
+    import torch.distributed as dist
+
+    from megatronapp.dpp.tasks import forward_task
+    from megatronapp.dpp.transport import RECV_AHEAD, Outbox, PeerReceiver
+    from megatronapp.engine.faults import FaultPlan
+    from megatronapp.engine.link_delay import install_link_delays
+
+    delays = install_link_delays(FaultPlan(link_delays={(0, 1): delay_ms}), rank)
+    shape = torch.Size((3, 5))
+    try:
+        dist.barrier()
+        if rank == 0:
+            outbox = Outbox()
+            for m in range(RECV_AHEAD):
+                outbox.send(1, forward_task(0, m), torch.full(shape, float(m)))
+            outbox.finish()
+            dist.barrier()
+            return None
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        began = time.monotonic()
+        receiver = PeerReceiver(0, RECV_AHEAD, inbox, torch.device("cpu"),
+                                spec=(shape, torch.float32) if known_spec else None)
+        receiver.start()
+        got = [inbox.get(timeout=60) for _ in range(RECV_AHEAD)]
+        elapsed = time.monotonic() - began
+        receiver.join()
+        dist.barrier()
+        return {"elapsed_s": elapsed, "got": [(t.microbatch, x.tolist()) for t, x, _ in got]}
+    finally:
+        if delays is not None:
+            delays.uninstall()
+
+
+def test_a_slow_link_delays_each_message_once_when_receives_are_posted_ahead(cluster):
+    """With the spec known, header and payload receives are posted together and several
+    messages ahead, so a link's latency is paid once per message and messages overlap on it;
+    reading the header first pays it twice per message, one message at a time."""
+    delay_s = 0.15
+    ahead = cluster.run(_receive_over_slow_link, 2, delay_s * 1000, True)[1]
+    header_first = cluster.run(_receive_over_slow_link, 2, delay_s * 1000, False)[1]
+    for result in (ahead, header_first):
+        assert [(m, x) for m, x in result["got"]] == [(m, [[float(m)] * 5] * 3) for m in range(len(result["got"]))]
+    n = len(ahead["got"])
+    assert ahead["elapsed_s"] < 1.6 * delay_s
+    assert header_first["elapsed_s"] > 2 * n * delay_s * 0.9
+
+
+def _receive_with_wrong_spec(rank: int, world: int) -> str | None:
+    import queue
+
+    import torch.distributed as dist
+
+    from megatronapp.dpp.tasks import forward_task
+    from megatronapp.dpp.transport import Outbox, PeerReceiver
+
+    if rank == 0:
+        outbox = Outbox()
+        outbox.send(1, forward_task(1, 0), torch.zeros(3, 5))
+        outbox.finish()
+        dist.barrier()
+        return None
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    receiver = PeerReceiver(0, 1, inbox, torch.device("cpu"), spec=(torch.Size((5, 3)), torch.float32))
+    receiver.start()
+    task, error, _ = inbox.get(timeout=60)
+    receiver.join()
+    dist.barrier()
+    assert task is None
+    return str(error)
+
+
+def test_a_message_that_breaks_the_model_spec_is_an_error_naming_both(cluster):
+    message = cluster.run(_receive_with_wrong_spec, 2)[1]
+    assert message == ("rank 0 sent (3, 5) torch.float32 for F(c1,m0), but the model's spec for its messages "
+                       "is (5, 3) torch.float32")

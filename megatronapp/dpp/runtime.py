@@ -1,7 +1,7 @@
 """Executes one rank's part of a step with decisions made at run time (no schedule, no coordinator).
 
 Per step: a `RankScheduler` (scheduler.py) holds the ready set; receiver threads
-(transport.py) post the receive for each peer's next message ahead and deliver (task,
+(transport.py) post the receives for each peer's next messages ahead and deliver (task,
 tensor) pairs identified by their header. The loop: drain arrived messages into the
 scheduler (never blocking), decide, run the task through the shared `StageCompute`
 (pipeline/runtime.py: the model contract, timers, fault injection, tracing), send its output
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatronapp.dpp.config import DppConfig
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import Decision, RankScheduler, compute_default_caps
-from megatronapp.dpp.tasks import BACKWARD, FORWARD, count_remote_inputs
+from megatronapp.dpp.tasks import BACKWARD, FORWARD, count_remote_inputs, remote_inputs
 from megatronapp.dpp.transport import Outbox, start_receivers
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.actions import Action, virtual_stage
@@ -80,6 +80,7 @@ class DynamicPipelineRuntime:
         self.policy = build_policy(config.traversal, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
         counts = count_remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
         self.recv_counts = {groups.pp_ranks[p]: n for p, n in counts.items()}
+        self.remote_inputs = remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
         self.tp_root = lay.rank_of(0, groups.dp_rank, groups.pp_rank)
         self.counters = RuntimeCounters()
 
@@ -91,7 +92,8 @@ class DynamicPipelineRuntime:
                               self.cap, self.policy)
         self.injector.set_iteration(iteration)  # as PipelineRuntime.run
         sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
-        inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait)
+        inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait,
+                                         self._message_specs(microbatches))
         outbox, st = Outbox(), _Step(microbatches, iteration)
         self.counters.tasks = []
         while not sched.done:  # on an error the daemon receiver threads are left behind, not joined
@@ -108,6 +110,18 @@ class DynamicPipelineRuntime:
         if st.inputs or st.grads or st.outputs:
             raise RuntimeError("dynamic pipeline step ended with unconsumed tensors")
         return torch.stack(st.losses).sum() if st.losses else None
+
+    def _message_specs(self, microbatches: list) -> dict[int, tuple[torch.Size, torch.dtype]]:
+        """Per source global rank whose messages this step all have one spec (from the model:
+        input_spec for activations, output_spec for gradients): that spec, so its receives
+        can be posted ahead (transport.py)."""
+        found: dict[int, set] = {}
+        for task, src in self.remote_inputs:
+            mb = microbatches[task.microbatch]
+            spec = (self.model.input_spec(task.chunk, mb) if task.kind is FORWARD
+                    else self.model.output_spec(task.chunk, mb))
+            found.setdefault(self.groups.pp_ranks[src], set()).add((torch.Size(spec.shape), spec.dtype))
+        return {src: next(iter(specs)) for src, specs in found.items() if len(specs) == 1}
 
     # -- decisions -------------------------------------------------------------------------
     def _drain(self, sched: RankScheduler, inbox: queue.SimpleQueue, st: _Step, block: bool) -> float:

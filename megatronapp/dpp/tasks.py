@@ -56,12 +56,20 @@ def compute_producer_rank(task: Action, pp_rank: int, pp_size: int, num_chunks: 
     return pp_rank if vs == last else stage_location(vs + 1, pp_size)[0]
 
 
+def remote_inputs(pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int) -> list[tuple[Action, int]]:
+    """(task, producing peer rank) for each task of this rank whose input comes from another rank."""
+    found = []
+    for task in compute_rank_tasks(num_chunks, num_microbatches):
+        src = compute_producer_rank(task, pp_rank, pp_size, num_chunks)
+        if src is not None and src != pp_rank:
+            found.append((task, src))
+    return found
+
+
 def count_remote_inputs(pp_rank: int, pp_size: int, num_chunks: int,
                         num_microbatches: int) -> dict[int, int]:
     """Per producing peer rank: how many messages this rank receives in one step."""
     counts: dict[int, int] = {}
-    for task in compute_rank_tasks(num_chunks, num_microbatches):
-        src = compute_producer_rank(task, pp_rank, pp_size, num_chunks)
-        if src is not None and src != pp_rank:
-            counts[src] = counts.get(src, 0) + 1
+    for _, src in remote_inputs(pp_rank, pp_size, num_chunks, num_microbatches):
+        counts[src] = counts.get(src, 0) + 1
     return counts

@@ -6,6 +6,13 @@ Wire format, per message, on one directed pair of ranks: a fixed header, then th
   payload: the tensor, shape and dtype from the header                   (tag PAYLOAD_TAG)
 So a receiver never assumes the sender's order: the header names the task it feeds.
 
+When every message a receiver can get from a peer has the same spec (shape and dtype, from the
+model's input_spec / output_spec: a GPT's stages all exchange (B, S, H)), it posts header and
+payload receives together and keeps `RECV_AHEAD` messages posted. Otherwise it must read a
+header before it can size the payload. The difference shows on a slow link: a payload receive
+posted only after its header arrived pays the link's latency a second time, and one message
+at a time travels the link instead of several.
+
 Why a receiver thread per peer: gloo cannot poll a P2P work (is_completed() stays False
 until wait(), and a second wait() hangs), so one thread cannot both compute and notice an
 arrival. Each `PeerReceiver` thread always has the next recv from its peer posted and
@@ -20,6 +27,7 @@ apply there (the runtime refuses a CUDA device).
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 
@@ -30,6 +38,9 @@ from megatronapp.dpp.tasks import BACKWARD, backward_task, forward_task
 from megatronapp.pipeline.actions import Action
 
 HEADER_TAG, PAYLOAD_TAG = 7101, 7102
+# Messages per peer with receives posted, when the peer's spec is known: each holds a payload
+# buffer outside the in-flight cap's count, so a few, not a step's worth.
+RECV_AHEAD = 4
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HEADER_LEN = 9
 
@@ -56,29 +67,60 @@ def decode_header(header: torch.Tensor) -> tuple[Action, torch.Size, torch.dtype
 class PeerReceiver(threading.Thread):
     """Receives `count` messages from global rank `src` and puts (task, tensor, src) on `inbox`.
 
+    `spec` (shape, dtype): every message from `src` has it, so receives are posted ahead
+    (see the module docstring); None: header first, then a payload sized by it.
     An exception is put on the inbox too, so the compute thread re-raises it instead of
     waiting forever. `before_wait(src, work)` is the fault injector's link-delay hook.
     """
 
-    def __init__(self, src: int, count: int, inbox: queue.SimpleQueue, device, before_wait=None):
+    def __init__(self, src: int, count: int, inbox: queue.SimpleQueue, device, before_wait=None,
+                 spec: tuple[torch.Size, torch.dtype] | None = None):
         super().__init__(name=f"dpp-recv-{src}", daemon=True)
         self.src, self.count, self.inbox, self.device = src, count, inbox, device
-        self.before_wait = before_wait
+        self.before_wait, self.spec = before_wait, spec
 
     def run(self) -> None:
         try:
-            for _ in range(self.count):
-                header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-                dist.irecv(header, src=self.src, tag=HEADER_TAG).wait()
-                task, shape, dtype = decode_header(header)
-                payload = torch.empty(shape, dtype=dtype, device=self.device)
-                work = dist.irecv(payload, src=self.src, tag=PAYLOAD_TAG)
-                if self.before_wait is not None:
-                    self.before_wait(self.src, work)
-                work.wait()
-                self.inbox.put((task, payload, self.src))
+            if self.spec is None:
+                for _ in range(self.count):
+                    header = self._post_header()
+                    header[1].wait()
+                    task, shape, dtype = decode_header(header[0])
+                    self._deliver(task, self._post_payload(shape, dtype))
+            else:
+                self._run_ahead(*self.spec)
         except BaseException as exc:  # surfaced on the compute thread
             self.inbox.put((None, exc, self.src))
+
+    def _run_ahead(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        posted: collections.deque = collections.deque()
+        for _ in range(min(RECV_AHEAD, self.count)):
+            posted.append((self._post_header(), self._post_payload(shape, dtype)))
+        for k in range(self.count):
+            (header, header_work), payload = posted.popleft()
+            if k + RECV_AHEAD < self.count:  # keep RECV_AHEAD posted while this one completes
+                posted.append((self._post_header(), self._post_payload(shape, dtype)))
+            header_work.wait()
+            task, got_shape, got_dtype = decode_header(header)
+            if (got_shape, got_dtype) != (shape, dtype):
+                raise ValueError(f"rank {self.src} sent {tuple(got_shape)} {got_dtype} for {task}, but the model's "
+                                 f"spec for its messages is {tuple(shape)} {dtype}")
+            self._deliver(task, payload)
+
+    def _post_header(self) -> tuple[torch.Tensor, object]:
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        return header, dist.irecv(header, src=self.src, tag=HEADER_TAG)
+
+    def _post_payload(self, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+        payload = torch.empty(shape, dtype=dtype, device=self.device)
+        return payload, dist.irecv(payload, src=self.src, tag=PAYLOAD_TAG)
+
+    def _deliver(self, task: Action, payload: tuple[torch.Tensor, object]) -> None:
+        tensor, work = payload
+        if self.before_wait is not None:
+            self.before_wait(self.src, work)
+        work.wait()
+        self.inbox.put((task, tensor, self.src))
 
 
 class Outbox:
@@ -100,10 +142,13 @@ class Outbox:
         self.pending.clear()
 
 
-def start_receivers(counts: dict[int, int], device, before_wait=None) -> tuple[queue.SimpleQueue, list]:
-    """One PeerReceiver per global source rank with messages to receive this step."""
+def start_receivers(counts: dict[int, int], device, before_wait=None,
+                    specs: dict[int, tuple[torch.Size, torch.dtype]] | None = None) -> tuple[queue.SimpleQueue, list]:
+    """One PeerReceiver per global source rank with messages to receive this step; `specs`:
+    the one spec of every message from a source, where there is one (see PeerReceiver)."""
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    threads = [PeerReceiver(src, n, inbox, device, before_wait) for src, n in counts.items() if n]
+    specs = specs or {}
+    threads = [PeerReceiver(src, n, inbox, device, before_wait, specs.get(src)) for src, n in counts.items() if n]
     for t in threads:
         t.start()
     return inbox, threads

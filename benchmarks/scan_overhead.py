@@ -16,7 +16,7 @@ whole trace, so "with close" is the cost including writing the trace).
 --method alternating pairs adjacent steps instead of segments: one tracer per granularity
 traces every other iteration (interval 2), and each traced step is divided by the untraced
 step just before it, ~0.1 s apart, so even drift within a round cancels. This times the
-training thread; the background writer's own CPU time (`Tracer.writer_busy_s`) is then added
+training thread; the background writer's own CPU time (`Tracer.writer_cost`) is then added
 as if all of it had stalled training (the GIL), which bounds the cost including writing the
 trace from above. That bound is given twice: with all of the writer's CPU time, and with its
 steady-state time only (every batch after the first; the first also opens the file, which a
@@ -223,22 +223,19 @@ def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed
         ratios = [b[1] / a[1] for a, b in zip(steps[::2], steps[1::2])]
         median, lo, hi = bootstrap_median_ci(ratios, seed)
         traced_s = sum(b[1] for b in steps[1::2])
-        writer = tracer.writer_busy_s / traced_s
-        # The first batch also opens the file (schema, dictionaries, the thread's first CUDA
-        # calls): a run of thousands of steps pays that once, so it is reported apart.
-        (_, first_s), later = tracer.writer_writes[0], tracer.writer_writes[1:]
-        steady = sum(s for _, s in later) / traced_s
+        cost = tracer.writer_cost  # its first batch (opening the file) is paid once per run: apart
+        writer, steady = cost.total_s / traced_s, cost.later_s / traced_s
         out[variant] = {"overhead": {"median": median - 1, "ci95": [lo - 1, hi - 1],
                                      "pair_range": [min(ratios) - 1, max(ratios) - 1]},
                         "writer_cpu_share": writer,
                         "overhead_with_writer_bound": {"median": median - 1 + writer,
                                                        "ci95": [lo - 1 + writer, hi - 1 + writer]},
-                        "writer_first_batch_s": first_s,
-                        "writer_steady_us_per_event": 1e6 * sum(s for _, s in later) / max(sum(n for n, _ in later), 1),
+                        "writer_first_batch_s": cost.first_batch_s,
+                        "writer_steady_us_per_event": 1e6 * cost.later_s / max(cost.later_records, 1),
                         "writer_steady_cpu_share": steady,
                         "overhead_with_steady_writer_bound": {"median": median - 1 + steady,
                                                               "ci95": [lo - 1 + steady, hi - 1 + steady]},
-                        "writer_batches": tracer.writer_writes,
+                        "writer_batches": cost.batches,
                         "close_s": close_s, "untraced_step_ms": statistics.median(a[1] for a in steps[::2]) * 1e3,
                         "bytes_per_event": size / max(rows, 1), "events_per_traced_step": rows / pairs}
     return out

@@ -321,10 +321,11 @@ def test_writer_accounts_each_batch_it_writes(tmp_path):
     run_iterations(tracer, range(1, 7), nested_body)  # windows [2], [4], [6]
     tracer.close()
     spans = [r for r in rows_of(tracer) if r["cat"] != "calib"]
-    assert len(tracer.writer_writes) == 3
-    assert sum(n for n, _ in tracer.writer_writes) == len(spans)
-    assert tracer.writer_busy_s == pytest.approx(sum(s for _, s in tracer.writer_writes))
-    assert all(s >= 0 for _, s in tracer.writer_writes)
+    cost = tracer.writer_cost
+    first_window = sum(1 for r in spans if r["iteration"] == 2)
+    assert cost.batches == 3 and cost.later_records == len(spans) - first_window
+    assert cost.first_batch_s > 0 and cost.later_s > 0
+    assert cost.total_s == pytest.approx(cost.first_batch_s + cost.later_s)
 
 
 def test_traced_work_runs_wait_hooks_after_completion_before_span_end():

@@ -95,7 +95,7 @@ class CudaClock:
         the others are done then; one on another stream still running is waited for by to_ns).
         Event.synchronize would spin a core for as long as the GPU runs behind the host (the
         default CUDA scheduling of a host thread), which the writer's CPU time
-        (BackgroundWriter.busy_s) would then count as its work."""
+        (BackgroundWriter.cost) would then count as its work."""
         if events:
             self._sleep_until_done(events[-1])
 

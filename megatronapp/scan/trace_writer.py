@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from megatronapp.spans import CAT_CALIB
@@ -46,6 +47,30 @@ def build_window_batch(records: list, clock: Any, calibs: list[tuple[int, int]])
     return build_event_batch_from_columns(cols)
 
 
+@dataclass
+class WriterCost:
+    """The writer thread's CPU time converting and writing, not waiting for the GPU. The first
+    batch also opens the file (schema, dictionaries, the thread's first CUDA calls): a cost a
+    long run pays once, so it is kept apart from the steady state."""
+
+    first_batch_s: float = 0.0
+    batches: int = 0
+    later_records: int = 0  # records of every batch after the first
+    later_s: float = 0.0
+
+    def add(self, records: int, seconds: float) -> None:
+        if self.batches == 0:
+            self.first_batch_s = seconds
+        else:
+            self.later_records += records
+            self.later_s += seconds
+        self.batches += 1
+
+    @property
+    def total_s(self) -> float:
+        return self.first_batch_s + self.later_s
+
+
 class BackgroundWriter:
     """One thread that owns the TraceWriter: converts windows and appends them.
 
@@ -57,10 +82,7 @@ class BackgroundWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.error: BaseException | None = None
         self.dropped_windows = self.dropped_events = 0
-        self.busy_s = 0.0  # CPU time this thread spent converting and writing, not waiting for the GPU (final at close)
-        # (records, CPU seconds) of each batch written: the first one also pays the file's start
-        # (schema, dictionaries, the thread's first CUDA calls), a cost a long run pays once.
-        self.writes: list[tuple[int, float]] = []
+        self.cost = WriterCost()  # final at close
         self._thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
         self._thread.start()
 
@@ -101,9 +123,7 @@ class BackgroundWriter:
             self.error = exc
             warnings.warn(f"MegaScan writer for {self._writer.path} failed: {exc!r}", stacklevel=1)
         finally:
-            spent = time.thread_time() - began
-            self.busy_s += spent
-            self.writes.append((len(records), spent))
+            self.cost.add(len(records), time.thread_time() - began)
 
     def close(self) -> None:
         self._queue.put(None)  # blocks until there is room: the writer drains what is queued

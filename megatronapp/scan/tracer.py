@@ -23,7 +23,7 @@ from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CATEGORIES, ITERATI
 from megatronapp.scan.clocks import INITIAL_EVENT_POOL, build_clock
 from megatronapp.scan.format import SCHEMA_VERSION, TraceWriter, trace_file_name
 from megatronapp.scan.trace_config import GRANULARITIES, TraceConfig
-from megatronapp.scan.trace_writer import ATTR_DEFAULTS, SPAN_ATTRS, BackgroundWriter
+from megatronapp.scan.trace_writer import ATTR_DEFAULTS, SPAN_ATTRS, BackgroundWriter, WriterCost
 
 __all__ = ["GRANULARITIES", "NOOP_SPAN", "SPAN_ATTRS", "TraceConfig", "Tracer"]
 
@@ -147,8 +147,7 @@ class Tracer:
         self._step_span: _Span | None = None
         self._background: BackgroundWriter | None = None
         self.dropped_events = 0  # events lost because the writer queue was full (final at close)
-        self.writer_busy_s = 0.0  # the writer thread's CPU time (final at close)
-        self.writer_writes: list[tuple[int, float]] = []  # (records, CPU seconds) per batch written (final at close)
+        self.writer_cost = WriterCost()  # the writer thread's CPU time (final at close)
         self.meta = dict(meta)
         if not config.enabled:
             return
@@ -284,8 +283,7 @@ class Tracer:
         self._flush()
         background, self._background = self._background, None
         background.close()
-        self.dropped_events, self.writer_busy_s = background.dropped_events, background.busy_s
-        self.writer_writes = background.writes
+        self.dropped_events, self.writer_cost = background.dropped_events, background.cost
         if background.dropped_windows:
             warnings.warn(f"MegaScan dropped {background.dropped_events} events ({background.dropped_windows} windows) "
                           f"of {self.path}: the writer could not keep up", stacklevel=2)

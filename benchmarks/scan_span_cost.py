@@ -52,6 +52,12 @@ def measure(device: torch.device, n: int, repeats: int) -> dict:
         tracer.step_begin(1)
         out: dict = {"device": str(device), "clock": clock.name, "n": n, "repeats": repeats}
 
+        def drop_records() -> None:  # what the writer would do, minus writing: marks back to the pool
+            if cuda:
+                torch.cuda.synchronize()
+            recs, tracer._records = tracer._records, []
+            clock.release([m for r in recs for m in (r[2], r[3])])
+
         def marks(k: int) -> None:
             made = [clock.mark() for _ in range(k)]
             clock.release(made)
@@ -60,10 +66,7 @@ def measure(device: torch.device, n: int, repeats: int) -> dict:
             for _ in range(k):
                 with tracer.layer_span(spans.ATTENTION, 3):
                     pass
-            if cuda:
-                torch.cuda.synchronize()
-            recs, tracer._records = tracer._records, []
-            clock.release([m for r in recs for m in (r[2], r[3])])
+            drop_records()
 
         def layer_pairs(k: int) -> None:  # as the engine's layers: attention, then its MLP from its end
             for _ in range(k // 2):
@@ -71,10 +74,7 @@ def measure(device: torch.device, n: int, repeats: int) -> dict:
                     pass
                 with tracer.layer_span(spans.MLP, 3, after=attention):
                     pass
-            if cuda:
-                torch.cuda.synchronize()
-            recs, tracer._records = tracer._records, []
-            clock.release([m for r in recs for m in (r[2], r[3])])
+            drop_records()
 
         with tracer.context(chunk=0, microbatch=0):
             out["mark"] = _per_call_us(marks, n, repeats)
@@ -87,9 +87,7 @@ def measure(device: torch.device, n: int, repeats: int) -> dict:
                     for _ in range(k):
                         with tracer.layer_span(spans.ATTENTION, 3):
                             a.add_(1.0)  # one small kernel per span: the queue stays busy
-                    torch.cuda.synchronize()
-                    recs, tracer._records = tracer._records, []
-                    clock.release([m for r in recs for m in (r[2], r[3])])
+                    drop_records()
 
                 def kernels_only(k: int) -> None:
                     for _ in range(k):

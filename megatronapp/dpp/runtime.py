@@ -19,6 +19,7 @@ member, so the reduction is left to the end of the step (GradReducer.finish).
 
 from __future__ import annotations
 
+import collections
 import queue
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from megatronapp.dpp.config import DppConfig
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import Decision, RankScheduler, compute_default_caps
-from megatronapp.dpp.tasks import BACKWARD, FORWARD, count_remote_inputs, remote_inputs
+from megatronapp.dpp.tasks import BACKWARD, FORWARD, remote_inputs
 from megatronapp.dpp.transport import Outbox, start_receivers
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.actions import Action, virtual_stage
@@ -78,9 +79,10 @@ class DynamicPipelineRuntime:
                                   injector, grad_scale_func)
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         self.policy = build_policy(config.traversal, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
-        counts = count_remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
-        self.recv_counts = {groups.pp_ranks[p]: n for p, n in counts.items()}
-        self.remote_inputs = remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
+        # (task, global source rank) of every input another rank sends this one in a step
+        self.remote_inputs = [(task, groups.pp_ranks[p])
+                              for task, p in remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)]
+        self.recv_counts = collections.Counter(src for _, src in self.remote_inputs)
         self.tp_root = lay.rank_of(0, groups.dp_rank, groups.pp_rank)
         self.counters = RuntimeCounters()
 
@@ -120,7 +122,7 @@ class DynamicPipelineRuntime:
             mb = microbatches[task.microbatch]
             spec = (self.model.input_spec(task.chunk, mb) if task.kind is FORWARD
                     else self.model.output_spec(task.chunk, mb))
-            found.setdefault(self.groups.pp_ranks[src], set()).add((torch.Size(spec.shape), spec.dtype))
+            found.setdefault(src, set()).add((torch.Size(spec.shape), spec.dtype))
         return {src: next(iter(specs)) for src, specs in found.items() if len(specs) == 1}
 
     # -- decisions -------------------------------------------------------------------------

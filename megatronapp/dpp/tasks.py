@@ -64,12 +64,3 @@ def remote_inputs(pp_rank: int, pp_size: int, num_chunks: int, num_microbatches:
         if src is not None and src != pp_rank:
             found.append((task, src))
     return found
-
-
-def count_remote_inputs(pp_rank: int, pp_size: int, num_chunks: int,
-                        num_microbatches: int) -> dict[int, int]:
-    """Per producing peer rank: how many messages this rank receives in one step."""
-    counts: dict[int, int] = {}
-    for _, src in remote_inputs(pp_rank, pp_size, num_chunks, num_microbatches):
-        counts[src] = counts.get(src, 0) + 1
-    return counts

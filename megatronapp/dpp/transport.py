@@ -15,7 +15,7 @@ at a time travels the link instead of several.
 
 Why a receiver thread per peer: gloo cannot poll a P2P work (is_completed() stays False
 until wait(), and a second wait() hangs), so one thread cannot both compute and notice an
-arrival. Each `PeerReceiver` thread always has the next recv from its peer posted and
+arrival. Each `PeerReceiver` thread always has a recv from its peer posted and
 blocks in wait() (which releases the GIL), then hands (task, tensor) to the compute thread
 through a queue; the compute thread drains the queue without blocking whenever it decides,
 and blocks on it only when no task is ready. Sends are `isend`s whose works are completed at
@@ -83,9 +83,9 @@ class PeerReceiver(threading.Thread):
         try:
             if self.spec is None:
                 for _ in range(self.count):
-                    header = self._post_header()
-                    header[1].wait()
-                    task, shape, dtype = decode_header(header[0])
+                    header, header_work = self._post_header()
+                    header_work.wait()
+                    task, shape, dtype = decode_header(header)
                     self._deliver(task, self._post_payload(shape, dtype))
             else:
                 self._run_ahead(*self.spec)

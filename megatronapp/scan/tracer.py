@@ -105,6 +105,11 @@ class _Context:
         return False
 
 
+def _attr_values(attrs: Mapping[str, Any]) -> tuple:
+    """`attrs` in SPAN_ATTRS order, defaults where missing (the record's attribute tuple)."""
+    return tuple(attrs.get(k, d) for k, d in zip(SPAN_ATTRS, ATTR_DEFAULTS))
+
+
 def _check_attrs(attrs: Mapping[str, Any]) -> None:
     unknown = attrs.keys() - set(SPAN_ATTRS)
     if unknown:
@@ -225,11 +230,10 @@ class Tracer:
     def _open(self, name: str, cat: str, attrs: dict) -> _Span:
         if cat not in _SPAN_CATEGORIES:
             raise ValueError(f"span category must be one of {_SPAN_CATEGORIES}, got {cat!r}")
-        if attrs:
-            _check_attrs(attrs)
-        merged = {**self._defaults, **attrs} if self._defaults else attrs
-        values = tuple(merged.get(k, d) for k, d in zip(SPAN_ATTRS, ATTR_DEFAULTS))
-        return _Span(self, name, cat, values)
+        if not attrs:  # the context's attributes, kept as a tuple by _set_defaults
+            return _Span(self, name, cat, self._default_values)
+        _check_attrs(attrs)
+        return _Span(self, name, cat, _attr_values({**self._defaults, **attrs}))
 
     def span(self, name: str, cat: str = "compute", **attrs: Any):
         """Context manager timing `name`; attrs from SPAN_ATTRS, defaults from context()."""
@@ -256,7 +260,7 @@ class Tracer:
 
     def _set_defaults(self, defaults: dict) -> None:
         self._defaults = defaults
-        self._default_values = tuple(defaults.get(k, d) for k, d in zip(SPAN_ATTRS, ATTR_DEFAULTS))
+        self._default_values = _attr_values(defaults)
 
     def context(self, **attrs: Any):
         """Context manager giving spans opened inside it these default attributes."""

@@ -136,11 +136,13 @@ def bench_throughput(args, results: dict) -> None:
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
     torch_adamw = replace(job, train=replace(job.train, fused_master_adamw=False))
+    overlapped = replace(job, train=replace(job.train, overlap_param_update=True))
     variants = {"engine": _engine_factory(job, data), "engine_torch_adamw": _engine_factory(torch_adamw, data),
+                "engine_overlap_update": _engine_factory(overlapped, data),
                 "plain_bf16": lambda: PlainRunner(job, data).steps}
     out = _interleave(variants, args)
     _annotate(out, job)
-    for name in ("engine", "engine_torch_adamw"):
+    for name in [v for v in variants if v != "plain_bf16"]:
         out[f"{name}_vs_plain"] = out["plain_bf16"]["step_s"] / out[name]["step_s"]
     results["throughput"] = out
 

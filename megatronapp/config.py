@@ -134,6 +134,9 @@ class TrainConfig:
     # bf16/fp16 on CUDA: one Triton kernel per tensor does AdamW on the fp32 master weight, the
     # clip and the write of the model weight (as TE's FusedAdam with master weights; engine/master_adam.py)
     fused_master_adamw: bool = True
+    # the fused master AdamW on a side stream, unit by unit, beside the next step's forward
+    # (engine/overlap_update.py); CUDA only
+    overlap_param_update: bool = False
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
     recompute_method: str = "uniform"  # uniform | block, for full recompute
@@ -177,6 +180,8 @@ class TrainConfig:
                               f"({self.initial_loss_scale})")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+        if self.overlap_param_update and not ((self.bf16 or self.fp16) and self.fused_master_adamw):
+            raise ConfigError("--overlap-param-update needs --bf16 or --fp16 and the fused master AdamW")
         for name in ("loss_scale_window", "hysteresis"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -225,6 +230,9 @@ def validate_job(job: JobConfig) -> None:
         if m.seq_length % lay.tp_size:
             raise ConfigError(f"--sequence-parallel needs seq length {m.seq_length} divisible by "
                               f"tensor-parallel size {lay.tp_size}")
+    if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
+        raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
+                          "follows the whole update; use --overlap-param-gather)")
     if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "breadth-first", "dynamic"):
         raise ConfigError(f"virtual pipeline stages need the interleaved, breadth-first or dynamic schedule, "
                           f"not {t.schedule!r}")

@@ -31,7 +31,7 @@ _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "m
                 "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
                 "bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
                 "hysteresis", "use_distributed_optimizer", "overlap_param_gather", "compile", "overlap_grad_reduce",
-                "gradient_accumulation_fusion", "fused_master_adamw",
+                "gradient_accumulation_fusion", "fused_master_adamw", "overlap_param_update",
                 "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
                 "attention_backend", "log_interval", "save", "load", "save_interval",
                 "metrics_file")
@@ -75,6 +75,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--fused-master-adamw", "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the "
                 "model weights in the same kernel (default)", action="store_true")
     g.add_argument("--no-fused-master-adamw", dest="fused_master_adamw", action="store_false", default=None)
+    _train_flag(g, "--overlap-param-update", "CUDA: the fused master AdamW runs layer by layer on a side stream "
+                "beside the next forward", action="store_true")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=tuple(MODEL_PRESETS), default="demo", help="preset; flags below override")

@@ -13,6 +13,7 @@ import torch
 from megatronapp.config import ConfigError, JobConfig
 from megatronapp.parallel.device import check_layout_devices, ranks_per_node
 from megatronapp.parallel.layout import LayoutError
+from megatronapp.parallel.placement import resolve_device_kind
 
 
 def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visible_gpus: int | None = None) -> None:
@@ -21,11 +22,16 @@ def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visi
     run time with 'invalid usage', after every process has started."""
     gpus = torch.cuda.device_count() if visible_gpus is None else visible_gpus
     if args.forward_backward_disaggregating:
+        if job.train.overlap_param_update:
+            raise ConfigError("--overlap-param-update is not supported with --forward-backward-disaggregating")
         from megatronapp.fbd.cli import fbd_placements_from_args, role_layout_from_args
 
         fbd_placements_from_args(args, role_layout_from_args(args, world), gpus, ranks_per_node())
         return
     try:
         check_layout_devices(args.device, job.layout, gpus)
+        kind = resolve_device_kind(args.device, gpus)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+    if job.train.overlap_param_update and kind != "cuda":
+        raise ConfigError("--overlap-param-update needs CUDA (the update runs on a side stream)")

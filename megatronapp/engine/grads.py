@@ -169,6 +169,7 @@ class GradReducer:
         self.buffers = [ChunkGradBuffer([p for p in c.parameters() if p.requires_grad], bucket_mb, pad,
                                         flat_params=distributed_optimizer) for c in chunks]
         self.final_microbatch = [False] * len(chunks)
+        self._zeroed = [False] * len(chunks)  # by zero_buffer since the last zero_grad
         self._gather_works: list[list] = [[] for _ in chunks]
         self._deferred = _DeferredAdds()
         for i, buf in enumerate(self.buffers):
@@ -203,13 +204,22 @@ class GradReducer:
     def zero_grad(self) -> None:
         """Start a step: main grads read zero until written (fused weights: first write)."""
         self._deferred = _DeferredAdds()  # adds of an abandoned step must not land in the next
-        for buf in self.buffers:
-            first = buf.written_first()
-            buf.zero(skip=first)
-            wgrad_fusion.mark_first_write([buf.params[i].main_grad for i in first])
+        for i, buf in enumerate(self.buffers):
+            if not self._zeroed[i]:
+                self.zero_buffer(i)
             for b in buf.buckets:
                 b.ready, b.work = 0, None
+        self._zeroed = [False] * len(self.buffers)
         self.final_microbatch = [False] * len(self.buffers)
+
+    def zero_buffer(self, chunk: int) -> None:
+        """Zero one chunk's main grads ahead of the next zero_grad, on the current stream (the
+        overlapped update zeroes each chunk right after its last read: engine/overlap_update.py)."""
+        buf = self.buffers[chunk]
+        first = buf.written_first()
+        buf.zero(skip=first)
+        wgrad_fusion.mark_first_write([buf.params[i].main_grad for i in first])
+        self._zeroed[chunk] = True
 
     def _zero_unwritten(self) -> None:
         """Main grads still marked for a first write got no gradient this step: zero them."""

@@ -138,12 +138,15 @@ class MasterAdamW:
     """AdamW over `optimizer`'s fp32 main params (each with `.grad`), writing each updated value
     also into `model_view_of[id(main)]` (the low-precision model tensor, same number of contiguous
     elements): one kernel launch per param group. Call `invalidate()` whenever a main param,
-    its grad, its Adam state or its model tensor is replaced (e.g. after loading a checkpoint)."""
+    its grad, its Adam state or its model tensor is replaced (e.g. after loading a checkpoint).
+    `only`: ids of the main params this instance updates (default: all of the optimizer's), so
+    that disjoint instances can update a model piece by piece (engine/overlap_update.py)."""
 
     def __init__(self, optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor], *,
-                 block: int = BLOCK, num_warps: int = NUM_WARPS):
+                 block: int = BLOCK, num_warps: int = NUM_WARPS, only: set[int] | None = None):
         self.optimizer, self.model_view_of = optimizer, model_view_of
         self.block, self.num_warps = block, num_warps
+        self.only = only
         self._plans: list[_GroupPlan | None] | None = None
 
     def invalidate(self) -> None:
@@ -152,7 +155,7 @@ class MasterAdamW:
     def _build_plans(self) -> list[_GroupPlan | None]:
         plans = []
         for group in self.optimizer.param_groups:
-            mains = [p for p in group["params"] if p.grad is not None]
+            mains = [p for p in group["params"] if p.grad is not None and (self.only is None or id(p) in self.only)]
             states = [_state_of(self.optimizer, p) for p in mains]
             models = [self.model_view_of[id(p)] for p in mains]
             plans.append(_GroupPlan(mains, states, models, self.block) if mains else None)
@@ -161,11 +164,22 @@ class MasterAdamW:
     @torch.no_grad()
     def step(self, grad_scale: torch.Tensor | None) -> None:
         """`grad_scale`: the grads are divided by it (a device scalar), or None."""
+        torch._foreach_add_(self.step_counters(), 1.0)
+        self.launch(grad_scale)
+
+    def _group_plans(self) -> list[tuple[dict, _GroupPlan]]:
         if self._plans is None:
             self._plans = self._build_plans()
-        plans = [(g, plan) for g, plan in zip(self.optimizer.param_groups, self._plans) if plan is not None]
-        torch._foreach_add_([s for _, plan in plans for s in plan.steps], 1.0)
-        for group, plan in plans:
+        return [(g, plan) for g, plan in zip(self.optimizer.param_groups, self._plans) if plan is not None]
+
+    def step_counters(self) -> list[torch.Tensor]:
+        """The Adam `step` tensors of the params updated here (the kernel reads them advanced)."""
+        return [s for _, plan in self._group_plans() for s in plan.steps]
+
+    @torch.no_grad()
+    def launch(self, grad_scale: torch.Tensor | None) -> None:
+        """The update kernels alone, on the current stream; the step counters already advanced."""
+        for group, plan in self._group_plans():
             beta1, beta2 = group["betas"]
             _adamw_master_kernel[(plan.block_tensor.numel(),)](
                 plan.table, plan.numels, plan.block_tensor, plan.block_start,

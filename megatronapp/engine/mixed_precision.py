@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatronapp.config import TrainConfig
+from megatronapp.config import ConfigError, TrainConfig
 from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
 from megatronapp.engine.grad_scaler import build_grad_scaler
 from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norm
 from megatronapp.engine import master_adam
 from megatronapp.engine.optim import build_adamw
+from megatronapp.engine.overlap_update import OverlappedUpdate
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 
 log = logging.getLogger("megatronapp.engine")
@@ -102,6 +103,9 @@ class MixedPrecisionOptimizer:
         self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
         self._master_adamw = (master_adam.MasterAdamW(self.optimizer, self._model_view_of)
                               if self.master_kernel else None)
+        if cfg.overlap_param_update and not self.master_kernel:
+            raise ConfigError("--overlap-param-update needs the fused master AdamW: CUDA, Triton, --bf16/--fp16")
+        self.overlapped_update: OverlappedUpdate | None = None  # set by build_grads_and_optimizer
         self.grad_scaler = build_grad_scaler(cfg, device)
         self.skipped_iterations = 0
         self.log_overflow = log_overflow
@@ -145,7 +149,9 @@ class MixedPrecisionOptimizer:
                 return StepResult(False, None, scale)
         norm = compute_grad_norm([m.main_param.grad for m in self.mains if m.count_in_norm],
                                  self._norm_groups, self.device)
-        if self.master_kernel:
+        if self.overlapped_update is not None:  # runs beside the next forward
+            self.overlapped_update.launch(self._clip_divisor(norm), self.reducer.zero_buffer)
+        elif self.master_kernel:
             self._master_adamw.step(self._clip_divisor(norm))
         else:
             if self.fused:
@@ -185,7 +191,10 @@ class MixedPrecisionOptimizer:
 
     # -- checkpoints: layout-independent state per model parameter --------------------------
     def finish_param_sync(self) -> None:
-        """Wait for in-flight parameter all-gathers; call before reading or writing params."""
+        """Wait for in-flight parameter updates and all-gathers; call before reading or writing
+        params or optimizer state."""
+        if self.overlapped_update is not None:
+            self.overlapped_update.wait_all()
         self.reducer.wait_param_gather()
 
     def state_dict(self) -> dict:
@@ -252,6 +261,8 @@ class MixedPrecisionOptimizer:
         None; the model params themselves must already hold the checkpoint's values."""
         if self._master_adamw is not None:  # its address tables name the Adam state replaced below
             self._master_adamw.invalidate()
+        if self.overlapped_update is not None:
+            self.overlapped_update.invalidate()
         for m in self.mains:
             st = state_of(m.model_param)
             if m.model_param.dtype != torch.float32:
@@ -287,4 +298,7 @@ def build_grads_and_optimizer(chunks: list[nn.Module], cfg: TrainConfig, groups,
     if cfg.gradient_accumulation_fusion:  # needs the main grads, so after the reducer
         enable_grad_accumulation_fusion(m for c in chunks for m in c.modules())
     optimizer = MixedPrecisionOptimizer(reducer, cfg, groups, device, log_overflow=groups.rank == 0)
+    if cfg.overlap_param_update:
+        optimizer.overlapped_update = OverlappedUpdate(optimizer.optimizer, optimizer._model_view_of, chunks,
+                                                       optimizer.chunk_mains, device)
     return reducer, optimizer

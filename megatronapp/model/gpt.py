@@ -243,6 +243,20 @@ class GPTChunk(nn.Module):
                 x = run(x, start, end)
         return x
 
+    def overlap_units(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+        """(module, params) in forward order: the update of `params` lands before `module` runs
+        (engine/overlap_update.py). The head runs as one compiled function, whose modules' hooks
+        would run inside the graph, so its update is waited for before the last layer instead."""
+        units: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        if self.has_embedding:
+            units.append((self.embedding, list(self.embedding.parameters())))
+        units += [(block, list(block.parameters())) for block in self.layers.values()]
+        if self.has_head:
+            head = list(self.final_norm.parameters()) + list(self.output.parameters())
+            module, params = units[-1] if units else (self, [])
+            units[-1:] = [(module, params + head)]
+        return units
+
     def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         logits = self.output(self.final_norm(x))  # (B, S, V/TP), sequence gathered
         if labels is None:

@@ -224,8 +224,28 @@ def measure_cell(a, scenario: str, variant: str, repeat: int, log) -> dict:
     return rec
 
 
+def paired_speeds(records: list[dict], scenario: str, variant: str) -> list[float]:
+    """Per repeat that measured both: interleaved's time over `variant`'s (cells of one repeat run
+    close together, so a slow phase of the host hits both: the ratio cancels it)."""
+    by = {(r["variant"], r["repeat"]): r["median_s"] for r in records
+          if "median_s" in r and r["scenario"] == scenario}
+    return [by[("interleaved", rep)] / by[(variant, rep)] for (v, rep) in sorted(by)
+            if v == variant and ("interleaved", rep) in by]
+
+
+def _paired_summary(records: list[dict], scenario: str, variant: str) -> dict | None:
+    from scan_overhead import bootstrap_median_ci
+
+    speeds = paired_speeds(records, scenario, variant)
+    if len(speeds) < 2:
+        return None
+    med, lo, hi = bootstrap_median_ci(speeds)
+    return {"median": med, "ci95": [lo, hi], "n": len(speeds), "speeds": speeds}
+
+
 def summarize(a, records: list[dict]) -> dict:
-    """Per scenario and variant: median over repeats, spread, speed vs interleaved, memory."""
+    """Per scenario and variant: median over repeats, spread, speed vs interleaved (ratio of the
+    medians, and the median of per-repeat paired ratios with a 95 % bootstrap interval), memory."""
     times: dict = {}
     for r in records:
         if "median_s" in r:
@@ -245,7 +265,12 @@ def summarize(a, records: list[dict]) -> dict:
             print(f"  {variant:<17} {med * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f}, n={len(runs)})"
                   f"  x{speed:.3f}  peak sets {mem['peak_inflight_sets']} x {mem['layers_per_set']} layer(s), "
                   f"~{mem['activation_MiB_est']} MiB")
-            out[f"{scenario}/{variant}"] = {"median_s": med, "runs_s": runs, "speed_vs_interleaved": speed, **mem}
+            paired = _paired_summary(records, scenario, variant) if variant != "interleaved" else None
+            if paired:
+                print(f"  {'':<17} paired per repeat x{paired['median']:.3f} "
+                      f"[95% CI {paired['ci95'][0]:.3f}, {paired['ci95'][1]:.3f}], n={paired['n']}")
+            out[f"{scenario}/{variant}"] = {"median_s": med, "runs_s": runs, "speed_vs_interleaved": speed,
+                                            "paired_speed_vs_interleaved": paired, **mem}
     return out
 
 

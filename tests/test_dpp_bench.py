@@ -54,3 +54,14 @@ def test_persistent_ranks_run_every_cell_one_after_the_other(tmp_path):
         ("balanced", "dynamic-df"), ("balanced", "interleaved"), ("jitter1", "dynamic-df"), ("jitter1", "interleaved")]
     for r in lines:
         assert "error" not in r and len(r["steps_s"]) == 3 and all(t > 0 for t in r["steps_s"])
+
+
+def test_paired_speeds_divide_within_a_repeat_and_skip_unpaired_repeats():
+    rec = lambda v, rep, t: {"scenario": "jitter1", "variant": v, "repeat": rep, "median_s": t}  # noqa: E731
+    records = [rec("interleaved", 0, 0.6), rec("dynamic-inorder", 0, 0.5),  # 1.2
+               rec("interleaved", 1, 0.9), rec("dynamic-inorder", 1, 1.0),  # 0.9: a slow repeat for both
+               rec("dynamic-inorder", 2, 0.1),  # its interleaved cell failed: no pair
+               {"scenario": "link", "variant": "interleaved", "repeat": 2, "median_s": 0.05}]
+    assert dpp_bench.paired_speeds(records, "jitter1", "dynamic-inorder") == [1.2, 0.9]
+    summary = dpp_bench._paired_summary(records, "jitter1", "dynamic-inorder")
+    assert summary["n"] == 2 and summary["median"] == 1.05

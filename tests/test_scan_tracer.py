@@ -184,6 +184,28 @@ def test_cuda_clock_pools_a_shared_mark_once():
     assert clock._pool == [a, b]
 
 
+def test_writer_converts_a_shared_mark_once():
+    from megatronapp.scan.trace_writer import ATTR_DEFAULTS, build_window_batch
+
+    class CountingClock:  # as CudaClock: markers are objects, converting one is a driver call
+        def __init__(self):
+            self.calls, self.ns = [], {}
+
+        def to_ns(self, marker):
+            self.calls.append(marker)
+            return self.ns.setdefault(marker, 1000 * (len(self.ns) + 1))
+
+        def release(self, markers):
+            pass
+
+    a, b, c = object(), object(), object()
+    records = [("attention", "compute", a, b, 1, ATTR_DEFAULTS), ("mlp", "compute", b, c, 1, ATTR_DEFAULTS)]
+    clock = CountingClock()
+    batch = build_window_batch(records, clock, []).to_pydict()
+    assert clock.calls == [a, b, c]  # b once, although two spans hold it
+    assert batch["start_ns"] == [1000, 2000] and batch["end_ns"] == [2000, 3000]
+
+
 def test_window_is_written_before_close_with_calibration(tmp_path):
     skew = 1_000_000_000_000  # 1000 s, far beyond any real gap between the clocks read
     config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=2, continuous_iterations=1,

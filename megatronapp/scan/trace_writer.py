@@ -27,6 +27,10 @@ def build_window_batch(records: list, clock: Any, calibs: list[tuple[int, int]])
     """Columns of one flushed window (plus its calibration rows) as a batch."""
     cols: dict[str, list] = {c: [] for c in ("name", "cat", "start_ns", "end_ns", "iteration", *SPAN_ATTRS)}
     markers = []
+    # A span can start at an earlier span's end mark (Tracer.layer_span(after=...)); that span
+    # closed, so was recorded, first: look starts up among the ends converted so far (on CUDA a
+    # conversion is a driver call).
+    end_ns_of: dict = {}
     for k, (name, cat, start, end, iteration, attrs) in enumerate(records):
         if k % _RECORDS_PER_GIL_SLICE == 0:
             # Hand the GIL back between slices so the training thread, which launches
@@ -34,8 +38,10 @@ def build_window_batch(records: list, clock: Any, calibs: list[tuple[int, int]])
             time.sleep(0)
         cols["name"].append(name)
         cols["cat"].append(cat)
-        cols["start_ns"].append(clock.to_ns(start))
-        cols["end_ns"].append(clock.to_ns(end))
+        start_ns = end_ns_of.get(start)
+        cols["start_ns"].append(clock.to_ns(start) if start_ns is None else start_ns)
+        end_ns = end_ns_of[end] = clock.to_ns(end)
+        cols["end_ns"].append(end_ns)
         cols["iteration"].append(iteration)
         for key, value in zip(SPAN_ATTRS, attrs):
             cols[key].append(value)

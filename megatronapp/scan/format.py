@@ -267,6 +267,11 @@ class TraceWriter:
         options = pa.ipc.IpcWriteOptions(compression=_COMPRESSION, emit_dictionary_deltas=True)
         self._writer = pa.ipc.new_stream(self._sink, schema, options=options)
         self._dictionaries = _GrowingDictionaries()
+        # Encode an empty batch now: pyarrow and numpy import what encoding needs at its first
+        # use (numpy.ma, pyarrow's compute kernels: ~30 ms on the 2-core VM, 200-330 ms on a fresh
+        # H200 host that also compiles their bytecode), which a background writer would otherwise
+        # do holding the GIL in the middle of the first traced window.
+        self._dictionaries.encode(build_event_batch_from_columns({c: [] for c in EVENT_COLUMNS}))
         self.rows_written = 0
 
     def append(self, rows: Iterable[Mapping[str, Any]] | pa.RecordBatch) -> None:

@@ -16,9 +16,12 @@ whole trace, so "with close" is the cost including writing the trace).
 --method alternating pairs adjacent steps instead of segments: one tracer per granularity
 traces every other iteration (interval 2), and each traced step is divided by the untraced
 step just before it, ~0.1 s apart, so even drift within a round cancels. This times the
-training thread; the background writer's own CPU time (`Tracer.writer_cost`) is then added
-as if all of it had stalled training (the GIL), which bounds the cost including writing the
-trace from above. That bound is given twice: with all of the writer's CPU time, and with its
+training thread: after every step, outside the timing, the benchmark waits for the background
+writer to finish what it was handed (`Tracer.wait_writer_idle`). Without that wait its work,
+sliced to give the GIL back, spilled into the next steps, untraced or traced by the host's
+pace, and moved the training-thread figure between hosts. The writer's own CPU time
+(`Tracer.writer_cost`) is then added as if all of it had stalled training (the GIL), which
+bounds the cost including writing the trace from above. That bound is given twice: with all of the writer's CPU time, and with its
 steady-state time only (every batch after the first; the first also opens the file, which a
 run of thousands of steps pays once, and a 150-pair measurement would charge to 150 steps).
 
@@ -215,6 +218,7 @@ def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed
             while len(steps) < 2 * pairs:
                 traced = tracer.should_trace(trainer.iteration)
                 steps.append((traced, _timed(trainer.train_step, device)))
+                tracer.wait_writer_idle()  # the writer's work (counted below) out of every timed step
             close_s = _timed(tracer.close, device)
             trainer.set_tracer(NULL_TRACER)
             path = next(Path(d).glob("*.mscan"))

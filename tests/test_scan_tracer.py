@@ -206,6 +206,34 @@ def test_writer_converts_a_shared_mark_once():
     assert batch["start_ns"] == [1000, 2000] and batch["end_ns"] == [2000, 3000]
 
 
+def test_wait_writer_idle_returns_once_handed_windows_are_on_disk(tmp_path, monkeypatch):
+    from megatronapp.scan import trace_writer
+
+    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, flush_seconds=0.0)
+    tracer = Tracer(config, META)
+    slow_build = trace_writer.build_window_batch
+
+    def build_slowly(*args):  # a writer well behind the training thread
+        time.sleep(0.3)
+        return slow_build(*args)
+    monkeypatch.setattr(trace_writer, "build_window_batch", build_slowly)
+    run_iterations(tracer, range(1, 3), nested_body)  # two windows handed over
+    tracer.wait_writer_idle()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # still open: no end-of-stream marker
+        rows = rows_of(tracer)
+    assert {r["iteration"] for r in rows if r["cat"] != "calib"} == {1, 2}  # no polling needed
+
+    def fail(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(trace_writer, "build_window_batch", fail)
+    run_iterations(tracer, [3], nested_body)
+    with pytest.warns(UserWarning, match="disk full"):
+        tracer.wait_writer_idle()  # a failed window does not leave it waiting
+    with pytest.raises(RuntimeError, match="could not write"):
+        tracer.close()
+
+
 def test_window_is_written_before_close_with_calibration(tmp_path):
     skew = 1_000_000_000_000  # 1000 s, far beyond any real gap between the clocks read
     config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=2, continuous_iterations=1,

@@ -107,13 +107,25 @@ class BackgroundWriter:
         held: list[tuple[int, int]] = []  # calibration pairs not written yet
         while (job := self._queue.get()) is not None:
             records, calib = job
-            if records or calib is None:
-                self._write(records, held + ([calib] if calib else []), fresh_pair=calib is None)
-                held = []
-            else:  # a lone pair (the tracer's start pair) rides with the next window: a batch of its own costs ~1 KB
-                held.append(calib)
-        if held:
-            self._write([], held, fresh_pair=False)
+            try:
+                if records or calib is None:
+                    self._write(records, held + ([calib] if calib else []), fresh_pair=calib is None)
+                    held = []
+                else:  # a lone pair (the tracer's start pair) rides with the next window: a batch of its own costs ~1 KB
+                    held.append(calib)
+            finally:  # wait_idle must not hang on a window that failed
+                self._queue.task_done()
+        try:
+            if held:
+                self._write([], held, fresh_pair=False)
+        finally:
+            self._queue.task_done()
+
+    def wait_idle(self) -> None:
+        """Block until every window submitted so far is converted and appended (a lone
+        calibration pair waits for the next window). For measurements that must keep the
+        writer's work out of a timed interval, e.g. benchmarks/scan_overhead.py."""
+        self._queue.join()
 
     def _write(self, records: list, pairs: list[tuple[int, int]], fresh_pair: bool) -> None:
         """Append `records` and the calibration `pairs` (+ one taken now if `fresh_pair`) as one batch."""

@@ -221,6 +221,12 @@ class Tracer:
         finally:
             self.step_end(iteration)
 
+    def wait_writer_idle(self) -> None:
+        """Block until the background writer has handled every window handed to it so far;
+        records of a window not yet due stay with the tracer (see step_end)."""
+        if self._background is not None:
+            self._background.wait_idle()
+
     def _flush(self) -> None:
         self._last_flush = time.monotonic()
         records, self._records = self._records, []

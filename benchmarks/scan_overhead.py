@@ -13,9 +13,12 @@ interval over rounds, with and without closing the tracer (close writes what the
 writer has not written yet; with rounds shorter than TraceConfig.flush_seconds that is the
 whole trace, so "with close" is the cost including writing the trace).
 
---method alternating pairs adjacent steps instead of segments: one tracer per granularity
-traces every other iteration (interval 2), and each traced step is divided by the untraced
-step just before it, ~0.1 s apart, so even drift within a round cancels. This times the
+--method alternating pairs adjacent steps instead of segments: per granularity, one step of
+each adjacent pair is traced, the first or the second by a seeded coin (`pair_plan`), and the
+traced step is divided by its untraced neighbour, ~0.1 s apart, so even drift within a round
+cancels, and so does any bias of a pair's second step (it was always the traced one before
+session 12). A control pass traces neither step of its pairs and reports the same ratio: the
+method's own bias, which should read 0 within its interval. This times the
 training thread: after every step, outside the timing, the benchmark waits for the background
 writer to finish what it was handed (`Tracer.wait_writer_idle`). Without that wait its work,
 sliced to give the GIL back, spilled into the next steps, untraced or traced by the host's
@@ -196,64 +199,100 @@ def measure_overhead(trainer: Trainer, device: torch.device, steps: int, rounds:
     return summary
 
 
-def _alternating_tracer(granularity: str, trace_dir: str, device: torch.device) -> Tracer:
+def pair_plan(pairs: int, first_iteration: int, seed: int) -> list[tuple[int, int]]:
+    """(treated, other) iterations of each adjacent pair, the treated one first or second by a
+    seeded coin: a bias of the second step of a pair (or of the first) cancels out instead of
+    landing on the traced step every time."""
+    rng = random.Random(seed)
+    plan = []
+    for k in range(pairs):
+        a = first_iteration + 2 * k
+        plan.append((a, a + 1) if rng.random() < 0.5 else (a + 1, a))
+    return plan
+
+
+def _pairs_tracer(granularity: str, trace_dir: str, device: torch.device, traced: set[int]) -> Tracer:
+    """A tracer recording exactly the iterations in `traced` (every window flushed when due)."""
     tracer = _new_tracer(granularity, trace_dir, device)
-    tracer.config = TraceConfig(enabled=True, trace_dir=trace_dir, interval=2, continuous_iterations=1,
+    tracer.config = TraceConfig(enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1,
                                 granularity=granularity)
+    tracer.should_trace = traced.__contains__  # the plan's choice instead of the config's interval
     return tracer
 
 
+def _one_pass(trainer: Trainer, device: torch.device, plan: list[tuple[int, int]], granularity: str,
+              trace_dir: str, control: bool) -> tuple[Tracer, list[tuple[float, float]], float]:
+    """Run the plan's steps; (tracer, (treated, other) seconds per pair, close seconds).
+    `control`: the treated step is not traced either (an A/A pass: the method's own bias)."""
+    traced = set() if control else {t for t, _ in plan}
+    tracer = _pairs_tracer(granularity, trace_dir, device, traced)
+    trainer.set_tracer(tracer)
+    times = {}
+    while trainer.iteration < plan[0][0] and trainer.iteration < plan[0][1]:
+        trainer.train_step()  # reach the plan's first iteration untraced
+    for _ in range(2 * len(plan)):
+        it = trainer.iteration
+        times[it] = _timed(trainer.train_step, device)
+        tracer.wait_writer_idle()  # the writer's work (counted apart) out of every timed step
+    close_s = _timed(tracer.close, device)
+    trainer.set_tracer(NULL_TRACER)
+    return tracer, [(times[t], times[o]) for t, o in plan], close_s
+
+
 def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed: int = 0) -> dict:
-    """Per granularity: `pairs` (untraced, traced) adjacent steps of one tracer that records
-    every other iteration (see the module docstring)."""
+    """Per granularity, and for an untraced control: `pairs` adjacent step pairs, one step of
+    each traced (see the module docstring)."""
     out: dict = {"pairs": pairs}
-    for variant in VARIANTS[1:]:
+    for variant in ("control", *VARIANTS[1:]):
+        control = variant == "control"
+        plan = pair_plan(pairs, trainer.iteration + 1, seed + len(out))
         with tempfile.TemporaryDirectory(prefix=f"overhead-{variant}-") as d:
-            tracer = _alternating_tracer(variant, d, device)
-            trainer.set_tracer(tracer)
-            trainer.iteration = max(trainer.iteration, 2)
-            if tracer.should_trace(trainer.iteration):  # start on an untraced step
-                trainer.train_step()
-            steps = []
-            while len(steps) < 2 * pairs:
-                traced = tracer.should_trace(trainer.iteration)
-                steps.append((traced, _timed(trainer.train_step, device)))
-                tracer.wait_writer_idle()  # the writer's work (counted below) out of every timed step
-            close_s = _timed(tracer.close, device)
-            trainer.set_tracer(NULL_TRACER)
-            path = next(Path(d).glob("*.mscan"))
-            size, rows = path.stat().st_size, load_rank_trace(path).events.num_rows
-        assert all(not a[0] and b[0] for a, b in zip(steps[::2], steps[1::2])), "steps must alternate"
-        ratios = [b[1] / a[1] for a, b in zip(steps[::2], steps[1::2])]
+            tracer, timed, close_s = _one_pass(trainer, device, plan, "base" if control else variant, d, control)
+            path = next(Path(d).glob("*.mscan"), None)
+            size = path.stat().st_size if path else 0
+            rows = load_rank_trace(path).events.num_rows if path else 0
+        ratios = [t / o for t, o in timed]
         median, lo, hi = bootstrap_median_ci(ratios, seed)
-        traced_s = sum(b[1] for b in steps[1::2])
+        entry = {"overhead": {"median": median - 1, "ci95": [lo - 1, hi - 1],
+                              "pair_range": [min(ratios) - 1, max(ratios) - 1]},
+                 "treated_first": sum(t < o for t, o in plan), "close_s": close_s,
+                 "untraced_step_ms": statistics.median(o for _, o in timed) * 1e3,
+                 # per pair: treated s, other s, treated first? (to test a position bias afterwards)
+                 "pair_steps": [[t, o, tf < of] for (t, o), (tf, of) in zip(timed, plan)]}
+        if control:
+            out[variant] = entry
+            continue
         cost = tracer.writer_cost  # its first batch (opening the file) is paid once per run: apart
+        traced_s = sum(t for t, _ in timed)
         writer, steady = cost.total_s / traced_s, cost.later_s / traced_s
-        out[variant] = {"overhead": {"median": median - 1, "ci95": [lo - 1, hi - 1],
-                                     "pair_range": [min(ratios) - 1, max(ratios) - 1]},
-                        "writer_cpu_share": writer,
-                        "overhead_with_writer_bound": {"median": median - 1 + writer,
-                                                       "ci95": [lo - 1 + writer, hi - 1 + writer]},
-                        "writer_first_batch_s": cost.first_batch_s,
-                        "writer_steady_us_per_event": 1e6 * cost.later_s / max(cost.later_records, 1),
-                        "writer_steady_cpu_share": steady,
-                        "overhead_with_steady_writer_bound": {"median": median - 1 + steady,
-                                                              "ci95": [lo - 1 + steady, hi - 1 + steady]},
-                        "writer_batches": cost.batches,
-                        "close_s": close_s, "untraced_step_ms": statistics.median(a[1] for a in steps[::2]) * 1e3,
-                        "bytes_per_event": size / max(rows, 1), "events_per_traced_step": rows / pairs}
+        entry.update({"writer_cpu_share": writer,
+                      "overhead_with_writer_bound": {"median": median - 1 + writer,
+                                                     "ci95": [lo - 1 + writer, hi - 1 + writer]},
+                      "writer_first_batch_s": cost.first_batch_s,
+                      "writer_steady_us_per_event": 1e6 * cost.later_s / max(cost.later_records, 1),
+                      "writer_steady_cpu_share": steady,
+                      "overhead_with_steady_writer_bound": {"median": median - 1 + steady,
+                                                            "ci95": [lo - 1 + steady, hi - 1 + steady]},
+                      "writer_batches": cost.batches,
+                      "traced_step_ms": traced_s / pairs * 1e3,
+                      "bytes_per_event": size / max(rows, 1), "events_per_traced_step": rows / pairs})
+        out[variant] = entry
     return out
 
 
 def format_alternating(label: str, variant: str, out: dict) -> str:
     v = out[variant]
+    if variant == "control":
+        o = v["overhead"]
+        return (f"{label} control (neither step traced): {o['median']:+.2%} [95% CI {o['ci95'][0]:+.2%}, "
+                f"{o['ci95'][1]:+.2%}], the method's own bias; untraced {v['untraced_step_ms']:.2f} ms/step")
     o, w, ws = v["overhead"], v["overhead_with_writer_bound"], v["overhead_with_steady_writer_bound"]
     return (f"{label} {variant}: {o['median']:+.2%} [95% CI {o['ci95'][0]:+.2%}, {o['ci95'][1]:+.2%}] training thread, "
             f"<= {w['median']:+.2%} [{w['ci95'][0]:+.2%}, {w['ci95'][1]:+.2%}] with the writer's CPU time "
             f"(first batch {v['writer_first_batch_s'] * 1e3:.1f} ms), "
             f"<= {ws['median']:+.2%} [{ws['ci95'][0]:+.2%}, {ws['ci95'][1]:+.2%}] with its steady-state time "
             f"({v['writer_steady_us_per_event']:.1f} us/event); "
-            f"median of {out['pairs']} adjacent (untraced, traced) step pairs, untraced {v['untraced_step_ms']:.2f} ms/step, "
+            f"median of {out['pairs']} adjacent step pairs (traced first in {v['treated_first']}), untraced {v['untraced_step_ms']:.2f} ms/step, "
             f"{v['bytes_per_event']:.1f} bytes/event")
 
 
@@ -298,7 +337,7 @@ def main() -> None:
     alternating = args.method == "alternating"
     summary = bench(args.preset, args.micro_batch, args.num_micro, device, args.steps, args.rounds, args.warmup,
                     device.type == "cuda" and not args.no_compile, args.seed, args.pairs if alternating else None)
-    for variant in VARIANTS[1:]:
+    for variant in (("control",) if alternating else ()) + VARIANTS[1:]:
         print((format_alternating if alternating else format_line)(args.preset, variant, summary), flush=True)
     print(f"({time.perf_counter() - began:.0f} s)")
     if args.out:

@@ -34,6 +34,7 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
     (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--sequence-parallel"], "--sequence-parallel needs tensor-parallel size > 1"),
     (["--overlap-param-update"], "--overlap-param-update needs --bf16 or --fp16"),
+    (["--attention-backend", "fastest"], "argument --attention-backend: invalid choice: 'fastest'"),
     (["--overlap-param-update", "--bf16"], "--overlap-param-update needs CUDA"),
     (["--overlap-param-update", "--bf16", "--use-distributed-optimizer", "--nproc-per-node", "2"],
      "--overlap-param-update with --use-distributed-optimizer needs DP 1"),

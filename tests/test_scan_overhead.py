@@ -74,3 +74,26 @@ def test_tiny_model_on_cpu_measures_every_variant(tmp_path):
         assert summary[variant]["events_per_step"] > 0 and summary[variant]["bytes_per_event"] > 0
         assert math.isfinite(summary[variant]["overhead_with_close"]["median"])
     assert summary["full"]["events_per_step"] > summary["base"]["events_per_step"]
+
+
+def test_pair_plan_puts_the_traced_step_first_or_second_by_a_seeded_coin():
+    plan = scan_overhead.pair_plan(200, 7, seed=4)
+    assert [sorted(p) for p in plan] == [[7 + 2 * k, 8 + 2 * k] for k in range(200)]  # adjacent, in order
+    first = sum(t < o for t, o in plan)
+    assert 70 < first < 130  # both orders, about half each
+    assert scan_overhead.pair_plan(200, 7, seed=4) == plan and scan_overhead.pair_plan(200, 7, seed=5) != plan
+
+
+def test_alternating_on_cpu_traces_exactly_the_planned_steps(tmp_path):
+    torch.manual_seed(0)
+    summary = scan_overhead.bench("tiny", 1, 1, torch.device("cpu"), steps=1, rounds=2, warmup=1,
+                                  compile_model=False, pairs=6)
+    assert summary["pairs"] == 6 and set(summary) >= {"control", "base", "full"}
+    assert "writer_cpu_share" not in summary["control"]  # nothing traced: no writer cost to bound
+    base, full = summary["base"], summary["full"]
+    # one traced step per pair: full adds the same whole number of layer spans to each of them
+    extra = full["events_per_traced_step"] - base["events_per_traced_step"]
+    assert base["events_per_traced_step"] > 0 and extra >= 1 and abs(extra - round(extra)) < 1e-9
+    for v in ("control", "base", "full"):
+        assert math.isfinite(summary[v]["overhead"]["median"]) and 0 <= summary[v]["treated_first"] <= 6
+    assert scan_overhead.format_alternating("tiny", "control", summary).startswith("tiny control")

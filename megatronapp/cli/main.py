@@ -32,8 +32,16 @@ from megatronapp.engine.faults import FaultSpecError, fault_plan_from_env, parse
 from megatronapp.scope_ui.training import check_training_scope
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's errors in one line (its default prints the whole usage block first);
+    subcommand parsers are made with the parent's class, so they inherit this."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatronapp", description=__doc__.split("\n")[0])
+    parser = OneLineErrorParser(prog="megatronapp", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a GPT with TP/PP/DP (Megatron-LM flag names)")
     add_train_arguments(train)

@@ -108,6 +108,7 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
                 if rank == 0:
                     steps = [json.loads(line)["step_time_s"] for line in Path(metrics).read_text().splitlines()]
                     rec = _record(a, scenario, variant, rep, steps[a.warmup:], time.time() - start)
+                    rec["process"] = process_state()  # rank 0's, after the cell: a leak across cells shows here
                     _append(log, rec)
                     _progress(k + 1, len(plan), t0, rep, scenario, variant, rec)
     finally:
@@ -198,6 +199,17 @@ def memory_fields(a, variant: str) -> dict:
 def _record(a, scenario: str, variant: str, repeat: int, steps: list[float], wall_s: float) -> dict:
     return {"scenario": scenario, "variant": variant, "repeat": repeat, "median_s": statistics.median(steps),
             "steps_s": steps, "wall_s": round(wall_s, 1), **memory_fields(a, variant)}
+
+
+def process_state() -> dict:
+    """Threads (native ones too: gloo's), open file descriptors and resident MiB of this
+    process (Linux; {} elsewhere)."""
+    try:
+        threads, fds = len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+        rss_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return {}
+    return {"threads": threads, "fds": fds, "rss_mib": round(rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)}
 
 
 def _append(log, rec: dict) -> None:

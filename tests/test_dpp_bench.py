@@ -54,6 +54,9 @@ def test_persistent_ranks_run_every_cell_one_after_the_other(tmp_path):
         ("balanced", "dynamic-df"), ("balanced", "interleaved"), ("jitter1", "dynamic-df"), ("jitter1", "interleaved")]
     for r in lines:
         assert "error" not in r and len(r["steps_s"]) == 3 and all(t > 0 for t in r["steps_s"])
+    # a cell leaves no thread or connection behind (the first may start lazily made ones)
+    state = [(r["process"]["threads"], r["process"]["fds"]) for r in lines]
+    assert state[1] == state[2] == state[3], state
 
 
 def test_paired_speeds_divide_within_a_repeat_and_skip_unpaired_repeats():

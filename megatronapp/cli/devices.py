@@ -13,7 +13,6 @@ import torch
 from megatronapp.config import ConfigError, JobConfig
 from megatronapp.parallel.device import check_layout_devices, ranks_per_node
 from megatronapp.parallel.layout import LayoutError
-from megatronapp.parallel.placement import resolve_device_kind
 
 
 def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visible_gpus: int | None = None) -> None:
@@ -29,8 +28,7 @@ def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visi
         fbd_placements_from_args(args, role_layout_from_args(args, world), gpus, ranks_per_node())
         return
     try:
-        check_layout_devices(args.device, job.layout, gpus)
-        kind = resolve_device_kind(args.device, gpus)
+        kind = check_layout_devices(args.device, job.layout, gpus)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     if job.train.overlap_param_update and kind != "cuda":

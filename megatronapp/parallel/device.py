@@ -21,13 +21,15 @@ def ranks_per_node() -> int | None:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
 
 
-def check_layout_devices(requested: str | None, layout: ParallelLayout, visible_gpus: int | None = None) -> None:
-    """LayoutError (one line) when the requested device is missing, or when the layout would put
-    two ranks of one NCCL group on one GPU (NCCL refuses that only after every process started)."""
+def check_layout_devices(requested: str | None, layout: ParallelLayout, visible_gpus: int | None = None) -> str:
+    """The device kind the ranks will use ("cpu" or "cuda"); LayoutError (one line) when the
+    requested device is missing, or when the layout would put two ranks of one NCCL group on one
+    GPU (NCCL refuses that only after every process started)."""
     gpus = torch.cuda.device_count() if visible_gpus is None else visible_gpus
-    placements = compute_plain_placements(layout.world_size, resolve_device_kind(requested, gpus), gpus,
-                                          ranks_per_node())
+    kind = resolve_device_kind(requested, gpus)
+    placements = compute_plain_placements(layout.world_size, kind, gpus, ranks_per_node())
     check_gpu_groups(engine_group_ranks(layout), placements, gpus)
+    return kind
 
 
 def select_device(requested: str | None, local_rank: int) -> torch.device:

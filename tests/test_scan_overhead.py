@@ -97,3 +97,26 @@ def test_alternating_on_cpu_traces_exactly_the_planned_steps(tmp_path):
     for v in ("control", "base", "full"):
         assert math.isfinite(summary[v]["overhead"]["median"]) and 0 <= summary[v]["treated_first"] <= 6
     assert scan_overhead.format_alternating("tiny", "control", summary).startswith("tiny control")
+    assert math.isfinite(summary["control"]["position_effect"]["median"])
+
+
+def test_the_control_pass_reads_a_position_effect_the_coin_cancels(monkeypatch):
+    """Every pair's second step 5 % slower, nothing traced: the control's ratio stays ~0 (the
+    coin), its position effect reads +5 %, what a fixed order would have charged the tracer."""
+    times = iter(0.1 * (1.05 if k % 2 else 1.0) for k in range(10_000))
+
+    class FakeTrainer:
+        iteration = 10
+
+        def train_step(self):
+            self.iteration += 1
+
+        def set_tracer(self, tracer):
+            pass
+
+    monkeypatch.setattr(scan_overhead, "_timed", lambda fn, device, repeat=1: (fn(), next(times))[1])
+    out = scan_overhead.measure_alternating(FakeTrainer(), torch.device("cpu"), 40, seed=2)
+    control = out["control"]
+    assert abs(control["position_effect"]["median"] - 0.05) < 1e-9
+    assert 10 < control["treated_first"] < 30
+    assert control["overhead"]["ci95"][0] <= 0 <= control["overhead"]["ci95"][1]

@@ -105,12 +105,19 @@ class MixedPrecisionOptimizer:
                               if self.master_kernel else None)
         if cfg.overlap_param_update and not self.master_kernel:
             raise ConfigError("--overlap-param-update needs the fused master AdamW: CUDA, Triton, --bf16/--fp16")
-        self.overlapped_update: OverlappedUpdate | None = None  # set by build_grads_and_optimizer
+        self.overlapped_update: OverlappedUpdate | None = None  # see enable_overlapped_update
         self.grad_scaler = build_grad_scaler(cfg, device)
         self.skipped_iterations = 0
         self.log_overflow = log_overflow
         # the groups a per-rank sum must cover to count every element once
         self._norm_groups = [groups.model_parallel] + ([groups.dp] if reducer.distributed else [])
+
+    def enable_overlapped_update(self, chunks: list[nn.Module]) -> None:
+        """From the next step on, the update runs unit by unit beside the next forward
+        (engine/overlap_update.py); its per-unit kernels replace the one-launch kernel."""
+        self.overlapped_update = OverlappedUpdate(self.optimizer, self._model_view_of, chunks, self.chunk_mains,
+                                                  self.device)
+        self._master_adamw = None
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for model state, by kind (Adam's after the first step)."""
@@ -299,6 +306,5 @@ def build_grads_and_optimizer(chunks: list[nn.Module], cfg: TrainConfig, groups,
         enable_grad_accumulation_fusion(m for c in chunks for m in c.modules())
     optimizer = MixedPrecisionOptimizer(reducer, cfg, groups, device, log_overflow=groups.rank == 0)
     if cfg.overlap_param_update:
-        optimizer.overlapped_update = OverlappedUpdate(optimizer.optimizer, optimizer._model_view_of, chunks,
-                                                       optimizer.chunk_mains, device)
+        optimizer.enable_overlapped_update(chunks)
     return reducer, optimizer

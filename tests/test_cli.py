@@ -53,6 +53,14 @@ def test_bad_input_fails_before_launch(args, message):
     assert time.monotonic() - started < 30  # nothing was launched
 
 
+def test_a_subcommand_usage_error_is_one_line():
+    res = subprocess.run([sys.executable, "-m", "megatronapp.cli.main", "trace", "merge"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line]
+    assert lines == ["megatronapp trace merge: error: the following arguments are required: dir, -o/--out"], lines
+
+
 def test_print_config_shows_dataclass_defaults():
     from megatronapp.config import TrainConfig
 

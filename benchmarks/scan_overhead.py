@@ -252,15 +252,16 @@ def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed
             size = path.stat().st_size if path else 0
             rows = load_rank_trace(path).events.num_rows if path else 0
         ratios = [t / o for t, o in timed]
+        first = [t_it < o_it for t_it, o_it in plan]  # the treated step came first in its pair
         median, lo, hi = bootstrap_median_ci(ratios, seed)
         entry = {"overhead": {"median": median - 1, "ci95": [lo - 1, hi - 1],
                               "pair_range": [min(ratios) - 1, max(ratios) - 1]},
-                 "treated_first": sum(t < o for t, o in plan), "close_s": close_s,
+                 "treated_first": sum(first), "close_s": close_s,
                  "untraced_step_ms": statistics.median(o for _, o in timed) * 1e3,
                  # per pair: treated s, other s, treated first? (to test a position bias afterwards)
-                 "pair_steps": [[t, o, tf < of] for (t, o), (tf, of) in zip(timed, plan)]}
+                 "pair_steps": [[t, o, f] for (t, o), f in zip(timed, first)]}
         if control:  # nothing differs within a pair but its position: the effect the coin cancels
-            second = [(t_s / o_s if t_it > o_it else o_s / t_s) for (t_s, o_s), (t_it, o_it) in zip(timed, plan)]
+            second = [1 / r if f else r for r, f in zip(ratios, first)]  # second step / first step
             m2, lo2, hi2 = bootstrap_median_ci(second, seed)
             entry["position_effect"] = {"median": m2 - 1, "ci95": [lo2 - 1, hi2 - 1]}
             out[variant] = entry

@@ -7,7 +7,8 @@ and the largest micro-batch that fits.
 throughput: the engine (--bf16: bf16 params, fp32 main grads and master weights, parallel
 layers, schedule runtime, clipping, distributed optimizer, compiled blocks) and the plain
 twin (benchmarks/plain_gpt.py, pure bf16 params and AdamW, one torch.compile) in one
-process, rounds interleaved (A B A B ...), median and spread of the per-step time.
+process, rounds interleaved (A B A B ...), median and spread of the per-step time; with
+flash-attn-4 importable (benchmarks/fa4_wheels.sh), also the engine with --attention-backend fa4.
 Peak memory per variant = its resident state (measured when it was built and stepped once)
 + the transient peak of its own step (max allocated during the step - allocated before).
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
@@ -36,6 +37,7 @@ from plain_gpt import PlainGPT  # noqa: E402
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.model.attention_kernels import fa4_unavailable_reason  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 
 PEAK = 989e12
@@ -132,6 +134,24 @@ def _engine_factory(job: JobConfig, data: Batches):
     return build
 
 
+def _fa4_factory(job: JobConfig, data: Batches):
+    """The engine with --attention-backend fa4. FA4's activation is process-wide (it replaces
+    the flash backend's kernels for every caller), so it is undone after each of this variant's
+    segments: the other variants, the plain model included, keep torch's own kernels."""
+    from torch.nn.attention import restore_flash_attention_impl
+
+    def build():
+        trainer = Trainer(job, single_process_groups(), DEV, data)
+
+        def run(n: int) -> None:
+            try:
+                trainer.train(num_steps=n)  # its forward steps activate FA4
+            finally:
+                restore_flash_attention_impl(_raise_warn=False)
+        return run
+    return build
+
+
 def bench_throughput(args, results: dict) -> None:
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
@@ -140,6 +160,11 @@ def bench_throughput(args, results: dict) -> None:
     variants = {"engine": _engine_factory(job, data), "engine_torch_adamw": _engine_factory(torch_adamw, data),
                 "engine_overlap_update": _engine_factory(overlapped, data),
                 "plain_bf16": lambda: PlainRunner(job, data).steps}
+    fa4_missing = fa4_unavailable_reason("cuda")
+    if fa4_missing is None:
+        variants["engine_fa4"] = _fa4_factory(replace(job, train=replace(job.train, attention_backend="fa4")), data)
+    else:
+        print(f"engine_fa4 skipped: {fa4_missing}", flush=True)
     out = _interleave(variants, args)
     _annotate(out, job)
     for name in [v for v in variants if v != "plain_bf16"]:

@@ -96,6 +96,8 @@ def model_preset(name: str, **overrides) -> ModelConfig:
 
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "dynamic")
+# --attention-backend: SDPA's own backends, or FlashAttention-4 behind SDPA (model/attention_kernels.py)
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "fa4")
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class TrainConfig:
     recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
     recompute_method: str = "uniform"  # uniform | block, for full recompute
     recompute_num_layers: int = 1
-    attention_backend: str = "auto"  # SDPA kernel preference: auto | cudnn | flash | efficient | math
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (model/attention_kernels.py)
     grad_bucket_mb: float = 25.0
     log_interval: int = 1
     save: str | None = None
@@ -160,8 +162,9 @@ class TrainConfig:
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
         self._check_precision()
-        if self.attention_backend not in ("auto", "cudnn", "flash", "efficient", "math"):
-            raise ConfigError(f"unknown attention backend {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"unknown attention backend {self.attention_backend!r}; "
+                              f"choose from {', '.join(ATTENTION_BACKENDS)}")
         try:
             self.recompute_config()
         except ValueError as e:
@@ -233,6 +236,9 @@ def validate_job(job: JobConfig) -> None:
     if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
         raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
                           "follows the whole update; use --overlap-param-gather)")
+    if t.attention_backend == "fa4" and m.attention_dropout > 0:
+        raise ConfigError(f"--attention-backend fa4 has no attention dropout; set --attention-dropout 0 "
+                          f"(got {m.attention_dropout})")
     if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "breadth-first", "dynamic"):
         raise ConfigError(f"virtual pipeline stages need the interleaved, breadth-first or dynamic schedule, "
                           f"not {t.schedule!r}")

@@ -13,6 +13,7 @@ import dataclasses
 
 from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
 from megatronapp.config import (
+    ATTENTION_BACKENDS,
     MODEL_PRESETS,
     SCHEDULES,
     ConfigError,
@@ -98,8 +99,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--recompute-granularity", "activation recompute", choices=GRANULARITIES[1:])
     _train_flag(g, "--recompute-method", "for full recompute", choices=METHODS)
     _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
-    _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
-                choices=("auto", "cudnn", "flash", "efficient", "math"))
+    _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks); fa4: "
+                "FlashAttention-4 behind SDPA (CUDA, flash-attn-4)", choices=ATTENTION_BACKENDS)
 
     g = p.add_argument_group("mixed precision and optimizer (Megatron's; engine/mixed_precision.py)")
     _train_flag(g, "--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true")

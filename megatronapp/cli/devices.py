@@ -13,6 +13,7 @@ import torch
 from megatronapp.config import ConfigError, JobConfig
 from megatronapp.parallel.device import check_layout_devices, ranks_per_node
 from megatronapp.parallel.layout import LayoutError
+from megatronapp.parallel.placement import resolve_device_kind
 
 
 def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visible_gpus: int | None = None) -> None:
@@ -26,10 +27,26 @@ def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visi
         from megatronapp.fbd.cli import fbd_placements_from_args, role_layout_from_args
 
         fbd_placements_from_args(args, role_layout_from_args(args, world), gpus, ranks_per_node())
+        if job.train.attention_backend == "fa4":  # FBD roles may sit on different devices: each must run FA4
+            backward = resolve_device_kind(args.device, gpus)
+            for kind in {backward, resolve_device_kind(args.forward_device or backward, gpus, "--forward-device")}:
+                _check_attention_backend(job, kind)
         return
     try:
         kind = check_layout_devices(args.device, job.layout, gpus)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+    _check_attention_backend(job, kind)
     if job.train.overlap_param_update and kind != "cuda":
         raise ConfigError("--overlap-param-update needs CUDA (the update runs on a side stream)")
+
+
+def _check_attention_backend(job: JobConfig, kind: str) -> None:
+    """FlashAttention-4 needs CUDA, its package and a Hopper/Blackwell GPU: say so before launch."""
+    if job.train.attention_backend != "fa4":
+        return
+    from megatronapp.model.attention_kernels import fa4_unavailable_reason
+
+    reason = fa4_unavailable_reason(kind)
+    if reason:
+        raise ConfigError(reason)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatronapp.config import ModelConfig
+from megatronapp.model.attention_kernels import attention_backend_context
 from megatronapp.model.gpt import GPTChunk
 from megatronapp.parallel.random import DropoutKey
 from megatronapp.pipeline.contract import MicrobatchContext, TensorSpec
@@ -24,21 +24,6 @@ from megatronapp.pipeline.contract import MicrobatchContext, TensorSpec
 
 def _mean_loss(per_token: torch.Tensor) -> torch.Tensor:
     return per_token.float().mean()
-
-
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
-_PREFERRED = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-
-
-def attention_backend_context(name: str):
-    """SDPA kernel preference for a forward: `name` first, the others as fallbacks (so CPU
-    and unsupported shapes still run); "auto" leaves torch's own choice. Set around the
-    (eager) forward step: compiled graphs pick their kernel when traced inside it."""
-    if name == "auto":
-        return contextlib.nullcontext()
-    order = [_PREFERRED[name]] + [b for b in _PREFERRED.values() if b != _PREFERRED[name]]
-    return sdpa_kernel(order, set_priority=True)
 
 
 class GPTPipelineModel:

@@ -6,7 +6,9 @@
 #   bash benchmarks/fa4_wheels.sh            # here: fills .whl_fa4a/ (~46 MB) and .whl_fa4b/ (~55 MB)
 #   device call 1: carry [".whl_fa4a"], any command (the part stays on the warm machine)
 #   device call 2, within the machine's idle window: carry [".whl_fa4b"], command starting with
-#     bash benchmarks/fa4_wheels.sh --install && export PYTHONPATH=/tmp/fa4site:. && ...
+#     bash benchmarks/fa4_wheels.sh --install && export PYTHONPATH=$(cat /tmp/fa4site.path):. && ...
+#   (--target installs skip .pth files: the CUTLASS DSL's own `cutlass` package sits one level
+#   down, in nvidia_cutlass_dsl/dsl_packages, so that folder goes on the path too)
 #
 # Versions: flash-attn-4 4.0.0b36 (its SM 9.0 forward and backward) and what it requires, for
 # the device's Python 3.12 and CUDA 13.
@@ -21,7 +23,12 @@ if [ "${1:-}" = "--install" ]; then
   mkdir -p /tmp/fa4whl
   cat "$A/$LIBS".part-* "$B/$LIBS".part-* > "/tmp/fa4whl/$LIBS"
   cp "$B"/*.whl /tmp/fa4whl/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fa4site /tmp/fa4whl/*.whl
+  # Unzipped, not `pip install --target`: the CUTLASS DSL's three wheels share the top-level
+  # folder nvidia_cutlass_dsl/, and --target --upgrade lets the last one replace the others'.
+  # (None of these wheels has a .data/ part, so a wheel's zip root is its site-packages part.)
+  rm -rf /tmp/fa4site && mkdir -p /tmp/fa4site
+  for w in /tmp/fa4whl/*.whl; do unzip -q -o "$w" -d /tmp/fa4site; done
+  echo "/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages" > /tmp/fa4site.path
   exit 0
 fi
 
@@ -34,7 +41,7 @@ fetch() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$1" "${@:2}"
 }
-fetch "$B" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+fetch "$B" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
   apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5
 tmp=$(mktemp -d)
 fetch "$tmp" nvidia-cutlass-dsl-libs-cu13==4.8.1

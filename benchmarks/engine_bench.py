@@ -8,7 +8,8 @@ throughput: the engine (--bf16: bf16 params, fp32 main grads and master weights,
 layers, schedule runtime, clipping, distributed optimizer, compiled blocks) and the plain
 twin (benchmarks/plain_gpt.py, pure bf16 params and AdamW, one torch.compile) in one
 process, rounds interleaved (A B A B ...), median and spread of the per-step time; with
-flash-attn-4 importable (benchmarks/fa4_wheels.sh), also the engine with --attention-backend fa4.
+flash-attn-4 importable (benchmarks/fa4_wheels.sh), also the engine with --attention-backend fa4,
+with nvmath-python, with --gelu-epilogue-fusion, and with both when both are there.
 Peak memory per variant = its resident state (measured when it was built and stepped once)
 + the transient peak of its own step (max allocated during the step - allocated before).
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
@@ -38,6 +39,7 @@ from plain_gpt import PlainGPT  # noqa: E402
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
 from megatronapp.model.attention_kernels import fa4_unavailable_reason  # noqa: E402
+from megatronapp.parallel.gelu_epilogue import nvmath_unavailable_reason  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 
 PEAK = 989e12
@@ -160,11 +162,23 @@ def bench_throughput(args, results: dict) -> None:
     variants = {"engine": _engine_factory(job, data), "engine_torch_adamw": _engine_factory(torch_adamw, data),
                 "engine_overlap_update": _engine_factory(overlapped, data),
                 "plain_bf16": lambda: PlainRunner(job, data).steps}
-    fa4_missing = fa4_unavailable_reason("cuda")
+    fa4_missing, nvmath_missing = fa4_unavailable_reason("cuda"), nvmath_unavailable_reason()
+    fa4 = replace(job, train=replace(job.train, attention_backend="fa4"))
     if fa4_missing is None:
-        variants["engine_fa4"] = _fa4_factory(replace(job, train=replace(job.train, attention_backend="fa4")), data)
-    else:
-        print(f"engine_fa4 skipped: {fa4_missing}", flush=True)
+        variants["engine_fa4"] = _fa4_factory(fa4, data)
+    if nvmath_missing is None:
+        variants["engine_gelu_epilogue"] = _engine_factory(
+            replace(job, train=replace(job.train, gelu_epilogue_fusion=True)), data)
+    if fa4_missing is None and nvmath_missing is None:
+        variants["engine_fa4_gelu_epilogue"] = _fa4_factory(
+            replace(fa4, train=replace(fa4.train, gelu_epilogue_fusion=True)), data)
+    for reason in filter(None, (fa4_missing, nvmath_missing)):
+        print(f"variants skipped: {reason}", flush=True)
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(variants)
+        if unknown:
+            raise SystemExit(f"engine_bench: unknown or unavailable variants {sorted(unknown)}; have {sorted(variants)}")
+        variants = {k: v for k, v in variants.items() if k in args.variants.split(",") or k == "plain_bf16"}
     out = _interleave(variants, args)
     _annotate(out, job)
     for name in [v for v in variants if v != "plain_bf16"]:
@@ -371,6 +385,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--num-micro", type=int, default=2)
+    p.add_argument("--variants", default="", help="throughput: comma-separated subset (plain_bf16 always runs), "
+                   "e.g. engine,engine_fa4")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}

@@ -30,12 +30,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cuda_timing import add_timing_arguments, cuda_event_times, summary
 
 _SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                   "math": SDPBackend.MATH}
@@ -92,18 +93,6 @@ def _fa4_available() -> str | None:
     return None
 
 
-def _timed(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def _kernels(fn) -> list[str]:
     """Names of the CUDA kernels one call launches, longest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -126,9 +115,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--reps", type=int, default=20, help="timed calls per variant per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", default=None)
+    add_timing_arguments(p, reps=20)
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs CUDA")
@@ -188,12 +175,12 @@ def main() -> None:
             step()
     for _ in range(a.rounds):  # interleaved: drift hits every variant alike
         for name, step in steps.items():
-            times[name] += _timed(step, a.reps)
+            times[name] += cuda_event_times(step, a.reps)
     fwd, bwd = causal_attention_flops(a.batch, a.heads, a.seq, a.head_dim)
     for name, ts in times.items():
-        med = statistics.median(ts)
-        row = {"median_ms": med, "min_ms": min(ts), "max_ms": max(ts), "n": len(ts),
-               "tflops": (fwd + bwd) / (med * 1e-3) / 1e12}
+        row = summary(ts)
+        med = row["median_ms"]
+        row["tflops"] = (fwd + bwd) / (med * 1e-3) / 1e12
         report["variants"][name]["time"] = row
         print(f"{name:10s} {med:.3f} ms forward+backward (min {min(ts):.3f}, max {max(ts):.3f}, n {len(ts)}): "
               f"{row['tflops']:.0f} TFLOP/s; x48 (24 layers x 2 microbatches) = {48 * med:.1f} ms a step", flush=True)

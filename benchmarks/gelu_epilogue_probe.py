@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+
+from cuda_timing import add_timing_arguments, cuda_event_times, summary
 
 
 def torch_mlp(x, w1, b1, w2, b2):
@@ -73,26 +74,12 @@ class EpilogueMLP:
         return gx, gw1, gb1, gw2, gb2
 
 
-def _timed(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=8192, help="micro-batch 4 x seq 2048")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=8192)
-    p.add_argument("--reps", type=int, default=30, help="timed calls per variant per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", default=None)
+    add_timing_arguments(p, reps=30)
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs CUDA")
@@ -132,12 +119,12 @@ def main() -> None:
         torch_step(), epi_step()
     times = {"torch_compiled": [], "cublaslt_epilogues": []}
     for _ in range(a.rounds):  # interleaved rounds: drift hits both alike
-        times["torch_compiled"] += _timed(torch_step, a.reps)
-        times["cublaslt_epilogues"] += _timed(epi_step, a.reps)
+        times["torch_compiled"] += cuda_event_times(torch_step, a.reps)
+        times["cublaslt_epilogues"] += cuda_event_times(epi_step, a.reps)
     out = {"shapes": vars(a), "relative_error": errors, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name, ts in times.items():
-        out[name] = {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "n": len(ts)}
-        print(f"{name:20s} {statistics.median(ts):.3f} ms per MLP forward+backward (min {min(ts):.3f}, "
+        out[name] = summary(ts)
+        print(f"{name:20s} {out[name]['median_ms']:.3f} ms per MLP forward+backward (min {min(ts):.3f}, "
               f"max {max(ts):.3f}, n {len(ts)})", flush=True)
     saved = out["torch_compiled"]["median_ms"] - out["cublaslt_epilogues"]["median_ms"]
     print(f"epilogues save {saved:.3f} ms per MLP call; x48 (24 layers x 2 microbatches) = {48 * saved:.1f} ms a step")

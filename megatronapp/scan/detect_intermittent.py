@@ -141,7 +141,7 @@ def evenly_spaced_chance(k: int, n: int) -> float:
 
 def _is_evenly_spaced(positions) -> bool:
     gaps = np.diff(np.sort(np.asarray(positions)))
-    return len(positions) >= 3 and bool(np.all(gaps == gaps[0])) and gaps[0] >= 2
+    return len(positions) >= 3 and bool(np.all(gaps == gaps[0]) and gaps[0] >= 2)  # a bool, not numpy's: it goes to JSON
 
 
 def count_episodes(positions) -> int:

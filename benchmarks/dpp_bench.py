@@ -32,6 +32,7 @@ simulator study), translated to global ranks for the layout; on the default PP4 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -203,13 +204,15 @@ def _record(a, scenario: str, variant: str, repeat: int, steps: list[float], wal
 
 def process_state() -> dict:
     """Threads (native ones too: gloo's), open file descriptors and resident MiB of this
-    process (Linux; {} elsewhere)."""
+    process (Linux; {} elsewhere), and the Python objects the garbage collector tracks with its
+    full collections so far (more live objects make every full collection slower)."""
     try:
         threads, fds = len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
         rss_pages = int(Path("/proc/self/statm").read_text().split()[1])
     except OSError:
         return {}
-    return {"threads": threads, "fds": fds, "rss_mib": round(rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)}
+    return {"threads": threads, "fds": fds, "rss_mib": round(rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1),
+            "gc_objects": len(gc.get_objects()), "gc_full_collections": gc.get_stats()[2]["collections"]}
 
 
 def _append(log, rec: dict) -> None:

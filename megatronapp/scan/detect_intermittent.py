@@ -24,9 +24,11 @@ work are not slow there. Algorithm (pure; spans and peers as detect_rules.compar
      (rank, iteration) cell but the k under test, and
      p_k = P(Binomial(n, p0) >= number of episodes), where adjacent slow iterations count as
      one episode (contention lasting a while is one event). If the k iterations are evenly
-     spaced with gaps >= 2 (a periodic fault: every 3rd iteration), p_k is multiplied by the
-     chance that k of n iterations drawn at random are (exact for exchangeable iterations,
-     whatever the noise's shape).
+     spaced with gaps >= 2 and span the run, missing at most one term of the period at either
+     end (a periodic fault: every 3rd iteration, all run long), p_k is multiplied by the chance
+     that k of n iterations drawn at random are (exact for exchangeable iterations, whatever the
+     noise's shape). A window of every other iteration is contention aliasing with the
+     iteration period, not a period: it gets no such factor.
   5. p-value = min_k p_k x (subset sizes tried) x (ranks judged): Bonferroni, so it bounds the
      chance that a clean run names anybody. detect.is_intermittent compares it to
      DetectConfig.intermittent_alpha, and also asks the slow iterations to be slower than the
@@ -57,7 +59,7 @@ class IntermittentStats:
     iterations: int  # with evidence for this rank
     slow_iterations: tuple[int, ...]  # the subset, ascending
     p_value: float  # family-wise over subset sizes and ranks (module docstring, step 5)
-    periodic: bool  # the slow iterations are evenly spaced (gaps >= 2)
+    periodic: bool  # the slow iterations are evenly spaced (gaps >= 2) over the whole run (_is_periodic)
     slow_ratio: float  # median compute ratio to the peers in the slow iterations (1.0: as fast as they)
     slow_z: float  # significance of log(slow_ratio) > 0 (median of k levels: SE 1.2533 sigma / sqrt(k))
     base_ratio: float  # median compute ratio to the peers in the other iterations
@@ -129,19 +131,32 @@ def binomial_tail(k: int, n: int, p: float) -> float:
     return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
 
 
+def _spans_the_run(first: int, gap: int, k: int, n: int) -> bool:
+    """A progression first, first + gap, ... (k terms) in positions 0..n-1 misses at most one
+    term of its period at each end: a periodic fault slows the whole run, whereas a burst of
+    contention that happens to alias with the iteration period fills only a window of it."""
+    return first < 2 * gap and n - 1 - (first + (k - 1) * gap) < 2 * gap
+
+
 def evenly_spaced_chance(k: int, n: int) -> float:
     """Chance that k of n consecutive positions drawn at random are evenly spaced with gaps of
-    at least 2 (1.0 for k < 3: two points are always evenly spaced). Gap 1 is left out on
-    purpose: consecutive slow iterations are a burst (contention lasting a while), not a period."""
+    at least 2 and span the run (_spans_the_run); 1.0 for k < 3 (two points are always evenly
+    spaced). Gap 1 is left out on purpose: consecutive slow iterations are a burst (contention
+    lasting a while), not a period."""
     if k < 3:
         return 1.0
-    progressions = sum(n - (k - 1) * d for d in range(2, (n - 1) // (k - 1) + 1))
+    progressions = sum(1 for gap in range(2, (n - 1) // (k - 1) + 1) for first in range(n - (k - 1) * gap)
+                       if _spans_the_run(first, gap, k, n))
     return min(1.0, progressions / math.comb(n, k))
 
 
-def _is_evenly_spaced(positions) -> bool:
-    gaps = np.diff(np.sort(np.asarray(positions)))
-    return len(positions) >= 3 and bool(np.all(gaps == gaps[0]) and gaps[0] >= 2)  # a bool, not numpy's: it goes to JSON
+def _is_periodic(positions, n: int) -> bool:
+    """Evenly spaced with gaps >= 2 and spanning positions 0..n-1 (_spans_the_run)."""
+    p = np.sort(np.asarray(positions))
+    if len(p) < 3:
+        return False
+    gaps = np.diff(p)
+    return bool(np.all(gaps == gaps[0]) and gaps[0] >= 2 and _spans_the_run(int(p[0]), int(gaps[0]), len(p), n))
 
 
 def count_episodes(positions) -> int:
@@ -164,7 +179,7 @@ def _best_subset(e: np.ndarray, pooled: np.ndarray, sigma: float, sizes: range) 
         exceed = len(pooled) - int(np.searchsorted(pooled, m)) - k  # every cell but the k under test
         p0 = max(_gaussian_tail(m / sigma), (exceed + 0.5) / (len(pooled) - k + 1.0))
         p = binomial_tail(count_episodes(order[:k]), len(e), p0)
-        if _is_evenly_spaced(order[:k]):
+        if _is_periodic(order[:k], len(e)):
             p *= evenly_spaced_chance(k, len(e))
         if p < best[0]:
             best = (p, order[:k])
@@ -190,7 +205,7 @@ def compare_intermittent(spans_by_rank: dict[int, list[ComputeSpan]], peers: dic
         sigmas = float(np.median(e[subset])) / sigma if len(subset) else 0.0
         own = _iteration_levels(_own_log_durations(spans_by_rank[rank]), centre=True)
         out[rank] = _stats(rank, levels[rank], level_sigma, own, sorted(its[i] for i in subset),
-                           min(1.0, p * family), sigmas)
+                           min(1.0, p * family), sigmas, _is_periodic(subset, len(e)))
     return out
 
 
@@ -215,7 +230,7 @@ def _own_log_durations(spans: list[ComputeSpan]) -> dict[tuple, dict[int, float]
 
 
 def _stats(rank: int, level: dict[int, float], level_sigma: float, own: dict[int, float], slow: list[int],
-           p: float, sigmas: float) -> IntermittentStats:
+           p: float, sigmas: float, periodic: bool) -> IntermittentStats:
     """Effect sizes: how much slower than its peers the rank is in its slow iterations (level:
     log-ratio to them), how significantly, how fast in the others, and how much longer its own
     compute took there than in the others (own: its log durations, per stream centred)."""
@@ -224,5 +239,5 @@ def _stats(rank: int, level: dict[int, float], level_sigma: float, own: dict[int
     z = slow_level / (_MEDIAN_SE * level_sigma / math.sqrt(len(slow))) if slow else 0.0
     rest = [v for it, v in own.items() if it not in set(slow)]
     rise = float(np.median([own[it] for it in slow if it in own]) - np.median(rest)) if slow and rest else 0.0
-    return IntermittentStats(rank, len(level), tuple(slow), p, _is_evenly_spaced(slow), math.exp(slow_level), z,
+    return IntermittentStats(rank, len(level), tuple(slow), p, periodic, math.exp(slow_level), z,
                              math.exp(float(np.median(base))), math.exp(rise), sigmas)

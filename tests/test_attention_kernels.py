@@ -48,3 +48,26 @@ def test_fa4_needs_hopper_or_blackwell(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", pkg.cute)
     assert "compute capability 9.x or 10.x, this GPU has 8.0" in ak.fa4_unavailable_reason("cuda", capability=(8, 0))
     assert ak.fa4_unavailable_reason("cuda", capability=(9, 0)) is None
+
+
+@pytest.mark.parametrize("name", ["cudnn", "math"])
+def test_a_recompute_replays_under_the_forwards_kernel_preference(name):
+    """--attention-backend is set around the forward step only; the replay of a recomputed
+    region runs later, in backward. It must see the preference the forward saw, or on CUDA it
+    may run another kernel and break recompute's bit-identity. (CPU ignores the priority order,
+    so the order itself is what is checked here.)"""
+    from megatronapp.model.recompute import recompute
+
+    seen = []
+
+    def region(x):
+        seen.append(list(torch._C._get_sdp_priority_order()))
+        return x.sin()  # saves x: the backward needs the replay
+
+    x = torch.ones(3, requires_grad=True)
+    with ak.attention_backend_context(name):
+        y = recompute(region, x)
+    default = list(torch._C._get_sdp_priority_order())
+    y.sum().backward()
+    assert len(seen) == 2 and seen[1] == seen[0] != default
+    assert list(torch._C._get_sdp_priority_order()) == default  # and the replay's preference is undone

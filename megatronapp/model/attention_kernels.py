@@ -61,3 +61,13 @@ def attention_backend_context(name: str):
         _activate_fa4()
     first = _PREFERRED[_SDPA_BACKEND[name]]
     return sdpa_kernel([first] + [b for b in _PREFERRED.values() if b != first], set_priority=True)
+
+
+def replay_sdpa_preference():
+    """torch.utils.checkpoint's context_fn: (forward context, replay context), the replay with the
+    SDPA kernel preference that holds now, at the original forward. attention_backend_context
+    is set around each forward step only; a recompute replays later, in backward, outside it, and
+    a different kernel there would give activations that are close but not bit-identical."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends  # the state sdpa_kernel itself saves
+
+    return contextlib.nullcontext(), sdpa_kernel(_cur_sdpa_kernel_backends(with_priority=True), set_priority=True)

@@ -9,8 +9,9 @@
 Replays draw the same random numbers as the original forward: torch's checkpoint restores
 the default generators, and `recompute` additionally snapshots the tracked RNG streams
 (parallel.random.RNGStatesTracker) at the original forward and replays from the snapshot,
-restoring the live streams afterwards. Hidden dropout is keyed (no state at all). So
-gradients with recompute are bit-identical to gradients without it.
+restoring the live streams afterwards. Hidden dropout is keyed (no state at all). The replay
+also prefers the SDPA kernels the forward preferred (--attention-backend is set around the
+forward step only). So gradients with recompute are bit-identical to gradients without it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from megatronapp.model.attention_kernels import replay_sdpa_preference
 
 GRANULARITIES = ("none", "selective", "full")
 METHODS = ("uniform", "block")
@@ -51,11 +54,14 @@ def compute_full_recompute_groups(num_layers: int, cfg: RecomputeConfig) -> list
 
 
 def recompute(fn, *args, rng_tracker=None):
-    """checkpoint(fn, *args) that also replays the tracked RNG streams (see module docstring)."""
+    """checkpoint(fn, *args) that also replays the tracked RNG streams and the SDPA kernel
+    preference of the original forward (see module docstring)."""
     if not torch.is_grad_enabled():
         return fn(*args)
+    # Traced code fixed its SDPA kernel when it was compiled; eager replays restore the preference.
+    kw = {} if torch.compiler.is_compiling() else {"context_fn": replay_sdpa_preference}
     if rng_tracker is None:  # nothing tracked to replay (and nothing stateful for torch.compile)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kw)
     snapshot = rng_tracker.get_states() if rng_tracker is not None else None
     calls = [0]
 
@@ -70,4 +76,4 @@ def recompute(fn, *args, rng_tracker=None):
         finally:
             rng_tracker.set_states(live)
 
-    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kw)

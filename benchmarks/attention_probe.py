@@ -19,7 +19,7 @@ its own calls). Each variant's output and gradients are first checked against SD
 backend in fp32, and the kernels each one launches are recorded (torch.profiler), so the
 table says what actually ran.
 
-    PYTHONPATH=. python benchmarks/attention_probe.py [--out probe.json]
+    PYTHONPATH=. python benchmarks/attention_probe.py [--out probe.json]   (FA4's checks: model/attention_kernels.py)
 
 FA4 on the device host: its wheels travel in two parts (too large for one call's 64 MiB);
 see `benchmarks/fa4_wheels.sh`.
@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cuda_timing import add_timing_arguments, cuda_event_times, summary
+
+from megatronapp.model.attention_kernels import fa4_unavailable_reason
 
 _SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                   "math": SDPBackend.MATH}
@@ -77,22 +79,6 @@ def _variant_contexts(fa4: bool) -> dict[str, Callable[[], contextlib.AbstractCo
     return out
 
 
-def _fa4_available() -> str | None:
-    """None when FA4 can run here, else why not (one line)."""
-    try:
-        import flash_attn.cute  # noqa: F401
-        from torch.nn.attention import (activate_flash_attention_impl, list_flash_attention_impls,  # noqa: F401
-                                        restore_flash_attention_impl)
-    except ImportError as e:
-        return f"FA4 not importable: {e}"
-    if "FA4" not in list_flash_attention_impls():
-        return f"torch {torch.__version__} has no FA4 registration"
-    major, minor = torch.cuda.get_device_capability()
-    if major not in (9, 10):
-        return f"FA4 needs compute capability 9.x or 10.x, this device has {major}.{minor}"
-    return None
-
-
 def _kernels(fn) -> list[str]:
     """Names of the CUDA kernels one call launches, longest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -130,7 +116,7 @@ def main() -> None:
     ref_out.backward(dy.float())
     refs = {"out": ref_out.detach()} | {f"d{n}": t.grad for n, t in zip("qkv", ref_in)}
 
-    fa4_missing = _fa4_available()
+    fa4_missing = fa4_unavailable_reason("cuda")
     contexts = _variant_contexts(fa4_missing is None)
     leaves = [t.clone().requires_grad_() for t in base]
 

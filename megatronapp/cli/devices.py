@@ -29,17 +29,21 @@ def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visi
         fbd_placements_from_args(args, role_layout_from_args(args, world), gpus, ranks_per_node())
         backward = resolve_device_kind(args.device, gpus)  # FBD's roles may sit on different devices
         for kind in {backward, resolve_device_kind(args.forward_device or backward, gpus, "--forward-device")}:
-            _check_attention_backend(job, kind)
-            _check_gelu_epilogue(job, kind)
+            _check_kernels(job, kind)
         return
     try:
         kind = check_layout_devices(args.device, job.layout, gpus)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    _check_attention_backend(job, kind)
-    _check_gelu_epilogue(job, kind)
+    _check_kernels(job, kind)
     if job.train.overlap_param_update and kind != "cuda":
         raise ConfigError("--overlap-param-update needs CUDA (the update runs on a side stream)")
+
+
+def _check_kernels(job: JobConfig, kind: str) -> None:
+    """The optional kernels a job asked for can run on `kind` here (one-line ConfigError)."""
+    _check_attention_backend(job, kind)
+    _check_gelu_epilogue(job, kind)
 
 
 def _check_attention_backend(job: JobConfig, kind: str) -> None:

@@ -29,7 +29,8 @@ def fa4_unavailable_reason(device_kind: str, capability: tuple[int, int] | None 
     if device_kind != "cuda":
         return "--attention-backend fa4 needs CUDA (FlashAttention-4 has no CPU kernels)"
     try:
-        from torch.nn.attention import activate_flash_attention_impl, list_flash_attention_impls  # noqa: F401
+        from torch.nn.attention import (activate_flash_attention_impl, list_flash_attention_impls,  # noqa: F401
+                                        restore_flash_attention_impl)
     except ImportError:
         return f"--attention-backend fa4 needs torch's flash attention registry, which torch {torch.__version__} lacks"
     if "FA4" not in list_flash_attention_impls():

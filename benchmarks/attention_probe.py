@@ -4,7 +4,8 @@ Attention is ~33 ms of the engine's ~270 ms step on the H200 (BENCHMARKS.md, ker
 kind), i.e. ~300 TFLOP/s for causal forward+backward, while FlashAttention-3-class Hopper
 kernels are reported well above that. torch >= 2.10 can swap the kernels behind SDPA's flash
 backend for FlashAttention-4's CuTe-DSL ones (`torch.nn.attention.activate_flash_attention_impl
-("FA4")`, SM 9.0 and 10.0), so the engine could use them without leaving SDPA. This probe
+("FA4")`, SM 9.0 and 10.0; fa4_registry.py adapts newer flash-attn-4 releases to it). Measured
+on the H200 (2026-12-04): cuDNN's kernel, torch's own choice, is the fastest here. This probe
 times one causal attention forward+backward at the engine's shapes, with q, k, v laid out as
 the engine makes them (transposed views of (B, S, heads, D)), for each kernel available:
 
@@ -19,7 +20,7 @@ its own calls). Each variant's output and gradients are first checked against SD
 backend in fp32, and the kernels each one launches are recorded (torch.profiler), so the
 table says what actually ran.
 
-    PYTHONPATH=. python benchmarks/attention_probe.py [--out probe.json]   (FA4's checks: model/attention_kernels.py)
+    PYTHONPATH=. python benchmarks/attention_probe.py [--out probe.json]   (FA4's checks: fa4_registry.py)
 
 FA4 on the device host: its wheels travel in two parts (too large for one call's 64 MiB);
 see `benchmarks/fa4_wheels.sh`.
@@ -38,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cuda_timing import add_timing_arguments, cuda_event_times, summary
 
-from megatronapp.model.attention_kernels import fa4_unavailable_reason
+import fa4_registry
 
 _SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                   "math": SDPBackend.MATH}
@@ -57,9 +58,9 @@ def _sdpa(q, k, v):
 
 @contextlib.contextmanager
 def _fa4_active():
-    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+    from torch.nn.attention import restore_flash_attention_impl
 
-    activate_flash_attention_impl("FA4")
+    fa4_registry.activate()
     try:
         yield
     finally:
@@ -116,7 +117,7 @@ def main() -> None:
     ref_out.backward(dy.float())
     refs = {"out": ref_out.detach()} | {f"d{n}": t.grad for n, t in zip("qkv", ref_in)}
 
-    fa4_missing = fa4_unavailable_reason("cuda")
+    fa4_missing = fa4_registry.unavailable_reason()
     contexts = _variant_contexts(fa4_missing is None)
     leaves = [t.clone().requires_grad_() for t in base]
 

@@ -8,8 +8,7 @@ throughput: the engine (--bf16: bf16 params, fp32 main grads and master weights,
 layers, schedule runtime, clipping, distributed optimizer, compiled blocks) and the plain
 twin (benchmarks/plain_gpt.py, pure bf16 params and AdamW, one torch.compile) in one
 process, rounds interleaved (A B A B ...), median and spread of the per-step time; with
-flash-attn-4 importable (benchmarks/fa4_wheels.sh), also the engine with --attention-backend fa4,
-with nvmath-python, with --gelu-epilogue-fusion, and with both when both are there.
+nvmath-python, also the engine with --gelu-epilogue-fusion.
 Peak memory per variant = its resident state (measured when it was built and stepped once)
 + the transient peak of its own step (max allocated during the step - allocated before).
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
@@ -38,7 +37,6 @@ from plain_gpt import PlainGPT  # noqa: E402
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
-from megatronapp.model.attention_kernels import fa4_unavailable_reason  # noqa: E402
 from megatronapp.parallel.gelu_epilogue import nvmath_unavailable_reason  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 
@@ -136,24 +134,6 @@ def _engine_factory(job: JobConfig, data: Batches):
     return build
 
 
-def _fa4_factory(job: JobConfig, data: Batches):
-    """The engine with --attention-backend fa4. FA4's activation is process-wide (it replaces
-    the flash backend's kernels for every caller), so it is undone after each of this variant's
-    segments: the other variants, the plain model included, keep torch's own kernels."""
-    from torch.nn.attention import restore_flash_attention_impl
-
-    def build():
-        trainer = Trainer(job, single_process_groups(), DEV, data)
-
-        def run(n: int) -> None:
-            try:
-                trainer.train(num_steps=n)  # its forward steps activate FA4
-            finally:
-                restore_flash_attention_impl(_raise_warn=False)
-        return run
-    return build
-
-
 def bench_throughput(args, results: dict) -> None:
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
@@ -162,18 +142,12 @@ def bench_throughput(args, results: dict) -> None:
     variants = {"engine": _engine_factory(job, data), "engine_torch_adamw": _engine_factory(torch_adamw, data),
                 "engine_overlap_update": _engine_factory(overlapped, data),
                 "plain_bf16": lambda: PlainRunner(job, data).steps}
-    fa4_missing, nvmath_missing = fa4_unavailable_reason("cuda"), nvmath_unavailable_reason()
-    fa4 = replace(job, train=replace(job.train, attention_backend="fa4"))
-    if fa4_missing is None:
-        variants["engine_fa4"] = _fa4_factory(fa4, data)
+    nvmath_missing = nvmath_unavailable_reason()
     if nvmath_missing is None:
         variants["engine_gelu_epilogue"] = _engine_factory(
             replace(job, train=replace(job.train, gelu_epilogue_fusion=True)), data)
-    if fa4_missing is None and nvmath_missing is None:
-        variants["engine_fa4_gelu_epilogue"] = _fa4_factory(
-            replace(fa4, train=replace(fa4.train, gelu_epilogue_fusion=True)), data)
-    for reason in filter(None, (fa4_missing, nvmath_missing)):
-        print(f"variants skipped: {reason}", flush=True)
+    else:
+        print(f"variants skipped: {nvmath_missing}", flush=True)
     if args.variants:
         unknown = set(args.variants.split(",")) - set(variants)
         if unknown:
@@ -386,7 +360,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--num-micro", type=int, default=2)
     p.add_argument("--variants", default="", help="throughput: comma-separated subset (plain_bf16 always runs), "
-                   "e.g. engine,engine_fa4")
+                   "e.g. engine,engine_gelu_epilogue")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}

@@ -4,7 +4,8 @@
 # DSL's compiler library alone is a 92 MB wheel and one call carries at most 64 MiB.
 #
 #   bash benchmarks/fa4_wheels.sh            # here: fills .whl_fa4a/ (~46 MB) and .whl_fa4b/ (~55 MB)
-#   device call 1: carry [".whl_fa4a"], any command (the part stays on the warm machine)
+#   device call 1: carry [".whl_fa4a"], command starting with  bash benchmarks/fa4_wheels.sh --stage &&
+#     (a carried path does not outlive its call, so the part is kept in /tmp on the warm machine)
 #   device call 2, within the machine's idle window: carry [".whl_fa4b"], command starting with
 #     bash benchmarks/fa4_wheels.sh --install && export PYTHONPATH=$(cat /tmp/fa4site.path):. && ...
 #   (--target installs skip .pth files: the CUTLASS DSL's own `cutlass` package sits one level
@@ -18,16 +19,21 @@ A=.whl_fa4a
 B=.whl_fa4b
 LIBS=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 
+STAGED=/tmp/fa4_staged
+if [ "${1:-}" = "--stage" ]; then
+  mkdir -p "$STAGED" && cp "$A"/* "$STAGED"/
+  exit 0
+fi
 if [ "${1:-}" = "--install" ]; then
-  [ -f "$A/$LIBS.part-aa" ] || { echo "fa4_wheels: $A/$LIBS.part-aa is not here: run device call 1 (carry $A) first, on this same warm machine" >&2; exit 2; }
+  [ -f "$STAGED/$LIBS.part-aa" ] || { echo "fa4_wheels: $STAGED/$LIBS.part-aa is not here: run device call 1 (carry $A, bash benchmarks/fa4_wheels.sh --stage) first, on this same warm machine" >&2; exit 2; }
   mkdir -p /tmp/fa4whl
-  cat "$A/$LIBS".part-* "$B/$LIBS".part-* > "/tmp/fa4whl/$LIBS"
+  cat "$STAGED/$LIBS".part-* "$B/$LIBS".part-* > "/tmp/fa4whl/$LIBS"
   cp "$B"/*.whl /tmp/fa4whl/
   # Unzipped, not `pip install --target`: the CUTLASS DSL's three wheels share the top-level
   # folder nvidia_cutlass_dsl/, and --target --upgrade lets the last one replace the others'.
   # (None of these wheels has a .data/ part, so a wheel's zip root is its site-packages part.)
   rm -rf /tmp/fa4site && mkdir -p /tmp/fa4site
-  for w in /tmp/fa4whl/*.whl; do unzip -q -o "$w" -d /tmp/fa4site; done
+  for w in /tmp/fa4whl/*.whl; do python3 -m zipfile -e "$w" /tmp/fa4site; done  # the host has no unzip
   echo "/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages" > /tmp/fa4site.path
   exit 0
 fi

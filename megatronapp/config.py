@@ -97,7 +97,7 @@ def model_preset(name: str, **overrides) -> ModelConfig:
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "dynamic")
 # --attention-backend: SDPA's own backends, or FlashAttention-4 behind SDPA (model/attention_kernels.py)
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "fa4")
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
 @dataclass(frozen=True)
@@ -237,9 +237,6 @@ def validate_job(job: JobConfig) -> None:
     if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
         raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
                           "follows the whole update; use --overlap-param-gather)")
-    if t.attention_backend == "fa4" and m.attention_dropout > 0:
-        raise ConfigError(f"--attention-backend fa4 has no attention dropout; set --attention-dropout 0 "
-                          f"(got {m.attention_dropout})")
     if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "breadth-first", "dynamic"):
         raise ConfigError(f"virtual pipeline stages need the interleaved, breadth-first or dynamic schedule, "
                           f"not {t.schedule!r}")

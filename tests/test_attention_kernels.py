@@ -1,9 +1,6 @@
-"""--attention-backend: every name maps to an SDPA backend, and FA4 is refused where it cannot run."""
+"""--attention-backend: every name maps to an SDPA backend, and a recompute replays under the forward's."""
 
 from __future__ import annotations
-
-import sys
-import types
 
 import pytest
 import torch
@@ -14,10 +11,10 @@ from megatronapp.model import attention_kernels as ak
 
 
 def test_every_backend_but_auto_names_an_sdpa_backend():
-    assert set(ak._SDPA_BACKEND) | {"auto"} == set(ATTENTION_BACKENDS)
+    assert set(ak._PREFERRED) | {"auto"} == set(ATTENTION_BACKENDS)
 
 
-@pytest.mark.parametrize("name", [n for n in ATTENTION_BACKENDS if n != "fa4"])
+@pytest.mark.parametrize("name", ATTENTION_BACKENDS)
 def test_sdpa_backends_give_the_same_attention_on_cpu(name):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
@@ -25,29 +22,6 @@ def test_sdpa_backends_give_the_same_attention_on_cpu(name):
     with ak.attention_backend_context(name):  # the others stay as fallbacks: CPU still runs
         got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_fa4_needs_cuda():
-    assert "needs CUDA" in ak.fa4_unavailable_reason("cpu")
-
-
-def test_fa4_needs_its_package(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails as if not installed
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
-    reason = ak.fa4_unavailable_reason("cuda", capability=(9, 0))
-    from torch.nn.attention import list_flash_attention_impls
-
-    assert "FA4" in list_flash_attention_impls()  # so the package is what is missing
-    assert "needs the flash-attn-4 package" in reason
-
-
-def test_fa4_needs_hopper_or_blackwell(monkeypatch):
-    pkg = types.ModuleType("flash_attn")
-    pkg.cute = types.ModuleType("flash_attn.cute")
-    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", pkg.cute)
-    assert "compute capability 9.x or 10.x, this GPU has 8.0" in ak.fa4_unavailable_reason("cuda", capability=(8, 0))
-    assert ak.fa4_unavailable_reason("cuda", capability=(9, 0)) is None
 
 
 @pytest.mark.parametrize("name", ["cudnn", "math"])

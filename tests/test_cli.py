@@ -35,8 +35,6 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
     (["--sequence-parallel"], "--sequence-parallel needs tensor-parallel size > 1"),
     (["--overlap-param-update"], "--overlap-param-update needs --bf16 or --fp16"),
     (["--attention-backend", "fastest"], "argument --attention-backend: invalid choice: 'fastest'"),
-    (["--attention-backend", "fa4"], "--attention-backend fa4 needs CUDA"),
-    (["--attention-backend", "fa4", "--attention-dropout", "0.1"], "--attention-backend fa4 has no attention dropout"),
     (["--overlap-param-update", "--bf16"], "--overlap-param-update needs CUDA"),
     (["--overlap-param-update", "--bf16", "--use-distributed-optimizer", "--nproc-per-node", "2"],
      "--overlap-param-update with --use-distributed-optimizer needs DP 1"),

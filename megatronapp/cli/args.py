@@ -101,8 +101,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
     _train_flag(g, "--gelu-epilogue-fusion", "the MLP's GELU inside its GEMMs' epilogues (cuBLASLt through "
                 "nvmath-python on CUDA; the same maths in torch on CPU)", action="store_true")
-    _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks); fa4: "
-                "FlashAttention-4 behind SDPA (CUDA, flash-attn-4)", choices=ATTENTION_BACKENDS)
+    _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
+                choices=ATTENTION_BACKENDS)
 
     g = p.add_argument_group("mixed precision and optimizer (Megatron's; engine/mixed_precision.py)")
     _train_flag(g, "--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true")

@@ -42,19 +42,7 @@ def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visi
 
 def _check_kernels(job: JobConfig, kind: str) -> None:
     """The optional kernels a job asked for can run on `kind` here (one-line ConfigError)."""
-    _check_attention_backend(job, kind)
     _check_gelu_epilogue(job, kind)
-
-
-def _check_attention_backend(job: JobConfig, kind: str) -> None:
-    """FlashAttention-4 needs CUDA, its package and a Hopper/Blackwell GPU: say so before launch."""
-    if job.train.attention_backend != "fa4":
-        return
-    from megatronapp.model.attention_kernels import fa4_unavailable_reason
-
-    reason = fa4_unavailable_reason(kind)
-    if reason:
-        raise ConfigError(reason)
 
 
 def _check_gelu_epilogue(job: JobConfig, kind: str) -> None:

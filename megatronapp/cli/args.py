@@ -100,7 +100,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--recompute-method", "for full recompute", choices=METHODS)
     _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
     _train_flag(g, "--gelu-epilogue-fusion", "the MLP's GELU inside its GEMMs' epilogues (cuBLASLt through "
-                "nvmath-python on CUDA; the same maths in torch on CPU)", action="store_true")
+                "nvmath-python on CUDA; the same maths in torch on CPU); measured slower than the compiled "
+                "MLP on the H200, see BENCHMARKS.md", action="store_true")
     _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
                 choices=ATTENTION_BACKENDS)
 

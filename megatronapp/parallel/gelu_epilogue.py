@@ -8,7 +8,10 @@ work in two GEMM epilogues (as Transformer Engine's LayerNormMLP does for Megatr
   GELU_AUX_BIAS  fc1 writes GELU(x W1^T + b1) and, beside it, the pre-activation (the "aux");
   DGELU_BGRAD    fc2's input-gradient GEMM reads that aux and writes dL/dpre, with fc1's bias
                  gradient summed in the same kernel.
-That saves about three passes over a (tokens x ffn) tensor per layer and microbatch.
+That saves about three passes over a (tokens x ffn) tensor per layer and microbatch, but on the
+H200 at the 1.3B shapes (8192 tokens, 2048 -> 8192 -> 2048) the two epilogue GEMMs are slower
+than the plain ones by more than that saves: 3.07 vs 2.64 ms per MLP forward + backward
+(BENCHMARKS.md, 2026-12-04). Off by default; kept for shapes and GPUs where it may pay.
 
 The two epilogue GEMMs are `torch.library` custom ops whose fake implementations give their
 shapes, so torch.compile keeps the block one graph. On CUDA they run through nvmath-python

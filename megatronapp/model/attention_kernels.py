@@ -21,21 +21,48 @@ _PREFERRED = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATT
               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # ATTENTION_BACKENDS but auto
 
 
+_held = "auto"  # the --attention-backend name in force now (set with the SDPA state, below)
+
+
 def attention_backend_context(name: str):
     """SDPA kernel preference for a forward: `name`'s SDPA backend first, the others as
     fallbacks; "auto" leaves torch's own choice. Set around the (eager) forward step: compiled
-    graphs pick their kernel when traced inside it."""
+    graphs pick their kernel when traced inside it, and specialise_on_preference makes them
+    retrace when it changes."""
     if name == "auto":
-        return contextlib.nullcontext()
+        return _holding(name, contextlib.nullcontext())
     first = _PREFERRED[name]
-    return sdpa_kernel([first] + [b for b in _PREFERRED.values() if b != first], set_priority=True)
+    return _holding(name, sdpa_kernel([first] + [b for b in _PREFERRED.values() if b != first], set_priority=True))
+
+
+@contextlib.contextmanager
+def _holding(name: str, sdpa_state):
+    global _held
+    previous, _held = _held, name
+    try:
+        with sdpa_state:
+            yield
+    finally:
+        _held = previous
+
+
+def specialise_on_preference() -> None:
+    """Call where SDPA runs in code that may be compiled. torch.compile does not guard on SDPA's
+    kernel preference: a graph traced under one is reused under another, by any instance of the
+    same module class (tests/test_attention_kernels.py shows it), so two jobs of one process, or
+    two benchmark variants, would silently share a kernel. A branch on the name held here makes
+    dynamo guard on it and retrace when it changes; in eager code it is one comparison."""
+    if _held not in _PREFERRED and _held != "auto":
+        raise AssertionError(f"unknown attention backend {_held!r}")
 
 
 def replay_sdpa_preference():
     """torch.utils.checkpoint's context_fn: (forward context, replay context), the replay with the
     SDPA kernel preference that holds now, at the original forward. attention_backend_context
     is set around each forward step only; a recompute replays later, in backward, outside it, and
-    a different kernel there would give activations that are close but not bit-identical."""
+    a different kernel there would give activations that are close but not bit-identical (and a
+    compiled block replayed under another held name would retrace)."""
     from torch.nn.attention import _cur_sdpa_kernel_backends  # the state sdpa_kernel itself saves
 
-    return contextlib.nullcontext(), sdpa_kernel(_cur_sdpa_kernel_backends(with_priority=True), set_priority=True)
+    now = sdpa_kernel(_cur_sdpa_kernel_backends(with_priority=True), set_priority=True)
+    return contextlib.nullcontext(), _holding(_held, now)

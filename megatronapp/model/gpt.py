@@ -26,6 +26,7 @@ from megatronapp import spans
 from megatronapp.config import ModelConfig
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.parallel.gelu_epilogue import epilogue_mlp_core
+from megatronapp.model.attention_kernels import specialise_on_preference
 from megatronapp.model.recompute import RecomputeConfig, compute_full_recompute_groups, recompute
 from megatronapp.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 from megatronapp.parallel.random import DropoutKey, RNGStatesTracker, keyed_dropout
@@ -93,6 +94,7 @@ class Attention(nn.Module):
         if cache is None:  # with a cache, cos/sin are already per row and column (B, 1, S, D/2)
             cos, sin = cos[:s], sin[:s]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        specialise_on_preference()  # compiled graphs keep the kernel they were traced with
         if cache is not None:  # inference: earlier steps' keys/values and the mask (inference/kv_cache.py)
             k, v = cache.update(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask)

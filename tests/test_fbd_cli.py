@@ -84,7 +84,7 @@ def test_the_launcher_names_the_rank_that_caused_the_failure():
     """Error files carry whole-second timestamps: a victim of the crash may tie with it."""
     from types import SimpleNamespace
 
-    from megatronapp.cli.launch import pick_root_failure
+    from megatronapp.engine.launch_failures import pick_root_failure
 
     lost = {"message": "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:45743"}
     failures = {0: SimpleNamespace(message=lost, timestamp=100, exitcode=1),
@@ -93,3 +93,6 @@ def test_the_launcher_names_the_rank_that_caused_the_failure():
     rank, _, message = pick_root_failure(failures)
     assert (rank, message) == (1, "RuntimeError: injected crash")
     assert pick_root_failure({0: failures[0], 3: failures[0]})[0] == 0  # only victims: the earliest, lowest
+    # The launcher stops the survivors with SIGTERM; collected in the crash's second, they tie with it.
+    stopped = SimpleNamespace(message="Signal 15 (SIGTERM) received by PID 7", timestamp=100, exitcode=-15)
+    assert pick_root_failure({0: stopped, 2: stopped, 3: failures[1]})[0] == 3

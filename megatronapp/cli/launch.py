@@ -19,6 +19,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megatronapp.engine.launch_failures import pick_root_failure
+
 
 def _strip_nproc(argv: list[str]) -> list[str]:
     out, skip = [], False
@@ -43,27 +45,6 @@ def prepare_trace_dir(args: argparse.Namespace) -> None:
     d.mkdir(parents=True, exist_ok=True)
     for f in d.glob("rank*.mscan"):
         f.unlink()
-
-
-# What a rank reports when it fails only because a peer died (gloo / NCCL wording).
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-              "communicator was aborted", "ncclRemoteError")
-
-
-def pick_root_failure(failures: dict) -> tuple[int, object, str]:
-    """(rank, failure, message) of the failure that caused the others: error files carry
-    whole-second timestamps, so ties are broken by preferring a rank whose error is not
-    'a peer went away' (those are the victims), then the earliest, then the lowest rank."""
-    def message(f) -> str:  # a dict with the traceback when the rank recorded its error
-        m = f.message
-        return str(m.get("message", m)) if isinstance(m, dict) else str(m)
-
-    def key(item):
-        rank, f = item
-        return (any(s in message(f) for s in _PEER_LOST), f.timestamp, rank)
-
-    rank, failure = min(failures.items(), key=key)
-    return rank, failure, message(failure)
 
 
 def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatronapp.engine.launch_failures import pick_root_failure
 from megatronapp.parallel.device import select_device
 
 
@@ -37,8 +38,8 @@ def launch_ranks(argv: list[str], nproc: int, result_file: Path) -> int:
     try:
         run(run_args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {failure.message}", file=sys.stderr)
+        rank, failure, message = pick_root_failure(exc.failures)
+        print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
         return 1
     return 0
 

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from megatronapp.engine.faults import FaultSpecError, fault_env, parse_fault_plan
+from megatronapp.engine.launch_failures import pick_root_failure
 from megatronapp.scan.autotrace import AutoTraceConfig
 
 
@@ -56,8 +57,8 @@ def _launch(command: list[str], nproc: int) -> int:
     try:
         run(run_args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"megatronapp trace run: rank {rank} failed (exit code {failure.exitcode}): {failure.message}",
+        rank, failure, message = pick_root_failure(exc.failures)
+        print(f"megatronapp trace run: rank {rank} failed (exit code {failure.exitcode}): {message}",
               file=sys.stderr)
         return 1
     return 0

@@ -7,8 +7,7 @@ and the largest micro-batch that fits.
 throughput: the engine (--bf16: bf16 params, fp32 main grads and master weights, parallel
 layers, schedule runtime, clipping, distributed optimizer, compiled blocks) and the plain
 twin (benchmarks/plain_gpt.py, pure bf16 params and AdamW, one torch.compile) in one
-process, rounds interleaved (A B A B ...), median and spread of the per-step time; with
-nvmath-python, also the engine with --gelu-epilogue-fusion.
+process, rounds interleaved (A B A B ...), median and spread of the per-step time.
 Peak memory per variant = its resident state (measured when it was built and stepped once)
 + the transient peak of its own step (max allocated during the step - allocated before).
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
@@ -37,7 +36,6 @@ from plain_gpt import PlainGPT  # noqa: E402
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
-from megatronapp.parallel.gelu_epilogue import nvmath_unavailable_reason  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 
 PEAK = 989e12
@@ -142,12 +140,6 @@ def bench_throughput(args, results: dict) -> None:
     variants = {"engine": _engine_factory(job, data), "engine_torch_adamw": _engine_factory(torch_adamw, data),
                 "engine_overlap_update": _engine_factory(overlapped, data),
                 "plain_bf16": lambda: PlainRunner(job, data).steps}
-    nvmath_missing = nvmath_unavailable_reason()
-    if nvmath_missing is None:
-        variants["engine_gelu_epilogue"] = _engine_factory(
-            replace(job, train=replace(job.train, gelu_epilogue_fusion=True)), data)
-    else:
-        print(f"variants skipped: {nvmath_missing}", flush=True)
     if args.variants:
         unknown = set(args.variants.split(",")) - set(variants)
         if unknown:
@@ -360,7 +352,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--num-micro", type=int, default=2)
     p.add_argument("--variants", default="", help="throughput: comma-separated subset (plain_bf16 always runs), "
-                   "e.g. engine,engine_gelu_epilogue")
+                   "e.g. engine,engine_overlap_update")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}

@@ -144,7 +144,6 @@ class TrainConfig:
     recompute_method: str = "uniform"  # uniform | block, for full recompute
     recompute_num_layers: int = 1
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (model/attention_kernels.py)
-    gelu_epilogue_fusion: bool = False  # the MLP's GELU in cuBLASLt GEMM epilogues (parallel/gelu_epilogue.py)
     grad_bucket_mb: float = 25.0
     log_interval: int = 1
     save: str | None = None

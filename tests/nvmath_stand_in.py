@@ -1,7 +1,8 @@
-"""A stand-in for nvmath-python's stateful Matmul with the two cuBLASLt epilogues the engine and
-its probe use, as cuBLASLt defines them: the bias runs along the result's rows, results and the
-GELU aux come back column-major, and DGELU_BGRAD's bias gradient is summed along the rows. It
-lets CPU tests check the layout algebra around nvmath; nvmath itself is checked on the GPU."""
+"""A stand-in for nvmath-python's stateful Matmul with the two cuBLASLt epilogues the GELU-epilogue
+probe uses (benchmarks/gelu_epilogue_probe.py), as cuBLASLt defines them: the bias runs along
+the result's rows, results and the GELU aux come back column-major, and DGELU_BGRAD's bias
+gradient is summed along the rows. It lets CPU tests check the layout algebra around nvmath;
+nvmath itself is checked on the GPU."""
 
 from __future__ import annotations
 

@@ -20,10 +20,6 @@ CASES = {
     "dropout_pp2": (2, 1, 2, {}, HIDDEN_DROPOUT),
     "dropout_dp2": (2, 1, 1, {}, HIDDEN_DROPOUT),
     "recompute_full_tp2_dropout": (2, 2, 1, {"recompute_granularity": "full"}, HIDDEN_DROPOUT),
-    # the fused-GELU MLP (torch maths on CPU) against the unfused single process
-    "gelu_epilogue_tp2": (2, 2, 1, {"gelu_epilogue_fusion": True}, {}),
-    "gelu_epilogue_sp_tp2_pp2_recompute": (4, 2, 2, {"gelu_epilogue_fusion": True, "sequence_parallel": True,
-                                                    "recompute_granularity": "full"}, HIDDEN_DROPOUT),
 }
 
 

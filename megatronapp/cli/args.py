@@ -34,7 +34,7 @@ _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "m
                 "hysteresis", "use_distributed_optimizer", "overlap_param_gather", "compile", "overlap_grad_reduce",
                 "gradient_accumulation_fusion", "fused_master_adamw", "overlap_param_update",
                 "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
-                "attention_backend", "gelu_epilogue_fusion", "log_interval", "save", "load", "save_interval",
+                "attention_backend", "log_interval", "save", "load", "save_interval",
                 "metrics_file")
 _TRAIN_RENAMES = {"pipeline_schedule": "schedule"}
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
@@ -99,9 +99,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--recompute-granularity", "activation recompute", choices=GRANULARITIES[1:])
     _train_flag(g, "--recompute-method", "for full recompute", choices=METHODS)
     _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
-    _train_flag(g, "--gelu-epilogue-fusion", "the MLP's GELU inside its GEMMs' epilogues (cuBLASLt through "
-                "nvmath-python on CUDA; the same maths in torch on CPU); measured slower than the compiled "
-                "MLP on the H200, see BENCHMARKS.md", action="store_true")
     _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
                 choices=ATTENTION_BACKENDS)
 

@@ -13,7 +13,6 @@ import torch
 from megatronapp.config import ConfigError, JobConfig
 from megatronapp.parallel.device import check_layout_devices, ranks_per_node
 from megatronapp.parallel.layout import LayoutError
-from megatronapp.parallel.placement import resolve_device_kind
 
 
 def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visible_gpus: int | None = None) -> None:
@@ -27,32 +26,10 @@ def check_job_devices(args: argparse.Namespace, job: JobConfig, world: int, visi
         from megatronapp.fbd.cli import fbd_placements_from_args, role_layout_from_args
 
         fbd_placements_from_args(args, role_layout_from_args(args, world), gpus, ranks_per_node())
-        backward = resolve_device_kind(args.device, gpus)  # FBD's roles may sit on different devices
-        for kind in {backward, resolve_device_kind(args.forward_device or backward, gpus, "--forward-device")}:
-            _check_kernels(job, kind)
         return
     try:
         kind = check_layout_devices(args.device, job.layout, gpus)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    _check_kernels(job, kind)
     if job.train.overlap_param_update and kind != "cuda":
         raise ConfigError("--overlap-param-update needs CUDA (the update runs on a side stream)")
-
-
-def _check_kernels(job: JobConfig, kind: str) -> None:
-    """The optional kernels a job asked for can run on `kind` here (one-line ConfigError)."""
-    _check_gelu_epilogue(job, kind)
-
-
-def _check_gelu_epilogue(job: JobConfig, kind: str) -> None:
-    """On CUDA the epilogues are cuBLASLt's, through nvmath-python, for bf16/fp16 GEMMs."""
-    if not job.train.gelu_epilogue_fusion or kind != "cuda":
-        return
-    if not (job.train.bf16 or job.train.fp16):
-        raise ConfigError("--gelu-epilogue-fusion on CUDA needs --bf16 or --fp16")
-    from megatronapp.parallel.gelu_epilogue import nvmath_unavailable_reason
-
-    reason = nvmath_unavailable_reason()
-    if reason:
-        raise ConfigError(reason)

@@ -68,8 +68,7 @@ class Trainer:
         lay, t = job.layout, job.train
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
         self.rng_tracker = build_rng_tracker(t.seed, groups.tp_rank, groups.pp_rank, device)
-        options = ChunkOptions(recompute=t.recompute_config(), rng_tracker=self.rng_tracker,
-                               gelu_epilogue=t.gelu_epilogue_fusion)
+        options = ChunkOptions(recompute=t.recompute_config(), rng_tracker=self.rng_tracker)
         self.chunks = build_model_chunks(job.model, pp_rank=groups.pp_rank, pp_size=lay.pp_size,
                                          num_chunks=lay.virtual_pp_size, tp=tp, seed=t.seed, device=device,
                                          options=options)

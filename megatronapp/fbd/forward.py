@@ -46,7 +46,7 @@ def build_forward_model(job: JobConfig, fbd: FbdConfig, groups: RoleGroups, devi
     lay, c, t = groups.layout, groups.coords, job.train
     sp = t.sequence_parallel and lay.forward_tp_size == lay.tp_size
     tp = TPContext(groups.parallel.tp, lay.forward_tp_size, c.tp, sp)
-    options = ChunkOptions(rng_tracker=build_rng_tracker(t.seed, c.tp, c.pp, device), gelu_epilogue=t.gelu_epilogue_fusion)
+    options = ChunkOptions(rng_tracker=build_rng_tracker(t.seed, c.tp, c.pp, device))
     chunks = build_model_chunks(job.model, pp_rank=c.pp, pp_size=lay.pp_size, num_chunks=1, tp=tp,
                                 seed=t.seed, device=device, options=options)
     for chunk in chunks:  # the backward workers' params dtype (bf16/fp16 as Megatron, else fp32)

@@ -25,7 +25,6 @@ from torch import nn
 from megatronapp import spans
 from megatronapp.config import ModelConfig
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatronapp.parallel.gelu_epilogue import epilogue_mlp_core
 from megatronapp.model.attention_kernels import specialise_on_preference
 from megatronapp.model.recompute import RecomputeConfig, compute_full_recompute_groups, recompute
 from megatronapp.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
@@ -46,7 +45,6 @@ class ChunkOptions:
 
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     rng_tracker: RNGStatesTracker | None = None  # attention-dropout stream (needed when it is > 0)
-    gelu_epilogue: bool = False  # the MLP's GELU in its GEMMs' epilogues (parallel/gelu_epilogue.py)
 
 
 def rotary_tables(seq: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,17 +112,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device, gelu_epilogue: bool = False):
+    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         kw = _tp_kwargs(tp, seed, device)
         self.fc1 = ColumnParallelLinear(f"{name}.fc1", cfg.hidden_size, cfg.ffn_size, std=cfg.init_method_std, **kw)
         self.fc2 = RowParallelLinear(f"{name}.fc2", cfg.ffn_size, cfg.hidden_size, std=out_std, **kw)
-        self.gelu_epilogue = gelu_epilogue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gelu_epilogue and self.training:  # inference has no backward to save the aux for
-            return self.fc2.reduce_output(epilogue_mlp_core(self.fc1.gather_input(x), self.fc1, self.fc2))
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
@@ -154,7 +149,7 @@ class ResidualMLP(nn.Module):
         super().__init__()
         self.layer, self.dropout_p = layer, cfg.hidden_dropout
         self.norm = _norm(cfg, tp, device)
-        self.mlp = MLP(name, cfg, tp, seed, device, gelu_epilogue=options.gelu_epilogue)
+        self.mlp = MLP(name, cfg, tp, seed, device)
 
     def forward(self, x: torch.Tensor, dropout_key: DropoutKey | None = None) -> torch.Tensor:
         y = self.mlp(self.norm(x))

@@ -58,7 +58,8 @@ def test_a_crashed_rank_of_either_role_ends_the_job_promptly(monkeypatch, rank, 
     ended = time.time()
     assert res.returncode == 1, res.stderr[-2000:]
     line = next(x for x in res.stderr.splitlines() if x.startswith("megatronapp: rank"))
-    assert f"megatronapp: rank {rank} failed" in line and f"{role} worker rank {rank} at iteration 2" in line
+    assert f"megatronapp: rank {rank} failed" in line and f"{role} worker rank {rank} at iteration 2" in line, \
+        res.stderr[-4000:]  # every rank's error, to tell a misnamed root cause from a wrong crash
     crashed_at = float(re.search(r"unix time ([0-9.]+)", line).group(1))
     assert ended - crashed_at < 20, f"job took {ended - crashed_at:.1f} s to end after the crash"
     assert _processes_with(f"MEGATRONAPP_TEST_TAG={tag}") == []
@@ -96,3 +97,9 @@ def test_the_launcher_names_the_rank_that_caused_the_failure():
     # The launcher stops the survivors with SIGTERM; collected in the crash's second, they tie with it.
     stopped = SimpleNamespace(message="Signal 15 (SIGTERM) received by PID 7", timestamp=100, exitcode=-15)
     assert pick_root_failure({0: stopped, 2: stopped, 3: failures[1]})[0] == 3
+    # The crashed rank may itself be stopped by SIGTERM while it exits, after recording its error.
+    crashed_then_stopped = SimpleNamespace(message=failures[1].message, timestamp=100, exitcode=-15)
+    hung = {"message": "RuntimeError: [gloo/pair.cc:534] Read error [127.0.0.1]:5173: Connection timed out"
+                       ". This is typically caused by a remote worker hanging or bugs in the application."}
+    assert pick_root_failure({0: SimpleNamespace(message=hung, timestamp=100, exitcode=-15),
+                              1: crashed_then_stopped})[0] == 1

@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import signal
 
-# What a rank reports when it fails only because a peer died (gloo / NCCL wording).
+# What a rank reports when it fails only because a peer died or stopped answering (gloo / NCCL
+# wording; gloo adds "remote worker crashing" or "remote worker hanging" to its socket errors).
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-              "communicator was aborted", "ncclRemoteError")
+              "remote worker hanging", "communicator was aborted", "ncclRemoteError")
 
 
 def pick_root_failure(failures: dict) -> tuple[int, object, str]:
     """(rank, failure, message) of the failure that caused the others: error files carry
     whole-second timestamps, so ties are broken by preferring a rank that is not a victim, then
     the earliest, then the lowest rank. Victims: a rank whose error is 'a peer went away', and a
-    rank the launcher stopped with SIGTERM after the first failure (it writes no error file, so
-    its timestamp is when the launcher collected it, often the crash's own second)."""
+    rank the launcher stopped with SIGTERM before it recorded any error of its own (torchrun then
+    makes up the message, and the timestamp is when it collected the rank: often the crash's own
+    second). The exit code alone does not decide: the crashed rank itself can be stopped by
+    SIGTERM while it exits, after it recorded its error (seen in CI)."""
     def message(f) -> str:  # a dict with the traceback when the rank recorded its error
         m = f.message
         return str(m.get("message", m)) if isinstance(m, dict) else str(m)
 
     def key(item):
         rank, f = item
-        victim = f.exitcode == -signal.SIGTERM or any(s in message(f) for s in _PEER_LOST)
+        stopped = f.exitcode == -signal.SIGTERM and message(f).startswith(f"Signal {signal.SIGTERM.value} ")
+        victim = stopped or any(s in message(f) for s in _PEER_LOST)
         return (victim, f.timestamp, rank)
 
     rank, failure = min(failures.items(), key=key)

@@ -96,7 +96,7 @@ def model_preset(name: str, **overrides) -> ModelConfig:
 
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "dynamic")
-# --attention-backend: SDPA's own backends, or FlashAttention-4 behind SDPA (model/attention_kernels.py)
+# --attention-backend: SDPA's own backends, one preferred and the rest as fallbacks (model/attention_kernels.py)
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _PREFERRED = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,

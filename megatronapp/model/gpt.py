@@ -144,8 +144,7 @@ class ResidualAttention(nn.Module):
 class ResidualMLP(nn.Module):
     """x + dropout(MLP(LN(x)))."""
 
-    def __init__(self, name: str, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device,
-                 options: ChunkOptions):
+    def __init__(self, name: str, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device):
         super().__init__()
         self.layer, self.dropout_p = layer, cfg.hidden_dropout
         self.norm = _norm(cfg, tp, device)
@@ -163,7 +162,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attention = ResidualAttention(f"layers.{layer}.attn", layer, cfg, tp, seed, device, options)
-        self.mlp = ResidualMLP(f"layers.{layer}.mlp", layer, cfg, tp, seed, device, options)
+        self.mlp = ResidualMLP(f"layers.{layer}.mlp", layer, cfg, tp, seed, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None,
                 dropout_key: DropoutKey | None = None, cache=None) -> torch.Tensor:

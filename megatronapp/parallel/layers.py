@@ -84,13 +84,9 @@ class ColumnParallelLinear(_ParallelLinear):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(self.gather_input(x), self.bias)
-
-    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The replicated input this rank multiplies: a copy into TP (identity forward, all-reduce
-        backward), or the all-gathered sequence shards."""
-        return (gather_from_sequence_parallel(x, self.tp_group) if self.sequence_parallel
-                else copy_to_tp(x, self.tp_group))
+        x = (gather_from_sequence_parallel(x, self.tp_group) if self.sequence_parallel
+             else copy_to_tp(x, self.tp_group))
+        return self._matmul(x, self.bias)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -107,13 +103,9 @@ class RowParallelLinear(_ParallelLinear):
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce_output(self._matmul(x, None))
-
-    def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
-        """This rank's partial product summed over TP (all-reduced, or reduce-scattered into
-        sequence shards), plus the bias, once."""
-        y = (reduce_scatter_to_sequence_parallel(partial, self.tp_group) if self.sequence_parallel
-             else reduce_from_tp(partial, self.tp_group))
+        y = self._matmul(x, None)
+        y = (reduce_scatter_to_sequence_parallel(y, self.tp_group) if self.sequence_parallel
+             else reduce_from_tp(y, self.tp_group))
         return y if self.bias is None else y + sp_replicated(self.bias, self.tp_group, self.sequence_parallel)
 
 

@@ -3,6 +3,7 @@ and the largest micro-batch that fits.
 
     python benchmarks/engine_bench.py --only throughput,microbatch --out engine.json
     python benchmarks/engine_bench.py --only recompute --out recompute.json
+    python benchmarks/engine_bench.py --only throughput,fp8_loss --out fp8.json
 
 throughput: the engine (--bf16: bf16 params, fp32 main grads and master weights, parallel
 layers, schedule runtime, clipping, distributed optimizer, compiled blocks) and the plain
@@ -12,6 +13,7 @@ Peak memory per variant = its resident state (measured when it was built and ste
 + the transient peak of its own step (max allocated during the step - allocated before).
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
 microbatch: the largest micro-batch (eager) whose step fits, with and without full recompute.
+fp8_loss: the engine in bf16 and with --fp8-format hybrid, same init and corpus batches, loss per step.
 phases: forward+backward and the optimizer phase of each variant timed apart (profile, timeline:
 kernel sums and GPU idle time of one or two steps).
 MFU convention: engine/throughput.py (6N without the input embedding + 12*L*H*S) / 989 TFLOP/s.
@@ -132,24 +134,60 @@ def _engine_factory(job: JobConfig, data: Batches):
     return build
 
 
+def _variants(job: JobConfig, data: Batches) -> dict:
+    """name -> factory of a step function: the engine as measured, its alternatives, the twin."""
+    def engine(**kw):
+        return _engine_factory(replace(job, train=replace(job.train, **kw)), data)
+    return {"engine": engine(), "engine_torch_adamw": engine(fused_master_adamw=False),
+            "engine_overlap_update": engine(overlap_param_update=True),
+            "engine_fp8": engine(fp8_format="hybrid"), "engine_fp8_e4m3": engine(fp8_format="e4m3"),
+            "plain_bf16": lambda: PlainRunner(job, data).steps}
+
+
+def _selected(variants: dict, args, default: tuple[str, ...]) -> dict:
+    """The variants named by --variants (default: `default`); plain_bf16 always runs."""
+    names = args.variants.split(",") if args.variants else list(default)
+    unknown = set(names) - set(variants)
+    if unknown:
+        raise SystemExit(f"engine_bench: unknown or unavailable variants {sorted(unknown)}; have {sorted(variants)}")
+    return {k: v for k, v in variants.items() if k in names or k == "plain_bf16"}
+
+
 def bench_throughput(args, results: dict) -> None:
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
-    torch_adamw = replace(job, train=replace(job.train, fused_master_adamw=False))
-    overlapped = replace(job, train=replace(job.train, overlap_param_update=True))
-    variants = {"engine": _engine_factory(job, data), "engine_torch_adamw": _engine_factory(torch_adamw, data),
-                "engine_overlap_update": _engine_factory(overlapped, data),
-                "plain_bf16": lambda: PlainRunner(job, data).steps}
-    if args.variants:
-        unknown = set(args.variants.split(",")) - set(variants)
-        if unknown:
-            raise SystemExit(f"engine_bench: unknown or unavailable variants {sorted(unknown)}; have {sorted(variants)}")
-        variants = {k: v for k, v in variants.items() if k in args.variants.split(",") or k == "plain_bf16"}
+    variants = _selected(_variants(job, data), args, ("engine", "engine_fp8"))
     out = _interleave(variants, args)
     _annotate(out, job)
     for name in [v for v in variants if v != "plain_bf16"]:
         out[f"{name}_vs_plain"] = out["plain_bf16"]["step_s"] / out[name]["step_s"]
     results["throughput"] = out
+
+
+def bench_fp8_loss(args, results: dict) -> None:
+    """What FP8 does to training: the engine in bf16 and in bf16 + FP8 (hybrid, E4M3 / E5M2)
+    from the same initialisation on the same batches of the embedded corpus, loss per step."""
+    from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset
+    from megatronapp.data.tokenizer import ByteTokenizer
+
+    out = {}
+    for name, kw in (("bf16", {}), ("fp8_hybrid", {"fp8_format": "hybrid"})):
+        job = make_job(4, args.num_micro, compile=True, **kw)
+        job = replace(job, train=replace(job.train, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps))
+        data = DistributedBatchIterator(build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
+                                        micro_batch_size=4, global_batch_size=job.train.global_batch_size,
+                                        dp_rank=0, dp_size=1, seed=job.train.seed)
+        trainer = Trainer(job, single_process_groups(), DEV, data)
+        out[name] = [float(trainer.train_step().loss) for _ in range(args.loss_steps)]
+        print(f"  {name}: loss {out[name][0]:.4f} -> {out[name][-1]:.4f}", flush=True)
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+    tail = max(1, args.loss_steps // 10)
+    last = {k: statistics.mean(v[-tail:]) for k, v in out.items()}
+    results["fp8_loss"] = {"losses": out, f"mean_of_last_{tail}": last,
+                           "fp8_minus_bf16": last["fp8_hybrid"] - last["bf16"],
+                           "max_abs_step_difference": max(abs(a - b) for a, b in zip(out["bf16"], out["fp8_hybrid"]))}
 
 
 def bench_recompute(args, results: dict) -> None:
@@ -213,7 +251,7 @@ def _warm_variants(args):
     and synchronised; each is freed before the next is built."""
     job = make_job(4, args.num_micro, compile=True)
     data = Batches(job.model.padded_vocab_size, 4, job.model.seq_length, args.num_micro)
-    for name, factory in (("engine", _engine_factory(job, data)), ("plain_bf16", lambda: PlainRunner(job, data).steps)):
+    for name, factory in _selected(_variants(job, data), args, ("engine",)).items():
         step = factory()
         step(args.warmup + 1)
         torch.cuda.synchronize()
@@ -351,12 +389,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--num-micro", type=int, default=2)
-    p.add_argument("--variants", default="", help="throughput: comma-separated subset (plain_bf16 always runs), "
-                   "e.g. engine,engine_overlap_update")
+    p.add_argument("--variants", default="", help="throughput (default engine,engine_fp8), profile, timeline: "
+                   "comma-separated subset of engine, engine_torch_adamw, engine_overlap_update, engine_fp8, "
+                   "engine_fp8_e4m3 (plain_bf16 always runs)")
+    p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss: steps of each run")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "recompute": bench_recompute, "microbatch": bench_microbatch}
+    benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "fp8_loss": bench_fp8_loss, "recompute": bench_recompute, "microbatch": bench_microbatch}
     for name in args.only.split(","):
         benches[name](args, results)
         gc.collect()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megatronapp.model.recompute import RecomputeConfig
+from megatronapp.parallel.fp8 import FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -126,6 +127,10 @@ class TrainConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # FP8 GEMMs in the transformer layers' linears (parallel/fp8.py), with --bf16 or --fp16:
+    # Megatron's --fp8-format e4m3|hybrid; only its tensorwise (current-scaling) recipe is built
+    fp8_format: str | None = None
+    fp8_recipe: str = "tensorwise"
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over DP
     overlap_param_gather: bool = False  # distributed optimizer: all-gather params during the next forward
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
@@ -185,6 +190,13 @@ class TrainConfig:
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
         if self.overlap_param_update and not ((self.bf16 or self.fp16) and self.fused_master_adamw):
             raise ConfigError("--overlap-param-update needs --bf16 or --fp16 and the fused master AdamW")
+        if self.fp8_format is not None:
+            if self.fp8_format not in FP8_FORMATS:
+                raise ConfigError(f"unknown fp8 format {self.fp8_format!r}; choose from {', '.join(FP8_FORMATS)}")
+            if not (self.bf16 or self.fp16):
+                raise ConfigError("--fp8-format needs --bf16 or --fp16 (FP8 GEMMs, the rest in bf16/fp16, as Megatron)")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ConfigError(f"fp8 recipe {self.fp8_recipe!r} is not built; choose from {', '.join(FP8_RECIPES)}")
         for name in ("loss_scale_window", "hysteresis"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -233,6 +245,8 @@ def validate_job(job: JobConfig) -> None:
         if m.seq_length % lay.tp_size:
             raise ConfigError(f"--sequence-parallel needs seq length {m.seq_length} divisible by "
                               f"tensor-parallel size {lay.tp_size}")
+    if t.fp8_format is not None:
+        _check_fp8_shapes(job)
     if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
         raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
                           "follows the whole update; use --overlap-param-gather)")
@@ -248,6 +262,17 @@ def validate_job(job: JobConfig) -> None:
                 f"interleaved schedule needs the number of microbatches ({job.num_microbatches}) "
                 f"to be a multiple of pipeline-parallel size {lay.pp_size}"
             )
+
+
+def _check_fp8_shapes(job: JobConfig) -> None:
+    """FP8 GEMMs need every dimension a multiple of FP8_ALIGNMENT (parallel/fp8.py)."""
+    m, tp = job.model, job.layout.tp_size
+    dims = {"tokens per microbatch (micro batch size x seq length)": job.train.micro_batch_size * m.seq_length,
+            "hidden size": m.hidden_size, "hidden size / tensor-parallel size": m.hidden_size // tp,
+            "ffn hidden size / tensor-parallel size": m.ffn_size // tp}
+    for what, value in dims.items():
+        if value % FP8_ALIGNMENT:
+            raise ConfigError(f"--fp8-format needs {what} ({value}) to be a multiple of {FP8_ALIGNMENT}")
 
 
 def build_layout(world_size: int, tp_size: int, pp_size: int, virtual_pp_size: int = 1) -> ParallelLayout:

@@ -57,6 +57,33 @@ def test_bf16_compiled_matches_eager():
     torch.testing.assert_close(eager, fp32, rtol=3e-2, atol=3e-2)
 
 
+def test_fp8_linear_on_cuda_is_exact_where_fp8_holds_the_values():
+    """cuBLASLt's FP8 GEMMs (fast accumulation in the forward) on small integers: exact,
+    as the CPU reference kernel is in tests/test_fp8.py."""
+    from megatronapp.parallel.fp8 import E5M2, FP8Spec, fp8_linear
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, g = (torch.randint(-8, 9, shape, generator=gen).float() for shape in ((64, 32), (48, 32), (48,), (64, 48)))
+    xc, wc = x.cuda().bfloat16().requires_grad_(), w.cuda().bfloat16().requires_grad_()
+    y = fp8_linear(xc, wc, b.cuda().bfloat16(), FP8Spec(E5M2))
+    y.backward(g.cuda().bfloat16())
+    assert torch.equal(y.float().cpu(), (x @ w.t() + b).bfloat16().float())
+    assert torch.equal(xc.grad.float().cpu(), (g @ w).bfloat16().float())
+    assert torch.equal(wc.grad.float().cpu(), (g.t() @ x).bfloat16().float())
+
+
+def test_fp8_training_on_cuda_follows_cpu_and_compiles():
+    """The same bf16 + FP8 job on CUDA (eager and compiled) and on the CPU."""
+    job = _job(bf16=True, fp8_format="hybrid")
+    eager = _losses(job)
+    compiled = _losses(_job(bf16=True, fp8_format="hybrid", compile=True))
+    cpu = [m.loss for m in Trainer(job, single_process_groups(), torch.device("cpu"),
+                                   RandomTokenBatches(job, 0)).train(4)]
+    torch.testing.assert_close(eager, cpu, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    assert eager[-1] < eager[0]
+
+
 def test_injected_slowdown_scales_gpu_compute():
     x = torch.randn(4096, 4096, device="cuda")
     inj = FaultInjector(FaultPlan({0: 2.0}), rank=0, device=torch.device("cuda"))

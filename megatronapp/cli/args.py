@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
 from megatronapp.config import (
     ATTENTION_BACKENDS,
     MODEL_PRESETS,
@@ -25,13 +24,16 @@ from megatronapp.config import (
     validate_job,
 )
 from megatronapp.dpp.config import add_dpp_arguments
+from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
 from megatronapp.model.recompute import GRANULARITIES, METHODS
+from megatronapp.parallel.fp8 import FP8_FORMATS, FP8_RECIPES
 
 # flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
 _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
                 "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
                 "bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                "hysteresis", "use_distributed_optimizer", "overlap_param_gather", "compile", "overlap_grad_reduce",
+                "hysteresis", "fp8_format", "fp8_recipe", "use_distributed_optimizer", "overlap_param_gather",
+                "compile", "overlap_grad_reduce",
                 "gradient_accumulation_fusion", "fused_master_adamw", "overlap_param_update",
                 "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
                 "attention_backend", "log_interval", "save", "load", "save_interval",
@@ -110,6 +112,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--min-loss-scale", type=float)
     _train_flag(g, "--loss-scale-window", type=int)
     _train_flag(g, "--hysteresis", type=int)
+    _train_flag(g, "--fp8-format", "FP8 GEMMs in the transformer layers (with --bf16/--fp16): e4m3 everywhere, "
+                "or hybrid (E5M2 gradients)", choices=FP8_FORMATS)
+    _train_flag(g, "--fp8-recipe", "scaling recipe: tensorwise (current scaling, power-of-two scales)",
+                choices=FP8_RECIPES)
     _train_flag(g, "--use-distributed-optimizer", "shard fp32 master weights and Adam state over DP (ZeRO-1)",
                 action="store_true")
     _train_flag(g, "--overlap-param-gather", "distributed optimizer: all-gather updated params during the next "

@@ -22,8 +22,9 @@ from megatronapp.engine.optim import compute_lr, set_lr
 from megatronapp.engine.throughput import compute_mfu, compute_tflops_per_device, peak_flops_for
 from megatronapp.model.gpt import ChunkOptions, TPContext, apply_compile, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
-from megatronapp.parallel.random import build_rng_tracker
+from megatronapp.parallel.fp8 import enable_fp8
 from megatronapp.parallel.groups import ParallelGroups
+from megatronapp.parallel.random import build_rng_tracker
 from megatronapp.pipeline.runtime import PipelineRuntime
 from megatronapp.pipeline.schedules import build_schedule
 from megatronapp.pipeline.validate import validate_schedule
@@ -72,6 +73,8 @@ class Trainer:
         self.chunks = build_model_chunks(job.model, pp_rank=groups.pp_rank, pp_size=lay.pp_size,
                                          num_chunks=lay.virtual_pp_size, tp=tp, seed=t.seed, device=device,
                                          options=options)
+        if t.fp8_format is not None:
+            enable_fp8([block for c in self.chunks for block in c.layers.values()], t.fp8_format)
         if job.train.compile:
             apply_compile(self.chunks)
         self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job.train, groups, device)

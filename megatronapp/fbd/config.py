@@ -50,6 +50,9 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
     if job.train.schedule == "dynamic":
         raise ConfigError("forward-backward disaggregation runs its own action lists: "
                           "--pipeline-schedule dynamic does not apply")
+    if job.train.fp8_format is not None:
+        raise ConfigError("forward-backward disaggregation's forward ranks do not run FP8 GEMMs: "
+                          "--fp8-format does not apply")
     for what, size in (("num attention heads", m.num_attention_heads), ("ffn hidden size", m.ffn_size),
                        ("padded vocab size", m.padded_vocab_size)):
         if size % tf:

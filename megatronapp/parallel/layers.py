@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronapp.parallel.fp8 import FP8Spec, fp8_linear
 from megatronapp.parallel.mappings import (
     copy_to_tp,
     gather_from_sequence_parallel,
@@ -64,8 +65,12 @@ class _ParallelLinear(nn.Module):
         full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
         self.weight = mark_split(nn.Parameter(_shard(full, split_dim, tp_size, tp_rank, device)), split_dim)
         self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
+        self.fp8_spec: FP8Spec | None = None  # set by parallel.fp8.enable_fp8
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8_spec is not None:
+            return fp8_linear(x, self.weight, bias, self.fp8_spec,
+                              main_grad=self.weight.main_grad if self.wgrad_fusion else None)
         if self.wgrad_fusion:
             return linear_with_grad_accumulation(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
@@ -82,6 +87,10 @@ class ColumnParallelLinear(_ParallelLinear):
                          std=std, seed=seed, device=device, sequence_parallel=sequence_parallel)
         self.bias = (mark_split(nn.Parameter(torch.zeros(out_features // tp_size, device=device)), 0)
                      if bias else None)
+
+    def fp8_spec_for(self, grad_dtype: torch.dtype) -> FP8Spec:
+        # input whole (copied or gathered); weight rows and output-gradient columns sharded
+        return FP8Spec(grad_dtype, input_group=None, weight_group=self.tp_group, grad_group=self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = (gather_from_sequence_parallel(x, self.tp_group) if self.sequence_parallel
@@ -101,6 +110,11 @@ class RowParallelLinear(_ParallelLinear):
         self.bias = mark_split(nn.Parameter(torch.zeros(out_features, device=device)), None) if bias else None
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
+
+    def fp8_spec_for(self, grad_dtype: torch.dtype) -> FP8Spec:
+        # input and weight columns sharded; the output gradient whole (after g's identity
+        # backward, or the sequence-parallel all-gather)
+        return FP8Spec(grad_dtype, input_group=self.tp_group, weight_group=self.tp_group, grad_group=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, None)

@@ -49,14 +49,19 @@ def take_unwritten(main_grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return unwritten
 
 
+def consume_first_write(main_grad: torch.Tensor) -> bool:
+    """True (and unmark it) when this accumulation into `main_grad` is its first of the step."""
+    key = _key(main_grad)
+    if key in _first_write:
+        _first_write.discard(key)
+        return True
+    return False
+
+
 def accumulate_weight_grad(main_grad: torch.Tensor, grad_out_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
     """main_grad (out, in) fp32 += grad_out_2d^T (out, T) @ input_2d (T, in), accumulated in fp32
     (or = , once after mark_first_write)."""
-    key = _key(main_grad)
-    beta = 1.0
-    if key in _first_write:
-        _first_write.discard(key)
-        beta = 0.0  # BLAS semantics: C is not read, whatever it holds
+    beta = 0.0 if consume_first_write(main_grad) else 1.0  # beta 0: C is not read, whatever it holds
     if main_grad.device.type == "cuda" and grad_out_2d.dtype != torch.float32:
         torch.addmm(main_grad, grad_out_2d.t(), input_2d, beta=beta, out_dtype=torch.float32, out=main_grad)
     else:  # CPU has no mixed-dtype addmm: same maths, the inputs widened first

@@ -1,0 +1,166 @@
+"""FP8 GEMMs for the tensor-parallel linears: Megatron's `--fp8-format` with the tensorwise recipe.
+
+Each linear of a transformer block runs its three GEMMs in FP8 through `torch._scaled_mm`
+(cuBLASLt on Hopper and later; a reference kernel on the CPU, so the tests run the same
+code): forward y = x W^T with x and W in E4M3, backward dgrad = g W and wgrad = g^T x with
+the output gradient g in E5M2 (`hybrid`, Megatron's usual choice: gradients need range more
+than precision) or E4M3 (`e4m3`). Outputs and everything between the GEMMs (LayerNorm,
+attention, GELU, residuals) stay in the model's bf16/fp16; the input embedding and the
+output layer stay bf16 as in Transformer Engine's default.
+
+Recipe (Megatron's `--fp8-recipe tensorwise`, "current scaling"): each operand gets one scale
+from its own amax, computed when it is cast, so there is no amax history to carry and
+nothing FP8-specific in a checkpoint. Two choices of ours:
+
+* Scales are powers of two (the largest 2^k with amax * 2^k <= the format's max). Scaling
+  by them is exact, so an operand's FP8 value depends only on its own values, and the
+  dequantisation `_scaled_mm` applies is exact too.
+* The amax of an operand that is sharded over TP (every weight; the row-parallel input;
+  the column-parallel output gradient) is all-reduced (max) over the TP group, as Transformer
+  Engine reduces amaxes over TP. Every shard then uses the scale the whole tensor would get
+  in one process, so FP8 is *layout-invariant*: TP2 (with or without sequence parallelism)
+  computes what TP1 computes, up to summation order. Replicated operands need no reduction.
+
+The weight gradient goes straight into the fp32 main grad when gradient-accumulation fusion
+is on (see wgrad_fusion.py): written by the GEMM on a step's first accumulation, added
+otherwise (`_scaled_mm` has no beta). The FP8 copies of x and W are what backward saves,
+half the bytes of the bf16 ones.
+
+GEMM shapes must be multiples of 16 (cuBLASLt's FP8 rule); config.validate_job refuses a
+job whose tokens per microbatch, hidden or per-rank FFN / head sizes are not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.parallel.wgrad_fusion import consume_first_write
+
+FP8_FORMATS = ("e4m3", "hybrid")  # Megatron's --fp8-format
+FP8_RECIPES = ("tensorwise",)  # Megatron's --fp8-recipe; delayed / mxfp8 / blockwise are not built
+FP8_ALIGNMENT = 16  # every GEMM dimension, for cuBLASLt's FP8 kernels
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@dataclass(frozen=True)
+class FP8Spec:
+    """How one linear casts its operands: the gradient format and, per operand, the TP group
+    over which its amax is reduced (None: the operand is whole on every rank)."""
+
+    grad_dtype: torch.dtype
+    input_group: object = None
+    weight_group: object = None
+    grad_group: object = None
+
+
+def grad_dtype_of(fmt: str) -> torch.dtype:
+    return E5M2 if fmt == "hybrid" else E4M3
+
+
+@torch.compiler.disable  # communication stays outside compiled regions, as in parallel/mappings.py
+def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def tensor_amax(t: torch.Tensor, group=None) -> torch.Tensor:
+    """max |t| as an fp32 scalar tensor, over the whole TP-sharded tensor when `group` is given."""
+    amax = t.detach().abs().amax().float()
+    return amax if group is None else _all_reduce_max(amax, group)
+
+
+def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest 2^k with amax * 2^k <= the format's max (an all-zero tensor gets 2^k with
+    amax clamped to 1e-12; an inf/nan amax gives 0 or nan, so the GEMM's output shows it)."""
+    ratio = torch.finfo(dtype).max / amax.clamp(min=1e-12)
+    return torch.exp2(torch.floor(torch.log2(ratio)))
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t * scale cast to `dtype`, 1 / scale): `_scaled_mm` multiplies the product back by the
+    reciprocals it is given."""
+    scale = power_of_two_scale(amax, dtype)
+    return (t.float() * scale).to(dtype), scale.reciprocal()
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column-major: `_scaled_mm`'s second operand must be."""
+    return t.t().contiguous().t()
+
+
+def _accumulate_fp8_weight_grad(main_grad: torch.Tensor, grad_t: torch.Tensor, input_cm: torch.Tensor,
+                                grad_inv_scale: torch.Tensor, input_inv_scale: torch.Tensor) -> None:
+    """main_grad (out, in) fp32 (+)= dequant(grad_t) (out, T) @ dequant(input_cm) (T, in)."""
+    if consume_first_write(main_grad):
+        torch._scaled_mm(grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale,
+                         out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.add_(torch._scaled_mm(grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale,
+                                        out_dtype=torch.float32))
+
+
+@torch.library.custom_op("megatronapp::accumulate_fp8_weight_grad", mutates_args=("main_grad",))
+def _accumulate_fp8_weight_grad_op(main_grad: torch.Tensor, grad_t: torch.Tensor, input_cm: torch.Tensor,
+                                   grad_inv_scale: torch.Tensor, input_inv_scale: torch.Tensor) -> None:
+    _accumulate_fp8_weight_grad(main_grad, grad_t, input_cm, grad_inv_scale, input_inv_scale)
+
+
+@_accumulate_fp8_weight_grad_op.register_fake
+def _(main_grad, grad_t, input_cm, grad_inv_scale, input_inv_scale) -> None:
+    return None
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad, spec: FP8Spec):
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, sx = quantize(x2, E4M3, tensor_amax(x2, spec.input_group))
+        qw, sw = quantize(weight, E4M3, tensor_amax(weight, spec.weight_group))
+        # fast accumulation in the forward only, as Transformer Engine and torchao do
+        y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=x.dtype,
+                             use_fast_accum=True)
+        ctx.save_for_backward(qx, sx, qw, sw)
+        ctx.spec, ctx.main_grad, ctx.has_bias = spec, main_grad, bias is not None
+        ctx.dtype, ctx.weight_dtype = x.dtype, weight.dtype
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qx, sx, qw, sw = ctx.saved_tensors
+        spec = ctx.spec
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        qg, sg = quantize(g2, spec.grad_dtype, tensor_amax(g2, spec.grad_group))
+        grad_x = torch._scaled_mm(qg, _column_major(qw), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
+        qg_t, qx_cm = qg.t().contiguous(), _column_major(qx)
+        if ctx.main_grad is not None:
+            torch.ops.megatronapp.accumulate_fp8_weight_grad(ctx.main_grad, qg_t, qx_cm, sg, sx)
+            grad_w = torch.empty(qw.shape, dtype=ctx.weight_dtype, device=qw.device)  # dropped (wgrad_fusion)
+        else:
+            grad_w = torch._scaled_mm(qg_t, qx_cm, scale_a=sg, scale_b=sx, out_dtype=ctx.weight_dtype)
+        grad_bias = g2.sum(0) if ctx.has_bias else None
+        return grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w, grad_bias, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: FP8Spec, *,
+               main_grad: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with FP8 GEMMs; with `main_grad` the weight gradient is
+    accumulated there (fp32) and autograd gets a placeholder, as wgrad_fusion does."""
+    return _FP8Linear.apply(x, weight, bias, main_grad, spec)
+
+
+def enable_fp8(blocks, fmt: str) -> int:
+    """Switch every TP linear inside `blocks` (the transformer layers; not the embedding or
+    the output layer) to FP8 GEMMs in format `fmt`; returns how many were switched."""
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"unknown fp8 format {fmt!r}; choose from {', '.join(FP8_FORMATS)}")
+    count = 0
+    for block in blocks:
+        for m in block.modules():
+            if hasattr(m, "fp8_spec"):
+                m.fp8_spec = m.fp8_spec_for(grad_dtype_of(fmt))
+                count += 1
+    return count

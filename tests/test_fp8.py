@@ -1,0 +1,189 @@
+"""FP8 GEMMs (--fp8-format): exact where FP8 can be exact, the format's rounding otherwise,
+the same numbers at TP2 (± sequence parallelism) as in one process, and refused shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from engine_jobs import make_job, train_and_report
+
+from megatronapp.config import (
+    ConfigError,
+    JobConfig,
+    TrainConfig,
+    build_layout,
+    model_preset,
+    validate_job,
+)
+from megatronapp.parallel.fp8 import (
+    E4M3,
+    E5M2,
+    FP8Spec,
+    enable_fp8,
+    fp8_linear,
+    power_of_two_scale,
+)
+from megatronapp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatronapp.parallel.wgrad_fusion import mark_first_write
+
+
+def _small_ints(shape, high: int, seed: int) -> torch.Tensor:
+    return torch.randint(-high, high + 1, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+def test_power_of_two_scale_maps_amax_under_the_format_max():
+    amax = torch.tensor([448.0, 1.0, 3.0, 1000.0, 0.0])
+    scale = torch.stack([power_of_two_scale(a, E4M3) for a in amax])
+    torch.testing.assert_close(scale, torch.tensor([1.0, 256.0, 128.0, 0.25, 2.0**48]))
+    assert float(power_of_two_scale(torch.tensor(7.0), E5M2)) == 2.0**13  # 7 * 8192 = 57344, E5M2's max
+    assert float(power_of_two_scale(torch.tensor(float("inf")), E4M3)) == 0.0  # the GEMM then shows nan
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["weight_grad", "main_grad"])
+def test_fp8_linear_is_exact_on_values_fp8_holds(fused):
+    """Small integers survive E4M3/E5M2 at the power-of-two scales exactly, so the forward,
+    both gradients and the main-grad write-then-add must equal fp32 maths exactly; a wrong
+    scale, a transposed operand or a lost accumulation shows as a large error."""
+    x = _small_ints((2, 16, 32), 8, 0).requires_grad_()
+    w = _small_ints((48, 32), 8, 1).requires_grad_()
+    b = _small_ints((48,), 8, 2).requires_grad_()
+    g = _small_ints((2, 16, 48), 7, 3)
+    main_grad = torch.full((48, 32), float("nan")) if fused else None
+    if fused:
+        mark_first_write([main_grad])  # the first accumulation writes: the nan must not survive
+    spec = FP8Spec(E5M2)
+    for _ in range(2 if fused else 1):
+        y = fp8_linear(x, w, b, spec, main_grad=main_grad)
+        y.backward(g)
+    torch.testing.assert_close(y, x.detach() @ w.detach().t() + b.detach(), rtol=0, atol=0)
+    runs = 2 if fused else 1
+    torch.testing.assert_close(x.grad, runs * (g @ w.detach()), rtol=0, atol=0)
+    torch.testing.assert_close(b.grad, runs * g.sum((0, 1)), rtol=0, atol=0)
+    expected_w = runs * (g.reshape(-1, 48).t() @ x.detach().reshape(-1, 32))
+    torch.testing.assert_close(main_grad if fused else w.grad, expected_w, rtol=0, atol=0)
+
+
+def _relative_errors(fmt_grad_dtype) -> tuple[float, float, float]:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 128, generator=gen).requires_grad_()
+    w = (torch.randn(96, 128, generator=gen) * 0.02).requires_grad_()
+    g = torch.randn(64, 96, generator=gen) * 1e-3
+    y = fp8_linear(x, w, None, FP8Spec(fmt_grad_dtype))
+    y.backward(g)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    return rel(y, x.detach() @ w.detach().t()), rel(x.grad, g @ w.detach()), rel(w.grad, g.t() @ x.detach())
+
+
+def test_fp8_rounding_is_the_formats():
+    """Random operands: errors of FP8's size (E4M3 ~2^-4 per element, averaged down by the
+    sums), not zero (something was cast) and larger for E5M2 gradients than E4M3 ones."""
+    fwd, dgrad_e4m3, wgrad_e4m3 = _relative_errors(E4M3)
+    _, dgrad_e5m2, wgrad_e5m2 = _relative_errors(E5M2)
+    for err in (fwd, dgrad_e4m3, wgrad_e4m3):
+        assert 1e-3 < err < 4e-2, (fwd, dgrad_e4m3, wgrad_e4m3)
+    assert dgrad_e5m2 > 1.5 * dgrad_e4m3 and wgrad_e5m2 > 1.5 * wgrad_e4m3, (dgrad_e5m2, dgrad_e4m3)
+
+
+def _half_factor(size: int, world: int, rank: int) -> torch.Tensor:
+    full = torch.cat([torch.ones(size // 2), torch.full((size // 2,), 0.1)])
+    return full.chunk(world)[rank]
+
+
+def _mlp_outputs(rank: int, world: int, sequence_parallel: bool) -> dict:
+    """A column- then row-parallel pair in fp32 with FP8 GEMMs: output and full gradients."""
+    from megatronapp.parallel.mappings import scatter_to_sequence_parallel
+
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    kw = dict(tp_group=group, tp_size=world, tp_rank=rank, std=0.5, seed=7, sequence_parallel=sequence_parallel)
+    fc1 = ColumnParallelLinear("fc1", 32, 64, **kw)
+    fc2 = RowParallelLinear("fc2", 64, 32, **kw)
+    # the second half of fc1's rows and fc2's columns 1/10 the size: with scales from their own
+    # shard, TP2's rank 1 would cast its weights, its fc2 input and its fc1 output gradient
+    # at a scale 8-16x finer than one process does
+    with torch.no_grad():
+        fc1.weight.mul_(_half_factor(64, world, rank).unsqueeze(1))
+        fc2.weight.mul_(_half_factor(64, world, rank).unsqueeze(0))
+    assert enable_fp8([torch.nn.ModuleList([fc1, fc2])], "hybrid") == 2
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(8)).requires_grad_()
+    grad_y = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(9))
+    local_x = scatter_to_sequence_parallel(x, group) if sequence_parallel else x
+    y = fc2(torch.nn.functional.gelu(fc1(local_x)))
+    if sequence_parallel:  # y is this rank's sequence shard: its share of the gradient, then the whole y
+        y.backward(grad_y.chunk(world, dim=1)[rank])
+        parts = [torch.empty_like(y) for _ in range(world)]
+        dist.all_gather(parts, y.detach().contiguous(), group=group)
+        y = torch.cat(parts, dim=1)
+    else:
+        y.backward(grad_y)
+
+    def full(p, dim):
+        if group is None or dim is None:
+            return p.grad
+        parts = [torch.empty_like(p.grad) for _ in range(world)]
+        dist.all_gather(parts, p.grad.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    return {"y": y.detach(), "x": x.grad,  # x.grad is whole: copy_to_tp / the scatter's backward
+            "fc1": full(fc1.weight, 0), "fc2": full(fc2.weight, 1), "fc1_bias": full(fc1.bias, 0)}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_fp8_tp2_computes_what_one_process_computes(cluster, sequence_parallel):
+    """The amax of every sharded operand is reduced over TP, so each shard is cast exactly as
+    the whole tensor is in one process: only summation order differs (fp32 tolerance). With
+    per-shard scales the weights would round differently, an FP8 ulp (~6%) apart."""
+    single = _mlp_outputs(0, 1, False)
+    for rep in cluster.run(_mlp_outputs, 2, sequence_parallel):
+        for key, value in single.items():
+            torch.testing.assert_close(rep[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("layout", [(2, 1, {}), (2, 1, {"sequence_parallel": True}), (1, 2, {})],
+                         ids=["tp2", "tp2_sp", "pp2"])
+def test_fp8_training_layouts_follow_single_process(cluster, layout):
+    """bf16 + FP8 training at TP2 / TP2+SP / PP2 against one process with the same flags
+    (bf16 reduction orders differ, so bf16 tolerance, as test_mixed_precision's layouts)."""
+    tp, pp, kw = layout
+    single = train_and_report(0, 1, make_job(1, bf16=True, fp8_format="hybrid"))
+    for rep in cluster.run(train_and_report, 2, make_job(2, tp, pp, bf16=True, fp8_format="hybrid", **kw)):
+        torch.testing.assert_close(rep["losses"], single["losses"], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(rep["norms"], single["norms"], rtol=3e-2, atol=1e-3)
+
+
+def test_fp8_trains_and_follows_bf16():
+    torch.set_num_threads(1)
+    fp8 = train_and_report(0, 1, make_job(1, bf16=True, fp8_format="hybrid", iters=8))["losses"]
+    bf16 = train_and_report(0, 1, make_job(1, bf16=True, iters=8))["losses"]
+    assert fp8[-1] < fp8[0] - 0.05, fp8
+    assert fp8 != bf16  # the GEMMs did run in FP8
+    torch.testing.assert_close(fp8, bf16, rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_compiles_into_the_block_graph():
+    """torch.compile of an FP8 linear: one graph, the same numbers as eager."""
+    torch.set_num_threads(1)
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    w = (torch.randn(48, 32, generator=torch.Generator().manual_seed(6)) * 0.1).bfloat16()
+    spec = FP8Spec(E5M2)
+    eager = fp8_linear(x, w, None, spec)
+    compiled = torch.compile(lambda a, b: fp8_linear(a, b, None, spec), fullgraph=True)(x, w)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_bad_fp8_configs_are_refused():
+    with pytest.raises(ConfigError, match="needs --bf16 or --fp16"):
+        TrainConfig(fp8_format="hybrid")
+    with pytest.raises(ConfigError, match="unknown fp8 format"):
+        TrainConfig(bf16=True, fp8_format="e5m2")
+    with pytest.raises(ConfigError, match="recipe 'delayed' is not built"):
+        TrainConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed")
+    odd_tokens = JobConfig(model=model_preset("tiny", seq_length=24), layout=build_layout(1, 1, 1),
+                           train=TrainConfig(bf16=True, fp8_format="hybrid", micro_batch_size=1))
+    with pytest.raises(ConfigError, match=r"tokens per microbatch .* \(24\) to be a multiple of 16"):
+        validate_job(odd_tokens)
+    with pytest.raises(ConfigError, match=r"hidden size / tensor-parallel size \(8\)"):
+        make_job(4, 4, bf16=True, fp8_format="hybrid")

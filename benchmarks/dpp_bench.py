@@ -27,6 +27,10 @@ simulator study), translated to global ranks for the layout; on the default PP4 
     python benchmarks/dpp_bench.py --out runs/dpp_bench --budget-s 500  # 8 ranks, 16-core host, < 9 min
     python benchmarks/dpp_bench.py --pp 8 --microbatches 16 --num-layers 16 --out runs/dpp_pp8  # PP8 V2 M16
     python benchmarks/dpp_bench.py --smoke --out /tmp/dpp_smoke         # tiny, a couple of minutes
+
+--trace-cells adds one traced pass of every cell after the repeats (OUT/traces/SCENARIO__VARIANT,
+not in the statistics); benchmarks/dpp_trace_gap.py OUT then splits each variant's measured
+iteration into what its traced task times, waits and host gaps explain, against the simulator.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -54,10 +59,19 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first"]),
     "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive"]),
     "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order"]),
+    # sends on the compute thread, as before the sender thread (transport.Outbox)
+    "dynamic-inorder-inline": ("dynamic", True, ["--dpp-traversal", "in-order", "--no-dpp-send-thread"]),
 }
 
 
-def _train_argv(a, variant: str, scenario: str, metrics: str) -> list[str]:
+TRACED_REPEAT = -1  # the --trace-cells pass: traced, left out of the statistics
+
+
+def trace_dir_of(a, scenario: str, variant: str) -> Path:
+    return Path(a.out) / "traces" / f"{scenario}__{variant}"
+
+
+def _train_argv(a, variant: str, scenario: str, metrics: str, repeat: int = 0) -> list[str]:
     """`megatronapp train` arguments of a cell, without the launch: for ranks already running."""
     schedule, virtual, extra = VARIANTS[variant]
     argv = ["train", "--device", "cpu", "--model", "demo", "--pipeline-model-parallel-size", str(a.pp),
@@ -67,12 +81,14 @@ def _train_argv(a, variant: str, scenario: str, metrics: str) -> list[str]:
             "--metrics-file", metrics, *extra, *a.scenario_flags[scenario]]
     if virtual:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(a.num_layers // (a.pp * a.vpp))]
+    if repeat == TRACED_REPEAT:  # every iteration, base spans: what dpp_trace_gap.py reads
+        argv += ["--trace", "--trace-dir", str(trace_dir_of(a, scenario, variant))]
     return argv
 
 
-def _train_cmd(a, variant: str, scenario: str, metrics: str) -> list[str]:
+def _train_cmd(a, variant: str, scenario: str, metrics: str, repeat: int = 0) -> list[str]:
     """The same cell as its own `megatronapp train` job (--isolated)."""
-    return [sys.executable, "-m", "megatronapp.cli.main", *_train_argv(a, variant, scenario, metrics),
+    return [sys.executable, "-m", "megatronapp.cli.main", *_train_argv(a, variant, scenario, metrics, repeat),
             "--nproc-per-node", str(a.nproc)]
 
 
@@ -102,7 +118,7 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
                 break
             with tempfile.TemporaryDirectory() as tmp:
                 metrics, start = os.path.join(tmp, "m.jsonl"), time.time()
-                run_worker(build_parser().parse_args(_train_argv(a, variant, scenario, metrics)),
+                run_worker(build_parser().parse_args(_train_argv(a, variant, scenario, metrics, rep)),
                            keep_process_group=True)
                 dist.barrier()
                 slowest = max(slowest, time.time() - start)
@@ -158,12 +174,12 @@ def run_persistent(a, plan: list[tuple[int, str, str]]) -> list[dict]:
     return records
 
 
-def run_once(a, variant: str, scenario: str) -> list[float]:
+def run_once(a, variant: str, scenario: str, repeat: int = 0) -> list[float]:
     """Step seconds of one job after the warm-up iterations."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        res = subprocess.run(_train_cmd(a, variant, scenario, metrics), capture_output=True, text=True,
+        res = subprocess.run(_train_cmd(a, variant, scenario, metrics, repeat), capture_output=True, text=True,
                              timeout=a.timeout, env=env)
         if res.returncode:
             raise RuntimeError(f"{variant}/{scenario} failed: {res.stderr[-2000:]}")
@@ -231,7 +247,7 @@ def measure_cell(a, scenario: str, variant: str, repeat: int, log) -> dict:
     """Run one cell as its own job and append its record to the JSONL log at once (flushed)."""
     t0 = time.time()
     try:
-        rec = _record(a, scenario, variant, repeat, run_once(a, variant, scenario), time.time() - t0)
+        rec = _record(a, scenario, variant, repeat, run_once(a, variant, scenario, repeat), time.time() - t0)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         rec = {"scenario": scenario, "variant": variant, "repeat": repeat, "error": str(exc)[-500:],
                "wall_s": round(time.time() - t0, 1)}
@@ -239,11 +255,15 @@ def measure_cell(a, scenario: str, variant: str, repeat: int, log) -> dict:
     return rec
 
 
+def _measured(records: list[dict]) -> list[dict]:
+    """The records that count: measured, and not from the traced pass."""
+    return [r for r in records if "median_s" in r and r["repeat"] != TRACED_REPEAT]
+
+
 def paired_speeds(records: list[dict], scenario: str, variant: str) -> list[float]:
     """Per repeat that measured both: interleaved's time over `variant`'s (cells of one repeat run
     close together, so a slow phase of the host hits both: the ratio cancels it)."""
-    by = {(r["variant"], r["repeat"]): r["median_s"] for r in records
-          if "median_s" in r and r["scenario"] == scenario}
+    by = {(r["variant"], r["repeat"]): r["median_s"] for r in _measured(records) if r["scenario"] == scenario}
     return [by[("interleaved", rep)] / by[(variant, rep)] for (v, rep) in sorted(by)
             if v == variant and ("interleaved", rep) in by]
 
@@ -262,9 +282,8 @@ def summarize(a, records: list[dict]) -> dict:
     """Per scenario and variant: median over repeats, spread, speed vs interleaved (ratio of the
     medians, and the median of per-repeat paired ratios with a 95 % bootstrap interval), memory."""
     times: dict = {}
-    for r in records:
-        if "median_s" in r:
-            times.setdefault((r["scenario"], r["variant"]), []).append(r["median_s"])
+    for r in _measured(records):
+        times.setdefault((r["scenario"], r["variant"]), []).append(r["median_s"])
     out = {}
     for scenario in a.scenarios:
         base = statistics.median(times[(scenario, "interleaved")]) if (scenario, "interleaved") in times else None
@@ -312,6 +331,9 @@ def parse_args(argv):
     p.add_argument("--smoke", action="store_true", help="2 ranks, tiny model, 1 repeat, balanced + jitter1")
     p.add_argument("--out", default="runs/dpp_bench")
     p.add_argument("--isolated", action="store_true", help="a fresh `megatronapp train` job per cell")
+    p.add_argument("--trace-cells", action="store_true",
+                   help="after the repeats, one more pass of every cell with MegaScan tracing, into "
+                        "OUT/traces/SCENARIO__VARIANT (left out of the statistics; read by dpp_trace_gap.py)")
     a = p.parse_args(argv)
     if a.smoke:
         a.nproc, a.pp, a.microbatches, a.num_layers, a.hidden_size, a.seq_length = 2, 2, 4, 4, 64, 32
@@ -333,6 +355,9 @@ def build_plan(a) -> list[tuple[int, str, str]]:
     for rep in range(a.repeats):
         rng.shuffle(cells)
         plan += [(rep, s, v) for s, v in cells]
+    if a.trace_cells:
+        rng.shuffle(cells)
+        plan += [(TRACED_REPEAT, s, v) for s, v in cells]
     return plan
 
 
@@ -359,6 +384,8 @@ def main(argv=None) -> int:
         return 0
     a = parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    if a.trace_cells:  # a trace directory holds one cell's ranks, never an older run's
+        shutil.rmtree(Path(a.out) / "traces", ignore_errors=True)
     plan = build_plan(a)
     records = run_isolated(a, plan) if a.isolated else run_persistent(a, plan)
     results = summarize(a, records)

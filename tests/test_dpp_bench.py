@@ -16,7 +16,7 @@ def test_each_cell_is_written_when_measured_and_failures_are_kept(tmp_path, monk
     seen_on_disk = []
     log = tmp_path / "dpp_bench.jsonl"
 
-    def fake_run_once(a, variant, scenario):
+    def fake_run_once(a, variant, scenario, repeat=0):
         seen_on_disk.append(len(log.read_text().splitlines()) if log.exists() else 0)
         if (scenario, variant) == ("link", "breadth-first"):
             raise subprocess.TimeoutExpired("train", 1)
@@ -37,7 +37,7 @@ def test_each_cell_is_written_when_measured_and_failures_are_kept(tmp_path, monk
 def test_budget_stops_starting_cells(tmp_path, monkeypatch):
     clock = iter(range(0, 10_000, 100))  # each call to time.time() advances 100 s
     monkeypatch.setattr(dpp_bench.time, "time", lambda: next(clock))
-    monkeypatch.setattr(dpp_bench, "run_once", lambda a, v, s: [0.1])
+    monkeypatch.setattr(dpp_bench, "run_once", lambda a, v, s, r=0: [0.1])
     dpp_bench.main(["--isolated", "--out", str(tmp_path), "--budget-s", "1000"])
     lines = (tmp_path / "dpp_bench.jsonl").read_text().splitlines()
     assert 0 < len(lines) < 32
@@ -45,18 +45,38 @@ def test_budget_stops_starting_cells(tmp_path, monkeypatch):
 
 def test_persistent_ranks_run_every_cell_one_after_the_other(tmp_path):
     """The default mode: one launched set of ranks runs all cells (static and dynamic schedules,
-    with and without jitter) with fresh groups per cell; every cell's record reaches the JSONL."""
+    with and without jitter) with fresh groups per cell; every cell's record reaches the JSONL.
+    --trace-cells adds a traced pass that the statistics leave out and dpp_trace_gap.py reads."""
     code = dpp_bench.main(["--smoke", "--out", str(tmp_path), "--variants", "interleaved", "dynamic-df",
-                           "--timeout", "240"])
+                           "--timeout", "240", "--trace-cells"])
     assert code == 0
     lines = [json.loads(x) for x in (tmp_path / "dpp_bench.jsonl").read_text().splitlines()]
-    assert sorted((r["scenario"], r["variant"]) for r in lines) == [
-        ("balanced", "dynamic-df"), ("balanced", "interleaved"), ("jitter1", "dynamic-df"), ("jitter1", "interleaved")]
+    cells = [("balanced", "dynamic-df"), ("balanced", "interleaved"), ("jitter1", "dynamic-df"),
+             ("jitter1", "interleaved")]
+    measured = [r for r in lines if r["repeat"] == 0]
+    assert sorted((r["scenario"], r["variant"]) for r in measured) == cells
+    assert sorted((r["scenario"], r["variant"]) for r in lines if r["repeat"] == dpp_bench.TRACED_REPEAT) == cells
     for r in lines:
         assert "error" not in r and len(r["steps_s"]) == 3 and all(t > 0 for t in r["steps_s"])
     # a cell leaves no thread or connection behind (the first may start lazily made ones)
-    state = [(r["process"]["threads"], r["process"]["fds"]) for r in lines]
+    state = [(r["process"]["threads"], r["process"]["fds"]) for r in measured]
     assert state[1] == state[2] == state[3], state
+    summary = json.loads((tmp_path / "dpp_bench.json").read_text())["results"]
+    assert all(len(summary[f"{s}/{v}"]["runs_s"]) == 1 for s, v in cells)  # the traced pass is not counted
+
+    import dpp_trace_gap
+
+    result = dpp_trace_gap.analyse(dpp_trace_gap.load_cells(tmp_path, warmup=2), seeds=2)
+    assert set(result) == {"balanced", "jitter1"}
+    for scenario, rows in result.items():
+        assert set(rows) == {"interleaved", "dynamic-df"}
+        for row in rows.values():
+            assert row["iterations"] == 3 and row["measured_ms"] > 0 and row["predicted_ms"] > 0
+            assert all(0 < b <= 1 for b in row["busy"])
+        assert rows["dynamic-df"]["measured_speed"] > 0 and rows["dynamic-df"]["predicted_speed"] > 0
+    # the jitter the cell ran with reaches the simulator, on the traced pipeline's pp ranks
+    traced = dpp_trace_gap.load_cells(tmp_path, warmup=2)[("jitter1", "interleaved")]
+    assert [(j.rank, j.max_factor) for j in dpp_trace_gap.injections(traced, 0)["jitter"]] == [(1, 1.5)]
 
 
 def test_paired_speeds_divide_within_a_repeat_and_skip_unpaired_repeats():

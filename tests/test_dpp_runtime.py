@@ -44,11 +44,12 @@ def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: 
     layout = (TP, PP, V, M, layers)."""
     tp, pp, vpp, m, num_layers = layout
     out = []
-    for k, (schedule, traversal, cap) in enumerate(variants):
+    for k, (schedule, traversal, cap, *send_thread) in enumerate(variants):  # send_thread: default True
         dp = world // (tp * pp)
         job = make_job(world, tp, pp, vpp, schedule, global_batch=m * dp, iters=iters, num_layers=num_layers)
         groups = build_process_groups(job.layout, rank)
-        factory = (build_dynamic_runtime_factory(DppConfig(traversal, cap), job) if schedule == "dynamic" else None)
+        factory = (build_dynamic_runtime_factory(DppConfig(traversal, cap, send_thread=all(send_thread)), job)
+                   if schedule == "dynamic" else None)
         injector = RandomDelays(1000 * k + rank, delay_ms) if delay_ms else None
         trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank),
                           injector=injector, runtime_factory=factory)
@@ -86,10 +87,11 @@ def test_dynamic_and_breadth_first_match_interleaved_and_one_process(cluster):
     pp, vpp, m = 2, 3, 4
     caps = [vpp, None, vpp * m]  # the minimum, interleaved's default, unbounded
     variants = [("interleaved", None, None), ("breadth-first", None, None)] + \
-        [("dynamic", t, c) for t in TRAVERSALS for c in caps if t != "in-order" or c != vpp]  # in-order: >= its peak
+        [("dynamic", t, c) for t in TRAVERSALS for c in caps if t != "in-order" or c != vpp] + \
+        [("dynamic", "in-order", None, False)]  # in-order: >= its peak; last: sends on the compute thread
     results = cluster.run(train_variants, pp, (1, pp, vpp, m, 6), variants)
     _check_against(results, variants, _reference(m, 6))
-    for i, (schedule, _, cap) in enumerate(variants):
+    for i, (schedule, _, cap, *_) in enumerate(variants):
         for rank, rank_results in enumerate(results):
             r = rank_results[i]
             if schedule == "dynamic":  # the runtime's own counters: never above the cap
@@ -215,3 +217,50 @@ def test_a_message_that_breaks_the_model_spec_is_an_error_naming_both(cluster):
     message = cluster.run(_receive_with_wrong_spec, 2)[1]
     assert message == ("rank 0 sent (3, 5) torch.float32 for F(c1,m0), but the model's spec for its messages "
                        "is (5, 3) torch.float32")
+
+
+class _SlowWork:
+    def wait(self) -> None:
+        pass
+
+
+def test_the_sender_thread_keeps_isends_off_the_compute_thread_in_order(monkeypatch):
+    """gloo's isend writes before it returns; with the sender thread a send only queues, the
+    isends go out in send order (header then payload, per message), and finish() waits."""
+    import megatronapp.dpp.transport as transport
+    from megatronapp.dpp.tasks import forward_task
+
+    issued = []
+
+    def slow_isend(tensor, dst, tag):
+        time.sleep(0.05)
+        issued.append((dst, tag, tensor.dtype))
+        return _SlowWork()
+
+    monkeypatch.setattr(transport.dist, "isend", slow_isend)
+    outbox = transport.Outbox()
+    t0 = time.perf_counter()
+    for m in range(4):
+        outbox.send(1 + m % 2, forward_task(0, m), torch.zeros(2, 3))
+    queued_s = time.perf_counter() - t0
+    outbox.finish()
+    assert queued_s < 0.05, queued_s  # not one isend's worth: the compute thread did not issue them
+    assert issued == [(1 + m % 2, tag, dtype) for m in range(4)
+                      for tag, dtype in ((transport.HEADER_TAG, torch.int64), (transport.PAYLOAD_TAG, torch.float32))]
+    assert not outbox._thread.is_alive()
+
+
+def test_a_failed_send_is_raised_and_a_bad_tensor_at_once(monkeypatch):
+    import megatronapp.dpp.transport as transport
+    from megatronapp.dpp.tasks import forward_task
+
+    def broken_isend(tensor, dst, tag):
+        raise RuntimeError("connection reset by peer")
+
+    monkeypatch.setattr(transport.dist, "isend", broken_isend)
+    outbox = transport.Outbox()
+    with pytest.raises(ValueError, match="cannot send a 5-dim"):
+        outbox.send(1, forward_task(0, 0), torch.zeros(1, 1, 1, 1, 1))
+    outbox.send(1, forward_task(0, 0), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="sending failed: connection reset by peer"):
+        outbox.finish()

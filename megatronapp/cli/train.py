@@ -60,6 +60,8 @@ def _build_tracer(args, job, groups, device, meta_overrides=None):
         run_id=os.environ.get("MEGATRONAPP_RUN_ID", "local"), clock="cuda" if device.type == "cuda" else "monotonic",
         run={"model": asdict(job.model), "schedule": job.train.schedule,
              "inject_slowdown": args.inject_slowdown, "inject_link_delay": args.inject_link_delay,
+             "inject_jitter": args.inject_jitter or [], "dpp_traversal": args.dpp_traversal,
+             "dpp_max_inflight": args.dpp_max_inflight,
              **({"role": over["role"]} if "role" in over else {})})
     skew = int(os.environ.get("MEGATRONAPP_TRACE_CLOCK_SKEW_NS", "0"))  # tests skew clocks per rank
     cfg = TraceConfig(enabled=True, trace_dir=args.trace_dir, interval=args.trace_interval,

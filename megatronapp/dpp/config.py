@@ -32,6 +32,7 @@ class DppConfig:
     traversal: str = "depth-first"
     max_inflight: int | None = None  # None: per rank, what interleaved 1F1B holds
     jitter: tuple[JitterSpec, ...] = ()
+    send_thread: bool = True  # sends issued off the compute thread (transport.Outbox)
 
     def __post_init__(self) -> None:
         if self.traversal not in TRAVERSALS:
@@ -60,6 +61,9 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how a rank picks among ready tasks")
     g.add_argument("--dpp-max-inflight", type=int, default=None, metavar="N",
                    help="most microbatches whose activations a rank holds; default: what interleaved 1F1B holds")
+    g.add_argument("--no-dpp-send-thread", dest="dpp_send_thread", action="store_false", default=True,
+                   help="issue the dynamic runtime's sends on the compute thread (default: a sender thread, "
+                        "since gloo's isend writes to the socket before it returns)")
     g.add_argument("--inject-jitter", action="append", default=[], metavar="RANK:MAXFACTOR[:SEED]",
                    help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly")
 
@@ -70,4 +74,5 @@ def build_dpp_config(args: argparse.Namespace, world_size: int) -> DppConfig:
     for j in jitter:
         if j.rank >= world_size:
             raise DppConfigError(f"--inject-jitter rank {j.rank} is outside world size {world_size}")
-    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight, jitter=jitter)
+    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight, jitter=jitter,
+                     send_thread=args.dpp_send_thread)

@@ -96,12 +96,15 @@ class DynamicPipelineRuntime:
         sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
         inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait,
                                          self._message_specs(microbatches))
-        outbox, st = Outbox(), _Step(microbatches, iteration)
+        outbox, st = Outbox(threaded=self.config.send_thread), _Step(microbatches, iteration)
         self.counters.tasks = []
-        while not sched.done:  # on an error the daemon receiver threads are left behind, not joined
-            decision, waited = self._next_decision(sched, inbox, st)
-            busy = self._run_task(decision, sched, st, outbox)
-            sched.observe(busy, waited)
+        try:
+            while not sched.done:  # on an error the daemon receiver threads are left behind, not joined
+                decision, waited = self._next_decision(sched, inbox, st)
+                busy = self._run_task(decision, sched, st, outbox)
+                sched.observe(busy, waited)
+        finally:
+            outbox.close()  # the sender thread ends with the step, on every path
         for t in threads:  # every expected message was consumed, so they have ended
             t.join()
         outbox.finish()

@@ -10,7 +10,7 @@ traced iteration is left out when there are three or more (warm-up).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatronapp import spans as spans_vocab
 from megatronapp.dpp.simulator import CostModel, Span
@@ -24,6 +24,8 @@ class TracedRun:
     num_microbatches: int
     schedule: str
     spans: dict  # iteration -> list[Span] (seconds from that iteration's first task)
+    run_meta: dict = field(default_factory=dict)  # the trace's "run" metadata (schedule, injections)
+    dp_size: int = 1
 
 
 def load_traced_run(trace_dir: str) -> TracedRun:
@@ -55,8 +57,9 @@ def load_traced_run(trace_dir: str) -> TracedRun:
                            key=lambda s: s.start_s)
     if len(spans) >= 3:
         del spans[min(spans)]
-    return TracedRun(layout["pp_size"], layout["virtual_pp_size"], num_mb,
-                     traces[0].meta.get("run", {}).get("schedule", "custom"), spans)
+    run_meta = traces[0].meta.get("run", {})
+    return TracedRun(layout["pp_size"], layout["virtual_pp_size"], num_mb, run_meta.get("schedule", "custom"), spans,
+                     run_meta, layout.get("dp_size", 1))
 
 
 def compute_trace_costs(run: TracedRun, **link) -> CostModel:

@@ -44,11 +44,11 @@ def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: 
     layout = (TP, PP, V, M, layers)."""
     tp, pp, vpp, m, num_layers = layout
     out = []
-    for k, (schedule, traversal, cap, *send_thread) in enumerate(variants):  # send_thread: default True
+    for k, (schedule, traversal, cap, *send_thread) in enumerate(variants):  # send_thread: "on" unless given
         dp = world // (tp * pp)
         job = make_job(world, tp, pp, vpp, schedule, global_batch=m * dp, iters=iters, num_layers=num_layers)
         groups = build_process_groups(job.layout, rank)
-        factory = (build_dynamic_runtime_factory(DppConfig(traversal, cap, send_thread=all(send_thread)), job)
+        factory = (build_dynamic_runtime_factory(DppConfig(traversal, cap, send_thread=(send_thread or ["on"])[0]), job)
                    if schedule == "dynamic" else None)
         injector = RandomDelays(1000 * k + rank, delay_ms) if delay_ms else None
         trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank),
@@ -88,7 +88,7 @@ def test_dynamic_and_breadth_first_match_interleaved_and_one_process(cluster):
     caps = [vpp, None, vpp * m]  # the minimum, interleaved's default, unbounded
     variants = [("interleaved", None, None), ("breadth-first", None, None)] + \
         [("dynamic", t, c) for t in TRAVERSALS for c in caps if t != "in-order" or c != vpp] + \
-        [("dynamic", "in-order", None, False)]  # in-order: >= its peak; last: sends on the compute thread
+        [("dynamic", "in-order", None, "off")]  # in-order: >= its peak; last: sends on the compute thread
     results = cluster.run(train_variants, pp, (1, pp, vpp, m, 6), variants)
     _check_against(results, variants, _reference(m, 6))
     for i, (schedule, _, cap, *_) in enumerate(variants):
@@ -264,3 +264,15 @@ def test_a_failed_send_is_raised_and_a_bad_tensor_at_once(monkeypatch):
     outbox.send(1, forward_task(0, 0), torch.zeros(2))
     with pytest.raises(RuntimeError, match="sending failed: connection reset by peer"):
         outbox.finish()
+
+
+def test_the_send_thread_is_used_where_each_rank_has_a_spare_core():
+    from megatronapp.dpp.config import DppConfigError, resolve_send_thread
+
+    assert resolve_send_thread("auto", cores=16, local_ranks=8, threads_per_rank=1)  # the device host
+    assert not resolve_send_thread("auto", cores=2, local_ranks=2, threads_per_rank=1)  # the 2-core VM
+    assert not resolve_send_thread("auto", cores=16, local_ranks=8, threads_per_rank=2)
+    assert resolve_send_thread("on", cores=2, local_ranks=2, threads_per_rank=1)
+    assert not resolve_send_thread("off", cores=64, local_ranks=1, threads_per_rank=1)
+    with pytest.raises(DppConfigError, match="--dpp-send-thread must be one of auto, on, off"):
+        DppConfig(send_thread="yes")

@@ -23,6 +23,8 @@ from megatronapp.parallel.fp8 import (
     enable_fp8,
     fp8_linear,
     power_of_two_scale,
+    quantize,
+    tensor_amax,
 )
 from megatronapp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatronapp.parallel.wgrad_fusion import mark_first_write
@@ -187,3 +189,12 @@ def test_bad_fp8_configs_are_refused():
         validate_job(odd_tokens)
     with pytest.raises(ConfigError, match=r"hidden size / tensor-parallel size \(8\)"):
         make_job(4, 4, bf16=True, fp8_format="hybrid")
+
+
+def test_quantized_operands_are_row_major_even_from_a_transposed_tensor():
+    """cuBLASLt takes `_scaled_mm`'s first operand row-major only; a gradient can arrive
+    transposed, and a cast keeps its strides."""
+    g = torch.randn(48, 32).t()
+    q, inv = quantize(g, E5M2, tensor_amax(g))
+    assert q.is_contiguous() and q.dtype == E5M2
+    torch.testing.assert_close(q.float() * inv, g, rtol=0.25, atol=0.0)

@@ -27,16 +27,33 @@ class JitterSpec:
             raise DppConfigError(f"--inject-jitter MAXFACTOR must be >= 1, got {self.max_factor}")
 
 
+SEND_THREAD = ("auto", "on", "off")
+
+
+def resolve_send_thread(setting: str, cores: int, local_ranks: int, threads_per_rank: int) -> bool:
+    """Whether the dynamic runtime issues its sends from a thread of their own. `auto`: only
+    when the host has a spare core for each rank's sender (cores >= local ranks x (compute
+    threads + 1)). Measured on the 2-core VM with 2 ranks, where it has none: the thread
+    takes the sends off the compute thread (10.6 -> 0.9 ms a step) but the step is 1-2 %
+    slower, as the sender then competes with the computing ranks for a core
+    (benchmarks/dpp_send_cost.py, BENCHMARKS.md)."""
+    if setting != "auto":
+        return setting == "on"
+    return cores >= local_ranks * (threads_per_rank + 1)
+
+
 @dataclass(frozen=True)
 class DppConfig:
     traversal: str = "depth-first"
     max_inflight: int | None = None  # None: per rank, what interleaved 1F1B holds
     jitter: tuple[JitterSpec, ...] = ()
-    send_thread: bool = True  # sends issued off the compute thread (transport.Outbox)
+    send_thread: str = "auto"  # one of SEND_THREAD: sends issued off the compute thread (transport.Outbox)
 
     def __post_init__(self) -> None:
         if self.traversal not in TRAVERSALS:
             raise DppConfigError(f"--dpp-traversal must be one of {', '.join(TRAVERSALS)}, got {self.traversal!r}")
+        if self.send_thread not in SEND_THREAD:
+            raise DppConfigError(f"--dpp-send-thread must be one of {', '.join(SEND_THREAD)}, got {self.send_thread!r}")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise DppConfigError(f"--dpp-max-inflight must be >= 1 (a rank needs one slot to admit any "
                                  f"microbatch), got {self.max_inflight}")
@@ -61,9 +78,9 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how a rank picks among ready tasks")
     g.add_argument("--dpp-max-inflight", type=int, default=None, metavar="N",
                    help="most microbatches whose activations a rank holds; default: what interleaved 1F1B holds")
-    g.add_argument("--no-dpp-send-thread", dest="dpp_send_thread", action="store_false", default=True,
-                   help="issue the dynamic runtime's sends on the compute thread (default: a sender thread, "
-                        "since gloo's isend writes to the socket before it returns)")
+    g.add_argument("--dpp-send-thread", choices=SEND_THREAD, default=DppConfig.send_thread,
+                   help="issue the dynamic runtime's sends from a thread of their own (gloo's isend writes to the "
+                        "socket before it returns); auto: when the host has a spare core per rank")
     g.add_argument("--inject-jitter", action="append", default=[], metavar="RANK:MAXFACTOR[:SEED]",
                    help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly")
 

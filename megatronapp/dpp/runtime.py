@@ -20,6 +20,7 @@ member, so the reduction is left to the end of the step (GradReducer.finish).
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatronapp.dpp.config import DppConfig
+from megatronapp.dpp.config import DppConfig, resolve_send_thread
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import Decision, RankScheduler, compute_default_caps
 from megatronapp.dpp.tasks import BACKWARD, FORWARD, remote_inputs
@@ -85,6 +86,9 @@ class DynamicPipelineRuntime:
         self.recv_counts = collections.Counter(src for _, src in self.remote_inputs)
         self.tp_root = lay.rank_of(0, groups.dp_rank, groups.pp_rank)
         self.counters = RuntimeCounters()
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", lay.world_size))  # torchrun's; else one host
+        self.send_thread = resolve_send_thread(config.send_thread, len(os.sched_getaffinity(0)), local_ranks,
+                                               torch.get_num_threads())
 
     def run(self, microbatches: list, iteration: int = 0) -> torch.Tensor | None:
         """Forward+backward of every microbatch; the summed 1/M-scaled loss on the last stage."""
@@ -96,7 +100,7 @@ class DynamicPipelineRuntime:
         sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
         inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait,
                                          self._message_specs(microbatches))
-        outbox, st = Outbox(threaded=self.config.send_thread), _Step(microbatches, iteration)
+        outbox, st = Outbox(threaded=self.send_thread), _Step(microbatches, iteration)
         self.counters.tasks = []
         try:
             while not sched.done:  # on an error the daemon receiver threads are left behind, not joined

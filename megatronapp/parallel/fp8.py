@@ -81,10 +81,11 @@ def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t * scale cast to `dtype`, 1 / scale): `_scaled_mm` multiplies the product back by the
-    reciprocals it is given."""
+    """(t * scale cast to `dtype`, row-major, 1 / scale): `_scaled_mm` multiplies the product
+    back by the reciprocals it is given, and takes its first operand row-major only (a
+    gradient can arrive transposed; the cast keeps its strides)."""
     scale = power_of_two_scale(amax, dtype)
-    return (t.float() * scale).to(dtype), scale.reciprocal()
+    return (t.float() * scale).to(dtype).contiguous(), scale.reciprocal()
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:

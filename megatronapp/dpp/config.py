@@ -34,7 +34,7 @@ def resolve_send_thread(setting: str, cores: int, local_ranks: int, threads_per_
     """Whether the dynamic runtime issues its sends from a thread of their own. `auto`: only
     when the host has a spare core for each rank's sender (cores >= local ranks x (compute
     threads + 1)). Measured on the 2-core VM with 2 ranks, where it has none: the thread
-    takes the sends off the compute thread (10.6 -> 0.9 ms a step) but the step is 1-2 %
+    takes the sends off the compute thread (~10 -> 0.7 ms a step) but the step is 0-2.5 %
     slower, as the sender then competes with the computing ranks for a core
     (benchmarks/dpp_send_cost.py, BENCHMARKS.md)."""
     if setting != "auto":

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megatronapp.model.recompute import RecomputeConfig
-from megatronapp.parallel.fp8 import FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES
+from megatronapp.parallel.fp8 import FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES, compute_fp8_layers
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -131,6 +131,9 @@ class TrainConfig:
     # Megatron's --fp8-format e4m3|hybrid; only its tensorwise (current-scaling) recipe is built
     fp8_format: str | None = None
     fp8_recipe: str = "tensorwise"
+    first_last_layers_bf16: bool = False  # Megatron's: the first / last layers' GEMMs stay bf16
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
     use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over DP
     overlap_param_gather: bool = False  # distributed optimizer: all-gather params during the next forward
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
@@ -175,6 +178,14 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def fp8_layers(self, num_layers: int) -> range:
+        """Global indices of the layers whose GEMMs run in FP8 (empty without --fp8-format)."""
+        if self.fp8_format is None:
+            return range(0)
+        if not self.first_last_layers_bf16:
+            return compute_fp8_layers(num_layers)
+        return compute_fp8_layers(num_layers, self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16)
+
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
 
@@ -195,6 +206,11 @@ class TrainConfig:
                 raise ConfigError(f"unknown fp8 format {self.fp8_format!r}; choose from {', '.join(FP8_FORMATS)}")
             if not (self.bf16 or self.fp16):
                 raise ConfigError("--fp8-format needs --bf16 or --fp16 (FP8 GEMMs, the rest in bf16/fp16, as Megatron)")
+        if self.first_last_layers_bf16 and self.fp8_format is None:
+            raise ConfigError("--first-last-layers-bf16 needs --fp8-format")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"fp8 recipe {self.fp8_recipe!r} is not built; choose from {', '.join(FP8_RECIPES)}")
         for name in ("loss_scale_window", "hysteresis"):
@@ -247,6 +263,10 @@ def validate_job(job: JobConfig) -> None:
                               f"tensor-parallel size {lay.tp_size}")
     if t.fp8_format is not None:
         _check_fp8_shapes(job)
+        if not t.fp8_layers(m.num_layers):
+            raise ConfigError(f"--num-layers-at-start-in-bf16 {t.num_layers_at_start_in_bf16} and "
+                              f"--num-layers-at-end-in-bf16 {t.num_layers_at_end_in_bf16} leave none of the "
+                              f"{m.num_layers} layers in FP8")
     if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
         raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
                           "follows the whole update; use --overlap-param-gather)")

@@ -198,3 +198,24 @@ def test_quantized_operands_are_row_major_even_from_a_transposed_tensor():
     q, inv = quantize(g, E5M2, tensor_amax(g))
     assert q.is_contiguous() and q.dtype == E5M2
     torch.testing.assert_close(q.float() * inv, g, rtol=0.25, atol=0.0)
+
+
+def test_first_and_last_layers_can_stay_bf16():
+    """Megatron's --first-last-layers-bf16: only the middle layers' linears are switched."""
+    from engine_jobs import RandomTokenBatches
+
+    from megatronapp.engine.trainer import Trainer
+    from megatronapp.parallel.groups import single_process_groups
+
+    torch.set_num_threads(1)
+    job = make_job(1, bf16=True, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_end_in_bf16=2)
+    trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0))
+    in_fp8 = {i for i, block in trainer.chunks[0].layers.items()
+              if all(m.fp8_spec is not None for m in block.modules() if hasattr(m, "fp8_spec"))}
+    assert in_fp8 == {"1"}  # 4 layers: the first and the last two stay bf16
+    assert trainer.chunks[0].output.fp8_spec is None
+    with pytest.raises(ConfigError, match="leave none of the 4 layers in FP8"):
+        make_job(1, bf16=True, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
+                 num_layers_at_end_in_bf16=2)
+    with pytest.raises(ConfigError, match="--first-last-layers-bf16 needs --fp8-format"):
+        TrainConfig(bf16=True, first_last_layers_bf16=True)

@@ -32,7 +32,8 @@ from megatronapp.parallel.fp8 import FP8_FORMATS, FP8_RECIPES
 _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
                 "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
                 "bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                "hysteresis", "fp8_format", "fp8_recipe", "use_distributed_optimizer", "overlap_param_gather",
+                "hysteresis", "fp8_format", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+                "num_layers_at_end_in_bf16", "use_distributed_optimizer", "overlap_param_gather",
                 "compile", "overlap_grad_reduce",
                 "gradient_accumulation_fusion", "fused_master_adamw", "overlap_param_update",
                 "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
@@ -116,6 +117,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                 "or hybrid (E5M2 gradients)", choices=FP8_FORMATS)
     _train_flag(g, "--fp8-recipe", "scaling recipe: tensorwise (current scaling, power-of-two scales)",
                 choices=FP8_RECIPES)
+    _train_flag(g, "--first-last-layers-bf16", "with --fp8-format: keep the first and last layers' GEMMs in bf16",
+                action="store_true")
+    _train_flag(g, "--num-layers-at-start-in-bf16", "with --first-last-layers-bf16", type=int)
+    _train_flag(g, "--num-layers-at-end-in-bf16", "with --first-last-layers-bf16", type=int)
     _train_flag(g, "--use-distributed-optimizer", "shard fp32 master weights and Adam state over DP (ZeRO-1)",
                 action="store_true")
     _train_flag(g, "--overlap-param-gather", "distributed optimizer: all-gather updated params during the next "

@@ -74,7 +74,9 @@ class Trainer:
                                          num_chunks=lay.virtual_pp_size, tp=tp, seed=t.seed, device=device,
                                          options=options)
         if t.fp8_format is not None:
-            enable_fp8([block for c in self.chunks for block in c.layers.values()], t.fp8_format)
+            in_fp8 = t.fp8_layers(job.model.num_layers)
+            enable_fp8([block for c in self.chunks for i, block in c.layers.items() if int(i) in in_fp8],
+                       t.fp8_format)
         if job.train.compile:
             apply_compile(self.chunks)
         self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job.train, groups, device)

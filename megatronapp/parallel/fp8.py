@@ -153,6 +153,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _FP8Linear.apply(x, weight, bias, main_grad, spec)
 
 
+def compute_fp8_layers(num_layers: int, bf16_at_start: int = 0, bf16_at_end: int = 0) -> range:
+    """Global indices of the layers that run FP8 GEMMs when the first `bf16_at_start` and the
+    last `bf16_at_end` stay bf16 (Megatron's --first-last-layers-bf16: the layers nearest the
+    embedding and the output are the most sensitive to FP8's rounding)."""
+    return range(bf16_at_start, num_layers - bf16_at_end)
+
+
 def enable_fp8(blocks, fmt: str) -> int:
     """Switch every TP linear inside `blocks` (the transformer layers; not the embedding or
     the output layer) to FP8 GEMMs in format `fmt`; returns how many were switched."""

@@ -18,9 +18,9 @@ until wait(), and a second wait() hangs), so one thread cannot both compute and 
 arrival. Each `PeerReceiver` thread always has a recv from its peer posted and
 blocks in wait() (which releases the GIL), then hands (task, tensor) to the compute thread
 through a queue; the compute thread drains the queue without blocking whenever it decides,
-and blocks on it only when no task is ready. Sends are `isend`s issued by one sender thread
-per step (`Outbox`: gloo's isend writes in the calling thread) and completed at the end of
-the step, so they never block compute. Per pair, messages stay FIFO (gloo and
+and blocks on it only when no task is ready. Sends are `isend`s, issued by one sender thread
+per step where each rank has a spare core (`Outbox`: gloo's isend writes in the calling
+thread), and completed at the end of the step, so they never wait on a receiver. Per pair, messages stay FIFO (gloo and
 NCCL both keep order per pair and tag), which is all the header/payload pairing needs.
 CPU/gloo only: NCCL's recv wait() does not block the host, so this thread design does not
 apply there (the runtime refuses a CUDA device).
@@ -130,8 +130,8 @@ class PeerReceiver(threading.Thread):
 
 
 class Outbox:
-    """Asynchronous sends of one step, issued by a sender thread; `finish()` completes them
-    (end of step), `close()` stops the thread on an error path.
+    """Asynchronous sends of one step, issued by a sender thread (or inline, `threaded=False`);
+    `finish()` completes them (end of step), `close()` stops the thread on an error path.
 
     Why a thread: gloo's isend writes to the socket in the calling thread before it returns
     (its TCP pair sends what the socket takes at once). Measured on the 2-core VM for a PP2
@@ -157,7 +157,7 @@ class Outbox:
             raise RuntimeError(f"an earlier send failed: {self.error}") from self.error
         tensor = tensor.detach().contiguous()
         check_sendable(tensor)
-        if self._thread is None:  # --no-dpp-send-thread: on the compute thread, as before
+        if self._thread is None:  # --dpp-send-thread off (or auto without a spare core): inline
             self._issue(dst, task, tensor)
         else:
             self._queue.put((dst, task, tensor))

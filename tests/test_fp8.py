@@ -144,8 +144,9 @@ def test_fp8_tp2_computes_what_one_process_computes(cluster, sequence_parallel):
             torch.testing.assert_close(rep[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("layout", [(2, 1, {}), (2, 1, {"sequence_parallel": True}), (1, 2, {})],
-                         ids=["tp2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", [(2, 1, {}), (2, 1, {"sequence_parallel": True}), (1, 2, {}),
+                                    (1, 1, {"use_distributed_optimizer": True})],
+                         ids=["tp2", "tp2_sp", "pp2", "dp2_distopt"])
 def test_fp8_training_layouts_follow_single_process(cluster, layout):
     """bf16 + FP8 training at TP2 / TP2+SP / PP2 against one process with the same flags
     (bf16 reduction orders differ, so bf16 tolerance, as test_mixed_precision's layouts)."""
@@ -219,3 +220,25 @@ def test_first_and_last_layers_can_stay_bf16():
                  num_layers_at_end_in_bf16=2)
     with pytest.raises(ConfigError, match="--first-last-layers-bf16 needs --fp8-format"):
         TrainConfig(bf16=True, first_last_layers_bf16=True)
+
+
+@pytest.mark.parametrize("recompute", [{"recompute_granularity": "selective"},
+                                       {"recompute_granularity": "full", "recompute_num_layers": 2}],
+                         ids=["selective", "full"])
+def test_fp8_recompute_is_bit_identical(recompute):
+    """A recomputed forward casts the same values with the same scales: the same FP8 operands."""
+    torch.set_num_threads(1)
+    plain = train_and_report(0, 1, make_job(1, bf16=True, fp8_format="hybrid"))
+    again = train_and_report(0, 1, make_job(1, bf16=True, fp8_format="hybrid", **recompute))
+    assert again["losses"] == plain["losses"]
+    for key, (g, _, _) in plain["grads"].items():
+        assert torch.equal(again["grads"][key][0], g), key
+
+
+def test_fp8_resume_is_bit_identical(tmp_path):
+    """Current scaling keeps no state, so a checkpoint resumes FP8 training exactly."""
+    from test_checkpoint import train_save_resume
+
+    torch.set_num_threads(1)
+    rep = train_save_resume(0, 1, make_job(1, bf16=True, fp8_format="hybrid", iters=4), str(tmp_path))
+    assert rep["resumed"] == rep["straight"] and rep["params_equal"]

@@ -18,8 +18,8 @@ KINDS = ("none", "compute", "intermittent", "link", "two_faults")
 FAULT_KINDS = KINDS[1:]
 # fixed: see the module docstring. "heldout" was scored twice (session 4, 2026-12-03) with the
 # detector its figures describe; "heldout2" is fresh for the intermittent-noise-model detector
-# (all 170 runs scored in session 5); "heldout3" (drawn with secrets.randbelow) is reserved,
-# never run: the next detector change is judged on it. heldout4/5 judged sessions 8/9's detectors;
+# (all 170 runs scored in session 5); "heldout3" (drawn with secrets.randbelow) judged session 8's
+# detector (BENCHMARKS.md, "Fresh held-out pass heldout3"). heldout4/5 judged sessions 8/9's detectors;
 # "heldout6" (drawn with random.SystemRandom) judges session 13's periodic-spans-the-run rule.
 SPLIT_SEEDS = {"design": 20261203, "heldout": 917_450_311, "heldout2": 604_218_977, "heldout3": 802_045_250,
                "heldout4": 371_904_586, "heldout5": 269_905_560, "heldout6": 390_283_025}

@@ -10,9 +10,11 @@ gives, from the trace alone, over the iterations after --warmup:
              already arrived (posting communication, bookkeeping, the decision)
   p2p        mean delay from a producer's end to a waiting consumer's start
 and, from the simulator, `predicted`: the mean over --seeds jitter draws of the simulated
-iteration, with the task times of the variant's *balanced* cell (unjittered; the simulator
-draws the cell's jitter as the injector does, in run order) and this cell's host gap, p2p
-and link delays. Static variants are simulated with eager communication, as
+iteration, with this cell's task times (a jittered rank's divided by its mean factor, as
+the simulator draws the jitter again, in run order, as the injector does), this cell's
+host gap and link delays, and the p2p delay of the variant's balanced cell (this cell's
+would hold a delayed link's delay, which the simulator adds itself). Everything but p2p
+comes from the cell itself, so a host that drifts between cells does not show as error. Static variants are simulated with eager communication, as
 `megatronapp schedule simulate --from-trace` does (the fitted host gap holds their waits).
 Per scenario it then sets each variant's measured speed over interleaved beside the
 predicted one: if the two variants' task times are alike and their predictions are right,
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dpp_sim_study import variants as sim_variants  # noqa: E402
 
 from megatronapp.dpp.config import JitterSpec, parse_jitter  # noqa: E402
-from megatronapp.dpp.simulator import simulate  # noqa: E402
+from megatronapp.dpp.simulator import CostModel, simulate  # noqa: E402
 from megatronapp.dpp.trace_costs import (  # noqa: E402
     TracedRun,
     compute_iteration_times,
@@ -109,14 +111,27 @@ def cell_stats(run: TracedRun) -> dict:
             "host_gap_ms": estimate_task_overhead_s(run, latency) * 1e3, "p2p_ms": latency * 1e3}
 
 
+def dejittered_costs(run: TracedRun, **link) -> CostModel:
+    """The cell's own mean task times, each jittered rank's divided by its mean factor
+    (1 + MAXFACTOR) / 2: the injector stretches a task by its factor, drawn independently of
+    the task, so the simulator can draw the jitter again on top of these."""
+    cost = compute_trace_costs(run, **link)
+    mean_factor = {j.rank: (1.0 + j.max_factor) / 2 for j in injections(run, 0)["jitter"]}
+
+    def undo(table):
+        return tuple(tuple(t / mean_factor.get(p, 1.0) for t in row) for p, row in enumerate(table))
+
+    return replace(cost, forward_s=undo(cost.forward_s), backward_s=undo(cost.backward_s))
+
+
 def predict_ms(run: TracedRun, balanced: TracedRun, variant: str, seeds: int) -> float | None:
-    """Simulated mean iteration of `variant` with `balanced`'s task times and `run`'s host gap,
-    p2p and injections; None for a variant the simulator does not name."""
+    """Simulated mean iteration of `variant`: this cell's de-jittered task times and host gap,
+    the p2p delay of the variant's balanced cell (a delayed link would count twice in this
+    cell's), the cell's injections drawn again; None for a variant the simulator does not name."""
     if variant not in SIM_NAME:
         return None
-    latency = estimate_p2p_latency_s(run)
-    base = compute_trace_costs(balanced, p2p_latency_s=latency,
-                               task_overhead_s=estimate_task_overhead_s(run, latency))
+    latency = estimate_p2p_latency_s(balanced)
+    base = dejittered_costs(run, p2p_latency_s=latency, task_overhead_s=estimate_task_overhead_s(run, latency))
     kw = sim_variants(run.pp_size, run.num_chunks, run.num_microbatches, TRAVERSALS)[SIM_NAME[variant]]
     return statistics.fmean(
         simulate(run.pp_size, run.num_chunks, run.num_microbatches, replace(base, **injections(run, seed)), **kw
@@ -130,7 +145,7 @@ def analyse(cells: dict[tuple[str, str], TracedRun], seeds: int) -> dict:
         balanced = cells.get(("balanced", variant), run)
         row = cell_stats(run)
         row["predicted_ms"] = predict_ms(run, balanced, variant, seeds)
-        row["task_times_from"] = "balanced" if ("balanced", variant) in cells else "this cell (no balanced cell)"
+        row["p2p_from"] = "balanced" if ("balanced", variant) in cells else "this cell (no balanced cell)"
         out.setdefault(scenario, {})[variant] = row
     for rows in out.values():
         base = rows.get("interleaved")

@@ -99,3 +99,22 @@ def test_send_cost_summary_pairs_steps_and_counts_messages():
     assert out["inline"]["messages_per_step"] == 2 and round(out["inline"]["send_ms_per_step"], 6) == 0.6
     assert round(out["threaded"]["send_us_median"], 6) == 20.0
     assert out["inline_over_threaded"]["n"] == 2 and round(out["inline_over_threaded"]["median"], 6) == 1.05
+
+
+def test_trace_gap_takes_the_jitter_out_of_a_jittered_ranks_task_times():
+    """The simulator draws a cell's jitter again, so the jittered rank's traced mean is divided
+    by the mean factor (1 + 1.5) / 2 first; other ranks' times are kept as traced."""
+    import dpp_trace_gap
+
+    from megatronapp.dpp.simulator import Span
+    from megatronapp.dpp.tasks import backward_task, forward_task
+    from megatronapp.dpp.trace_costs import TracedRun
+
+    spans = [Span(0, forward_task(0, 0), 0.0, 0.010), Span(1, forward_task(0, 0), 0.011, 0.036),
+             Span(1, backward_task(0, 0), 0.036, 0.086), Span(0, backward_task(0, 0), 0.087, 0.107)]
+    run = TracedRun(2, 1, 1, "1f1b", {0: spans}, {"inject_jitter": ["1:1.5:3"]}, 1)
+    cost = dpp_trace_gap.dejittered_costs(run)
+    assert [round(x[0], 6) for x in cost.forward_s] == [0.010, 0.020]
+    assert [round(x[0], 6) for x in cost.backward_s] == [0.020, 0.040]
+    (jitter,) = dpp_trace_gap.injections(run, 2)["jitter"]
+    assert (jitter.rank, jitter.max_factor, jitter.seed) == (1, 1.5, 2 * 1 + 3)  # another draw per seed

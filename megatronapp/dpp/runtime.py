@@ -87,8 +87,8 @@ class DynamicPipelineRuntime:
         self.tp_root = lay.rank_of(0, groups.dp_rank, groups.pp_rank)
         self.counters = RuntimeCounters()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", lay.world_size))  # torchrun's; else one host
-        self.send_thread = resolve_send_thread(config.send_thread, len(os.sched_getaffinity(0)), local_ranks,
-                                               torch.get_num_threads())
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.send_thread = resolve_send_thread(config.send_thread, cores, local_ranks, torch.get_num_threads())
 
     def run(self, microbatches: list, iteration: int = 0) -> torch.Tensor | None:
         """Forward+backward of every microbatch; the summed 1/M-scaled loss on the last stage."""

@@ -6,8 +6,9 @@ gives, from the trace alone, over the iterations after --warmup:
   measured   mean iteration: first task start to last task end
   busy       per pp rank, the share of the iteration inside its compute spans
   fwd / bwd  mean task ms per pp rank (a jittered rank's draws included)
-  host gap   mean gap between a rank's consecutive tasks when the second one's input had
-             already arrived (posting communication, bookkeeping, the decision)
+  host gap   per pp rank, mean gap between its consecutive tasks when the second one's input
+             had already arrived (posting communication, bookkeeping, the decision; for the
+             static runtime also its sends' waits for a slow receiver)
   p2p        mean delay from a producer's end to a waiting consumer's start
 and, from the simulator, `predicted`: the mean over --seeds jitter draws of the simulated
 iteration, with this cell's task times (a jittered rank's divided by its mean factor, as
@@ -45,7 +46,7 @@ from megatronapp.dpp.trace_costs import (  # noqa: E402
     compute_iteration_times,
     compute_trace_costs,
     estimate_p2p_latency_s,
-    estimate_task_overhead_s,
+    estimate_task_overheads_s,
     load_traced_run,
 )
 from megatronapp.engine.faults import parse_fault_plan  # noqa: E402
@@ -108,7 +109,7 @@ def cell_stats(run: TracedRun) -> dict:
             "busy": [b / (measured * len(iterations)) for b in busy],
             "fwd_ms": [statistics.fmean(task_ms.get((p, ActionKind.FORWARD), [0.0])) for p in range(run.pp_size)],
             "bwd_ms": [statistics.fmean(task_ms.get((p, ActionKind.BACKWARD), [0.0])) for p in range(run.pp_size)],
-            "host_gap_ms": estimate_task_overhead_s(run, latency) * 1e3, "p2p_ms": latency * 1e3}
+            "host_gap_ms": [g * 1e3 for g in estimate_task_overheads_s(run, latency)], "p2p_ms": latency * 1e3}
 
 
 def dejittered_costs(run: TracedRun, **link) -> CostModel:
@@ -131,7 +132,7 @@ def predict_ms(run: TracedRun, balanced: TracedRun, variant: str, seeds: int) ->
     if variant not in SIM_NAME:
         return None
     latency = estimate_p2p_latency_s(balanced)
-    base = dejittered_costs(run, p2p_latency_s=latency, task_overhead_s=estimate_task_overhead_s(run, latency))
+    base = dejittered_costs(run, p2p_latency_s=latency, task_overhead_s=estimate_task_overheads_s(run, latency))
     kw = sim_variants(run.pp_size, run.num_chunks, run.num_microbatches, TRAVERSALS)[SIM_NAME[variant]]
     return statistics.fmean(
         simulate(run.pp_size, run.num_chunks, run.num_microbatches, replace(base, **injections(run, seed)), **kw
@@ -171,7 +172,8 @@ def print_report(result: dict) -> None:
             print(f"  {variant:<17} measured {r['measured_ms']:.1f} ms, predicted {pred} ms{err}, "
                   f"n={r['iterations']}")
             print(f"  {'':<17} busy {_fmt(r['busy'], '.0%')}; fwd ms {_fmt(r['fwd_ms'], '.2f')}; "
-                  f"bwd ms {_fmt(r['bwd_ms'], '.2f')}; host gap {r['host_gap_ms']:.3f} ms; p2p {r['p2p_ms']:.3f} ms")
+                  f"bwd ms {_fmt(r['bwd_ms'], '.2f')}; host gap ms {_fmt(r['host_gap_ms'], '.3f')}; "
+                  f"p2p {r['p2p_ms']:.3f} ms")
             if "measured_speed" in r:
                 pred_speed = f"x{r['predicted_speed']:.3f}" if "predicted_speed" in r else "-"
                 print(f"  {'':<17} speed over interleaved: measured x{r['measured_speed']:.3f}, predicted {pred_speed}")

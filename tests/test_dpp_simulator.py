@@ -83,3 +83,30 @@ def test_link_delay_applies_to_its_directed_pair_only():
                dict(schedule=build_schedule("1f1b", 2, 1, 1), static_comm="rendezvous"),
                dict(traversal="depth-first", caps=compute_default_caps(2, 1, 1))):
         assert simulate(2, 1, 1, cost, **kw).makespan_s == pytest.approx(1 + 5.25 + 1 + 2 + 0.25 + 2)
+
+
+@pytest.mark.parametrize("traversal", [None, "in-order"])
+def test_a_per_rank_task_overhead_is_that_ranks_alone(traversal):
+    """task_overhead_s per pp rank: the same step as that rank's tasks being that much longer."""
+    pp, v, m = 2, 2, 4
+    per_rank = CostModel.uniform(pp, v, 1.0, 2.0, task_overhead_s=(0.0, 0.7))
+    folded = CostModel(((1.0, 1.0), (1.7, 1.7)), ((2.0, 2.0), (2.7, 2.7)))
+    kw = ({"schedule": build_schedule("interleaved", pp, v, m)} if traversal is None
+          else {"traversal": traversal, "caps": compute_default_caps(pp, v, m)})
+    assert simulate(pp, v, m, per_rank, **kw).makespan_s == pytest.approx(simulate(pp, v, m, folded, **kw).makespan_s)
+    assert per_rank.task_overhead_of(1) == 0.7 and CostModel.uniform(pp, v, task_overhead_s=0.2).task_overhead_of(1) == 0.2
+
+
+def test_trace_overheads_are_per_rank_gaps_with_the_input_ready():
+    """Rank 0 waits 3 ms between its two tasks with its input long there (its sends' waits count
+    as host gap), rank 1 0.5 ms; the pooled mean would charge each 1.75 ms."""
+    from megatronapp.dpp.simulator import Span
+    from megatronapp.dpp.tasks import backward_task, forward_task
+    from megatronapp.dpp.trace_costs import TracedRun, estimate_task_overhead_s, estimate_task_overheads_s
+
+    spans = [Span(0, forward_task(0, 0), 0.000, 0.010), Span(0, forward_task(0, 1), 0.013, 0.023),
+             Span(1, forward_task(0, 0), 0.011, 0.021), Span(1, forward_task(0, 1), 0.0240, 0.030),
+             Span(1, backward_task(0, 0), 0.0305, 0.040)]
+    run = TracedRun(2, 1, 2, "1f1b", {0: spans})
+    assert estimate_task_overheads_s(run, 0.0) == pytest.approx((0.003, 0.0005))
+    assert estimate_task_overhead_s(run, 0.0) == pytest.approx((0.003 + 0.0005) / 2)

@@ -61,7 +61,7 @@ class TaskClass:
 
 def _stage_cost(cost: CostModel, vs: int, kind, pp: int) -> float:
     rank, chunk = stage_location(vs, pp)
-    return (cost.forward_s if kind is FORWARD else cost.backward_s)[rank][chunk] + cost.task_overhead_s
+    return (cost.forward_s if kind is FORWARD else cost.backward_s)[rank][chunk] + cost.task_overhead_of(rank)
 
 
 def _hop(cost: CostModel, src_vs: int, dst_vs: int, pp: int) -> float:
@@ -92,7 +92,8 @@ def compute_task_classes(cost: CostModel, pp: int, vpp: int, pp_rank: int) -> li
     for (start, tail), (kind, vs) in zip(times, steps):
         rank, chunk = stage_location(vs, pp)
         if rank == pp_rank:
-            out.append(TaskClass(kind, chunk, _stage_cost(cost, vs, kind, pp) - cost.task_overhead_s, start, tail))
+            out.append(TaskClass(kind, chunk, _stage_cost(cost, vs, kind, pp) - cost.task_overhead_of(rank), start,
+                                 tail))
     return out
 
 
@@ -148,7 +149,8 @@ def compute_rank_bound_s(cost: CostModel, pp: int, vpp: int, m: int, pp_rank: in
     """Lower bound (*) for `pp_rank` alone: max over the threshold sets and, with `cap`, the cap set."""
     classes = compute_task_classes(cost, pp, vpp, pp_rank)
     draws, mean_factor = compute_rank_draws(cost, pp_rank, 2 * vpp * m)
-    work = lambda costs: compute_least_work_s(costs, draws, mean_factor, mode, cost.task_overhead_s)  # noqa: E731
+    overhead = cost.task_overhead_of(pp_rank)
+    work = lambda costs: compute_least_work_s(costs, draws, mean_factor, mode, overhead)  # noqa: E731
     bound = _threshold_bound(classes, m, work)
     if cap is not None:
         bound = max(bound, _cap_bound(classes, m, cap, work))

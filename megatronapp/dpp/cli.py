@@ -96,7 +96,7 @@ def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
         run = trace_costs.load_traced_run(args.from_trace)
         pp, vpp, m = run.pp_size, run.num_chunks, run.num_microbatches
         link = _link(args, trace_costs.estimate_p2p_latency_s(run) * 1e3)
-        link["task_overhead_s"] = trace_costs.estimate_task_overhead_s(run, link["p2p_latency_s"])
+        link["task_overhead_s"] = trace_costs.estimate_task_overheads_s(run, link["p2p_latency_s"])
         return pp, vpp, m, args.schedule or run.schedule, trace_costs.compute_trace_costs(run, **link), run
     pp, vpp, m = args.pp, args.vpp, args.microbatches
     if min(pp, vpp, m) < 1:

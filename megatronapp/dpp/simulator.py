@@ -41,13 +41,20 @@ class CostModel:
     message_bytes: int = 0
     jitter: tuple[JitterSpec, ...] = ()
     decision_s: float = 0.0  # extra host time per dynamic decision
-    task_overhead_s: float = 0.0  # host time around every task outside its span (posting comm, bookkeeping)
+    # host time around every task outside its span (posting comm, bookkeeping): one value, or
+    # one per pp rank (trace_costs.estimate_task_overheads_s: a rank waiting on its sends to a
+    # slow peer has longer gaps than the slow peer itself, and a pooled mean overcharges it)
+    task_overhead_s: float | tuple[float, ...] = 0.0
     link_delay_s: tuple[tuple[int, int, float], ...] = ()  # (src pp rank, dst pp rank, extra seconds per message)
 
     @classmethod
     def uniform(cls, pp_size: int, num_chunks: int, forward_s: float = 1.0, backward_s: float = 2.0,
                 **kw) -> "CostModel":
         return cls(((forward_s,) * num_chunks,) * pp_size, ((backward_s,) * num_chunks,) * pp_size, **kw)
+
+    def task_overhead_of(self, pp_rank: int) -> float:
+        o = self.task_overhead_s
+        return o[pp_rank] if isinstance(o, tuple) else o
 
     def task_s(self, pp_rank: int, task: Action) -> float:
         table = self.forward_s if task.kind is FORWARD else self.backward_s
@@ -100,7 +107,7 @@ class _Simulation:
         if rank in self.jitter:
             rng, top = self.jitter[rank]
             seconds *= rng.uniform(1.0, top)
-        return seconds + self.overhead_s + self.cost.task_overhead_s
+        return seconds + self.overhead_s + self.cost.task_overhead_of(rank)
 
     def _try_start(self, rank: int, now: float) -> None:
         agent = self.agents[rank]

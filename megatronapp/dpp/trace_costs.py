@@ -102,10 +102,9 @@ def _input_ready(run: TracedRun, spans: list) -> dict:
     return ready
 
 
-def estimate_task_overhead_s(run: TracedRun, latency_s: float) -> float:
-    """Mean gap between consecutive tasks of a rank when the second one's input was already
-    there (host work outside the spans: posting communication, bookkeeping, the decision)."""
-    gaps = []
+def _gaps_with_input_ready(run: TracedRun, latency_s: float) -> dict[int, list[float]]:
+    """pp rank -> gaps between its consecutive tasks when the second one's input was already there."""
+    gaps: dict[int, list[float]] = {r: [] for r in range(run.pp_size)}
     for spans in run.spans.values():
         previous, ready = _previous_end(run, spans), _input_ready(run, spans)
         for s in spans:
@@ -114,8 +113,27 @@ def estimate_task_overhead_s(run: TracedRun, latency_s: float) -> float:
                 continue
             produced, remote = ready.get(key, (0.0, False))
             if produced + (latency_s if remote else 0.0) <= previous[key]:
-                gaps.append(s.start_s - previous[key])
+                gaps[s.pp_rank].append(s.start_s - previous[key])
+    return gaps
+
+
+def estimate_task_overhead_s(run: TracedRun, latency_s: float) -> float:
+    """Mean gap between consecutive tasks of a rank when the second one's input was already
+    there (host work outside the spans: posting communication, bookkeeping, the decision),
+    pooled over the ranks."""
+    gaps = [g for per_rank in _gaps_with_input_ready(run, latency_s).values() for g in per_rank]
     return max(0.0, statistics.fmean(gaps)) if gaps else 0.0
+
+
+def estimate_task_overheads_s(run: TracedRun, latency_s: float) -> tuple[float, ...]:
+    """The same per pp rank (the pooled mean for a rank with no such gap). Per rank, because a
+    static rank whose sends wait for a slow peer counts those waits here, and a pooled mean
+    charges them to the slow peer too: on PP2 with one rank jittered (2-core VM), rank 0's
+    mean gap was 2.7-3.2 ms and the jittered rank's 0.7-0.9 ms, and the pooled 1.6 ms put the
+    static runtime's prediction 6-7 % too slow (BENCHMARKS.md)."""
+    gaps = _gaps_with_input_ready(run, latency_s)
+    pooled = estimate_task_overhead_s(run, latency_s)
+    return tuple(max(0.0, statistics.fmean(g)) if g else pooled for _, g in sorted(gaps.items()))
 
 
 def estimate_p2p_latency_s(run: TracedRun) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megatronapp.model.recompute import RecomputeConfig
-from megatronapp.parallel.fp8 import FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES, compute_fp8_layers
+from megatronapp.parallel.fp8 import FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -179,12 +179,14 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
 
     def fp8_layers(self, num_layers: int) -> range:
-        """Global indices of the layers whose GEMMs run in FP8 (empty without --fp8-format)."""
+        """Global indices of the layers whose GEMMs run in FP8 (empty without --fp8-format).
+        --first-last-layers-bf16 keeps the layers nearest the embedding and the output in bf16:
+        they are the most sensitive to FP8's rounding (Megatron's option)."""
         if self.fp8_format is None:
             return range(0)
         if not self.first_last_layers_bf16:
-            return compute_fp8_layers(num_layers)
-        return compute_fp8_layers(num_layers, self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16)
+            return range(num_layers)
+        return range(self.num_layers_at_start_in_bf16, num_layers - self.num_layers_at_end_in_bf16)
 
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)

@@ -39,11 +39,11 @@ import torch.distributed as dist
 
 from megatronapp.parallel.wgrad_fusion import consume_first_write
 
-FP8_FORMATS = ("e4m3", "hybrid")  # Megatron's --fp8-format
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_GRAD_DTYPE = {"e4m3": E4M3, "hybrid": E5M2}  # Megatron's --fp8-format -> the gradients' format
+FP8_FORMATS = tuple(_GRAD_DTYPE)
 FP8_RECIPES = ("tensorwise",)  # Megatron's --fp8-recipe; delayed / mxfp8 / blockwise are not built
 FP8_ALIGNMENT = 16  # every GEMM dimension, for cuBLASLt's FP8 kernels
-
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,6 @@ class FP8Spec:
     input_group: object = None
     weight_group: object = None
     grad_group: object = None
-
-
-def grad_dtype_of(fmt: str) -> torch.dtype:
-    return E5M2 if fmt == "hybrid" else E4M3
 
 
 @torch.compiler.disable  # communication stays outside compiled regions, as in parallel/mappings.py
@@ -153,22 +149,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _FP8Linear.apply(x, weight, bias, main_grad, spec)
 
 
-def compute_fp8_layers(num_layers: int, bf16_at_start: int = 0, bf16_at_end: int = 0) -> range:
-    """Global indices of the layers that run FP8 GEMMs when the first `bf16_at_start` and the
-    last `bf16_at_end` stay bf16 (Megatron's --first-last-layers-bf16: the layers nearest the
-    embedding and the output are the most sensitive to FP8's rounding)."""
-    return range(bf16_at_start, num_layers - bf16_at_end)
-
-
 def enable_fp8(blocks, fmt: str) -> int:
     """Switch every TP linear inside `blocks` (the transformer layers; not the embedding or
-    the output layer) to FP8 GEMMs in format `fmt`; returns how many were switched."""
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"unknown fp8 format {fmt!r}; choose from {', '.join(FP8_FORMATS)}")
+    the output layer) to FP8 GEMMs in format `fmt` (one of FP8_FORMATS, checked by
+    config.TrainConfig); returns how many were switched."""
+    grad_dtype = _GRAD_DTYPE[fmt]
     count = 0
     for block in blocks:
         for m in block.modules():
             if hasattr(m, "fp8_spec"):
-                m.fp8_spec = m.fp8_spec_for(grad_dtype_of(fmt))
+                m.fp8_spec = m.fp8_spec_for(grad_dtype)
                 count += 1
     return count

@@ -91,3 +91,19 @@ def test_schedule_simulate_refuses_bad_input_in_one_line(args, capsys):
     code = main(["schedule", "simulate", *args])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("megatronapp: error:"), err
+
+
+def test_dynamic_is_accepted_on_gpus_and_jitter_is_refused_there_before_launch():
+    """The GPU check is made against the GPUs the ranks will see (here: given, the VM has none)."""
+    from engine_jobs import make_job
+    from megatronapp.cli.main import build_parser
+    from megatronapp.dpp.setup import check_dpp_job
+
+    job = make_job(2, 1, 2, 2, "dynamic", global_batch=8)
+    base = ["train", "--model", "tiny", "--pipeline-schedule", "dynamic"]
+    parser = build_parser()
+    check_dpp_job(parser.parse_args([*base, "--device", "cuda"]), job, visible_gpus=2)
+    check_dpp_job(parser.parse_args([*base, "--inject-jitter", "1:1.5"]), job, visible_gpus=0)  # auto: the CPU
+    for device in (["--device", "cuda"], []):  # explicit, or auto with GPUs visible
+        with pytest.raises(ValueError, match=r"^--inject-jitter slows CPU compute only .*use --device cpu$"):
+            check_dpp_job(parser.parse_args([*base, *device, "--inject-jitter", "1:1.5"]), job, visible_gpus=2)

@@ -185,3 +185,17 @@ def test_in_order_cap_below_its_peak_is_refused_in_one_line():
     with pytest.raises(CapError, match="below the 11 activation sets the in-order traversal holds on pipeline rank 0"):
         RankScheduler(0, 4, 2, 8, 10, build_policy("in-order", 0, 4, 2, 8))
     RankScheduler(0, 4, 2, 8, 11, build_policy("in-order", 0, 4, 2, 8))
+
+
+def test_message_pairs_are_the_directed_neighbours_of_each_pipeline():
+    from megatronapp.dpp.channels import compute_message_pairs
+    from megatronapp.parallel.layout import ParallelLayout
+
+    assert compute_message_pairs(ParallelLayout(world_size=2, pp_size=2), 1) == [(0, 1), (1, 0)]
+    # PP3, one chunk: neighbours only; two chunks: the last stage also feeds the first, and back
+    assert compute_message_pairs(ParallelLayout(world_size=3, pp_size=3), 1) == [(0, 1), (1, 0), (1, 2), (2, 1)]
+    assert compute_message_pairs(ParallelLayout(world_size=3, pp_size=3, virtual_pp_size=2), 2) == \
+        [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]
+    # TP2 x DP2 x PP2: one pipeline per (tp, dp), stage stride tp * dp = 4
+    lay = ParallelLayout(world_size=8, tp_size=2, pp_size=2)
+    assert compute_message_pairs(lay, 1) == sorted([(r, r + 4) for r in range(4)] + [(r + 4, r) for r in range(4)])

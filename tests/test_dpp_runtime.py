@@ -5,6 +5,7 @@ delays never deadlock (hard timeouts); TP ranks agree; static breadth-first matc
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import time
 
@@ -41,15 +42,18 @@ def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: 
                    delay_ms: float = 0.0) -> list[dict]:
     """Train each variant (schedule, traversal, cap) `iters` steps; losses, first-step grads, counters.
 
-    layout = (TP, PP, V, M, layers)."""
+    layout = (TP, PP, V, M, layers); a variant's options: "off" (sends on the compute thread),
+    "separate" (payloads on a group per direction and decisions on a gloo TP copy, as on CUDA)."""
     tp, pp, vpp, m, num_layers = layout
     out = []
-    for k, (schedule, traversal, cap, *send_thread) in enumerate(variants):  # send_thread: "on" unless given
+    for k, (schedule, traversal, cap, *opts) in enumerate(variants):
         dp = world // (tp * pp)
         job = make_job(world, tp, pp, vpp, schedule, global_batch=m * dp, iters=iters, num_layers=num_layers)
         groups = build_process_groups(job.layout, rank)
-        factory = (build_dynamic_runtime_factory(DppConfig(traversal, cap, send_thread=(send_thread or ["on"])[0]), job)
-                   if schedule == "dynamic" else None)
+        factory = None
+        if schedule == "dynamic":
+            cfg = DppConfig(traversal, cap, send_thread="off" if "off" in opts else "on")
+            factory = functools.partial(build_dynamic_runtime_factory(cfg, job), separate_channels="separate" in opts)
         injector = RandomDelays(1000 * k + rank, delay_ms) if delay_ms else None
         trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank),
                           injector=injector, runtime_factory=factory)
@@ -59,9 +63,14 @@ def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: 
             if step == 0:
                 grads = full_grads(trainer) if groups.dp_rank == 0 else {}
         counters = getattr(trainer.runtime, "counters", None)
+        channels = getattr(trainer.runtime, "channels", None)
         out.append({"losses": losses, "grads": grads, "cap": getattr(trainer.runtime, "cap", None),
                     "peak": counters.peak_activations if counters else None,
-                    "decision_ns": counters.decision_ns if counters else []})
+                    "decision_ns": counters.decision_ns if counters else [],
+                    "payload_pairs": sorted(channels.payload_groups) if channels else None})
+        if channels is not None:
+            trainer.runtime.close()
+            assert not channels.owned
     return out
 
 
@@ -102,12 +111,19 @@ def test_dynamic_and_breadth_first_match_interleaved_and_one_process(cluster):
 
 
 def test_dynamic_with_tp_and_dp(cluster):
-    variants = [("dynamic", "adaptive", None), ("dynamic", "depth-first", 2)]
+    variants = [("dynamic", "adaptive", None), ("dynamic", "depth-first", 2), ("dynamic", "in-order", None, "separate")]
     for layout in [(2, 2, 1, 4, 4), (1, 2, 2, 4, 4)]:  # TP2 x PP2 (TP agreement); PP2 x DP2 x V2
         tp, pp, vpp, m, layers = layout
         dp = 4 // (tp * pp)
         results = cluster.run(train_variants, 4, layout, variants)
         _check_against(results, variants, _reference(m * dp, layers))
+        # separate channels: each rank holds the payload groups of its own directed pairs only
+        for rank, rank_results in enumerate(results):
+            assert rank_results[0]["payload_pairs"] == []
+            pairs = rank_results[2]["payload_pairs"]
+            stride = tp * dp  # ranks per pipeline stage: pp 0 <-> pp 1 of the same (tp, dp)
+            peer = rank + stride if rank < stride else rank - stride
+            assert pairs == sorted([(rank, peer), (peer, rank)]), (layout, rank, pairs)
 
 
 DELAY_LAYOUTS = [(2, 1, 2), (2, 3, 5), (3, 2, 7), (4, 2, 4)]  # (PP, V, M)
@@ -116,7 +132,8 @@ DELAY_LAYOUTS = [(2, 1, 2), (2, 3, 5), (3, 2, 7), (4, 2, 4)]  # (PP, V, M)
 def _delay_variants(pp: int, vpp: int, m: int, seed: int) -> list:
     rng = random.Random(seed)
     top = max(compute_default_caps(pp, vpp, m))
-    return [("dynamic", t, None if t == "in-order" else rng.randint(vpp, max(vpp, top))) for t in TRAVERSALS]
+    variants = [("dynamic", t, None if t == "in-order" else rng.randint(vpp, max(vpp, top))) for t in TRAVERSALS]
+    return variants + [("dynamic", "depth-first", rng.randint(vpp, max(vpp, top)), "separate")]  # CUDA's channels
 
 
 @pytest.mark.parametrize("pp,vpp,m", DELAY_LAYOUTS)
@@ -232,7 +249,7 @@ def test_the_sender_thread_keeps_isends_off_the_compute_thread_in_order(monkeypa
 
     issued = []
 
-    def slow_isend(tensor, dst, tag):
+    def slow_isend(tensor, dst, tag, group=None):
         time.sleep(0.05)
         issued.append((dst, tag, tensor.dtype))
         return _SlowWork()
@@ -254,7 +271,7 @@ def test_a_failed_send_is_raised_and_a_bad_tensor_at_once(monkeypatch):
     import megatronapp.dpp.transport as transport
     from megatronapp.dpp.tasks import forward_task
 
-    def broken_isend(tensor, dst, tag):
+    def broken_isend(tensor, dst, tag, group=None):
         raise RuntimeError("connection reset by peer")
 
     monkeypatch.setattr(transport.dist, "isend", broken_isend)
@@ -276,3 +293,23 @@ def test_the_send_thread_is_used_where_each_rank_has_a_spare_core():
     assert not resolve_send_thread("off", cores=64, local_ranks=1, threads_per_rank=1)
     with pytest.raises(DppConfigError, match="--dpp-send-thread must be one of auto, on, off"):
         DppConfig(send_thread="yes")
+
+
+def test_the_outbox_sends_headers_and_payloads_on_their_channels(monkeypatch):
+    """Separate channels (channels.py): a header on the host group, a payload on the group of
+    its own direction, so a CUDA payload never shares NCCL's stream with the other way."""
+    import megatronapp.dpp.transport as transport
+    from megatronapp.dpp.channels import Channels
+    from megatronapp.dpp.tasks import backward_task
+
+    issued = []
+    monkeypatch.setattr(transport.dist, "isend",
+                        lambda tensor, dst, tag, group=None: issued.append((dst, tag, group)) or _SlowWork())
+    channels = Channels(decision_group=None, header_group="hosts", payload_groups={(3, 5): "3->5", (5, 3): "5->3"})
+    for threaded in (False, True):
+        issued.clear()
+        outbox = transport.Outbox(threaded, channels, rank=3)
+        outbox.send(5, backward_task(1, 2), torch.zeros(4))
+        outbox.finish()
+        assert issued == [(5, transport.HEADER_TAG, "hosts"), (5, transport.PAYLOAD_TAG, "3->5")]
+    assert transport.route(channels, 5, 3) == ("hosts", "5->3") and transport.route(None, 5, 3) == (None, None)

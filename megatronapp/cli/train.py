@@ -93,7 +93,7 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
-    tracer = instrumentation = link_delays = groups = None
+    tracer = instrumentation = link_delays = groups = trainer = None
     try:  # every exit path tears the process group down and flushes the trace
         groups = build_process_groups(job.layout, rank)
         data = _build_data(args, tokenizer, job, groups)
@@ -114,6 +114,8 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
         if link_delays is not None:
             link_delays.uninstall()
         if keep_process_group:
+            if trainer is not None and hasattr(trainer.runtime, "close"):
+                trainer.runtime.close()  # groups the runtime built (dpp/channels.py)
             destroy_subgroups(groups)
         elif dist.is_initialized():
             dist.destroy_process_group()

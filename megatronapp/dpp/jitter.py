@@ -3,7 +3,7 @@
 Factors come from random.Random(f"{seed}:{rank}") in the order the rank runs its tasks, the
 same rule the simulator uses (simulator.py), so a run and its simulation see the same
 draws. On CPU the extra time is slept after the task, proportional to the CPU time it
-burned (as --inject-slowdown does, engine/faults.py). CPU only for now (refused on CUDA).
+burned (as --inject-slowdown does, engine/faults.py). CPU only (refused before launch on CUDA).
 Wraps any other injector (slowdown, link delay), so the flags combine.
 """
 

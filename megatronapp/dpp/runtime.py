@@ -15,6 +15,11 @@ DP gradient reduction: with one chunk, the last backward of the chunk launches t
 all-reduces (overlapped, as in the static runtime). With several chunks, replicas finish
 their chunks in different orders, and collectives must be issued in one order on every
 member, so the reduction is left to the end of the step (GradReducer.finish).
+
+On CUDA the same loop runs with NCCL payloads on a two-rank group per direction and host
+data on gloo (channels.py), and events where the CPU needs none (streams.py): a send waits
+for its producer only, a message counts as arrived once it is on the GPU, and the host
+enqueues at most one task beyond the one the GPU is running, so decisions stay current.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatronapp.dpp.channels import build_channels
 from megatronapp.dpp.config import DppConfig, resolve_send_thread
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import Decision, RankScheduler, compute_default_caps
+from megatronapp.dpp.streams import build_order
 from megatronapp.dpp.tasks import BACKWARD, FORWARD, remote_inputs
 from megatronapp.dpp.transport import Outbox, start_receivers
 from megatronapp.parallel.groups import ParallelGroups
@@ -64,12 +71,15 @@ class _Step:
 
 
 class DynamicPipelineRuntime:
-    """Same interface as PipelineRuntime (run, compute_timer, tracer), decisions at run time."""
+    """Same interface as PipelineRuntime (run, compute_timer, tracer), decisions at run time;
+    `close()` removes the groups it built. Construct it on every rank (it may build groups).
+
+    separate_channels: payloads on a group per direction, decisions on gloo (channels.py);
+    None: on CUDA, where NCCL needs them. Tests turn it on over gloo."""
 
     def __init__(self, model, groups: ParallelGroups, config: DppConfig, *, num_chunks: int,
-                 num_microbatches: int, device, tracer, reducer=None, injector=None, grad_scale_func=None):
-        if device.type == "cuda":
-            raise ValueError("--pipeline-schedule dynamic runs on CPU/gloo only (see megatronapp/dpp/transport.py)")
+                 num_microbatches: int, device, tracer, reducer=None, injector=None, grad_scale_func=None,
+                 separate_channels: bool | None = None):
         lay = groups.layout
         self.model, self.groups, self.config, self.device = model, groups, config, device
         self.pp_size, self.num_chunks, self.num_microbatches = lay.pp_size, num_chunks, num_microbatches
@@ -85,6 +95,10 @@ class DynamicPipelineRuntime:
                               for task, p in remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)]
         self.recv_counts = collections.Counter(src for _, src in self.remote_inputs)
         self.tp_root = lay.rank_of(0, groups.dp_rank, groups.pp_rank)
+        separate = device.type == "cuda" if separate_channels is None else separate_channels
+        self.channels = build_channels(groups, num_chunks, separate=separate,
+                                       payload_backend="nccl" if device.type == "cuda" else "gloo")
+        self.order = build_order(device)
         self.counters = RuntimeCounters()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", lay.world_size))  # torchrun's; else one host
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -99,8 +113,10 @@ class DynamicPipelineRuntime:
         self.injector.set_iteration(iteration)  # as PipelineRuntime.run
         sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
         inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait,
-                                         self._message_specs(microbatches))
-        outbox, st = Outbox(threaded=self.send_thread), _Step(microbatches, iteration)
+                                         self._message_specs(microbatches), self.channels, self.groups.rank,
+                                         self.order)
+        outbox = Outbox(self.send_thread, self.channels, self.groups.rank, self.order)
+        st = _Step(microbatches, iteration)
         self.counters.tasks = []
         try:
             while not sched.done:  # on an error the daemon receiver threads are left behind, not joined
@@ -119,6 +135,9 @@ class DynamicPipelineRuntime:
         if st.inputs or st.grads or st.outputs:
             raise RuntimeError("dynamic pipeline step ended with unconsumed tensors")
         return torch.stack(st.losses).sum() if st.losses else None
+
+    def close(self) -> None:
+        self.channels.destroy()
 
     def _message_specs(self, microbatches: list) -> dict[int, tuple[torch.Size, torch.dtype]]:
         """Per source global rank whose messages this step all have one spec (from the model:
@@ -153,6 +172,7 @@ class DynamicPipelineRuntime:
             task, tensor, src = item
             if task is None:
                 raise RuntimeError(f"receiving from rank {src} failed") from tensor
+            tensor = self.order.adopt(tensor)  # CUDA: the compute stream now uses the receiver's buffer
             (st.inputs if task.kind is FORWARD else st.grads)[(task.chunk, task.microbatch)] = tensor
             sched.add_input(task)
 
@@ -178,7 +198,7 @@ class DynamicPipelineRuntime:
         if decision is not None:
             t = decision.task
             wire[:] = torch.tensor([int(t.kind is BACKWARD), t.chunk, t.microbatch])
-        dist.broadcast(wire, src=self.tp_root, group=self.groups.tp)
+        dist.broadcast(wire, src=self.tp_root, group=self.channels.decision_group)  # gloo: host data
         if decision is not None:
             return decision, 0.0
         kind, chunk, mb = wire.tolist()
@@ -207,7 +227,9 @@ class DynamicPipelineRuntime:
         consumer = sched.finish(task)
         if consumer is not None:
             outbox.send(self.groups.pp_ranks[consumer[0]], consumer[1], out)
-        return busy
+        t1 = time.perf_counter()
+        self.order.after_task()  # CUDA: until the GPU is at most one task behind; that wait is its compute
+        return busy + time.perf_counter() - t1
 
     def _forward(self, task: Action, st: _Step) -> torch.Tensor | None:
         key = (task.chunk, task.microbatch)

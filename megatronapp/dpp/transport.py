@@ -22,8 +22,10 @@ and blocks on it only when no task is ready. Sends are `isend`s, issued by one s
 per step where each rank has a spare core (`Outbox`: gloo's isend writes in the calling
 thread), and completed at the end of the step, so they never wait on a receiver. Per pair, messages stay FIFO (gloo and
 NCCL both keep order per pair and tag), which is all the header/payload pairing needs.
-CPU/gloo only: NCCL's recv wait() does not block the host, so this thread design does not
-apply there (the runtime refuses a CUDA device).
+On CUDA the same threads run with NCCL payloads: channels.py says which group carries what
+(a two-rank group per direction for payloads, gloo for headers), and streams.py how a thread
+learns that a payload is on the GPU (an event it blocks on) and how a send waits for its
+producer only (an event on a side stream).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from megatronapp.dpp.streams import HostOrder
 from megatronapp.dpp.tasks import BACKWARD, backward_task, forward_task
 from megatronapp.pipeline.actions import Action
 
@@ -70,6 +73,13 @@ def decode_header(header: torch.Tensor) -> tuple[Action, torch.Size, torch.dtype
     return task, torch.Size(shape[:ndim]), _DTYPES[dtype]
 
 
+def route(channels, src: int, dst: int) -> tuple:
+    """(header group, payload group) of messages src -> dst; None: the default group."""
+    if channels is None:
+        return None, None
+    return channels.header_group, channels.payload_group(src, dst)
+
+
 class PeerReceiver(threading.Thread):
     """Receives `count` messages from global rank `src` and puts (task, tensor, src) on `inbox`.
 
@@ -77,26 +87,34 @@ class PeerReceiver(threading.Thread):
     (see the module docstring); None: header first, then a payload sized by it.
     An exception is put on the inbox too, so the compute thread re-raises it instead of
     waiting forever. `before_wait(src, work)` is the fault injector's link-delay hook.
+    `groups`: (header group, payload group) of messages from `src` (None: the default group;
+    channels.py); `order`: how a receive is known complete (streams.py).
     """
 
     def __init__(self, src: int, count: int, inbox: queue.SimpleQueue, device, before_wait=None,
-                 spec: tuple[torch.Size, torch.dtype] | None = None):
+                 spec: tuple[torch.Size, torch.dtype] | None = None, groups=(None, None), order=None):
         super().__init__(name=f"dpp-recv-{src}", daemon=True)
         self.src, self.count, self.inbox, self.device = src, count, inbox, device
         self.before_wait, self.spec = before_wait, spec
+        self.header_group, self.payload_group = groups
+        self.order = order or HostOrder()
 
     def run(self) -> None:
         try:
-            if self.spec is None:
-                for _ in range(self.count):
-                    header, header_work = self._post_header()
-                    header_work.wait()
-                    task, shape, dtype = decode_header(header)
-                    self._deliver(task, self._post_payload(shape, dtype))
-            else:
-                self._run_ahead(*self.spec)
+            with self.order.side_stream():
+                self._receive_all()
         except BaseException as exc:  # surfaced on the compute thread
             self.inbox.put((None, exc, self.src))
+
+    def _receive_all(self) -> None:
+        if self.spec is None:
+            for _ in range(self.count):
+                header, header_work = self._post_header()
+                header_work.wait()
+                task, shape, dtype = decode_header(header)
+                self._deliver(task, self._post_payload(shape, dtype))
+        else:
+            self._run_ahead(*self.spec)
 
     def _run_ahead(self, shape: torch.Size, dtype: torch.dtype) -> None:
         posted: collections.deque = collections.deque()
@@ -115,17 +133,15 @@ class PeerReceiver(threading.Thread):
 
     def _post_header(self) -> tuple[torch.Tensor, object]:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-        return header, dist.irecv(header, src=self.src, tag=HEADER_TAG)
+        return header, dist.irecv(header, src=self.src, tag=HEADER_TAG, group=self.header_group)
 
     def _post_payload(self, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
         payload = torch.empty(shape, dtype=dtype, device=self.device)
-        return payload, dist.irecv(payload, src=self.src, tag=PAYLOAD_TAG)
+        return payload, dist.irecv(payload, src=self.src, tag=PAYLOAD_TAG, group=self.payload_group)
 
     def _deliver(self, task: Action, payload: tuple[torch.Tensor, object]) -> None:
         tensor, work = payload
-        if self.before_wait is not None:
-            self.before_wait(self.src, work)
-        work.wait()
+        self.order.complete(work, self.before_wait, self.src)
         self.inbox.put((task, tensor, self.src))
 
 
@@ -144,9 +160,11 @@ class Outbox:
     (config.resolve_send_thread); without one, `threaded=False` issues them inline.
     """
 
-    def __init__(self, threaded: bool = True):
+    def __init__(self, threaded: bool = True, channels=None, rank: int = 0, order=None):
         self.pending: list = []  # (works, tensors kept alive until completion)
         self.error: BaseException | None = None
+        self.channels, self.rank = channels, rank  # which groups carry what (channels.py); None: the default
+        self.order = order or HostOrder()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._issue_queued, name="dpp-send", daemon=True) if threaded else None
         if self._thread is not None:
@@ -158,22 +176,26 @@ class Outbox:
         tensor = tensor.detach().contiguous()
         check_sendable(tensor)
         if self._thread is None:  # --dpp-send-thread off (or auto without a spare core): inline
-            self._issue(dst, task, tensor)
+            self._issue(dst, task, tensor)  # on the compute stream, right behind the producer
         else:
-            self._queue.put((dst, task, tensor))
+            self._queue.put((dst, task, tensor, self.order.mark()))
 
-    def _issue(self, dst: int, task: Action, tensor: torch.Tensor) -> None:
+    def _issue(self, dst: int, task: Action, tensor: torch.Tensor, ready=None) -> None:
         header = encode_header(task, tensor)
-        works = [dist.isend(header, dst=dst, tag=HEADER_TAG), dist.isend(tensor, dst=dst, tag=PAYLOAD_TAG)]
+        header_group, payload_group = route(self.channels, self.rank, dst)
+        self.order.after_mark(ready)  # the payload's send waits for its producer (streams.py)
+        works = [dist.isend(header, dst=dst, tag=HEADER_TAG, group=header_group),
+                 dist.isend(tensor, dst=dst, tag=PAYLOAD_TAG, group=payload_group)]
         self.pending.append((works, header, tensor))
 
     def _issue_queued(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                self._issue(*item)
-            except BaseException as exc:  # surfaced by the next send() or finish()
-                self.error = exc
-                return
+        with self.order.side_stream():
+            while (item := self._queue.get()) is not None:
+                try:
+                    self._issue(*item)
+                except BaseException as exc:  # surfaced by the next send() or finish()
+                    self.error = exc
+                    return
 
     def close(self) -> None:
         """Stop the sender thread once it has issued what is queued."""
@@ -192,12 +214,15 @@ class Outbox:
 
 
 def start_receivers(counts: dict[int, int], device, before_wait=None,
-                    specs: dict[int, tuple[torch.Size, torch.dtype]] | None = None) -> tuple[queue.SimpleQueue, list]:
+                    specs: dict[int, tuple[torch.Size, torch.dtype]] | None = None, channels=None,
+                    rank: int = 0, order=None) -> tuple[queue.SimpleQueue, list]:
     """One PeerReceiver per global source rank with messages to receive this step; `specs`:
-    the one spec of every message from a source, where there is one (see PeerReceiver)."""
+    the one spec of every message from a source, where there is one (see PeerReceiver);
+    `channels`: which groups carry the messages to `rank` (channels.py; None: the default group)."""
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     specs = specs or {}
-    threads = [PeerReceiver(src, n, inbox, device, before_wait, specs.get(src)) for src, n in counts.items() if n]
+    threads = [PeerReceiver(src, n, inbox, device, before_wait, specs.get(src), route(channels, src, rank), order)
+               for src, n in counts.items() if n]
     for t in threads:
         t.start()
     return inbox, threads

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches, make_job
-from megatronapp.dpp.config import DppConfig
+from megatronapp.dpp.config import DppConfig, JitterSpec
+from megatronapp.dpp.jitter import JitterInjector
 from megatronapp.dpp.setup import build_dynamic_runtime_factory
 from megatronapp.dpp.streams import CudaOrder
-from megatronapp.engine.faults import FaultInjector
+from megatronapp.engine.faults import calibrate_spin
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import single_process_groups
 
@@ -35,7 +36,7 @@ _spin.cycles_per_ms = 0.0
 
 @pytest.fixture(scope="module", autouse=True)
 def _calibrated():
-    _spin.cycles_per_ms = FaultInjector._calibrate_spin()
+    _spin.cycles_per_ms = calibrate_spin()
 
 
 def test_the_pacer_keeps_the_host_one_task_ahead():
@@ -98,6 +99,28 @@ def test_a_message_counts_as_arrived_only_once_it_is_on_the_gpu():
         order.complete(Work(), None, src=0)
     assert time.perf_counter() - t0 > 0.9 * TASK_MS / 1000
     assert produced.query()
+
+
+def test_jitter_on_the_gpu_stretches_each_kind_of_task_by_its_own_factor():
+    """A 10 ms forward and a 20 ms backward alternate; each takes its drawn factor x its own
+    time (one running mean over both would give the forward (factor - 1) x 15 ms extra)."""
+    inj = JitterInjector(JitterSpec(0, 2.0, seed=3), torch.device("cuda"))
+
+    def task(key: str, ms: float):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with inj.compute(key):
+            _spin(ms)
+        end.record()
+        return start, end, ms
+
+    for _ in range(6):  # settle both estimates
+        task("forward", 10.0), task("backward", 20.0)
+    first = len(inj.factors)
+    timed = [task(key, ms) for _ in range(4) for key, ms in (("forward", 10.0), ("backward", 20.0))]
+    torch.cuda.synchronize()
+    for (start, end, ms), factor in zip(timed, inj.factors[first:]):
+        assert abs(start.elapsed_time(end) / (factor * ms) - 1.0) < 0.08, (ms, factor, start.elapsed_time(end))
 
 
 def test_dynamic_runtime_on_one_gpu_trains_as_1f1b():

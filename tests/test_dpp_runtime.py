@@ -30,7 +30,7 @@ class RandomDelays(NullInjector):
         self.rng, self.max_s = random.Random(seed), max_ms / 1000.0
 
     @contextlib.contextmanager
-    def compute(self):
+    def compute(self, key=None):
         time.sleep(self.rng.uniform(0.0, self.max_s))
         yield
 

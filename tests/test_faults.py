@@ -86,7 +86,7 @@ class _IterationRecorder(NullInjector):
     def set_iteration(self, iteration: int) -> None:
         self.iteration = iteration
 
-    def compute(self):
+    def compute(self, key=None):
         self.seen.append(self.iteration)
         return super().compute()
 

@@ -3,7 +3,10 @@
 Factors come from random.Random(f"{seed}:{rank}") in the order the rank runs its tasks, the
 same rule the simulator uses (simulator.py), so a run and its simulation see the same
 draws. On CPU the extra time is slept after the task, proportional to the CPU time it
-burned (as --inject-slowdown does, engine/faults.py). CPU only (refused before launch on CUDA).
+burned (as --inject-slowdown does, engine/faults.py). On GPU it is device work (spin
+cycles) right after the task on its stream, (factor - 1) x that kind of task's GPU time,
+measured per (forward/backward, chunk) without stalling the host (engine.faults.GpuTaskClock):
+the task then holds the GPU factor x as long, as a clock dip would make it.
 Wraps any other injector (slowdown, link delay), so the flags combine.
 """
 
@@ -16,6 +19,7 @@ import time
 import torch
 
 from megatronapp.dpp.config import JitterSpec
+from megatronapp.engine.faults import GpuTaskClock
 from megatronapp.pipeline.runtime import NullInjector
 
 
@@ -28,6 +32,9 @@ class JitterInjector:
         self.rng = random.Random(f"{spec.seed}:{spec.rank}")
         self.factors: list[float] = []  # every factor drawn, for tests and reports
         self._stall = None
+        self.clock = GpuTaskClock() if device.type == "cuda" else None
+        if self.clock is not None:
+            self.clock.calibrate()
 
     @property
     def on_stall(self):
@@ -46,11 +53,14 @@ class JitterInjector:
         if hasattr(self.inner, "set_iteration"):
             self.inner.set_iteration(iteration)
 
-    @contextlib.contextmanager
-    def compute(self):
+    def compute(self, key=None):
         factor = self.rng.uniform(1.0, self.max_factor)
         self.factors.append(factor)
-        with self.inner.compute():
+        return self._on_gpu(factor, key) if self.clock is not None else self._on_cpu(factor, key)
+
+    @contextlib.contextmanager
+    def _on_cpu(self, factor: float, key):
+        with self.inner.compute(key):
             t0 = time.thread_time()  # this thread's CPU only, as engine.faults (gloo threads excluded)
             yield
             stall = (factor - 1.0) * (time.thread_time() - t0)
@@ -58,10 +68,15 @@ class JitterInjector:
         if self._stall is not None:
             self._stall(stall)
 
+    @contextlib.contextmanager
+    def _on_gpu(self, factor: float, key):
+        with self.inner.compute(key):
+            with self.clock.measure(key):
+                yield
+            self.clock.spin((factor - 1.0) * self.clock.estimate_ms(key))
+
 
 def apply_jitter(injector, specs: tuple[JitterSpec, ...], rank: int, device: torch.device):
     """`injector` wrapped with the jitter spec for global `rank`, or unchanged when none applies."""
     mine = [s for s in specs if s.rank == rank]
-    if mine and device.type == "cuda":
-        raise ValueError("--inject-jitter is implemented for CPU runs only")
     return JitterInjector(mine[-1], device, injector) if mine else injector

@@ -250,4 +250,4 @@ class DynamicPipelineRuntime:
             self.reducer.mark_final_microbatch(0)
         st.backwards_done += 1
         return self.stage.backward(st.outputs.pop(key), st.grads.pop(key, None), st.inputs.pop(key, None),
-                                   self.tracer)
+                                   self.tracer, task.chunk)

@@ -5,31 +5,15 @@ from __future__ import annotations
 import argparse
 import functools
 
-import torch
-
 from megatronapp.dpp.config import DppConfig, build_dpp_config
 from megatronapp.dpp.jitter import apply_jitter
 from megatronapp.dpp.policies import compute_depth_first_order
 from megatronapp.dpp.scheduler import check_cap, check_order_fits
-from megatronapp.parallel.layout import LayoutError
-from megatronapp.parallel.placement import resolve_device_kind
 
 
-def _device_kind(args: argparse.Namespace, visible_gpus: int | None) -> str | None:
-    """'cpu' / 'cuda' as the ranks will resolve --device; None when the flag is bad (cli/devices.py says so)."""
-    gpus = torch.cuda.device_count() if visible_gpus is None else visible_gpus
-    try:
-        return resolve_device_kind(getattr(args, "device", None), gpus)
-    except LayoutError:
-        return None
-
-
-def check_dpp_job(args: argparse.Namespace, job, visible_gpus: int | None = None) -> DppConfig:
+def check_dpp_job(args: argparse.Namespace, job) -> DppConfig:
     """Validate the MegaDPP flags against the job before any process starts (one-line errors)."""
     cfg = build_dpp_config(args, job.layout.world_size)
-    if cfg.jitter and _device_kind(args, visible_gpus) == "cuda":
-        raise ValueError("--inject-jitter slows CPU compute only (GPU tasks would need per-task device timing); "
-                         "use --device cpu")
     if job.train.schedule == "dynamic":
         if cfg.max_inflight is not None:
             check_cap(cfg.max_inflight, job.layout.virtual_pp_size)

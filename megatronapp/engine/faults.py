@@ -126,10 +126,64 @@ def fault_env(slowdowns: list[str], link_delays: list[str]) -> dict[str, str]:
     return {ENV_SLOWDOWN: ",".join(slowdowns or []), ENV_LINK_DELAY: ",".join(link_delays or [])}
 
 
+class GpuTaskClock:
+    """GPU time of recurring tasks, per key (e.g. forward of chunk 0), without stalling the host:
+    a task's (start, end) events are read once they have completed, except the first of a key,
+    which is waited for once. `spin(ms)` adds that much device work on the current stream
+    (torch.cuda._sleep cycles, calibrated on first use), which is how a slowed GPU is imitated
+    without touching clocks. Keys matter because one running mean over a forward and a backward
+    (about twice as long) would slow the one too much and the other too little."""
+
+    def __init__(self):
+        self.estimates_ms: dict = {}
+        self._pending: list = []
+        self._cycles_per_ms = 0.0
+
+    @contextlib.contextmanager
+    def measure(self, key=None):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._pending.append((key, start, end))
+        self._resolve(block=key not in self.estimates_ms)  # one sync, a key's first time only
+
+    def estimate_ms(self, key=None) -> float:
+        return self.estimates_ms.get(key, 0.0)
+
+    def calibrate(self) -> None:
+        if not self._cycles_per_ms:
+            self._cycles_per_ms = calibrate_spin()
+
+    def spin(self, ms: float) -> None:
+        if ms > 0:
+            self.calibrate()
+            torch.cuda._sleep(int(ms * self._cycles_per_ms))
+
+    def _resolve(self, block: bool) -> None:
+        while self._pending and (block or self._pending[0][2].query()):
+            key, s, e = self._pending.pop(0)
+            e.synchronize()
+            ms, old = s.elapsed_time(e), self.estimates_ms.get(key)
+            self.estimates_ms[key] = ms if old is None else 0.8 * old + 0.2 * ms
+
+
+def calibrate_spin() -> float:
+    """torch.cuda._sleep cycles per millisecond on the current GPU."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # warm-up
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
 class FaultInjector:
     """The runtime's injection hooks for one rank (see pipeline.runtime.NullInjector).
 
-    `set_iteration(i)` tells it which iteration runs next (for intermittent slowdowns)."""
+    `set_iteration(i)` tells it which iteration runs next (for intermittent slowdowns);
+    `compute(key)`: key names the kind of task (GPU: its duration is estimated per key)."""
 
     def __init__(self, plan: FaultPlan, rank: int, device: torch.device):
         self.slowdown = plan.slowdowns.get(rank, Slowdown(1.0))
@@ -137,28 +191,18 @@ class FaultInjector:
         self.delays_ms = {src: d.ms for (src, dst), d in plan.link_delays.items() if dst == rank}
         self.device = device
         self.iteration = 0
-        self._cycles_per_ms = self._calibrate_spin() if device.type == "cuda" and self.factor > 1 else 0.0
-        self._estimate_ms: float | None = None
-        self._pending: list = []
+        self.clock = GpuTaskClock() if device.type == "cuda" else None
+        if self.clock is not None and (self.factor > 1 or self.delays_ms):
+            self.clock.calibrate()  # before the run, not inside its first slowed task
         self.on_stall = None  # the runtime's compute timer, told about CPU stalls
 
     def set_iteration(self, iteration: int) -> None:
         self.iteration = iteration
 
-    @staticmethod
-    def _calibrate_spin() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)  # warm-up
-        start.record()
-        torch.cuda._sleep(10_000_000)
-        end.record()
-        end.synchronize()
-        return 10_000_000 / start.elapsed_time(end)
-
-    def compute(self):
+    def compute(self, key=None):
         if self.factor <= 1.0 or not self.slowdown.applies(self.iteration):
             return contextlib.nullcontext()
-        return self._slow_cuda() if self.device.type == "cuda" else self._slow_cpu()
+        return self._slow_cuda(key) if self.clock is not None else self._slow_cpu()
 
     @contextlib.contextmanager
     def _slow_cpu(self):
@@ -173,30 +217,13 @@ class FaultInjector:
             self.on_stall(stall)
 
     @contextlib.contextmanager
-    def _slow_cuda(self):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
-        end.record()
-        self._pending.append((start, end))
-        self._resolve(block=self._estimate_ms is None)  # one sync, the first time only
-        if self._estimate_ms:
-            torch.cuda._sleep(int((self.factor - 1.0) * self._estimate_ms * self._cycles_per_ms))
-
-    def _resolve(self, block: bool) -> None:
-        while self._pending and (block or self._pending[0][1].query()):
-            s, e = self._pending.pop(0)
-            e.synchronize()
-            ms = s.elapsed_time(e)
-            self._estimate_ms = ms if self._estimate_ms is None else 0.8 * self._estimate_ms + 0.2 * ms
+    def _slow_cuda(self, key):
+        with self.clock.measure(key):
+            yield
+        self.clock.spin((self.factor - 1.0) * self.clock.estimate_ms(key))
 
     def before_recv_wait(self, src_global: int, work) -> None:
         """GPU only: on CPU the delay lives in the recv Work itself (link_delay.py)."""
         ms = self.delays_ms.get(src_global)
-        if ms and self.device.type == "cuda":
-            torch.cuda._sleep(int(ms * self._spin_rate()))
-
-    def _spin_rate(self) -> float:
-        if not self._cycles_per_ms:
-            self._cycles_per_ms = self._calibrate_spin()
-        return self._cycles_per_ms
+        if ms and self.clock is not None:
+            self.clock.spin(ms)

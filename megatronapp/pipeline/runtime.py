@@ -29,7 +29,9 @@ class NullInjector:
 
     on_stall = None  # set by the runtime: receives seconds of simulated device stall
 
-    def compute(self):
+    def compute(self, key=None):
+        """Context around one compute task; `key` names its kind (e.g. (FORWARD, chunk)), so a
+        GPU injector can estimate each kind's device time apart."""
         return contextlib.nullcontext()
 
     def before_recv_wait(self, src_global: int, work) -> None:
@@ -87,17 +89,17 @@ class StageCompute:
         if stage_input is not None and stage_input.is_floating_point():
             stage_input.requires_grad_(True)
         ctx = MicrobatchContext(iteration, mb_index, chunk, is_first, is_last)
-        with tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute():
+        with tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute((spans.FORWARD, chunk)):
             out, loss_fn = self.model.forward_step(chunk, stage_input, microbatch, ctx)
             if is_last:
                 out = loss_fn(out) / self.num_microbatches
         return out
 
-    def backward(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input, tracer):
-        """Backward from `output` (grad None for the loss); the gradient of stage_input, if any."""
+    def backward(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input, tracer, chunk: int = 0):
+        """Backward of `chunk` from `output` (grad None for the loss); the gradient of stage_input, if any."""
         if grad is None and self.grad_scale_func is not None:
             output = self.grad_scale_func(output)
-        with tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute():
+        with tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute((spans.BACKWARD, chunk)):
             torch.autograd.backward(output, grad)
         return None if stage_input is None else stage_input.grad
 
@@ -182,7 +184,7 @@ class PipelineRuntime:
         if vs != self.num_vstages - 1:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
         x = st.inputs.pop((a.chunk, a.microbatch)) if vs != 0 else None
-        x_grad = self.stage.backward(out, grad, x, self.tracer)
+        x_grad = self.stage.backward(out, grad, x, self.tracer, a.chunk)
         if vs != 0:
             st.to_send[(ActionKind.SEND_BACKWARD, a.chunk, a.microbatch)] = x_grad
 

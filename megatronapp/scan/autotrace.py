@@ -144,7 +144,7 @@ class AutoTrace:
             self._take_pending_boundary()
             mb = self._counts[S.FORWARD]
             self._counts[S.FORWARD] = mb + 1
-            slow = self.injector.compute() if self.injector is not None else None
+            slow = self.injector.compute(S.FORWARD) if self.injector is not None else None
             self._stack.append((self._open(S.FORWARD, microbatch=mb), slow))
             if slow is not None:
                 slow.__enter__()
@@ -166,7 +166,7 @@ class AutoTrace:
         with self.tracer.span(S.BACKWARD, microbatch=mb):
             if self.injector is None:
                 return self._original_backward(*args, **kwargs)
-            with self.injector.compute():
+            with self.injector.compute(S.BACKWARD):
                 return self._original_backward(*args, **kwargs)
 
     def _backward_pre(self, module: Any, grad_output: Any) -> None:

@@ -313,3 +313,68 @@ def test_the_outbox_sends_headers_and_payloads_on_their_channels(monkeypatch):
         outbox.finish()
         assert issued == [(5, transport.HEADER_TAG, "hosts"), (5, transport.PAYLOAD_TAG, "3->5")]
     assert transport.route(channels, 5, 3) == ("hosts", "5->3") and transport.route(None, 5, 3) == (None, None)
+
+
+def _train_with_recorded_order(rank: int, world: int) -> dict:
+    """One PP2 V2 M4 step, sender thread on, separate channels, with a HostOrder that logs how
+    the runtime uses the stream protocol (dpp/streams.py) that CUDA depends on."""
+    import threading
+
+    import megatronapp.dpp.runtime as dpp_runtime
+    from megatronapp.dpp.streams import HostOrder
+
+    class RecordingOrder(HostOrder):
+        def __init__(self):
+            self.lock, self.log, self.marks, self.streams = threading.Lock(), [], 0, []
+
+        def _note(self, *entry):
+            with self.lock:
+                self.log.append(entry)
+
+        def side_stream(self):
+            self._note("side_stream", threading.current_thread().name)
+            return super().side_stream()
+
+        def mark(self):
+            self.marks += 1
+            self._note("mark", self.marks)
+            return self.marks
+
+        def after_mark(self, mark):
+            self._note("after_mark", mark)
+
+        def complete(self, work, before_wait, src):
+            super().complete(work, before_wait, src)
+            self._note("complete", src)
+
+        def adopt(self, tensor):
+            self._note("adopt", threading.current_thread().name)
+            return tensor
+
+        def after_task(self):
+            self._note("after_task", threading.current_thread().name)
+
+    order = RecordingOrder()
+    original = dpp_runtime.build_order
+    dpp_runtime.build_order = lambda device: order
+    try:
+        train_variants(rank, world, (1, 2, 2, 4, 4), [("dynamic", "depth-first", None, "separate")], iters=1)
+    finally:
+        dpp_runtime.build_order = original
+    return {"log": order.log}
+
+
+def test_the_runtime_keeps_the_gpu_stream_protocol(cluster):
+    """What CUDA correctness rests on, checked on CPU: every threaded send waits on the mark
+    made for it, in order, on the sender's side stream; every payload is completed on its
+    receiver's side stream and adopted by the compute thread; the host is paced once per task."""
+    tasks, remote = 2 * 2 * 4, 12  # per rank: F and B of 2 chunks x 4; all inputs but tokens and the loss's
+    for rank, result in enumerate(cluster.run(_train_with_recorded_order, 2)):
+        log = result["log"]
+        kinds = [entry[0] for entry in log]
+        assert kinds.count("after_task") == tasks
+        assert {name for kind, name in log if kind in ("after_task", "adopt")} == {"MainThread"}
+        assert kinds.count("complete") == kinds.count("adopt") == remote
+        marks = [m for kind, m in log if kind == "mark"]
+        assert marks == [m for kind, m in log if kind == "after_mark"] == list(range(1, remote + 1))
+        assert sorted(name for kind, name in log if kind == "side_stream") == ["dpp-recv-" + str(1 - rank), "dpp-send"]

@@ -189,13 +189,12 @@ class Outbox:
         self.pending.append((works, header, tensor))
 
     def _issue_queued(self) -> None:
-        with self.order.side_stream():
-            while (item := self._queue.get()) is not None:
-                try:
+        try:
+            with self.order.side_stream():
+                while (item := self._queue.get()) is not None:
                     self._issue(*item)
-                except BaseException as exc:  # surfaced by the next send() or finish()
-                    self.error = exc
-                    return
+        except BaseException as exc:  # surfaced by the next send() or finish()
+            self.error = exc
 
     def close(self) -> None:
         """Stop the sender thread once it has issued what is queued."""

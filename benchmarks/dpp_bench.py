@@ -1,7 +1,7 @@
 """MegaDPP benchmark: static 1F1B / interleaved / breadth-first vs dynamic, with and without jitter.
 
 Every run (a *cell*: one scenario, one variant) is a real `megatronapp train` job (gloo, CPU,
-one thread per rank). By default all cells run in one launched set of ranks, one job after the
+one thread per rank; or `--device cuda`, one GPU per rank over NCCL, where a host has them). By default all cells run in one launched set of ranks, one job after the
 other (`run_worker(..., keep_process_group=True)`: fresh groups, trainer, data and injections per
 cell, the process group and the imported torch kept), which cuts a cell from ~28 s (8 processes
 starting torch) to a few seconds on the 16-core host; --isolated starts a fresh
@@ -75,7 +75,7 @@ def trace_dir_of(a, scenario: str, variant: str) -> Path:
 def _train_argv(a, variant: str, scenario: str, metrics: str, repeat: int = 0) -> list[str]:
     """`megatronapp train` arguments of a cell, without the launch: for ranks already running."""
     schedule, virtual, extra = VARIANTS[variant]
-    argv = ["train", "--device", "cpu", "--model", "demo", "--pipeline-model-parallel-size", str(a.pp),
+    argv = ["train", "--device", a.device, "--model", "demo", "--pipeline-model-parallel-size", str(a.pp),
             "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--seq-length", str(a.seq_length),
             "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches * (a.nproc // a.pp)),
             "--train-iters", str(a.iters), "--log-interval", "1", "--pipeline-schedule", schedule,
@@ -105,7 +105,12 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
     from megatronapp.cli.train import run_worker
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=a.timeout))
+    if a.device == "cuda":  # as `megatronapp train` places ranks: local rank r on GPU r; host data on gloo
+        gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(gpu)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timedelta(seconds=a.timeout), device_id=gpu)
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=a.timeout))
     rank, t0, slowest = dist.get_rank(), time.time(), 0.0
     log = open(Path(a.out) / "dpp_bench.jsonl", "a") if rank == 0 else None
     try:
@@ -312,6 +317,8 @@ def summarize(a, records: list[dict]) -> dict:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=8)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank (NCCL needs distinct GPUs), e.g. PP8 on an 8-GPU host")
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vpp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8, help="per DP replica")
@@ -347,6 +354,11 @@ def parse_args(argv):
         p.error("needs --iters > --warmup, --nproc divisible by --pp and --num-layers by pp * vpp")
     if not a.smoke:
         a.scenario_flags = {s: compute_scenario_flags(s, a.pp, a.nproc // a.pp) for s in SCENARIOS}
+    if a.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < a.nproc:
+            p.error(f"--device cuda needs one GPU per rank: {a.nproc} ranks, {torch.cuda.device_count()} GPUs visible")
     return a
 
 

@@ -118,3 +118,16 @@ def test_trace_gap_takes_the_jitter_out_of_a_jittered_ranks_task_times():
     assert [round(x[0], 6) for x in cost.backward_s] == [0.020, 0.040]
     (jitter,) = dpp_trace_gap.injections(run, 2)["jitter"]
     assert (jitter.rank, jitter.max_factor, jitter.seed) == (1, 1.5, 2 * 1 + 3)  # another draw per seed
+
+
+def test_gpu_cells_need_a_gpu_per_rank_and_pass_the_device_on(capsys, monkeypatch):
+    import pytest
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(SystemExit):
+        dpp_bench.parse_args(["--device", "cuda"])  # 8 ranks by default
+    assert "--device cuda needs one GPU per rank: 8 ranks, 4 GPUs visible" in capsys.readouterr().err
+    a = dpp_bench.parse_args(["--device", "cuda", "--smoke"])  # 2 ranks
+    argv = dpp_bench._train_argv(a, "dynamic-inorder", "balanced", "m.jsonl")
+    assert argv[argv.index("--device") + 1] == "cuda"

@@ -9,9 +9,11 @@ On CUDA that layout would deadlock or stall, for two reasons, so the runtime bui
 * **A group per directed pair for payloads.** NCCL runs all point-to-point work between two
   ranks of one communicator on one stream, in the order it was posted, and a send's kernel
   does not finish before the matching receive runs. The dynamic runtime posts receives
-  ahead (transport.PeerReceiver), so on a shared communicator rank A's receive of a
-  gradient from B, posted early, would sit in front of A's later send of the activation
-  that B needs to produce that gradient: both streams wait for ever. With one two-rank group
+  ahead (transport.PeerReceiver); NCCL's guide says sends and receives that must progress
+  together have to be posted in one group call, which posting ahead cannot do. So on a
+  shared communicator rank A's receive of a gradient from B, posted early, would sit in
+  front of A's later send of the activation that B needs to produce that gradient: both
+  streams wait for ever. With one two-rank group
   per direction (A -> B and B -> A apart), a communicator carries one direction only: one
   rank only sends on it and the other only receives, both in FIFO order, so a send waits
   only for its own receive, which the receiver posts regardless of what either rank

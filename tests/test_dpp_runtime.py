@@ -378,3 +378,14 @@ def test_the_runtime_keeps_the_gpu_stream_protocol(cluster):
         marks = [m for kind, m in log if kind == "mark"]
         assert marks == [m for kind, m in log if kind == "after_mark"] == list(range(1, remote + 1))
         assert sorted(name for kind, name in log if kind == "side_stream") == ["dpp-recv-" + str(1 - rank), "dpp-send"]
+
+
+def test_one_process_builds_no_channels_even_where_cuda_would():
+    """PP1 (one process, maybe without torch.distributed) has nothing to send: no groups."""
+    from megatronapp.parallel.groups import single_process_groups
+
+    job = make_job(1, 1, 1, 1, "dynamic", global_batch=4)
+    factory = functools.partial(build_dynamic_runtime_factory(DppConfig(), job), separate_channels=True)
+    trainer = Trainer(job, single_process_groups(job.layout), torch.device("cpu"), RandomTokenBatches(job, 0),
+                      runtime_factory=factory)
+    assert trainer.runtime.channels.owned == [] and len(trainer.train(2)) == 2

@@ -74,8 +74,9 @@ class Channels:
 
 
 def build_channels(groups: ParallelGroups, num_chunks: int, *, separate: bool, payload_backend: str) -> Channels:
-    """This rank's channels (collective over the world when `separate`: every rank calls it)."""
-    if not separate:
+    """This rank's channels (collective over the world when `separate`: every rank calls it).
+    One process has nothing to send, and may run without torch.distributed: no groups."""
+    if not separate or groups.layout.world_size == 1:
         return Channels(decision_group=groups.tp)
     me, world = groups.rank, groups.layout.world_size
     header_group = dist.new_group(list(range(world)), backend="gloo")

@@ -142,6 +142,7 @@ def _variants(job: JobConfig, data: Batches) -> dict:
             "engine_overlap_update": engine(overlap_param_update=True),
             "engine_fp8": engine(fp8_format="hybrid"), "engine_fp8_e4m3": engine(fp8_format="e4m3"),
             "engine_fp8_first_last_bf16": engine(fp8_format="hybrid", first_last_layers_bf16=True),
+            "engine_fp8_delayed": engine(fp8_format="hybrid", fp8_recipe="delayed"),
             "plain_bf16": lambda: PlainRunner(job, data).steps}
 
 
@@ -392,7 +393,7 @@ def main() -> None:
     p.add_argument("--num-micro", type=int, default=2)
     p.add_argument("--variants", default="", help="throughput (default engine,engine_fp8), profile, timeline: "
                    "comma-separated subset of engine, engine_torch_adamw, engine_overlap_update, engine_fp8, "
-                   "engine_fp8_e4m3, engine_fp8_first_last_bf16 (plain_bf16 always runs)")
+                   "engine_fp8_e4m3, engine_fp8_first_last_bf16, engine_fp8_delayed (plain_bf16 always runs)")
     p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss: steps of each run")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megatronapp.model.recompute import RecomputeConfig
-from megatronapp.parallel.fp8 import FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES
+from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -128,9 +128,13 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     # FP8 GEMMs in the transformer layers' linears (parallel/fp8.py), with --bf16 or --fp16:
-    # Megatron's --fp8-format e4m3|hybrid; only its tensorwise (current-scaling) recipe is built
+    # Megatron's --fp8-format e4m3|hybrid, --fp8-recipe tensorwise|delayed and the delayed
+    # recipe's --fp8-amax-history-len / --fp8-amax-compute-algo / --fp8-margin (Megatron's defaults)
     fp8_format: str | None = None
     fp8_recipe: str = "tensorwise"
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_margin: int = 0
     first_last_layers_bf16: bool = False  # Megatron's: the first / last layers' GEMMs stay bf16
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
@@ -215,6 +219,12 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"fp8 recipe {self.fp8_recipe!r} is not built; choose from {', '.join(FP8_RECIPES)}")
+        if self.fp8_amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ConfigError(f"unknown fp8 amax compute algo {self.fp8_amax_compute_algo!r}; choose from "
+                              f"{', '.join(AMAX_COMPUTE_ALGOS)}")
+        if self.fp8_amax_history_len < 1 or self.fp8_margin < 0:
+            raise ConfigError(f"need fp8_amax_history_len >= 1 and fp8_margin >= 0, got "
+                              f"{self.fp8_amax_history_len} and {self.fp8_margin}")
         for name in ("loss_scale_window", "hysteresis"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

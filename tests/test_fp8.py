@@ -19,12 +19,15 @@ from megatronapp.config import (
 from megatronapp.parallel.fp8 import (
     E4M3,
     E5M2,
+    DelayedScaling,
     FP8Spec,
+    compute_delayed_scales,
     enable_fp8,
     fp8_linear,
     power_of_two_scale,
     quantize,
     tensor_amax,
+    update_delayed_scaling,
 )
 from megatronapp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatronapp.parallel.wgrad_fusion import mark_first_write
@@ -182,8 +185,12 @@ def test_bad_fp8_configs_are_refused():
         TrainConfig(fp8_format="hybrid")
     with pytest.raises(ConfigError, match="unknown fp8 format"):
         TrainConfig(bf16=True, fp8_format="e5m2")
-    with pytest.raises(ConfigError, match="recipe 'delayed' is not built"):
-        TrainConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed")
+    with pytest.raises(ConfigError, match="recipe 'mxfp8' is not built"):
+        TrainConfig(bf16=True, fp8_format="hybrid", fp8_recipe="mxfp8")
+    with pytest.raises(ConfigError, match="unknown fp8 amax compute algo 'mean'"):
+        TrainConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_compute_algo="mean")
+    with pytest.raises(ConfigError, match="need fp8_amax_history_len >= 1"):
+        TrainConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=0)
     odd_tokens = JobConfig(model=model_preset("tiny", seq_length=24), layout=build_layout(1, 1, 1),
                            train=TrainConfig(bf16=True, fp8_format="hybrid", micro_batch_size=1))
     with pytest.raises(ConfigError, match=r"tokens per microbatch .* \(24\) to be a multiple of 16"):
@@ -242,3 +249,115 @@ def test_fp8_resume_is_bit_identical(tmp_path):
     torch.set_num_threads(1)
     rep = train_save_resume(0, 1, make_job(1, bf16=True, fp8_format="hybrid", iters=4), str(tmp_path))
     assert rep["resumed"] == rep["straight"] and rep["params_equal"]
+
+
+# -- the delayed recipe -------------------------------------------------------------------------
+
+def test_delayed_scales_come_from_the_history_and_keep_the_old_one_on_bad_amaxes():
+    fmax = torch.tensor([448.0, 448.0, 57344.0])
+    history = torch.tensor([[2.0, float("inf"), 0.0], [8.0, 0.25, 4.0]])  # newest first
+    old = torch.tensor([3.0, 5.0, 7.0])
+    recent = compute_delayed_scales(history, old, fmax, "most_recent", 0)
+    assert recent.tolist() == [128.0, 5.0, 7.0]  # 448 / 2 -> 2^7; inf and 0 keep the old scale
+    assert compute_delayed_scales(history, old, fmax, "max", 1).tolist() == [16.0, 5.0, 4096.0]  # 2^5 / 2 etc.
+
+
+def _linear_step(x, w, g, state):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_linear(x, w, None, FP8Spec(E5M2), state=state)
+    y.backward(g)
+    return y.detach(), x.grad, w.grad
+
+
+def test_delayed_linear_starts_in_current_scaling_then_casts_with_the_recorded_amaxes():
+    """Step 1 (no history) is current scaling exactly and records the three amaxes; after the
+    update, the same operands cast with scales from those amaxes: again exact on small
+    integers. A grown operand is clamped to the format's range (a plain cast would give NaN)."""
+    from megatronapp.parallel.groups import single_process_groups
+
+    x, w, g = _small_ints((16, 32), 4, 1).float(), _small_ints((48, 32), 3, 2).float(), _small_ints((16, 48), 2, 3).float()
+    state = DelayedScaling(E5M2, history_len=2, device="cpu")
+    current = _linear_step(x, w, g, None)
+    first = _linear_step(x, w, g, state)
+    for a, b in zip(first, current):
+        assert torch.equal(a, b)
+    assert state.amax_step.tolist() == [x.abs().max().item(), w.abs().max().item(), g.abs().max().item()]
+    update_delayed_scaling([state], single_process_groups(), "most_recent", 0)
+    assert state.ready and state.amax_step.tolist() == [0.0, 0.0, 0.0]
+    assert state.scale.tolist() == [64.0, 128.0, 16384.0]  # 448/4 -> 2^6, 448/3 -> 2^7, 57344/2 -> 2^14
+    second = _linear_step(x, w, g, state)
+    for a, b in zip(second, current):
+        assert torch.equal(a, b)
+    grown, _, _ = _linear_step(x * 16, w, g, state)  # 16 x the recorded amax: 4096 > 448 before the clamp
+    assert torch.isfinite(grown).all() and not torch.equal(grown, current[0] * 16)
+
+
+def _reduce_delayed_amaxes(rank: int, world: int) -> list[float]:
+    from megatronapp.parallel.groups import build_process_groups
+
+    groups = build_process_groups(build_layout(world, 2, 1), rank)  # TP2 x DP2
+    states = [DelayedScaling(E4M3, 1, "cpu") for _ in range(2)]
+    for k, st in enumerate(states):
+        st.amax_step.copy_(torch.tensor([1.0 + rank, 8.0 - rank, 0.5 * (rank + 1)]) * (k + 1))
+    update_delayed_scaling(states, groups, "most_recent", 0)
+    return [st.scale.tolist() for st in states]
+
+
+def test_delayed_amaxes_are_reduced_over_tp_and_dp(cluster):
+    """Every rank of TP2 x DP2 ends with the scales of the max over all four ranks' amaxes."""
+    fmax = torch.tensor([448.0, 448.0, 448.0])
+    want = [compute_delayed_scales(torch.tensor([[4.0, 8.0, 2.0]]) * (k + 1), torch.ones(3), fmax, "most_recent",
+                                   0).tolist() for k in range(2)]
+    for scales in cluster.run(_reduce_delayed_amaxes, 4):
+        assert scales == want
+
+
+DELAYED = {"bf16": True, "fp8_format": "hybrid", "fp8_recipe": "delayed"}
+
+
+@pytest.mark.parametrize("layout", [(2, 1, {}), (1, 1, {"use_distributed_optimizer": True})], ids=["tp2", "dp2_distopt"])
+def test_delayed_training_layouts_follow_single_process(cluster, layout):
+    tp, pp, kw = layout
+    single = train_and_report(0, 1, make_job(1, iters=4, **DELAYED))
+    for rep in cluster.run(train_and_report, 2, make_job(2, tp, pp, iters=4, **DELAYED, **kw)):
+        torch.testing.assert_close(rep["losses"], single["losses"], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(rep["norms"], single["norms"], rtol=3e-2, atol=1e-3)
+
+
+def test_delayed_follows_current_scaling():
+    """Same first step (current scaling), then other scales: close, not equal."""
+    torch.set_num_threads(1)
+    delayed = train_and_report(0, 1, make_job(1, iters=8, fp8_amax_history_len=4, fp8_amax_compute_algo="max",
+                                              **DELAYED))["losses"]
+    current = train_and_report(0, 1, make_job(1, iters=8, bf16=True, fp8_format="hybrid"))["losses"]
+    assert delayed[0] == current[0] and delayed != current
+    torch.testing.assert_close(delayed, current, rtol=1e-2, atol=1e-2)
+
+
+def test_delayed_recompute_and_resume_are_bit_identical(tmp_path):
+    """A recomputed forward records the same amaxes (max is idempotent); a checkpoint keeps
+    the histories and scales, so the resumed steps cast as the uninterrupted ones."""
+    from test_checkpoint import train_save_resume
+
+    torch.set_num_threads(1)
+    kw = dict(fp8_amax_history_len=3, fp8_amax_compute_algo="max", **DELAYED)
+    plain = train_and_report(0, 1, make_job(1, iters=3, **kw))
+    again = train_and_report(0, 1, make_job(1, iters=3, recompute_granularity="full", recompute_num_layers=2, **kw))
+    assert again["losses"] == plain["losses"]
+    rep = train_save_resume(0, 1, make_job(1, iters=4, **kw), str(tmp_path))
+    assert rep["resumed"] == rep["straight"] and rep["params_equal"]
+
+
+def test_delayed_linear_compiles_into_one_graph():
+    torch.set_num_threads(1)
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    w = (torch.randn(48, 32, generator=torch.Generator().manual_seed(6)) * 0.1).bfloat16()
+    eager_state, compiled_state = DelayedScaling(E5M2, 1, "cpu"), DelayedScaling(E5M2, 1, "cpu")
+    for st in (eager_state, compiled_state):
+        st.scale.copy_(torch.tensor([64.0, 1024.0, 1.0]))
+        st.ready = True
+    eager = fp8_linear(x, w, None, FP8Spec(E5M2), state=eager_state)
+    fn = torch.compile(lambda a, b, st: fp8_linear(a, b, None, FP8Spec(E5M2), state=st), fullgraph=True)
+    compiled = fn(x, w, compiled_state)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert torch.equal(compiled_state.amax_step, eager_state.amax_step) and eager_state.amax_step[0] > 0

@@ -26,13 +26,14 @@ from megatronapp.config import (
 from megatronapp.dpp.config import add_dpp_arguments
 from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
 from megatronapp.model.recompute import GRANULARITIES, METHODS
-from megatronapp.parallel.fp8 import FP8_FORMATS, FP8_RECIPES
+from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 
 # flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
 _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
                 "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
                 "bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                "hysteresis", "fp8_format", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+                "hysteresis", "fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
+                "first_last_layers_bf16", "num_layers_at_start_in_bf16",
                 "num_layers_at_end_in_bf16", "use_distributed_optimizer", "overlap_param_gather",
                 "compile", "overlap_grad_reduce",
                 "gradient_accumulation_fusion", "fused_master_adamw", "overlap_param_update",
@@ -115,8 +116,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--hysteresis", type=int)
     _train_flag(g, "--fp8-format", "FP8 GEMMs in the transformer layers (with --bf16/--fp16): e4m3 everywhere, "
                 "or hybrid (E5M2 gradients)", choices=FP8_FORMATS)
-    _train_flag(g, "--fp8-recipe", "scaling recipe: tensorwise (current scaling, power-of-two scales)",
-                choices=FP8_RECIPES)
+    _train_flag(g, "--fp8-recipe", "scaling recipe: tensorwise (current scaling) or delayed (scales from earlier "
+                "steps' amaxes); power-of-two scales", choices=FP8_RECIPES)
+    _train_flag(g, "--fp8-amax-history-len", "delayed recipe: steps of amax history", type=int)
+    _train_flag(g, "--fp8-amax-compute-algo", "delayed recipe: the scale's amax from the history",
+                choices=AMAX_COMPUTE_ALGOS)
+    _train_flag(g, "--fp8-margin", "delayed recipe: powers of two of headroom under the format's max", type=int)
     _train_flag(g, "--first-last-layers-bf16", "with --fp8-format: keep the first and last layers' GEMMs in bf16",
                 action="store_true")
     _train_flag(g, "--num-layers-at-start-in-bf16", "with --first-last-layers-bf16", type=int)

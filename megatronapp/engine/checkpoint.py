@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.files import atomic_path, write_text_atomic
+from megatronapp.parallel.fp8 import delayed_state_dict, load_delayed_state_dict
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
@@ -55,7 +56,8 @@ def _shard_state(trainer) -> dict:
         split[name] = p.tp_split_dim
         if p in param_state:
             optim[name] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in param_state[p].items()}
-    return {"params": params, "split": split, "optim": optim, "optimizer": trainer.optimizer.state_dict()}
+    return {"params": params, "split": split, "optim": optim, "optimizer": trainer.optimizer.state_dict(),
+            "fp8": delayed_state_dict(trainer.fp8_states)}
 
 
 def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
@@ -119,6 +121,13 @@ class _ShardReader:
     def optimizer_state(self) -> dict:
         return self._shard(0, 0).get("optimizer", {})
 
+    def fp8_states(self) -> dict:
+        """The delayed FP8 recipe's states of every stage (equal over TP: tp 0's serve)."""
+        found = {}
+        for pp in range(self.pp_size):
+            found.update(self._shard(0, pp).get("fp8", {}))
+        return found
+
     def full(self, name: str, field: str, key: str | None = None):
         pp = self._find_pp(name)
         parts = []
@@ -169,6 +178,7 @@ def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
                 optim[p][key] = value if key == "step" else _slice(value, p.tp_split_dim, lay.tp_size, g.tp_rank)
     trainer.optimizer.load_param_state(optim.get)
     trainer.optimizer.load_state_dict(reader.optimizer_state())
+    load_delayed_state_dict(trainer.fp8_states, reader.fp8_states())
     trainer.iteration = meta["iteration"]
     _restore_rank_state(folder, trainer, data, same_world=meta["layout"]["world_size"] == lay.world_size)
     return trainer.iteration

@@ -22,7 +22,7 @@ from megatronapp.engine.optim import compute_lr, set_lr
 from megatronapp.engine.throughput import compute_mfu, compute_tflops_per_device, peak_flops_for
 from megatronapp.model.gpt import ChunkOptions, TPContext, apply_compile, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
-from megatronapp.parallel.fp8 import enable_fp8
+from megatronapp.parallel.fp8 import delayed_states, enable_fp8, update_delayed_scaling
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.parallel.random import build_rng_tracker
 from megatronapp.pipeline.runtime import PipelineRuntime
@@ -76,7 +76,9 @@ class Trainer:
         if t.fp8_format is not None:
             in_fp8 = t.fp8_layers(job.model.num_layers)
             enable_fp8([block for c in self.chunks for i, block in c.layers.items() if int(i) in in_fp8],
-                       t.fp8_format)
+                       t.fp8_format, t.fp8_recipe, t.fp8_amax_history_len)
+        # the delayed FP8 recipe's per-linear states, by layout-independent module name (checkpoints)
+        self.fp8_states = delayed_states((name, m) for c in self.chunks for name, m in c.named_modules())
         if job.train.compile:
             apply_compile(self.chunks)
         self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job.train, groups, device)
@@ -120,6 +122,9 @@ class Trainer:
         loss = self.runtime.run(microbatches, iteration=it)
         with self.tracer.span(spans.GRAD_REDUCE, cat=spans.CAT_COMM):
             self.reducer.finish()
+        if self.fp8_states:  # the step's amaxes -> the next step's scales (one max-reduce over TP and DP)
+            t = self.job.train
+            update_delayed_scaling(self.fp8_states.values(), self.groups, t.fp8_amax_compute_algo, t.fp8_margin)
         with self.tracer.span(spans.OPTIMIZER):
             result = self.optimizer.step()  # unscale + inf check, norm, clip, AdamW, params update
         self.tracer.step_end(it)

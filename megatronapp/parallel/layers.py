@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatronapp.parallel.fp8 import FP8Spec, fp8_linear
+from megatronapp.parallel.fp8 import DelayedScaling, FP8Spec, fp8_linear
 from megatronapp.parallel.mappings import (
     copy_to_tp,
     gather_from_sequence_parallel,
@@ -66,11 +66,12 @@ class _ParallelLinear(nn.Module):
         self.weight = mark_split(nn.Parameter(_shard(full, split_dim, tp_size, tp_rank, device)), split_dim)
         self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
         self.fp8_spec: FP8Spec | None = None  # set by parallel.fp8.enable_fp8
+        self.fp8_state: DelayedScaling | None = None  # the delayed recipe's, set there too
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8_spec is not None:
             return fp8_linear(x, self.weight, bias, self.fp8_spec,
-                              main_grad=self.weight.main_grad if self.wgrad_fusion else None)
+                              main_grad=self.weight.main_grad if self.wgrad_fusion else None, state=self.fp8_state)
         if self.wgrad_fusion:
             return linear_with_grad_accumulation(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

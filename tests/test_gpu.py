@@ -72,11 +72,12 @@ def test_fp8_linear_on_cuda_is_exact_where_fp8_holds_the_values():
     assert torch.equal(wc.grad.float().cpu(), (g.t() @ x).bfloat16().float())
 
 
-def test_fp8_training_on_cuda_follows_cpu_and_compiles():
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_training_on_cuda_follows_cpu_and_compiles(recipe):
     """The same bf16 + FP8 job on CUDA (eager and compiled) and on the CPU."""
-    job = _job(bf16=True, fp8_format="hybrid")
+    job = _job(bf16=True, fp8_format="hybrid", fp8_recipe=recipe)
     eager = _losses(job)
-    compiled = _losses(_job(bf16=True, fp8_format="hybrid", compile=True))
+    compiled = _losses(_job(bf16=True, fp8_format="hybrid", fp8_recipe=recipe, compile=True))
     cpu = [m.loss for m in Trainer(job, single_process_groups(), torch.device("cpu"),
                                    RandomTokenBatches(job, 0)).train(4)]
     torch.testing.assert_close(eager, cpu, rtol=2e-2, atol=2e-2)

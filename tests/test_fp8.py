@@ -361,3 +361,36 @@ def test_delayed_linear_compiles_into_one_graph():
     compiled = fn(x, w, compiled_state)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     assert torch.equal(compiled_state.amax_step, eager_state.amax_step) and eager_state.amax_step[0] > 0
+
+
+def _delayed_train_and_save(rank: int, world: int, job, save_dir: str) -> dict:
+    from test_checkpoint import _trainer
+
+    from megatronapp.engine.checkpoint import save_checkpoint
+    from megatronapp.parallel.fp8 import delayed_state_dict
+
+    trainer, data = _trainer(job, rank)
+    trainer.train(2)
+    save_checkpoint(save_dir, trainer, data)
+    return delayed_state_dict(trainer.fp8_states)
+
+
+def test_delayed_state_moves_between_layouts(cluster, tmp_path):
+    """Saved at TP2 x PP2, loaded by one process: every linear's history and scales, by name."""
+    from test_checkpoint import _trainer
+
+    from megatronapp.engine.checkpoint import load_checkpoint
+    from megatronapp.parallel.fp8 import delayed_state_dict
+
+    kw = dict(iters=4, fp8_amax_history_len=2, **DELAYED)
+    saved = {}
+    for states in cluster.run(_delayed_train_and_save, 4, make_job(4, 2, 2, **kw), str(tmp_path)):
+        saved.update(states)
+    torch.set_num_threads(1)
+    single, data = _trainer(make_job(1, **kw), 0)
+    load_checkpoint(str(tmp_path), single, data)
+    loaded = delayed_state_dict(single.fp8_states)
+    assert loaded.keys() == saved.keys() and len(loaded) == 4 * 4  # 4 layers x 4 linears
+    for name, entry in loaded.items():
+        assert entry["ready"] and torch.equal(entry["history"], saved[name]["history"]), name
+        assert torch.equal(entry["scale"], saved[name]["scale"]), name

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from megatronapp.parallel.fp8 import E5M2, DelayedScaling, FP8Spec, fp8_linear
+from megatronapp.parallel.fp8 import E5M2, DelayedScaling, FP8Spec, fp8_linear, power_of_two_scale
 
 # (name, in, out, producer of its input) for one layer of the 1.4B model (hidden 2048, ffn 8192)
 LINEARS = (("qkv", 2048, 6144, "layernorm"), ("proj", 2048, 2048, "scale"),
@@ -57,7 +57,7 @@ def ready_delayed_state(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> De
     """A delayed state whose scales fit these operands, as after a first step on them."""
     st = DelayedScaling(E5M2, 1, x.device)
     amax = torch.stack([t.detach().abs().amax().float() for t in (x, w, g)])
-    st.scale.copy_(torch.exp2(torch.floor(torch.log2(st.fmax / amax))))
+    st.scale.copy_(power_of_two_scale(amax, st.fmax))
     st.ready = True
     return st
 

@@ -99,11 +99,12 @@ def tensor_amax(t: torch.Tensor, group=None) -> torch.Tensor:
     return amax if group is None else _all_reduce_max(amax, group)
 
 
-def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The largest 2^k with amax * 2^k <= the format's max (an all-zero tensor gets 2^k with
-    amax clamped to 1e-12; an inf/nan amax gives 0 or nan, so the GEMM's output shows it)."""
-    ratio = torch.finfo(dtype).max / amax.clamp(min=1e-12)
-    return torch.exp2(torch.floor(torch.log2(ratio)))
+def power_of_two_scale(amax: torch.Tensor, dtype_or_max: torch.dtype | torch.Tensor) -> torch.Tensor:
+    """The largest 2^k with amax * 2^k <= the format's max (a dtype, or the max itself, per
+    slot); an all-zero tensor gets 2^k with amax clamped to 1e-12; an inf/nan amax gives 0 or
+    nan, so the GEMM's output shows it."""
+    fmax = torch.finfo(dtype_or_max).max if isinstance(dtype_or_max, torch.dtype) else dtype_or_max
+    return torch.exp2(torch.floor(torch.log2(fmax / amax.clamp(min=1e-12))))
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,8 +239,7 @@ def compute_delayed_scales(history: torch.Tensor, old: torch.Tensor, fmax: torch
     """New per-slot scales from an amax history (steps x slots): power-of-two scales under
     fmax / 2^margin; a slot whose amax is not finite or not positive keeps its old scale."""
     amax = history[0] if algo == "most_recent" else history.max(dim=0).values
-    ratio = fmax / amax.clamp(min=1e-12)
-    scale = torch.exp2(torch.floor(torch.log2(ratio)) - margin)
+    scale = power_of_two_scale(amax, fmax) / 2.0**margin
     return torch.where(torch.isfinite(amax) & (amax > 0), scale, old)
 
 

@@ -173,7 +173,10 @@ def bench_fp8_loss(args, results: dict) -> None:
     from megatronapp.data.tokenizer import ByteTokenizer
 
     out = {}
-    for name, kw in (("bf16", {}), ("fp8_hybrid", {"fp8_format": "hybrid"})):
+    runs = {"bf16": {}, "fp8_hybrid": {"fp8_format": "hybrid"},
+            "fp8_hybrid_delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed"}}
+    for name in ["bf16"] + [v for v in args.loss_variants.split(",") if v != "bf16"]:
+        kw = runs[name]
         job = make_job(4, args.num_micro, compile=True, **kw)
         job = replace(job, train=replace(job.train, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps))
         data = DistributedBatchIterator(build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
@@ -188,8 +191,9 @@ def bench_fp8_loss(args, results: dict) -> None:
     tail = max(1, args.loss_steps // 10)
     last = {k: statistics.mean(v[-tail:]) for k, v in out.items()}
     results["fp8_loss"] = {"losses": out, f"mean_of_last_{tail}": last,
-                           "fp8_minus_bf16": last["fp8_hybrid"] - last["bf16"],
-                           "max_abs_step_difference": max(abs(a - b) for a, b in zip(out["bf16"], out["fp8_hybrid"]))}
+                           "minus_bf16": {k: last[k] - last["bf16"] for k in last if k != "bf16"},
+                           "max_abs_step_difference": {k: max(abs(a - b) for a, b in zip(out["bf16"], v))
+                                                       for k, v in out.items() if k != "bf16"}}
 
 
 def bench_recompute(args, results: dict) -> None:
@@ -395,6 +399,8 @@ def main() -> None:
                    "comma-separated subset of engine, engine_torch_adamw, engine_overlap_update, engine_fp8, "
                    "engine_fp8_e4m3, engine_fp8_first_last_bf16, engine_fp8_delayed (plain_bf16 always runs)")
     p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss: steps of each run")
+    p.add_argument("--loss-variants", default="bf16,fp8_hybrid,fp8_hybrid_delayed",
+                   help="fp8_loss: FP8 runs beside bf16 (always run first): fp8_hybrid, fp8_hybrid_delayed")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}

@@ -92,30 +92,48 @@ def _timed_steps(run, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, torch.cuda.max_memory_allocated() - before
 
 
+def _dynamo_counts() -> dict:
+    """Frames dynamo compiled, graphs it made, graph breaks: a variant that breaks its graphs
+    or recompiles past dynamo's limit runs partly eager, and this says so beside its time."""
+    from torch._dynamo.utils import counters
+    return {"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
 def _interleave(variants: dict, args) -> dict:
-    resident = {}
-    built = {}
+    resident, built, compiled = {}, {}, {}
     for name, factory in variants.items():
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        before, counts = torch.cuda.memory_allocated(), _dynamo_counts()
         step = factory()
         step(args.warmup)
         torch.cuda.synchronize()
         resident[name] = torch.cuda.memory_allocated() - before
-        built[name] = step
-        print(f"built {name}: resident {resident[name] / 2**30:.1f} GiB", flush=True)
+        built[name], compiled[name] = step, _delta(_dynamo_counts(), counts)
+        print(f"built {name}: resident {resident[name] / 2**30:.1f} GiB, dynamo {compiled[name]}", flush=True)
     times, transient = {k: [] for k in built}, {k: 0 for k in built}
+    in_rounds = {k: {"frames": 0, "graphs": 0, "graph_breaks": 0} for k in built}
     for r in range(args.rounds):
         for name, step in built.items():
+            counts = _dynamo_counts()
             t, peak = _timed_steps(step, args.steps)
+            new = _delta(_dynamo_counts(), counts)
+            in_rounds[name] = {k: in_rounds[name][k] + new[k] for k in new}
             times[name].append(t)
             transient[name] = max(transient[name], peak)
         print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items()), flush=True)
     out = {}
     for name, ts in times.items():
         med = statistics.median(ts)
+        if any(in_rounds[name].values()):
+            print(f"warning: {name}: dynamo compiled during the timed rounds: {in_rounds[name]}", flush=True)
         out[name] = {"step_s": med, "spread": (max(ts) - min(ts)) / med, "rounds_s": ts,
-                     "resident_gib": resident[name] / 2**30,
+                     "resident_gib": resident[name] / 2**30, "dynamo_while_built": compiled[name],
+                     "dynamo_in_rounds": in_rounds[name],
                      "peak_gib": (resident[name] + transient[name]) / 2**30}
     return out
 

@@ -91,6 +91,24 @@ def test_fp8_training_on_cuda_follows_cpu_and_compiles(recipe):
     assert eager[-1] < eager[0]
 
 
+@pytest.mark.timeout(600)
+def test_fp8_delayed_engine_compiles_once_per_block_kind_not_per_layer():
+    """Ten layers, compiled: attention and MLP get a graph each for the first step (current
+    scaling) and one each for the delayed steps, plus the head; five frames in all (torch 2.13
+    on the CPU compiles exactly these). A guard on each linear's DelayedScaling object would
+    compile per layer, and past dynamo's limit of 8 the rest would run eager (session 17's
+    hypothesis for the delayed recipe's 0.845x on the H200)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    job = _job({"num_layers": 10, "hidden_size": 64, "num_attention_heads": 2, "seq_length": 32},
+               bf16=True, fp8_format="hybrid", fp8_recipe="delayed", compile=True)
+    _losses(job)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["frames"]["total"] == 5, dict(counters["frames"])
+
+
 def test_injected_slowdown_scales_gpu_compute():
     x = torch.randn(4096, 4096, device="cuda")
     inj = FaultInjector(FaultPlan({0: 2.0}), rank=0, device=torch.device("cuda"))

@@ -79,3 +79,18 @@ def assemble_full_grads(reports: list[dict]) -> dict[str, torch.Tensor]:
         dim = by_rank[0][1]
         full[name] = by_rank[0][0] if dim is None else torch.cat([by_rank[r][0] for r in sorted(by_rank)], dim=dim)
     return full
+
+
+def compiled_frames(job: JobConfig, device: str, steps: int = 3) -> dict:
+    """Train `job` (compile=True, one process) for `steps` and return dynamo's counts from a
+    fresh cache: frames compiled and graph breaks. Blocks of one class share their graphs, so
+    the count must not grow with the number of layers (a per-layer guard would, and past
+    dynamo's recompile limit the remaining layers run eager)."""
+    from torch._dynamo.utils import counters
+
+    from megatronapp.parallel.groups import single_process_groups
+
+    torch._dynamo.reset()
+    counters.clear()
+    Trainer(job, single_process_groups(), torch.device(device), RandomTokenBatches(job, 0)).train(steps)
+    return {"frames": counters["frames"]["total"], "graph_breaks": sum(counters["graph_break"].values())}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from engine_jobs import make_job, train_and_report
+from engine_jobs import compiled_frames, make_job, train_and_report
 
 from megatronapp.config import (
     ConfigError,
@@ -368,6 +368,15 @@ def test_delayed_linear_compiles_into_one_graph():
     for eager, compiled in zip(*results):
         assert torch.equal(compiled, eager)
     assert (results[0][3] > 0).all()
+
+
+def test_compiled_delayed_engine_compiles_per_block_kind_not_per_layer():
+    """Ten layers, compiled, delayed FP8: attention and MLP get one graph each for the first step
+    (current scaling) and one each after it, plus the head: five frames, no graph breaks.
+    tests/test_gpu.py runs the same on the device's torch."""
+    torch.set_num_threads(1)
+    job = make_job(1, num_layers=10, iters=3, compile=True, **DELAYED)
+    assert compiled_frames(job, "cpu") == {"frames": 5, "graph_breaks": 0}
 
 
 def _delayed_train_and_save(rank: int, world: int, job, save_dir: str) -> dict:

@@ -6,7 +6,7 @@ import torch
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset, validate_job
 from megatronapp.engine.trainer import Trainer
-from megatronapp.parallel.groups import build_process_groups
+from megatronapp.parallel.groups import build_process_groups, single_process_groups
 
 
 class RandomTokenBatches:
@@ -87,8 +87,6 @@ def compiled_frames(job: JobConfig, device: str, steps: int = 3) -> dict:
     the count must not grow with the number of layers (a per-layer guard would, and past
     dynamo's recompile limit the remaining layers run eager)."""
     from torch._dynamo.utils import counters
-
-    from megatronapp.parallel.groups import single_process_groups
 
     torch._dynamo.reset()
     counters.clear()

@@ -38,6 +38,7 @@ from plain_gpt import PlainGPT  # noqa: E402
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.model.gpt import compile_counts  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 
 PEAK = 989e12
@@ -92,14 +93,6 @@ def _timed_steps(run, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, torch.cuda.max_memory_allocated() - before
 
 
-def _dynamo_counts() -> dict:
-    """Frames dynamo compiled, graphs it made, graph breaks: a variant that breaks its graphs
-    or recompiles past dynamo's limit runs partly eager, and this says so beside its time."""
-    from torch._dynamo.utils import counters
-    return {"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values())}
-
-
 def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
@@ -108,20 +101,20 @@ def _interleave(variants: dict, args) -> dict:
     resident, built, compiled = {}, {}, {}
     for name, factory in variants.items():
         torch.cuda.synchronize()
-        before, counts = torch.cuda.memory_allocated(), _dynamo_counts()
+        before, counts = torch.cuda.memory_allocated(), compile_counts()
         step = factory()
         step(args.warmup)
         torch.cuda.synchronize()
         resident[name] = torch.cuda.memory_allocated() - before
-        built[name], compiled[name] = step, _delta(_dynamo_counts(), counts)
+        built[name], compiled[name] = step, _delta(compile_counts(), counts)
         print(f"built {name}: resident {resident[name] / 2**30:.1f} GiB, dynamo {compiled[name]}", flush=True)
     times, transient = {k: [] for k in built}, {k: 0 for k in built}
-    in_rounds = {k: {"frames": 0, "graphs": 0, "graph_breaks": 0} for k in built}
+    in_rounds = {k: {"frames": 0, "graph_breaks": 0} for k in built}
     for r in range(args.rounds):
         for name, step in built.items():
-            counts = _dynamo_counts()
+            counts = compile_counts()
             t, peak = _timed_steps(step, args.steps)
-            new = _delta(_dynamo_counts(), counts)
+            new = _delta(compile_counts(), counts)
             in_rounds[name] = {k: in_rounds[name][k] + new[k] for k in new}
             times[name].append(t)
             transient[name] = max(transient[name], peak)

@@ -6,6 +6,7 @@ import torch
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset, validate_job
 from megatronapp.engine.trainer import Trainer
+from megatronapp.model.gpt import compile_counts
 from megatronapp.parallel.groups import build_process_groups, single_process_groups
 
 
@@ -82,13 +83,11 @@ def assemble_full_grads(reports: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def compiled_frames(job: JobConfig, device: str, steps: int = 3) -> dict:
-    """Train `job` (compile=True, one process) for `steps` and return dynamo's counts from a
-    fresh cache: frames compiled and graph breaks. Blocks of one class share their graphs, so
-    the count must not grow with the number of layers (a per-layer guard would, and past
-    dynamo's recompile limit the remaining layers run eager)."""
+    """Train `job` (compile=True, one process) for `steps` from a fresh dynamo cache and return
+    what it compiled (model.gpt.compile_counts)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     Trainer(job, single_process_groups(), torch.device(device), RandomTokenBatches(job, 0)).train(steps)
-    return {"frames": counters["frames"]["total"], "graph_breaks": sum(counters["graph_break"].values())}
+    return compile_counts()

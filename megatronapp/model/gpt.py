@@ -288,6 +288,15 @@ def apply_compile(chunks: list[GPTChunk]) -> None:
             chunk._head = torch.compile(chunk._head)
 
 
+def compile_counts() -> dict:
+    """What dynamo has compiled in this process: frames and graph breaks. Blocks of one class
+    share their graphs, so frames must not grow with the number of layers: a per-layer guard
+    recompiles each block, and past dynamo's recompile limit (8) the rest run eager."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": counters["frames"]["total"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 def chunk_layer_ranges(num_layers: int, pp_size: int, num_chunks: int) -> list[list[tuple[int, int]]]:
     """[pp_rank][chunk] -> (first, last) layer range, Megatron's interleaved assignment.
 

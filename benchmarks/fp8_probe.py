@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from megatronapp.model.gpt import compile_counts
 from megatronapp.parallel.fp8 import E5M2, DelayedScaling, FP8Spec, fp8_linear, power_of_two_scale
 
 # (name, in, out, producer of its input) for one layer of the 1.4B model (hidden 2048, ffn 8192)
@@ -90,6 +91,33 @@ def _operands(tokens: int, d_in: int, d_out: int, device, seed: int = 0):
     return x, w, g
 
 
+def build_cases(tokens: int, device, scale_down: int = 1) -> dict[str, Callable[[], tuple]]:
+    """name/producer/recipe -> a compiled step, for every case the probe times."""
+    cases = {}
+    for name, d_in, d_out, producer in LINEARS:
+        x, w, g = _operands(tokens, d_in // scale_down, d_out // scale_down, device)
+        for prod in (None, producer):
+            for recipe in RECIPES:
+                cases[f"{name}/{prod or 'alone'}/{recipe}"] = build_case(recipe, prod, x, w, g)
+    return cases
+
+
+def warm_up(cases: dict[str, Callable[[], tuple]], steps: int = 3) -> int:
+    """Compile and warm every case; returns how many compiled. The cases share one code object
+    (build_case's `fwd`), so dynamo's recompile limit (8) would leave the later ones eager:
+    session 18's first probe timed 16 of its 24 cases that way. The limit is raised to the
+    case count, and a case left uncompiled is an error, not a silent eager timing."""
+    before = compile_counts()["frames"]
+    with torch._dynamo.config.patch(recompile_limit=len(cases) + 8):
+        for step in cases.values():
+            for _ in range(steps):
+                step()
+    compiled = compile_counts()["frames"] - before
+    if compiled != len(cases):
+        raise SystemExit(f"fp8_probe: {compiled} compiled frames for {len(cases)} cases; timings would mix eager and compiled")
+    return compiled
+
+
 def check(device, tokens: int = 32, scale_down: int = 128, compiled: bool = False) -> dict:
     """Every case once at tiny shapes: its relative error against bf16 (y, dx, dw)."""
     errors = {}
@@ -120,15 +148,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         p.error("timing needs CUDA (--check runs anywhere)")
     torch.backends.cuda.matmul.allow_tf32 = True
-    cases = {}
-    for name, d_in, d_out, producer in LINEARS:
-        x, w, g = _operands(a.tokens, d_in, d_out, "cuda")
-        for prod in (None, producer):
-            for recipe in RECIPES:
-                cases[f"{name}/{prod or 'alone'}/{recipe}"] = build_case(recipe, prod, x, w, g)
-    for step in cases.values():  # compile and warm up
-        for _ in range(3):
-            step()
+    cases = build_cases(a.tokens, "cuda")
+    print(f"compiled {warm_up(cases)} cases", flush=True)
     times = {key: [] for key in cases}
     for r in range(a.rounds):  # interleaved rounds: drift hits every case alike
         for key, step in cases.items():

@@ -33,3 +33,14 @@ def test_a_compiled_case_is_as_close_to_bf16_as_the_eager_one():
         got = fp8_probe.build_case("delayed", "gelu", x, w, g, compiled=compiled)()
         for a, b in zip(got, ref):
             assert 1e-3 < ((a.float() - b.float()).norm() / b.float().norm()).item() < 0.1
+
+
+def test_every_timed_case_is_compiled_past_dynamos_recompile_limit(monkeypatch):
+    """Twelve cases share build_case's code object, more than dynamo's default limit of 8
+    recompiles: each still gets its own compiled frame (before the fix, 9 frames for 24 cases)."""
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    monkeypatch.setattr(fp8_probe, "LINEARS", fp8_probe.LINEARS[:2])
+    cases = fp8_probe.build_cases(16, "cpu", scale_down=128)
+    assert len(cases) == 12 > torch._dynamo.config.recompile_limit
+    assert fp8_probe.warm_up(cases, steps=1) == 12

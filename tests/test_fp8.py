@@ -292,6 +292,33 @@ def test_delayed_linear_starts_in_current_scaling_then_casts_with_the_recorded_a
     assert torch.isfinite(grown).all() and not torch.equal(grown, current[0] * 16)
 
 
+@pytest.mark.parametrize("algo", ["most_recent", "max"])
+def test_the_stacked_update_rolls_each_linears_history_as_a_loop_over_linears_would(algo):
+    """Four steps of three linears (history 3, margin 1; one step's amax inf, one zero): each
+    linear's history, scales and reset amaxes equal the one-linear rule applied by hand."""
+    from megatronapp.parallel.groups import single_process_groups
+
+    gen = torch.Generator().manual_seed(0)
+    states = [DelayedScaling(E5M2, 3, "cpu") for _ in range(3)]
+    hist = [torch.zeros(3, 3) for _ in states]
+    scale = [torch.ones(3) for _ in states]
+    for step in range(4):
+        for k, st in enumerate(states):
+            amax = torch.rand(3, generator=gen) * 10.0 ** (k + step - 2)
+            if (step, k) == (1, 2):
+                amax[0] = float("inf")
+            if (step, k) == (2, 0):
+                amax[2] = 0.0
+            st.amax_step.copy_(amax)
+            hist[k] = torch.cat([amax[None], hist[k][:-1]])
+            scale[k] = compute_delayed_scales(hist[k], scale[k], st.fmax, algo, 1)
+        update_delayed_scaling(states, single_process_groups(), algo, 1)
+        for k, st in enumerate(states):
+            assert torch.equal(st.history, hist[k]) and torch.equal(st.scale, scale[k]), (step, k)
+            assert st.ready and not st.amax_step.any()
+    assert len({tuple(s.tolist()) for s in scale}) == 3  # the linears' scales differ: no cross-talk hidden
+
+
 def _reduce_delayed_amaxes(rank: int, world: int) -> list[float]:
     from megatronapp.parallel.groups import build_process_groups
 

@@ -247,19 +247,24 @@ def compute_delayed_scales(history: torch.Tensor, old: torch.Tensor, fmax: torch
 def update_delayed_scaling(states, groups, algo: str, margin: int) -> None:
     """End of a step, collective over TP and DP (every rank of a stage holds the same linears,
     in the same order): max-reduce the step's recorded amaxes, roll them into each history,
-    and set the scales the next step casts with."""
+    and set the scales the next step casts with. All linears at once, stacked, as Transformer
+    Engine keeps one global amax buffer: a dozen kernels for the model, where a loop over the
+    linears launched a dozen per linear (1,150 a step for the 1.4B model's 96)."""
     states = list(states)
     if not states:
         return
-    amaxes = torch.stack([st.amax_step for st in states])
+    amaxes = torch.stack([st.amax_step for st in states])  # (linears, slots)
     for group in (groups.tp, groups.dp):
         if group is not None:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-    for st, amax in zip(states, amaxes):
-        st.history.copy_(torch.roll(st.history, 1, dims=0))
-        st.history[0] = amax
-        st.scale.copy_(compute_delayed_scales(st.history, st.scale, st.fmax, algo, margin))
-        st.amax_step.zero_()
+    history = torch.stack([st.history for st in states], dim=1)  # (steps, linears, slots), newest first
+    history = torch.cat([amaxes.unsqueeze(0), history[:-1]])
+    old = torch.stack([st.scale for st in states])
+    scales = compute_delayed_scales(history, old, torch.stack([st.fmax for st in states]), algo, margin)
+    torch._foreach_copy_([st.history for st in states], list(history.unbind(1)))
+    torch._foreach_copy_([st.scale for st in states], list(scales.unbind(0)))
+    torch._foreach_zero_([st.amax_step for st in states])
+    for st in states:
         st.ready = True
 
 

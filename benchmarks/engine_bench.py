@@ -42,6 +42,9 @@ from megatronapp.model.gpt import compile_counts  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 
 PEAK = 989e12
+# fp8_loss: the runs beside bf16 (--loss-variants), each a TrainConfig override
+LOSS_VARIANTS = {"bf16": {}, "fp8_hybrid": {"fp8_format": "hybrid"},
+                 "fp8_hybrid_delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed"}}
 DEV = torch.device("cuda")
 
 
@@ -184,10 +187,8 @@ def bench_fp8_loss(args, results: dict) -> None:
     from megatronapp.data.tokenizer import ByteTokenizer
 
     out = {}
-    runs = {"bf16": {}, "fp8_hybrid": {"fp8_format": "hybrid"},
-            "fp8_hybrid_delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed"}}
     for name in ["bf16"] + [v for v in args.loss_variants.split(",") if v != "bf16"]:
-        kw = runs[name]
+        kw = LOSS_VARIANTS[name]
         job = make_job(4, args.num_micro, compile=True, **kw)
         job = replace(job, train=replace(job.train, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps))
         data = DistributedBatchIterator(build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
@@ -413,6 +414,9 @@ def main() -> None:
     p.add_argument("--loss-variants", default="bf16,fp8_hybrid,fp8_hybrid_delayed",
                    help="fp8_loss: FP8 runs beside bf16 (always run first): fp8_hybrid, fp8_hybrid_delayed")
     args = p.parse_args()
+    unknown = set(args.loss_variants.split(",")) - set(LOSS_VARIANTS)
+    if unknown:
+        p.error(f"--loss-variants: unknown {sorted(unknown)}; known: {', '.join(LOSS_VARIANTS)}")
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
     benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "fp8_loss": bench_fp8_loss, "recompute": bench_recompute, "microbatch": bench_microbatch}

@@ -91,15 +91,18 @@ def _operands(tokens: int, d_in: int, d_out: int, device, seed: int = 0):
     return x, w, g
 
 
-def build_cases(tokens: int, device, scale_down: int = 1) -> dict[str, Callable[[], tuple]]:
-    """name/producer/recipe -> a compiled step, for every case the probe times."""
-    cases = {}
+def _linear_cases(tokens: int, device, scale_down: int):
+    """(linear name, producer or None, x, w, g) for each linear alone and behind its producer."""
     for name, d_in, d_out, producer in LINEARS:
         x, w, g = _operands(tokens, d_in // scale_down, d_out // scale_down, device)
         for prod in (None, producer):
-            for recipe in RECIPES:
-                cases[f"{name}/{prod or 'alone'}/{recipe}"] = build_case(recipe, prod, x, w, g)
-    return cases
+            yield name, prod, x, w, g
+
+
+def build_cases(tokens: int, device, scale_down: int = 1) -> dict[str, Callable[[], tuple]]:
+    """name/producer/recipe -> a compiled step, for every case the probe times."""
+    return {f"{name}/{prod or 'alone'}/{recipe}": build_case(recipe, prod, x, w, g)
+            for name, prod, x, w, g in _linear_cases(tokens, device, scale_down) for recipe in RECIPES}
 
 
 def warm_up(cases: dict[str, Callable[[], tuple]], steps: int = 3) -> int:
@@ -121,14 +124,12 @@ def warm_up(cases: dict[str, Callable[[], tuple]], steps: int = 3) -> int:
 def check(device, tokens: int = 32, scale_down: int = 128, compiled: bool = False) -> dict:
     """Every case once at tiny shapes: its relative error against bf16 (y, dx, dw)."""
     errors = {}
-    for name, d_in, d_out, producer in LINEARS:
-        x, w, g = _operands(tokens, d_in // scale_down, d_out // scale_down, device)
-        for prod in (None, producer):
-            ref = build_case("bf16", prod, x, w, g, compiled)()
-            for recipe in RECIPES[1:]:
-                got = build_case(recipe, prod, x, w, g, compiled)()
-                errors[f"{name}/{recipe}/{prod or 'alone'}"] = max(
-                    ((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref))
+    for name, prod, x, w, g in _linear_cases(tokens, device, scale_down):
+        ref = build_case("bf16", prod, x, w, g, compiled)()
+        for recipe in RECIPES[1:]:
+            got = build_case(recipe, prod, x, w, g, compiled)()
+            errors[f"{name}/{recipe}/{prod or 'alone'}"] = max(
+                ((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref))
     return errors
 
 

@@ -93,9 +93,9 @@ def test_fp8_training_on_cuda_follows_cpu_and_compiles(recipe):
 
 @pytest.mark.timeout(600)
 def test_fp8_delayed_engine_compiles_once_per_block_kind_not_per_layer():
-    """tests/test_fp8.py's CPU test on the device's torch: five frames for ten layers (session
-    17's hypothesis for the delayed recipe's 0.845x on the H200 is that this torch compiles
-    per layer, and past dynamo's limit of 8 runs the rest eager)."""
+    """tests/test_fp8.py's CPU test on the device's torch: five frames for ten layers. A torch
+    that compiled per layer would, past dynamo's limit of 8, run the other blocks eager (session
+    18: passed on torch 2.11, so that was not why the delayed recipe ran slow)."""
     job = _job({"num_layers": 10, "hidden_size": 64, "num_attention_heads": 2, "seq_length": 32},
                bf16=True, fp8_format="hybrid", fp8_recipe="delayed", compile=True)
     assert compiled_frames(job, "cuda") == {"frames": 5, "graph_breaks": 0}

@@ -19,7 +19,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megatronapp.config import TrainConfig
 from megatronapp.engine.launch_failures import pick_root_failure
+from megatronapp.engine.throughput import compute_run_throughput
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -74,13 +76,13 @@ def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: 
     """Print the run summary; with --trace also merge the timeline and run detection."""
     console = Console()
     if history:
-        steady = history[1:] or history
+        step_s, tokens_per_s = compute_run_throughput(history, args.log_interval or TrainConfig.log_interval)
         table = Table(title="megatronapp train: summary", show_header=False)
         table.add_row("ranks", str(world))
         table.add_row("iterations", str(history[-1]["iteration"]))
         table.add_row("loss first -> last", f"{history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
-        table.add_row("mean step time", f"{sum(m['step_time_s'] for m in steady) / len(steady) * 1e3:.1f} ms")
-        table.add_row("mean tokens/s", f"{sum(m['tokens_per_s'] for m in steady) / len(steady):,.0f}")
+        table.add_row("mean step time", f"{step_s * 1e3:.1f} ms")
+        table.add_row("mean tokens/s", f"{tokens_per_s:,.0f}")
         if args.save:
             table.add_row("checkpoint", args.save)
         if args.metrics_file:

@@ -24,3 +24,16 @@ def compute_tflops_per_device(flops_per_token: float, tokens_per_s: float, num_d
 
 def compute_mfu(tflops_per_device: float, peak_flops: float | None) -> float | None:
     return None if not peak_flops else tflops_per_device * 1e12 / peak_flops
+
+
+def compute_run_throughput(history: list[dict], log_interval: int) -> tuple[float, float]:
+    """(mean step seconds, tokens/s) of a run's metrics rows, its first log interval left out
+    (compilation and warm-up) when there is more than one.
+
+    tokens/s is the tokens of the steps over their summed time, not the mean of the rows'
+    rates (a mean of rates overweights fast intervals).
+    """
+    steady = [m for m in history if m["iteration"] > log_interval] or history
+    seconds = sum(m["step_time_s"] for m in steady)
+    tokens = sum(m["tokens_per_s"] * m["step_time_s"] for m in steady)
+    return seconds / len(steady), tokens / seconds

@@ -64,8 +64,10 @@ class _PendingStep:
 
 class Trainer:
     def __init__(self, job: JobConfig, groups: ParallelGroups, device: torch.device, data, *,
-                 tracer=NULL_TRACER, injector=None, schedule=None, runtime_factory=None):
+                 tracer=NULL_TRACER, injector=None, schedule=None, runtime_factory=None,
+                 clock=time.perf_counter):
         self.job, self.groups, self.device, self.data = job, groups, device, data
+        self.clock = clock  # seconds; a test passes a fake one
         lay, t = job.layout, job.train
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
         self.rng_tracker = build_rng_tracker(t.seed, groups.tp_rank, groups.pp_rank, device)
@@ -107,9 +109,10 @@ class Trainer:
 
     def train_step(self) -> StepMetrics:
         """One optimizer step, with its metrics known on the host (one synchronisation)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         pending = self._run_step()
-        return self._resolve([pending], time.perf_counter() - t0)[0]
+        on_host = self._copy_to_host([pending])  # the sync: the step has really finished after it
+        return self._resolve([pending], on_host, self.clock() - t0)[0]
 
     def _run_step(self) -> _PendingStep:
         """One optimizer step; its loss, grad norm and compute time stay on the device."""
@@ -135,27 +138,32 @@ class Trainer:
         return _PendingStep(self.iteration, lr, loss, norm, self.runtime.compute_timer.take(),
                             result.loss_scale, self.optimizer.skipped_iterations)
 
-    def _resolve(self, steps: list[_PendingStep], elapsed_s: float) -> list[StepMetrics]:
-        """Metrics of `steps` on every rank with one device->host copy and one all-reduce.
+    def _copy_to_host(self, steps: list[_PendingStep]) -> torch.Tensor:
+        """(k, 2) host matrix of the steps' loss share and grad norm: the one device->host copy,
+        which waits for the device to finish the steps (the end of an interval's time)."""
+        zero = torch.zeros((), device=self.device)
+        return torch.stack([torch.stack([zero if st.loss is None else st.loss, st.grad_norm.float()])
+                            for st in steps]).cpu()
+
+    def _resolve(self, steps: list[_PendingStep], on_host: torch.Tensor, elapsed_s: float) -> list[StepMetrics]:
+        """Metrics of `steps` on every rank from their host copy (see _copy_to_host) and one all-reduce.
 
         Row i of a (k, 1 + world) host matrix: slot 0 sums the loss of the last stage's TP-rank-0
         ranks, slot 1 + r carries rank r's compute seconds (zero elsewhere). The matrix is built
         on the host so that the only transfers are the device numbers' one copy out and, with
         several ranks, the all-reduce (pageable single-element copies each stall the GPU queue).
+        `elapsed_s` is read after the copy, so it spans the steps' device time.
         """
         world = self.job.layout.world_size
-        zero = torch.zeros((), device=self.device)
-        on_device = torch.stack([torch.stack([zero if st.loss is None else st.loss, st.grad_norm.float()])
-                                 for st in steps]).cpu()  # the sync
         values = torch.zeros(len(steps), 1 + world, dtype=torch.float32)
-        values[:, 0] = on_device[:, 0]
+        values[:, 0] = on_host[:, 0]
         for i, st in enumerate(steps):
             values[i, 1 + self.groups.rank] = self.runtime.compute_timer.resolve(st.compute)
         if world > 1:
             reduced = values.to(self.device)
             dist.all_reduce(reduced, group=self.groups.world)
             values = reduced.cpu()
-        rows, norms = values.tolist(), on_device[:, 1].tolist()
+        rows, norms = values.tolist(), on_host[:, 1].tolist()
         dt = elapsed_s / len(steps)
         tokens_per_s = self.job.train.global_batch_size * self.job.model.seq_length / dt
         tflops = compute_tflops_per_device(self.job.model.flops_per_token(), tokens_per_s, world)
@@ -168,18 +176,23 @@ class Trainer:
         """Run until train_iters (or num_steps more steps); on_step(metrics) for every step.
 
         Metrics reach the host only every `log_interval` steps (and at the end): between
-        them nothing waits for the device. Step time is the interval's mean.
+        them nothing waits for the device. Step time is the interval's mean, over the time
+        from the previous interval's sync to this one's: the host running ahead of the device
+        is not counted as progress, and the intervals tile the run (host work between them,
+        such as on_step and checkpoints, falls in the next interval).
         """
         end = self.job.train.train_iters if num_steps is None else self.iteration + num_steps
         interval = max(1, self.job.train.log_interval)
-        history, pending, t0 = [], [], time.perf_counter()
+        history, pending, t0 = [], [], self.clock()
         while self.iteration < end:
             pending.append(self._run_step())
             if self.iteration % interval == 0 or self.iteration == end:
-                for m in self._resolve(pending, time.perf_counter() - t0):
+                on_host = self._copy_to_host(pending)
+                t1 = self.clock()
+                for m in self._resolve(pending, on_host, t1 - t0):
                     history.append(m)
                     if on_step is not None:
                         on_step(m)
-                pending, t0 = [], time.perf_counter()
+                pending, t0 = [], t1
         self.optimizer.finish_param_sync()  # --overlap-param-gather: params complete on return
         return history

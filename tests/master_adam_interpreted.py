@@ -52,7 +52,28 @@ def run_case(shapes, block: int) -> float:
     return worst
 
 
+def run_skip_case(block: int = 512) -> None:
+    """A step with the skip flag set and non-finite grads leaves every tensor and counter as it was."""
+    torch.manual_seed(0)
+    mains = [torch.randn(s) for s in ((40, 24), (2047,))]
+    models = {id(m): m.to(torch.bfloat16) for m in mains}
+    opt = torch.optim.AdamW(mains, lr=1e-2)
+    kernel = MasterAdamW(opt, models, block=block, num_warps=4)
+    for m in mains:
+        m.grad = torch.randn_like(m)
+    kernel.step(None)
+    before = [(m.clone(), models[id(m)].clone(), {k: v.clone() for k, v in opt.state[m].items()}) for m in mains]
+    for m in mains:
+        m.grad.fill_(float("nan"))
+    kernel.step(None, skip=torch.tensor(1.0))
+    for m, (main, model, state) in zip(mains, before):
+        assert torch.equal(m, main) and torch.equal(models[id(m)], model)
+        assert all(torch.equal(opt.state[m][k], v) for k, v in state.items())
+
+
 if __name__ == "__main__":
     for shapes, block in CASES:
         print(f"shapes {shapes} block {block}: max |kernel - torch| {run_case(shapes, block):.2e}", flush=True)
+    run_skip_case()
+    print("skip flag: nothing written", flush=True)
     sys.exit(0)

@@ -1,11 +1,17 @@
-"""Engine integrity: throughput accounting over the device's real time."""
+"""Engine integrity: throughput over the device's real time, per-step checks, reruns of flagged steps."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches, make_job
+from integrity_jobs import Corruption, integrity_job, train_with_hook
+from megatronapp.config import ConfigError, IntegrityConfig
+from megatronapp.engine.integrity import (StepHistory, compute_band_upper, compute_differing_ranks,
+                                          compute_rerun_verdict, compute_step_flags)
 from megatronapp.engine.throughput import compute_run_throughput
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import single_process_groups
@@ -66,3 +72,128 @@ def test_run_throughput_leaves_out_the_first_interval_and_weighs_by_time():
     assert step_s == pytest.approx(2.0)
     assert tokens_per_s == pytest.approx(400 / 8.0)  # not the mean of 100 and 33.3
     assert compute_run_throughput(rows[:1], log_interval=2) == pytest.approx((5.0, 20.0))
+
+
+# -- checks: pure decisions -----------------------------------------------------------------
+
+def test_band_upper_is_median_plus_factor_scaled_mad():
+    assert compute_band_upper([1.0, 2.0, 3.0, 4.0, 100.0], factor=2.0) == pytest.approx(3.0 + 2 * 1.4826 * 1.0)
+    # flat history: the relative floor, not a zero-width band
+    assert compute_band_upper([4.0] * 5, factor=10.0) == pytest.approx(4.0 + 10 * 4e-3)
+
+
+def test_flags_need_the_history_and_count_only_the_upper_side():
+    cfg = IntegrityConfig(check_for_spiky_loss=True, check_for_large_grads=True, check_min_history=3)
+    losses, norms = [3.4, 3.3, 3.35], [2.9, 3.1, 3.0]
+    assert compute_step_flags(10.7, 25.1, losses, norms, cfg) == ("spiky_loss", "large_grads")
+    assert compute_step_flags(3.36, 3.0, losses, norms, cfg) == ()
+    assert compute_step_flags(0.1, 0.01, losses, norms, cfg) == ()  # falling: training, not a fault
+    assert compute_step_flags(10.7, 25.1, losses[:2], norms[:2], cfg) == ()  # warm-up
+    assert compute_step_flags(float("nan"), 3.0, [], [], cfg) == ("nan",)
+    assert compute_step_flags(3.3, float("inf"), [], [], replace(cfg, check_for_nan_in_loss_and_grad=False)) == ()
+
+
+def test_history_keeps_flagged_and_non_finite_steps_out():
+    cfg = IntegrityConfig(check_for_spiky_loss=True, check_min_history=3, check_window=4)
+    h = StepHistory.build(cfg.check_window)
+    for loss in (3.0, 3.1, 2.9, 50.0, float("nan"), 3.0, 3.05):
+        h.judge(loss, 1.0, cfg)
+    assert list(h.losses) == [3.1, 2.9, 3.0, 3.05]
+
+
+def test_differing_ranks_are_bitwise_and_nan_equals_nan():
+    nan = float("nan")
+    assert compute_differing_ranks([(1.0, nan), (2.0, 3.0)], [(1.0, nan), (2.0, 3.0000002)]) == [1]
+    assert compute_rerun_verdict([]) == "reproducible"
+    assert compute_rerun_verdict([1]) == "transient"
+
+
+def test_integrity_config_refuses_bad_values_in_one_line():
+    with pytest.raises(ConfigError, match="rerun mode"):
+        IntegrityConfig(rerun_mode="always")
+    with pytest.raises(ConfigError, match="--skip-spiky-batches needs"):
+        IntegrityConfig(skip_spiky_batches=True)
+
+
+# -- checks and reruns in training ----------------------------------------------------------
+
+def _clean_losses(iters: int = 10, world: int = 1, cluster=None, **layout) -> list[float]:
+    job = integrity_job(world, iters=iters, **layout)
+    if cluster is None:
+        return [r["loss"] for r in train_with_hook(0, 1, job, None)["rows"]]
+    return [r["loss"] for r in cluster.run(train_with_hook, world, job, None)[0]["rows"]]
+
+
+def test_nan_grad_skips_the_update_and_names_the_parameter_at_the_log_interval():
+    job = integrity_job(iters=4)
+    out = train_with_hook(0, 1, job, Corruption(iteration=2, ranks=[0], nan=True))
+    row = out["rows"][2]
+    assert row["flags"] == ("nan",) and row["skipped_iterations"] == 1
+    assert row["nonfinite"] == ({"rank": 0, "param": "embedding.weight", "loss_nonfinite": False},)
+    assert all(torch.equal(a, b) for a, b in zip(out["params"][2], out["params"][3]))  # no update
+    assert not any(torch.equal(a, b) for a, b in zip(out["params"][3], out["params"][4]))  # then training goes on
+    assert out["rows"][3]["flags"] == () and out["rows"][3]["skipped_iterations"] == 1
+
+
+def test_nan_check_off_lets_the_nan_through():
+    job = integrity_job(iters=3, check_for_nan_in_loss_and_grad=False)
+    out = train_with_hook(0, 1, job, Corruption(iteration=1, ranks=[0], nan=True))
+    assert out["rows"][1]["skipped_iterations"] == 0
+    assert any(torch.isnan(p).any() for p in out["params"][2])
+
+
+def test_nan_in_one_pipeline_rank_is_named_with_that_rank(cluster):
+    job = integrity_job(2, pp=2, iters=3)
+    reports = cluster.run(train_with_hook, 2, job, Corruption(iteration=1, ranks=[1], nan=True))
+    for rep in reports:
+        assert rep["rows"][1]["flags"] == ("nan",)
+        found = rep["rows"][1]["nonfinite"]
+        assert [f["rank"] for f in found] == [1] and found[0]["param"].startswith("layers.")
+        assert all(torch.equal(a, b) for a, b in zip(rep["params"][1], rep["params"][2]))
+
+
+CHECKS = dict(check_for_spiky_loss=True, check_for_large_grads=True, rerun_mode="validate_results")
+
+
+def test_one_step_corruption_is_rerun_classified_transient_and_training_matches_a_clean_run():
+    job = integrity_job(iters=10, **CHECKS)
+    out = train_with_hook(0, 1, job, Corruption(iteration=7, ranks=[0], loss_add=100.0, grad_scale=1e3))
+    flagged = [r for r in out["rows"] if r["flags"]]
+    assert [r["iteration"] for r in flagged] == [8]
+    assert flagged[0]["rerun"] == {"flag": ["spiky_loss", "large_grads"], "verdict": "transient", "ranks": [0]}
+    assert [r["loss"] for r in out["rows"]] == _clean_losses(10)
+    assert out["marks"] == [(7, "rerun", {"verdict": "transient", "flag": "spiky_loss,large_grads"})]
+
+
+def test_reproducibly_bad_batch_is_classified_reproducible_and_can_be_skipped():
+    hook = Corruption(iteration=7, ranks=[0], every_attempt=True, grad_scale=1e3)
+    out = train_with_hook(0, 1, integrity_job(iters=9, **CHECKS), hook)
+    assert out["rows"][7]["rerun"] == {"flag": ["large_grads"], "verdict": "reproducible", "ranks": []}
+    assert out["rows"][7]["skipped_iterations"] == 0
+    skipped = train_with_hook(0, 1, integrity_job(iters=9, skip_spiky_batches=True, **CHECKS), hook)
+    assert skipped["rows"][7]["rerun"]["skipped"] and skipped["rows"][7]["skipped_iterations"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(skipped["params"][7], skipped["params"][8]))
+
+
+def test_transient_fault_on_one_data_parallel_rank_names_that_rank(cluster):
+    job = integrity_job(2, iters=9, **CHECKS)
+    reports = cluster.run(train_with_hook, 2, job, Corruption(iteration=6, ranks=[1], grad_scale=1e3))
+    clean = _clean_losses(9, world=2, cluster=cluster)
+    for rep in reports:
+        assert rep["rows"][6]["rerun"] == {"flag": ["large_grads"], "verdict": "transient", "ranks": [1]}
+        assert [r["loss"] for r in rep["rows"]] == clean
+
+
+def test_report_stats_reruns_every_nth_step_and_finds_no_difference_on_the_cpu():
+    out = train_with_hook(0, 1, integrity_job(iters=6, rerun_mode="report_stats", rerun_stats_interval=3), None)
+    reruns = [(r["iteration"], r["rerun"]) for r in out["rows"] if r["rerun"]]
+    assert reruns == [(i, {"mode": "report_stats", "ranks": [], "loss_delta": 0.0, "grad_norm_delta": 0.0})
+                      for i in (3, 6)]
+    assert [r["loss"] for r in out["rows"]] == _clean_losses(6)
+
+
+def test_band_checks_without_rerun_flag_at_the_log_interval():
+    job = integrity_job(iters=10, check_for_spiky_loss=True)
+    trainer_rows = train_with_hook(0, 1, job, Corruption(iteration=7, ranks=[0], loss_add=100.0))["rows"]
+    assert [r["iteration"] for r in trainer_rows if r["flags"]] == [8]
+    assert trainer_rows[7]["rerun"] is None

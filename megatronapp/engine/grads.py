@@ -273,14 +273,21 @@ def compute_grad_norm(grads: list[torch.Tensor], groups: list, device) -> torch.
     parameters on TP rank 0 only, and with the distributed optimizer each rank's own
     shards, summed over DP as well as over the model-parallel (TP x PP) group.
     """
+    return compute_grad_norms(grads, groups, device)[0]
+
+
+def compute_grad_norms(grads: list[torch.Tensor], groups: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global norm as compute_grad_norm, this rank's per-tensor norms (len(grads),)); the
+    per-tensor norms are the ones the global norm is made of, so they cost nothing more."""
     if grads:
-        sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).square().sum()
+        per_tensor = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+        sq = per_tensor.square().sum()
     else:
-        sq = torch.zeros((), device=device)
+        per_tensor, sq = torch.zeros(0, device=device), torch.zeros((), device=device)
     for group in groups:
         if group is not None:
             dist.all_reduce(sq, group=group)
-    return sq.sqrt()
+    return sq.sqrt(), per_tensor
 
 
 def clip_coefficient(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -31,6 +31,10 @@ class NullTracer:
     def step_end(self, iteration: int) -> None:
         pass
 
+    def mark_iteration(self, iteration: int, label: str, **attrs) -> None:
+        """Mark `iteration` on the timeline (e.g. label "rerun", attrs verdict and flag): a
+        real tracer records an instant event; called after the iteration's steps ran."""
+
     def close(self) -> None:
         pass
 

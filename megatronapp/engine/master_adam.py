@@ -51,9 +51,10 @@ if triton is not None:
         return base + index
 
     @triton.jit
-    def _adamw_master_kernel(table_ptr, numel_ptr, block_tensor_ptr, block_start_ptr, grad_scale_ptr,
+    def _adamw_master_kernel(table_ptr, numel_ptr, block_tensor_ptr, block_start_ptr, grad_scale_ptr, skip_ptr,
                              fp32_base, model_base, lr, beta1, beta2, eps, weight_decay,
-                             HAS_GRAD_SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                             HAS_GRAD_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr):
         # one program = one BLOCK_SIZE slice of one tensor; which tensor and where comes from
         # the block table, its addresses from the pointer table (a multi-tensor apply)
         pid = tl.program_id(0)
@@ -67,6 +68,8 @@ if triton is not None:
         step_ptr = _address(row, 5, fp32_base, 4, False)
         start = tl.load(block_start_ptr + pid)
         numel = tl.load(numel_ptr + t)
+        if HAS_SKIP:  # a non-finite step (the device flag is 1): no element, every access masked off
+            numel = tl.where(tl.load(skip_ptr) == 0.0, numel, 0)
         if ALIGNED:  # and every size a multiple of 16: the mask is constant over vectors
             start = tl.multiple_of(start, BLOCK_SIZE)
             numel = tl.multiple_of(numel, 16)
@@ -91,6 +94,13 @@ if triton is not None:
         tl.store(exp_avg_ptr + offs, m, mask=mask)
         tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
         tl.store(model_ptr + offs, p.to(model_base.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def advance_step_counters(counters: list[torch.Tensor], skip: torch.Tensor | None) -> None:
+    """Adam's step counters + 1, or + 0 where the device flag `skip` is 1 (no host sync)."""
+    torch._foreach_add_(counters, 1.0)
+    if skip is not None:
+        torch._foreach_sub_(counters, skip)
 
 
 def _state_of(optimizer: torch.optim.AdamW, main: torch.Tensor) -> dict:
@@ -162,10 +172,11 @@ class MasterAdamW:
         return plans
 
     @torch.no_grad()
-    def step(self, grad_scale: torch.Tensor | None) -> None:
-        """`grad_scale`: the grads are divided by it (a device scalar), or None."""
-        torch._foreach_add_(self.step_counters(), 1.0)
-        self.launch(grad_scale)
+    def step(self, grad_scale: torch.Tensor | None, skip: torch.Tensor | None = None) -> None:
+        """`grad_scale`: the grads are divided by it (a device scalar), or None. `skip`: a
+        0-dim fp32 device flag; 1 leaves every tensor and step counter as it was."""
+        advance_step_counters(self.step_counters(), skip)
+        self.launch(grad_scale, skip)
 
     def _group_plans(self) -> list[tuple[dict, _GroupPlan]]:
         if self._plans is None:
@@ -177,14 +188,15 @@ class MasterAdamW:
         return [s for _, plan in self._group_plans() for s in plan.steps]
 
     @torch.no_grad()
-    def launch(self, grad_scale: torch.Tensor | None) -> None:
+    def launch(self, grad_scale: torch.Tensor | None, skip: torch.Tensor | None = None) -> None:
         """The update kernels alone, on the current stream; the step counters already advanced."""
         for group, plan in self._group_plans():
             beta1, beta2 = group["betas"]
             _adamw_master_kernel[(plan.block_tensor.numel(),)](
                 plan.table, plan.numels, plan.block_tensor, plan.block_start,
-                grad_scale if grad_scale is not None else plan.numels, plan.fp32_base, plan.model_base,
-                float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
-                HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=plan.aligned, BLOCK_SIZE=plan.block,
+                grad_scale if grad_scale is not None else plan.numels, skip if skip is not None else plan.numels,
+                plan.fp32_base, plan.model_base, float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+                HAS_GRAD_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, ALIGNED=plan.aligned,
+                BLOCK_SIZE=plan.block,
                 num_warps=self.num_warps)
 

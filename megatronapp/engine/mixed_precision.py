@@ -27,7 +27,7 @@ from torch import nn
 from megatronapp.config import ConfigError, TrainConfig
 from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
 from megatronapp.engine.grad_scaler import build_grad_scaler
-from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norm
+from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norms
 from megatronapp.engine import master_adam
 from megatronapp.engine.optim import build_adamw
 from megatronapp.engine.overlap_update import OverlappedUpdate
@@ -52,9 +52,14 @@ class MainParam:
 
 @dataclass(frozen=True)
 class StepResult:
-    update_successful: bool
+    update_successful: bool  # False: skipped by the loss scaler's inf check (known on the host)
     grad_norm: torch.Tensor | None  # None when the step was skipped
     loss_scale: float | None
+    # with the non-finite check: 1.0 where the update was skipped on the device (a 0-dim fp32
+    # tensor, read at the log interval), and the index in `norm_params` of this rank's first
+    # non-finite grad (len(norm_params) when none)
+    skipped_nonfinite: torch.Tensor | None = None
+    first_nonfinite: torch.Tensor | None = None
 
 
 def _main_params_of(reducer: GradReducer, tp_rank: int) -> list[list[MainParam]]:
@@ -93,6 +98,7 @@ class MixedPrecisionOptimizer:
         self.reducer, self.cfg, self.groups, self.device = reducer, cfg, groups, device
         self.chunk_mains = _main_params_of(reducer, groups.tp_rank)
         self.mains = [m for chunk in self.chunk_mains for m in chunk]
+        self.norm_params = [m.model_param for m in self.mains if m.count_in_norm]  # the norm's terms, in order
         # fused (one CUDA kernel; default on GPU) also takes the clip factor as its grad_scale
         self.fused = device.type == "cuda" if fused is None else fused
         self.optimizer = build_adamw([(m.main_param, m.model_param.ndim >= 2) for m in self.mains], cfg,
@@ -142,8 +148,14 @@ class MixedPrecisionOptimizer:
         return [m.main_param.grad for m in self.mains]
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """Steps 1-4 above; call after the DP reduction of the grads has finished."""
+    def step(self, check_nonfinite: bool = False, loss_nonfinite: torch.Tensor | None = None) -> StepResult:
+        """Steps 1-4 above; call after the DP reduction of the grads has finished.
+
+        check_nonfinite: a non-finite grad norm or `loss_nonfinite` (a 0-dim fp32 device flag,
+        already reduced over the ranks) skips the update on the device, with no host sync:
+        the fused kernels take the flag as their found_inf (torch's AdamW rolls its step
+        counters back, the master kernel masks its writes). Only the unfused path (the CPU's)
+        reads the flag on the host."""
         scale = None if self.grad_scaler is None else float(self.grad_scaler.scale)
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_nan()
@@ -154,22 +166,31 @@ class MixedPrecisionOptimizer:
                     log.warning("found inf/nan in gradients: skipped the step, loss scale %g -> %g",
                                 scale, float(self.grad_scaler.scale))
                 return StepResult(False, None, scale)
-        norm = compute_grad_norm([m.main_param.grad for m in self.mains if m.count_in_norm],
-                                 self._norm_groups, self.device)
-        if self.overlapped_update is not None:  # runs beside the next forward
-            self.overlapped_update.launch(self._clip_divisor(norm), self.reducer.zero_buffer)
-        elif self.master_kernel:
-            self._master_adamw.step(self._clip_divisor(norm))
-        else:
-            if self.fused:
-                self.optimizer.grad_scale = self._clip_divisor(norm)
-            else:
-                clip_grads(self.main_grads(), norm, self.cfg.clip_grad)
-            self.optimizer.step()
-            self._copy_main_to_model_params()
+        norm, per_tensor = compute_grad_norms([m.main_param.grad for m in self.mains if m.count_in_norm],
+                                              self._norm_groups, self.device)
+        skip = first_bad = None
+        if check_nonfinite:
+            skip, first_bad = _nonfinite_flags(norm, per_tensor, loss_nonfinite)
+        self._apply_update(norm, skip)
         # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
         self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
-        return StepResult(True, norm, scale)
+        return StepResult(True, norm, scale, skip, first_bad)
+
+    def _apply_update(self, norm: torch.Tensor, skip: torch.Tensor | None) -> None:
+        """Clip + AdamW + main->model copy, by the fastest path built; `skip` (device 0/1) or None."""
+        if self.overlapped_update is not None:  # runs beside the next forward
+            self.overlapped_update.launch(self._clip_divisor(norm), self.reducer.zero_buffer, skip=skip)
+        elif self.master_kernel:
+            self._master_adamw.step(self._clip_divisor(norm), skip=skip)
+        elif self.fused:
+            self.optimizer.grad_scale = self._clip_divisor(norm)
+            self.optimizer.found_inf = skip  # torch's fused AdamW: no update, step counters unchanged
+            self.optimizer.step()
+            self._copy_main_to_model_params()
+        elif skip is None or not bool(skip):  # unfused (CPU): the host decides
+            clip_grads(self.main_grads(), norm, self.cfg.clip_grad)
+            self.optimizer.step()
+            self._copy_main_to_model_params()
 
     def _clip_divisor(self, norm: torch.Tensor) -> torch.Tensor | None:
         """1 / clip factor, for kernels that divide each grad by it on the way (fused AdamW's
@@ -286,6 +307,18 @@ class MixedPrecisionOptimizer:
     def _slice(self, m: MainParam, full: torch.Tensor) -> torch.Tensor:
         full = full.to(device=self.device, dtype=torch.float32).reshape(m.model_param.shape)
         return full if m.shard is None else full.reshape(-1)[m.shard.start:m.shard.end]
+
+
+def _nonfinite_flags(norm: torch.Tensor, per_tensor: torch.Tensor, loss_nonfinite: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(skip flag, index of this rank's first non-finite per-tensor norm or len(per_tensor)), on the device."""
+    skip = (~torch.isfinite(norm)).float()
+    if loss_nonfinite is not None:
+        skip = torch.maximum(skip, loss_nonfinite)
+    index = torch.arange(per_tensor.numel(), device=per_tensor.device)
+    first_bad = torch.where(torch.isfinite(per_tensor), per_tensor.numel(), index).min() if per_tensor.numel() \
+        else torch.zeros((), dtype=torch.int64, device=per_tensor.device)
+    return skip, first_bad
 
 
 def build_grads_and_optimizer(chunks: list[nn.Module], cfg: TrainConfig, groups, device: torch.device

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megatronapp.engine.master_adam import MasterAdamW
+from megatronapp.engine.master_adam import MasterAdamW, advance_step_counters
 
 # GPU cycles the side stream sleeps before its first launch: 0, except where a test widens the
 # window in which a missing wait would let the forward read parameters not yet updated
@@ -101,9 +101,11 @@ class OverlappedUpdate:
             unit.kernel.invalidate()
 
     @torch.no_grad()
-    def launch(self, grad_scale: torch.Tensor | None, zero_chunk_grads: Callable[[int], None]) -> None:
-        """Queue the update (grads divided by `grad_scale`, a device scalar, or None) and then
-        `zero_chunk_grads(c)` for every chunk on the side stream; returns at once."""
+    def launch(self, grad_scale: torch.Tensor | None, zero_chunk_grads: Callable[[int], None],
+               skip: torch.Tensor | None = None) -> None:
+        """Queue the update (grads divided by `grad_scale`, a device scalar, or None; none at
+        all where the device flag `skip` is 1) and then `zero_chunk_grads(c)` for every chunk
+        on the side stream; returns at once."""
         self.wait_all()
         counters = [s for unit in self.units for s in unit.kernel.step_counters()]  # builds plans here
         compute = torch.cuda.current_stream(self.device)
@@ -111,16 +113,17 @@ class OverlappedUpdate:
         with torch.cuda.stream(self.stream):
             if LAUNCH_DELAY_CYCLES:
                 torch.cuda._sleep(LAUNCH_DELAY_CYCLES)
-            torch._foreach_add_(counters, 1.0)
+            advance_step_counters(counters, skip)
             for c, event in enumerate(self.chunk_events):
                 for unit in self.units:
                     if unit.chunk == c:
-                        unit.kernel.launch(grad_scale)
+                        unit.kernel.launch(grad_scale, skip)
                         unit.event.record()
                 zero_chunk_grads(c)
                 event.record()
-        if grad_scale is not None:  # allocated on the compute stream, read on the side one
-            grad_scale.record_stream(self.stream)
+        for flag in (grad_scale, skip):  # allocated on the compute stream, read on the side one
+            if flag is not None:
+                flag.record_stream(self.stream)
         self._pending_units = set(range(len(self.units)))
         self._pending_chunks = set(range(len(self.chunk_events)))
 

@@ -8,6 +8,8 @@ with one all-reduce for the whole interval (no per-step host synchronisation).
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -17,6 +19,8 @@ import torch.distributed as dist
 from megatronapp import spans
 from megatronapp.config import JobConfig
 from megatronapp.engine.hooks import NULL_TRACER
+from megatronapp.engine.integrity import StepHistory
+from megatronapp.engine.rerun import StepValidator
 from megatronapp.engine.mixed_precision import build_grads_and_optimizer
 from megatronapp.engine.optim import compute_lr, set_lr
 from megatronapp.engine.throughput import compute_mfu, compute_tflops_per_device, peak_flops_for
@@ -28,6 +32,8 @@ from megatronapp.parallel.random import build_rng_tracker
 from megatronapp.pipeline.runtime import PipelineRuntime
 from megatronapp.pipeline.schedules import build_schedule
 from megatronapp.pipeline.validate import validate_schedule
+
+log = logging.getLogger("megatronapp.engine")
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,11 @@ class StepMetrics:
     rank_compute_s: tuple[float, ...] = ()
     loss_scale: float | None = None  # fp16 / static loss scale in use for this step
     skipped_iterations: int = 0  # steps skipped for inf/nan grads so far (Megatron counts them)
+    flags: tuple[str, ...] = ()  # the step's checks that failed (engine/integrity.py)
+    # non-finite step: {"rank": r, "param": name or None, "loss_nonfinite": bool} for each rank
+    # whose grads or loss were not finite
+    nonfinite: tuple[dict, ...] = ()
+    rerun: dict | None = None  # engine/rerun.py: {"flag", "verdict", "ranks"} or report_stats' deltas
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -60,14 +71,24 @@ class _PendingStep:
     compute: object  # ComputeTimer handle
     loss_scale: float | None
     skipped_iterations: int
+    skipped_nonfinite: torch.Tensor | None = None  # device flag: update skipped for a non-finite value
+    first_nonfinite: torch.Tensor | None = None  # index in optimizer.norm_params, see StepResult
+    flags: tuple[str, ...] | None = None  # judged at the step (rerun modes); None: at the log interval
+    rerun: dict | None = None
 
 
 class Trainer:
     def __init__(self, job: JobConfig, groups: ParallelGroups, device: torch.device, data, *,
                  tracer=NULL_TRACER, injector=None, schedule=None, runtime_factory=None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, step_hook=None):
         self.job, self.groups, self.device, self.data = job, groups, device, data
         self.clock = clock  # seconds; a test passes a fake one
+        # tests only: step_hook(iteration, attempt, loss, optimizer) -> loss, called between the
+        # grads' reduction and the update (to corrupt a step); not a configuration
+        self.step_hook = step_hook
+        self.integrity = job.integrity
+        self.step_history = StepHistory.build(job.integrity.check_window)
+        self.validator = StepValidator(job.integrity) if job.integrity.rerun_mode != "disabled" else None
         lay, t = job.layout, job.train
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
         self.rng_tracker = build_rng_tracker(t.seed, groups.tp_rank, groups.pp_rank, device)
@@ -99,6 +120,8 @@ class Trainer:
             self.runtime = PipelineRuntime(self.model, groups, self.schedule, **runtime_kw)
         self.iteration = 0  # optimizer steps completed
         self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        names = {p: name for c in self.chunks for name, p in c.named_parameters()}
+        self.norm_param_names = [names.get(p) for p in self.optimizer.norm_params]
         self.set_tracer(tracer)
 
     def set_tracer(self, tracer) -> None:
@@ -115,7 +138,14 @@ class Trainer:
         return self._resolve([pending], on_host, self.clock() - t0)[0]
 
     def _run_step(self) -> _PendingStep:
-        """One optimizer step; its loss, grad norm and compute time stay on the device."""
+        """One optimizer step; its loss, grad norm and compute time stay on the device (a rerun
+        mode reads them at once, see engine/rerun.py)."""
+        if self.validator is not None:
+            return self.validator.run_step(self)
+        return self._execute_step()
+
+    def _execute_step(self, attempt: int = 0) -> _PendingStep:
+        """One execution of the next optimizer step (`attempt` 1: its rerun)."""
         it = self.iteration
         self.tracer.step_begin(it)
         lr = compute_lr(it - self.optimizer.skipped_iterations, self.job.train)  # skips do not advance it
@@ -125,24 +155,41 @@ class Trainer:
         loss = self.runtime.run(microbatches, iteration=it)
         with self.tracer.span(spans.GRAD_REDUCE, cat=spans.CAT_COMM):
             self.reducer.finish()
+        if self.step_hook is not None:
+            loss = self.step_hook(it, attempt, loss, self.optimizer)
+        check = self.integrity.check_for_nan_in_loss_and_grad
         if self.fp8_states:  # the step's amaxes -> the next step's scales (one max-reduce over TP and DP)
             t = self.job.train
             update_delayed_scaling(self.fp8_states.values(), self.groups, t.fp8_amax_compute_algo, t.fp8_margin)
         with self.tracer.span(spans.OPTIMIZER):
-            result = self.optimizer.step()  # unscale + inf check, norm, clip, AdamW, params update
+            # unscale + inf check, norm, (non-finite check,) clip, AdamW, params update
+            result = self.optimizer.step(check, self._loss_nonfinite(loss) if check else None)
         self.tracer.step_end(it)
         self.iteration += 1
         loss = loss.detach().float() if loss is not None and self.groups.tp_rank == 0 else None
         norm = (torch.full((), float("nan"), device=self.device) if result.grad_norm is None
                 else result.grad_norm.detach())
         return _PendingStep(self.iteration, lr, loss, norm, self.runtime.compute_timer.take(),
-                            result.loss_scale, self.optimizer.skipped_iterations)
+                            result.loss_scale, self.optimizer.skipped_iterations, result.skipped_nonfinite,
+                            result.first_nonfinite)
+
+    def _loss_nonfinite(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """1.0 on every rank (a device flag) when the last stage's loss is not finite: one
+        small all-reduce, no host sync."""
+        flag = (torch.zeros((), device=self.device) if loss is None
+                else (~torch.isfinite(loss.detach().float())).float())
+        if self.job.layout.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.world)
+        return flag
 
     def _copy_to_host(self, steps: list[_PendingStep]) -> torch.Tensor:
-        """(k, 2) host matrix of the steps' loss share and grad norm: the one device->host copy,
+        """(k, 4) host matrix of the steps' loss share, grad norm, non-finite skip flag and first
+        non-finite parameter: the one device->host copy,
         which waits for the device to finish the steps (the end of an interval's time)."""
         zero = torch.zeros((), device=self.device)
-        return torch.stack([torch.stack([zero if st.loss is None else st.loss, st.grad_norm.float()])
+        return torch.stack([torch.stack([zero if st.loss is None else st.loss, st.grad_norm.float(),
+                                         zero if st.skipped_nonfinite is None else st.skipped_nonfinite,
+                                         zero if st.first_nonfinite is None else st.first_nonfinite.float()])
                             for st in steps]).cpu()
 
     def _resolve(self, steps: list[_PendingStep], on_host: torch.Tensor, elapsed_s: float) -> list[StepMetrics]:
@@ -167,10 +214,39 @@ class Trainer:
         dt = elapsed_s / len(steps)
         tokens_per_s = self.job.train.global_batch_size * self.job.model.seq_length / dt
         tflops = compute_tflops_per_device(self.job.model.flops_per_token(), tokens_per_s, world)
-        return [StepMetrics(st.iteration, row[0] / self.job.layout.dp_size, st.lr, norm, dt, tokens_per_s,
-                            tflops, compute_mfu(tflops, self.peak_flops), tuple(row[1:]), st.loss_scale,
-                            st.skipped_iterations)
-                for st, row, norm in zip(steps, rows, norms)]
+        skipped = on_host[:, 2].cumsum(0).long().tolist()  # device skips, counted here (on the host)
+        nonfinite = self._name_nonfinite(steps, on_host) if skipped[-1] else {}
+        self.optimizer.skipped_iterations += skipped[-1]
+        out = []
+        for i, (st, row, norm) in enumerate(zip(steps, rows, norms)):
+            loss = row[0] / self.job.layout.dp_size
+            flags = st.flags if st.flags is not None else self.step_history.judge(loss, norm, self.integrity)
+            out.append(StepMetrics(st.iteration, loss, st.lr, norm, dt, tokens_per_s, tflops,
+                                   compute_mfu(tflops, self.peak_flops), tuple(row[1:]), st.loss_scale,
+                                   st.skipped_iterations + skipped[i], flags, nonfinite.get(i, ()), st.rerun))
+        return out
+
+    def _name_nonfinite(self, steps: list[_PendingStep], on_host: torch.Tensor) -> dict[int, tuple[dict, ...]]:
+        """Per skipped step (by index in `steps`): the ranks whose grads or loss were not finite,
+        with the first such parameter. Collective: every rank sees the same skip flags."""
+        mine = {}
+        for i, st in enumerate(steps):
+            if on_host[i, 2] > 0:
+                index = int(on_host[i, 3])
+                param = self.norm_param_names[index] if index < len(self.norm_param_names) else None
+                loss_bad = st.loss is not None and not math.isfinite(on_host[i, 0].item())
+                if param is not None or loss_bad:
+                    mine[i] = {"rank": self.groups.rank, "param": param, "loss_nonfinite": loss_bad}
+        everyone = [mine]
+        if self.job.layout.world_size > 1:
+            everyone = [None] * self.job.layout.world_size
+            dist.all_gather_object(everyone, mine, group=self.groups.world)
+        named = {i: tuple(r[i] for r in everyone if i in r) for i in range(len(steps)) if on_host[i, 2] > 0}
+        if self.groups.rank == 0:
+            for i, found in named.items():
+                log.warning("iteration %d: non-finite loss or gradients, update skipped: %s", steps[i].iteration,
+                            "; ".join(f"rank {f['rank']} {f['param'] or 'loss'}" for f in found) or "unknown")
+        return named
 
     def train(self, num_steps: int | None = None, on_step=None) -> list[StepMetrics]:
         """Run until train_iters (or num_steps more steps); on_step(metrics) for every step.

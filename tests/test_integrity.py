@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from megatronapp.engine.integrity import (StepHistory, compute_band_upper, compu
 from megatronapp.engine.throughput import compute_run_throughput
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import single_process_groups
+from test_cli import run_cli
 
 
 class FakeDevice:
@@ -197,3 +199,56 @@ def test_band_checks_without_rerun_flag_at_the_log_interval():
     trainer_rows = train_with_hook(0, 1, job, Corruption(iteration=7, ranks=[0], loss_add=100.0))["rows"]
     assert [r["iteration"] for r in trainer_rows if r["flags"]] == [8]
     assert trainer_rows[7]["rerun"] is None
+
+
+# -- command line -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--rerun-mode", "always"], "argument --rerun-mode: invalid choice: 'always'"),
+    (["--skip-spiky-batches"], "--skip-spiky-batches needs --rerun-mode validate_results"),
+    (["--check-window", "3", "--check-min-history", "5"], "need 2 <= check_min_history (5) <= check_window (3)"),
+])
+def test_bad_integrity_flags_fail_in_one_line(args, message):
+    res = run_cli(args, timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = [line for line in res.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_integrity_flags_reach_the_config_and_defaults_come_from_the_dataclass():
+    res = run_cli(["--print-config", "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss",
+                   "--rerun-mode", "report_stats", "--deterministic-mode"], timeout=60)
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads(res.stdout)["integrity"]
+    assert cfg == {**asdict(IntegrityConfig()), "check_for_nan_in_loss_and_grad": False,
+                   "check_for_spiky_loss": True, "rerun_mode": "report_stats", "deterministic": True}
+
+
+def test_cli_run_with_checks_and_rerun_writes_the_fields(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    res = run_cli(["--train-iters", "3", "--global-batch-size", "2", "--check-for-spiky-loss",
+                   "--check-for-large-grads", "--rerun-mode", "report_stats", "--rerun-stats-interval", "2",
+                   "--metrics-file", str(metrics)])
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["flags"] for r in rows] == [[], [], []]
+    assert [r["rerun"] is not None for r in rows] == [False, True, False]
+
+
+def test_rerun_step_is_marked_on_the_megascan_timeline(tmp_path):
+    from megatronapp.scan.format import load_rank_trace
+    from megatronapp.scan.tracer import TraceConfig, Tracer
+
+    meta = {"rank": 0, "world_size": 1, "coords": {"tp": 0, "dp": 0, "pp": 0},
+            "layout": {"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1}, "run_id": "t"}
+    tracer = Tracer(TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1), meta)
+    job = integrity_job(iters=9, **CHECKS)
+    trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0), tracer=tracer,
+                      step_hook=Corruption(iteration=7, ranks=[0], loss_add=100.0))
+    trainer.train()
+    tracer.close()
+    rows = load_rank_trace(tracer.path).events.to_pylist()
+    marks = [r for r in rows if r["cat"] == "user"]
+    assert [(r["iteration"], r["name"]) for r in marks] == [(7, "rerun verdict=transient flag=spiky_loss")]
+    step = [r for r in rows if r["cat"] == "step" and r["iteration"] == 7][-1]  # the rerun's
+    assert marks[0]["start_ns"] == marks[0]["end_ns"] >= step["end_ns"]

@@ -14,8 +14,10 @@ import dataclasses
 from megatronapp.config import (
     ATTENTION_BACKENDS,
     MODEL_PRESETS,
+    RERUN_MODES,
     SCHEDULES,
     ConfigError,
+    IntegrityConfig,
     JobConfig,
     ModelConfig,
     TrainConfig,
@@ -44,6 +46,7 @@ _TRAIN_RENAMES = {"pipeline_schedule": "schedule"}
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                 "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+_INTEGRITY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(IntegrityConfig)}
 
 
 def _train_flag(g, flag: str, help: str = "", **kw) -> None:
@@ -53,6 +56,45 @@ def _train_flag(g, flag: str, help: str = "", **kw) -> None:
     if kw.get("action") not in ("store_true", "store_false"):
         help = f"{help} (default: {_DEFAULTS[field]})".strip()
     g.add_argument(flag, dest=dest, default=None, help=help, **kw)
+
+
+def _integrity_flag(g, flag: str, help: str, **kw) -> None:
+    """A flag for an IntegrityConfig field: default None here, the dataclass default applies."""
+    dest = flag.lstrip("-").replace("-", "_")
+    if kw.get("action") != "store_true":
+        help = f"{help} (default: {_INTEGRITY_DEFAULTS[dest]})"
+    g.add_argument(flag, dest=dest, default=None, help=help, **kw)
+
+
+def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("step checks, reruns, determinism (Megatron's; engine/integrity.py, engine/rerun.py)")
+    _integrity_flag(g, "--check-for-nan-in-loss-and-grad", "a non-finite loss or grad norm skips the update; "
+                    "the rank and parameter are named (default)", action="store_true")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", default=None)
+    _integrity_flag(g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps",
+                    action="store_true")
+    _integrity_flag(g, "--check-for-large-grads", "flag a grad norm above median + factor x MAD of recent steps",
+                    action="store_true")
+    _integrity_flag(g, "--spiky-loss-factor", "band width in scaled MADs", type=float)
+    _integrity_flag(g, "--large-grads-factor", "band width in scaled MADs", type=float)
+    _integrity_flag(g, "--check-window", "recent accepted steps in the band", type=int)
+    _integrity_flag(g, "--check-min-history", "steps before the band is used", type=int)
+    _integrity_flag(g, "--rerun-mode", "validate_results: re-execute a flagged step from its saved state and "
+                    "classify it transient or reproducible (one sync a step); report_stats: re-execute every "
+                    "--rerun-stats-interval-th step and report the differences", choices=RERUN_MODES)
+    _integrity_flag(g, "--rerun-stats-interval", "report_stats: every N-th step", type=int)
+    _integrity_flag(g, "--skip-spiky-batches", "validate_results: a reproducibly flagged step is not applied",
+                    action="store_true")
+    _integrity_flag(g, "--deterministic", "bit-identical reruns: deterministic kernels and attention, fixed "
+                    "NCCL algorithm (Megatron's --deterministic-mode)", action="store_true")
+    g.add_argument("--deterministic-mode", dest="deterministic", action="store_true", default=None,
+                   help=argparse.SUPPRESS)
+
+
+def _integrity_config(args: argparse.Namespace) -> IntegrityConfig:
+    given = {name: getattr(args, name) for name in _INTEGRITY_DEFAULTS if getattr(args, name, None) is not None}
+    return IntegrityConfig(**given)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,6 +193,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
     g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
+    _add_integrity_arguments(p)
     add_fbd_arguments(p)
     add_dpp_arguments(p)
 
@@ -200,7 +243,7 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
     train_kw["schedule"] = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
     train = TrainConfig(**train_kw)
     layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
-    job = JobConfig(model=model, train=train, layout=layout)
+    job = JobConfig(model=model, train=train, layout=layout, integrity=_integrity_config(args))
     validate_job(job)
     check_fbd_job(args, job, world_size)
     return job

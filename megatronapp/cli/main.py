@@ -94,6 +94,7 @@ def _print_config(job) -> None:
     from dataclasses import asdict
 
     print(json.dumps({"layout": asdict(job.layout), "model": asdict(job.model), "train": asdict(job.train),
+                      "integrity": asdict(job.integrity),
                       "derived": {"dp_size": job.layout.dp_size, "num_microbatches": job.num_microbatches,
                                   "padded_vocab_size": job.model.padded_vocab_size,
                                   "parameters": job.model.num_parameters(),

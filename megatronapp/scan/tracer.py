@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CATEGORIES, ITERATION
+from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CAT_USER, CATEGORIES, ITERATION
 from megatronapp.scan.clocks import INITIAL_EVENT_POOL, build_clock
 from megatronapp.scan.format import SCHEMA_VERSION, TraceWriter, trace_file_name
 from megatronapp.scan.trace_config import GRANULARITIES, TraceConfig
@@ -201,6 +201,16 @@ class Tracer:
                or len(self._records) >= _FLUSH_RECORDS)
         if window_done and due:
             self._flush()
+
+    def mark_iteration(self, iteration: int, label: str, **attrs: Any) -> None:
+        """A zero-length "user" span named `label k=v ...` in traced iteration `iteration`,
+        marked now (called right after the iteration's work, e.g. a rerun step and its verdict;
+        a CUDA clock marks the stream, so it sits where the step's device work ended)."""
+        if not self.should_trace(iteration):
+            return
+        mark = self._clock.mark()
+        name = " ".join([label, *(f"{k}={v}" for k, v in attrs.items())])
+        self._records.append((name, CAT_USER, mark, mark, iteration, ATTR_DEFAULTS))
 
     def cancel_step(self) -> None:
         """Close the current iteration without recording it (its spans are dropped too): for

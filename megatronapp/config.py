@@ -325,6 +325,9 @@ def validate_job(job: JobConfig) -> None:
             raise ConfigError(f"--num-layers-at-start-in-bf16 {t.num_layers_at_start_in_bf16} and "
                               f"--num-layers-at-end-in-bf16 {t.num_layers_at_end_in_bf16} leave none of the "
                               f"{m.num_layers} layers in FP8")
+    if job.integrity.deterministic and t.attention_backend == "cudnn":
+        raise ConfigError("--deterministic needs an attention backend with a deterministic backward "
+                          "(flash, efficient or math), not cudnn")
     if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
         raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
                           "follows the whole update; use --overlap-param-gather)")

@@ -63,3 +63,22 @@ def train_with_hook(rank: int, world: int, job, hook: Corruption | None) -> dict
         rows.extend(m.as_dict() for m in trainer.train(num_steps=1))
         params.append([p.detach().clone() for c in trainer.chunks for p in c.parameters()])
     return {"rows": rows, "marks": tracer.marks, "params": params}
+
+
+def train_deterministic(rank: int, world: int, job) -> dict:
+    """train_and_report under --deterministic, the process's switches restored afterwards
+    (pool workers run other jobs next)."""
+    import os
+
+    from engine_jobs import train_and_report
+    from megatronapp.engine.determinism import enable_deterministic_mode
+
+    saved_env, saved_cudnn = dict(os.environ), torch.backends.cudnn.deterministic
+    try:
+        enable_deterministic_mode(os.environ)
+        return train_and_report(rank, world, job)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = saved_cudnn
+        os.environ.clear()
+        os.environ.update(saved_env)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches, make_job
-from integrity_jobs import Corruption, integrity_job, train_with_hook
-from megatronapp.config import ConfigError, IntegrityConfig
+from integrity_jobs import Corruption, integrity_job, train_deterministic, train_with_hook
+from megatronapp.config import ConfigError, IntegrityConfig, validate_job
+from megatronapp.engine.determinism import compute_deterministic_env, deterministic_attention_backend
 from megatronapp.engine.integrity import (StepHistory, compute_band_upper, compute_differing_ranks,
                                           compute_rerun_verdict, compute_step_flags)
 from megatronapp.engine.throughput import compute_run_throughput
@@ -252,3 +253,38 @@ def test_rerun_step_is_marked_on_the_megascan_timeline(tmp_path):
     assert [(r["iteration"], r["name"]) for r in marks] == [(7, "rerun verdict=transient flag=spiky_loss")]
     step = [r for r in rows if r["cat"] == "step" and r["iteration"] == 7][-1]  # the rerun's
     assert marks[0]["start_ns"] == marks[0]["end_ns"] >= step["end_ns"]
+
+
+# -- --deterministic --------------------------------------------------------------------------
+
+def test_deterministic_env_sets_only_what_is_missing_or_not_accepted():
+    assert compute_deterministic_env({}) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring",
+                                             "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    assert compute_deterministic_env({"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NCCL_ALGO": "Tree",
+                                      "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}) == {}
+    assert compute_deterministic_env({"NCCL_ALGO": "NVLS", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                                      "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}) == {"NCCL_ALGO": "Ring"}
+
+
+def test_deterministic_attention_and_unprepared_process_are_refused():
+    assert deterministic_attention_backend("auto") == "flash"
+    with pytest.raises(ConfigError, match="not cudnn"):
+        deterministic_attention_backend("cudnn")
+    with pytest.raises(ConfigError, match="not cudnn"):
+        validate_job(replace(integrity_job(), integrity=IntegrityConfig(deterministic=True),
+                             train=replace(integrity_job().train, attention_backend="cudnn")))
+    job = replace(integrity_job(), integrity=IntegrityConfig(deterministic=True))
+    with pytest.raises(ConfigError, match="enable_deterministic_mode"):
+        Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0))
+
+
+@pytest.mark.parametrize("world, tp, pp", [(4, 2, 2), (2, 1, 1)])
+def test_deterministic_runs_are_bit_identical(cluster, world, tp, pp):
+    job = replace(make_job(world, tp, pp, iters=3, model_kw={"hidden_dropout": 0.1}),
+                  integrity=IntegrityConfig(deterministic=True))
+    first, second = (cluster.run(train_deterministic, world, job) for _ in range(2))
+    for a, b in zip(first, second):
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        assert a["grads"].keys() == b["grads"].keys()
+        for name, (g, _, _) in a["grads"].items():
+            assert torch.equal(g, b["grads"][name][0]), name

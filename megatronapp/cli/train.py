@@ -24,6 +24,7 @@ from megatronapp.data.dataset import DistributedBatchIterator, build_default_dat
 from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.dpp.setup import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from megatronapp.engine.determinism import enable_deterministic_mode
 from megatronapp.engine.faults import FaultInjector, fault_plan_from_env, parse_fault_plan
 from megatronapp.engine.link_delay import install_link_delays
 from megatronapp.engine.trainer import Trainer
@@ -89,6 +90,8 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
         injector = (lambda r, d: None if plan.empty else FaultInjector(plan, r, d))
         return run_fbd_rank(args, job, tokenizer,
                             CliParts(_build_data, _build_tracer, _train_loop, injector, _maybe_load))
+    if job.integrity.deterministic:  # before any CUDA work and the process group (env read at creation)
+        enable_deterministic_mode(os.environ)
     device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,

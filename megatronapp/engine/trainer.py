@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatronapp import spans
 from megatronapp.config import JobConfig
+from megatronapp.engine.determinism import check_deterministic_mode, deterministic_attention_backend
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.integrity import StepHistory
 from megatronapp.engine.rerun import StepValidator
@@ -90,6 +91,10 @@ class Trainer:
         self.step_history = StepHistory.build(job.integrity.check_window)
         self.validator = StepValidator(job.integrity) if job.integrity.rerun_mode != "disabled" else None
         lay, t = job.layout, job.train
+        attention_backend = t.attention_backend
+        if job.integrity.deterministic:
+            check_deterministic_mode()
+            attention_backend = deterministic_attention_backend(attention_backend)
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
         self.rng_tracker = build_rng_tracker(t.seed, groups.tp_rank, groups.pp_rank, device)
         options = ChunkOptions(recompute=t.recompute_config(), rng_tracker=self.rng_tracker)
@@ -108,7 +113,7 @@ class Trainer:
         self.model = GPTPipelineModel(self.chunks, job.model, seed=t.seed, dp_rank=groups.dp_rank,
                                       num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
                                       tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
-                                      attention_backend=t.attention_backend)
+                                      attention_backend=attention_backend)
         runtime_kw = dict(device=device, tracer=tracer, reducer=self.reducer, injector=injector,
                           grad_scale_func=self.optimizer.scale_loss)
         if runtime_factory is not None:  # decisions at run time (e.g. megatronapp.dpp): no static schedule

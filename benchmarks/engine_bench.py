@@ -14,6 +14,10 @@ Peak memory per variant = its resident state (measured when it was built and ste
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
 microbatch: the largest micro-batch (eager) whose step fits, with and without full recompute.
 fp8_loss: the engine in bf16 and with --fp8-format hybrid, same init and corpus batches, loss per step.
+integrity variants (--variants): engine_no_checks (--no-check-for-nan-in-loss-and-grad), engine_checks
+(+ --check-for-spiky-loss --check-for-large-grads), engine_rerun (+ --rerun-mode validate_results: a sync
+and a state snapshot per step), engine_deterministic (--deterministic; torch's deterministic switch is on
+only while that variant builds and steps, CUBLAS_WORKSPACE_CONFIG is set for the whole process).
 phases: forward+backward and the optimizer phase of each variant timed apart (profile, timeline:
 kernel sums and GPU idle time of one or two steps).
 MFU convention: engine/throughput.py (6N without the input embedding + 12*L*H*S) / 989 TFLOP/s.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -36,7 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from plain_gpt import PlainGPT  # noqa: E402
 
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
+from megatronapp.config import IntegrityConfig, JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
+from megatronapp.engine.determinism import compute_deterministic_env  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
 from megatronapp.model.gpt import compile_counts  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
@@ -148,11 +154,42 @@ def _engine_factory(job: JobConfig, data: Batches):
     return build
 
 
+def _deterministic(build):
+    """A factory whose trainer is built and stepped with torch's deterministic switches on
+    (process-wide state, so switched back off around the other variants' steps)."""
+    def switched(on: bool) -> None:
+        torch.use_deterministic_algorithms(on)
+        torch.backends.cudnn.deterministic = on
+
+    def factory():
+        switched(True)
+        try:
+            run = build()
+        finally:
+            switched(False)
+
+        def step(n: int):
+            switched(True)
+            try:
+                return run(n)
+            finally:
+                switched(False)
+        return step
+    return factory
+
+
+CHECKS = dict(check_for_spiky_loss=True, check_for_large_grads=True)
+
+
 def _variants(job: JobConfig, data: Batches) -> dict:
     """name -> factory of a step function: the engine as measured, its alternatives, the twin."""
-    def engine(**kw):
-        return _engine_factory(replace(job, train=replace(job.train, **kw)), data)
-    return {"engine": engine(), "engine_torch_adamw": engine(fused_master_adamw=False),
+    def engine(integrity: dict | None = None, **kw):
+        checked = replace(job, train=replace(job.train, **kw), integrity=IntegrityConfig(**(integrity or {})))
+        return _engine_factory(checked, data)
+    return {"engine": engine(), "engine_no_checks": engine({"check_for_nan_in_loss_and_grad": False}),
+            "engine_checks": engine(CHECKS), "engine_rerun": engine({**CHECKS, "rerun_mode": "validate_results"}),
+            "engine_deterministic": _deterministic(engine({"deterministic": True})),
+            "engine_torch_adamw": engine(fused_master_adamw=False),
             "engine_overlap_update": engine(overlap_param_update=True),
             "engine_fp8": engine(fp8_format="hybrid"), "engine_fp8_e4m3": engine(fp8_format="e4m3"),
             "engine_fp8_first_last_bf16": engine(fp8_format="hybrid", first_last_layers_bf16=True),
@@ -408,12 +445,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--num-micro", type=int, default=2)
     p.add_argument("--variants", default="", help="throughput (default engine,engine_fp8), profile, timeline: "
-                   "comma-separated subset of engine, engine_torch_adamw, engine_overlap_update, engine_fp8, "
+                   "comma-separated subset of engine, engine_no_checks, engine_checks, engine_rerun, "
+                   "engine_deterministic, engine_torch_adamw, engine_overlap_update, engine_fp8, "
                    "engine_fp8_e4m3, engine_fp8_first_last_bf16, engine_fp8_delayed (plain_bf16 always runs)")
     p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss: steps of each run")
     p.add_argument("--loss-variants", default="bf16,fp8_hybrid,fp8_hybrid_delayed",
                    help="fp8_loss: FP8 runs beside bf16 (always run first): fp8_hybrid, fp8_hybrid_delayed")
     args = p.parse_args()
+    if "engine_deterministic" in args.variants:  # cuBLAS reads it when its first handle is made
+        os.environ.update(compute_deterministic_env(os.environ))
     unknown = set(args.loss_variants.split(",")) - set(LOSS_VARIANTS)
     if unknown:
         p.error(f"--loss-variants: unknown {sorted(unknown)}; known: {', '.join(LOSS_VARIANTS)}")

@@ -288,3 +288,24 @@ def test_deterministic_runs_are_bit_identical(cluster, world, tp, pp):
         assert a["grads"].keys() == b["grads"].keys()
         for name, (g, _, _) in a["grads"].items():
             assert torch.equal(g, b["grads"][name][0]), name
+
+
+# -- the device benchmark's bookkeeping ----------------------------------------------------------
+
+def test_integrity_bench_compares_bit_for_bit_and_tabulates_flagged_steps():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from integrity_bench import compare_runs, tabulate_flagged
+
+    rows = [{"iteration": i, "loss": 3.0 + i * 1e-7, "grad_norm": 2.0, "flags": [], "rerun": None} for i in (1, 2, 3)]
+    assert compare_runs(rows, [dict(r) for r in rows])["identical"]
+    other = [dict(r) for r in rows]
+    other[1]["grad_norm"] = 2.0000000000000004  # one ulp
+    assert compare_runs(rows, other) == {"steps": 3, "identical": False, "first_differing_iteration": 2,
+                                         "differing_steps": 1}
+    other[2].update(flags=["spiky_loss"], rerun={"flag": ["spiky_loss"], "verdict": "transient", "ranks": [0]})
+    assert tabulate_flagged({"a": rows, "b": other}) == [
+        {"run": "b", "iteration": 3, "flags": ["spiky_loss"], "loss": rows[2]["loss"], "grad_norm": 2.0,
+         "verdict": "transient", "ranks": [0]}]

@@ -145,13 +145,15 @@ def test_nan_check_off_lets_the_nan_through():
     assert any(torch.isnan(p).any() for p in out["params"][2])
 
 
-def test_nan_in_one_pipeline_rank_is_named_with_that_rank(cluster):
-    job = integrity_job(2, pp=2, iters=3)
+@pytest.mark.parametrize("layout", [{"pp": 2}, {}], ids=["pp2", "dp2"])
+def test_nan_on_one_rank_skips_every_rank_and_is_named_with_that_rank(cluster, layout):
+    """dp2: the NaN is put in after the DP reduction, on rank 1 only: rank 0 must skip too."""
+    job = integrity_job(2, iters=3, **layout)
     reports = cluster.run(train_with_hook, 2, job, Corruption(iteration=1, ranks=[1], nan=True))
     for rep in reports:
         assert rep["rows"][1]["flags"] == ("nan",)
         found = rep["rows"][1]["nonfinite"]
-        assert [f["rank"] for f in found] == [1] and found[0]["param"].startswith("layers.")
+        assert [f["rank"] for f in found] == [1] and found[0]["param"].startswith("layers." if layout else "emb")
         assert all(torch.equal(a, b) for a, b in zip(rep["params"][1], rep["params"][2]))
 
 

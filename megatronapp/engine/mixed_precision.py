@@ -151,8 +151,9 @@ class MixedPrecisionOptimizer:
     def step(self, check_nonfinite: bool = False, loss_nonfinite: torch.Tensor | None = None) -> StepResult:
         """Steps 1-4 above; call after the DP reduction of the grads has finished.
 
-        check_nonfinite: a non-finite grad norm or `loss_nonfinite` (a 0-dim fp32 device flag,
-        already reduced over the ranks) skips the update on the device, with no host sync:
+        check_nonfinite: a non-finite grad norm or `loss_nonfinite` (a 0-dim fp32 device flag of
+        this rank) on any rank skips the update on every rank (one small all-reduce), on the
+        device, with no host sync:
         the fused kernels take the flag as their found_inf (torch's AdamW rolls its step
         counters back, the master kernel masks its writes). Only the unfused path (the CPU's)
         reads the flag on the host."""
@@ -171,6 +172,8 @@ class MixedPrecisionOptimizer:
         skip = first_bad = None
         if check_nonfinite:
             skip, first_bad = _nonfinite_flags(norm, per_tensor, loss_nonfinite)
+            if self.groups.world is not None:  # every rank skips together (and names it together)
+                dist.all_reduce(skip, op=dist.ReduceOp.MAX, group=self.groups.world)
         self._apply_update(norm, skip)
         # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
         self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)

@@ -179,13 +179,9 @@ class Trainer:
                             result.first_nonfinite)
 
     def _loss_nonfinite(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """1.0 on every rank (a device flag) when the last stage's loss is not finite: one
-        small all-reduce, no host sync."""
-        flag = (torch.zeros((), device=self.device) if loss is None
+        """1.0 (a device flag, no host sync) where this rank's loss is not finite."""
+        return (torch.zeros((), device=self.device) if loss is None
                 else (~torch.isfinite(loss.detach().float())).float())
-        if self.job.layout.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.world)
-        return flag
 
     def _copy_to_host(self, steps: list[_PendingStep]) -> torch.Tensor:
         """(k, 4) host matrix of the steps' loss share, grad norm, non-finite skip flag and first
@@ -225,11 +221,16 @@ class Trainer:
         out = []
         for i, (st, row, norm) in enumerate(zip(steps, rows, norms)):
             loss = row[0] / self.job.layout.dp_size
-            flags = st.flags if st.flags is not None else self.step_history.judge(loss, norm, self.integrity)
+            flags = st.flags if st.flags is not None else self._judge(loss, norm, skipped_here=on_host[i, 2] > 0)
             out.append(StepMetrics(st.iteration, loss, st.lr, norm, dt, tokens_per_s, tflops,
                                    compute_mfu(tflops, self.peak_flops), tuple(row[1:]), st.loss_scale,
                                    st.skipped_iterations + skipped[i], flags, nonfinite.get(i, ()), st.rerun))
         return out
+
+    def _judge(self, loss: float, norm: float, skipped_here: bool) -> tuple[str, ...]:
+        """A step's flags at the log interval; a step skipped as non-finite on any rank is "nan"
+        on every rank (this rank's own values may be finite)."""
+        return ("nan",) if skipped_here else self.step_history.judge(loss, norm, self.integrity)
 
     def _name_nonfinite(self, steps: list[_PendingStep], on_host: torch.Tensor) -> dict[int, tuple[dict, ...]]:
         """Per skipped step (by index in `steps`): the ranks whose grads or loss were not finite,

@@ -80,7 +80,10 @@ def restore_state(trainer, snap: StepSnapshot) -> None:
         saved, state = snap.adam[id(m.main_param)], opt.optimizer.state.get(m.main_param)
         if state is not None and set(saved) == set(state):
             for k, v in saved.items():
-                state[k].copy_(v) if torch.is_tensor(v) else state.__setitem__(k, v)
+                if torch.is_tensor(v):
+                    state[k].copy_(v)
+                else:
+                    state[k] = v
         else:  # state created by the step (the first one): back to what was there
             opt.optimizer.state[m.main_param] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()}
             replaced = True
@@ -130,29 +133,31 @@ class StepValidator:
         self.cfg, self.history = cfg, StepHistory.build(cfg.check_window)
 
     def run_step(self, trainer):
+        """One step under the rerun mode; returns its pending metrics with `flags` (and `rerun`) set."""
         it = trainer.iteration
-        stats = self.cfg.rerun_mode == "report_stats" and (it + 1) % self.cfg.rerun_stats_interval == 0
-        snap = capture_state(trainer) if (self.cfg.rerun_mode == "validate_results" or stats) else None
+        validate = self.cfg.rerun_mode == "validate_results"
+        sampled = not validate and (it + 1) % self.cfg.rerun_stats_interval == 0
+        snap = capture_state(trainer) if (validate or sampled) else None
         first = trainer._execute_step(attempt=0)
         values = gather_step_values(trainer, first)
         loss, norm = compute_global_values(values, trainer.job.layout.dp_size)
         flags = compute_step_flags(loss, norm, self.history.losses, self.history.norms, self.cfg)
-        if self.cfg.rerun_mode == "report_stats":
-            if not flags:
-                self.history.accept(loss, norm)
-            if snap is None:
-                return replace(first, flags=flags)
-            restore_state(trainer, snap)
-            second = trainer._execute_step(attempt=1)
-            again = gather_step_values(trainer, second)
-            report = {"mode": "report_stats", "ranks": compute_differing_ranks(values, again),
-                      "loss_delta": abs(compute_global_values(again, trainer.job.layout.dp_size)[0] - loss),
-                      "grad_norm_delta": abs(compute_global_values(again, trainer.job.layout.dp_size)[1] - norm)}
-            return replace(second, flags=flags, rerun=report)
         if not flags:
             self.history.accept(loss, norm)
+        if sampled:
+            return self._report_stats(trainer, snap, values, flags)
+        if not (validate and flags):
             return replace(first, flags=flags)
         return self._validate(trainer, snap, values, flags)
+
+    def _report_stats(self, trainer, snap: StepSnapshot, values, flags):
+        restore_state(trainer, snap)
+        second = trainer._execute_step(attempt=1)
+        again = gather_step_values(trainer, second)
+        (loss, norm), (loss2, norm2) = (compute_global_values(v, trainer.job.layout.dp_size) for v in (values, again))
+        report = {"mode": "report_stats", "ranks": compute_differing_ranks(values, again),
+                  "loss_delta": abs(loss2 - loss), "grad_norm_delta": abs(norm2 - norm)}
+        return replace(second, flags=flags, rerun=report)
 
     def _validate(self, trainer, snap: StepSnapshot, values, flags):
         restore_state(trainer, snap)

@@ -22,11 +22,13 @@ class Corruption:
                  grad_scale: float = 1.0, nan: bool = False):
         self.iteration, self.ranks, self.every_attempt = iteration, set(ranks), every_attempt
         self.loss_add, self.grad_scale, self.nan, self.rank = loss_add, grad_scale, nan, 0
+        self.only_params: set[int] | None = None  # ids of the model params whose grads are hit; None: all
 
     def __call__(self, iteration, attempt, loss, optimizer):
         if iteration != self.iteration or self.rank not in self.ranks or (attempt and not self.every_attempt):
             return loss
-        grads = optimizer.main_grads()
+        grads = [m.main_param.grad for m in optimizer.mains
+                 if self.only_params is None or id(m.model_param) in self.only_params]
         if self.grad_scale != 1.0:
             torch._foreach_mul_(grads, self.grad_scale)
         if self.nan:

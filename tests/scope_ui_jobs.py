@@ -56,11 +56,11 @@ def start_generation_server(ckpt: str, limits: Limits | None = None, token: str 
 class TrainingServer:
     """A Trainer stepping in a thread with the training view attached (as train --scope does)."""
 
-    def __init__(self):
+    def __init__(self, trainer: Trainer | None = None):
         from megatronapp.data.tokenizer import load_tokenizer
         from megatronapp.scope_ui.training import TrainingScope
 
-        self.trainer = build_trainer(iters=10**6)
+        self.trainer = trainer or build_trainer(iters=10**6)
         cfg = ServerConfig(port=0)
         self.backend = TrainingScope(self.trainer, load_tokenizer(None), "The quick brown fox", 5,
                                      cfg.limits.max_perturbations)

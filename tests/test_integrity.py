@@ -311,3 +311,55 @@ def test_integrity_bench_compares_bit_for_bit_and_tabulates_flagged_steps():
     assert tabulate_flagged({"a": rows, "b": other}) == [
         {"run": "b", "iteration": 3, "flags": ["spiky_loss"], "loss": rows[2]["loss"], "grad_norm": 2.0,
          "verdict": "transient", "ranks": [0]}]
+
+
+# -- MegaScope's training view: a flagged step, layer by layer ------------------------------
+
+def test_scope_view_compares_a_flagged_step_with_its_rerun_layer_by_layer():
+    from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.scope_ui import protocol as P
+    from megatronapp.scope_ui.training import TrainingScope
+    from test_scope_ui_training import _RecordingHub
+
+    job = integrity_job(iters=9, **CHECKS)
+    hook = Corruption(iteration=7, ranks=[0], grad_scale=1e3)
+    trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0), step_hook=hook)
+    hook.only_params = {id(p) for name, p in trainer.chunks[0].named_parameters() if name.startswith("layers.1.")}
+    scope = TrainingScope(trainer, load_tokenizer(None), "The quick", 100, 4)
+    scope.hub = hub = _RecordingHub()
+    try:
+        trainer.train(on_step=scope.wrap(lambda m: None))
+    finally:
+        scope.close()
+    assert trainer.replay_observer is None
+    rerun, = [m for m in hub.messages if isinstance(m, P.TrainRerun)]
+    assert (rerun.iteration, rerun.flags, rerun.verdict, rerun.ranks) == (7, ["large_grads"], "transient", [0])
+    ratios = [f / r for f, r in zip(rerun.layer_grad_norms_flagged, rerun.layer_grad_norms_rerun)]
+    # the unfused (CPU) update clips the grads in place: both layers share one factor, layer 1 stands out
+    assert ratios[1] / ratios[0] == pytest.approx(1e3, rel=1e-4)
+    assert len(rerun.layer_act_rms_rerun) == 2 and all(v > 0 for v in rerun.layer_act_rms_rerun)
+
+
+def test_training_page_shows_the_flagged_step_against_its_rerun():
+    from scope_ui_jobs import CHROMIUM_ARGS, TrainingServer, chromium_or_skip
+
+    path = chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    torch.set_num_threads(1)
+    job = integrity_job(iters=10**6, **CHECKS)
+    hook = Corruption(iteration=7, ranks=[0], grad_scale=1e3)
+    training = TrainingServer(Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0),
+                                      step_hook=hook))
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(training.server.url)
+            page.wait_for_selector("#rerun-stats")
+            text = page.inner_text("#rerun-stats")
+            browser.close()
+    finally:
+        training.stop()
+    assert "step 8 flagged (large_grads): transient on ranks 0" in text, text  # sent to a tab opened later too

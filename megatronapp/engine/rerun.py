@@ -19,6 +19,7 @@ With --rerun-mode disabled nothing here runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from dataclasses import dataclass, replace
@@ -160,13 +161,19 @@ class StepValidator:
         return replace(second, flags=flags, rerun=report)
 
     def _validate(self, trainer, snap: StepSnapshot, values, flags):
+        observer = trainer.replay_observer  # e.g. MegaScope's training view (see Trainer)
+        if observer is not None:
+            observer.flagged(snap.iteration, flags)  # the flagged execution's grads are still in place
         restore_state(trainer, snap)
-        second = trainer._execute_step(attempt=1)
+        with observer.replaying(snap.iteration) if observer is not None else contextlib.nullcontext():
+            second = trainer._execute_step(attempt=1)
         again = gather_step_values(trainer, second)
         ranks = compute_differing_ranks(values, again)
         verdict = compute_rerun_verdict(ranks)
         report = {"flag": list(flags), "verdict": verdict, "ranks": ranks}
         trainer.tracer.mark_iteration(snap.iteration, "rerun", verdict=verdict, flag=",".join(flags))
+        if observer is not None:
+            observer.classified(snap.iteration, report)
         loss, norm = compute_global_values(again, trainer.job.layout.dp_size)
         if verdict == "transient" and not compute_step_flags(loss, norm, self.history.losses, self.history.norms,
                                                             self.cfg):

@@ -90,6 +90,10 @@ class Trainer:
         self.integrity = job.integrity
         self.step_history = StepHistory.build(job.integrity.check_window)
         self.validator = StepValidator(job.integrity) if job.integrity.rerun_mode != "disabled" else None
+        # validate_results: an object with flagged(iteration, flags) (called while the flagged
+        # execution's grads are in place), replaying(iteration) (a context manager around its
+        # rerun) and classified(iteration, report); set by a module such as MegaScope's training view
+        self.replay_observer = None
         lay, t = job.layout, job.train
         attention_backend = t.attention_backend
         if job.integrity.deterministic:

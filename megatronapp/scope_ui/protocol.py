@@ -39,6 +39,8 @@ Server -> client:
     compare      clean vs perturbed: first diverging token index, per-layer residual difference norms
     perturbations the active perturbation list (with seeds) after any change
     train_step   iteration, loss, lr, grad norm, per-layer weight/grad norms
+    train_rerun  --rerun-mode validate_results: a flagged step's flags and verdict, per-layer grad
+                 norms of the flagged execution and of its rerun, per-layer activation RMS of the rerun
     probe        every K steps: probe prompt top-k and per-layer activation stats (+ tensor frames)
     train_state  paused / running, iteration
     role         your role changed (driver / watcher)
@@ -208,6 +210,19 @@ class TrainStep(_Msg):
     grad_norm: float
     layer_weight_norms: list[float]
     layer_grad_norms: list[float]
+
+
+class TrainRerun(_Msg):
+    type: Literal["train_rerun"] = "train_rerun"
+    iteration: int  # 0-based index of the flagged step (its train_step row is iteration + 1)
+    flags: list[str]
+    verdict: str  # "transient" | "reproducible"
+    ranks: list[int]
+    # the grads as the update left them (the unfused CPU update clips them in place, each execution
+    # by its own factor): compare the layers' ratios with each other, not with 1
+    layer_grad_norms_flagged: list[float]
+    layer_grad_norms_rerun: list[float]
+    layer_act_rms_rerun: list[float]  # RMS of each layer's output over the rerun's microbatches
 
 
 class Probe(_Msg):

@@ -80,10 +80,15 @@ class TrainingScope:
         self.cond = threading.Condition()
         self.paused, self.steps_allowed, self.closed = paused, 0, False
         self.history = collections.deque(maxlen=HISTORY)  # TrainStep messages a new tab is sent first
+        self.reruns = collections.deque(maxlen=HISTORY)  # and the TrainRerun messages
         self.history_lock = threading.Lock()
         self.reports: queue.Queue = queue.Queue()  # (metrics, pending norms) or a message; None ends
         self.reporter = threading.Thread(target=self._report_loop, name="scope-train-report", daemon=True)
         self.reporter.start()
+        if trainer.job.integrity.rerun_mode == "validate_results":  # a flagged step's rerun, layer by layer
+            from megatronapp.scope_ui.replay import FlaggedStepReplay
+
+            trainer.replay_observer = FlaggedStepReplay(trainer, self.norms, self.reports.put)
 
     def welcome_fields(self) -> dict:
         from megatronapp.scope_ui.runner import welcome_fields
@@ -94,7 +99,7 @@ class TrainingScope:
         from megatronapp.scope_ui import protocol as P
 
         with self.history_lock:
-            steps = list(self.history)
+            steps = list(self.history) + list(self.reruns)
         return [*steps, P.TrainState(paused=self.paused, waiting=False, iteration=self.trainer.iteration)]
 
     def decode_token(self, token_id: int) -> str:
@@ -121,6 +126,11 @@ class TrainingScope:
                 continue
             if isinstance(job, tuple):
                 self.hub.broadcast(self._train_step(*job))
+            elif callable(job):  # a flagged step's message, built here where waiting for the device is fine
+                message = job()
+                with self.history_lock:
+                    self.reruns.append(message)
+                self.hub.broadcast(message)
             else:
                 self.hub.broadcast(job)
 
@@ -173,6 +183,7 @@ class TrainingScope:
                 self.cond.wait(timeout=0.5)
 
     def close(self) -> None:
+        self.trainer.replay_observer = None
         with self.cond:
             self.closed = True
             self.cond.notify_all()

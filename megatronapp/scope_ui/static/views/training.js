@@ -1,4 +1,5 @@
-// Training view: loss / LR / grad-norm curves, per-layer weight and gradient norms, probe top-k, controls.
+// Training view: loss / LR / grad-norm curves, per-layer weight and gradient norms, a flagged step against
+// its rerun, probe top-k, controls.
 import { trainControl } from "../protocol.js";
 
 const $ = (id) => document.getElementById(id);
@@ -28,6 +29,19 @@ function bars(title, values) {
     `<div>layer ${l} <span class="bar" style="width:${Math.round(150 * Math.min(1, v / max))}px"></span> ${v.toPrecision(3)}</div>`).join("") + "</div>";
 }
 
+// Flagged steps (--rerun-mode validate_results): one line each, and the latest one's flagged execution
+// against its rerun, per layer.
+function rerunStats(reruns) {
+  const r = reruns[reruns.length - 1];
+  if (!r) return "";
+  const line = (m) => `<div>step ${m.iteration + 1} flagged (${m.flags.join(", ")}): ${m.verdict}` +
+    `${m.ranks.length ? ` on ranks ${m.ranks.join(", ")}` : ""}</div>`;
+  const ratio = r.layer_grad_norms_flagged.map((g, l) => g / Math.max(1e-12, r.layer_grad_norms_rerun[l]));
+  return `<div id="rerun-stats" data-count="${reruns.length}"><b>flagged steps</b>${reruns.slice(-10).map(line).join("")}` +
+    `<div class="grid">${bars(`step ${r.iteration + 1}: grad norm, flagged / rerun`, ratio)}` +
+    `${bars("activation RMS, rerun", r.layer_act_rms_rerun)}</div></div>`;
+}
+
 export function renderTraining(train) {
   const it = train.steps.map((s) => s.iteration);
   curve($("loss-curve"), it, train.steps.map((s) => s.loss), "loss");
@@ -37,7 +51,7 @@ export function renderTraining(train) {
   $("train-state").textContent = train.paused ? `paused at ${train.iteration ?? last?.iteration}` : `running (step ${last ? last.iteration : 0})`;
   $("train-state").dataset.paused = String(train.paused);
   $("train-state").dataset.waiting = String(Boolean(train.paused && train.waiting));
-  $("layer-stats").innerHTML = last ? `<div class="grid">${bars("weight norm", last.layer_weight_norms)}${bars("grad norm", last.layer_grad_norms)}</div>` : "";
+  $("layer-stats").innerHTML = (last ? `<div class="grid">${bars("weight norm", last.layer_weight_norms)}${bars("grad norm", last.layer_grad_norms)}</div>` : "") + rerunStats(train.reruns);
   const p = train.probe;
   if (p) {
     const act = p.layer_act_std.map((s, l) => `layer ${l}: mean ${p.layer_act_mean[l].toPrecision(3)} std ${s.toPrecision(3)}`).join("<br>");

@@ -363,3 +363,14 @@ def test_training_page_shows_the_flagged_step_against_its_rerun():
     finally:
         training.stop()
     assert "step 8 flagged (large_grads): transient on ranks 0" in text, text  # sent to a tab opened later too
+
+
+def test_cli_deterministic_runs_write_identical_metrics(tmp_path):
+    rows = []
+    for k in (1, 2):
+        metrics = tmp_path / f"m{k}.jsonl"
+        res = run_cli(["--deterministic", "--train-iters", "3", "--global-batch-size", "4",
+                       "--hidden-dropout", "0.1", "--metrics-file", str(metrics)])
+        assert res.returncode == 0, res.stderr
+        rows.append([(r["loss"], r["grad_norm"]) for r in map(json.loads, metrics.read_text().splitlines())])
+    assert rows[0] == rows[1] and len(rows[0]) == 3

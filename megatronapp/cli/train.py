@@ -84,14 +84,14 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
     if plan.empty:
         plan = fault_plan_from_env()  # `trace run` and eval harnesses pass faults this way
     plan.check(world)
+    if job.integrity.deterministic:  # before any CUDA work and the process group (env read at creation)
+        enable_deterministic_mode(os.environ)
     if args.forward_backward_disaggregating:
         from megatronapp.fbd.launch import CliParts, run_fbd_rank
 
         injector = (lambda r, d: None if plan.empty else FaultInjector(plan, r, d))
         return run_fbd_rank(args, job, tokenizer,
                             CliParts(_build_data, _build_tracer, _train_loop, injector, _maybe_load))
-    if job.integrity.deterministic:  # before any CUDA work and the process group (env read at creation)
-        enable_deterministic_mode(os.environ)
     device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,

@@ -4,6 +4,11 @@ One optimizer step = fetch this DP rank's microbatches, run the pipeline schedul
 (forward/backward with DP reduction overlapped), reduce the gradients' global norm, clip,
 AdamW step. Metrics stay on the device until the next log interval, then are gathered
 with one all-reduce for the whole interval (no per-step host synchronisation).
+
+Every step is checked (engine/integrity.py): a non-finite loss or grad norm skips the update
+on the device and is named at the log interval, where the spiky-loss and large-grads bands
+are applied too. A rerun mode (engine/rerun.py) instead reads each step's numbers at once and
+re-executes a flagged step from a snapshot of the state before it.
 """
 
 from __future__ import annotations

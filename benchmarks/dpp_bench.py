@@ -275,7 +275,7 @@ def paired_speeds(records: list[dict], scenario: str, variant: str) -> list[floa
 
 
 def _paired_summary(records: list[dict], scenario: str, variant: str) -> dict | None:
-    from scan_overhead import bootstrap_median_ci
+    from common import bootstrap_median_ci
 
     speeds = paired_speeds(records, scenario, variant)
     if len(speeds) < 2:

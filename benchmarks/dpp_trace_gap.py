@@ -179,12 +179,17 @@ def print_report(result: dict) -> None:
                 print(f"  {'':<17} speed over interleaved: measured x{r['measured_speed']:.3f}, predicted {pred_speed}")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path, help="a dpp_bench.py --out directory run with --trace-cells")
     p.add_argument("--warmup", type=int, default=2, help="traced iterations to leave out (dpp_bench's --warmup)")
     p.add_argument("--seeds", type=int, default=8, help="jitter draws to average each prediction over")
     p.add_argument("--json", type=Path, default=None)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     result = analyse(load_cells(a.out, a.warmup), a.seeds)
     print_report(result)

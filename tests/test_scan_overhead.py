@@ -114,7 +114,7 @@ def test_the_control_pass_reads_a_position_effect_the_coin_cancels(monkeypatch):
         def set_tracer(self, tracer):
             pass
 
-    monkeypatch.setattr(scan_overhead, "_timed", lambda fn, device, repeat=1: (fn(), next(times))[1])
+    monkeypatch.setattr(scan_overhead, "timed_seconds", lambda fn, device, repeat=1: (fn(), next(times))[1])
     out = scan_overhead.measure_alternating(FakeTrainer(), torch.device("cpu"), 40, seed=2)
     control = out["control"]
     assert abs(control["position_effect"]["median"] - 0.05) < 1e-9

@@ -215,7 +215,7 @@ def print_report(a, cost: CostModel, set_bytes, results: dict) -> None:
             print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--preset", default="1.3b")
@@ -235,6 +235,11 @@ def parse_args(argv):
     p.add_argument("--traversals", nargs="+", default=["depth-first", "breadth-first", "adaptive", "in-order"])
     p.add_argument("--out", default=None, help="directory for dpp_gpu_sim.json (and the trace, with --keep-trace)")
     p.add_argument("--keep-trace", action="store_true")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     a = p.parse_args(argv)
     a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
     if a.pp < 3 or a.vpp < 1 or a.microbatches % a.pp:

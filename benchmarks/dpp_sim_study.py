@@ -119,7 +119,7 @@ def print_table(title: str, results: dict) -> None:
         print(f"| {scen} | " + " | ".join(cells) + " |")
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vpp", type=int, default=2)
@@ -136,6 +136,11 @@ def parse_args(argv):
     p.add_argument("--cap-extra", type=int, nargs="*", default=[], metavar="K",
                    help="also dynamic depth-first with K more slots per rank than interleaved's cap")
     p.add_argument("--json", default=None, help="also write the tables here")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     a = p.parse_args(argv)
     if not a.sweep and (a.pp < 3 or a.microbatches % a.pp):
         p.error("needs --pp >= 3 and -m divisible by --pp (interleaved)")

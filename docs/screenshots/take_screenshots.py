@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chromium", default="/usr/bin/chromium")
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--new-tokens", type=int, default=24)
-    p.add_argument("--flip-bit", type=int, default=25,
-                   help="the fp32 bit flipped in layer 0's residual at position 2 (25: an exponent bit, x16 or /16)")
+    p.add_argument("--flip-bit", type=int, default=28,
+                   help="the fp32 bit flipped in layer 0's residual at position 2 (28: an exponent bit, a factor of 2**32 either way)")
     p.add_argument("--train-model", default="demo", help="the checkpoint's --model preset, for the training view")
     return p
 

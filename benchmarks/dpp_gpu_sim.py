@@ -1,6 +1,6 @@
 """MegaDPP on the GPU, through the simulator calibrated on GPU task times from a MegaScan trace.
 
-With one GPU a real PP x V pipeline (one stage per process) cannot run, so, as the issue allows:
+With one GPU a real PP x V pipeline (one stage per process) cannot run, so:
   1. build every virtual stage's GPT chunk of --preset split PP x V (Megatron's layer
      assignment, model/gpt.chunk_layer_ranges) on --device, in --dtype;
   2. run --iters passes; in each, every chunk runs forward then backward of each of M

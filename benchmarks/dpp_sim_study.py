@@ -29,7 +29,7 @@ Costs default to the 8-rank CPU job's proportions (F 10 ms, B 20 ms per 1-layer 
 
     python benchmarks/dpp_sim_study.py                    # PP4 V2 M8
     python benchmarks/dpp_sim_study.py --pp 8 -m 16 --json out.json
-    python benchmarks/dpp_sim_study.py --sweep --seeds 20 --json sweep.json   # the issue's configs
+    python benchmarks/dpp_sim_study.py --sweep --seeds 20 --json sweep.json   # the goal's configs
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from megatronapp.dpp.simulator import CostModel, simulate
 from megatronapp.pipeline.schedules import build_schedule
 
 REFERENCE = "interleaved/rendezvous"
-SWEEP = [(4, 2, 8), (4, 2, 12), (4, 2, 16), (8, 2, 8), (8, 2, 16)]  # the issue's PP4 (x DP2) / PP8, V2, M 8-16
+SWEEP = [(4, 2, 8), (4, 2, 12), (4, 2, 16), (8, 2, 8), (8, 2, 16)]  # the goal's PP4 (x DP2) / PP8, V2, M 8-16
 SWEEP_SKIPPED = {(8, 2, 12): "interleaved 1F1B needs M divisible by PP"}
 
 
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vpp", type=int, default=2)
     p.add_argument("-m", "--microbatches", type=int, default=8)
-    p.add_argument("--sweep", action="store_true", help=f"every allowed config of the issue: (PP, V, M) in {SWEEP}")
+    p.add_argument("--sweep", action="store_true", help=f"every config of the goal: (PP, V, M) in {SWEEP}")
     p.add_argument("--forward-ms", type=float, default=10.0)
     p.add_argument("--backward-ms", type=float, default=20.0)
     p.add_argument("--latency-ms", type=float, default=0.5)

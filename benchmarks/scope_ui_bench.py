@@ -224,7 +224,7 @@ def bench_training(args, device) -> dict:
 
 
 def ratio_lines(result: dict) -> list[str]:
-    """The lines the GPU run is judged by (goals from issue 12)."""
+    """The lines the GPU run is judged by (the UI's goals, BENCHMARKS.md)."""
     lines = []
     if "generation" in result:
         r = result["generation"]["ui_over_plain_per_round"]

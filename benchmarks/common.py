@@ -1,5 +1,6 @@
-"""What the benchmark entry points share: fixed random batches, single-job construction, timing
-on the host clock with the device synchronised, and the paired-ratio statistic.
+"""What the benchmark entry points share: fixed random batches, single-job construction and timing
+on the host clock with the device synchronised; the paired-measurement statistics are the
+package's (`megatronapp.paired`, re-exported here).
 
 Imported as `common` (a script's own folder is first on `sys.path`).
 """
@@ -8,12 +9,14 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
+from megatronapp.paired import bootstrap_median_ci
+
+__all__ = ["FixedBatches", "bootstrap_median_ci", "make_job", "sync", "timed_seconds"]
 
 
 class FixedBatches:
@@ -64,16 +67,3 @@ def timed_seconds(fn: Callable[[], object], device: torch.device | str, repeat: 
         return time.perf_counter() - t0
     finally:
         gc.enable()
-
-
-def bootstrap_median_ci(ratios: Sequence[float], seed: int = 0, resamples: int = 4000,
-                        level: float = 0.95) -> tuple[float, float, float]:
-    """(median, low, high): the median of `ratios` and a percentile-bootstrap confidence
-    interval of it (rounds resampled with replacement)."""
-    values = np.asarray(ratios, dtype=np.float64)
-    if len(values) == 0:
-        raise ValueError("no rounds to summarise")
-    rng = np.random.default_rng(seed)
-    medians = np.median(values[rng.integers(0, len(values), (resamples, len(values)))], axis=1)
-    tail = (1.0 - level) / 2 * 100
-    return float(np.median(values)), float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))

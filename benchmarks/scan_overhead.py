@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -52,51 +50,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatronapp.engine.hooks import NULL_TRACER  # noqa: E402
+from megatronapp.files import write_text_atomic  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.paired import (bootstrap_median_ci, compute_position_effect, pair_plan, run_rounds,  # noqa: E402
+                                summarize_rounds)
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 from megatronapp.scan.format import build_rank_meta, load_rank_trace  # noqa: E402
 from megatronapp.scan.tracer import TraceConfig, Tracer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import FixedBatches, bootstrap_median_ci, make_job, timed_seconds  # noqa: E402,F401
+from common import FixedBatches, make_job, timed_seconds  # noqa: E402
 
 VARIANTS = ("off", "base", "full")
-
-
-# ----------------------------------------------------------------------------- pure statistics
-
-
-def paired_ratios(times: dict[str, list[float]], baseline: str = "off") -> dict[str, list[float]]:
-    """Per round, each variant's time over the baseline's time of the same round."""
-    base = times[baseline]
-    return {k: [t / b for t, b in zip(v, base)] for k, v in times.items() if k != baseline}
-
-
-def run_rounds(measure: Callable[[str], dict[str, float]], variants: Sequence[str], rounds: int,
-               seed: int) -> list[dict[str, dict[str, float]]]:
-    """`rounds` rounds; each runs every variant once, in a fresh random order (seeded)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(rounds):
-        order = list(variants)
-        rng.shuffle(order)
-        out.append({v: measure(v) for v in order})
-    return out
-
-
-def summarize(results: list[dict[str, dict[str, float]]], steps: int, seed: int = 0) -> dict:
-    """Median step time of "off" and, per traced variant, the paired ratios' median and CI
-    (with and without close), as fractions (+0.012 = 1.2% slower than off)."""
-    off = [r["off"]["steps_s"] / steps for r in results]
-    out: dict = {"rounds": len(results), "steps_per_round": steps, "off_step_ms": statistics.median(off) * 1e3,
-                 "off_step_ms_range": [min(off) * 1e3, max(off) * 1e3]}
-    for key, label in (("steps_s", "overhead"), ("with_close_s", "overhead_with_close")):
-        times = {v: [r[v].get(key, r[v]["steps_s"]) for r in results] for v in results[0]}
-        for variant, ratios in paired_ratios(times).items():
-            median, lo, hi = bootstrap_median_ci(ratios, seed)
-            out.setdefault(variant, {})[label] = {"median": median - 1, "ci95": [lo - 1, hi - 1],
-                                                  "round_range": [min(ratios) - 1, max(ratios) - 1]}
-    return out
 
 
 def format_line(label: str, variant: str, summary: dict) -> str:
@@ -121,7 +86,7 @@ def _new_tracer(granularity: str, trace_dir: str, device: torch.device) -> Trace
 
 def measure_overhead(trainer: Trainer, device: torch.device, steps: int, rounds: int, seed: int = 0) -> dict:
     """Paired rounds of off / base / full on a warmed `trainer` (see the module docstring);
-    returns summarize()'s dict plus bytes and events per step of the last traced segments."""
+    returns summarize_rounds()'s dict plus bytes and events per step of the last traced segments."""
     sizes: dict[str, tuple[int, int]] = {}
 
     def measure(variant: str) -> dict[str, float]:
@@ -140,23 +105,11 @@ def measure_overhead(trainer: Trainer, device: torch.device, steps: int, rounds:
         return {"steps_s": steps_s, "with_close_s": steps_s + close_s}
 
     results = run_rounds(measure, VARIANTS, rounds, seed)
-    summary = summarize(results, steps, seed)
+    summary = summarize_rounds(results, steps, seed=seed)
     for variant, (size, rows) in sizes.items():
         summary[variant].update(bytes_per_event=size / max(rows, 1), events_per_step=rows / steps)
     summary["per_round"] = results
     return summary
-
-
-def pair_plan(pairs: int, first_iteration: int, seed: int) -> list[tuple[int, int]]:
-    """(treated, other) iterations of each adjacent pair, the treated one first or second by a
-    seeded coin: a bias of the second step of a pair (or of the first) cancels out instead of
-    landing on the traced step every time."""
-    rng = random.Random(seed)
-    plan = []
-    for k in range(pairs):
-        a = first_iteration + 2 * k
-        plan.append((a, a + 1) if rng.random() < 0.5 else (a + 1, a))
-    return plan
 
 
 def _pairs_tracer(granularity: str, trace_dir: str, device: torch.device, traced: set[int]) -> Tracer:
@@ -209,7 +162,7 @@ def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed
                  # per pair: treated s, other s, treated first? (to test a position bias afterwards)
                  "pair_steps": [[t, o, f] for (t, o), f in zip(timed, first)]}
         if control:  # nothing differs within a pair but its position: the effect the coin cancels
-            second = [1 / r if f else r for r, f in zip(ratios, first)]  # second step / first step
+            second = compute_position_effect(ratios, first)
             m2, lo2, hi2 = bootstrap_median_ci(second, seed)
             entry["position_effect"] = {"median": m2 - 1, "ci95": [lo2 - 1, hi2 - 1]}
             out[variant] = entry
@@ -303,7 +256,7 @@ def main() -> None:
         print((format_alternating if alternating else format_line)(args.preset, variant, summary), flush=True)
     print(f"({time.perf_counter() - began:.0f} s)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), **summary}, indent=1))
+        write_text_atomic(args.out, json.dumps({"args": vars(args), **summary}, indent=1))
 
 
 if __name__ == "__main__":

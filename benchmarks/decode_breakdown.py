@@ -86,11 +86,6 @@ def runner_decode_ms_per_step(runner, prompt, new_tokens: int) -> float:
     return 1e3 * results[0].decode_s / max(results[0].decode_steps, 1)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def decode_ms_per_step(model, prompt, new_tokens: int) -> float:
     res = generate(model, [prompt], SamplingConfig(max_new_tokens=new_tokens, stop_on_eod=False),
                    eod_id=0, vocab_size=model.cfg.vocab_size)
@@ -127,7 +122,7 @@ def replay_kernels(model, top: int = 25) -> list:
     return [{"us_per_replay": round(t, 2), "launches": c, "kernel": k} for t, c, k in rows[:top]]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="1.3b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -136,6 +131,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--out", default=None)
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     device = torch.device(args.device)
     cfg = model_preset(args.model, vocab_size=50304, seq_length=max(128, args.new_tokens + 40))

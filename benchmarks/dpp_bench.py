@@ -275,7 +275,7 @@ def paired_speeds(records: list[dict], scenario: str, variant: str) -> list[floa
 
 
 def _paired_summary(records: list[dict], scenario: str, variant: str) -> dict | None:
-    from scan_overhead import bootstrap_median_ci
+    from common import bootstrap_median_ci
 
     speeds = paired_speeds(records, scenario, variant)
     if len(speeds) < 2:
@@ -314,7 +314,7 @@ def summarize(a, records: list[dict]) -> dict:
     return out
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=8)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -342,6 +342,11 @@ def parse_args(argv):
     p.add_argument("--trace-cells", action="store_true",
                    help="after the repeats, one more pass of every cell with MegaScan tracing, into "
                         "OUT/traces/SCENARIO__VARIANT (left out of the statistics; read by dpp_trace_gap.py)")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     a = p.parse_args(argv)
     if a.smoke:
         a.nproc, a.pp, a.microbatches, a.num_layers, a.hidden_size, a.seq_length = 2, 2, 4, 4, 64, 32

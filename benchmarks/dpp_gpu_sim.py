@@ -1,6 +1,6 @@
 """MegaDPP on the GPU, through the simulator calibrated on GPU task times from a MegaScan trace.
 
-With one GPU a real PP x V pipeline (one stage per process) cannot run, so, as the issue allows:
+With one GPU a real PP x V pipeline (one stage per process) cannot run, so:
   1. build every virtual stage's GPT chunk of --preset split PP x V (Megatron's layer
      assignment, model/gpt.chunk_layer_ranges) on --device, in --dtype;
   2. run --iters passes; in each, every chunk runs forward then backward of each of M
@@ -16,7 +16,7 @@ With one GPU a real PP x V pipeline (one stage per process) cannot run, so, as t
   5. simulate every scenario of dpp_bench (dpp/scenarios.py: balanced, jitter1, jitter2, link
      = +5 ms per pp1 -> pp2 message) over --seeds seeds: static interleaved and breadth-first
      (both comm models), the dynamic traversals at interleaved's cap, and the bounds
-     (dpp_sim_study.py), with speed vs the reference, peak in-flight microbatches and peak
+     (megatronapp/dpp/study.py), with speed vs the reference, peak in-flight microbatches and peak
      activation memory per pipeline rank.
 
     python benchmarks/dpp_gpu_sim.py --device cuda --preset 1.3b --pp 4 --vpp 2 -m 8 --out runs/dpp_gpu_sim
@@ -31,49 +31,14 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
 
-import dpp_sim_study as study  # benchmarks/ is sys.path[0] when run as a script
+import dpp_sim_study  # benchmarks/ is sys.path[0] when run as a script
 
+from megatronapp.dpp.scenarios import SCENARIOS
 from megatronapp.dpp.scheduler import compute_default_caps
-from megatronapp.dpp.simulator import CostModel, Span
-from megatronapp.dpp.tasks import FORWARD
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def compute_message_bytes(micro_batch: int, seq_length: int, hidden_size: int, dtype: str) -> int:
-    """Bytes of one P2P message: a microbatch's residual stream (B, S, H), or its gradient."""
-    return micro_batch * seq_length * hidden_size * DTYPE_BYTES[dtype]
-
-
-def compute_link_cost(traced: CostModel, message_bytes: int, bandwidth_GBps: float, latency_us: float) -> CostModel:
-    """The traced task times with the link model: a message takes latency + bytes / bandwidth."""
-    if bandwidth_GBps <= 0 or latency_us < 0 or message_bytes < 0:
-        raise ValueError(f"needs a bandwidth > 0, latency >= 0 and bytes >= 0, got {bandwidth_GBps} GB/s, "
-                         f"{latency_us} us, {message_bytes} B")
-    return replace(traced, p2p_latency_s=latency_us * 1e-6, p2p_bandwidth_Bps=bandwidth_GBps * 1e9,
-                   message_bytes=message_bytes)
-
-
-def compute_peak_activation_bytes(spans: list[Span], set_bytes, pp_size: int) -> list[int]:
-    """Peak bytes of activation sets held per pipeline rank over a simulated step: F(c, m) holds
-    set_bytes[p][c] from its start until B(c, m) ends (the in-flight counter's rule: a backward
-    ending at the instant a forward starts frees first)."""
-    events: list[list] = [[] for _ in range(pp_size)]
-    for s in spans:
-        if s.task.kind is FORWARD:
-            events[s.pp_rank].append((s.start_s, 1, set_bytes[s.pp_rank][s.task.chunk]))
-        else:
-            events[s.pp_rank].append((s.end_s, 0, -set_bytes[s.pp_rank][s.task.chunk]))
-    peaks = []
-    for rank_events in events:
-        held = peak = 0
-        for _, _, delta in sorted(rank_events):
-            held += delta
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
+from megatronapp.dpp.simulator import CostModel
+from megatronapp.dpp.study import (DTYPE_BYTES, compute_link_cost, compute_message_bytes,
+                                   compute_peak_activation_bytes, study_config)
 
 
 def build_chunks(a, torch):
@@ -182,7 +147,7 @@ def simulate_all(a, cost: CostModel, set_bytes) -> dict:
         old = peaks.get((scen, name), new)
         peaks[(scen, name)] = tuple([max(x, y) for x, y in zip(o, n)] for o, n in zip(old, new))
 
-    results = study.study_config(cost, a.microbatches, a.scenarios, a.seeds, a.traversals, on_result=record)
+    results = study_config(cost, a.microbatches, a.scenarios, a.seeds, a.traversals, on_result=record)
     for scen, res in results.items():
         for name, row in res["rows"].items():
             if (scen, name) in peaks:
@@ -203,7 +168,7 @@ def print_report(a, cost: CostModel, set_bytes, results: dict) -> None:
     print(f"  message {cost.message_bytes / 2**20:.2f} MiB: {cost.transfer_s() * 1e6:.1f} us per P2P "
           f"({a.link_GBps} GB/s, {a.latency_us} us); activation set MiB [pp][chunk] "
           f"{[[round(b / 2**20, 1) for b in row] for row in set_bytes]}")
-    study.print_table("ms per iteration, speed vs interleaved/rendezvous (per-seed min..max)",
+    dpp_sim_study.print_table("ms per iteration, speed vs interleaved/rendezvous (per-seed min..max)",
                       {s: {"rows": r["rows"]} for s, r in results.items()})
     print("\npeak in-flight microbatches | activation MiB, per pipeline rank (max over seeds):")
     names = list(next(iter(results.values()))["rows"])
@@ -215,7 +180,7 @@ def print_report(a, cost: CostModel, set_bytes, results: dict) -> None:
             print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--preset", default="1.3b")
@@ -231,10 +196,15 @@ def parse_args(argv):
     p.add_argument("--link-GBps", type=float, default=350.0, help="effective P2P bandwidth (NVLink 4: ~350)")
     p.add_argument("--latency-us", type=float, default=10.0, help="per message")
     p.add_argument("--seeds", type=int, default=20)
-    p.add_argument("--scenarios", nargs="+", default=list(study.SCENARIOS), choices=list(study.SCENARIOS))
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--traversals", nargs="+", default=["depth-first", "breadth-first", "adaptive", "in-order"])
     p.add_argument("--out", default=None, help="directory for dpp_gpu_sim.json (and the trace, with --keep-trace)")
     p.add_argument("--keep-trace", action="store_true")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     a = p.parse_args(argv)
     a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
     if a.pp < 3 or a.vpp < 1 or a.microbatches % a.pp:

@@ -21,7 +21,7 @@ p-1..0, plus the links). work(p) is p's least compute:
     know a task's factor before running it (every real one: the factor is the machine's)
     gets each draw independently of the task it runs, so E[work] is this, and
     E[makespan] >= max_p E[head + work + tail]: no real schedule beats it on average.
-Both are computed by megatronapp/dpp/bounds.py (with any cap), which also takes, beside all of
+Both are computed by megatronapp/dpp/bounds.py (the study itself: megatronapp/dpp/study.py) (with any cap), which also takes, beside all of
 p's tasks, the later task classes alone (a higher bound when M is small next to P), so they
 are at least the formula above.
 Costs default to the 8-rank CPU job's proportions (F 10 ms, B 20 ms per 1-layer chunk,
@@ -29,7 +29,7 @@ Costs default to the 8-rank CPU job's proportions (F 10 ms, B 20 ms per 1-layer 
 
     python benchmarks/dpp_sim_study.py                    # PP4 V2 M8
     python benchmarks/dpp_sim_study.py --pp 8 -m 16 --json out.json
-    python benchmarks/dpp_sim_study.py --sweep --seeds 20 --json sweep.json   # the issue's configs
+    python benchmarks/dpp_sim_study.py --sweep --seeds 20 --json sweep.json   # the goal's configs
 """
 
 from __future__ import annotations
@@ -37,76 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-from dataclasses import replace
 
-from megatronapp.dpp.bounds import compute_step_bound_s
-from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_sim
+from megatronapp.dpp.scenarios import SCENARIOS
 from megatronapp.dpp.scheduler import compute_default_caps
-from megatronapp.dpp.simulator import CostModel, simulate
-from megatronapp.pipeline.schedules import build_schedule
-
-REFERENCE = "interleaved/rendezvous"
-SWEEP = [(4, 2, 8), (4, 2, 12), (4, 2, 16), (8, 2, 8), (8, 2, 16)]  # the issue's PP4 (x DP2) / PP8, V2, M 8-16
-SWEEP_SKIPPED = {(8, 2, 12): "interleaved 1F1B needs M divisible by PP"}
-
-
-def variants(pp: int, vpp: int, m: int, traversals, cap_extra: tuple[int, ...] = ()) -> dict:
-    """Name -> simulate(...) keyword arguments. `cap_extra`: also dynamic depth-first with that
-    many more slots per rank than interleaved holds (what memory buys; not the same cap)."""
-    caps = compute_default_caps(pp, vpp, m)
-    out = {}
-    for name in ("interleaved", "breadth-first"):
-        schedule = build_schedule(name, pp, vpp, m)
-        for comm in ("eager", "rendezvous"):
-            out[f"{name}/{comm}"] = dict(schedule=schedule, static_comm=comm)
-    for traversal in traversals:
-        out[f"dynamic-{traversal}"] = dict(traversal=traversal, caps=caps)
-    for extra in cap_extra:
-        out[f"dynamic-depth-first/cap+{extra}"] = dict(traversal="depth-first", caps=[c + extra for c in caps])
-    return out
-
-
-def lower_bounds_s(cost: CostModel, pp: int, vpp: int, m: int) -> tuple[float, float]:
-    """(clairvoyant bound, online bound) of the module docstring at any cap, for the seeds in
-    `cost.jitter` (megatronapp/dpp/bounds.py; its "expected" mode is the online bound)."""
-    return (compute_step_bound_s(cost, pp, vpp, m, mode="clairvoyant"),
-            compute_step_bound_s(cost, pp, vpp, m, mode="expected"))
-
-
-def study_config(base: CostModel, m: int, scenarios, seeds: int, traversals, on_result=None,
-                 cap_extra: tuple[int, ...] = ()) -> dict:
-    """Scenario -> {"runs": {variant: [seconds per seed]}, "rows": {variant: summary}} for the
-    pipeline of `base` (its task times and link; the scenario adds jitter and link delays).
-    `on_result(scenario, variant, seed, SimResult)` sees every simulation (memory reports)."""
-    pp, vpp = len(base.forward_s), len(base.forward_s[0])
-    kinds = variants(pp, vpp, m, traversals, cap_extra)
-    results = {}
-    for scen in scenarios:
-        runs = {"bound": [], "online": [], **{name: [] for name in kinds}}
-        for seed in range(seeds):
-            cost = replace(base, **compute_scenario_sim(scen, pp, seed))
-            for name, value in zip(("bound", "online"), lower_bounds_s(cost, pp, vpp, m)):
-                runs[name].append(value)
-            for name, kw in kinds.items():
-                res = simulate(pp, vpp, m, cost, **kw)
-                runs[name].append(res.makespan_s)
-                if on_result is not None:
-                    on_result(scen, name, seed, res)
-        results[scen] = {"runs": runs, "rows": summarize(runs)}
-    return results
-
-
-def summarize(runs: dict) -> dict:
-    """Per variant: mean seconds, speed vs the reference (ratio of means), per-seed ratio spread."""
-    ref = runs[REFERENCE]
-    rows = {}
-    for name, times in runs.items():
-        per_seed = [r / t for r, t in zip(ref, times)]
-        rows[name] = {"mean_s": statistics.fmean(times), "speed": statistics.fmean(ref) / statistics.fmean(times),
-                      "speed_min": min(per_seed), "speed_max": max(per_seed)}
-    return rows
+from megatronapp.dpp.simulator import CostModel
+from megatronapp.dpp.study import REFERENCE, SWEEP, SWEEP_SKIPPED, study_config
 
 
 def print_table(title: str, results: dict) -> None:
@@ -119,12 +55,12 @@ def print_table(title: str, results: dict) -> None:
         print(f"| {scen} | " + " | ".join(cells) + " |")
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vpp", type=int, default=2)
     p.add_argument("-m", "--microbatches", type=int, default=8)
-    p.add_argument("--sweep", action="store_true", help=f"every allowed config of the issue: (PP, V, M) in {SWEEP}")
+    p.add_argument("--sweep", action="store_true", help=f"every config of the goal: (PP, V, M) in {SWEEP}")
     p.add_argument("--forward-ms", type=float, default=10.0)
     p.add_argument("--backward-ms", type=float, default=20.0)
     p.add_argument("--latency-ms", type=float, default=0.5)
@@ -136,6 +72,11 @@ def parse_args(argv):
     p.add_argument("--cap-extra", type=int, nargs="*", default=[], metavar="K",
                    help="also dynamic depth-first with K more slots per rank than interleaved's cap")
     p.add_argument("--json", default=None, help="also write the tables here")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     a = p.parse_args(argv)
     if not a.sweep and (a.pp < 3 or a.microbatches % a.pp):
         p.error("needs --pp >= 3 and -m divisible by --pp (interleaved)")

@@ -36,12 +36,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from dpp_sim_study import variants as sim_variants  # noqa: E402
-
-from megatronapp.dpp.config import JitterSpec, parse_jitter  # noqa: E402
-from megatronapp.dpp.simulator import CostModel, simulate  # noqa: E402
-from megatronapp.dpp.trace_costs import (  # noqa: E402
+from megatronapp.dpp.config import JitterSpec, parse_jitter
+from megatronapp.dpp.simulator import CostModel, simulate
+from megatronapp.dpp.study import variants as sim_variants
+from megatronapp.dpp.trace_costs import (
     TracedRun,
     compute_iteration_times,
     compute_trace_costs,
@@ -49,11 +47,11 @@ from megatronapp.dpp.trace_costs import (  # noqa: E402
     estimate_task_overheads_s,
     load_traced_run,
 )
-from megatronapp.engine.faults import parse_fault_plan  # noqa: E402
-from megatronapp.parallel.layout import ParallelLayout  # noqa: E402
-from megatronapp.pipeline.actions import ActionKind  # noqa: E402
+from megatronapp.engine.faults import parse_fault_plan
+from megatronapp.parallel.layout import ParallelLayout
+from megatronapp.pipeline.actions import ActionKind
 
-# dpp_bench variant -> the simulator's (dpp_sim_study.variants) name for it
+# dpp_bench variant -> the simulator's (megatronapp.dpp.study.variants) name for it
 SIM_NAME = {"interleaved": "interleaved/eager", "breadth-first": "breadth-first/eager",
             "dynamic-df": "dynamic-depth-first", "dynamic-adaptive": "dynamic-adaptive",
             "dynamic-inorder": "dynamic-in-order"}
@@ -179,12 +177,17 @@ def print_report(result: dict) -> None:
                 print(f"  {'':<17} speed over interleaved: measured x{r['measured_speed']:.3f}, predicted {pred_speed}")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path, help="a dpp_bench.py --out directory run with --trace-cells")
     p.add_argument("--warmup", type=int, default=2, help="traced iterations to leave out (dpp_bench's --warmup)")
     p.add_argument("--seeds", type=int, default=8, help="jitter draws to average each prediction over")
     p.add_argument("--json", type=Path, default=None)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     result = analyse(load_cells(a.out, a.warmup), a.seeds)
     print_report(result)

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import make_job as make_bench_job  # noqa: E402
 from plain_gpt import PlainGPT  # noqa: E402
 
 from megatronapp.config import IntegrityConfig, JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
@@ -63,10 +64,8 @@ class Batches:
 
 
 def make_job(micro_batch: int, num_micro: int, **train_kw) -> JobConfig:
-    model = model_preset("1.3b", vocab_size=50304)
-    train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * num_micro, train_iters=10**6,
-                        lr=1e-4, bf16=True, use_distributed_optimizer=True, log_interval=10**6, **train_kw)
-    return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
+    return make_bench_job("1.3b", micro_batch, num_micro, model_overrides={"vocab_size": 50304}, bf16=True,
+                          use_distributed_optimizer=True, log_interval=10**6, **train_kw)
 
 
 class PlainRunner:
@@ -436,7 +435,7 @@ def bench_phases(args, results: dict) -> None:
     results["phases"] = out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="engine_bench.json")
     p.add_argument("--only", default="throughput,microbatch")
@@ -451,6 +450,11 @@ def main() -> None:
     p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss: steps of each run")
     p.add_argument("--loss-variants", default="bf16,fp8_hybrid,fp8_hybrid_delayed",
                    help="fp8_loss: FP8 runs beside bf16 (always run first): fp8_hybrid, fp8_hybrid_delayed")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if "engine_deterministic" in args.variants:  # cuBLAS reads it when its first handle is made
         os.environ.update(compute_deterministic_env(os.environ))

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset, validate_job
+from megatronapp.config import JobConfig, build_layout, validate_job
+
+from common import FixedBatches, make_job
 
 FBD_VARIANTS = ("fbd", "fbd_cpu_forward", "free_forward")
 
@@ -48,25 +50,11 @@ def compute_placements(variant: str, cfg, gpus: int):
     return placements
 
 
-class RandomBatches:
-    """Fixed random microbatches of this DP rank (data loading is not what is measured)."""
-
-    def __init__(self, job: JobConfig, dp_rank: int):
-        gen = torch.Generator().manual_seed(1234 + dp_rank)
-        t, m = job.train, job.model
-        self.mbs = [torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen)
-                    for _ in range(job.num_microbatches)]
-
-    def next_microbatches(self):
-        return self.mbs
-
-
 def build_bench_job(cfg, micro_batch: int, microbatches: int, variant: str) -> JobConfig:
-    model = model_preset(cfg.model, **({"seq_length": cfg.seq_length} if cfg.seq_length else {}))
-    train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * cfg.dp * microbatches,
-                        train_iters=10**6, lr=1e-4, bf16=cfg.device == "cuda", log_interval=1,
-                        recompute_granularity="full" if variant == "recompute" else "none")
-    job = JobConfig(model=model, train=train, layout=build_layout(cfg.tp * cfg.pp * cfg.dp, cfg.tp, cfg.pp))
+    job = make_job(cfg.model, micro_batch, microbatches, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+                   model_overrides={"seq_length": cfg.seq_length} if cfg.seq_length else None,
+                   bf16=cfg.device == "cuda", log_interval=1,
+                   recompute_granularity="full" if variant == "recompute" else "none")
     validate_job(job)
     return job
 
@@ -119,11 +107,11 @@ def run_probe(s: RankSetup, cfg, micro_batch: int, microbatches: int, steps: int
         torch.cuda.reset_peak_memory_stats(s.device)
     out: dict = {"role": "forward" if s.is_forward else "backward"}
     if s.variant not in FBD_VARIANTS:
-        worker = Trainer(job, s.groups, s.device, RandomBatches(job, s.groups.dp_rank))
+        worker = Trainer(job, s.groups, s.device, FixedBatches(job, dp_rank=s.groups.dp_rank))
         out["step_s"] = _timed(worker, warmup + steps, warmup)
     else:
         fbd = FbdConfig(forward_tp_size=cfg.tf, max_ahead=cfg.max_ahead, free_forward=s.variant == "free_forward")
-        data = RandomBatches(job, s.groups.coords.dp)
+        data = FixedBatches(job, dp_rank=s.groups.coords.dp)
         cls = ForwardWorker if s.is_forward else BackwardWorker
         worker = cls(job, fbd, s.groups, s.device, data, links=s.links)
         if s.is_forward:

@@ -12,7 +12,7 @@ ours_scope_off is capture off with MegaScope used just before (a capture entered
 capture_off_overhead_pct compares it with ours_off (goal: within 0.5%; the same code runs,
 so this is the noise floor); *_paired_pct are the same comparisons paired within each round
 (median of per-round ratios, 95% bootstrap interval), which is what resolves 0.5%. Bytes per token count every captured step's items over the
-step's new tokens (prefill included); the per-step kernel count is scope_op_count.py's. With --cuda-graphs,
+step's new tokens (prefill included); the per-step op count is tests/op_count.py's. With --cuda-graphs,
 ours_off / ours_capture replay the decode step as a CUDA graph (the capture recorded inside
 it) and ours_eager* are the same without graphs. Decode tokens/s counts new tokens after the
 first (prefill excluded), batch 1, no stop at end-of-text. "capture" is the default
@@ -28,7 +28,6 @@ import tempfile
 import time
 
 import torch
-from scan_overhead import bootstrap_median_ci
 
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
@@ -40,6 +39,8 @@ from megatronapp.scope.capture import capture
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
 from megatronapp.files import write_text_atomic
+
+from common import bootstrap_median_ci, sync
 
 
 class _NoData:
@@ -55,11 +56,6 @@ def write_preset_checkpoint(preset: str, device) -> str:
     save_checkpoint(folder, trainer, _NoData())
     del trainer
     return folder
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def time_ours(model, prompt, new_tokens: int, vocab: int, with_capture: bool,
@@ -98,13 +94,13 @@ def time_hf(hf, prompt, new_tokens: int, device) -> float:
     ids = torch.tensor([prompt], device=device)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)  # prefill + first token
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
     return (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
 
@@ -128,7 +124,7 @@ def run_interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
 
 def paired_overhead_pct(off_tps: list[float], other_tps: list[float]) -> dict:
     """Per-token time of `other` over `off` in the same round, minus 1, in percent: the median
-    over rounds and its 95% bootstrap interval (scan_overhead.bootstrap_median_ci)."""
+    over rounds and its 95% bootstrap interval (common.bootstrap_median_ci)."""
     med, lo, hi = bootstrap_median_ci([a / b for a, b in zip(off_tps, other_tps)])
     return {"median": 100.0 * (med - 1.0), "ci95": [100.0 * (lo - 1.0), 100.0 * (hi - 1.0)], "rounds": len(off_tps)}
 
@@ -137,7 +133,7 @@ def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--load", default=None)
     p.add_argument("--model", default="1.3b")
@@ -151,6 +147,11 @@ def main() -> None:
     p.add_argument("--no-eager", action="store_true",
                    help="with --cuda-graphs, skip the eager-decode variants (many cheap rounds for the paired CIs)")
     p.add_argument("--out", default=None)
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     device, dtype = torch.device(args.device), torch.bfloat16 if args.bf16 else torch.float32
     ckpt = args.load or write_preset_checkpoint(args.model, device)

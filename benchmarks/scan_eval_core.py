@@ -16,11 +16,11 @@ from itertools import product
 
 KINDS = ("none", "compute", "intermittent", "link", "two_faults")
 FAULT_KINDS = KINDS[1:]
-# fixed: see the module docstring. "heldout" was scored twice (session 4, 2026-12-03) with the
-# detector its figures describe; "heldout2" is fresh for the intermittent-noise-model detector
-# (all 170 runs scored in session 5); "heldout3" (drawn with secrets.randbelow) judged session 8's
-# detector (BENCHMARKS.md, "Fresh held-out pass heldout3"). heldout4/5 judged sessions 8/9's detectors;
-# "heldout6" (drawn with random.SystemRandom) judges session 13's periodic-spans-the-run rule.
+# fixed: see the module docstring. Each held-out split is scored once per frozen detector, so a
+# detector change gets a fresh split: "heldout" and "heldout2" judged earlier detectors (the
+# intermittent noise model arrived with heldout2), "heldout3" to "heldout5" the cold-span and
+# warm-against-warm rules, "heldout6" (drawn with random.SystemRandom) the current periodic-spans-the-run
+# rule (BENCHMARKS.md, detection).
 SPLIT_SEEDS = {"design": 20261203, "heldout": 917_450_311, "heldout2": 604_218_977, "heldout3": 802_045_250,
                "heldout4": 371_904_586, "heldout5": 269_905_560, "heldout6": 390_283_025}
 HELDOUT_SPLITS = ("heldout", "heldout2", "heldout3", "heldout4", "heldout5", "heldout6")

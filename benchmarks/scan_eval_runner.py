@@ -28,7 +28,7 @@ from scan_eval_core import COMPUTE_GRID, LINK_GRID, Fault, Scenario, named_cause
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 32  # analysed 1..31 (0 is warm-up): an intermittent 1-in-4 slowdown hits 7 of them. Was 16 up to
-# heldout2, whose 3 intermittent misses had 3-5 slow iterations each (session 8: the protocol for heldout3)
+# heldout2, whose 3 intermittent misses had 3-5 slow iterations each (the protocol from heldout3 on)
 # The DDP example at a real step's size: at its toy default a traced CPU forward is ~0.4 ms, mostly hook
 # overhead, and a loaded machine's steady skew of ~0.25 ms alone reads as 1.5x (CI stop 18).
 DDP_WORK = ("--hidden", "1024", "--batch", "128")

@@ -79,14 +79,19 @@ def summarize_runs(runs: list[dict]) -> dict:
     return out
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--events", type=int, default=10_000_000, help="events of the long trace (short: a quarter)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--baseline", type=Path, default=None, help="another source tree to interleave with this one")
+    return p
+
+
 def main() -> None:
     from scan_simulation import SimulatedJob, write_repeated_job
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--events", type=int, default=10_000_000, help="events of the long trace (short: a quarter)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--baseline", type=Path, default=None, help="another source tree to interleave with this one")
+    parser = build_parser()
     args = parser.parse_args()
     if args.baseline is not None and not (args.baseline / "megatronapp" / "scan" / "merge.py").is_file():
         parser.error(f"--baseline {args.baseline}: no megatronapp/scan/merge.py there")

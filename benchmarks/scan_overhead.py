@@ -16,8 +16,7 @@ whole trace, so "with close" is the cost including writing the trace).
 --method alternating pairs adjacent steps instead of segments: per granularity, one step of
 each adjacent pair is traced, the first or the second by a seeded coin (`pair_plan`), and the
 traced step is divided by its untraced neighbour, ~0.1 s apart, so even drift within a round
-cancels, and so does any bias of a pair's second step (it was always the traced one before
-session 12). A control pass traces neither step of its pairs and reports the same ratio: the
+cancels, and so does any bias of a pair's second step. A control pass traces neither step of its pairs and reports the same ratio: the
 method's own bias, which should read 0 within its interval. This times the
 training thread: after every step, outside the timing, the benchmark waits for the background
 writer to finish what it was handed (`Tracer.wait_writer_idle`). Without that wait its work,
@@ -37,78 +36,32 @@ tracer (outside the timing: it stands for the tracer made once at the start of a
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
 from megatronapp.engine.hooks import NULL_TRACER  # noqa: E402
+from megatronapp.files import write_text_atomic  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.paired import (bootstrap_median_ci, compute_position_effect, pair_plan, run_rounds,  # noqa: E402
+                                summarize_rounds)
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 from megatronapp.scan.format import build_rank_meta, load_rank_trace  # noqa: E402
 from megatronapp.scan.tracer import TraceConfig, Tracer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import FixedBatches, make_job, timed_seconds  # noqa: E402
+
 VARIANTS = ("off", "base", "full")
-
-
-# ----------------------------------------------------------------------------- pure statistics
-def bootstrap_median_ci(ratios: Sequence[float], seed: int = 0, resamples: int = 4000,
-                        level: float = 0.95) -> tuple[float, float, float]:
-    """(median, low, high): the median of `ratios` and a percentile-bootstrap confidence
-    interval of it (rounds resampled with replacement)."""
-    values = np.asarray(ratios, dtype=np.float64)
-    if len(values) == 0:
-        raise ValueError("no rounds to summarise")
-    rng = np.random.default_rng(seed)
-    medians = np.median(values[rng.integers(0, len(values), (resamples, len(values)))], axis=1)
-    tail = (1.0 - level) / 2 * 100
-    return float(np.median(values)), float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
-
-
-def paired_ratios(times: dict[str, list[float]], baseline: str = "off") -> dict[str, list[float]]:
-    """Per round, each variant's time over the baseline's time of the same round."""
-    base = times[baseline]
-    return {k: [t / b for t, b in zip(v, base)] for k, v in times.items() if k != baseline}
-
-
-def run_rounds(measure: Callable[[str], dict[str, float]], variants: Sequence[str], rounds: int,
-               seed: int) -> list[dict[str, dict[str, float]]]:
-    """`rounds` rounds; each runs every variant once, in a fresh random order (seeded)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(rounds):
-        order = list(variants)
-        rng.shuffle(order)
-        out.append({v: measure(v) for v in order})
-    return out
-
-
-def summarize(results: list[dict[str, dict[str, float]]], steps: int, seed: int = 0) -> dict:
-    """Median step time of "off" and, per traced variant, the paired ratios' median and CI
-    (with and without close), as fractions (+0.012 = 1.2% slower than off)."""
-    off = [r["off"]["steps_s"] / steps for r in results]
-    out: dict = {"rounds": len(results), "steps_per_round": steps, "off_step_ms": statistics.median(off) * 1e3,
-                 "off_step_ms_range": [min(off) * 1e3, max(off) * 1e3]}
-    for key, label in (("steps_s", "overhead"), ("with_close_s", "overhead_with_close")):
-        times = {v: [r[v].get(key, r[v]["steps_s"]) for r in results] for v in results[0]}
-        for variant, ratios in paired_ratios(times).items():
-            median, lo, hi = bootstrap_median_ci(ratios, seed)
-            out.setdefault(variant, {})[label] = {"median": median - 1, "ci95": [lo - 1, hi - 1],
-                                                  "round_range": [min(ratios) - 1, max(ratios) - 1]}
-    return out
 
 
 def format_line(label: str, variant: str, summary: dict) -> str:
@@ -123,46 +76,6 @@ def format_line(label: str, variant: str, summary: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- measurement
-class RandomBatches:
-    """The same random token microbatches every step (data loading is not what is measured)."""
-
-    def __init__(self, job: JobConfig, device: torch.device) -> None:
-        t, m = job.train, job.model
-        self.mbs = [torch.randint(0, m.padded_vocab_size, (t.micro_batch_size, m.seq_length + 1), device=device)
-                    for _ in range(job.num_microbatches)]
-
-    def next_microbatches(self):
-        return self.mbs
-
-
-def make_job(preset: str, micro_batch: int, num_micro: int, device: torch.device, compile_model: bool) -> JobConfig:
-    """bf16 (Megatron-style) on CUDA, fp32 on CPU; single process."""
-    model = model_preset(preset, vocab_size=50304 if device.type == "cuda" else 1024)
-    train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * num_micro, train_iters=10**6,
-                        lr=1e-4, bf16=device.type == "cuda", compile=compile_model)
-    return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], device: torch.device, repeat: int = 1) -> float:
-    """Seconds for `repeat` calls of fn, synchronised, with the garbage collector held off."""
-    gc.collect()
-    gc.disable()
-    try:
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        _sync(device)
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
-
-
 def _new_tracer(granularity: str, trace_dir: str, device: torch.device) -> Tracer:
     meta = build_rank_meta(rank=0, world_size=1, coords={"tp": 0, "dp": 0, "pp": 0},
                            layout={"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
@@ -173,42 +86,30 @@ def _new_tracer(granularity: str, trace_dir: str, device: torch.device) -> Trace
 
 def measure_overhead(trainer: Trainer, device: torch.device, steps: int, rounds: int, seed: int = 0) -> dict:
     """Paired rounds of off / base / full on a warmed `trainer` (see the module docstring);
-    returns summarize()'s dict plus bytes and events per step of the last traced segments."""
+    returns summarize_rounds()'s dict plus bytes and events per step of the last traced segments."""
     sizes: dict[str, tuple[int, int]] = {}
 
     def measure(variant: str) -> dict[str, float]:
         if variant == "off":
             trainer.set_tracer(NULL_TRACER)
-            return {"steps_s": _timed(trainer.train_step, device, steps)}
+            return {"steps_s": timed_seconds(trainer.train_step, device, steps)}
         with tempfile.TemporaryDirectory(prefix=f"overhead-{variant}-") as d:
             tracer = _new_tracer(variant, d, device)
             trainer.set_tracer(tracer)
             trainer.iteration = max(trainer.iteration, 1)  # interval 1 traces from iteration 1 on
-            steps_s = _timed(trainer.train_step, device, steps)
-            close_s = _timed(tracer.close, device)
+            steps_s = timed_seconds(trainer.train_step, device, steps)
+            close_s = timed_seconds(tracer.close, device)
             trainer.set_tracer(NULL_TRACER)
             path = next(Path(d).glob("*.mscan"))
             sizes[variant] = (path.stat().st_size, load_rank_trace(path).events.num_rows)
         return {"steps_s": steps_s, "with_close_s": steps_s + close_s}
 
     results = run_rounds(measure, VARIANTS, rounds, seed)
-    summary = summarize(results, steps, seed)
+    summary = summarize_rounds(results, steps, seed=seed)
     for variant, (size, rows) in sizes.items():
         summary[variant].update(bytes_per_event=size / max(rows, 1), events_per_step=rows / steps)
     summary["per_round"] = results
     return summary
-
-
-def pair_plan(pairs: int, first_iteration: int, seed: int) -> list[tuple[int, int]]:
-    """(treated, other) iterations of each adjacent pair, the treated one first or second by a
-    seeded coin: a bias of the second step of a pair (or of the first) cancels out instead of
-    landing on the traced step every time."""
-    rng = random.Random(seed)
-    plan = []
-    for k in range(pairs):
-        a = first_iteration + 2 * k
-        plan.append((a, a + 1) if rng.random() < 0.5 else (a + 1, a))
-    return plan
 
 
 def _pairs_tracer(granularity: str, trace_dir: str, device: torch.device, traced: set[int]) -> Tracer:
@@ -232,9 +133,9 @@ def _one_pass(trainer: Trainer, device: torch.device, plan: list[tuple[int, int]
         trainer.train_step()  # reach the plan's first iteration untraced
     for _ in range(2 * len(plan)):
         it = trainer.iteration
-        times[it] = _timed(trainer.train_step, device)
+        times[it] = timed_seconds(trainer.train_step, device)
         tracer.wait_writer_idle()  # the writer's work (counted apart) out of every timed step
-    close_s = _timed(tracer.close, device)
+    close_s = timed_seconds(tracer.close, device)
     trainer.set_tracer(NULL_TRACER)
     return tracer, [(times[t], times[o]) for t, o in plan], close_s
 
@@ -261,7 +162,7 @@ def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed
                  # per pair: treated s, other s, treated first? (to test a position bias afterwards)
                  "pair_steps": [[t, o, f] for (t, o), f in zip(timed, first)]}
         if control:  # nothing differs within a pair but its position: the effect the coin cancels
-            second = [1 / r if f else r for r, f in zip(ratios, first)]  # second step / first step
+            second = compute_position_effect(ratios, first)
             m2, lo2, hi2 = bootstrap_median_ci(second, seed)
             entry["position_effect"] = {"median": m2 - 1, "ci95": [lo2 - 1, hi2 - 1]}
             out[variant] = entry
@@ -306,8 +207,10 @@ def format_alternating(label: str, variant: str, out: dict) -> str:
 def bench(preset: str, micro_batch: int, num_micro: int, device: torch.device, steps: int, rounds: int,
           warmup: int, compile_model: bool, seed: int = 0, pairs: int | None = None) -> dict:
     """Build and warm the model, then measure_overhead (or, given `pairs`, measure_alternating)."""
-    job = make_job(preset, micro_batch, num_micro, device, compile_model)
-    trainer = Trainer(job, single_process_groups(), device, RandomBatches(job, device))
+    on_cuda = device.type == "cuda"  # bf16 (Megatron-style) on CUDA, fp32 on the CPU
+    job = make_job(preset, micro_batch, num_micro, model_overrides={"vocab_size": 50304 if on_cuda else 1024},
+                   bf16=on_cuda, compile=compile_model)
+    trainer = Trainer(job, single_process_groups(), device, FixedBatches(job, device))
     for _ in range(warmup):
         trainer.train_step()
     if pairs is not None:
@@ -316,7 +219,7 @@ def bench(preset: str, micro_batch: int, num_micro: int, device: torch.device, s
 
 
 def add_job_args(p: argparse.ArgumentParser, rounds: int, warmup: int) -> None:
-    """The model and round arguments this benchmark shares with scan_overhead_profile.py."""
+    """The model and round arguments."""
     p.add_argument("--preset", default="small")
     p.add_argument("--device", default="cuda")
     p.add_argument("--micro-batch", type=int, default=2)
@@ -326,7 +229,7 @@ def add_job_args(p: argparse.ArgumentParser, rounds: int, warmup: int) -> None:
     p.add_argument("--warmup", type=int, default=warmup)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_job_args(p, rounds=40, warmup=5)
     p.add_argument("--no-compile", action="store_true", help="eager model (default: compiled on CUDA)")
@@ -334,6 +237,11 @@ def main() -> None:
     p.add_argument("--method", choices=("segments", "alternating"), default="segments")
     p.add_argument("--pairs", type=int, default=150, help="--method alternating: step pairs per granularity")
     p.add_argument("--out", default=None, help="write the summary (and every round) as JSON here")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.steps < 1 or args.rounds < 2 or args.pairs < 2:
         p.error("--steps must be >= 1, --rounds >= 2 and --pairs >= 2")
@@ -348,7 +256,7 @@ def main() -> None:
         print((format_alternating if alternating else format_line)(args.preset, variant, summary), flush=True)
     print(f"({time.perf_counter() - began:.0f} s)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), **summary}, indent=1))
+        write_text_atomic(args.out, json.dumps({"args": vars(args), **summary}, indent=1))
 
 
 if __name__ == "__main__":

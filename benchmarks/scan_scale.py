@@ -46,11 +46,16 @@ def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
-    args = parser.parse_args()
+    p = build_parser()
+    args = p.parse_args()
     job = SimulatedJob(tp_size=2, pp_size=2, dp_size=2, iterations=40, num_microbatches=8, seed=3)
     traces = simulate_job_traces(job)
     big = simulate_job_traces(SimulatedJob(tp_size=8, pp_size=4, dp_size=32, iterations=3, seed=11))

@@ -224,7 +224,7 @@ def bench_training(args, device) -> dict:
 
 
 def ratio_lines(result: dict) -> list[str]:
-    """The lines the GPU run is judged by (goals from issue 12)."""
+    """The lines the GPU run is judged by (the UI's goals, BENCHMARKS.md)."""
     lines = []
     if "generation" in result:
         r = result["generation"]["ui_over_plain_per_round"]
@@ -253,7 +253,7 @@ def _drain(port: int) -> None:
             ws.recv()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--train-model", default="tiny")
@@ -274,6 +274,11 @@ def main() -> None:
                    help="where the generation rounds' WebSocket client runs: its own process (as a browser), "
                         "or this process's main thread (as before 2026-12-04)")
     p.add_argument("--out", default=None)
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)

@@ -90,17 +90,6 @@ def test_paired_speeds_divide_within_a_repeat_and_skip_unpaired_repeats():
     assert summary["n"] == 2 and summary["median"] == 1.05
 
 
-def test_send_cost_summary_pairs_steps_and_counts_messages():
-    import dpp_send_cost
-
-    rows = {"threaded": {"step_s": [0.30, 0.40], "send_s": [[1e-5, 3e-5], [2e-5, 2e-5]]},
-            "inline": {"step_s": [0.33, 0.40], "send_s": [[2e-4, 4e-4], [3e-4, 3e-4]]}}
-    out = dpp_send_cost.summarize(rows)
-    assert out["inline"]["messages_per_step"] == 2 and round(out["inline"]["send_ms_per_step"], 6) == 0.6
-    assert round(out["threaded"]["send_us_median"], 6) == 20.0
-    assert out["inline_over_threaded"]["n"] == 2 and round(out["inline_over_threaded"]["median"], 6) == 1.05
-
-
 def test_trace_gap_takes_the_jitter_out_of_a_jittered_ranks_task_times():
     """The simulator draws a cell's jitter again, so the jittered rank's traced mean is divided
     by the mean factor (1 + 1.5) / 2 first; other ranks' times are kept as traced."""

@@ -11,7 +11,7 @@ from megatronapp.engine.faults import parse_fault_plan
 from megatronapp.parallel.layout import ParallelLayout
 
 
-def test_pp4_dp2_flags_are_the_ones_the_session4_runs_used():
+def test_pp4_dp2_flags_target_stages_1_and_2_of_the_first_replica():
     assert compute_scenario_flags("jitter1", 4, 2) == ["--inject-jitter", "4:1.5"]
     assert compute_scenario_flags("jitter2", 4, 2) == ["--inject-jitter", "2:1.5:1", "--inject-jitter", "4:1.5:2"]
     assert compute_scenario_flags("link", 4, 2) == ["--inject-link-delay", "2:4:5"]

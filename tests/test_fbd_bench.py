@@ -1,48 +1,51 @@
-"""benchmarks/fbd_bench.py: layouts that fit the machine, refusals before spawning, the time
-budget, and one small CPU run of the one-device layout (backward PP1 + a forward worker)."""
+"""benchmarks/fbd_bench.py's layouts and runs: the layouts it picks on CUDA are ones NCCL can run
+(checked with the package's placement rules), and the script run as a program keeps to its time
+budget and trains the one-device layout (backward PP1 + a forward worker) on the CPU."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import fbd_bench  # noqa: E402
-from fbd_bench_rank import compute_placements  # noqa: E402
+from megatronapp.config import build_layout
+from megatronapp.parallel.layout import RoleLayout
+from megatronapp.parallel.placement import (check_gpu_groups, compute_plain_placements, compute_role_placements,
+                                            engine_group_ranks, role_group_ranks)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fbd_bench.py"
 
 
-def _cfg(monkeypatch, gpus: int, *argv: str):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    cfg = fbd_bench.build_parser().parse_args(list(argv))
-    fbd_bench.resolve_defaults(cfg)
-    return cfg
+def _run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("gpus, pp", [(1, 1), (2, 2), (8, 2)])
-def test_cuda_defaults_fit_the_visible_gpus(monkeypatch, gpus, pp):
-    cfg = _cfg(monkeypatch, gpus, "--device", "cuda")
-    assert (cfg.tp, cfg.pp, cfg.dp, cfg.model) == (1, pp, 1, "350m")
-    assert cfg.variants == list(fbd_bench.VARIANTS) and "fbd_cpu_forward" not in cfg.search_variants
-    for variant in cfg.variants:  # every default variant is a layout NCCL can run
-        compute_placements(variant, cfg, gpus)
+def test_the_cuda_default_layouts_fit_the_visible_gpus(gpus, pp):
+    """The benchmark's CUDA defaults (TP1, DP1, PP1 on one GPU else PP2, TF1): the plain engine,
+    FBD with forward workers on the backward GPUs, and FBD with forward workers on CPUs."""
+    plain = compute_plain_placements(pp, "cuda", gpus)
+    check_gpu_groups(engine_group_ranks(build_layout(pp, 1, pp)), plain, gpus)
+    roles = RoleLayout(2 * pp, 1, pp, 1)
+    for forward in ("cuda", "cpu"):
+        check_gpu_groups(role_group_ranks(roles), compute_role_placements(roles, "cuda", forward, gpus), gpus)
 
 
-def test_a_layout_nccl_cannot_run_is_refused_without_spawning(monkeypatch):
-    cfg = _cfg(monkeypatch, 1, "--device", "cuda", "--pp", "2")
-    (res,) = fbd_bench.run_job("plain", cfg, [(8, 4, 1, 0)], fbd_bench.Budget(None))
-    assert res["error"].startswith("layout refused: pipeline-parallel group [0, 1] would put ranks 0 and 1 on GPU 0")
-    (res,) = fbd_bench.run_job("fbd", cfg, [(8, 4, 1, 0)], fbd_bench.Budget(None))
-    assert "backward pipeline-parallel group [0, 1]" in res["error"]
+def test_pp2_on_one_gpu_is_refused_for_the_engine_and_for_fbd():
+    with pytest.raises(ValueError, match=r"pipeline-parallel group \[0, 1\] would put ranks 0 and 1 on GPU 0"):
+        check_gpu_groups(engine_group_ranks(build_layout(2, 1, 2)), compute_plain_placements(2, "cuda", 1), 1)
+    roles = RoleLayout(4, 1, 2, 1)
+    with pytest.raises(ValueError, match=r"backward pipeline-parallel group \[0, 1\]"):
+        check_gpu_groups(role_group_ranks(roles), compute_role_placements(roles, "cuda", "cuda", 1), 1)
 
 
-def test_jobs_past_the_budget_are_skipped_and_reported(monkeypatch, tmp_path):
+def test_jobs_past_the_budget_are_skipped_and_reported(tmp_path):
     out = tmp_path / "r.json"
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert fbd_bench.main(["--budget-s", "0", "--rounds", "1", "--out", str(out), "--max-micro-batch", "4"]) == 0
+    proc = _run("--budget-s", "0", "--rounds", "1", "--out", str(out), "--max-micro-batch", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["throughput"]) == {"plain", "recompute", "fbd", "free_forward"}
     assert all(e["errors"] == ["skipped: time budget spent"] for e in report["throughput"].values())
@@ -53,9 +56,9 @@ def test_jobs_past_the_budget_are_skipped_and_reported(monkeypatch, tmp_path):
 def test_one_device_layout_runs_plain_and_fbd(tmp_path):
     """Backward PP1 + one forward worker on the same device, and the plain engine at PP1."""
     out = tmp_path / "r.json"
-    argv = ["--device", "cpu", "--pp", "1", "--dp", "1", "--variants", "plain", "fbd", "--rounds", "1",
-            "--steps", "1", "--warmup", "0", "--timeout", "240", "--out", str(out)]
-    assert fbd_bench.main(argv) == 0
+    proc = _run("--device", "cpu", "--pp", "1", "--dp", "1", "--variants", "plain", "fbd", "--rounds", "1",
+                "--steps", "1", "--warmup", "0", "--timeout", "240", "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     for variant in ("plain", "fbd"):
         entry = report["throughput"][variant]

@@ -73,7 +73,7 @@ def test_fp8_linear_on_cuda_is_exact_where_fp8_holds_the_values():
 
 
 # A tiny model: the CPU side may run oneDNN's FP8 matmul, which is far slower on hosts without
-# native FP8 (session 17: at the "small" preset's shapes this test outran a 100 s timeout).
+# native FP8 (at the "small" preset's shapes this test outran a 100 s timeout on the H200's host).
 _TINY = {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "seq_length": 64}
 
 
@@ -94,8 +94,8 @@ def test_fp8_training_on_cuda_follows_cpu_and_compiles(recipe):
 @pytest.mark.timeout(600)
 def test_fp8_delayed_engine_compiles_once_per_block_kind_not_per_layer():
     """tests/test_fp8.py's CPU test on the device's torch: five frames for ten layers. A torch
-    that compiled per layer would, past dynamo's limit of 8, run the other blocks eager (session
-    18: passed on torch 2.11, so that was not why the delayed recipe ran slow)."""
+    that compiled per layer would, past dynamo's limit of 8, run the other blocks eager (it passes
+    on torch 2.11, so that is not why the delayed recipe runs slow there)."""
     job = _job({"num_layers": 10, "hidden_size": 64, "num_attention_heads": 2, "seq_length": 32},
                bf16=True, fp8_format="hybrid", fp8_recipe="delayed", compile=True)
     assert compiled_frames(job, "cuda") == {"frames": 5, "graph_breaks": 0}

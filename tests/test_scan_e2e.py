@@ -71,7 +71,7 @@ def clean_report(tmp_path_factory):
     # 2-core CI host made one replica >= 1.2x its peer in 5 of the 7 judged iterations: the
     # constant-slowdown bar, met by noise over too short a run.
     # The detector bounds its false alarms, it does not exclude them (intermittent_alpha 0.005 by
-    # its noise model; 0 of 50 clean held-out runs named anybody). A clean-clone CI run (session 15) saw one on this
+    # its noise model; 0 of 50 clean held-out runs named anybody). A clean-clone CI run saw one on this
     # 2-core host with 4 ranks: an "intermittent" rank costing 0.05 ms of a 46 ms iteration. So
     # a first alarm gets one more clean run; two in a row (a systematic false alarm) still fail.
     reports = []

@@ -184,8 +184,8 @@ def test_load_trace_dir_errors_are_clear(tmp_path):
 
 
 def _trace_base_steps(trace_dir, steps: int) -> None:
-    """What base granularity records for a single-stage job with 2 microbatches (the issue's
-    launch-bound case): 9 spans a step, handed to the writer once, at close."""
+    """What base granularity records for a single-stage job with 2 microbatches (the
+    launch-bound case the overhead goal is judged on): 9 spans a step, handed to the writer once, at close."""
     from megatronapp import spans
     from megatronapp.scan.tracer import TraceConfig, Tracer
 

@@ -70,7 +70,7 @@ def test_evenly_spaced_chance_counts_every_subset(k, n):
 
 
 def test_a_window_of_every_other_iteration_is_not_a_period():
-    """CI's clean run (local, session 13): contention slowed rank 1 in iterations 21, 23, ..., 29
+    """A clean CI run: contention slowed rank 1 in iterations 21, 23, ..., 29
     of 1..31; read as a period, p = 0.0047 named it. A period fills the run; this fills a window."""
     window = [20, 22, 24, 26, 28]  # positions of iterations 21..29
     assert not _is_periodic(window, 31)

@@ -4,8 +4,6 @@ step does not grow with the number of layers."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +18,7 @@ from megatronapp.scope.compress import (DEFAULT_COMPRESS, CapturedItem, apply_pi
 from megatronapp.scope.sites import DEFAULT_SITES
 from megatronapp.scope.staging import pack_blocks, view_items
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from scope_op_count import count_decode_step  # noqa: E402
+from op_count import count_decode_step
 
 PIPELINES = ["", "reduce:op=absmax,width=64;quantize:dtype=fp16", "reduce:op=max,width=8",
              "reduce:op=mean,width=7;quantize:dtype=int8", "reduce:op=l2,width=5;topk:k=3;quantize:dtype=fp16",

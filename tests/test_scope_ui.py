@@ -2,7 +2,7 @@
 
 One generation server, one training server and one browser for the whole module. Screenshots
 of each view go to $MEGATRONAPP_SCREENSHOT_DIR (default: a pytest temp folder); the README's
-come from `MEGATRONAPP_SCREENSHOT_DIR=docs/screenshots python -m pytest tests/test_scope_ui.py`.
+come from the demo's trained model (`docs/screenshots/take_screenshots.py`).
 """
 
 from __future__ import annotations

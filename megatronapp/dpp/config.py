@@ -36,7 +36,7 @@ def resolve_send_thread(setting: str, cores: int, local_ranks: int, threads_per_
     threads + 1)). Measured on the 2-core VM with 2 ranks, where it has none: the thread
     takes the sends off the compute thread (~10 -> 0.7 ms a step) but the step is 0-2.5 %
     slower, as the sender then competes with the computing ranks for a core
-    (benchmarks/dpp_send_cost.py, BENCHMARKS.md)."""
+    (BENCHMARKS.md, MegaDPP)."""
     if setting != "auto":
         return setting == "on"
     return cores >= local_ranks * (threads_per_rank + 1)

@@ -1,6 +1,6 @@
 """The MegaDPP benchmark's fault scenarios, defined once by pipeline position.
 
-The issue's performance goal names three perturbations: one rank jittered up to 1.5x, two
+MegaDPP's performance goal names three perturbations: one rank jittered up to 1.5x, two
 ranks jittered independently (they alternate being the slowest), and a delayed link. They are
 placed by pipeline stage of replica 0, so every layout gets the same perturbation:
   balanced  nothing

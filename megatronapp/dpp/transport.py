@@ -151,7 +151,7 @@ class Outbox:
 
     Why a thread: gloo's isend writes to the socket in the calling thread before it returns
     (its TCP pair sends what the socket takes at once). Measured on the 2-core VM for a PP2
-    step of 128 KiB activations (benchmarks/dpp_send_cost.py): 0.25 ms median (0.41-0.43
+    step of 128 KiB activations (BENCHMARKS.md, MegaDPP): 0.25 ms median (0.41-0.43
     mean) per message for the header and payload isends, ~10 ms a step, all of it on the
     compute thread between one task and the next. With the thread the compute thread only
     checks the tensor (so a bad one still fails at once) and queues it (~28 us); the thread

@@ -19,7 +19,7 @@ Why no kernel reads or writes anything too early:
 * everything else that reads parameters or optimizer state (checkpoints, the end of
   Trainer.train) calls wait_all() first (MixedPrecisionOptimizer.finish_param_sync).
 
-Measured on one H200 with the 1.3B preset (BENCHMARKS.md, session 11): it does not pay there
+Measured on one H200 with the 1.3B preset (BENCHMARKS.md, Engine): it does not pay there
 (269.9 against 269.5 ms a step). Each of the update's programs and the GEMMs' tiles fill whole SMs,
 so the two alternate rather than share; a kernel confined to a few SMs (32 or 66 programs looping
 over the blocks) ran so slowly that the layers waited for it (+18 and +6 ms). Hence off by default.

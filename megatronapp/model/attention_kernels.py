@@ -6,8 +6,8 @@ paths and the dropout RNG stay one code path:
   cudnn, flash, efficient,   that SDPA backend first, the others as fallbacks (CPU and
   math                       unsupported shapes still run)
 
-FlashAttention-4 behind SDPA was tried here and dropped (BENCHMARKS.md, session 14): on the H200
-its kernels were slower than cuDNN's at the 1.3B shapes; benchmarks/attention_probe.py keeps it.
+FlashAttention-4 behind SDPA is not offered: on the H200 its kernels were slower than cuDNN's at
+the 1.3B shapes (BENCHMARKS.md, Engine).
 """
 
 from __future__ import annotations

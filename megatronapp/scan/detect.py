@@ -113,7 +113,7 @@ class DetectConfig:
     intermittent_alpha: float = 0.005  # bound on the chance that a clean run names anybody intermittently slow
     # (noise model: detect_intermittent.py). At 0.02 the model predicts ~1 false alarm in 50 clean runs, and
     # heldout2 had exactly one (p = 0.0067); at 0.005, P(any in 50) <= 22%. 0.002 (<= 9.5%) lost a DDP rank
-    # 2x slow in every 3rd iteration (p = 0.0033) on the design runs of session 8; 0.005 keeps it
+    # 2x slow in every 3rd iteration (p = 0.0033) on the design runs; 0.005 keeps it
     intermittent_max_share: float = 0.5  # of iterations: slower in more of them is a constant slowdown
     intermittent_min_iterations: int = 2
     intermittent_min_ratio: float = 1.1  # to its peers in the slow iterations: smaller is not worth naming

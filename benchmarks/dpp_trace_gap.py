@@ -49,7 +49,7 @@ from megatronapp.dpp.trace_costs import (  # noqa: E402
     estimate_task_overheads_s,
     load_traced_run,
 )
-from megatronapp.engine.faults import parse_fault_plan  # noqa: E402
+from megatronapp.faults.inject import parse_fault_plan  # noqa: E402
 from megatronapp.parallel.layout import ParallelLayout  # noqa: E402
 from megatronapp.pipeline.actions import ActionKind  # noqa: E402
 

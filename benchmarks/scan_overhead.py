@@ -58,8 +58,8 @@ from megatronapp.config import JobConfig, TrainConfig, build_layout, model_prese
 from megatronapp.engine.hooks import NULL_TRACER  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
-from megatronapp.scan.format import build_rank_meta, load_rank_trace  # noqa: E402
-from megatronapp.scan.tracer import TraceConfig, Tracer  # noqa: E402
+from megatronapp.scan.record.format import build_rank_meta, load_rank_trace  # noqa: E402
+from megatronapp.scan.record.tracer import TraceConfig, Tracer  # noqa: E402
 
 VARIANTS = ("off", "base", "full")
 

@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatronapp import spans  # noqa: E402
-from megatronapp.scan.format import build_rank_meta  # noqa: E402
-from megatronapp.scan.trace_writer import build_window_batch  # noqa: E402
-from megatronapp.scan.tracer import TraceConfig, Tracer  # noqa: E402
+from megatronapp.scan.record.format import build_rank_meta  # noqa: E402
+from megatronapp.scan.record.trace_writer import build_window_batch  # noqa: E402
+from megatronapp.scan.record.tracer import TraceConfig, Tracer  # noqa: E402
 
 
 def _per_call_us(fn, n: int, repeats: int) -> dict:

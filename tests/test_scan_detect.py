@@ -15,9 +15,9 @@ import pyarrow as pa
 import pytest
 
 from megatronapp.parallel.layout import ParallelLayout
-from megatronapp.scan import detect_path as paths
-from megatronapp.scan import detect_rules as rules
-from megatronapp.scan.detect import (
+from megatronapp.scan.analyze import detect_path as paths
+from megatronapp.scan.analyze import detect_rules as rules
+from megatronapp.scan.analyze.detect import (
     DetectConfig,
     DetectInputError,
     detect,
@@ -25,9 +25,9 @@ from megatronapp.scan.detect import (
     report_to_json,
 )
 from megatronapp.scan.cli import add_trace_subcommands
-from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
-from megatronapp.scan.format import TraceWriter, trace_file_name
-from megatronapp.scan.matching import index_comm_events
+from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
+from megatronapp.scan.merge.matching import index_comm_events
 from scan_simulation import SimulatedJob, simulate_job_traces
 
 LAYOUTS = {
@@ -121,7 +121,7 @@ def test_slow_link_is_named_with_its_source(layout, link, delay_ms):
 
 
 def test_slow_link_is_found_under_the_engines_receiver_sleep_injection():
-    # megatronapp.engine.faults sleeps on the receiver before it waits: only messages whose
+    # megatronapp.faults.inject sleeps on the receiver before it waits: only messages whose
     # sender is not already later than the delay show it, which is enough here.
     job = _job("TP2xPP2xDP2", slow_link=(6, 2), link_delay_ns=6_000_000, link_delay_mode="before_wait", seed=2)
     assert [(s.cause, s.link) for s in _run(job).suspects] == [("slow_link", (6, 2))]

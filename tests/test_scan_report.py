@@ -9,8 +9,8 @@ import re
 import pytest
 
 from megatronapp.scan.cli import add_trace_subcommands
-from megatronapp.scan.format import TraceWriter, trace_file_name
-from megatronapp.scan.merge import merge_traces_split, split_output_name
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
+from megatronapp.scan.merge.merge import merge_traces_split, split_output_name
 from scan_simulation import SimulatedJob, simulate_job_traces
 from timeline_checks import assert_flows_forward
 

@@ -52,10 +52,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from megatronapp.scan import detect_path as paths
-from megatronapp.scan import detect_rules as rules
-from megatronapp.scan.detect_intermittent import compare_intermittent
-from megatronapp.scan.matching import index_comm_events
+from megatronapp.scan.analyze import detect_path as paths
+from megatronapp.scan.analyze import detect_rules as rules
+from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
+from megatronapp.scan.merge.matching import index_comm_events
 
 CAUSES = ("slow_compute", "slow_link")
 _BASIS_WEIGHT = {"dp_replicas": 1.0, "tp_peers": 0.9, "pipeline_stages": 0.6}

@@ -34,11 +34,11 @@ from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatronapp import spans as S
-from megatronapp.engine.faults import FaultInjector, fault_plan_from_env
-from megatronapp.engine.link_delay import install_link_delays
-from megatronapp.scan.format import build_rank_meta
-from megatronapp.scan.instrument import install_distributed_instrumentation
-from megatronapp.scan.tracer import GRANULARITIES, TraceConfig, Tracer
+from megatronapp.faults.inject import FaultInjector, fault_plan_from_env
+from megatronapp.faults.link_delay import install_link_delays
+from megatronapp.scan.record.format import build_rank_meta
+from megatronapp.scan.record.instrument import install_distributed_instrumentation
+from megatronapp.scan.record.tracer import GRANULARITIES, TraceConfig, Tracer
 
 ENV_PREFIX = "MEGATRONAPP_TRACE_"
 

@@ -15,10 +15,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megatronapp.files import write_text_atomic
-from megatronapp.scan import detect_rules as rules
-from megatronapp.scan.analysis import TraceAnalysis
-from megatronapp.scan.detect import report_to_json
-from megatronapp.scan.matching import index_comm_events
+from megatronapp.scan.analyze import detect_rules as rules
+from megatronapp.scan.analyze.analysis import TraceAnalysis
+from megatronapp.scan.analyze.detect import report_to_json
+from megatronapp.scan.merge.matching import index_comm_events
 
 _COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 _MAX_LINES = 16  # ranks drawn as separate step-time lines; the rest as a min-max band

@@ -44,15 +44,12 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatronapp.scan.matching import CommIndex
+from megatronapp.scan.merge.matching import CommIndex
 from megatronapp.spans import COMPUTE_KINDS, ITERATION, NESTED_NON_COMPUTE, UNKEYED_DP_COLLECTIVES
 
-if TYPE_CHECKING:  # detect_intermittent builds on this module; the stats only travel through it
-    from megatronapp.scan.detect_intermittent import IntermittentStats
 
 _MAD_TO_SIGMA = 1.4826
 _MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
@@ -163,6 +160,25 @@ def compute_pure_spans(ev: RankEvents, iterations: set[int], idle_ns: int = 0,
         cold = last >= 0 and s - int(wakes[last]) < recovery_ns
         spans.append(ComputeSpan(key, s, e, max(0, e - s - _union_length(inside)), cold))
     return spans
+
+
+@dataclass(frozen=True)
+class IntermittentStats:
+    """One rank's most significant subset of slow iterations and how unlikely it is in a clean run
+    (computed by detect_intermittent.py, whose docstring gives the steps; defined here because it
+    travels in ComputeStats)."""
+
+    rank: int
+    iterations: int  # with evidence for this rank
+    slow_iterations: tuple[int, ...]  # the subset, ascending
+    p_value: float  # family-wise over subset sizes and ranks (detect_intermittent docstring, step 5)
+    periodic: bool  # the slow iterations are evenly spaced (gaps >= 2) over the whole run
+    slow_ratio: float  # median compute ratio to the peers in the slow iterations (1.0: as fast as they)
+    slow_z: float  # significance of log(slow_ratio) > 0 (median of k levels: SE 1.2533 sigma / sqrt(k))
+    base_ratio: float  # median compute ratio to the peers in the other iterations
+    self_ratio: float  # its own compute in the slow iterations over the others': ~1 for a victim, whose
+    # ratio only moved because its peers' did (with two peers each is the other's reference)
+    evidence_sigmas: float  # median evidence e of the slow iterations, in units of sigma
 
 
 @dataclass(frozen=True)

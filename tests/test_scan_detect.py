@@ -185,7 +185,7 @@ def test_suspects_are_ordered_most_likely_first():
 
 def test_detection_rules_are_functions_of_the_config():
     job = _job("TP2xPP2xDP2", slow_rank=2, slow_factor=2.0, slow_link=(5, 1), link_delay_ns=3_000_000)
-    only_links = DetectConfig(compute_rule=lambda stats, cfg: False)
+    only_links = DetectConfig(compute_rule=lambda stats, cfg: False, arrival_rule=lambda stats, cfg: False)
     assert [s.cause for s in _run(job, only_links).suspects] == ["slow_link"]
     only_compute = DetectConfig(link_rule=lambda stats, cfg: False)
     assert [s.cause for s in _run(job, only_compute).suspects] == ["slow_compute"]

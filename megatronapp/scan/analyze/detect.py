@@ -23,8 +23,13 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      model of detect_intermittent.py (per-iteration evidence against the run's own jitter).
   2. Collectives (detect_rules.collect_collectives). Each (group, seq) instance splits into
      wait (last start - my start) and transfer (end - last start). Chronic last arrival
-     (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence)
-     but never makes one: a rank held up by its own pipeline arrives last too, as a victim.
+     (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence).
+     Arrival order is also evidence of its own (detect_arrival.py): a rank last into most of
+     its collectives (>= `arrival_min_share`), `arrival_min_lateness_ns` after its peers, with
+     more *own* work since the group last synchronised (its waits subtracted, so a rank held up
+     by its pipeline is a victim, not a straggler) by the compute bars (ratio, consistency, z)
+     is named slow_compute even where its compute spans look normal (work outside the spans,
+     a CPU quota that freezes it between spans).
   3. P2P (detect_rules.compare_links). Effective transfer per directed link against links
      carrying same-size messages in the same pipeline direction; `config.link_rule` decides
      (default: median ratio >= `link_min_ratio`, excess >= `link_min_excess_ns`, and >=
@@ -53,6 +58,7 @@ from rich.console import Console
 from rich.table import Table
 
 from megatronapp.scan.analyze import detect_path as paths
+from megatronapp.scan.analyze import detect_arrival as arrivals
 from megatronapp.scan.analyze import detect_rules as rules
 from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
 from megatronapp.scan.merge.matching import index_comm_events
@@ -91,6 +97,14 @@ def is_intermittent(stats: rules.ComputeStats, config: DetectConfig) -> bool:
 def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
     """Default compute rule (see the module docstring, step 1): constant or intermittent."""
     return stats.samples >= config.min_samples and (is_constant(stats, config) or is_intermittent(stats, config))
+
+
+def is_late_by_own_work(stats: arrivals.ArrivalStats, config: DetectConfig) -> bool:
+    """Default arrival rule (module docstring, step 2): the compute bars on own work before arrival."""
+    return arrivals.is_arrival_straggler(
+        stats, min_samples=config.min_samples, min_share=config.arrival_min_share, min_ratio=config.compute_min_ratio,
+        min_consistency=config.compute_min_consistency, min_z=config.compute_min_z,
+        min_lateness_ns=config.arrival_min_lateness_ns)
 
 
 def is_slow_link(stats: rules.LinkStats, config: DetectConfig) -> bool:
@@ -132,10 +146,13 @@ class DetectConfig:
     link_peer_quantile: float = 0.9  # a slow message must also beat this quantile of peer links' messages
     strong_link_ratio: float = 3.0
     straggler_min_share: float = 0.6  # share of last arrivals that corroborates a slow rank
+    arrival_min_share: float = 0.75  # share of last arrivals that, with own-work evidence, names a rank
+    arrival_min_lateness_ns: int = 1_000_000  # median lead of its peers' arrival over its own
     warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
     iterations: tuple[int, int] | None = None  # half-open [A, B); None: all, warm-up skipped
     compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
     link_rule: Callable[[rules.LinkStats, DetectConfig], bool] = is_slow_link
+    arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
 
     def __post_init__(self) -> None:
         for name in ("compute_min_ratio", "strong_compute_ratio", "link_min_ratio", "strong_link_ratio",
@@ -143,7 +160,7 @@ class DetectConfig:
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
         for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share",
-                     "intermittent_max_share", "intermittent_min_saving"):
+                     "intermittent_max_share", "intermittent_min_saving", "arrival_min_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
         if not 0.0 < self.intermittent_alpha < 0.5:
@@ -262,6 +279,31 @@ def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, con
     return Suspect(st.rank, coords[st.rank], "slow_compute", conf, evidence)
 
 
+def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coords: dict,
+                      config: DetectConfig) -> list[Suspect]:
+    """Ranks named by arrival order (module docstring, step 2) that compute did not name already;
+    a compute suspect gets the arrival evidence added to its own."""
+    samples = arrivals.compute_arrival_samples(instances, messages)
+    stats = arrivals.compare_arrivals(samples, instances, config.compute_min_ratio)
+    named = {s.rank: s for s in compute_suspects}
+    out = []
+    for rank, st in sorted(stats.items()):
+        if not config.arrival_rule(st, config):
+            continue
+        summary, fields = arrivals.describe_arrivals(st)
+        if rank in named:
+            s = named[rank]
+            s.evidence.update({k: v for k, v in fields.items() if k != "last_arrival_share"})
+            continue
+        conf = _confidence(_BASIS_WEIGHT["dp_replicas"], st.ratio, config.strong_compute_ratio, st.consistency)
+        evidence = {"summary": summary, "basis": "arrival_order", "peers": [], "ratio": round(st.ratio, 3),
+                    "intermittent": False, "consistency": round(st.consistency, 3), "z": round(min(st.z, 1e6), 2),
+                    "samples": st.samples, "iterations": st.iterations,
+                    "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration), **fields}
+        out.append(Suspect(rank, coords[rank], "slow_compute", conf, evidence))
+    return out
+
+
 def _link_suspect(st: rules.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
     conf = _confidence(_LINK_WEIGHT, st.ratio, config.strong_link_ratio, st.consistency)
     summary = (f"link {st.src}->{st.dst} takes {_ms(st.median_ns)} ms per message vs {_ms(st.peer_median_ns)} ms "
@@ -281,7 +323,10 @@ def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], busy: list[dict], 
     if not crit:
         return s
     intermittent = s.evidence.get("intermittent", False)
-    if s.cause == "slow_compute":
+    if s.evidence.get("basis") == "arrival_order":  # its excess lies outside its compute spans
+        savings = [s.evidence["excess_ms_per_iteration"] * 1e6] * len(crit)
+        floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
+    elif s.cause == "slow_compute":
         ratio = s.evidence["slow_iteration_ratio"] if intermittent else s.evidence["ratio"]
         slow = set(s.evidence["slow_iterations"]) if intermittent else None
         savings = [paths.estimate_compute_saving(p, s.rank, spans.get(s.rank, []), ratio)
@@ -388,6 +433,7 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
                                 config.link_peer_quantile)
     suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
                 if config.compute_rule(st, config)]
+    suspects += _arrival_suspects(instances, messages, suspects, coords, config)
     suspects += [_link_suspect(st, coords, config) for st in links.values() if config.link_rule(st, config)]
     crit = [paths.compute_critical_path(i, {r: s[i] for r, s in iter_spans.items()},
                                         paths.build_blocking_events(i, messages, instances)) for i in iterations]

@@ -201,7 +201,8 @@ class ComputeStats:
     intermittent: IntermittentStats | None = None  # its slow iterations, if any (detect_intermittent.py)
 
 
-def _robust_z(logs: np.ndarray) -> float:
+def robust_z(logs: np.ndarray) -> float:
+    """Median of `logs` over the standard error of a median (MAD-based): how surely it is above 0."""
     med = float(np.median(logs))
     se = _MEDIAN_SE * _MAD_TO_SIGMA * float(np.median(np.abs(logs - med))) / np.sqrt(len(logs))
     return med / se if se > 0 else (np.inf if med > 0 else 0.0)
@@ -256,7 +257,7 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
             rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios), iterations=len(per_it),
             ratio=float(np.exp(np.median(np.log(ratios)))),
             consistency=float(np.mean([np.median(r) >= threshold for r in per_it.values()])),
-            sample_share=float(np.mean(ratios >= threshold)), z=float(_robust_z(np.log(ratios))),
+            sample_share=float(np.mean(ratios >= threshold)), z=float(robust_z(np.log(ratios))),
             rank_median_ns=float(np.median([v for v, _ in pairs.values()])),
             peer_median_ns=float(np.median([ref for _, ref in pairs.values()])),
             excess_ns_per_iteration=float(np.median(list(excess.values()))),

@@ -146,6 +146,8 @@ def node_command(plan: LabPlan, node: int, trace_dir: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(plan.nodes), "--nproc-per-node",
             str(per_node), "--node-rank", str(node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{address(0)}:{RDZV_PORT}", "--rdzv-id", plan.tag, "--local-addr", address(node),
+            # node 0 serves the rendezvous store: torch decides that by hostname, which all namespaces share
+            "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=60",
             "--monitor-interval", "0.1", "--module", *module]
 
 

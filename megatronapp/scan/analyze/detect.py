@@ -304,6 +304,16 @@ def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coor
     return out
 
 
+def _judge_links(messages, coords: dict, config: DetectConfig) -> dict[tuple, rules.LinkStats]:
+    """Per link, its stats over the messages whose time is the link's own (rules.select_timed_messages)
+    if they pass the link rule, else over all of its messages: a real rate limit shows in the former,
+    a delay added at the receiver after arrival (the in-process injector) only in the latter."""
+    views = [rules.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
+                                 config.link_peer_quantile, timed_only=timed) for timed in (True, False)]
+    return {link: st if config.link_rule(st, config) or link not in views[1] else views[1][link]
+            for link, st in views[0].items()}
+
+
 def _link_suspect(st: rules.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
     conf = _confidence(_LINK_WEIGHT, st.ratio, config.strong_link_ratio, st.consistency)
     summary = (f"link {st.src}->{st.dst} takes {_ms(st.median_ns)} ms per message vs {_ms(st.peer_median_ns)} ms "
@@ -429,8 +439,7 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     instances = rules.collect_collectives(index, events, its)
     stragglers = rules.compute_straggler_stats(instances)
     messages = rules.collect_p2p_messages(index, events, its)
-    links = rules.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
-                                config.link_peer_quantile)
+    links = _judge_links(messages, coords, config)
     suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
                 if config.compute_rule(st, config)]
     suspects += _arrival_suspects(instances, messages, suspects, coords, config)

@@ -36,6 +36,9 @@ import numpy as np
 from megatronapp.scan.analyze.detect_rules import CollectiveInstance, P2PMessage, robust_z
 
 
+_ALIKE = ("dp", "tp")  # group families whose members do identical work
+
+
 @dataclass(frozen=True)
 class ArrivalSample:
     """One rank at one collective instance (module docstring, steps 1-2)."""
@@ -165,13 +168,18 @@ def _family_stats(rank: int, family: str, rows: list[ArrivalSample], members: fl
 def compare_arrivals(samples: list[ArrivalSample], instances: list[CollectiveInstance],
                      min_ratio: float) -> dict[int, ArrivalStats]:
     """Per rank, step 3 for the family of groups where its own-work ratio is highest (with the
-    most samples on a tie): a rank slowed everywhere shows it in every family."""
+    most samples on a tie): a rank slowed everywhere shows it in every family. Groups whose
+    members do identical work (DP, TP) are used where the rank has any: a group spanning
+    pipeline stages compares a first stage's embedding work with a last stage's loss."""
     members = {inst.group: len(inst.spans) for inst in instances}
     rows: dict[tuple[int, str], list[ArrivalSample]] = defaultdict(list)
     for s in samples:
         rows[(s.rank, s.family)].append(s)
+    alike = {rank for rank, family in rows if family in _ALIKE}
     best: dict[int, ArrivalStats] = {}
     for (rank, family), rs in sorted(rows.items()):
+        if rank in alike and family not in _ALIKE:
+            continue
         st = _family_stats(rank, family, rs, float(np.mean([members[s.group] for s in rs])), min_ratio)
         if rank not in best or (st.ratio, st.samples) > (best[rank].ratio, best[rank].samples):
             best[rank] = st

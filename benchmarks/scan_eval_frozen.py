@@ -34,7 +34,6 @@ import json
 import random
 import secrets
 import subprocess
-import sys
 import time
 from pathlib import Path
 

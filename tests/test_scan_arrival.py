@@ -10,7 +10,8 @@ import pytest
 
 from megatronapp.scan.analyze.detect import DetectConfig, is_late_by_own_work
 from megatronapp.scan.analyze.detect_arrival import compare_arrivals, compute_arrival_samples
-from megatronapp.scan.analyze.detect_rules import CollectiveInstance, P2PMessage
+from megatronapp.scan.analyze.detect_links import P2PMessage
+from megatronapp.scan.analyze.detect_rules import CollectiveInstance
 
 MS = 1_000_000
 GROUP = "0:[0, 1, 2, 3]"

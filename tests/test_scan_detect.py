@@ -16,6 +16,7 @@ import pytest
 
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.analyze import detect_path as paths
+from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
 from megatronapp.scan.analyze.detect import (
     DetectConfig,
@@ -97,8 +98,8 @@ def test_tp_victim_waits_inside_forward_but_its_pure_compute_is_normal():
 def test_slow_compute_does_not_make_its_links_look_slow():
     traces = simulate_job_traces(_job("TP2xPP2xDP2", slow_rank=4, slow_factor=2.0))
     ev = {t.rank: rules.build_rank_events(t) for t in traces}
-    messages = rules.collect_p2p_messages(index_comm_events(traces), ev, {1, 2, 3, 4, 5})
-    links = rules.compare_links(messages, {t.rank: t.meta["coords"] for t in traces}, 1.5, 1_000_000)
+    messages = p2p.collect_p2p_messages(index_comm_events(traces), ev, {1, 2, 3, 4, 5})
+    links = p2p.compare_links(messages, {t.rank: t.meta["coords"] for t in traces}, 1.5, 1_000_000)
     touching = [st for (s, d), st in links.items() if 4 in (s, d)]
     assert len(touching) == 2
     assert all(st.ratio < 1.5 for st in touching)
@@ -139,7 +140,7 @@ def test_critical_path_follows_the_wait_to_the_sender():
     # 12 ms (2 ms on the wire), computes until 20 ms. The path is rank 1's tail, the wire,
     # then rank 0's compute: rank 1's idle 1..10 ms is not on it.
     ms = 1_000_000
-    msg = rules.P2PMessage(src=0, dst=1, iteration=0, seq=0, bytes=8, send_start=10 * ms, recv_start=1 * ms,
+    msg = p2p.P2PMessage(src=0, dst=1, iteration=0, seq=0, bytes=8, send_start=10 * ms, recv_start=1 * ms,
                            wait_start=1 * ms, recv_end=12 * ms)
     spans = {0: (0, 11 * ms), 1: (1 * ms, 20 * ms)}
     path = paths.compute_critical_path(0, spans, paths.build_blocking_events(0, [msg], []))

@@ -30,7 +30,7 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      by its pipeline is a victim, not a straggler) by the compute bars (ratio, consistency, z)
      is named slow_compute even where its compute spans look normal (work outside the spans,
      a CPU quota that freezes it between spans).
-  3. P2P (detect_rules.compare_links). Effective transfer per directed link against links
+  3. P2P (detect_links.compare_links). Effective transfer per directed link against links
      carrying same-size messages in the same pipeline direction; `config.link_rule` decides
      (default: median ratio >= `link_min_ratio`, excess >= `link_min_excess_ns`, and >=
      `link_min_consistency` of messages above those bars and above the
@@ -59,6 +59,7 @@ from rich.table import Table
 
 from megatronapp.scan.analyze import detect_path as paths
 from megatronapp.scan.analyze import detect_arrival as arrivals
+from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
 from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
 from megatronapp.scan.merge.matching import index_comm_events
@@ -107,7 +108,7 @@ def is_late_by_own_work(stats: arrivals.ArrivalStats, config: DetectConfig) -> b
         min_lateness_ns=config.arrival_min_lateness_ns)
 
 
-def is_slow_link(stats: rules.LinkStats, config: DetectConfig) -> bool:
+def is_slow_link(stats: p2p.LinkStats, config: DetectConfig) -> bool:
     """Default link rule (see the module docstring, step 3)."""
     return (stats.samples >= config.min_samples and stats.ratio >= config.link_min_ratio
             and stats.excess_ns >= config.link_min_excess_ns and stats.consistency >= config.link_min_consistency)
@@ -151,7 +152,7 @@ class DetectConfig:
     warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
     iterations: tuple[int, int] | None = None  # half-open [A, B); None: all, warm-up skipped
     compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
-    link_rule: Callable[[rules.LinkStats, DetectConfig], bool] = is_slow_link
+    link_rule: Callable[[p2p.LinkStats, DetectConfig], bool] = is_slow_link
     arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
 
     def __post_init__(self) -> None:
@@ -304,17 +305,17 @@ def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coor
     return out
 
 
-def _judge_links(messages, coords: dict, config: DetectConfig) -> dict[tuple, rules.LinkStats]:
-    """Per link, its stats over the messages whose time is the link's own (rules.select_timed_messages)
+def _judge_links(messages, coords: dict, config: DetectConfig) -> dict[tuple, p2p.LinkStats]:
+    """Per link, its stats over the messages whose time is the link's own (p2p.select_timed_messages)
     if they pass the link rule, else over all of its messages: a real rate limit shows in the former,
     a delay added at the receiver after arrival (the in-process injector) only in the latter."""
-    views = [rules.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
+    views = [p2p.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
                                  config.link_peer_quantile, timed_only=timed) for timed in (True, False)]
     return {link: st if config.link_rule(st, config) or link not in views[1] else views[1][link]
             for link, st in views[0].items()}
 
 
-def _link_suspect(st: rules.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
+def _link_suspect(st: p2p.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
     conf = _confidence(_LINK_WEIGHT, st.ratio, config.strong_link_ratio, st.consistency)
     summary = (f"link {st.src}->{st.dst} takes {_ms(st.median_ns)} ms per message vs {_ms(st.peer_median_ns)} ms "
                f"on {st.peer_links} comparable links ({st.ratio:.1f}x) in {st.consistency:.0%} of {st.samples} "
@@ -438,7 +439,7 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     index = index_comm_events(traces)
     instances = rules.collect_collectives(index, events, its)
     stragglers = rules.compute_straggler_stats(instances)
-    messages = rules.collect_p2p_messages(index, events, its)
+    messages = p2p.collect_p2p_messages(index, events, its)
     links = _judge_links(messages, coords, config)
     suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
                 if config.compute_rule(st, config)]

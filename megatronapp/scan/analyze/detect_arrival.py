@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatronapp.scan.analyze.detect_rules import CollectiveInstance, P2PMessage, robust_z
+from megatronapp.scan.analyze.detect_links import P2PMessage
+from megatronapp.scan.analyze.detect_rules import CollectiveInstance, robust_z
 
 
 _ALIKE = ("dp", "tp")  # group families whose members do identical work

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from megatronapp.scan.analyze import detect_arrival as arrivals
+from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
 from megatronapp.scan.analyze.analysis import TraceAnalysis
 from megatronapp.scan.analyze.detect import DetectConfig, report_to_json
@@ -70,10 +71,10 @@ def _waits(instances, messages, its: set[int]) -> dict[int, dict[int, float]]:
     return wait
 
 
-def compute_link_bandwidth(messages: list[rules.P2PMessage]) -> tuple[LinkBandwidth, ...]:
+def compute_link_bandwidth(messages: list[p2p.P2PMessage]) -> tuple[LinkBandwidth, ...]:
     """Per directed link, the median effective bandwidth of its timed messages."""
     out = []
-    for (src, dst), ms in sorted(rules.select_timed_messages(messages).items()):
+    for (src, dst), ms in sorted(p2p.select_timed_messages(messages).items()):
         transfers = np.array([max(m.transfer_ns, 1) for m in ms], dtype=float)
         sizes = np.array([m.bytes for m in ms], dtype=float)
         out.append(LinkBandwidth(src, dst, len(ms), float(np.median(sizes)),
@@ -89,7 +90,7 @@ def compute_report_data(analysis: TraceAnalysis, config: DetectConfig = DetectCo
             for r, ev in events.items()}
     index = index_comm_events(analysis.traces)
     instances = rules.collect_collectives(index, events, set(its))
-    messages = rules.collect_p2p_messages(index, events, set(its))
+    messages = p2p.collect_p2p_messages(index, events, set(its))
     wait = _waits(instances, messages, set(its))
     arrival = arrivals.compare_arrivals(arrivals.compute_arrival_samples(instances, messages), instances,
                                         config.compute_min_ratio)

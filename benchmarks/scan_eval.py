@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -262,6 +263,8 @@ def cmd_frozen(args) -> int:
         print(f"froze {args.split}: {len(split['scenarios'])} scenarios, detector {split['detector']['commit'][:12]} "
               f"thresholds {split['detector']['thresholds_sha256'][:16]}")
     elif args.action == "run":
+        # a SIGTERM must unwind through the lab's finally blocks (cgroups, namespaces, busy loops)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         print(f"results: {frozen_run.run_split(Path(args.split), Path(args.work_dir or tempfile.mkdtemp()))}")
     else:
         print(frozen_run.write_report(Path(args.split)).read_text(), end="")

@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from scan_eval_core import named_causes, rate
+import scan_eval_frozen
 from scan_eval_frozen import CLEAN_KINDS, ROOT, SCRIPTS, FrozenSplitError, load_split
 from scan_eval_runner import append_record, load_records
 
@@ -64,18 +65,24 @@ def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -
         return record
     record["suspects"] = [{"cause": s.cause, "rank": s.rank, "link": list(s.link) if s.link else None}
                           for s in report.suspects]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if named_causes(record["suspects"]) == _truth(record):  # a wrong verdict keeps its trace, for diagnosis
+        shutil.rmtree(run_dir, ignore_errors=True)
     return record
 
 
 def run_split(split_dir: Path, work_dir: Path, timeout_s: float = 150.0, log=print) -> Path:
-    """Run every scenario of a frozen split once; refused if it ran (even partly) before."""
+    """Run every scenario of a frozen split once; refused if it ran (even partly) before, or if the
+    working tree has uncommitted changes. The detector version is checked again before each
+    run: a commit or a thresholds edit mid-split stops it (the split is then spent)."""
     split = load_split(split_dir)
+    if scan_eval_frozen.detector_version(Path(split["thresholds_file"]))["dirty"]:
+        raise FrozenSplitError("the working tree has uncommitted changes: what runs would not be what was frozen")
     results = Path(split_dir) / "results.jsonl"
     if results.exists():
         raise FrozenSplitError(f"{split_dir} has run already ({results}): a split runs once")
     results.touch()
     for sc in split["scenarios"]:
+        load_split(split_dir)
         t0 = time.monotonic()
         record = run_scenario(sc, split["thresholds"], Path(work_dir), timeout_s)
         append_record(results, record)

@@ -19,6 +19,12 @@ from scan_eval_frozen import CLEAN_KINDS, ROOT, SCRIPTS, FrozenSplitError, load_
 from scan_eval_runner import append_record, load_records
 
 
+# The tiny preset's 8 KiB activations fit in a rate limiter's burst: a 20 Mbit/s link delayed them
+# 0.5 ms (design split 2: both slow links missed under the 2 ms excess bar). 32 KiB messages take
+# ~13 ms on it, as a real model's far larger activations would on a slow link.
+ENGINE_MODEL = ("--model", "tiny", "--hidden-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2")
+
+
 def build_plan(sc: dict):
     """The LabPlan of a scenario (scan_eval_frozen.draw_scenario)."""
     from megatronapp.faults.lab import (EngineJob, ExtraWork, LabPlan, Noise, Schedule, ScriptJob, SlowLink,
@@ -29,7 +35,7 @@ def build_plan(sc: dict):
         script, args = SCRIPTS[job["script"]]
         lab_job = ScriptJob(str(ROOT / script), args, nproc=job["nproc"])
     else:
-        lab_job = EngineJob(job["tp"], job["pp"], job["dp"], iters=20)
+        lab_job = EngineJob(job["tp"], job["pp"], job["dp"], iters=20, extra=ENGINE_MODEL)
     faults = []
     for f in sc["faults"]:
         if f["type"] == "extra_work":

@@ -45,6 +45,9 @@ ENGINE_LAYOUTS = ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1), (1, 1, 4))  # (tp,
 SCRIPT_LAYOUTS = (("ddp", 2), ("ddp", 4), ("fsdp2", 2), ("fsdp2", 4))
 SCRIPTS = {"ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768", "--batch", "96")),
            "fsdp2": ("examples/fsdp2_train.py", ("--steps", "16", "--hidden", "256", "--batch", "64"))}
+# Extra matmuls per step that make the straggler's step ~1.3-3x (an extra matmul is batch x hidden^2 MACs:
+# 56 M for the DDP settings, whose step is ~190 M; 4.2 M for FSDP2's, whose step is ~300 M).
+EXTRA_MATMULS = {"ddp": (6, 16), "fsdp2": (40, 150)}
 
 
 class FrozenSplitError(ValueError):
@@ -99,7 +102,7 @@ def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
         script, dp = rng.choice(SCRIPT_LAYOUTS)
         rank = rng.randrange(dp)
         return {"index": index, "kind": kind, "layout": f"{script} dp{dp}", "job": {"script": script, "nproc": dp},
-                "faults": [{"type": "extra_work", "rank": rank, "matmuls": rng.randint(6, 16)}],
+                "faults": [{"type": "extra_work", "rank": rank, "matmuls": rng.randint(*EXTRA_MATMULS[script])}],
                 "truth": [["slow_compute", rank]]}
     pp_needed = kind in ("slow_link", "two_faults")
     layouts = [lay for lay in ENGINE_LAYOUTS if lay[1] > 1] if pp_needed else ENGINE_LAYOUTS

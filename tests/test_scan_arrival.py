@@ -50,7 +50,7 @@ def test_a_rank_late_by_its_own_work_is_named(slow):
     instances, messages = _dp_job(4, {slow: 14.0}, {})
     assert _named(instances, messages) == [slow]
     stats = compare_arrivals(compute_arrival_samples(instances, messages), instances, 1.2)[slow]
-    assert stats.last_share > 0.9 and stats.ratio == pytest.approx(1.4, rel=0.1)
+    assert stats.last_share > 0.9 and stats.wait_share > 0.9 and stats.ratio == pytest.approx(1.4, rel=0.1)
     assert stats.median_lateness_ns == pytest.approx(4 * MS, rel=0.3)
 
 
@@ -73,6 +73,25 @@ def test_a_receivers_cold_compute_after_a_long_wait_is_explained_by_the_wait():
 def test_a_clean_run_names_nobody(seed):
     instances, messages = _dp_job(4, {}, {}, iterations=24, seed=seed)
     assert _named(instances, messages) == []
+
+
+def test_a_straggler_late_only_at_the_first_of_many_collectives_per_iteration_is_named():
+    """FSDP2-like: ten collectives an iteration, the straggler's extra work before the first one
+    only; afterwards it is in lockstep with the others (last about as often as they)."""
+    rng = random.Random(3)
+    instances, t = [], 0
+    for it in range(12):
+        for k in range(10):
+            work = {r: (8.0 if (r == 1 and k == 0) else 2.0) * MS * rng.uniform(0.97, 1.03) for r in range(4)}
+            spans = {r: int(t + w) for r, w in work.items()}
+            last = max(spans, key=lambda r: (spans[r], r))
+            end = spans[last] + MS // 10
+            instances.append(CollectiveInstance(GROUP, "dp", it * 10 + k, it, {r: (s, end) for r, s in spans.items()},
+                                                last, spans[last]))
+            t = end
+    assert _named(instances, []) == [1]
+    stats = compare_arrivals(compute_arrival_samples(instances, []), instances, 1.2)[1]
+    assert stats.last_share < 0.5 < 0.9 < stats.wait_share  # last at a few, but the cause of nearly all waiting
 
 
 def test_the_first_instance_has_no_window_and_is_skipped():

@@ -24,8 +24,8 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
   2. Collectives (detect_rules.collect_collectives). Each (group, seq) instance splits into
      wait (last start - my start) and transfer (end - last start). Chronic last arrival
      (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence).
-     Arrival order is also evidence of its own (detect_arrival.py): a rank last into most of
-     its collectives (>= `arrival_min_share`), `arrival_min_lateness_ns` after its peers, with
+     Arrival order is also evidence of its own (detect_arrival.py): a rank that caused most of
+     the waiting at its collectives (>= `arrival_min_share`), `arrival_min_lateness_ns` after its peers, with
      more *own* work since the group last synchronised (its waits subtracted, so a rank held up
      by its pipeline is a victim, not a straggler) by the compute bars (ratio, consistency, z)
      is named slow_compute even where its compute spans look normal (work outside the spans,
@@ -37,7 +37,8 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      `link_peer_quantile` of the peer links' own messages). A slow link is reported with
      rank = its source, by convention.
   4. Combine. Suspects are ranks whose own compute or own link is slow, so pure victims are
-     never listed. Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
+     never listed; a TP peer dragged along in lockstep and the reverse of a slow link are
+     dropped as echoes of the stronger suspect (verdict_filters.py). Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
      (ratio - 1) / (strong ratio - 1) capped at 1. Order: confidence, then saving.
   5. What-if (detect_path): the iteration time if the suspect were as fast as its peers,
      from each iteration's critical path.
@@ -62,6 +63,7 @@ from megatronapp.scan.analyze import detect_arrival as arrivals
 from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
 from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
+from megatronapp.scan.analyze.verdict_filters import drop_echoes
 from megatronapp.scan.merge.matching import index_comm_events
 
 CAUSES = ("slow_compute", "slow_link")
@@ -147,7 +149,8 @@ class DetectConfig:
     link_peer_quantile: float = 0.9  # a slow message must also beat this quantile of peer links' messages
     strong_link_ratio: float = 3.0
     straggler_min_share: float = 0.6  # share of last arrivals that corroborates a slow rank
-    arrival_min_share: float = 0.75  # share of last arrivals that, with own-work evidence, names a rank
+    arrival_min_share: float = 0.75  # share of the waiting at its collectives a rank caused that, with own-work
+    # evidence, names it (detect_arrival.py)
     arrival_min_lateness_ns: int = 1_000_000  # median lead of its peers' arrival over its own
     warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
     iterations: tuple[int, int] | None = None  # half-open [A, B); None: all, warm-up skipped
@@ -449,6 +452,8 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
                                         paths.build_blocking_events(i, messages, instances)) for i in iterations]
     busy = [paths.compute_busy_ns(i, {r: s[i] for r, s in iter_spans.items()}, messages, instances)
             for i in iterations]
+    suspects, echoes = drop_echoes(suspects, layout.get("tp_size", 1))
+    notes += echoes
     suspects = [_with_what_if(s, crit, busy, spans, links) for s in suspects]
     negligible = [s for s in suspects if s.evidence.get("intermittent")
                   and s.saving_ns < config.intermittent_min_saving * s.iteration_ns]

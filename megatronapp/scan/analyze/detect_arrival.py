@@ -16,9 +16,13 @@ are already waiting in. Algorithm (pure, over CollectiveInstance and P2PMessage 
   2. Per sample: own ratio = r's own work / the median of the other members' own work at I,
      lateness = r's start - the median of the other members' starts, whether r was last, and
      its extra wait: r's waits in the window minus the median of the others' waits in theirs.
-  3. Per (rank, family of groups): the share of instances where r was last, the median own
-     ratio, the share of iterations whose median ratio reaches `min_ratio` (consistency), a
-     robust z of the log ratios, the median lateness and the median extra wait.
+  3. Per (rank, family of groups): the share of all the waiting at its instances that r caused
+     by arriving last (a rank no slower than the others causes 1 / members of it), and per
+     iteration its own work summed over the iteration's instances against the peers' (only the
+     first collective after a data step sees that step, and FSDP2 meets ~10 times an
+     iteration): the median of that ratio, the share of iterations where it reaches `min_ratio`
+     (consistency), a robust z of the log ratios; and, at each iteration's latest arrival, the
+     median lateness and the median extra wait.
      `is_arrival_straggler` asks all of them to point the same way (thresholds in
      detect.DetectConfig), and the lateness not to be explained by waiting: a median extra wait
      of half the median lateness or more means r was late mostly because it waited on somebody
@@ -64,14 +68,16 @@ class ArrivalStats:
     family: str
     samples: int
     iterations: int
-    last_share: float
+    last_share: float  # of its instances, those it arrived last at
+    wait_share: float  # of the waiting its groups' members did at its instances, the share it caused
     expected_share: float  # 1 / members, averaged: what a rank no slower than the others gets
-    ratio: float  # median own-work ratio
+    ratio: float  # median over iterations of own work / the peers' (each summed over the iteration's instances)
     consistency: float
     z: float
     median_lateness_ns: float
     median_extra_wait_ns: float
     excess_ns_per_iteration: float  # own work beyond the peers' before its latest arrival of an iteration (median)
+    # (median_lateness_ns and median_extra_wait_ns are medians over iterations of that latest arrival too)
     worst: tuple[tuple[str, int, int, float], ...]  # (group, seq, iteration, lateness_ns): latest arrivals
 
 
@@ -150,19 +156,22 @@ def compute_arrival_samples(instances: list[CollectiveInstance], messages: list[
     return samples
 
 
-def _family_stats(rank: int, family: str, rows: list[ArrivalSample], members: float, min_ratio: float) -> ArrivalStats:
-    logs = np.log(np.maximum([s.own_ns for s in rows], 1) / np.maximum([s.peer_own_ns for s in rows], 1))
+def _family_stats(rank: int, family: str, rows: list[ArrivalSample], members: float, min_ratio: float,
+                  wait_share: float) -> ArrivalStats:
     by_it: dict[int, list[ArrivalSample]] = defaultdict(list)
     for s in rows:
         by_it[s.iteration].append(s)
-    it_ratio = [float(np.exp(np.median([logs[rows.index(s)] for s in v]))) for v in by_it.values()]
-    # windows of one iteration's instances overlap (all start at the last sync): the largest counts
-    excess = [max(max(0.0, s.own_ns - s.peer_own_ns) for s in v) for v in by_it.values()]
+    # Per iteration: own work summed over its instances (only the first collective after a data step
+    # sees that step: FSDP2 meets ~10 times an iteration), and its latest arrival.
+    logs = np.log(np.array([max(1, sum(s.own_ns for s in v)) / max(1.0, sum(s.peer_own_ns for s in v))
+                            for v in by_it.values()]))
+    latest = [max(v, key=lambda s: s.lateness_ns) for v in by_it.values()]
     worst = sorted(rows, key=lambda s: -s.lateness_ns)[:5]
-    return ArrivalStats(rank, family, len(rows), len(by_it), sum(s.last for s in rows) / len(rows), 1.0 / members,
-                        float(np.exp(np.median(logs))), float(np.mean([x >= min_ratio for x in it_ratio])),
-                        robust_z(logs), float(np.median([s.lateness_ns for s in rows])),
-                        float(np.median([s.extra_wait_ns for s in rows])), float(np.median(excess)),
+    return ArrivalStats(rank, family, len(rows), len(by_it), sum(s.last for s in rows) / len(rows), wait_share,
+                        1.0 / members, float(np.exp(np.median(logs))), float(np.mean(np.exp(logs) >= min_ratio)),
+                        robust_z(logs), float(np.median([s.lateness_ns for s in latest])),
+                        float(np.median([s.extra_wait_ns for s in latest])),
+                        float(np.median([max(0.0, s.own_ns - s.peer_own_ns) for s in latest])),
                         tuple((s.group, s.seq, s.iteration, s.lateness_ns) for s in worst))
 
 
@@ -173,6 +182,12 @@ def compare_arrivals(samples: list[ArrivalSample], instances: list[CollectiveIns
     members do identical work (DP, TP) are used where the rank has any: a group spanning
     pipeline stages compares a first stage's embedding work with a last stage's loss."""
     members = {inst.group: len(inst.spans) for inst in instances}
+    caused, waited = defaultdict(float), defaultdict(float)  # (rank, family) -> ns
+    for inst in instances:
+        total = sum(inst.last_start - start for start, _ in inst.spans.values())
+        caused[(inst.last_rank, inst.family)] += total
+        for r in inst.spans:
+            waited[(r, inst.family)] += total
     rows: dict[tuple[int, str], list[ArrivalSample]] = defaultdict(list)
     for s in samples:
         rows[(s.rank, s.family)].append(s)
@@ -181,7 +196,8 @@ def compare_arrivals(samples: list[ArrivalSample], instances: list[CollectiveIns
     for (rank, family), rs in sorted(rows.items()):
         if rank in alike and family not in _ALIKE:
             continue
-        st = _family_stats(rank, family, rs, float(np.mean([members[s.group] for s in rs])), min_ratio)
+        share = caused[(rank, family)] / waited[(rank, family)] if waited[(rank, family)] > 0 else 0.0
+        st = _family_stats(rank, family, rs, float(np.mean([members[s.group] for s in rs])), min_ratio, share)
         if rank not in best or (st.ratio, st.samples) > (best[rank].ratio, best[rank].samples):
             best[rank] = st
     return best
@@ -189,8 +205,9 @@ def compare_arrivals(samples: list[ArrivalSample], instances: list[CollectiveIns
 
 def is_arrival_straggler(st: ArrivalStats, *, min_samples: int, min_share: float, min_ratio: float,
                          min_consistency: float, min_z: float, min_lateness_ns: int) -> bool:
-    """Last into most of its collectives, by a margin, *and* by its own work (not by waiting)."""
-    return (st.samples >= min_samples and st.last_share >= max(min_share, st.expected_share)
+    """The cause of most of the waiting at its collectives, late by a margin, *and* by its own work
+    (not by waiting)."""
+    return (st.samples >= min_samples and st.wait_share >= max(min_share, st.expected_share)
             and st.median_lateness_ns >= min_lateness_ns and st.ratio >= min_ratio
             and st.consistency >= min_consistency and st.z >= min_z
             and st.median_extra_wait_ns < 0.5 * st.median_lateness_ns)
@@ -199,11 +216,13 @@ def is_arrival_straggler(st: ArrivalStats, *, min_samples: int, min_share: float
 def describe_arrivals(st: ArrivalStats) -> tuple[str, dict]:
     """(one-line summary, evidence fields) of an arrival-order verdict."""
     summary = (f"rank {st.rank} arrived last at {st.last_share:.0%} of its {st.samples} {st.family.upper()} "
-               f"collectives (a fair share is {st.expected_share:.0%}), {st.median_lateness_ns / 1e6:.1f} ms after "
+               f"collectives and caused {st.wait_share:.0%} of its peers' waiting there (a fair share is "
+               f"{st.expected_share:.0%}), {st.median_lateness_ns / 1e6:.1f} ms after "
                f"its peers (median), with {st.ratio:.2f}x their own work since the group last synchronised "
                f"(waits subtracted) in {st.consistency:.0%} of {st.iterations} iterations")
     fields = {"arrival_family": st.family, "last_arrival_share": {st.family: round(st.last_share, 3)},
-              "expected_last_share": round(st.expected_share, 3), "arrival_ratio": round(st.ratio, 3),
+              "wait_share": round(st.wait_share, 3),
+              "expected_share": round(st.expected_share, 3), "arrival_ratio": round(st.ratio, 3),
               "median_lateness_ms": round(st.median_lateness_ns / 1e6, 3),
               "latest_arrivals": [{"group": g, "seq": q, "iteration": i, "lateness_ms": round(x / 1e6, 3)}
                                   for g, q, i, x in st.worst]}

@@ -104,7 +104,7 @@ def _arrival_table(st) -> str:
     rows = "".join(f"<tr><td>{html.escape(g)}</td><td>{q}</td><td>{i}</td><td>{x / 1e6:.2f}</td></tr>"
                    for g, q, i, x in st.worst)
     return (f"<p>Rank {st.rank} was last into {st.last_share:.0%} of {st.samples} {st.family.upper()} collectives "
-            f"(a fair share is {st.expected_share:.0%}), a median {format_duration_ns(st.median_lateness_ns)} after its "
+            f"and caused {st.wait_share:.0%} of the waiting there (a fair share is {st.expected_share:.0%}), a median {format_duration_ns(st.median_lateness_ns)} after its "
             f"peers; its own work since the group last synchronised was {st.ratio:.2f}\u00d7 theirs.</p>"
             f"<table><tr><th>group</th><th>seq</th><th>iteration</th><th>late by (ms)</th></tr>{rows}</table>")
 
@@ -143,12 +143,12 @@ def _clean_html(data: ReportData) -> str:
     t = data.thresholds
     closest = max(data.arrivals.values(), key=lambda st: st.ratio, default=None)
     seen = (f" The closest any rank came: rank {closest.rank}, own work {closest.ratio:.2f}\u00d7 its peers' "
-            f"before its arrivals, last in {closest.last_share:.0%} of them." if closest else "")
+            f"before its arrivals, causing {closest.wait_share:.0%} of the waiting at them." if closest else "")
     return (f"<p><b>Nothing was found: no slow rank and no slow link.</b></p><p>How sensitive the check was: it "
             f"names a rank whose own work is at least {t['compute_min_ratio']}\u00d7 its peers' in at least "
             f"{t['compute_min_consistency']:.0%} of the iterations (or, intermittently, in a few iterations a clean run "
-            f"would show with probability under {t['intermittent_alpha']}), or that is last into at least "
-            f"{t['arrival_min_share']:.0%} of its collectives by its own work; and a link whose transfers take at least "
+            f"would show with probability under {t['intermittent_alpha']}), or that causes at least "
+            f"{t['arrival_min_share']:.0%} of the waiting at its collectives by its own work; and a link whose transfers take at least "
             f"{t['link_min_ratio']}\u00d7 and {t['link_min_excess_ns'] / 1e6:.1f} ms more than comparable links'.{seen}</p>"
             + (f"<h3>Effective bandwidth per link</h3>{_links_table(data, set())}" if data.links else ""))
 

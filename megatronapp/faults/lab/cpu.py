@@ -147,23 +147,33 @@ def pin_process(pid: int, core: int) -> None:
 
 
 class CompetingLoad:
-    """A busy loop on the core the processes `pids` are pinned to, optionally on a schedule
-    (stopped and continued with SIGSTOP / SIGCONT)."""
+    """`loops` busy loops on the core the processes `pids` are pinned to, in one cgroup with them
+    (where there is one), so the scheduler gives them about 1 / (loops + 1) of what the rank had:
+    with autogroups (the Linux default) each session gets a fair share, and a rank in its own
+    session would otherwise get half of its core whatever the number of loops in the lab's.
+    Optionally on a schedule (SIGSTOP / SIGCONT)."""
 
-    def __init__(self, pids: list[int], core: int, schedule: Schedule | None = None) -> None:
-        self.pids, self.core, self.schedule = list(pids), core, schedule
-        self._proc: subprocess.Popen | None = None
+    def __init__(self, name: str, pids: list[int], core: int, schedule: Schedule | None = None,
+                 loops: int = 1) -> None:
+        if loops < 1:
+            raise ValueError(f"a competing load needs >= 1 busy loop, got {loops}")
+        self.name, self.pids, self.core, self.schedule, self.loops = name, list(pids), core, schedule, loops
+        self._procs: list[subprocess.Popen] = []
+        self._group: CpuQuota | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _switch(self, on: bool) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGCONT if on else signal.SIGSTOP)
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT if on else signal.SIGSTOP)
 
     def __enter__(self) -> CompetingLoad:
         for pid in self.pids:
             pin_process(pid, self.core)
-        self._proc = start_busy_loop(self.core)
+        self._procs = [start_busy_loop(self.core) for _ in range(self.loops)]
+        if cgroup_flavour() is not None:  # a whole core: the cgroup only groups, it does not limit
+            self._group = CpuQuota(self.name, self.pids + [p.pid for p in self._procs], 1.0).__enter__()
         if self.schedule is not None:
             self._thread = threading.Thread(target=_toggle, args=(self._switch, self.schedule, self._stop), daemon=True)
             self._thread.start()
@@ -173,7 +183,10 @@ class CompetingLoad:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        stop_process(self._proc)
+        if self._group is not None:
+            self._group.__exit__(None, None, None)
+        for proc in self._procs:
+            stop_process(proc)
 
 
 def stop_process(proc: subprocess.Popen | None) -> None:

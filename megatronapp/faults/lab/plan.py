@@ -53,8 +53,9 @@ class EngineJob:
 @dataclass(frozen=True)
 class SlowRank:
     """Less CPU for one rank: a cgroup quota of 1/factor of its fair share of the cores
-    ("quota"; 4 ranks on 2 cores get half a core each, so a quota above that slows nothing) or a
-    busy loop on its core ("compete"); on a schedule for an intermittent fault."""
+    ("quota"; 4 ranks on 2 cores get half a core each, so a quota above that slows nothing) or
+    round(factor - 1) busy loops on its pinned core ("compete": it gets ~1 / factor of that core);
+    on a schedule for an intermittent fault. A rank that also waits gets slower by less."""
 
     rank: int
     method: str = "quota"

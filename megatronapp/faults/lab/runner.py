@@ -124,8 +124,9 @@ def _rank_faults(plan: LabPlan, pids: dict[int, int], stack: contextlib.ExitStac
             what = f"cgroup CPU quota {share:.0%} of a core ({f.factor}x below a fair share)"
         else:
             core = f.rank % (os.cpu_count() or 1)
-            stack.enter_context(cpu.CompetingLoad(targets, core, f.schedule))
-            what = f"a busy loop sharing core {core}"
+            loops = max(1, round(f.factor - 1))  # the rank gets ~1 / factor of its core
+            stack.enter_context(cpu.CompetingLoad(f"{plan.tag}-{i}", targets, core, f.schedule, loops))
+            what = f"{loops} busy loop(s) sharing core {core}"
         when = f", {f.schedule.on_ms} ms of every {f.schedule.period_ms} ms" if f.schedule else ""
         applied.append(f"rank {f.rank} (pid {pids[f.rank]}): {what}{when}")
     return applied

@@ -207,7 +207,7 @@ def is_arrival_straggler(st: ArrivalStats, *, min_samples: int, min_share: float
                          min_consistency: float, min_z: float, min_lateness_ns: int) -> bool:
     """The cause of most of the waiting at its collectives, late by a margin, *and* by its own work
     (not by waiting)."""
-    return (st.samples >= min_samples and st.wait_share >= max(min_share, st.expected_share)
+    return (st.samples >= min_samples and st.wait_share >= max(min_share, 1.5 * st.expected_share)
             and st.median_lateness_ns >= min_lateness_ns and st.ratio >= min_ratio
             and st.consistency >= min_consistency and st.z >= min_z
             and st.median_extra_wait_ns < 0.5 * st.median_lateness_ns)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatronapp.scan.analyze.detect_links import P2PMessage
+from megatronapp.scan.analyze.detect_links import P2PMessage, group_by_link
 from megatronapp.scan.analyze.detect_rules import CollectiveInstance, robust_z
 
 
@@ -90,9 +90,14 @@ def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessa
         for r, (start, _) in inst.spans.items():
             if r != inst.last_rank and inst.last_start > start:
                 per_rank[r].append((start, inst.last_start, inst.group))
+    typical = {link: float(np.median([m.transfer_ns for m in ms])) for link, ms in group_by_link(messages).items()}
     for m in messages:
-        if m.recv_end > m.wait_start:
-            per_rank[m.dst].append((m.wait_start, m.recv_end, ""))
+        # waiting on the sender, then on the link for as long as its messages usually take: a receive
+        # that completes later than that stretched because the receiver itself stopped (a throttled
+        # process is frozen wherever it is, inside a receive too), which is no one else's doing
+        end = min(m.recv_end, max(m.send_start, m.wait_start) + int(typical[(m.src, m.dst)]))
+        if end > m.wait_start:
+            per_rank[m.dst].append((m.wait_start, end, ""))
     groups = {inst.group for inst in instances}
     out = {}
     for r, rows in per_rank.items():
@@ -207,7 +212,9 @@ def is_arrival_straggler(st: ArrivalStats, *, min_samples: int, min_share: float
                          min_consistency: float, min_z: float, min_lateness_ns: int) -> bool:
     """The cause of most of the waiting at its collectives, late by a margin, *and* by its own work
     (not by waiting)."""
-    return (st.samples >= min_samples and st.wait_share >= max(min_share, 1.5 * st.expected_share)
+    # evidence is per iteration, and a short run's first iterations run cold (a 6-iteration clean
+    # job read 2.3x on 4 iterations): twice min_samples iterations are wanted
+    return (st.iterations >= 2 * min_samples and st.wait_share >= max(min_share, 1.5 * st.expected_share)
             and st.median_lateness_ns >= min_lateness_ns and st.ratio >= min_ratio
             and st.consistency >= min_consistency and st.z >= min_z
             and st.median_extra_wait_ns < 0.5 * st.median_lateness_ns)

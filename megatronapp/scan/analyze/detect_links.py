@@ -88,7 +88,7 @@ def _link_classes(by_link: dict, coords: dict[int, dict]) -> dict[tuple, tuple]:
     return {link: fine[link] if counts[fine[link]] > 1 else (size[link],) for link in by_link}
 
 
-def _by_link(messages: list[P2PMessage]) -> dict[tuple, list[P2PMessage]]:
+def group_by_link(messages: list[P2PMessage]) -> dict[tuple, list[P2PMessage]]:
     by_link: dict[tuple, list[P2PMessage]] = defaultdict(list)
     for m in messages:
         by_link[(m.src, m.dst)].append(m)
@@ -104,7 +104,7 @@ def select_timed_messages(messages: list[P2PMessage]) -> dict[tuple, list[P2PMes
     the other direction's time: with a rate-limited link 1 -> 0 of a PP2 job, the fast 0 -> 1
     measured 3.7 ms median over all messages, 2.3 ms over these (1 -> 0: 7.8 and 13.4 ms)."""
     out = {}
-    for link, ms in _by_link(messages).items():
+    for link, ms in group_by_link(messages).items():
         timed = [m for m in ms if m.waited_on_sender]
         out[link] = timed if len(timed) >= max(4, len(ms) // 4) else ms
     return out
@@ -119,7 +119,7 @@ def compare_links(messages: list[P2PMessage], coords: dict[int, dict], min_ratio
     also the `peer_quantile` of the other links' messages, so a link is only as suspicious as
     it is unlike the jitter its peers show. timed_only: per link only the messages whose time is
     the link's own where there are enough (select_timed_messages)."""
-    by_link = select_timed_messages(messages) if timed_only else _by_link(messages)
+    by_link = select_timed_messages(messages) if timed_only else group_by_link(messages)
     transfers = {link: np.array([m.transfer_ns for m in ms], dtype=float) for link, ms in by_link.items()}
     medians = {link: float(np.median(t)) for link, t in transfers.items()}
     cls = _link_classes(by_link, coords)

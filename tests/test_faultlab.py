@@ -52,7 +52,7 @@ def _verdicts(report) -> list[tuple]:
 
 def test_a_ddp_scripts_extra_work_straggler_is_named_first(tmp_path):
     rank = random.Random().randrange(4)
-    result, report = _run(LabPlan(ScriptJob(DDP_SCRIPT, DDP_ARGS, nproc=4), (ExtraWork(rank, 16),), tag="ddpx"),
+    result, report = _run(LabPlan(ScriptJob(DDP_SCRIPT, DDP_ARGS, nproc=4), (ExtraWork(rank, 40),), tag="ddpx"),
                           tmp_path)
     assert _verdicts(report)[:1] == [("slow_compute", rank)], (rank, _verdicts(report), result.log)
 
@@ -66,9 +66,10 @@ def test_a_clean_ddp_script_names_nobody(tmp_path):
 def test_an_engine_rank_with_less_cpu_is_named_and_its_neighbours_are_not(tmp_path, method):
     """PP2 x DP2: rank 1 (pp 0, dp 1) gets a fifth of its fair share of the cores (it uses about
     40% of that fair share, the rest of its time it waits: ~2x slower), or shares its pinned core
-    with four busy loops; its pipeline neighbour 3 and its DP peer 0 wait for it and are not named."""
+    with seven busy loops; its pipeline neighbour 3 and its DP peer 0 wait for it and are not named."""
     _need_cgroups()
-    plan = LabPlan(EngineJob(1, 2, 2, iters=20), (SlowRank(1, method, factor=5.0),), tag=f"eng{method[0]}")
+    factor = 5.0 if method == "quota" else 8.0  # 7 busy loops: a rank that mostly waits needs more to show
+    plan = LabPlan(EngineJob(1, 2, 2, iters=20), (SlowRank(1, method, factor=factor),), tag=f"eng{method[0]}")
     _, report = _run(plan, tmp_path)
     assert _verdicts(report)[:1] == [("slow_compute", 1)], _verdicts(report)
     assert not {0, 3} & {s.rank for s in report.suspects if s.cause == "slow_compute"}

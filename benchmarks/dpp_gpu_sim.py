@@ -87,8 +87,8 @@ def measure_set_bytes(chunk, x, labels, torch) -> int:
 def _tracers(a, trace_dir: str, torch):
     """One MegaScan Tracer per pipeline rank (rank file and coords of that stage), every
     iteration from 1 on traced."""
-    from megatronapp.scan.format import build_rank_meta
-    from megatronapp.scan.tracer import TraceConfig, Tracer
+    from megatronapp.scan.record.format import build_rank_meta
+    from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
     device = torch.device(a.device)
     cfg = TraceConfig(enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1)

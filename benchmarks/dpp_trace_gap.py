@@ -47,7 +47,7 @@ from megatronapp.dpp.trace_costs import (
     estimate_task_overheads_s,
     load_traced_run,
 )
-from megatronapp.engine.faults import parse_fault_plan
+from megatronapp.faults.inject import parse_fault_plan
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.pipeline.actions import ActionKind
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -249,6 +250,39 @@ def _kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
+def cmd_frozen(args) -> int:
+    """Frozen evaluation on real faults from the fault lab (scan_eval_frozen.py)."""
+    import scan_eval_frozen as frozen
+    import scan_eval_frozen_run as frozen_run
+
+    if args.action == "thresholds":
+        frozen.write_default_thresholds(Path(args.out))
+        print(f"wrote {args.out}: every detector threshold at its default")
+    elif args.action == "freeze":
+        split = frozen.freeze_split(Path(args.split), Path(args.thresholds), args.runs_per_kind, args.clean_runs)
+        print(f"froze {args.split}: {len(split['scenarios'])} scenarios, detector {split['detector']['commit'][:12]} "
+              f"thresholds {split['detector']['thresholds_sha256'][:16]}")
+    elif args.action == "run":
+        # a SIGTERM must unwind through the lab's finally blocks (cgroups, namespaces, busy loops)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        print(f"results: {frozen_run.run_split(Path(args.split), Path(args.work_dir or tempfile.mkdtemp()))}")
+    else:
+        print(frozen_run.write_report(Path(args.split)).read_text(), end="")
+    return 0
+
+
+def _add_frozen_parser(sub) -> None:
+    fz = sub.add_parser("frozen", help="frozen splits of real lab faults: thresholds, freeze, run (once), score")
+    fz.add_argument("action", choices=("thresholds", "freeze", "run", "score"))
+    fz.add_argument("split", nargs="?", help="the split's directory (freeze, run, score)")
+    fz.add_argument("--out", help="thresholds: the file to write")
+    fz.add_argument("--thresholds", help="freeze: the thresholds file of the detector under test")
+    fz.add_argument("--runs-per-kind", type=int, default=30)
+    fz.add_argument("--clean-runs", type=int, default=50, help="half of them under background noise")
+    fz.add_argument("--work-dir", help="run: where traces go while detected")
+    fz.set_defaults(func=cmd_frozen)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -287,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     rejudge.add_argument("--work-dir", required=True, help="the --work-dir those runs kept their traces in")
     rejudge.add_argument("--out", help="write the runs with today's verdicts here (JSONL, for summarize)")
     rejudge.set_defaults(func=cmd_rejudge)
+    _add_frozen_parser(sub)
     run.set_defaults(func=cmd_run)
     tune.set_defaults(func=cmd_tune)
     summ.set_defaults(func=cmd_summarize)
@@ -299,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and (args.runs_per_kind < 0 or args.clean_runs < 0 or args.jobs < 1
                                       or args.timeout <= 0 or args.budget_s < 0):
             raise UsageError("--runs-per-kind/--clean-runs/--budget-s must be >= 0, --jobs >= 1, --timeout > 0")
+        if args.command == "frozen" and ((args.action == "thresholds") != (args.split is None)
+                                         or (args.action == "thresholds" and not args.out)
+                                         or (args.action == "freeze" and not args.thresholds)):
+            raise UsageError("frozen thresholds --out FILE | freeze SPLIT --thresholds FILE | run SPLIT | score SPLIT")
         return args.func(args)
     except (UsageError, ValueError, OSError) as exc:
         print(f"scan_eval: error: {exc}", file=sys.stderr)

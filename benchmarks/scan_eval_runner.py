@@ -124,8 +124,8 @@ def _suspects_json(report) -> list[dict]:
 def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
     """Suspects with `overrides` and with the defaults; with grid, the compute ranks at every
     COMPUTE_GRID point and the links at every LINK_GRID point (scan_eval_core.tune_on_design)."""
-    from megatronapp.scan.analysis import load_aligned_traces
-    from megatronapp.scan.detect import DetectConfig, detect
+    from megatronapp.scan.analyze.analysis import load_aligned_traces
+    from megatronapp.scan.analyze.detect import DetectConfig, detect
 
     aligned, _ = load_aligned_traces(trace_dir)
     out = {"suspects": _suspects_json(detect(aligned, config=DetectConfig(**overrides))),
@@ -143,7 +143,7 @@ def simulate_run(sc: Scenario, trace_dir: Path) -> str:
     sys.path.insert(0, str(ROOT / "tests"))
     from scan_simulation import SimulatedJob, simulate_job_traces
 
-    from megatronapp.scan.format import TraceWriter, trace_file_name
+    from megatronapp.scan.record.format import TraceWriter, trace_file_name
 
     f = sc.fault
     job = SimulatedJob(tp_size=sc.tp, pp_size=sc.pp, dp_size=sc.nproc // (sc.tp * sc.pp), iterations=ITERS,

@@ -38,7 +38,10 @@ _CHILD = """
 import json, os, resource, sys, time
 import pyarrow as pa
 pa.set_cpu_count(1); pa.set_io_thread_count(1)
-from megatronapp.scan.merge import merge_traces
+try:
+    from megatronapp.scan.merge.merge import merge_traces
+except ImportError:  # a baseline tree from before scan/ was split into record/, merge/, analyze/
+    from megatronapp.scan.merge import merge_traces
 r0, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 s = merge_traces(sys.argv[1], sys.argv[2])
 r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
@@ -93,8 +96,9 @@ def main() -> None:
 
     parser = build_parser()
     args = parser.parse_args()
-    if args.baseline is not None and not (args.baseline / "megatronapp" / "scan" / "merge.py").is_file():
-        parser.error(f"--baseline {args.baseline}: no megatronapp/scan/merge.py there")
+    scan_dir = (args.baseline or ROOT) / "megatronapp" / "scan"
+    if args.baseline is not None and not any((scan_dir / p).is_file() for p in ("merge/merge.py", "merge.py")):
+        parser.error(f"--baseline {args.baseline}: no megatronapp/scan/merge/merge.py there")
     sources = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
     job = SimulatedJob(tp_size=2, pp_size=4, dp_size=8, num_microbatches=8, seed=5)
     results: dict = {}

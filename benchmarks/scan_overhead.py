@@ -55,8 +55,8 @@ from megatronapp.engine.trainer import Trainer  # noqa: E402
 from megatronapp.paired import (bootstrap_median_ci, compute_position_effect, pair_plan, run_rounds,  # noqa: E402
                                 summarize_rounds)
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
-from megatronapp.scan.format import build_rank_meta, load_rank_trace  # noqa: E402
-from megatronapp.scan.tracer import TraceConfig, Tracer  # noqa: E402
+from megatronapp.scan.record.format import build_rank_meta, load_rank_trace  # noqa: E402
+from megatronapp.scan.record.tracer import TraceConfig, Tracer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FixedBatches, make_job, timed_seconds  # noqa: E402

@@ -4,6 +4,10 @@
     megatronapp trace run --nproc-per-node 2 -- examples/ddp_train.py --steps 20   # traced, unchanged
 
 CPU (gloo) by default; on a machine with CUDA, one GPU per rank (NCCL).
+
+STRAGGLER_RANK=R STRAGGLER_WORK=K: rank R also does K extra matmuls of the hidden size in every
+forward, as a user's script with an uneven data or augmentation step would (the fault lab,
+megatronapp/faults/lab, sets these to make a real straggler the tracer knows nothing of).
 """
 
 import argparse
@@ -31,10 +35,16 @@ def main() -> None:
     ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=0.1)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + rank)
+    extra = int(os.environ.get("STRAGGLER_WORK", "0")) if os.environ.get("STRAGGLER_RANK") == str(rank) else 0
+    scratch = torch.randn(args.batch, args.hidden, generator=gen).to(device)
+    weight = torch.randn(args.hidden, args.hidden, generator=gen).to(device) / args.hidden**0.5
     for step in range(args.steps):
         x = torch.randn(args.batch, 64, generator=gen).to(device)
         y = x[:, :1] * 0.5 + x[:, 1:2].sin()
-        loss = nn.functional.mse_loss(ddp(x), y)
+        out = ddp(x)
+        for _ in range(extra):  # this rank's uneven extra work (see the docstring)
+            scratch = torch.tanh(scratch @ weight)
+        loss = nn.functional.mse_loss(out + 0 * scratch[:, :1], y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -4,6 +4,10 @@
     megatronapp trace run --nproc-per-node 2 -- examples/fsdp2_train.py --steps 20   # traced, unchanged
 
 CPU (gloo) by default; on a machine with CUDA, one GPU per rank (NCCL).
+
+STRAGGLER_RANK=R STRAGGLER_WORK=K: rank R also does K extra matmuls of the hidden size in every
+step's data preparation, as a user's script with an uneven data step would (the fault lab,
+megatronapp/faults/lab, sets these to make a real straggler the tracer knows nothing of).
 """
 
 import argparse
@@ -44,8 +48,12 @@ def main() -> None:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + rank)
+    extra = int(os.environ.get("STRAGGLER_WORK", "0")) if os.environ.get("STRAGGLER_RANK") == str(rank) else 0
+    weight = torch.randn(args.hidden, args.hidden, generator=gen).to(device) / args.hidden**0.5
     for step in range(args.steps):
         x = torch.randn(args.batch, args.hidden, generator=gen).to(device)
+        for _ in range(extra):  # this rank's uneven data step (see the docstring)
+            x = torch.tanh(x @ weight)
         loss = nn.functional.mse_loss(model(x), x[:, :1].cos())
         optimizer.zero_grad()
         loss.backward()

@@ -38,9 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from megatronapp.spans import ARRIVAL
-from megatronapp.scan.align import AlignmentReport, align_traces
-from megatronapp.scan.format import RankTrace, build_event_batch, filter_iterations, load_trace_dir
-from megatronapp.scan.matching import CommEnd, CommIndex, MessageKey, add_rank_comm, comm_rows
+from megatronapp.scan.merge.align import AlignmentReport, align_traces
+from megatronapp.scan.record.format import RankTrace, build_event_batch, filter_iterations, load_trace_dir
+from megatronapp.scan.merge.matching import CommEnd, CommIndex, MessageKey, add_rank_comm, comm_rows
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
 _ARG_COLUMNS = ("iteration", "chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")

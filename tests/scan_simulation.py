@@ -2,7 +2,7 @@
 
 A small discrete-event simulation replays Megatron's 1F1B schedule (from
 `megatronapp.pipeline.schedules`) on every rank of a layout and records the spans the real
-tracer writes (see `megatronapp.scan.format`): iteration, forward/backward (with TP
+tracer writes (see `megatronapp.scan.record.format`): iteration, forward/backward (with TP
 all-reduces nested inside), the last stage's loss, PP send/recv, the DP grad_reduce, the
 model-parallel grad-norm all-reduce and the optimizer. Victims wait exactly as they would on
 a real job, because every dependency is simulated:
@@ -28,7 +28,7 @@ import pyarrow as pa
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.pipeline.actions import ActionKind
 from megatronapp.pipeline.schedules import build_1f1b_schedule
-from megatronapp.scan.format import EVENT_COLUMNS, RankTrace, build_event_batch_from_columns, build_rank_meta
+from megatronapp.scan.record.format import EVENT_COLUMNS, RankTrace, build_event_batch_from_columns, build_rank_meta
 
 _SEND_NS = 20_000  # posting a buffered isend and waiting on it
 
@@ -355,7 +355,7 @@ def write_repeated_job(job: SimulatedJob, trace_dir, iterations: int, iterations
     `iterations_per_batch` iterations per rank, through format.TraceWriter. Returns the span count."""
     from pathlib import Path
 
-    from megatronapp.scan.format import TraceWriter, build_event_batch, trace_file_name
+    from megatronapp.scan.record.format import TraceWriter, build_event_batch, trace_file_name
 
     traces = simulate_job_traces(SimulatedJob(**{**job.__dict__, "iterations": 1}))
     spans = [t.events.filter(pa.compute.not_equal(t.events.column("cat").cast(pa.string()), "calib")).combine_chunks()

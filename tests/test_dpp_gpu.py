@@ -19,7 +19,7 @@ from megatronapp.dpp.config import DppConfig, JitterSpec
 from megatronapp.dpp.jitter import JitterInjector
 from megatronapp.dpp.setup import build_dynamic_runtime_factory
 from megatronapp.dpp.streams import CudaOrder
-from megatronapp.engine.faults import calibrate_spin
+from megatronapp.faults.inject import calibrate_spin
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import single_process_groups
 

@@ -157,14 +157,12 @@ def test_jitter_injection_draws_what_the_simulator_draws():
     spec = JitterSpec(2, 1.5, 9)
     assert apply_jitter(None, (spec,), 1, torch.device("cpu")) is None  # other ranks untouched
     inj = apply_jitter(NullInjector(), (spec,), 2, torch.device("cpu"))
-    stalls = []
-    inj.on_stall = stalls.append
     for _ in range(5):
         with inj.compute():
             sum(range(20000))
     rng = random.Random("9:2")
     assert inj.factors == [rng.uniform(1.0, 1.5) for _ in range(5)]
-    assert len(stalls) == 5 and all(s >= 0 for s in stalls)
+    assert len(inj.stalls_s) == 5 and all(s >= 0 for s in inj.stalls_s)
 
 
 @pytest.mark.parametrize("seed", range(30))

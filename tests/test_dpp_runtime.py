@@ -24,8 +24,6 @@ from megatronapp.pipeline.runtime import NullInjector
 class RandomDelays(NullInjector):
     """Injector: every compute and every receive waits a random 0..max_ms first (seeded per rank)."""
 
-    on_stall = None
-
     def __init__(self, seed: int, max_ms: float):
         self.rng, self.max_s = random.Random(seed), max_ms / 1000.0
 
@@ -163,8 +161,8 @@ def _receive_over_slow_link(rank: int, world: int, delay_ms: float, known_spec: 
 
     from megatronapp.dpp.tasks import forward_task
     from megatronapp.dpp.transport import RECV_AHEAD, Outbox, PeerReceiver
-    from megatronapp.engine.faults import FaultPlan
-    from megatronapp.engine.link_delay import install_link_delays
+    from megatronapp.faults.inject import FaultPlan
+    from megatronapp.faults.link_delay import install_link_delays
 
     delays = install_link_delays(FaultPlan(link_delays={(0, 1): delay_ms}), rank)
     shape = torch.Size((3, 5))

@@ -11,7 +11,7 @@ import torch
 
 from engine_jobs import RandomTokenBatches, compiled_frames
 from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
-from megatronapp.engine.faults import FaultInjector, FaultPlan
+from megatronapp.faults.inject import FaultInjector, FaultPlan
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import single_process_groups
 
@@ -127,8 +127,8 @@ def test_injected_slowdown_scales_gpu_compute():
 
 
 def test_tracer_cuda_spans_are_ordered(tmp_path):
-    from megatronapp.scan.format import build_rank_meta, load_rank_trace
-    from megatronapp.scan.tracer import TraceConfig, Tracer
+    from megatronapp.scan.record.format import build_rank_meta, load_rank_trace
+    from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
     job = _job(bf16=True)
     trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))

@@ -239,8 +239,8 @@ def test_cli_run_with_checks_and_rerun_writes_the_fields(tmp_path):
 
 
 def test_rerun_step_is_marked_on_the_megascan_timeline(tmp_path):
-    from megatronapp.scan.format import load_rank_trace
-    from megatronapp.scan.tracer import TraceConfig, Tracer
+    from megatronapp.scan.record.format import load_rank_trace
+    from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
     meta = {"rank": 0, "world_size": 1, "coords": {"tp": 0, "dp": 0, "pp": 0},
             "layout": {"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1}, "run_id": "t"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatronapp.scan.format import load_trace_dir
+from megatronapp.scan.record.format import load_trace_dir
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def test_explicit_step_marker_sets_iterations(tmp_path):
         "    megatronapp.scan.step()\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MEGATRONAPP_TRACE_DIR": str(tmp_path / "t"),
            "RANK": "0", "WORLD_SIZE": "1"}
-    res = subprocess.run([sys.executable, "-m", "megatronapp.scan.run", str(script)], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "megatronapp.scan.record.run", str(script)], capture_output=True,
                          text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
     rows = load_trace_dir(tmp_path / "t")[0].events.to_pylist()

@@ -15,9 +15,10 @@ import pyarrow as pa
 import pytest
 
 from megatronapp.parallel.layout import ParallelLayout
-from megatronapp.scan import detect_path as paths
-from megatronapp.scan import detect_rules as rules
-from megatronapp.scan.detect import (
+from megatronapp.scan.analyze import detect_path as paths
+from megatronapp.scan.analyze import detect_links as p2p
+from megatronapp.scan.analyze import detect_rules as rules
+from megatronapp.scan.analyze.detect import (
     DetectConfig,
     DetectInputError,
     detect,
@@ -25,9 +26,9 @@ from megatronapp.scan.detect import (
     report_to_json,
 )
 from megatronapp.scan.cli import add_trace_subcommands
-from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
-from megatronapp.scan.format import TraceWriter, trace_file_name
-from megatronapp.scan.matching import index_comm_events
+from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
+from megatronapp.scan.merge.matching import index_comm_events
 from scan_simulation import SimulatedJob, simulate_job_traces
 
 LAYOUTS = {
@@ -97,8 +98,8 @@ def test_tp_victim_waits_inside_forward_but_its_pure_compute_is_normal():
 def test_slow_compute_does_not_make_its_links_look_slow():
     traces = simulate_job_traces(_job("TP2xPP2xDP2", slow_rank=4, slow_factor=2.0))
     ev = {t.rank: rules.build_rank_events(t) for t in traces}
-    messages = rules.collect_p2p_messages(index_comm_events(traces), ev, {1, 2, 3, 4, 5})
-    links = rules.compare_links(messages, {t.rank: t.meta["coords"] for t in traces}, 1.5, 1_000_000)
+    messages = p2p.collect_p2p_messages(index_comm_events(traces), ev, {1, 2, 3, 4, 5})
+    links = p2p.compare_links(messages, {t.rank: t.meta["coords"] for t in traces}, 1.5, 1_000_000)
     touching = [st for (s, d), st in links.items() if 4 in (s, d)]
     assert len(touching) == 2
     assert all(st.ratio < 1.5 for st in touching)
@@ -121,7 +122,7 @@ def test_slow_link_is_named_with_its_source(layout, link, delay_ms):
 
 
 def test_slow_link_is_found_under_the_engines_receiver_sleep_injection():
-    # megatronapp.engine.faults sleeps on the receiver before it waits: only messages whose
+    # megatronapp.faults.inject sleeps on the receiver before it waits: only messages whose
     # sender is not already later than the delay show it, which is enough here.
     job = _job("TP2xPP2xDP2", slow_link=(6, 2), link_delay_ns=6_000_000, link_delay_mode="before_wait", seed=2)
     assert [(s.cause, s.link) for s in _run(job).suspects] == [("slow_link", (6, 2))]
@@ -139,7 +140,7 @@ def test_critical_path_follows_the_wait_to_the_sender():
     # 12 ms (2 ms on the wire), computes until 20 ms. The path is rank 1's tail, the wire,
     # then rank 0's compute: rank 1's idle 1..10 ms is not on it.
     ms = 1_000_000
-    msg = rules.P2PMessage(src=0, dst=1, iteration=0, seq=0, bytes=8, send_start=10 * ms, recv_start=1 * ms,
+    msg = p2p.P2PMessage(src=0, dst=1, iteration=0, seq=0, bytes=8, send_start=10 * ms, recv_start=1 * ms,
                            wait_start=1 * ms, recv_end=12 * ms)
     spans = {0: (0, 11 * ms), 1: (1 * ms, 20 * ms)}
     path = paths.compute_critical_path(0, spans, paths.build_blocking_events(0, [msg], []))
@@ -185,7 +186,7 @@ def test_suspects_are_ordered_most_likely_first():
 
 def test_detection_rules_are_functions_of_the_config():
     job = _job("TP2xPP2xDP2", slow_rank=2, slow_factor=2.0, slow_link=(5, 1), link_delay_ns=3_000_000)
-    only_links = DetectConfig(compute_rule=lambda stats, cfg: False)
+    only_links = DetectConfig(compute_rule=lambda stats, cfg: False, arrival_rule=lambda stats, cfg: False)
     assert [s.cause for s in _run(job, only_links).suspects] == ["slow_link"]
     only_compute = DetectConfig(link_rule=lambda stats, cfg: False)
     assert [s.cause for s in _run(job, only_compute).suspects] == ["slow_compute"]

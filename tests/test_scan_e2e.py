@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from megatronapp.scan.align import align_traces
-from megatronapp.scan.format import load_trace_dir
-from megatronapp.scan.matching import index_comm_events
+from megatronapp.scan.merge.align import align_traces
+from megatronapp.scan.record.format import load_trace_dir
+from megatronapp.scan.merge.matching import index_comm_events
 
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 

@@ -8,7 +8,7 @@ import warnings
 import pyarrow as pa
 import pytest
 
-from megatronapp.scan.format import (
+from megatronapp.scan.record.format import (
     CATEGORIES,
     EVENT_COLUMNS,
     TraceFormatError,
@@ -187,7 +187,7 @@ def _trace_base_steps(trace_dir, steps: int) -> None:
     """What base granularity records for a single-stage job with 2 microbatches (the
     launch-bound case the overhead goal is judged on): 9 spans a step, handed to the writer once, at close."""
     from megatronapp import spans
-    from megatronapp.scan.tracer import TraceConfig, Tracer
+    from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
     config = TraceConfig(enabled=True, trace_dir=str(trace_dir), interval=1, flush_seconds=3600.0)
     tracer = Tracer(config, make_meta(rank=0, world_size=1), "cpu")

@@ -14,8 +14,8 @@ import math
 
 import pytest
 
-from megatronapp.scan.detect import DetectConfig, detect, report_to_json
-from megatronapp.scan.detect_intermittent import _is_periodic, binomial_tail, count_episodes, evenly_spaced_chance
+from megatronapp.scan.analyze.detect import DetectConfig, detect, report_to_json
+from megatronapp.scan.analyze.detect_intermittent import _is_periodic, binomial_tail, count_episodes, evenly_spaced_chance
 from scan_simulation import SimulatedJob, simulate_job_traces
 
 LAYOUTS = {

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pytest
 
 from megatronapp.parallel.layout import ParallelLayout
-from megatronapp.scan.align import align_traces
+from megatronapp.scan.merge.align import align_traces
 from megatronapp.scan.cli import add_trace_subcommands, parse_iteration_range, parse_rank_list
-from megatronapp.scan.format import (
+from megatronapp.scan.record.format import (
     RankTrace,
     TraceWriter,
     build_event_batch,
@@ -24,8 +24,8 @@ from megatronapp.scan.format import (
     load_trace_dir,
     trace_file_name,
 )
-from megatronapp.scan.chrome import assign_lanes, compute_lanes
-from megatronapp.scan.merge import merge_traces
+from megatronapp.scan.merge.chrome import assign_lanes, compute_lanes
+from megatronapp.scan.merge.merge import merge_traces
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 EPOCH_NS = 1_700_000_000_000_000_000  # wall clock of the synthetic hosts at true time 0
@@ -374,8 +374,8 @@ def traced_gloo_job(rank: int, world_size: int, trace_dir: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatronapp.scan.instrument import install_distributed_instrumentation
-    from megatronapp.scan.tracer import TraceConfig, Tracer
+    from megatronapp.scan.record.instrument import install_distributed_instrumentation
+    from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
     layout = ParallelLayout(world_size=world_size, tp_size=2, pp_size=2)
     tp_groups = [dist.new_group(g) for g in layout.tp_group_ranks()]
@@ -449,7 +449,7 @@ def test_four_ranks_traced_merged_and_aligned(tmp_path, cluster):
 def test_1024_ranks_align_and_detect():
     """TP8 x PP4 x DP32 = 1,024 simulated ranks, clocks skewed by up to +-50 ms: alignment
     restores causality and detection names the one slowed rank."""
-    from megatronapp.scan.analysis import analyze_traces
+    from megatronapp.scan.analyze.analysis import analyze_traces
     from scan_simulation import SimulatedJob, simulate_job_traces
 
     job = SimulatedJob(tp_size=8, pp_size=4, dp_size=32, iterations=3, seed=11, slow_rank=517, slow_factor=1.6)

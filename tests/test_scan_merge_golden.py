@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import megatronapp.scan.merge as merge
-from megatronapp.scan.format import TraceWriter, trace_file_name
+import megatronapp.scan.merge.merge as merge
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
 from scan_simulation import SimulatedJob, simulate_job_traces
 
 GOLDEN = Path(__file__).parent / "data" / "scan_merge_golden.json.gz"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import megatronapp.scan.merge as merge
+import megatronapp.scan.merge.merge as merge
 import scan_merge_reference as reference
-from megatronapp.scan.format import TraceWriter, trace_file_name
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
 from scan_simulation import SimulatedJob, simulate_job_traces, write_repeated_job
 
 
@@ -108,7 +108,7 @@ def test_unmatched_ends_are_dropped_after_one_window_and_counted(tmp_path, monke
 def test_fixed_width_numbers_are_the_exact_decimals():
     import numpy as np
 
-    from megatronapp.scan.fixed_lines import format_micros, format_uints
+    from megatronapp.scan.merge.fixed_lines import format_micros, format_uints
 
     rng = np.random.default_rng(0)
     values = np.concatenate([[0, 1, 9, 10, 999, 1000, 10**18], rng.integers(0, 10**12, 500), rng.integers(0, 100, 50)])
@@ -145,7 +145,7 @@ def test_line_blocks_equal_python_formatting_for_random_layouts(seed):
     blocks sharing an arena do not overwrite each other."""
     import numpy as np
 
-    from megatronapp.scan.fixed_lines import LineBlock, OutputArena, TextTable
+    from megatronapp.scan.merge.fixed_lines import LineBlock, OutputArena, TextTable
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 40))
@@ -188,7 +188,7 @@ def test_collective_member_order_equals_lexsort_of_the_four_keys():
     also where the keys do not fit its packing (then it is the lexsort itself)."""
     import numpy as np
 
-    from megatronapp.scan.matching import _instance_order
+    from megatronapp.scan.merge.matching import _instance_order
 
     rng = np.random.default_rng(0)
     for start_range, seq_range in [(50, 20), (10**12, 2**31 - 1), (2**61, 30), (100, 2**40)]:
@@ -201,7 +201,7 @@ def test_collective_member_order_equals_lexsort_of_the_four_keys():
 def test_distinct_keys_equal_np_unique():
     import numpy as np
 
-    from megatronapp.scan.merge_window import _distinct
+    from megatronapp.scan.merge.merge_window import _distinct
 
     rng = np.random.default_rng(1)
     for keys in (rng.integers(0, 50, 1000), rng.integers(0, 10**12, 1000), np.array([7]), np.zeros(0, np.int64)):
@@ -217,8 +217,8 @@ def test_alignment_sample_holds_the_keyed_comm_rows_of_the_first_iterations(tmp_
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from megatronapp.scan.format import load_rank_trace
-    from megatronapp.scan.stream import survey_rank
+    from megatronapp.scan.record.format import load_rank_trace
+    from megatronapp.scan.merge.stream import survey_rank
 
     job = SimulatedJob(tp_size=2, pp_size=2, dp_size=1, iterations=14, num_microbatches=2, seed=4)
     trace = simulate_job_traces(job)[1]

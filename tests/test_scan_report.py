@@ -9,8 +9,8 @@ import re
 import pytest
 
 from megatronapp.scan.cli import add_trace_subcommands
-from megatronapp.scan.format import TraceWriter, trace_file_name
-from megatronapp.scan.merge import merge_traces_split, split_output_name
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
+from megatronapp.scan.merge.merge import merge_traces_split, split_output_name
 from scan_simulation import SimulatedJob, simulate_job_traces
 from timeline_checks import assert_flows_forward
 
@@ -56,11 +56,36 @@ def test_report_is_one_self_contained_page(tmp_path, capsys):
     assert "<script" not in page and not re.search(r'(src|href)="(?!https://ui\.perfetto\.dev)[a-z]+://', page)
     assert page.count("<polyline") == 4  # one step-time line per rank
     analysed = int(re.search(r"(\d+) iterations\s+analysed", page).group(1))
-    assert page.count("<rect") == 4 * analysed  # rank x iteration heatmap
+    assert page.count("<rect") == 2 * 4 * analysed  # own work and waiting, per rank and iteration
     assert "rank 1: slow_compute" in page and "No merged timeline" in page
+    assert "TP1 \u00d7 PP2 \u00d7 DP2 (4 ranks)" in page and "{'" not in page  # layout as text, not a dict
+    assert page.count(">iteration</text>") == 1 + 4 and "step time (ms)" in page  # axes on every chart
+    assert "rank 1 (suspect)" in page and "waiting on others" in page  # legends
+    assert re.search(r"median residual [\d.]+ (ms|\u00b5s|ns),", page)
     assert _cli(["merge", str(tmp_path / "t"), "-o", str(tmp_path / "t" / "timeline.json")]) == 0
     assert _cli(["report", str(tmp_path / "t"), "--out", str(out)]) == 0
     assert 'href="../t/timeline.json"' in out.read_text()
+
+
+def test_a_clean_runs_report_says_nothing_was_found_and_how_sensitive_the_check_was(tmp_path):
+    _write(tmp_path / "t", SimulatedJob(**JOB))
+    out = tmp_path / "report.html"
+    assert _cli(["report", str(tmp_path / "t"), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "Nothing was found" in page and "How sensitive the check was" in page
+    assert "1.2\u00d7 its peers'" in page and "The closest any rank came" in page
+
+
+def test_a_slow_links_report_shows_each_links_effective_bandwidth(tmp_path):
+    _write(tmp_path / "t", SimulatedJob(**JOB, slow_link=(0, 2), link_delay_ns=6_000_000))
+    out = tmp_path / "report.html"
+    assert _cli(["report", str(tmp_path / "t"), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "slow link 0\u21922" in page and "effective bandwidth (Mbit/s)" in page
+    rows = re.findall(r"<tr( style=[^>]*)?><td>(\d)\u2192(\d)</td>(?:<td>[^<]*</td>){3}<td>([\d.]+)</td>", page)
+    slow = [float(bw) for style, s, d, bw in rows if (s, d) == ("0", "2")]
+    others = [float(bw) for style, s, d, bw in rows if (s, d) != ("0", "2") and style == ""]
+    assert slow and others and slow[0] < min(others)  # the slow link is the one with the least bandwidth
 
 
 def test_split_merge_writes_one_file_per_chunk_of_iterations(tmp_path):

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from megatronapp.scan.format import TraceWriter, trace_file_name
-from megatronapp.scan.matching import CommEnd, index_comm_events
-from megatronapp.scan.merge import ARRIVAL_NS, merge_traces, place_arrival
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
+from megatronapp.scan.merge.matching import CommEnd, index_comm_events
+from megatronapp.scan.merge.merge import ARRIVAL_NS, merge_traces, place_arrival
 from scan_simulation import SimulatedJob, simulate_job_traces
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from megatronapp.scan.format import load_rank_trace
-from megatronapp.scan.instrument import (
+from megatronapp.scan.record.format import load_rank_trace
+from megatronapp.scan.record.instrument import (
     TracedWork,
     install_distributed_instrumentation,
     uninstall_distributed_instrumentation,
 )
-from megatronapp.scan.tracer import NOOP_SPAN, TraceConfig, Tracer
+from megatronapp.scan.record.tracer import NOOP_SPAN, TraceConfig, Tracer
 
 META = {"rank": 0, "world_size": 1, "coords": {"tp": 0, "dp": 0, "pp": 0},
         "layout": {"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1}, "run_id": "t"}
@@ -176,7 +176,7 @@ def test_adjacent_layer_spans_share_a_mark_and_keep_their_attributes(tmp_path):
 def test_cuda_clock_pools_a_shared_mark_once():
     from types import SimpleNamespace
 
-    from megatronapp.scan.clocks import CudaClock
+    from megatronapp.scan.record.clocks import CudaClock
 
     a, b = object(), object()
     clock = SimpleNamespace(_pool=[])
@@ -185,7 +185,7 @@ def test_cuda_clock_pools_a_shared_mark_once():
 
 
 def test_writer_converts_a_shared_mark_once():
-    from megatronapp.scan.trace_writer import ATTR_DEFAULTS, build_window_batch
+    from megatronapp.scan.record.trace_writer import ATTR_DEFAULTS, build_window_batch
 
     class CountingClock:  # as CudaClock: markers are objects, converting one is a driver call
         def __init__(self):
@@ -207,7 +207,7 @@ def test_writer_converts_a_shared_mark_once():
 
 
 def test_wait_writer_idle_returns_once_handed_windows_are_on_disk(tmp_path, monkeypatch):
-    from megatronapp.scan import trace_writer
+    from megatronapp.scan.record import trace_writer
 
     config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, flush_seconds=0.0)
     tracer = Tracer(config, META)
@@ -397,7 +397,7 @@ def test_writer_queue_is_bounded_drops_and_counts_without_blocking(tmp_path, mon
     dropped and counted, what was queued is still written at close."""
     import threading
 
-    from megatronapp.scan.format import TraceWriter
+    from megatronapp.scan.record.format import TraceWriter
 
     release = threading.Event()
     original_append = TraceWriter.append
@@ -454,7 +454,7 @@ def test_cuda_marks_follow_the_current_stream(tmp_path):
 def test_cuda_clock_converts_a_mark_the_gpu_has_not_reached(tmp_path):
     """to_ns of a mark still behind queued GPU work waits for it instead of failing, and the
     window's marks come out in the order the GPU passed them."""
-    from megatronapp.scan.clocks import CudaClock
+    from megatronapp.scan.record.clocks import CudaClock
 
     clock = CudaClock("cuda", 0)
     a = torch.randn(4096, 4096, device="cuda")

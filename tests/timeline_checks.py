@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-CHECK_TOOL = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "perfetto" / "check"
+# The shared tools checkout sits beside the repository (or beside the folder of worktrees).
+_CHECK_CANDIDATES = [root / "shared" / "tools" / "perfetto" / "check" for root in Path(__file__).resolve().parents[1:4]]
+CHECK_TOOL = next((c for c in _CHECK_CANDIDATES if c.is_file()), _CHECK_CANDIDATES[0])
 
 
 def _innermost(slices: list[tuple], ts: float) -> tuple | None:

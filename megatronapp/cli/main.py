@@ -28,7 +28,7 @@ from megatronapp.cli.devices import check_job_devices
 from megatronapp.config import ConfigError
 from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.dpp.setup import check_dpp_job
-from megatronapp.engine.faults import FaultSpecError, fault_plan_from_env, parse_fault_plan
+from megatronapp.faults.inject import FaultSpecError, fault_plan_from_env, parse_fault_plan
 from megatronapp.scope_ui.training import check_training_scope
 
 

@@ -25,8 +25,8 @@ from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.dpp.setup import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.determinism import enable_deterministic_mode
-from megatronapp.engine.faults import FaultInjector, fault_plan_from_env, parse_fault_plan
-from megatronapp.engine.link_delay import install_link_delays
+from megatronapp.faults.inject import FaultInjector, fault_plan_from_env, parse_fault_plan
+from megatronapp.faults.link_delay import install_link_delays
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.device import select_device
 from megatronapp.parallel.groups import build_process_groups, destroy_subgroups
@@ -47,9 +47,9 @@ def _build_tracer(args, job, groups, device, meta_overrides=None):
     meta_overrides: rank, world_size, role of an FBD rank (groups then describe its role)."""
     if not args.trace:
         return None, None
-    from megatronapp.scan.format import build_rank_meta
-    from megatronapp.scan.instrument import install_distributed_instrumentation
-    from megatronapp.scan.tracer import TraceConfig, Tracer
+    from megatronapp.scan.record.format import build_rank_meta
+    from megatronapp.scan.record.instrument import install_distributed_instrumentation
+    from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
     lay, over = job.layout, meta_overrides or {}
     meta = build_rank_meta(
@@ -136,7 +136,7 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
 
 
 def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
-    from megatronapp.scan.detect_online import OnlineDetectConfig, OnlineDetector
+    from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 
     t = job.train
     if t.metrics_file and rank == 0:

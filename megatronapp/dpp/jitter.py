@@ -3,9 +3,9 @@
 Factors come from random.Random(f"{seed}:{rank}") in the order the rank runs its tasks, the
 same rule the simulator uses (simulator.py), so a run and its simulation see the same
 draws. On CPU the extra time is slept after the task, proportional to the CPU time it
-burned (as --inject-slowdown does, engine/faults.py). On GPU it is device work (spin
+burned (as --inject-slowdown does, faults/inject.py). On GPU it is device work (spin
 cycles) right after the task on its stream, (factor - 1) x that kind of task's GPU time,
-measured per (forward/backward, chunk) without stalling the host (engine.faults.GpuTaskClock):
+measured per (forward/backward, chunk) without stalling the host (faults.inject.GpuTaskClock):
 the task then holds the GPU factor x as long, as a clock dip would make it.
 Wraps any other injector (slowdown, link delay), so the flags combine.
 """
@@ -19,7 +19,7 @@ import time
 import torch
 
 from megatronapp.dpp.config import JitterSpec
-from megatronapp.engine.faults import GpuTaskClock
+from megatronapp.faults.inject import GpuTaskClock
 from megatronapp.pipeline.runtime import NullInjector
 
 
@@ -31,19 +31,10 @@ class JitterInjector:
         self.max_factor = spec.max_factor
         self.rng = random.Random(f"{spec.seed}:{spec.rank}")
         self.factors: list[float] = []  # every factor drawn, for tests and reports
-        self._stall = None
+        self.stalls_s: list[float] = []  # every CPU stall, for tests; nothing reads it
         self.clock = GpuTaskClock() if device.type == "cuda" else None
         if self.clock is not None:
             self.clock.calibrate()
-
-    @property
-    def on_stall(self):
-        return self._stall
-
-    @on_stall.setter
-    def on_stall(self, fn) -> None:
-        self._stall = fn
-        self.inner.on_stall = fn
 
     def before_recv_wait(self, src_global: int, work) -> None:
         self.inner.before_recv_wait(src_global, work)
@@ -61,12 +52,11 @@ class JitterInjector:
     @contextlib.contextmanager
     def _on_cpu(self, factor: float, key):
         with self.inner.compute(key):
-            t0 = time.thread_time()  # this thread's CPU only, as engine.faults (gloo threads excluded)
+            t0 = time.thread_time()  # this thread's CPU only, as faults.inject (gloo threads excluded)
             yield
             stall = (factor - 1.0) * (time.thread_time() - t0)
         time.sleep(stall)
-        if self._stall is not None:
-            self._stall(stall)
+        self.stalls_s.append(stall)
 
     @contextlib.contextmanager
     def _on_gpu(self, factor: float, key):

@@ -30,7 +30,7 @@ class TracedRun:
 
 def load_traced_run(trace_dir: str) -> TracedRun:
     """The compute spans of one pipeline of a traced run; ValueError when there are none."""
-    from megatronapp.scan.format import load_trace_dir
+    from megatronapp.scan.record.format import load_trace_dir
 
     traces = [t for t in load_trace_dir(trace_dir) if t.meta["coords"]["tp"] == 0 and t.meta["coords"]["dp"] == 0]
     if not traces:

@@ -60,8 +60,6 @@ class BackwardRuntime:
                               for dst in lay.weight_targets(c.tp, c.dp, c.pp)}
         self.compute_timer = ComputeTimer(device)
         self.injector = injector
-        if injector is not None:  # CPU slowdown injection sleeps: count them as compute, as PipelineRuntime does
-            injector.on_stall = self.compute_timer.add_stall
         self.waits = RoleWaits()
         delay = fbd.random_delay_ms if "backward" in fbd.delayed_roles else 0.0
         self.faults = RoleFaults(roles.rank, "backward", fbd.crash, delay, fbd.delay_seed)

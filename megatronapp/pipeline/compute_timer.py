@@ -1,7 +1,10 @@
 """Per-step compute time of one rank, cheap enough to leave on.
 
-CPU: process CPU time spent inside forward/backward (time waiting in a TP collective burns
-no CPU, so a rank that only waits for a slow peer does not look slow itself). CUDA: event
+CPU: wall time inside forward/backward. Process CPU time would hide the commonest real
+straggler: a rank whose CPU is taken away (a cgroup quota, a competing process) burns the same
+CPU time per step, only later. Waits inside TP collectives count too, which is why the online
+check compares DP replicas, whose waits are alike (detect_online.py). Nothing outside the
+measured span feeds it: a fault injector only makes the span longer. CUDA: event
 pairs around each forward/backward; `take()` hands the step's pairs over and `resolve()`
 reads them once the caller has synchronised anyway (the trainer does so at log intervals),
 so measuring never adds a synchronisation.
@@ -32,13 +35,9 @@ class ComputeTimer:
             end.record()
             self._pending.append((start, end))
         else:
-            t0 = time.process_time()
+            t0 = time.perf_counter()
             yield
-            self._cpu_s += time.process_time() - t0
-
-    def add_stall(self, seconds: float) -> None:
-        """Count a simulated slow-device stall (CPU fault injection sleeps, burning no CPU)."""
-        self._cpu_s += seconds
+            self._cpu_s += time.perf_counter() - t0
 
     def take(self):
         """End of a step: a handle to this step's compute time (seconds on CPU, events on CUDA)."""

@@ -25,9 +25,7 @@ from megatronapp.pipeline.contract import MicrobatchContext, PipelineModel
 
 
 class NullInjector:
-    """Fault-injection hooks; the real one lives in the engine (megatronapp.engine.faults)."""
-
-    on_stall = None  # set by the runtime: receives seconds of simulated device stall
+    """Fault-injection hooks; the real one lives in the engine (megatronapp.faults.inject)."""
 
     def compute(self, key=None):
         """Context around one compute task; `key` names its kind (e.g. (FORWARD, chunk)), so a
@@ -79,7 +77,6 @@ class StageCompute:
         self.num_vstages, self.num_microbatches = pp_size * num_chunks, num_microbatches
         self.injector = injector or NullInjector()
         self.compute_timer = ComputeTimer(device)
-        self.injector.on_stall = self.compute_timer.add_stall
 
     def forward(self, chunk: int, mb_index: int, stage_input, microbatch, iteration: int, tracer) -> torch.Tensor:
         """The chunk's output, or on the last virtual stage its 1/M-scaled loss. A floating

@@ -12,10 +12,10 @@ import json
 import os
 import sys
 
-from megatronapp.scan.analysis import analyze_trace_dir
-from megatronapp.scan.detect import DetectConfig, render_report, report_to_json
-from megatronapp.scan.format import TraceFormatError
-from megatronapp.scan.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
+from megatronapp.scan.analyze.analysis import analyze_trace_dir
+from megatronapp.scan.analyze.detect import DetectConfig, render_report, report_to_json
+from megatronapp.scan.record.format import TraceFormatError
+from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
 from megatronapp.scan.trace_run import add_trace_run_arguments
 
 _NO_END = 2**31 - 1
@@ -137,7 +137,7 @@ def run_report(args: argparse.Namespace) -> int:
     """Handler of `trace report`: write the self-contained HTML page."""
     from pathlib import Path
 
-    from megatronapp.scan.report import write_report
+    from megatronapp.scan.analyze.report import write_report
 
     try:
         analysis = analyze_trace_dir(args.trace_dir)

@@ -1,7 +1,7 @@
 """`megatronapp trace run [options] -- SCRIPT ARGS...`: trace an unmodified program on local ranks.
 
 Launches SCRIPT on `--nproc-per-node` ranks through torch's own launcher (standalone torchrun),
-each rank under `python -m megatronapp.scan.run` (zero-code tracing, autotrace.py), then merges
+each rank under `python -m megatronapp.scan.record.run` (zero-code tracing, autotrace.py), then merges
 the rank files into TRACE_DIR/timeline.json and prints the detection report. Settings and
 faults reach the ranks as MEGATRONAPP_TRACE_* / MEGATRONAPP_INJECT_* environment variables.
 """
@@ -14,9 +14,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from megatronapp.engine.faults import FaultSpecError, fault_env, parse_fault_plan
+from megatronapp.faults.inject import FaultSpecError, fault_env, parse_fault_plan
 from megatronapp.engine.launch_failures import pick_root_failure
-from megatronapp.scan.autotrace import AutoTraceConfig
+from megatronapp.scan.record.autotrace import AutoTraceConfig
 
 
 def add_trace_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def _launch(command: list[str], nproc: int) -> int:
     from torch.distributed.run import get_args_parser, run
 
     run_args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "--monitor-interval",
-                                             "0.1", "--module", "megatronapp.scan.run", *command])
+                                             "0.1", "--module", "megatronapp.scan.record.run", *command])
     try:
         run(run_args)
     except ChildFailedError as exc:
@@ -89,9 +89,9 @@ def run_trace_run(args: argparse.Namespace) -> int:
 def _report(trace_dir: str, as_json: bool) -> int:
     import json
 
-    from megatronapp.scan.analysis import analyze_trace_dir
-    from megatronapp.scan.detect import render_report, report_to_json
-    from megatronapp.scan.merge import merge_traces
+    from megatronapp.scan.analyze.analysis import analyze_trace_dir
+    from megatronapp.scan.analyze.detect import render_report, report_to_json
+    from megatronapp.scan.merge.merge import merge_traces
 
     out = Path(trace_dir) / "timeline.json"
     summary = merge_traces(trace_dir, out)

@@ -14,9 +14,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatronapp.scan.align import AlignmentReport, align_traces
-from megatronapp.scan.detect import DetectConfig, DetectionReport, detect
-from megatronapp.scan.format import RankTrace, load_trace_dir
+from megatronapp.scan.merge.align import AlignmentReport, align_traces
+from megatronapp.scan.analyze.detect import DetectConfig, DetectionReport, detect
+from megatronapp.scan.record.format import RankTrace, load_trace_dir
 
 
 @dataclass(frozen=True)

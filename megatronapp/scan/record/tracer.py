@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CAT_USER, CATEGORIES, ITERATION
-from megatronapp.scan.clocks import INITIAL_EVENT_POOL, build_clock
-from megatronapp.scan.format import SCHEMA_VERSION, TraceWriter, trace_file_name
-from megatronapp.scan.trace_config import GRANULARITIES, TraceConfig
-from megatronapp.scan.trace_writer import ATTR_DEFAULTS, SPAN_ATTRS, BackgroundWriter, WriterCost
+from megatronapp.scan.record.clocks import INITIAL_EVENT_POOL, build_clock
+from megatronapp.scan.record.format import SCHEMA_VERSION, TraceWriter, trace_file_name
+from megatronapp.scan.record.trace_config import GRANULARITIES, TraceConfig
+from megatronapp.scan.record.trace_writer import ATTR_DEFAULTS, SPAN_ATTRS, BackgroundWriter, WriterCost
 
 __all__ = ["GRANULARITIES", "NOOP_SPAN", "SPAN_ATTRS", "TraceConfig", "Tracer"]
 

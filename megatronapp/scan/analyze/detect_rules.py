@@ -36,7 +36,8 @@ timeline. Four quantities matter:
   * a p2p message: effective transfer = recv_end - max(send_start, recv_wait_start), where
     recv_wait_start is when the receiver stopped doing other work (the later of the recv's
     posting and the end of any local compute inside the recv span). A slow *sender* posts
-    late, so its messages still transfer quickly: only a slow link inflates this number.
+    late, so its messages still transfer quickly: only a slow link inflates this number
+    (detect_links.py).
 """
 
 from __future__ import annotations
@@ -44,19 +45,15 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatronapp.scan.matching import CommIndex
+from megatronapp.scan.merge.matching import CommIndex
 from megatronapp.spans import COMPUTE_KINDS, ITERATION, NESTED_NON_COMPUTE, UNKEYED_DP_COLLECTIVES
 
-if TYPE_CHECKING:  # detect_intermittent builds on this module; the stats only travel through it
-    from megatronapp.scan.detect_intermittent import IntermittentStats
 
 _MAD_TO_SIGMA = 1.4826
 _MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
-_EXACT_PEER_LINKS = 32  # link classes up to this size compare each link with the others only
 
 
 @dataclass(frozen=True)
@@ -166,6 +163,25 @@ def compute_pure_spans(ev: RankEvents, iterations: set[int], idle_ns: int = 0,
 
 
 @dataclass(frozen=True)
+class IntermittentStats:
+    """One rank's most significant subset of slow iterations and how unlikely it is in a clean run
+    (computed by detect_intermittent.py, whose docstring gives the steps; defined here because it
+    travels in ComputeStats)."""
+
+    rank: int
+    iterations: int  # with evidence for this rank
+    slow_iterations: tuple[int, ...]  # the subset, ascending
+    p_value: float  # family-wise over subset sizes and ranks (detect_intermittent docstring, step 5)
+    periodic: bool  # the slow iterations are evenly spaced (gaps >= 2) over the whole run
+    slow_ratio: float  # median compute ratio to the peers in the slow iterations (1.0: as fast as they)
+    slow_z: float  # significance of log(slow_ratio) > 0 (median of k levels: SE 1.2533 sigma / sqrt(k))
+    base_ratio: float  # median compute ratio to the peers in the other iterations
+    self_ratio: float  # its own compute in the slow iterations over the others': ~1 for a victim, whose
+    # ratio only moved because its peers' did (with two peers each is the other's reference)
+    evidence_sigmas: float  # median evidence e of the slow iterations, in units of sigma
+
+
+@dataclass(frozen=True)
 class ComputeStats:
     """One rank's compute against peers doing identical work (per-sample ratios to the peer median)."""
 
@@ -185,7 +201,8 @@ class ComputeStats:
     intermittent: IntermittentStats | None = None  # its slow iterations, if any (detect_intermittent.py)
 
 
-def _robust_z(logs: np.ndarray) -> float:
+def robust_z(logs: np.ndarray) -> float:
+    """Median of `logs` over the standard error of a median (MAD-based): how surely it is above 0."""
     med = float(np.median(logs))
     se = _MEDIAN_SE * _MAD_TO_SIGMA * float(np.median(np.abs(logs - med))) / np.sqrt(len(logs))
     return med / se if se > 0 else (np.inf if med > 0 else 0.0)
@@ -240,7 +257,7 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
             rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios), iterations=len(per_it),
             ratio=float(np.exp(np.median(np.log(ratios)))),
             consistency=float(np.mean([np.median(r) >= threshold for r in per_it.values()])),
-            sample_share=float(np.mean(ratios >= threshold)), z=float(_robust_z(np.log(ratios))),
+            sample_share=float(np.mean(ratios >= threshold)), z=float(robust_z(np.log(ratios))),
             rank_median_ns=float(np.median([v for v, _ in pairs.values()])),
             peer_median_ns=float(np.median([ref for _, ref in pairs.values()])),
             excess_ns_per_iteration=float(np.median(list(excess.values()))),
@@ -364,122 +381,3 @@ def compute_straggler_stats(instances: list[CollectiveInstance]) -> dict[int, St
         for fam, n in st.instances.items():
             st.expected_share[fam] /= n
     return dict(stats)
-
-
-# -- point-to-point --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class P2PMessage:
-    src: int
-    dst: int
-    iteration: int
-    seq: int
-    bytes: int
-    send_start: int
-    recv_start: int
-    wait_start: int  # when the receiver stopped doing other work and waited
-    recv_end: int
-
-    @property
-    def transfer_ns(self) -> int:
-        return max(0, self.recv_end - max(self.send_start, self.wait_start))
-
-    @property
-    def waited_on_sender(self) -> bool:
-        return self.send_start > self.wait_start
-
-
-def _recv_wait_start(compute_ends: np.ndarray, start: int, end: int) -> int:
-    lo, hi = np.searchsorted(compute_ends, start, "right"), np.searchsorted(compute_ends, end, "right")
-    return int(compute_ends[hi - 1]) if hi > lo else start
-
-
-def collect_p2p_messages(index: CommIndex, events: dict[int, RankEvents], iterations: set[int]) -> list[P2PMessage]:
-    """Matched messages (matching.py) whose recv is in `iterations`, with the receiver's wait start."""
-    compute_ends = {}
-    for r, ev in events.items():
-        c = ev.cols
-        compute_ends[r] = np.sort(c["end_ns"][(c["cat"] == "compute") & np.isin(c["name"], COMPUTE_KINDS)])
-    out = []
-    for (src, dst, seq), send, recv in index.messages():
-        if recv.iteration not in iterations or dst not in compute_ends:
-            continue
-        wait = _recv_wait_start(compute_ends[dst], recv.start, recv.end)
-        out.append(P2PMessage(src, dst, recv.iteration, seq, recv.bytes, send.start, recv.start, wait, recv.end))
-    return out
-
-
-@dataclass(frozen=True)
-class LinkStats:
-    """One directed link's effective transfer time against comparable links (see compare_links)."""
-
-    src: int
-    dst: int
-    samples: int
-    median_ns: float
-    peer_median_ns: float  # median of the comparable links' medians
-    peer_high_ns: float  # the comparable links' messages' upper quantile (their own jitter)
-    ratio: float
-    excess_ns: float  # median_ns - peer_median_ns
-    consistency: float  # fraction of messages above every bar: ratio, excess and peer_high_ns
-    excess_ns_per_iteration: float  # median over iterations of sum(max(0, transfer - peer median))
-    peer_links: int
-
-
-def _link_classes(by_link: dict, coords: dict[int, dict]) -> dict[tuple, tuple]:
-    """Comparable links: same message size (power of two) and, when that leaves each link a
-    peer, the same pipeline direction (downstream activations vs upstream gradients: on a
-    busy CPU the two directions jitter differently)."""
-    size = {link: int(np.round(np.log2(max(1.0, float(np.median([m.bytes for m in ms]))))))
-            for link, ms in by_link.items()}
-    direction = {(s, d): (coords.get(d, {}).get("pp", 0) > coords.get(s, {}).get("pp", 0)) for s, d in by_link}
-    fine = {link: (size[link], direction[link]) for link in by_link}
-    counts = defaultdict(int)
-    for key in fine.values():
-        counts[key] += 1
-    return {link: fine[link] if counts[fine[link]] > 1 else (size[link],) for link in by_link}
-
-
-def compare_links(messages: list[P2PMessage], coords: dict[int, dict], min_ratio: float, min_excess_ns: int,
-                  peer_quantile: float = 0.9) -> dict[tuple, LinkStats]:
-    """Per directed link with at least one comparable link (_link_classes): its transfers against theirs.
-
-    The reference is the median of the other links' medians (robust to one bad link); a
-    message counts as slow when it beats min_ratio x and min_excess_ns over that reference and
-    also the `peer_quantile` of the other links' messages, so a link is only as suspicious as
-    it is unlike the jitter its peers show."""
-    by_link: dict[tuple, list[P2PMessage]] = defaultdict(list)
-    for m in messages:
-        by_link[(m.src, m.dst)].append(m)
-    transfers = {link: np.array([m.transfer_ns for m in ms], dtype=float) for link, ms in by_link.items()}
-    medians = {link: float(np.median(t)) for link, t in transfers.items()}
-    cls = _link_classes(by_link, coords)
-    members: dict[tuple, list] = defaultdict(list)
-    for link in by_link:
-        members[cls[link]].append(link)
-    pooled = {}  # large classes: one link barely moves the class's reference, so include it (linear time)
-    for key, links in members.items():
-        if len(links) > _EXACT_PEER_LINKS:
-            pooled[key] = (float(np.median([medians[o] for o in links])),
-                           float(np.quantile(np.concatenate([transfers[o] for o in links]), peer_quantile)))
-    out = {}
-    for link, ms in by_link.items():
-        others = [o for o in members[cls[link]] if o != link]
-        if not others:
-            continue
-        if cls[link] in pooled:
-            ref, high = pooled[cls[link]]
-            ref = max(ref, 1.0)
-        else:
-            ref = max(float(np.median([medians[o] for o in others])), 1.0)
-            high = float(np.quantile(np.concatenate([transfers[o] for o in others]), peer_quantile))
-        t = transfers[link]
-        slow = (t >= min_ratio * ref) & (t - ref >= min_excess_ns) & (t >= high)
-        per_it = defaultdict(float)
-        for m, x in zip(ms, t):
-            per_it[m.iteration] += max(0.0, x - ref)
-        out[link] = LinkStats(link[0], link[1], len(ms), medians[link], ref, high, medians[link] / ref,
-                              medians[link] - ref, float(slow.mean()), float(np.median(list(per_it.values()))),
-                              len(others))
-    return out

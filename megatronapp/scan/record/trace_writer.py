@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatronapp.spans import CAT_CALIB
-from megatronapp.scan.format import TraceWriter, build_event_batch_from_columns
+from megatronapp.scan.record.format import TraceWriter, build_event_batch_from_columns
 
 # Span attributes a caller may set, in record order; values default to -1 / "".
 SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")

@@ -28,7 +28,8 @@ from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatronapp.scan.detect_rules import CollectiveInstance, ComputeSpan, P2PMessage
+from megatronapp.scan.analyze.detect_links import P2PMessage
+from megatronapp.scan.analyze.detect_rules import CollectiveInstance, ComputeSpan
 
 
 @dataclass(frozen=True)

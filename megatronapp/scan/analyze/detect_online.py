@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatronapp.parallel.layout import ParallelLayout
-from megatronapp.scan.detect_rules import build_compute_peers, peer_median_ratio
+from megatronapp.scan.analyze.detect_rules import build_compute_peers, peer_median_ratio
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from megatronapp import spans as S
-from megatronapp.scan.tracer import NOOP_SPAN
+from megatronapp.scan.record.tracer import NOOP_SPAN
 
 # Wrapped function -> (op name in the trace, name of the argument whose bytes count).
 COLLECTIVES = {

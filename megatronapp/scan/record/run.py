@@ -1,12 +1,12 @@
-"""Run an unmodified PyTorch program under MegaScan: `python -m megatronapp.scan.run SCRIPT ARGS...`.
+"""Run an unmodified PyTorch program under MegaScan: `python -m megatronapp.scan.record.run SCRIPT ARGS...`.
 
 Meant to be launched once per rank by torchrun (or by `megatronapp trace run`, which does that
 and then merges and analyses the traces):
 
-    torchrun --nproc-per-node 2 -m megatronapp.scan.run train.py --lr 1e-3
+    torchrun --nproc-per-node 2 -m megatronapp.scan.record.run train.py --lr 1e-3
 
 Settings come from MEGATRONAPP_TRACE_* (autotrace.AutoTraceConfig) and faults from
-MEGATRONAPP_INJECT_* (engine.faults). The script runs as `__main__` with `sys.argv` = [SCRIPT,
+MEGATRONAPP_INJECT_* (faults.inject). The script runs as `__main__` with `sys.argv` = [SCRIPT,
 ARGS...], exactly as `python SCRIPT ARGS...` would run it.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from megatronapp.scan.autotrace import AutoTrace, start_from_env
+from megatronapp.scan.record.autotrace import AutoTrace, start_from_env
 
 _SESSION: AutoTrace | None = None
 
@@ -41,7 +41,7 @@ def run_script(argv: list[str]) -> None:
 
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
-        print("usage: python -m megatronapp.scan.run SCRIPT [ARGS...]  (under torchrun)", file=sys.stderr)
+        print("usage: python -m megatronapp.scan.record.run SCRIPT [ARGS...]  (under torchrun)", file=sys.stderr)
         return 2
     run_script(sys.argv[1:])
     return 0

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatronapp.scan.fixed_lines import LineBlock, OutputArena, TextTable
+from megatronapp.scan.merge.fixed_lines import LineBlock, OutputArena, TextTable
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
 LANES_PER_TRACK = 1000  # tid = track index * this + lane + 1

@@ -43,11 +43,11 @@ from pathlib import Path
 import numpy as np
 
 from megatronapp.files import commit_temp, temp_path_beside
-from megatronapp.scan.align import AlignmentReport, align_traces
-from megatronapp.scan.chrome import process_lines
-from megatronapp.scan.format import check_file_rank, select_trace_files
-from megatronapp.scan.merge_window import ARRIVAL_NS, RankClocks, WindowMerger, place_arrival
-from megatronapp.scan.stream import RankSurvey, Vocabulary, WindowReader, survey_rank
+from megatronapp.scan.merge.align import AlignmentReport, align_traces
+from megatronapp.scan.merge.chrome import process_lines
+from megatronapp.scan.record.format import check_file_rank, select_trace_files
+from megatronapp.scan.merge.merge_window import ARRIVAL_NS, RankClocks, WindowMerger, place_arrival
+from megatronapp.scan.merge.stream import RankSurvey, Vocabulary, WindowReader, survey_rank
 
 __all__ = ["ARRIVAL_NS", "MergeSummary", "merge_traces", "merge_traces_split", "place_arrival", "split_output_name"]
 

@@ -23,16 +23,22 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      model of detect_intermittent.py (per-iteration evidence against the run's own jitter).
   2. Collectives (detect_rules.collect_collectives). Each (group, seq) instance splits into
      wait (last start - my start) and transfer (end - last start). Chronic last arrival
-     (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence)
-     but never makes one: a rank held up by its own pipeline arrives last too, as a victim.
-  3. P2P (detect_rules.compare_links). Effective transfer per directed link against links
+     (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence).
+     Arrival order is also evidence of its own (detect_arrival.py): a rank that caused most of
+     the waiting at its collectives (>= `arrival_min_share`), `arrival_min_lateness_ns` after its peers, with
+     more *own* work since the group last synchronised (its waits subtracted, so a rank held up
+     by its pipeline is a victim, not a straggler) by the compute bars (ratio, consistency, z)
+     is named slow_compute even where its compute spans look normal (work outside the spans,
+     a CPU quota that freezes it between spans).
+  3. P2P (detect_links.compare_links). Effective transfer per directed link against links
      carrying same-size messages in the same pipeline direction; `config.link_rule` decides
      (default: median ratio >= `link_min_ratio`, excess >= `link_min_excess_ns`, and >=
      `link_min_consistency` of messages above those bars and above the
      `link_peer_quantile` of the peer links' own messages). A slow link is reported with
      rank = its source, by convention.
   4. Combine. Suspects are ranks whose own compute or own link is slow, so pure victims are
-     never listed. Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
+     never listed; a TP peer dragged along in lockstep and the reverse of a slow link are
+     dropped as echoes of the stronger suspect (verdict_filters.py). Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
      (ratio - 1) / (strong ratio - 1) capped at 1. Order: confidence, then saving.
   5. What-if (detect_path): the iteration time if the suspect were as fast as its peers,
      from each iteration's critical path.
@@ -52,10 +58,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from megatronapp.scan import detect_path as paths
-from megatronapp.scan import detect_rules as rules
-from megatronapp.scan.detect_intermittent import compare_intermittent
-from megatronapp.scan.matching import index_comm_events
+from megatronapp.scan.analyze import detect_path as paths
+from megatronapp.scan.analyze import detect_arrival as arrivals
+from megatronapp.scan.analyze import detect_links as p2p
+from megatronapp.scan.analyze import detect_rules as rules
+from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
+from megatronapp.scan.analyze.verdict_filters import drop_echoes
+from megatronapp.scan.merge.matching import index_comm_events
 
 CAUSES = ("slow_compute", "slow_link")
 _BASIS_WEIGHT = {"dp_replicas": 1.0, "tp_peers": 0.9, "pipeline_stages": 0.6}
@@ -93,7 +102,15 @@ def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
     return stats.samples >= config.min_samples and (is_constant(stats, config) or is_intermittent(stats, config))
 
 
-def is_slow_link(stats: rules.LinkStats, config: DetectConfig) -> bool:
+def is_late_by_own_work(stats: arrivals.ArrivalStats, config: DetectConfig) -> bool:
+    """Default arrival rule (module docstring, step 2): the compute bars on own work before arrival."""
+    return arrivals.is_arrival_straggler(
+        stats, min_samples=config.min_samples, min_share=config.arrival_min_share, min_ratio=config.compute_min_ratio,
+        min_consistency=config.compute_min_consistency, min_z=config.compute_min_z,
+        min_lateness_ns=config.arrival_min_lateness_ns)
+
+
+def is_slow_link(stats: p2p.LinkStats, config: DetectConfig) -> bool:
     """Default link rule (see the module docstring, step 3)."""
     return (stats.samples >= config.min_samples and stats.ratio >= config.link_min_ratio
             and stats.excess_ns >= config.link_min_excess_ns and stats.consistency >= config.link_min_consistency)
@@ -132,10 +149,15 @@ class DetectConfig:
     link_peer_quantile: float = 0.9  # a slow message must also beat this quantile of peer links' messages
     strong_link_ratio: float = 3.0
     straggler_min_share: float = 0.6  # share of last arrivals that corroborates a slow rank
+    arrival_min_share: float = 0.6  # share of the waiting at its collectives a rank caused that, with own-work
+    # evidence, names it, and at least 1.5x a fair share (detect_arrival.py). 0.75 missed a DDP dp4 straggler
+    # with 2.3x its peers' own work in 92% of iterations that caused 70% of the waiting (bucket order varies)
+    arrival_min_lateness_ns: int = 1_000_000  # median lead of its peers' arrival over its own
     warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
     iterations: tuple[int, int] | None = None  # half-open [A, B); None: all, warm-up skipped
     compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
-    link_rule: Callable[[rules.LinkStats, DetectConfig], bool] = is_slow_link
+    link_rule: Callable[[p2p.LinkStats, DetectConfig], bool] = is_slow_link
+    arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
 
     def __post_init__(self) -> None:
         for name in ("compute_min_ratio", "strong_compute_ratio", "link_min_ratio", "strong_link_ratio",
@@ -143,7 +165,7 @@ class DetectConfig:
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
         for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share",
-                     "intermittent_max_share", "intermittent_min_saving"):
+                     "intermittent_max_share", "intermittent_min_saving", "arrival_min_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
         if not 0.0 < self.intermittent_alpha < 0.5:
@@ -262,7 +284,42 @@ def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, con
     return Suspect(st.rank, coords[st.rank], "slow_compute", conf, evidence)
 
 
-def _link_suspect(st: rules.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
+def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coords: dict,
+                      config: DetectConfig) -> list[Suspect]:
+    """Ranks named by arrival order (module docstring, step 2) that compute did not name already;
+    a compute suspect gets the arrival evidence added to its own."""
+    samples = arrivals.compute_arrival_samples(instances, messages)
+    stats = arrivals.compare_arrivals(samples, instances, config.compute_min_ratio)
+    named = {s.rank: s for s in compute_suspects}
+    out = []
+    for rank, st in sorted(stats.items()):
+        if not config.arrival_rule(st, config):
+            continue
+        summary, fields = arrivals.describe_arrivals(st)
+        if rank in named:
+            s = named[rank]
+            s.evidence.update({k: v for k, v in fields.items() if k != "last_arrival_share"})
+            continue
+        conf = _confidence(_BASIS_WEIGHT["dp_replicas"], st.ratio, config.strong_compute_ratio, st.consistency)
+        evidence = {"summary": summary, "basis": "arrival_order", "peers": [], "ratio": round(st.ratio, 3),
+                    "intermittent": False, "consistency": round(st.consistency, 3), "z": round(min(st.z, 1e6), 2),
+                    "samples": st.samples, "iterations": st.iterations,
+                    "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration), **fields}
+        out.append(Suspect(rank, coords[rank], "slow_compute", conf, evidence))
+    return out
+
+
+def _judge_links(messages, coords: dict, config: DetectConfig) -> dict[tuple, p2p.LinkStats]:
+    """Per link, its stats over the messages whose time is the link's own (p2p.select_timed_messages)
+    if they pass the link rule, else over all of its messages: a real rate limit shows in the former,
+    a delay added at the receiver after arrival (the in-process injector) only in the latter."""
+    views = [p2p.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
+                                 config.link_peer_quantile, timed_only=timed) for timed in (True, False)]
+    return {link: st if config.link_rule(st, config) or link not in views[1] else views[1][link]
+            for link, st in views[0].items()}
+
+
+def _link_suspect(st: p2p.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
     conf = _confidence(_LINK_WEIGHT, st.ratio, config.strong_link_ratio, st.consistency)
     summary = (f"link {st.src}->{st.dst} takes {_ms(st.median_ns)} ms per message vs {_ms(st.peer_median_ns)} ms "
                f"on {st.peer_links} comparable links ({st.ratio:.1f}x) in {st.consistency:.0%} of {st.samples} "
@@ -281,7 +338,10 @@ def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], busy: list[dict], 
     if not crit:
         return s
     intermittent = s.evidence.get("intermittent", False)
-    if s.cause == "slow_compute":
+    if s.evidence.get("basis") == "arrival_order":  # its excess lies outside its compute spans
+        savings = [s.evidence["excess_ms_per_iteration"] * 1e6] * len(crit)
+        floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
+    elif s.cause == "slow_compute":
         ratio = s.evidence["slow_iteration_ratio"] if intermittent else s.evidence["ratio"]
         slow = set(s.evidence["slow_iterations"]) if intermittent else None
         savings = [paths.estimate_compute_saving(p, s.rank, spans.get(s.rank, []), ratio)
@@ -383,16 +443,18 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     index = index_comm_events(traces)
     instances = rules.collect_collectives(index, events, its)
     stragglers = rules.compute_straggler_stats(instances)
-    messages = rules.collect_p2p_messages(index, events, its)
-    links = rules.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
-                                config.link_peer_quantile)
+    messages = p2p.collect_p2p_messages(index, events, its)
+    links = _judge_links(messages, coords, config)
     suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
                 if config.compute_rule(st, config)]
+    suspects += _arrival_suspects(instances, messages, suspects, coords, config)
     suspects += [_link_suspect(st, coords, config) for st in links.values() if config.link_rule(st, config)]
     crit = [paths.compute_critical_path(i, {r: s[i] for r, s in iter_spans.items()},
                                         paths.build_blocking_events(i, messages, instances)) for i in iterations]
     busy = [paths.compute_busy_ns(i, {r: s[i] for r, s in iter_spans.items()}, messages, instances)
             for i in iterations]
+    suspects, echoes = drop_echoes(suspects, layout.get("tp_size", 1))
+    notes += echoes
     suspects = [_with_what_if(s, crit, busy, spans, links) for s in suspects]
     negligible = [s for s in suspects if s.evidence.get("intermittent")
                   and s.saving_ns < config.intermittent_min_saving * s.iteration_ns]

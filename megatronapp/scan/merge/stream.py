@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from megatronapp.spans import CAT_CALIB, CAT_COMM
-from megatronapp.scan.format import (
+from megatronapp.scan.record.format import (
     COLUMN_DEFAULTS,
     END_OF_STREAM,
     EVENT_COLUMNS,

@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatronapp.scan.format import RankTrace
-from megatronapp.scan.matching import CommEnd, CommIndex, index_comm_events
+from megatronapp.scan.record.format import RankTrace
+from megatronapp.scan.merge.matching import CommEnd, CommIndex, index_comm_events
 
 DEFAULT_MIN_DRIFT_SPAN_NS = 30_000_000_000  # shorter calibration spans cannot see ppm drift
 _MAX_PROJECTION_ROUNDS = 2000

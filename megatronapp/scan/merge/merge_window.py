@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatronapp.spans import ARRIVAL, CAT_COMM, RECV, SEND
-from megatronapp.scan.align import ClockMapping
-from megatronapp.scan.chrome import (
+from megatronapp.scan.merge.align import ClockMapping
+from megatronapp.scan.merge.chrome import (
     LANES_PER_TRACK,
     TRACKS,
     compute_lanes,
@@ -24,16 +24,16 @@ from megatronapp.scan.chrome import (
     span_lines,
     thread_lines,
 )
-from megatronapp.scan.fixed_lines import OutputArena
-from megatronapp.scan.format import RankTrace
-from megatronapp.scan.matching import (
+from megatronapp.scan.merge.fixed_lines import OutputArena
+from megatronapp.scan.record.format import RankTrace
+from megatronapp.scan.merge.matching import (
     CommEnd,
     match_message_keys,
     order_collective_members,
     pack_message_keys,
     unpack_message_keys,
 )
-from megatronapp.scan.stream import Vocabulary
+from megatronapp.scan.merge.stream import Vocabulary
 
 ARRIVAL_NS = 1_000  # length of a message's arrival slice (see place_arrival)
 _PENDING_FIELDS = ("key", "rank", "start", "end", "iteration", "bytes", "tid")

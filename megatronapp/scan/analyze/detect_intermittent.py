@@ -40,32 +40,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 
-from megatronapp.scan.detect_rules import ComputeSpan, peer_median_ratio
+from megatronapp.scan.analyze.detect_rules import ComputeSpan, IntermittentStats, peer_median_ratio
 
 _MAD_TO_SIGMA = 1.4826
 _MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
 _MIN_SCALE = 1e-3  # log-ratio units: a stream with no spread at all (identical simulated spans)
-
-
-@dataclass(frozen=True)
-class IntermittentStats:
-    """One rank's most significant subset of slow iterations and how unlikely it is in a clean run."""
-
-    rank: int
-    iterations: int  # with evidence for this rank
-    slow_iterations: tuple[int, ...]  # the subset, ascending
-    p_value: float  # family-wise over subset sizes and ranks (module docstring, step 5)
-    periodic: bool  # the slow iterations are evenly spaced (gaps >= 2) over the whole run (_is_periodic)
-    slow_ratio: float  # median compute ratio to the peers in the slow iterations (1.0: as fast as they)
-    slow_z: float  # significance of log(slow_ratio) > 0 (median of k levels: SE 1.2533 sigma / sqrt(k))
-    base_ratio: float  # median compute ratio to the peers in the other iterations
-    self_ratio: float  # its own compute in the slow iterations over the others': ~1 for a victim, whose
-    # ratio only moved because its peers' did (with two peers each is the other's reference)
-    evidence_sigmas: float  # median evidence e of the slow iterations, in units of sigma
 
 
 def compute_log_ratios(spans_by_rank: dict[int, list[ComputeSpan]],

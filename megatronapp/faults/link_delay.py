@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from megatronapp.engine.faults import FaultPlan, LinkDelay
+from megatronapp.faults.inject import FaultPlan, LinkDelay
 
 _MODULES = (dist, c10d)
 _WRAPPED = ("irecv", "recv", "batch_isend_irecv")

@@ -1,0 +1,184 @@
+"""Frozen evaluation of MegaScan detection on real faults from the fault lab (megatronapp/faults/lab).
+
+A split is only worth quoting if the detector was fixed before its scenarios existed, so:
+
+    # 0. every detector threshold in one file (DetectConfig's fields; edit it to tune on design splits)
+    python benchmarks/scan_eval.py frozen thresholds --out out/frozen/thresholds.json
+    # 1. freeze: record the detector version (git commit + sha256 of the thresholds file), *then*
+    #    draw the split's seed and scenarios; written once to SPLIT/split.json
+    python benchmarks/scan_eval.py frozen freeze out/frozen/design1 --thresholds out/frozen/thresholds.json \
+        --runs-per-kind 3 --clean-runs 3
+    # 2. run it, once (refused if the detector changed since freezing, or if it already ran)
+    python benchmarks/scan_eval.py frozen run out/frozen/design1
+    # 3. score: per fault kind and per layout, n and 95% Wilson intervals, both hashes in the report
+    python benchmarks/scan_eval.py frozen score out/frozen/design1
+
+Re-scoring a split with another detector (commit or thresholds) is refused: a changed detector
+gets a new split. The working tree must be clean when freezing (else the commit does not say
+what ran). Tune on design splits only; a held-out split is frozen after tuning and quoted as is.
+
+Scenarios (all real faults): none and noise (a busy loop per core) as clean runs; slow_rank (a
+cgroup quota or a competing pinned process, 2.5-6x below the rank's fair share of CPU);
+intermittent (the same for 300 ms of every 2 s... 1 s); user_straggler (extra matmuls in one
+rank's step of the DDP or FSDP2 example under `trace run`); slow_link (a PP engine job with each
+rank in its own namespace, one pipeline link rate-limited to 10-40 Mbit/s); two_faults (a slow
+rank and a slow link). Layouts: engine TP/PP/DP mixes of 4 ranks and the DDP/FSDP2 examples at
+dp 2 and 4. One run is one lab job (~15-35 s on an idle 2-core machine), run one at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KINDS = ("none", "noise", "slow_rank", "intermittent", "user_straggler", "slow_link", "two_faults")
+CLEAN_KINDS = ("none", "noise")
+ENGINE_LAYOUTS = ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1), (1, 1, 4))  # (tp, pp, dp), 4 ranks
+SCRIPT_LAYOUTS = (("ddp", 2), ("ddp", 4), ("fsdp2", 2), ("fsdp2", 4))
+SCRIPTS = {"ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768", "--batch", "96")),
+           "fsdp2": ("examples/fsdp2_train.py", ("--steps", "16", "--hidden", "256", "--batch", "64"))}
+# Extra matmuls per step that make the straggler's step ~1.3-3x (an extra matmul is batch x hidden^2 MACs:
+# 56 M for the DDP settings, whose step is ~190 M; 4.2 M for FSDP2's, whose step is ~300 M).
+EXTRA_MATMULS = {"ddp": (6, 16), "fsdp2": (40, 150)}
+
+
+class FrozenSplitError(ValueError):
+    """A split that may not be run or scored as asked; the message says why."""
+
+
+# -- detector version ------------------------------------------------------------------------
+
+
+def threshold_fields() -> dict:
+    """Every plain threshold of DetectConfig with its default (rules and ranges excluded)."""
+    from megatronapp.scan.analyze.detect import DetectConfig
+
+    return {f.name: f.default for f in dataclasses.fields(DetectConfig)
+            if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)}
+
+
+def load_thresholds(path: Path) -> dict:
+    """The thresholds file: a JSON object of DetectConfig fields, every one present."""
+    values = json.loads(Path(path).read_text())
+    expected = threshold_fields()
+    missing, unknown = sorted(set(expected) - set(values)), sorted(set(values) - set(expected))
+    if missing or unknown:
+        raise FrozenSplitError(f"{path}: thresholds file must hold every detector threshold "
+                               f"(missing {missing}, unknown {unknown})")
+    return values
+
+
+def detector_version(thresholds_path: Path) -> dict:
+    """{commit, thresholds_sha256, dirty}: what decides every verdict of a split."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    load_thresholds(thresholds_path)
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "thresholds_sha256": hashlib.sha256(Path(thresholds_path).read_bytes()).hexdigest()}
+
+
+def _same_detector(recorded: dict, current: dict) -> str | None:
+    """None if the same; else what differs, in words."""
+    diffs = [f"{k} {recorded.get(k)} -> {current.get(k)}" for k in ("commit", "thresholds_sha256")
+             if recorded.get(k) != current.get(k)]
+    return "; ".join(diffs) if diffs else None
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
+    """One scenario as JSON-ready data: kind, layout, the faults and the true causes."""
+    if kind == "user_straggler":
+        script, dp = rng.choice(SCRIPT_LAYOUTS)
+        rank = rng.randrange(dp)
+        return {"index": index, "kind": kind, "layout": f"{script} dp{dp}", "job": {"script": script, "nproc": dp},
+                "faults": [{"type": "extra_work", "rank": rank, "matmuls": rng.randint(*EXTRA_MATMULS[script])}],
+                "truth": [["slow_compute", rank]]}
+    pp_needed = kind in ("slow_link", "two_faults")
+    layouts = [lay for lay in ENGINE_LAYOUTS if lay[1] > 1] if pp_needed else ENGINE_LAYOUTS
+    tp, pp, dp = rng.choice(layouts)
+    sc = {"index": index, "kind": kind, "layout": f"engine TP{tp} PP{pp} DP{dp}", "job": {"tp": tp, "pp": pp, "dp": dp},
+          "faults": [], "truth": [], "nodes": 0}
+    if kind == "noise":
+        sc["faults"].append({"type": "noise"})
+    if kind in ("slow_rank", "intermittent", "two_faults"):
+        rank = rng.randrange(4)
+        fault = {"type": "slow_rank", "rank": rank, "method": rng.choice(["quota", "compete"]),
+                 "factor": round(rng.uniform(2.5, 6.0), 2)}
+        if kind == "intermittent":
+            fault["schedule"] = [300, rng.choice([1000, 1500, 2000])]
+        sc["faults"].append(fault)
+        sc["truth"].append(["slow_compute", rank])
+    if pp_needed:
+        src, stage = rng.randrange(4), tp * dp  # global rank = tp + dp * TP + pp * TP * DP
+        dst = src + stage if src // stage < pp - 1 else src - stage  # a pipeline neighbour
+        sc["faults"].append({"type": "slow_link", "src": src, "dst": dst, "rate_mbit": rng.choice([10, 20, 40])})
+        sc["truth"].append(["slow_link", [src, dst]])
+        sc["nodes"] = 4
+    return sc
+
+
+def plan_split(seed: int, runs_per_kind: int, clean_runs: int) -> list[dict]:
+    """Scenarios of a split: clean_runs split between none and noise, runs_per_kind of each fault kind."""
+    rng, out = random.Random(seed), []
+    counts = {"none": clean_runs - clean_runs // 2, "noise": clean_runs // 2,
+              **{k: runs_per_kind for k in KINDS if k not in CLEAN_KINDS}}
+    for kind in KINDS:
+        for _ in range(counts[kind]):
+            out.append(draw_scenario(rng, len(out), kind))
+    rng.shuffle(out)  # kinds interleaved: a machine that gets busier later does not hit one kind only
+    return out
+
+
+def freeze_split(split_dir: Path, thresholds_path: Path, runs_per_kind: int, clean_runs: int,
+                 allow_dirty: bool = False) -> dict:
+    """Record the detector version, then draw a fresh seed and the scenarios; write split.json once."""
+    split_dir = Path(split_dir)
+    if (split_dir / "split.json").exists():
+        raise FrozenSplitError(f"{split_dir} is already frozen: a new split needs a new directory")
+    version = detector_version(thresholds_path)  # before the seed exists: the detector cannot see the split
+    if version["dirty"] and not allow_dirty:
+        raise FrozenSplitError("the working tree has uncommitted changes: commit the detector before freezing")
+    thresholds = load_thresholds(thresholds_path)
+    seed = secrets.randbits(62)
+    split = {"detector": version, "thresholds": thresholds, "thresholds_file": str(Path(thresholds_path).resolve()),
+             "seed": seed, "frozen_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "scenarios": plan_split(seed, runs_per_kind, clean_runs)}
+    split_dir.mkdir(parents=True, exist_ok=True)
+    _write_json_once(split_dir / "split.json", split)
+    return split
+
+
+def _write_json_once(path: Path, payload: dict) -> None:
+    from megatronapp.files import write_text_atomic
+
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def load_split(split_dir: Path, thresholds_path: Path | None = None) -> dict:
+    """split.json, refused unless the current detector is the one it was frozen with."""
+    split = json.loads((Path(split_dir) / "split.json").read_text())
+    current = detector_version(Path(thresholds_path or split["thresholds_file"]))
+    diff = _same_detector(split["detector"], current)
+    if diff:
+        raise FrozenSplitError(f"{split_dir} was frozen with another detector ({diff}): "
+                               "a changed detector gets a new split, it never re-scores an old one")
+    return split
+
+
+def write_default_thresholds(path: Path) -> None:
+    """A thresholds file holding every detector threshold at its default."""
+    if Path(path).exists():
+        raise FrozenSplitError(f"{path} exists: edit it, or write the defaults elsewhere")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _write_json_once(Path(path), threshold_fields())

@@ -1,0 +1,164 @@
+"""Running and scoring a frozen split (scan_eval_frozen.py): scenario -> lab plan -> verdict -> scores.
+
+Each scenario runs once through megatronapp.faults.lab.run_lab, one at a time (the lab pins and
+throttles real processes: two runs at once would be each other's fault). Its verdict comes from
+the split's own thresholds; one JSON line per run is appended to SPLIT/results.jsonl at once.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from scan_eval_core import named_causes, rate
+import scan_eval_frozen
+from scan_eval_frozen import CLEAN_KINDS, ROOT, SCRIPTS, FrozenSplitError, load_split
+from scan_eval_runner import append_record, load_records
+
+
+# The tiny preset's 8 KiB activations fit in a rate limiter's burst: a 20 Mbit/s link delayed them
+# 0.5 ms (design split 2: both slow links missed under the 2 ms excess bar). 32 KiB messages take
+# ~13 ms on it, as a real model's far larger activations would on a slow link.
+ENGINE_MODEL = ("--model", "tiny", "--hidden-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2")
+
+
+def build_plan(sc: dict):
+    """The LabPlan of a scenario (scan_eval_frozen.draw_scenario)."""
+    from megatronapp.faults.lab import (EngineJob, ExtraWork, LabPlan, Noise, Schedule, ScriptJob, SlowLink,
+                                        SlowRank)
+
+    job = sc["job"]
+    if "script" in job:
+        script, args = SCRIPTS[job["script"]]
+        lab_job = ScriptJob(str(ROOT / script), args, nproc=job["nproc"])
+    else:
+        lab_job = EngineJob(job["tp"], job["pp"], job["dp"], iters=20, extra=ENGINE_MODEL)
+    faults = []
+    for f in sc["faults"]:
+        if f["type"] == "extra_work":
+            faults.append(ExtraWork(f["rank"], f["matmuls"]))
+        elif f["type"] == "noise":
+            faults.append(Noise())
+        elif f["type"] == "slow_rank":
+            schedule = Schedule(*f["schedule"]) if "schedule" in f else None
+            faults.append(SlowRank(f["rank"], f["method"], f["factor"], schedule))
+        elif f["type"] == "slow_link":
+            faults.append(SlowLink(f["src"], f["dst"], f["rate_mbit"]))
+    return LabPlan(lab_job, tuple(faults), nodes=sc.get("nodes", 0), tag=f"ev{sc['index']}")
+
+
+def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -> dict:
+    from megatronapp.faults.lab import run_lab
+    from megatronapp.scan.analyze.analysis import load_aligned_traces
+    from megatronapp.scan.analyze.detect import DetectConfig, detect
+
+    run_dir = work_dir / f"run{sc['index']}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    result = run_lab(build_plan(sc), run_dir / "trace", timeout_s=timeout_s)
+    record = {"index": sc["index"], "kind": sc["kind"], "layout": sc["layout"], "truth": sc["truth"],
+              "applied": list(result.applied), "seconds": round(result.seconds, 1), "error": "", "suspects": []}
+    if result.returncode != 0:
+        record["error"] = f"job exit {result.returncode}"
+        return record
+    try:
+        aligned, _ = load_aligned_traces(run_dir / "trace")
+        report = detect(aligned, config=DetectConfig(**thresholds))
+    except (OSError, ValueError) as exc:
+        record["error"] = f"detect: {str(exc).splitlines()[0]}"
+        return record
+    record["suspects"] = [{"cause": s.cause, "rank": s.rank, "link": list(s.link) if s.link else None}
+                          for s in report.suspects]
+    if named_causes(record["suspects"]) == _truth(record):  # a wrong verdict keeps its trace, for diagnosis
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return record
+
+
+def run_split(split_dir: Path, work_dir: Path, timeout_s: float = 150.0, log=print) -> Path:
+    """Run every scenario of a frozen split once; refused if it ran (even partly) before, or if the
+    working tree has uncommitted changes. The detector version is checked again before each
+    run: a commit or a thresholds edit mid-split stops it (the split is then spent)."""
+    split = load_split(split_dir)
+    if scan_eval_frozen.detector_version(Path(split["thresholds_file"]))["dirty"]:
+        raise FrozenSplitError("the working tree has uncommitted changes: what runs would not be what was frozen")
+    results = Path(split_dir) / "results.jsonl"
+    if results.exists():
+        raise FrozenSplitError(f"{split_dir} has run already ({results}): a split runs once")
+    results.touch()
+    for sc in split["scenarios"]:
+        load_split(split_dir)
+        t0 = time.monotonic()
+        record = run_scenario(sc, split["thresholds"], Path(work_dir), timeout_s)
+        append_record(results, record)
+        log(f"run {sc['index']} {sc['kind']} {sc['layout']}: {record['error'] or record['suspects']} "
+            f"({time.monotonic() - t0:.0f} s)")
+    return results
+
+
+def _truth(record: dict) -> set:
+    return {("slow_link", tuple(t[1])) if t[0] == "slow_link" else (t[0], t[1]) for t in record["truth"]}
+
+
+def score_records(records: list[dict]) -> dict:
+    """Per kind and per layout: recall (every true cause named), top-1 (the first suspect is a true
+    cause), precision (named causes that are true) and, for clean kinds, false alarms."""
+    groups: dict[str, dict[str, list]] = {"kind": defaultdict(list), "layout": defaultdict(list)}
+    for r in records:
+        if r["error"]:
+            continue
+        groups["kind"][r["kind"]].append(r)
+        groups["layout"][r["layout"]].append(r)
+    return {axis: {key: _scores(rs) for key, rs in sorted(by.items())} for axis, by in groups.items()}
+
+
+def _scores(rs: list[dict]) -> dict:
+    clean = [r for r in rs if r["kind"] in CLEAN_KINDS]
+    faulty = [r for r in rs if r["kind"] not in CLEAN_KINDS]
+    named = [(named_causes(r["suspects"]), _truth(r)) for r in faulty]
+    first = [bool(r["suspects"]) and named_causes(r["suspects"][:1]) <= _truth(r) for r in faulty]
+    return {"recall": rate(sum(t <= n for n, t in named), len(named)),
+            "top1": rate(sum(first), len(first)),
+            "precision": rate(sum(len(n & t) for n, t in named), sum(len(n) for n, _ in named)),
+            "false_alarm": rate(sum(bool(r["suspects"]) for r in clean), len(clean))}
+
+
+def score_split(split_dir: Path) -> dict:
+    """The split's scores with both detector hashes; refused if the detector changed since freezing."""
+    split = load_split(split_dir)
+    records = load_records(Path(split_dir) / "results.jsonl")
+    errors = [r for r in records if r["error"]]
+    return {"detector": split["detector"], "seed": split["seed"], "runs": len(records), "failed_runs": len(errors),
+            "scenarios": len(split["scenarios"]), **score_records(records)}
+
+
+def render_scores(scores: dict) -> str:
+    """Markdown: one table per axis (fault kind, layout), n and 95% Wilson intervals."""
+    d = scores["detector"]
+    lines = [f"Detector: commit {d['commit'][:12]}, thresholds sha256 {d['thresholds_sha256'][:16]}; "
+             f"{scores['runs']} of {scores['scenarios']} runs ({scores['failed_runs']} failed, not scored).", ""]
+    for axis in ("kind", "layout"):
+        lines += [f"| {axis} | recall | top-1 | precision | false alarms (clean) |", "|---|---|---|---|---|"]
+        for key, s in scores[axis].items():
+            cells = [_cell(s[m]) for m in ("recall", "top1", "precision", "false_alarm")]
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(r: dict) -> str:
+    if not r["n"]:
+        return "-"
+    lo, hi = r["ci95"]
+    return f"{r['value']:.2f} ({r['k']}/{r['n']}, [{lo:.2f}, {hi:.2f}])"
+
+
+def write_report(split_dir: Path) -> Path:
+    from megatronapp.files import write_text_atomic
+
+    scores = score_split(split_dir)
+    write_text_atomic(Path(split_dir) / "scores.json", json.dumps(scores, indent=2) + "\n")
+    out = Path(split_dir) / "scores.md"
+    write_text_atomic(out, render_scores(scores) + "\n")
+    return out

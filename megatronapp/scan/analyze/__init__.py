@@ -1,0 +1,1 @@
+"""MegaScan analysis: slow-rank and slow-link detection over recorded traces, and the HTML report."""

@@ -1,0 +1,1 @@
+"""MegaScan merge: clock alignment, comm matching and the Chrome/Perfetto timeline writer."""

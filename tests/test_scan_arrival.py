@@ -1,0 +1,100 @@
+"""Arrival-order evidence (scan/analyze/detect_arrival.py) on synthetic collective instances:
+a rank late by its own work is named, one late because it waited on a receive is not, a clean
+run names nobody."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatronapp.scan.analyze.detect import DetectConfig, is_late_by_own_work
+from megatronapp.scan.analyze.detect_arrival import compare_arrivals, compute_arrival_samples
+from megatronapp.scan.analyze.detect_links import P2PMessage
+from megatronapp.scan.analyze.detect_rules import CollectiveInstance
+
+MS = 1_000_000
+GROUP = "0:[0, 1, 2, 3]"
+
+
+def _dp_job(world: int, work_ms: dict[int, float], waits_ms: dict[int, float], iterations: int = 12,
+            seed: int = 0) -> tuple[list[CollectiveInstance], list[P2PMessage]]:
+    """One all-reduce per iteration among `world` DP ranks. Each rank works work_ms[r] (default 10)
+    after the previous all-reduce ends, with 5% jitter, plus waits_ms[r] spent in a receive from
+    rank `world` (outside the group) before it arrives."""
+    rng = random.Random(seed)
+    instances, messages, t = [], [], 0
+    for it in range(iterations):
+        spans = {}
+        for r in range(world):
+            work = work_ms.get(r, 10.0) * MS * rng.uniform(0.95, 1.05)
+            wait = waits_ms.get(r, 0.0) * MS
+            if wait:
+                messages.append(P2PMessage(world, r, it, it, 1024, int(t + wait), int(t), int(t), int(t + wait)))
+            spans[r] = int(t + wait + work)
+        last = max(spans, key=lambda r: (spans[r], r))
+        end = spans[last] + MS
+        instances.append(CollectiveInstance(GROUP, "dp", it, it, {r: (s, end) for r, s in spans.items()},
+                                            last, spans[last]))
+        t = end
+    return instances, messages
+
+
+def _named(instances, messages, config=DetectConfig()) -> list[int]:
+    stats = compare_arrivals(compute_arrival_samples(instances, messages), instances, config.compute_min_ratio)
+    return sorted(r for r, st in stats.items() if is_late_by_own_work(st, config))
+
+
+@pytest.mark.parametrize("slow", [0, 3])
+def test_a_rank_late_by_its_own_work_is_named(slow):
+    instances, messages = _dp_job(4, {slow: 14.0}, {})
+    assert _named(instances, messages) == [slow]
+    stats = compare_arrivals(compute_arrival_samples(instances, messages), instances, 1.2)[slow]
+    assert stats.last_share > 0.9 and stats.wait_share > 0.9 and stats.ratio == pytest.approx(1.4, rel=0.1)
+    assert stats.median_lateness_ns == pytest.approx(4 * MS, rel=0.3)
+
+
+def test_a_rank_late_because_it_waited_on_a_receive_is_not_named():
+    """Its arrival is as late as a straggler's, but the lateness is a wait, not its own work."""
+    instances, messages = _dp_job(4, {}, {2: 4.0})
+    assert _named(instances, messages) == []
+    stats = compare_arrivals(compute_arrival_samples(instances, messages), instances, 1.2)[2]
+    assert stats.last_share > 0.9  # last every time: arrival order alone would name it
+    assert _named(instances, []) == [2]  # without the receive on record it would be named
+
+
+def test_a_receivers_cold_compute_after_a_long_wait_is_explained_by_the_wait():
+    """Own work a little above the peers' (cold after waiting), lateness mostly the wait."""
+    instances, messages = _dp_job(4, {1: 12.5}, {1: 20.0})
+    assert _named(instances, messages) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_clean_run_names_nobody(seed):
+    instances, messages = _dp_job(4, {}, {}, iterations=24, seed=seed)
+    assert _named(instances, messages) == []
+
+
+def test_a_straggler_late_only_at_the_first_of_many_collectives_per_iteration_is_named():
+    """FSDP2-like: ten collectives an iteration, the straggler's extra work before the first one
+    only; afterwards it is in lockstep with the others (last about as often as they)."""
+    rng = random.Random(3)
+    instances, t = [], 0
+    for it in range(12):
+        for k in range(10):
+            work = {r: (8.0 if (r == 1 and k == 0) else 2.0) * MS * rng.uniform(0.97, 1.03) for r in range(4)}
+            spans = {r: int(t + w) for r, w in work.items()}
+            last = max(spans, key=lambda r: (spans[r], r))
+            end = spans[last] + MS // 10
+            instances.append(CollectiveInstance(GROUP, "dp", it * 10 + k, it, {r: (s, end) for r, s in spans.items()},
+                                                last, spans[last]))
+            t = end
+    assert _named(instances, []) == [1]
+    stats = compare_arrivals(compute_arrival_samples(instances, []), instances, 1.2)[1]
+    assert stats.last_share < 0.5 < 0.9 < stats.wait_share  # last at a few, but the cause of nearly all waiting
+
+
+def test_the_first_instance_has_no_window_and_is_skipped():
+    instances, messages = _dp_job(2, {1: 15.0}, {}, iterations=3)
+    samples = compute_arrival_samples(instances, messages)
+    assert sorted({s.seq for s in samples}) == [1, 2]

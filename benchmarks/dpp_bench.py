@@ -16,7 +16,7 @@ peak in-flight activation sets the schedule allows (static: its own peak, simula
 dynamic: its cap, which the runtime never exceeds) and what they hold: layer inputs and the
 activation memory of Korthikanti et al.'s formula for those layers (an estimate).
 
-Scenarios, by pipeline stage of replica 0 (megatronapp/dpp/scenarios.py, shared with the
+Scenarios, by pipeline stage of replica 0 (megatronapp/dpp/sim/scenarios.py, shared with the
 simulator study), translated to global ranks for the layout; on the default PP4 x DP2:
   balanced  no injection
   jitter1   --inject-jitter 4:1.5           pp 2, each task up to 1.5x
@@ -50,7 +50,7 @@ import threading
 import time
 from pathlib import Path
 
-from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_flags
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_flags
 
 VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
@@ -196,7 +196,7 @@ def run_once(a, variant: str, scenario: str, repeat: int = 0) -> list[float]:
 def schedule_peaks(a, variant: str) -> list[int]:
     """Peak in-flight activation sets per pipeline rank (static: simulated; dynamic: the cap)."""
     from megatronapp.dpp.scheduler import compute_default_caps
-    from megatronapp.dpp.simulator import CostModel, simulate
+    from megatronapp.dpp.sim.simulator import CostModel, simulate
     from megatronapp.pipeline.schedules import build_schedule
 
     schedule, virtual, _ = VARIANTS[variant]

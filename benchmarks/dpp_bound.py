@@ -9,7 +9,7 @@ scenarios run once), per seed:
       static runtime on gloo (the issue's baseline as measured), "eager" the same order with
       every receive posted ahead (what our dynamic runtime's in-order traversal runs);
   (b) the dynamic traversals at interleaved's per-rank in-flight cap (achieved policies);
-  (c) bounds (dpp/bounds.py), NOT achieved by any policy: `bound` = the clairvoyant lower bound
+  (c) bounds (dpp/sim/bounds.py), NOT achieved by any policy: `bound` = the clairvoyant lower bound
       on the step time of any order at that cap, even one knowing every jitter draw (per seed);
       `expected` = the lower bound on the MEAN step time of any order that cannot see a draw
       before choosing (every real policy), compared as a ratio of means.
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dpp_order_search import search_orders  # noqa: E402
 from dpp_sim_study import SWEEP  # noqa: E402
 
-from megatronapp.dpp.bounds import compute_step_bound_s  # noqa: E402
-from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_sim  # noqa: E402
+from megatronapp.dpp.sim.bounds import compute_step_bound_s  # noqa: E402
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_sim  # noqa: E402
 from megatronapp.dpp.scheduler import compute_default_caps  # noqa: E402
-from megatronapp.dpp.simulator import CostModel, simulate  # noqa: E402
+from megatronapp.dpp.sim.simulator import CostModel, simulate  # noqa: E402
 from megatronapp.pipeline.schedules import build_schedule  # noqa: E402
 
 BOUND_SCENARIOS = (*SCENARIOS, "slow1")

@@ -25,10 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatronapp.dpp import trace_costs
+from megatronapp.dpp.sim import trace_costs
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import RankScheduler, compute_default_caps
-from megatronapp.dpp.simulator import CostModel, simulate, simulate_agents
+from megatronapp.dpp.sim.simulator import CostModel, simulate, simulate_agents
 from megatronapp.pipeline.schedules import build_schedule
 
 SCHEDULES = {"1f1b": False, "interleaved": True, "breadth-first": True, "dynamic": True}  # virtual stages?

@@ -2,7 +2,7 @@
 
 It knows the seed's every jitter draw (it re-simulates each candidate with them), so what it
 finds is an achieved schedule no real policy could run; it only shows how much room there is
-between the achieved policies and the lower bound (dpp/bounds.py). Not a bound itself: a
+between the achieved policies and the lower bound (dpp/sim/bounds.py). Not a bound itself: a
 search that stops can miss better orders.
 
 Candidates are fixed per-rank compute orders run with every receive posted ahead (the
@@ -18,8 +18,8 @@ import random
 
 from megatronapp.dpp.policies import compute_depth_first_order
 from megatronapp.dpp.scheduler import compute_peak_inflight
-from megatronapp.dpp.simulator import CostModel, simulate_agents
-from megatronapp.dpp.static_agents import EagerStaticAgent
+from megatronapp.dpp.sim.simulator import CostModel, simulate_agents
+from megatronapp.dpp.sim.static_agents import EagerStaticAgent
 
 
 class _Orders:

@@ -22,9 +22,9 @@ import statistics
 import sys
 
 from megatronapp.dpp.policies import InOrderPolicy, compute_depth_first_order
-from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_sim
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_sim
 from megatronapp.dpp.scheduler import RankScheduler, compute_default_caps
-from megatronapp.dpp.simulator import CostModel, simulate, simulate_agents
+from megatronapp.dpp.sim.simulator import CostModel, simulate, simulate_agents
 from megatronapp.dpp.tasks import BACKWARD
 from megatronapp.pipeline.schedules import build_schedule
 

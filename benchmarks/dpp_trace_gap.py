@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dpp_sim_study import variants as sim_variants  # noqa: E402
 
 from megatronapp.dpp.config import JitterSpec, parse_jitter  # noqa: E402
-from megatronapp.dpp.simulator import CostModel, simulate  # noqa: E402
-from megatronapp.dpp.trace_costs import (  # noqa: E402
+from megatronapp.dpp.sim.simulator import CostModel, simulate  # noqa: E402
+from megatronapp.dpp.sim.trace_costs import (  # noqa: E402
     TracedRun,
     compute_iteration_times,
     compute_trace_costs,

@@ -3,7 +3,7 @@
 Rank 0 isends and waits; rank 1 posts the matching recv only after --delay-s. The static
 pipeline runtime waits its comm batches whole (sends included), so this is what couples a
 sender to a late receiver there, and what the simulator's "rendezvous" model encodes
-(megatronapp/dpp/static_agents.py).
+(megatronapp/dpp/sim/static_agents.py).
 
     python benchmarks/gloo_send_semantics.py --delay-s 1
 """

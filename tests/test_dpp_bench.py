@@ -106,9 +106,9 @@ def test_trace_gap_takes_the_jitter_out_of_a_jittered_ranks_task_times():
     by the mean factor (1 + 1.5) / 2 first; other ranks' times are kept as traced."""
     import dpp_trace_gap
 
-    from megatronapp.dpp.simulator import Span
+    from megatronapp.dpp.sim.simulator import Span
     from megatronapp.dpp.tasks import backward_task, forward_task
-    from megatronapp.dpp.trace_costs import TracedRun
+    from megatronapp.dpp.sim.trace_costs import TracedRun
 
     spans = [Span(0, forward_task(0, 0), 0.0, 0.010), Span(1, forward_task(0, 0), 0.011, 0.036),
              Span(1, backward_task(0, 0), 0.036, 0.086), Span(0, backward_task(0, 0), 0.087, 0.107)]

@@ -15,7 +15,7 @@ import dpp_bound  # noqa: E402
 import dpp_order_search  # noqa: E402
 
 from megatronapp.dpp.policies import compute_depth_first_order  # noqa: E402
-from megatronapp.dpp.simulator import CostModel, simulate  # noqa: E402
+from megatronapp.dpp.sim.simulator import CostModel, simulate  # noqa: E402
 from megatronapp.pipeline.schedules import build_schedule  # noqa: E402
 
 BASE = CostModel.uniform(4, 2, 1.0, 2.0, p2p_latency_s=0.1)

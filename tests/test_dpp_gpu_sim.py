@@ -14,7 +14,7 @@ import dpp_gpu_sim  # noqa: E402
 
 from megatronapp.dpp.config import JitterSpec  # noqa: E402
 from megatronapp.dpp.scheduler import compute_default_caps  # noqa: E402
-from megatronapp.dpp.simulator import CostModel, Span, simulate  # noqa: E402
+from megatronapp.dpp.sim.simulator import CostModel, Span, simulate  # noqa: E402
 from megatronapp.dpp.tasks import backward_task, forward_task  # noqa: E402
 from megatronapp.pipeline.schedules import build_schedule  # noqa: E402
 

@@ -11,8 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import dpp_sim_study as study  # noqa: E402
 
-from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_sim  # noqa: E402
-from megatronapp.dpp.simulator import CostModel, simulate  # noqa: E402
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_sim  # noqa: E402
+from megatronapp.dpp.sim.simulator import CostModel, simulate  # noqa: E402
 
 
 @pytest.mark.parametrize("pp,m", [(3, 6), (4, 8)])

@@ -21,8 +21,8 @@ import sys
 from megatronapp.dpp.config import DppConfig, parse_jitter
 from megatronapp.dpp.policies import TRAVERSALS
 from megatronapp.dpp.scheduler import check_cap, compute_default_caps
-from megatronapp.dpp.simulator import CostModel, SimResult, simulate
-from megatronapp.dpp.static_agents import STATIC_COMM_MODELS
+from megatronapp.dpp.sim.simulator import CostModel, SimResult, simulate
+from megatronapp.dpp.sim.static_agents import STATIC_COMM_MODELS
 from megatronapp.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 
 
@@ -44,7 +44,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-comm", choices=STATIC_COMM_MODELS, default=None,
                    help="how a static schedule's messages move: rendezvous = the static runtime on gloo "
                         "(batches waited whole, a send moves once its recv is posted); eager = every recv "
-                        "posted ahead (dpp/static_agents.py). Default: rendezvous, or eager with --from-trace "
+                        "posted ahead (dpp/sim/static_agents.py). Default: rendezvous, or eager with --from-trace "
                         "(the overhead fitted from a trace already holds the rendezvous waits)")
     p.add_argument("--inject-jitter", action="append", default=[], metavar="PPRANK:MAXFACTOR[:SEED]")
     p.add_argument("--from-trace", default=None, metavar="DIR", help="task times (and layout) of a MegaScan trace")
@@ -91,7 +91,7 @@ def _link(args, latency_ms: float = 0.0) -> dict:
 def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
     """(P, V, M, schedule name, cost model, traced run or None) from the flags."""
     if args.from_trace:
-        from megatronapp.dpp import trace_costs
+        from megatronapp.dpp.sim import trace_costs
 
         run = trace_costs.load_traced_run(args.from_trace)
         pp, vpp, m = run.pp_size, run.num_chunks, run.num_microbatches
@@ -133,7 +133,7 @@ def run_simulate(args) -> int:
               "peak_inflight_activations": res.peak_activations, "peak_inflight_microbatches": res.peak_inflight,
               "caps": caps}
     if run is not None:  # how far the prediction is from what the trace recorded
-        from megatronapp.dpp.trace_costs import compute_iteration_times
+        from megatronapp.dpp.sim.trace_costs import compute_iteration_times
 
         measured = statistics.fmean(compute_iteration_times(run).values())
         report.update(measured_iteration_s=measured, prediction_error=res.makespan_s / measured - 1.0)
@@ -151,7 +151,7 @@ def run_simulate(args) -> int:
 
 
 def run_show(args) -> int:
-    from megatronapp.dpp.render import save_chrome_trace, save_gantt_png
+    from megatronapp.dpp.sim.render import save_chrome_trace, save_gantt_png
 
     try:
         if args.from_trace and not args.simulate:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import Decision, RankScheduler
-from megatronapp.dpp.static_agents import build_static_agents
+from megatronapp.dpp.sim.static_agents import build_static_agents
 from megatronapp.dpp.tasks import FORWARD
 from megatronapp.pipeline.actions import Action, PipelineSchedule
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from megatronapp.dpp.simulator import Span
+from megatronapp.dpp.sim.simulator import Span
 from megatronapp.dpp.tasks import FORWARD
 from megatronapp.files import atomic_path, write_bytes_atomic
 

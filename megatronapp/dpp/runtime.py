@@ -79,7 +79,7 @@ class DynamicPipelineRuntime:
 
     def __init__(self, model, groups: ParallelGroups, config: DppConfig, *, num_chunks: int,
                  num_microbatches: int, device, tracer, reducer=None, injector=None, grad_scale_func=None,
-                 separate_channels: bool | None = None):
+                 separate_channels: bool | None = None, split_backward: bool = False):
         lay = groups.layout
         self.model, self.groups, self.config, self.device = model, groups, config, device
         self.pp_size, self.num_chunks, self.num_microbatches = lay.pp_size, num_chunks, num_microbatches
@@ -87,7 +87,7 @@ class DynamicPipelineRuntime:
         default = compute_default_caps(lay.pp_size, num_chunks, num_microbatches)[groups.pp_rank]
         self.cap = config.max_inflight or default
         self.stage = StageCompute(model, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches, device,
-                                  injector, grad_scale_func)
+                                  injector, grad_scale_func, split_backward)
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         self.policy = build_policy(config.traversal, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
         # (task, global source rank) of every input another rank sends this one in a step

@@ -74,7 +74,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _train_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None)
     _train_flag(g, "--split-backward", "run each backward as I (input gradient, sent upstream) and W "
-                "(weight-gradient GEMMs, later); default: on for zb-h1 and interleaved-zb",
+                "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
                 action="store_true")
     g.add_argument("--no-split-backward", dest="split_backward", action="store_false", default=None)
     _train_flag(g, "--gradient-accumulation-fusion", "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 "

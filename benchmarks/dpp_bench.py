@@ -56,12 +56,19 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
     "interleaved": ("interleaved", True, []),
     "breadth-first": ("breadth-first", True, []),
-    "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first"]),
-    "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive"]),
-    "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order"]),
+    # static zero-bubble schedules: backward split into I and W, W in the unit-cost bubbles
+    "zb-h1": ("zb-h1", False, []),
+    "interleaved-zb": ("interleaved-zb", True, []),
+    # the dynamic runtime without W filling (whole backward), as published before the split
+    "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first", "--no-split-backward"]),
+    "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive", "--no-split-backward"]),
+    "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order", "--no-split-backward"]),
     # sends on the compute thread, as before the sender thread (transport.Outbox); dynamic-inorder's
     # default (auto) uses the thread where each rank has a spare core, as on the 16-core host
-    "dynamic-inorder-inline": ("dynamic", True, ["--dpp-traversal", "in-order", "--dpp-send-thread", "off"]),
+    "dynamic-inorder-inline": ("dynamic", True, ["--dpp-traversal", "in-order", "--dpp-send-thread", "off",
+                                                 "--no-split-backward"]),
+    # the default dynamic schedule: in-order with W filling (split backward)
+    "dynamic-w": ("dynamic", True, ["--dpp-traversal", "in-order"]),
 }
 
 
@@ -196,16 +203,39 @@ def run_once(a, variant: str, scenario: str, repeat: int = 0) -> list[float]:
 def schedule_peaks(a, variant: str) -> list[int]:
     """Peak in-flight activation sets per pipeline rank (static: simulated; dynamic: the cap)."""
     from megatronapp.dpp.scheduler import compute_default_caps
-    from megatronapp.dpp.sim.simulator import CostModel, simulate
     from megatronapp.pipeline.schedules import build_schedule
+    from megatronapp.pipeline.zero_bubble import compute_peak_live
 
     schedule, virtual, _ = VARIANTS[variant]
     v = a.vpp if virtual else 1
     if schedule == "dynamic":
         return compute_default_caps(a.pp, v, a.microbatches)
-    res = simulate(a.pp, v, a.microbatches, CostModel.uniform(a.pp, v),
-                   schedule=build_schedule(schedule, a.pp, v, a.microbatches))
-    return res.peak_activations
+    built = build_schedule(schedule, a.pp, v, a.microbatches)  # a set lives from its F to its B (or W)
+    return [compute_peak_live([x for x in built.for_rank(p) if not x.kind.is_comm]) for p in range(a.pp)]
+
+
+def predicted_step_s(a, scenario: str, variant: str) -> float:
+    """The simulator's step time for a cell, in units of one virtual stage's forward (F = 1,
+    B = 2 = I + W; the scenario's link delays stay in seconds, so they weigh as F = 1 s): the
+    scenario's jitter and link delays, static schedules under the rendezvous comm model (what the
+    static runtime does on gloo), dynamic ones at their default caps. Uniform task times: a
+    prediction of the schedule's effect, not of this host's absolute times."""
+    from megatronapp.dpp.scheduler import compute_default_caps
+    from megatronapp.dpp.sim.scenarios import compute_scenario_sim
+    from megatronapp.dpp.sim.simulator import CostModel, simulate
+    from megatronapp.pipeline.schedules import build_schedule
+
+    schedule, virtual, extra = VARIANTS[variant]
+    v, m = (a.vpp if virtual else 1), a.microbatches
+    sim = compute_scenario_sim(scenario, a.pp, a.seed) if not a.smoke else {}
+    per_task = a.vpp / v  # a chunk of a non-virtual variant holds vpp chunks' layers
+    cost = CostModel.uniform(a.pp, v, per_task, 2.0 * per_task, **sim)
+    if schedule != "dynamic":
+        return simulate(a.pp, v, m, cost, schedule=build_schedule(schedule, a.pp, v, m),
+                        static_comm="rendezvous").makespan_s
+    traversal = extra[extra.index("--dpp-traversal") + 1]
+    return simulate(a.pp, v, m, cost, traversal=traversal, caps=compute_default_caps(a.pp, v, m),
+                    split_backward="--no-split-backward" not in extra).makespan_s
 
 
 def memory_fields(a, variant: str) -> dict:
@@ -302,14 +332,16 @@ def summarize(a, records: list[dict]) -> dict:
             med = statistics.median(runs)
             speed = base / med if base else float("nan")
             mem = memory_fields(a, variant)
+            predicted = predicted_step_s(a, scenario, "interleaved") / predicted_step_s(a, scenario, variant)
             print(f"  {variant:<17} {med * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f}, n={len(runs)})"
-                  f"  x{speed:.3f}  peak sets {mem['peak_inflight_sets']} x {mem['layers_per_set']} layer(s), "
+                  f"  x{speed:.3f} (simulated x{predicted:.3f})  peak sets {mem['peak_inflight_sets']} x {mem['layers_per_set']} layer(s), "
                   f"~{mem['activation_MiB_est']} MiB")
             paired = _paired_summary(records, scenario, variant) if variant != "interleaved" else None
             if paired:
                 print(f"  {'':<17} paired per repeat x{paired['median']:.3f} "
                       f"[95% CI {paired['ci95'][0]:.3f}, {paired['ci95'][1]:.3f}], n={paired['n']}")
             out[f"{scenario}/{variant}"] = {"median_s": med, "runs_s": runs, "speed_vs_interleaved": speed,
+                                            "simulated_speed_vs_interleaved": predicted,
                                             "paired_speed_vs_interleaved": paired, **mem}
     return out
 
@@ -331,7 +363,7 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--variants", nargs="+", default=["interleaved", "breadth-first", "dynamic-df",
-                                                     "dynamic-inorder"], choices=list(VARIANTS))
+                                                     "dynamic-inorder", "dynamic-w"], choices=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300, help="per cell")
     p.add_argument("--budget-s", type=float, default=None,

@@ -14,6 +14,9 @@ Peak memory per variant = its resident state (measured when it was built and ste
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
 microbatch: the largest micro-batch (eager) whose step fits, with and without full recompute.
 fp8_loss: the engine in bf16 and with --fp8-format hybrid, same init and corpus batches, loss per step.
+split: the B/W split's cost on a PP1 step (no bubbles to fill there): the engine with the
+whole backward vs --split-backward (I then W right after it), both eager (the split refuses
+--compile), rounds interleaved.
 phases: forward+backward and the optimizer phase of each variant timed apart (profile, timeline:
 kernel sums and GPU idle time of one or two steps).
 MFU convention: engine/throughput.py (6N without the input embedding + 12*L*H*S) / 989 TFLOP/s.
@@ -206,6 +209,18 @@ def bench_fp8_loss(args, results: dict) -> None:
                            "minus_bf16": {k: last[k] - last["bf16"] for k in last if k != "bf16"},
                            "max_abs_step_difference": {k: max(abs(a - b) for a, b in zip(out["bf16"], v))
                                                        for k, v in out.items() if k != "bf16"}}
+
+
+def bench_split(args, results: dict) -> None:
+    # micro-batch 2: both eager engines (states and activations) are resident at once
+    job = make_job(2, args.num_micro, split_backward=False)
+    data = Batches(job.model.padded_vocab_size, 2, job.model.seq_length, args.num_micro)
+    variants = {"engine_eager": _engine_factory(job, data),
+                "engine_eager_split": _engine_factory(replace(job, train=replace(job.train, split_backward=True)), data)}
+    out = _interleave(variants, args)
+    _annotate(out, job)
+    out["split_cost"] = out["engine_eager_split"]["step_s"] / out["engine_eager"]["step_s"] - 1.0
+    results["split"] = out
 
 
 def bench_recompute(args, results: dict) -> None:
@@ -419,7 +434,7 @@ def main() -> None:
         p.error(f"--loss-variants: unknown {sorted(unknown)}; known: {', '.join(LOSS_VARIANTS)}")
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "fp8_loss": bench_fp8_loss, "recompute": bench_recompute, "microbatch": bench_microbatch}
+    benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "fp8_loss": bench_fp8_loss, "recompute": bench_recompute, "split": bench_split, "microbatch": bench_microbatch}
     for name in args.only.split(","):
         benches[name](args, results)
         gc.collect()

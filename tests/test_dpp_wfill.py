@@ -12,7 +12,10 @@ from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.policies import TRAVERSALS, build_policy
 from megatronapp.dpp.scheduler import RankScheduler, compute_default_caps
 from megatronapp.dpp.sim.simulator import CostModel, simulate
-from megatronapp.dpp.tasks import BACKWARD, FORWARD, WEIGHT_GRAD, backward_task, forward_task, weight_task
+from megatronapp.dpp.tasks import WEIGHT_GRAD, backward_task, forward_task, weight_task
+from megatronapp.pipeline.actions import ActionKind
+
+INPUT_GRAD = ActionKind.BACKWARD_INPUT  # how the simulator shows a backward task run split
 
 
 def _random_case(seed: int):
@@ -43,7 +46,7 @@ def test_w_filling_never_deadlocks_nor_exceeds_cap(seed):
             assert len(spans) == 3 * v * m  # F, I and W of every (chunk, microbatch): all W before the step ends
             for s in spans:
                 if s.task.kind is WEIGHT_GRAD:
-                    assert s.start_s >= ends[(BACKWARD, s.task.chunk, s.task.microbatch)]
+                    assert s.start_s >= ends[(INPUT_GRAD, s.task.chunk, s.task.microbatch)]
                     # a filler: it ran only when the policy had nothing it would run
                     assert traversal == "in-order" or not s.decision.ready, s.decision.describe()
 
@@ -98,3 +101,23 @@ def test_the_step_is_not_done_while_a_w_is_pending():
     assert not s.done and s.decide().task == weight_task(0, 0)
     _run(s, weight_task(0, 0))
     assert s.done and s.counter.activations == 0
+
+
+def test_schedule_show_draws_i_and_w_apart_and_simulate_can_turn_w_filling_off(tmp_path, capsys):
+    from megatronapp.cli.main import main
+
+    chrome = tmp_path / "s.json"
+    assert main(["schedule", "show", "-p", "2", "-v", "2", "-m", "4", "-o", str(tmp_path / "s.png"),
+                 "--chrome", str(chrome)]) == 0
+    import json
+
+    cats = [e["cat"] for e in json.loads(chrome.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert cats.count("forward") == cats.count("backward_input") == cats.count("weight_grad") == 2 * 2 * 4
+    assert main(["schedule", "simulate", "-p", "2", "-v", "2", "-m", "4", "--json", "--no-split-backward"]) == 0
+    whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["schedule", "simulate", "-p", "2", "-v", "2", "-m", "4", "--json"]) == 0
+    split = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert whole["schedule"] == "dynamic/in-order" and split["schedule"] == "dynamic/in-order+W"
+    assert split["iteration_s"] < whole["iteration_s"]
+    assert main(["schedule", "simulate", "--weight-grad-share", "0"]) == 2
+    assert "--weight-grad-share must be in (0, 1)" in capsys.readouterr().err

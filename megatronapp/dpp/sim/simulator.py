@@ -129,7 +129,10 @@ class _Simulation:
         end = now + self._duration(rank, decision.task)
         agent.observe(end - now, now - self.idle_since[rank])
         self.idle_since[rank] = None
-        self.spans.append(Span(rank, decision.task, now, end, decision))
+        shown = decision.task
+        if getattr(agent, "split_backward", False) and shown.kind is ActionKind.BACKWARD:  # it ran as I
+            shown = Action(ActionKind.BACKWARD_INPUT, shown.chunk, shown.microbatch)
+        self.spans.append(Span(rank, shown, now, end, decision))
         self._push(end, 1, rank, decision.task)
 
     def run(self) -> float:

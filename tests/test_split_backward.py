@@ -114,3 +114,42 @@ def test_split_backward_resumes_from_checkpoint(cluster, tmp_path):
     split = make_job(2, 1, 2, 1, "zb-h1")
     for straight, resumed in cluster.run(train_save_resume_split, 2, whole, split, str(tmp_path)):
         _assert_same(straight, resumed)
+
+
+def launched_before_finish(rank: int, world: int, job) -> tuple[int, int]:
+    """(buckets whose DP reduction started during the step, all buckets) of one split step."""
+    groups = build_process_groups(job.layout, rank)
+    trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank))
+    finish, seen = trainer.reducer.finish, []
+
+    def counting_finish():
+        seen.append(sum(b.work is not None for buf in trainer.reducer.buffers for b in buf.buckets))
+        finish()
+
+    trainer.reducer.finish = counting_finish
+    trainer.train_step()
+    return seen[0], sum(len(buf.buckets) for buf in trainer.reducer.buffers)
+
+
+def test_dp_reduction_of_a_bucket_starts_at_its_last_w(cluster):
+    # every bucket holds linear weights (bucket 0.01 MiB), which only W accumulates: without W
+    # reporting them to the reducer no bucket would start before the step's end
+    job = make_job(4, 1, 2, 1, "zb-h1")
+    for launched, total in cluster.run(launched_before_finish, 4, job):
+        assert total > 1 and launched == total
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [None, "hybrid"])
+def test_split_backward_on_cuda_matches_whole_backward(fp8):
+    # the CUDA paths: bf16 fused accumulation (addmm out_dtype fp32) and FP8's deferred _scaled_mm
+    kw = dict(bf16=True, fp8_format=fp8)
+    dev = torch.device("cuda")
+    runs = []
+    for split in (False, True):
+        job = make_job(1, split_backward=split, **kw)
+        trainer = Trainer(job, single_process_groups(), dev, RandomTokenBatches(job, 0))
+        runs.append(_report(trainer, 2))
+    for name, g in runs[0]["main_grads"].items():
+        torch.testing.assert_close(runs[1]["main_grads"][name], g, rtol=0, atol=0, msg=name)
+    assert runs[1]["losses"] == runs[0]["losses"] and runs[1]["peak_w_bytes"] > 0

@@ -146,7 +146,8 @@ class TrainConfig:
     overlap_grad_reduce: bool = True
     # split backward (parallel/wgrad_defer.py): each backward runs as I (input gradient) and W
     # (deferred weight-gradient GEMMs). None: as the schedule needs (on for the zero-bubble
-    # schedules and for dynamic, whose ranks fill their waits with W; off for the others)
+    # schedules and for dynamic, whose ranks fill their waits with W, unless --compile; off
+    # for the others)
     split_backward: bool | None = None
     # bf16/fp16: weight-gradient GEMMs accumulate straight into the fp32 main grads
     # (Megatron's --gradient-accumulation-fusion, on by default there too; parallel/wgrad_fusion.py)
@@ -203,7 +204,7 @@ class TrainConfig:
         """Whether backward runs as I and W tasks (split_backward, resolved against the schedule)."""
         if self.split_backward is not None:
             return self.split_backward
-        return self.schedule in SPLIT_SCHEDULES or self.schedule == "dynamic"
+        return self.schedule in SPLIT_SCHEDULES or (self.schedule == "dynamic" and not self.compile)
 
     def _check_split_backward(self) -> None:
         if self.split_backward is False and self.schedule in SPLIT_SCHEDULES:

@@ -85,6 +85,8 @@ def _check_against(results: list[dict], variants: list, ref: dict) -> None:
         for rank_results in results:
             torch.testing.assert_close(rank_results[i]["losses"], ref["losses"], rtol=1e-5, atol=1e-6,
                                        msg=lambda msg: f"{variant} losses: {msg}")
+            if rank_results[i]["cap"] is not None:  # dynamic: activation sets and pending W together
+                assert rank_results[i]["peak"] <= rank_results[i]["cap"], variant
         grads = assemble_full_grads([rank_results[i] for rank_results in results])
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():

@@ -102,3 +102,18 @@ def test_zero_bubble_schedules_match_single_process(cluster, pp):
         for name, g in full.items():
             torch.testing.assert_close(g, refs[m][name], rtol=1e-4, atol=1e-6,
                                        msg=lambda msg: f"{schedule} V={vpp} M={m} {name}: {msg}")
+
+
+def test_split_backward_config_is_resolved_from_the_schedule_and_refused_in_one_line():
+    from megatronapp.config import ConfigError, TrainConfig
+
+    assert TrainConfig(schedule="zb-h1").uses_split_backward()
+    assert TrainConfig(schedule="dynamic").uses_split_backward()
+    assert not TrainConfig(schedule="dynamic", compile=True).uses_split_backward()
+    assert not TrainConfig(schedule="1f1b").uses_split_backward()
+    assert TrainConfig(schedule="1f1b", split_backward=True).uses_split_backward()
+    with pytest.raises(ConfigError, match="needs the split backward"):
+        TrainConfig(schedule="interleaved-zb", split_backward=False)
+    with pytest.raises(ConfigError, match="--compile cannot be combined") as info:
+        TrainConfig(schedule="zb-h1", compile=True)
+    assert "\n" not in str(info.value)

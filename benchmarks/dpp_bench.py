@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_flags
+from torch_zb_cell import UNSUPPORTED, run_torch_zb_cell
 
 VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
@@ -69,7 +70,11 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
                                                  "--no-split-backward"]),
     # the default dynamic schedule: in-order with W filling (split backward)
     "dynamic-w": ("dynamic", True, ["--dpp-traversal", "in-order"]),
+    # PyTorch's ScheduleInterleavedZeroBubble on the same chunks (torch_zb_cell.py; the flags
+    # only describe the model and layout; persistent mode, balanced scenario only)
+    "torch-zb": ("interleaved", True, []),
 }
+TORCH_ZB = "torch-zb"
 
 
 TRACED_REPEAT = -1  # the --trace-cells pass: traced, left out of the statistics
@@ -129,15 +134,24 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
                     print(f"budget: {time.time() - t0:.0f} s used, the next cell may take {slowest:.0f} s: "
                           "stopping", flush=True)
                 break
+            if variant == TORCH_ZB and scenario != "balanced":
+                if rank == 0:
+                    _append(log, {"scenario": scenario, "variant": variant, "repeat": rep, "error": UNSUPPORTED})
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 metrics, start = os.path.join(tmp, "m.jsonl"), time.time()
-                run_worker(build_parser().parse_args(_train_argv(a, variant, scenario, metrics, rep)),
-                           keep_process_group=True)
+                argv = _train_argv(a, variant, scenario, metrics, rep)
+                if variant == TORCH_ZB:  # PyTorch's schedule on the same chunks (torch_zb_cell.py)
+                    steps = run_torch_zb_cell(argv, a.warmup)
+                else:
+                    run_worker(build_parser().parse_args(argv), keep_process_group=True)
                 dist.barrier()
                 slowest = max(slowest, time.time() - start)
                 if rank == 0:
-                    steps = [json.loads(line)["step_time_s"] for line in Path(metrics).read_text().splitlines()]
-                    rec = _record(a, scenario, variant, rep, steps[a.warmup:], time.time() - start)
+                    if variant != TORCH_ZB:
+                        lines = Path(metrics).read_text().splitlines()
+                        steps = [json.loads(line)["step_time_s"] for line in lines][a.warmup:]
+                    rec = _record(a, scenario, variant, rep, steps, time.time() - start)
                     rec["process"] = process_state()  # rank 0's, after the cell: a leak across cells shows here
                     _append(log, rec)
                     _progress(k + 1, len(plan), t0, rep, scenario, variant, rec)
@@ -189,6 +203,8 @@ def run_persistent(a, plan: list[tuple[int, str, str]]) -> list[dict]:
 
 def run_once(a, variant: str, scenario: str, repeat: int = 0) -> list[float]:
     """Step seconds of one job after the warm-up iterations."""
+    if variant == TORCH_ZB:
+        raise RuntimeError("torch-zb runs in the persistent mode only (drop --isolated)")
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -226,6 +242,7 @@ def predicted_step_s(a, scenario: str, variant: str) -> float:
     from megatronapp.pipeline.schedules import build_schedule
 
     schedule, virtual, extra = VARIANTS[variant]
+    schedule = "interleaved-zb" if variant == TORCH_ZB else schedule  # torch's: our interleaved-zb's idea
     v, m = (a.vpp if virtual else 1), a.microbatches
     sim = compute_scenario_sim(scenario, a.pp, a.seed) if not a.smoke else {}
     per_task = a.vpp / v  # a chunk of a non-virtual variant holds vpp chunks' layers
@@ -382,6 +399,8 @@ def parse_args(argv):
         a.scenario_flags = {"balanced": [], "jitter1": ["--inject-jitter", "1:1.5"]}  # PP2: the last stage
     elif a.pp < 3:
         p.error("the scenarios perturb pipeline stages 1 and 2: needs --pp >= 3 (or --smoke)")
+    if TORCH_ZB in a.variants and (a.device == "cuda" or a.isolated):
+        p.error("torch-zb runs on CPU gloo ranks in the persistent mode (no --device cuda, no --isolated)")
     if a.iters <= a.warmup or a.nproc % a.pp or a.num_layers % (a.pp * a.vpp):
         p.error("needs --iters > --warmup, --nproc divisible by --pp and --num-layers by pp * vpp")
     if not a.smoke:

@@ -16,7 +16,7 @@ peak in-flight activation sets the schedule allows (static: its own peak, simula
 dynamic: its cap, which the runtime never exceeds) and what they hold: layer inputs and the
 activation memory of Korthikanti et al.'s formula for those layers (an estimate).
 
-Scenarios, by pipeline stage of replica 0 (megatronapp/dpp/scenarios.py, shared with the
+Scenarios, by pipeline stage of replica 0 (megatronapp/dpp/sim/scenarios.py, shared with the
 simulator study), translated to global ranks for the layout; on the default PP4 x DP2:
   balanced  no injection
   jitter1   --inject-jitter 4:1.5           pp 2, each task up to 1.5x
@@ -50,19 +50,31 @@ import threading
 import time
 from pathlib import Path
 
-from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_flags
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_flags
+from torch_zb_cell import UNSUPPORTED, run_torch_zb_cell
 
 VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
     "interleaved": ("interleaved", True, []),
     "breadth-first": ("breadth-first", True, []),
-    "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first"]),
-    "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive"]),
-    "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order"]),
+    # static zero-bubble schedules: backward split into I and W, W in the unit-cost bubbles
+    "zb-h1": ("zb-h1", False, []),
+    "interleaved-zb": ("interleaved-zb", True, []),
+    # the dynamic runtime without W filling (whole backward), as published before the split
+    "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first", "--no-split-backward"]),
+    "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive", "--no-split-backward"]),
+    "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order", "--no-split-backward"]),
     # sends on the compute thread, as before the sender thread (transport.Outbox); dynamic-inorder's
     # default (auto) uses the thread where each rank has a spare core, as on the 16-core host
-    "dynamic-inorder-inline": ("dynamic", True, ["--dpp-traversal", "in-order", "--dpp-send-thread", "off"]),
+    "dynamic-inorder-inline": ("dynamic", True, ["--dpp-traversal", "in-order", "--dpp-send-thread", "off",
+                                                 "--no-split-backward"]),
+    # the default dynamic schedule: in-order with W filling (split backward)
+    "dynamic-w": ("dynamic", True, ["--dpp-traversal", "in-order"]),
+    # PyTorch's ScheduleInterleavedZeroBubble on the same chunks (torch_zb_cell.py; the flags
+    # only describe the model and layout; persistent mode, balanced scenario only)
+    "torch-zb": ("interleaved", True, []),
 }
+TORCH_ZB = "torch-zb"
 
 
 TRACED_REPEAT = -1  # the --trace-cells pass: traced, left out of the statistics
@@ -122,15 +134,24 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
                     print(f"budget: {time.time() - t0:.0f} s used, the next cell may take {slowest:.0f} s: "
                           "stopping", flush=True)
                 break
+            if variant == TORCH_ZB and scenario != "balanced":
+                if rank == 0:
+                    _append(log, {"scenario": scenario, "variant": variant, "repeat": rep, "error": UNSUPPORTED})
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 metrics, start = os.path.join(tmp, "m.jsonl"), time.time()
-                run_worker(build_parser().parse_args(_train_argv(a, variant, scenario, metrics, rep)),
-                           keep_process_group=True)
+                argv = _train_argv(a, variant, scenario, metrics, rep)
+                if variant == TORCH_ZB:  # PyTorch's schedule on the same chunks (torch_zb_cell.py)
+                    steps = run_torch_zb_cell(argv, a.warmup)
+                else:
+                    run_worker(build_parser().parse_args(argv), keep_process_group=True)
                 dist.barrier()
                 slowest = max(slowest, time.time() - start)
                 if rank == 0:
-                    steps = [json.loads(line)["step_time_s"] for line in Path(metrics).read_text().splitlines()]
-                    rec = _record(a, scenario, variant, rep, steps[a.warmup:], time.time() - start)
+                    if variant != TORCH_ZB:
+                        lines = Path(metrics).read_text().splitlines()
+                        steps = [json.loads(line)["step_time_s"] for line in lines][a.warmup:]
+                    rec = _record(a, scenario, variant, rep, steps, time.time() - start)
                     rec["process"] = process_state()  # rank 0's, after the cell: a leak across cells shows here
                     _append(log, rec)
                     _progress(k + 1, len(plan), t0, rep, scenario, variant, rec)
@@ -182,6 +203,8 @@ def run_persistent(a, plan: list[tuple[int, str, str]]) -> list[dict]:
 
 def run_once(a, variant: str, scenario: str, repeat: int = 0) -> list[float]:
     """Step seconds of one job after the warm-up iterations."""
+    if variant == TORCH_ZB:
+        raise RuntimeError("torch-zb runs in the persistent mode only (drop --isolated)")
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -196,16 +219,40 @@ def run_once(a, variant: str, scenario: str, repeat: int = 0) -> list[float]:
 def schedule_peaks(a, variant: str) -> list[int]:
     """Peak in-flight activation sets per pipeline rank (static: simulated; dynamic: the cap)."""
     from megatronapp.dpp.scheduler import compute_default_caps
-    from megatronapp.dpp.simulator import CostModel, simulate
     from megatronapp.pipeline.schedules import build_schedule
+    from megatronapp.pipeline.zero_bubble import compute_peak_live
 
     schedule, virtual, _ = VARIANTS[variant]
     v = a.vpp if virtual else 1
     if schedule == "dynamic":
         return compute_default_caps(a.pp, v, a.microbatches)
-    res = simulate(a.pp, v, a.microbatches, CostModel.uniform(a.pp, v),
-                   schedule=build_schedule(schedule, a.pp, v, a.microbatches))
-    return res.peak_activations
+    built = build_schedule(schedule, a.pp, v, a.microbatches)  # a set lives from its F to its B (or W)
+    return [compute_peak_live([x for x in built.for_rank(p) if not x.kind.is_comm]) for p in range(a.pp)]
+
+
+def predicted_step_s(a, scenario: str, variant: str) -> float:
+    """The simulator's step time for a cell, in units of one virtual stage's forward (F = 1,
+    B = 2 = I + W; the scenario's link delays stay in seconds, so they weigh as F = 1 s): the
+    scenario's jitter and link delays, static schedules under the rendezvous comm model (what the
+    static runtime does on gloo), dynamic ones at their default caps. Uniform task times: a
+    prediction of the schedule's effect, not of this host's absolute times."""
+    from megatronapp.dpp.scheduler import compute_default_caps
+    from megatronapp.dpp.sim.scenarios import compute_scenario_sim
+    from megatronapp.dpp.sim.simulator import CostModel, simulate
+    from megatronapp.pipeline.schedules import build_schedule
+
+    schedule, virtual, extra = VARIANTS[variant]
+    schedule = "interleaved-zb" if variant == TORCH_ZB else schedule  # torch's: our interleaved-zb's idea
+    v, m = (a.vpp if virtual else 1), a.microbatches
+    sim = compute_scenario_sim(scenario, a.pp, a.seed) if not a.smoke else {}
+    per_task = a.vpp / v  # a chunk of a non-virtual variant holds vpp chunks' layers
+    cost = CostModel.uniform(a.pp, v, per_task, 2.0 * per_task, **sim)
+    if schedule != "dynamic":
+        return simulate(a.pp, v, m, cost, schedule=build_schedule(schedule, a.pp, v, m),
+                        static_comm="rendezvous").makespan_s
+    traversal = extra[extra.index("--dpp-traversal") + 1]
+    return simulate(a.pp, v, m, cost, traversal=traversal, caps=compute_default_caps(a.pp, v, m),
+                    split_backward="--no-split-backward" not in extra).makespan_s
 
 
 def memory_fields(a, variant: str) -> dict:
@@ -302,14 +349,16 @@ def summarize(a, records: list[dict]) -> dict:
             med = statistics.median(runs)
             speed = base / med if base else float("nan")
             mem = memory_fields(a, variant)
+            predicted = predicted_step_s(a, scenario, "interleaved") / predicted_step_s(a, scenario, variant)
             print(f"  {variant:<17} {med * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f}, n={len(runs)})"
-                  f"  x{speed:.3f}  peak sets {mem['peak_inflight_sets']} x {mem['layers_per_set']} layer(s), "
+                  f"  x{speed:.3f} (simulated x{predicted:.3f})  peak sets {mem['peak_inflight_sets']} x {mem['layers_per_set']} layer(s), "
                   f"~{mem['activation_MiB_est']} MiB")
             paired = _paired_summary(records, scenario, variant) if variant != "interleaved" else None
             if paired:
                 print(f"  {'':<17} paired per repeat x{paired['median']:.3f} "
                       f"[95% CI {paired['ci95'][0]:.3f}, {paired['ci95'][1]:.3f}], n={paired['n']}")
             out[f"{scenario}/{variant}"] = {"median_s": med, "runs_s": runs, "speed_vs_interleaved": speed,
+                                            "simulated_speed_vs_interleaved": predicted,
                                             "paired_speed_vs_interleaved": paired, **mem}
     return out
 
@@ -331,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--variants", nargs="+", default=["interleaved", "breadth-first", "dynamic-df",
-                                                     "dynamic-inorder"], choices=list(VARIANTS))
+                                                     "dynamic-inorder", "dynamic-w"], choices=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300, help="per cell")
     p.add_argument("--budget-s", type=float, default=None,
@@ -355,6 +404,8 @@ def parse_args(argv):
         a.scenario_flags = {"balanced": [], "jitter1": ["--inject-jitter", "1:1.5"]}  # PP2: the last stage
     elif a.pp < 3:
         p.error("the scenarios perturb pipeline stages 1 and 2: needs --pp >= 3 (or --smoke)")
+    if TORCH_ZB in a.variants and (a.device == "cuda" or a.isolated):
+        p.error("torch-zb runs on CPU gloo ranks in the persistent mode (no --device cuda, no --isolated)")
     if a.iters <= a.warmup or a.nproc % a.pp or a.num_layers % (a.pp * a.vpp):
         p.error("needs --iters > --warmup, --nproc divisible by --pp and --num-layers by pp * vpp")
     if not a.smoke:

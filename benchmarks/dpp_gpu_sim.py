@@ -8,12 +8,12 @@ With one GPU a real PP x V pipeline (one stage per process) cannot run, so:
      one Tracer per pipeline rank writing rankNNNNN.mscan with that rank's coords, and
      "forward"/"backward" compute spans with (chunk, microbatch), as the engine records them,
      timed by the tracer's clock (CUDA events on a GPU, the monotonic clock on CPU);
-  3. read the trace back with the simulator's own loader (dpp/trace_costs.py: mean seconds per
+  3. read the trace back with the simulator's own loader (dpp/sim/trace_costs.py: mean seconds per
      (pp rank, chunk, kind)) and add the link (`compute_link_cost`: latency + message bytes /
      bandwidth, message = one microbatch's residual stream, B x S x H in --dtype);
   4. measure each chunk's activation set: the bytes autograd keeps for one microbatch's
      backward (saved-tensor hooks; parameters excluded);
-  5. simulate every scenario of dpp_bench (dpp/scenarios.py: balanced, jitter1, jitter2, link
+  5. simulate every scenario of dpp_bench (dpp/sim/scenarios.py: balanced, jitter1, jitter2, link
      = +5 ms per pp1 -> pp2 message) over --seeds seeds: static interleaved and breadth-first
      (both comm models), the dynamic traversals at interleaved's cap, and the bounds
      (megatronapp/dpp/study.py), with speed vs the reference, peak in-flight microbatches and peak
@@ -34,9 +34,9 @@ import time
 
 import dpp_sim_study  # benchmarks/ is sys.path[0] when run as a script
 
-from megatronapp.dpp.scenarios import SCENARIOS
+from megatronapp.dpp.sim.scenarios import SCENARIOS
 from megatronapp.dpp.scheduler import compute_default_caps
-from megatronapp.dpp.simulator import CostModel
+from megatronapp.dpp.sim.simulator import CostModel
 from megatronapp.dpp.study import (DTYPE_BYTES, compute_link_cost, compute_message_bytes,
                                    compute_peak_activation_bytes, study_config)
 
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     import torch
 
-    from megatronapp.dpp import trace_costs
+    from megatronapp.dpp.sim import trace_costs
 
     why = _check_setup(a, torch)
     if why:

@@ -1,7 +1,7 @@
 """MegaDPP in the simulator: dynamic policies vs static schedules under jitter, and two bounds.
 
 Pure and fast (no processes). Per configuration (PP, V, M) and scenario (balanced, jitter1,
-jitter2, link: megatronapp/dpp/scenarios.py, the ones dpp_bench.py runs), over --seeds jitter
+jitter2, link: megatronapp/dpp/sim/scenarios.py, the ones dpp_bench.py runs), over --seeds jitter
 seeds: static interleaved 1F1B and static breadth-first, each under both comm models
 (static_agents.py: "eager" = a static order whose receives are all posted ahead;
 "rendezvous" = what the static runtime does on gloo, batches waited whole and sends that
@@ -21,7 +21,7 @@ p-1..0, plus the links). work(p) is p's least compute:
     know a task's factor before running it (every real one: the factor is the machine's)
     gets each draw independently of the task it runs, so E[work] is this, and
     E[makespan] >= max_p E[head + work + tail]: no real schedule beats it on average.
-Both are computed by megatronapp/dpp/bounds.py (the study itself: megatronapp/dpp/study.py) (with any cap), which also takes, beside all of
+Both are computed by megatronapp/dpp/sim/bounds.py (the study itself: megatronapp/dpp/study.py) (with any cap), which also takes, beside all of
 p's tasks, the later task classes alone (a higher bound when M is small next to P), so they
 are at least the formula above.
 Costs default to the 8-rank CPU job's proportions (F 10 ms, B 20 ms per 1-layer chunk,
@@ -39,9 +39,9 @@ import json
 import os
 import sys
 
-from megatronapp.dpp.scenarios import SCENARIOS
+from megatronapp.dpp.sim.scenarios import SCENARIOS
 from megatronapp.dpp.scheduler import compute_default_caps
-from megatronapp.dpp.simulator import CostModel
+from megatronapp.dpp.sim.simulator import CostModel
 from megatronapp.dpp.study import REFERENCE, SWEEP, SWEEP_SKIPPED, study_config
 
 

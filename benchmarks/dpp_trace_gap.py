@@ -37,9 +37,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatronapp.dpp.config import JitterSpec, parse_jitter
-from megatronapp.dpp.simulator import CostModel, simulate
+from megatronapp.dpp.sim.simulator import CostModel, simulate
 from megatronapp.dpp.study import variants as sim_variants
-from megatronapp.dpp.trace_costs import (
+from megatronapp.dpp.sim.trace_costs import (
     TracedRun,
     compute_iteration_times,
     compute_trace_costs,

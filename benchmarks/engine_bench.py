@@ -18,6 +18,10 @@ integrity variants (--variants): engine_no_checks (--no-check-for-nan-in-loss-an
 (+ --check-for-spiky-loss --check-for-large-grads), engine_rerun (+ --rerun-mode validate_results: a sync
 and a state snapshot per step), engine_deterministic (--deterministic; torch's deterministic switch is on
 only while that variant builds and steps, CUBLAS_WORKSPACE_CONFIG is set for the whole process).
+
+split: the B/W split's cost on a PP1 step (no bubbles to fill there): the engine with the
+whole backward vs --split-backward (I then W right after it), both eager (the split refuses
+--compile), rounds interleaved.
 phases: forward+backward and the optimizer phase of each variant timed apart (profile, timeline:
 kernel sums and GPU idle time of one or two steps).
 MFU convention: engine/throughput.py (6N without the input embedding + 12*L*H*S) / 989 TFLOP/s.
@@ -244,6 +248,18 @@ def bench_fp8_loss(args, results: dict) -> None:
                                                        for k, v in out.items() if k != "bf16"}}
 
 
+def bench_split(args, results: dict) -> None:
+    # micro-batch 2: both eager engines (states and activations) are resident at once
+    job = make_job(2, args.num_micro, split_backward=False)
+    data = Batches(job.model.padded_vocab_size, 2, job.model.seq_length, args.num_micro)
+    variants = {"engine_eager": _engine_factory(job, data),
+                "engine_eager_split": _engine_factory(replace(job, train=replace(job.train, split_backward=True)), data)}
+    out = _interleave(variants, args)
+    _annotate(out, job)
+    out["split_cost"] = out["engine_eager_split"]["step_s"] / out["engine_eager"]["step_s"] - 1.0
+    results["split"] = out
+
+
 def bench_recompute(args, results: dict) -> None:
     base = make_job(4, args.num_micro, compile=True)
     data = Batches(base.model.padded_vocab_size, 4, base.model.seq_length, args.num_micro)
@@ -463,7 +479,7 @@ def main() -> None:
         p.error(f"--loss-variants: unknown {sorted(unknown)}; known: {', '.join(LOSS_VARIANTS)}")
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "fp8_loss": bench_fp8_loss, "recompute": bench_recompute, "microbatch": bench_microbatch}
+    benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "fp8_loss": bench_fp8_loss, "recompute": bench_recompute, "split": bench_split, "microbatch": bench_microbatch}
     for name in args.only.split(","):
         benches[name](args, results)
         gc.collect()

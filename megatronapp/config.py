@@ -96,7 +96,9 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return replace(MODEL_PRESETS[name], **overrides)
 
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "dynamic")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "zb-h1", "interleaved-zb", "dynamic")
+# schedules whose backward runs as I (input grad) and W (weight grads) tasks: pipeline/zero_bubble.py
+SPLIT_SCHEDULES = ("zb-h1", "interleaved-zb")
 # --attention-backend: SDPA's own backends, one preferred and the rest as fallbacks (model/attention_kernels.py)
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
@@ -142,6 +144,11 @@ class TrainConfig:
     overlap_param_gather: bool = False  # distributed optimizer: all-gather params during the next forward
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
+    # split backward (parallel/wgrad_defer.py): each backward runs as I (input gradient) and W
+    # (deferred weight-gradient GEMMs). None: as the schedule needs (on for the zero-bubble
+    # schedules and for dynamic, whose ranks fill their waits with W, unless --compile; off
+    # for the others)
+    split_backward: bool | None = None
     # bf16/fp16: weight-gradient GEMMs accumulate straight into the fp32 main grads
     # (Megatron's --gradient-accumulation-fusion, on by default there too; parallel/wgrad_fusion.py)
     gradient_accumulation_fusion: bool = True
@@ -174,6 +181,7 @@ class TrainConfig:
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
         self._check_precision()
+        self._check_split_backward()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"unknown attention backend {self.attention_backend!r}; "
                               f"choose from {', '.join(ATTENTION_BACKENDS)}")
@@ -191,6 +199,21 @@ class TrainConfig:
         if not self.first_last_layers_bf16:
             return range(num_layers)
         return range(self.num_layers_at_start_in_bf16, num_layers - self.num_layers_at_end_in_bf16)
+
+    def uses_split_backward(self) -> bool:
+        """Whether backward runs as I and W tasks (split_backward, resolved against the schedule)."""
+        if self.split_backward is not None:
+            return self.split_backward
+        return self.schedule in SPLIT_SCHEDULES or (self.schedule == "dynamic" and not self.compile)
+
+    def _check_split_backward(self) -> None:
+        if self.split_backward is False and self.schedule in SPLIT_SCHEDULES:
+            raise ConfigError(f"schedule {self.schedule!r} runs W tasks apart from their backward; "
+                              f"it needs the split backward (drop --no-split-backward)")
+        if self.compile and self.uses_split_backward():
+            raise ConfigError("--compile cannot be combined with the split backward (a compiled backward "
+                              "would trace the deferral of weight GEMMs once); pass --no-split-backward "
+                              "or a schedule without W tasks")
 
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
@@ -331,10 +354,10 @@ def validate_job(job: JobConfig) -> None:
     if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
         raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
                           "follows the whole update; use --overlap-param-gather)")
-    if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "breadth-first", "dynamic"):
-        raise ConfigError(f"virtual pipeline stages need the interleaved, breadth-first or dynamic schedule, "
-                          f"not {t.schedule!r}")
-    if t.schedule == "interleaved":
+    if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "interleaved-zb", "breadth-first", "dynamic"):
+        raise ConfigError(f"virtual pipeline stages need the interleaved, interleaved-zb, breadth-first or "
+                          f"dynamic schedule, not {t.schedule!r}")
+    if t.schedule in ("interleaved", "interleaved-zb"):
         if lay.virtual_pp_size < 2:
             raise ConfigError("the interleaved schedule needs --num-layers-per-virtual-pipeline-stage "
                               "giving >= 2 virtual stages per pipeline rank")

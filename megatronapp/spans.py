@@ -18,6 +18,9 @@ ITERATION = "iteration"  # one optimizer step, opened by step_begin and closed b
 # Compute track.
 FORWARD, BACKWARD = "forward", "backward"  # one microbatch pass of one model chunk
 COMPUTE_KINDS = (FORWARD, BACKWARD)
+# split backward (parallel/wgrad_defer.py): "backward" is then B, the input gradient, and this
+# the deferred weight-gradient GEMMs of one microbatch pass of one chunk
+WEIGHT_GRAD = "weight_grad"
 LOSS = "loss"  # nested at the end of the last stage's forward
 OPTIMIZER = "optimizer"
 ATTENTION, MLP = "attention", "mlp"  # per-layer detail (granularity "full")

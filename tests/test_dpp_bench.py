@@ -25,7 +25,8 @@ def test_each_cell_is_written_when_measured_and_failures_are_kept(tmp_path, monk
     monkeypatch.setattr(dpp_bench, "run_once", fake_run_once)
     assert dpp_bench.main(["--isolated", "--out", str(tmp_path), "--repeats", "2"]) == 0
     lines = [json.loads(x) for x in log.read_text().splitlines()]
-    assert len(lines) == 2 * 4 * 4 and seen_on_disk == list(range(32))  # cell k saw k cells on disk
+    # 2 repeats x 4 scenarios x 5 default variants; cell k saw k cells on disk
+    assert len(lines) == 2 * 4 * 5 and seen_on_disk == list(range(40))
     failed = [r for r in lines if "error" in r]
     assert {(r["scenario"], r["variant"]) for r in failed} == {("link", "breadth-first")} and len(failed) == 2
     summary = json.loads((tmp_path / "dpp_bench.json").read_text())["results"]
@@ -95,9 +96,9 @@ def test_trace_gap_takes_the_jitter_out_of_a_jittered_ranks_task_times():
     by the mean factor (1 + 1.5) / 2 first; other ranks' times are kept as traced."""
     import dpp_trace_gap
 
-    from megatronapp.dpp.simulator import Span
+    from megatronapp.dpp.sim.simulator import Span
     from megatronapp.dpp.tasks import backward_task, forward_task
-    from megatronapp.dpp.trace_costs import TracedRun
+    from megatronapp.dpp.sim.trace_costs import TracedRun
 
     spans = [Span(0, forward_task(0, 0), 0.0, 0.010), Span(1, forward_task(0, 0), 0.011, 0.036),
              Span(1, backward_task(0, 0), 0.036, 0.086), Span(0, backward_task(0, 0), 0.087, 0.107)]

@@ -1,4 +1,4 @@
-"""dpp/bounds.py: the lower bound is below every simulated schedule (randomised instances, many
+"""dpp/sim/bounds.py: the lower bound is below every simulated schedule (randomised instances, many
 orders, the schedule's own peak as the cap), exact where the formula is known, and it refuses
 bad input."""
 
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from megatronapp.dpp.bounds import compute_least_work_s, compute_step_bound_s
+from megatronapp.dpp.sim.bounds import compute_least_work_s, compute_step_bound_s
 from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.policies import _OrderPolicy
 from megatronapp.dpp.scheduler import RankScheduler, compute_default_caps
-from megatronapp.dpp.simulator import CostModel, simulate, simulate_agents
+from megatronapp.dpp.sim.simulator import CostModel, simulate, simulate_agents
 from megatronapp.dpp.tasks import compute_rank_tasks
 from megatronapp.pipeline.schedules import build_schedule
 

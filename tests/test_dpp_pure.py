@@ -10,7 +10,7 @@ import pytest
 from megatronapp.dpp.config import DppConfigError, JitterSpec, parse_jitter
 from megatronapp.dpp.policies import TRAVERSALS, build_policy, compute_depth_first_order
 from megatronapp.dpp.scheduler import CapError, RankScheduler, compute_default_caps
-from megatronapp.dpp.simulator import CostModel, simulate, simulate_agents
+from megatronapp.dpp.sim.simulator import CostModel, simulate, simulate_agents
 from megatronapp.dpp.tasks import compute_consumer, compute_producer_rank, compute_rank_tasks
 from megatronapp.pipeline.schedules import build_schedule
 from megatronapp.pipeline.validate import validate_schedule

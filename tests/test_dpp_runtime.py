@@ -83,6 +83,8 @@ def _check_against(results: list[dict], variants: list, ref: dict) -> None:
         for rank_results in results:
             torch.testing.assert_close(rank_results[i]["losses"], ref["losses"], rtol=1e-5, atol=1e-6,
                                        msg=lambda msg: f"{variant} losses: {msg}")
+            if rank_results[i]["cap"] is not None:  # dynamic: activation sets and pending W together
+                assert rank_results[i]["peak"] <= rank_results[i]["cap"], variant
         grads = assemble_full_grads([rank_results[i] for rank_results in results])
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
@@ -366,7 +368,8 @@ def test_the_runtime_keeps_the_gpu_stream_protocol(cluster):
     """What CUDA correctness rests on, checked on CPU: every threaded send waits on the mark
     made for it, in order, on the sender's side stream; every payload is completed on its
     receiver's side stream and adopted by the compute thread; the host is paced once per task."""
-    tasks, remote = 2 * 2 * 4, 12  # per rank: F and B of 2 chunks x 4; all inputs but tokens and the loss's
+    # per rank: F, I and W (dynamic splits the backward) of 2 chunks x 4; all inputs but tokens and the loss's
+    tasks, remote = 3 * 2 * 4, 12
     for rank, result in enumerate(cluster.run(_train_with_recorded_order, 2)):
         log = result["log"]
         kinds = [entry[0] for entry in log]

@@ -1,4 +1,4 @@
-"""The benchmark's fault scenarios: one definition (megatronapp/dpp/scenarios.py) gives the real
+"""The benchmark's fault scenarios: one definition (megatronapp/dpp/sim/scenarios.py) gives the real
 run's flags and the simulator's perturbations, and they name the same pipeline stages."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatronapp.dpp.config import parse_jitter
-from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_flags, compute_scenario_sim
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_flags, compute_scenario_sim
 from megatronapp.faults.inject import parse_fault_plan
 from megatronapp.parallel.layout import ParallelLayout
 

@@ -8,8 +8,8 @@ import pytest
 
 from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.scheduler import compute_default_caps
-from megatronapp.dpp.simulator import CostModel, simulate
-from megatronapp.dpp.static_agents import RendezvousHub
+from megatronapp.dpp.sim.simulator import CostModel, simulate
+from megatronapp.dpp.sim.static_agents import RendezvousHub
 from megatronapp.pipeline.schedules import build_schedule
 
 
@@ -100,9 +100,9 @@ def test_a_per_rank_task_overhead_is_that_ranks_alone(traversal):
 def test_trace_overheads_are_per_rank_gaps_with_the_input_ready():
     """Rank 0 waits 3 ms between its two tasks with its input long there (its sends' waits count
     as host gap), rank 1 0.5 ms; the pooled mean would charge each 1.75 ms."""
-    from megatronapp.dpp.simulator import Span
+    from megatronapp.dpp.sim.simulator import Span
     from megatronapp.dpp.tasks import backward_task, forward_task
-    from megatronapp.dpp.trace_costs import TracedRun, estimate_task_overhead_s, estimate_task_overheads_s
+    from megatronapp.dpp.sim.trace_costs import TracedRun, estimate_task_overhead_s, estimate_task_overheads_s
 
     spans = [Span(0, forward_task(0, 0), 0.000, 0.010), Span(0, forward_task(0, 1), 0.013, 0.023),
              Span(1, forward_task(0, 0), 0.011, 0.021), Span(1, forward_task(0, 1), 0.0240, 0.030),

@@ -12,9 +12,9 @@ import pytest
 
 from megatronapp.dpp import study
 from megatronapp.dpp.config import JitterSpec
-from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_sim
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_sim
 from megatronapp.dpp.scheduler import compute_default_caps
-from megatronapp.dpp.simulator import CostModel, Span, simulate
+from megatronapp.dpp.sim.simulator import CostModel, Span, simulate
 from megatronapp.dpp.tasks import backward_task, forward_task
 from megatronapp.pipeline.schedules import build_schedule
 

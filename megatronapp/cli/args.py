@@ -37,7 +37,7 @@ _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "m
                 "hysteresis", "fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
                 "first_last_layers_bf16", "num_layers_at_start_in_bf16",
                 "num_layers_at_end_in_bf16", "use_distributed_optimizer", "overlap_param_gather",
-                "compile", "overlap_grad_reduce",
+                "compile", "overlap_grad_reduce", "split_backward",
                 "gradient_accumulation_fusion", "fused_master_adamw", "overlap_param_update",
                 "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
                 "attention_backend", "log_interval", "save", "load", "save_interval",
@@ -115,6 +115,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                 "(needs TP > 1)", action="store_true")
     _train_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None)
+    _train_flag(g, "--split-backward", "run each backward as I (input gradient, sent upstream) and W "
+                "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
+                action="store_true")
+    g.add_argument("--no-split-backward", dest="split_backward", action="store_false", default=None)
     _train_flag(g, "--gradient-accumulation-fusion", "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 "
                 "main grads (default)", action="store_true")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",

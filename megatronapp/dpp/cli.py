@@ -21,8 +21,8 @@ import sys
 from megatronapp.dpp.config import DppConfig, parse_jitter
 from megatronapp.dpp.policies import TRAVERSALS
 from megatronapp.dpp.scheduler import check_cap, compute_default_caps
-from megatronapp.dpp.simulator import CostModel, SimResult, simulate
-from megatronapp.dpp.static_agents import STATIC_COMM_MODELS
+from megatronapp.dpp.sim.simulator import CostModel, SimResult, simulate
+from megatronapp.dpp.sim.static_agents import STATIC_COMM_MODELS
 from megatronapp.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 
 
@@ -32,7 +32,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--microbatches", type=int, default=8)
     p.add_argument("--schedule", choices=(*SCHEDULE_NAMES, "dynamic"), default=None,
                    help="default: dynamic, or the traced run's schedule with --from-trace")
-    p.add_argument("--dpp-traversal", choices=TRAVERSALS, default="depth-first")
+    p.add_argument("--dpp-traversal", choices=TRAVERSALS, default=DppConfig.traversal)
+    p.add_argument("--no-split-backward", dest="split_backward", action="store_false",
+                   help="dynamic: whole backward tasks, no W filling (default: split, as training)")
+    p.add_argument("--weight-grad-share", type=float, default=0.5,
+                   help="share of a backward's time that is W when split (I gets the rest)")
     p.add_argument("--dpp-max-inflight", type=int, default=None)
     p.add_argument("--forward-ms", default="1", help="per task; one value or one per pipeline rank")
     p.add_argument("--backward-ms", default="2")
@@ -44,7 +48,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-comm", choices=STATIC_COMM_MODELS, default=None,
                    help="how a static schedule's messages move: rendezvous = the static runtime on gloo "
                         "(batches waited whole, a send moves once its recv is posted); eager = every recv "
-                        "posted ahead (dpp/static_agents.py). Default: rendezvous, or eager with --from-trace "
+                        "posted ahead (dpp/sim/static_agents.py). Default: rendezvous, or eager with --from-trace "
                         "(the overhead fitted from a trace already holds the rendezvous waits)")
     p.add_argument("--inject-jitter", action="append", default=[], metavar="PPRANK:MAXFACTOR[:SEED]")
     p.add_argument("--from-trace", default=None, metavar="DIR", help="task times (and layout) of a MegaScan trace")
@@ -91,7 +95,7 @@ def _link(args, latency_ms: float = 0.0) -> dict:
 def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
     """(P, V, M, schedule name, cost model, traced run or None) from the flags."""
     if args.from_trace:
-        from megatronapp.dpp import trace_costs
+        from megatronapp.dpp.sim import trace_costs
 
         run = trace_costs.load_traced_run(args.from_trace)
         pp, vpp, m = run.pp_size, run.num_chunks, run.num_microbatches
@@ -99,10 +103,13 @@ def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
         link["task_overhead_s"] = trace_costs.estimate_task_overheads_s(run, link["p2p_latency_s"])
         return pp, vpp, m, args.schedule or run.schedule, trace_costs.compute_trace_costs(run, **link), run
     pp, vpp, m = args.pp, args.vpp, args.microbatches
+    if not 0.0 < args.weight_grad_share < 1.0:
+        raise ValueError(f"--weight-grad-share must be in (0, 1), got {args.weight_grad_share}")
     if min(pp, vpp, m) < 1:
         raise ValueError(f"pipeline size, virtual stages and microbatches must be >= 1, got {pp}, {vpp}, {m}")
     fwd, bwd = _per_rank(args.forward_ms, pp, "--forward-ms"), _per_rank(args.backward_ms, pp, "--backward-ms")
-    cost = CostModel(tuple((f,) * vpp for f in fwd), tuple((b,) * vpp for b in bwd), **_link(args))
+    cost = CostModel(tuple((f,) * vpp for f in fwd), tuple((b,) * vpp for b in bwd), **_link(args),
+                     weight_grad_share=args.weight_grad_share)
     return pp, vpp, m, args.schedule or "dynamic", cost, None
 
 
@@ -119,8 +126,8 @@ def simulate_from_args(args) -> tuple[SimResult, str, list[int] | None, object]:
     DppConfig(args.dpp_traversal, args.dpp_max_inflight)
     caps = [args.dpp_max_inflight] * pp if args.dpp_max_inflight else compute_default_caps(pp, vpp, m)
     check_cap(caps[0], vpp)
-    res = simulate(pp, vpp, m, cost, traversal=args.dpp_traversal, caps=caps)
-    return res, f"dynamic/{args.dpp_traversal}", caps, run
+    res = simulate(pp, vpp, m, cost, traversal=args.dpp_traversal, caps=caps, split_backward=args.split_backward)
+    return res, f"dynamic/{args.dpp_traversal}" + ("+W" if args.split_backward else ""), caps, run
 
 
 def run_simulate(args) -> int:
@@ -133,7 +140,7 @@ def run_simulate(args) -> int:
               "peak_inflight_activations": res.peak_activations, "peak_inflight_microbatches": res.peak_inflight,
               "caps": caps}
     if run is not None:  # how far the prediction is from what the trace recorded
-        from megatronapp.dpp.trace_costs import compute_iteration_times
+        from megatronapp.dpp.sim.trace_costs import compute_iteration_times
 
         measured = statistics.fmean(compute_iteration_times(run).values())
         report.update(measured_iteration_s=measured, prediction_error=res.makespan_s / measured - 1.0)
@@ -151,7 +158,7 @@ def run_simulate(args) -> int:
 
 
 def run_show(args) -> int:
-    from megatronapp.dpp.render import save_chrome_trace, save_gantt_png
+    from megatronapp.dpp.sim.render import save_chrome_trace, save_gantt_png
 
     try:
         if args.from_trace and not args.simulate:

@@ -1,7 +1,7 @@
 """--inject-jitter: each compute task on one rank takes a random factor in [1, MAXFACTOR] longer.
 
 Factors come from random.Random(f"{seed}:{rank}") in the order the rank runs its tasks, the
-same rule the simulator uses (simulator.py), so a run and its simulation see the same
+same rule the simulator uses (sim/simulator.py), so a run and its simulation see the same
 draws. On CPU the extra time is slept after the task, proportional to the CPU time it
 burned (as --inject-slowdown does, faults/inject.py). On GPU it is device work (spin
 cycles) right after the task on its stream, (factor - 1) x that kind of task's GPU time,

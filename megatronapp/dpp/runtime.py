@@ -38,12 +38,13 @@ from megatronapp.dpp.config import DppConfig, resolve_send_thread
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import Decision, RankScheduler, compute_default_caps
 from megatronapp.dpp.streams import build_order
-from megatronapp.dpp.tasks import BACKWARD, FORWARD, remote_inputs
+from megatronapp.dpp.tasks import BACKWARD, FORWARD, WEIGHT_GRAD, remote_inputs
 from megatronapp.dpp.transport import Outbox, start_receivers
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.actions import Action, virtual_stage
 from megatronapp.pipeline.runtime import StageCompute
 
+_WIRE_KINDS = (FORWARD, BACKWARD, WEIGHT_GRAD)  # a decision's kind as TP rank 0 broadcasts it
 INBOX_TIMEOUT_S = 600.0  # a message this late means a peer died: fail instead of hanging
 
 
@@ -53,6 +54,8 @@ class RuntimeCounters:
 
     peak_activations: int = 0
     peak_microbatches: int = 0
+    peak_held: int = 0  # activation sets + pending W + received inputs not yet forwarded (scheduler.held)
+    peak_w_bytes: int = 0  # operands held by pending W tasks (split backward)
     decisions: int = 0
     wait_fraction: float = 0.0  # the scheduler's recent waiting share, kept from step to step
     decision_ns: list = field(default_factory=list)  # drain + decide, per decision (last 10k)
@@ -79,7 +82,7 @@ class DynamicPipelineRuntime:
 
     def __init__(self, model, groups: ParallelGroups, config: DppConfig, *, num_chunks: int,
                  num_microbatches: int, device, tracer, reducer=None, injector=None, grad_scale_func=None,
-                 separate_channels: bool | None = None):
+                 separate_channels: bool | None = None, split_backward: bool = False):
         lay = groups.layout
         self.model, self.groups, self.config, self.device = model, groups, config, device
         self.pp_size, self.num_chunks, self.num_microbatches = lay.pp_size, num_chunks, num_microbatches
@@ -87,7 +90,7 @@ class DynamicPipelineRuntime:
         default = compute_default_caps(lay.pp_size, num_chunks, num_microbatches)[groups.pp_rank]
         self.cap = config.max_inflight or default
         self.stage = StageCompute(model, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches, device,
-                                  injector, grad_scale_func)
+                                  injector, grad_scale_func, split_backward)
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         self.policy = build_policy(config.traversal, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
         # (task, global source rank) of every input another rank sends this one in a step
@@ -109,7 +112,7 @@ class DynamicPipelineRuntime:
         if len(microbatches) != self.num_microbatches:
             raise ValueError(f"dynamic runtime expects {self.num_microbatches} microbatches, got {len(microbatches)}")
         sched = RankScheduler(self.groups.pp_rank, self.pp_size, self.num_chunks, self.num_microbatches,
-                              self.cap, self.policy)
+                              self.cap, self.policy, split_backward=self.stage.wgrad_queue is not None)
         self.injector.set_iteration(iteration)  # as PipelineRuntime.run
         sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
         inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait,
@@ -132,6 +135,9 @@ class DynamicPipelineRuntime:
         c.wait_fraction = sched.wait_fraction
         c.peak_activations = max(c.peak_activations, sched.counter.peak_activations)
         c.peak_microbatches = max(c.peak_microbatches, sched.counter.peak_microbatches)
+        c.peak_held = max(c.peak_held, sched.peak_held)
+        if self.stage.wgrad_queue is not None:
+            c.peak_w_bytes = max(c.peak_w_bytes, self.stage.wgrad_queue.peak_bytes)
         if st.inputs or st.grads or st.outputs:
             raise RuntimeError("dynamic pipeline step ended with unconsumed tensors")
         return torch.stack(st.losses).sum() if st.losses else None
@@ -197,13 +203,13 @@ class DynamicPipelineRuntime:
         wire = torch.zeros(3, dtype=torch.int64)
         if decision is not None:
             t = decision.task
-            wire[:] = torch.tensor([int(t.kind is BACKWARD), t.chunk, t.microbatch])
+            wire[:] = torch.tensor([_WIRE_KINDS.index(t.kind), t.chunk, t.microbatch])
         dist.broadcast(wire, src=self.tp_root, group=self.channels.decision_group)  # gloo: host data
         if decision is not None:
             return decision, 0.0
         kind, chunk, mb = wire.tolist()
-        task, waited = Action(BACKWARD if kind else FORWARD, chunk, mb), 0.0
-        while task not in sched.available:
+        task, waited = Action(_WIRE_KINDS[kind], chunk, mb), 0.0
+        while task not in sched.available and task not in sched.pending_w:
             waited += self._drain(sched, inbox, st, block=True)
         return Decision(task, "tp-follow", (task,), sched.counter.activations), waited
 
@@ -222,7 +228,10 @@ class DynamicPipelineRuntime:
         # The decision rides on the compute span as its "op" argument (policy, in-flight, ready set).
         op = decision.describe() if self.tracer.enabled else ""
         with self.tracer.context(chunk=task.chunk, microbatch=task.microbatch, op=op):
-            out = self._forward(task, st) if task.kind is FORWARD else self._backward(task, st)
+            if task.kind is WEIGHT_GRAD:
+                out = self._weight_grad(task, st)
+            else:
+                out = self._forward(task, st) if task.kind is FORWARD else self._backward(task, st)
         busy = time.perf_counter() - t0
         consumer = sched.finish(task)
         if consumer is not None:
@@ -250,4 +259,11 @@ class DynamicPipelineRuntime:
             self.reducer.mark_final_microbatch(0)
         st.backwards_done += 1
         return self.stage.backward(st.outputs.pop(key), st.grads.pop(key, None), st.inputs.pop(key, None),
-                                   self.tracer, task.chunk)
+                                   self.tracer, task.chunk, task.microbatch)
+
+    def _weight_grad(self, task: Action, st: _Step) -> None:
+        # with one chunk the last W may start its buckets' DP reduction (module doc: with several,
+        # replicas finish chunks in different orders, so the reduction waits for the step's end)
+        reducer = self.reducer if self.num_chunks == 1 else None
+        self.stage.weight_grad(task.chunk, task.microbatch, self.tracer, reducer,
+                               self.num_microbatches - st.backwards_done)

@@ -38,6 +38,20 @@ another reason (policies.InOrderPolicy) and needs a cap its order fits (check_or
 A cap below V fails: one
 microbatch alone holds V activation sets on a rank before its first backward there, hence
 `check_cap`. The randomised tests check this on real gloo ranks.
+
+W filling (split backward, parallel/wgrad_defer.py). With `split_backward` a backward task
+B(c, m) runs as I: the input gradient, sent upstream at once; its weight-gradient GEMMs wait
+as W(c, m), a local task that is always ready. W is the filler: the rank runs the oldest
+pending W exactly when the policy has nothing to run (no F/B ready, the cap binding, or the
+in-order policy waiting for its next task), and the step is done only once every W ran (so
+all of them precede the optimizer step). The cap counts a (chunk, microbatch) from its
+forward until its W: pending-W state is capped with the activations. The argument above
+still holds with A counting both: a pending W is always ready, so a rank with nothing ready
+has no pending W, and then A counts activations only, as before; a W frees a unit and needs
+none. Received inputs whose forward has not started are counted (`held`, `peak_held`) but
+not capped: refusing an arrived message needs flow control with the sender, and counting
+them in admission would let a newer microbatch's early input block an older one's forward
+(breaking R2).
 """
 
 from __future__ import annotations
@@ -45,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.dpp.policies import InOrderPolicy, RankView, compute_depth_first_order
-from megatronapp.dpp.tasks import FORWARD, compute_consumer, forward_task
+from megatronapp.dpp.tasks import FORWARD, WEIGHT_GRAD, compute_consumer, forward_task, weight_task
 from megatronapp.pipeline.actions import Action, virtual_stage
 
 _EWMA = 0.2  # weight of the newest observation in the wait-fraction average
@@ -77,10 +91,11 @@ class Decision:
 
 
 class InflightCounter:
-    """Activation sets and admitted microbatches held by one rank (module docstring)."""
+    """Activation sets and admitted microbatches held by one rank (module docstring); with
+    `split_backward` a set is freed by its W, not by its backward."""
 
-    def __init__(self, cap: int | None = None):
-        self.cap = cap
+    def __init__(self, cap: int | None = None, split_backward: bool = False):
+        self.cap, self.frees = cap, WEIGHT_GRAD if split_backward else None
         self.activations = self.microbatches = 0
         self.peak_activations = self.peak_microbatches = 0
 
@@ -96,7 +111,7 @@ class InflightCounter:
             self.peak_microbatches = max(self.peak_microbatches, self.microbatches)
 
     def finish(self, task: Action) -> None:
-        if task.kind is FORWARD:
+        if task.kind is FORWARD or (self.frees is WEIGHT_GRAD and task.kind is not WEIGHT_GRAD):
             return
         self.activations -= 1
         if task.chunk == 0:
@@ -118,18 +133,21 @@ class RankScheduler:
     """Ready set, admission and decisions of one pipeline rank for one step."""
 
     def __init__(self, pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int,
-                 cap: int, policy):
+                 cap: int, policy, split_backward: bool = False):
         check_cap(cap, num_chunks)
         self.reserve_for_older = not isinstance(policy, InOrderPolicy)  # R2; in-order needs only the cap
         if not self.reserve_for_older:
             check_order_fits(policy.order, cap, num_chunks, pp_rank)
         self.pp_rank, self.pp_size, self.num_chunks = pp_rank, pp_size, num_chunks
         self.num_microbatches, self.cap, self.policy = num_microbatches, cap, policy
-        self.counter = InflightCounter(cap)
+        self.counter = InflightCounter(cap, split_backward)
+        self.split_backward = split_backward
         self.available: set[Action] = set()  # input present, not yet started
+        self.pending_w: list[Action] = []  # W tasks whose backward ran, oldest first (the filler)
+        self.peak_held = 0  # activation sets + pending W + received inputs not yet forwarded
         self.next_admit = 0  # R1: the only microbatch whose F(0, .) may start
         self.owed: dict[int, int] = {}  # admitted microbatch -> forwards it still runs here (R2)
-        self.remaining = 2 * num_chunks * num_microbatches
+        self.remaining = (3 if split_backward else 2) * num_chunks * num_microbatches
         self.wait_fraction = 0.0
         self.started: set[Action] = set()
         if virtual_stage(0, pp_rank, pp_size) == 0:  # tokens are local: every F(0, m) has its input
@@ -142,6 +160,13 @@ class RankScheduler:
     def add_input(self, task: Action) -> None:
         """The input of `task` has arrived (message received, or local producer finished)."""
         self.available.add(task)
+        self.peak_held = max(self.peak_held, self.held)
+
+    @property
+    def held(self) -> int:
+        """Activation sets and pending W (both capped) plus received, not yet forwarded inputs."""
+        waiting = sum(1 for t in self.available if t.kind is FORWARD and t.chunk + self.pp_rank > 0)
+        return self.counter.activations + waiting
 
     def _admissible(self, task: Action) -> bool:
         if task.kind is not FORWARD:
@@ -160,15 +185,23 @@ class RankScheduler:
         """The task to run next by the policy, or None when nothing is ready (or, in-order,
         while the order's next task is not)."""
         ready = self.ready()
-        if not ready:
-            return None
-        view = RankView(self.counter.activations, self.cap, self.wait_fraction, self.started)
-        task, policy = self.policy.choose(ready, view)
-        if task is None:  # the in-order policy waits for its order's next task
+        task = None
+        if ready:
+            view = RankView(self.counter.activations, self.cap, self.wait_fraction, self.started)
+            task, policy = self.policy.choose(ready, view)  # None: the in-order policy waits
+        if task is None and self.pending_w:  # nothing else to run now: fill with the oldest W
+            task, policy = self.pending_w[0], "w-fill"
+        if task is None:
             return None
         return Decision(task, policy, tuple(sorted(ready, key=_sort_key)), self.counter.activations)
 
     def start(self, task: Action) -> None:
+        if task.kind is WEIGHT_GRAD:
+            if task not in self.pending_w:
+                raise RuntimeError(f"pp rank {self.pp_rank}: {task} started but its backward has not run")
+            self.pending_w.remove(task)
+            self.started.add(task)
+            return
         if task not in self.available or not self._admissible(task):
             raise RuntimeError(f"pp rank {self.pp_rank}: {task} started but it is not ready")
         self.available.remove(task)
@@ -194,6 +227,11 @@ class RankScheduler:
         """
         self.counter.finish(task)
         self.remaining -= 1
+        if task.kind is WEIGHT_GRAD:
+            return None
+        if self.split_backward and task.kind is not FORWARD:  # it ran as I: its W is now pending
+            self.pending_w.append(weight_task(task.chunk, task.microbatch))
+            self.peak_held = max(self.peak_held, self.held)
         return route_output(self, task)
 
     def observe(self, busy_s: float, waited_s: float) -> None:

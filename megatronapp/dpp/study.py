@@ -20,10 +20,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from megatronapp.dpp.bounds import compute_step_bound_s
-from megatronapp.dpp.scenarios import compute_scenario_sim
+from megatronapp.dpp.sim.bounds import compute_step_bound_s
+from megatronapp.dpp.sim.scenarios import compute_scenario_sim
 from megatronapp.dpp.scheduler import compute_default_caps
-from megatronapp.dpp.simulator import CostModel, Span, simulate
+from megatronapp.dpp.sim.simulator import CostModel, Span, simulate
 from megatronapp.dpp.tasks import FORWARD
 from megatronapp.pipeline.schedules import build_schedule
 
@@ -50,7 +50,7 @@ def variants(pp: int, vpp: int, m: int, traversals, cap_extra: tuple[int, ...] =
 
 def lower_bounds_s(cost: CostModel, pp: int, vpp: int, m: int) -> tuple[float, float]:
     """(clairvoyant bound, online bound) of the module docstring at any cap, for the seeds in
-    `cost.jitter` (megatronapp/dpp/bounds.py; its "expected" mode is the online bound)."""
+    `cost.jitter` (megatronapp/dpp/sim/bounds.py; its "expected" mode is the online bound)."""
     return (compute_step_bound_s(cost, pp, vpp, m, mode="clairvoyant"),
             compute_step_bound_s(cost, pp, vpp, m, mode="expected"))
 

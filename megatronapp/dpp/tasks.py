@@ -15,6 +15,8 @@ from __future__ import annotations
 from megatronapp.pipeline.actions import Action, ActionKind, stage_location, virtual_stage
 
 FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
+# split backward: a BACKWARD task runs as I (input gradient) and leaves this local task behind
+WEIGHT_GRAD = ActionKind.BACKWARD_WEIGHT
 
 
 def forward_task(chunk: int, microbatch: int) -> Action:
@@ -23,6 +25,10 @@ def forward_task(chunk: int, microbatch: int) -> Action:
 
 def backward_task(chunk: int, microbatch: int) -> Action:
     return Action(BACKWARD, chunk, microbatch)
+
+
+def weight_task(chunk: int, microbatch: int) -> Action:
+    return Action(WEIGHT_GRAD, chunk, microbatch)
 
 
 def compute_rank_tasks(num_chunks: int, num_microbatches: int) -> list[Action]:

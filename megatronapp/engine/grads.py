@@ -179,6 +179,8 @@ class GradReducer:
 
     def _make_hook(self, chunk: int, bucket: _Bucket):
         def hook(param):
+            if getattr(param, "weight_grad_in_w", False):  # autograd fires it with no gradient (split
+                return  # backward): W accumulates the weight and counts it (weight_grads_done)
             if param.dtype != torch.float32:
                 if not getattr(param, "grad_added_to_main_grad", False):  # else the fused GEMM did it
                     if param.numel() <= DEFERRED_ADD_MAX_NUMEL:
@@ -187,11 +189,22 @@ class GradReducer:
                         param.main_grad.add_(param.grad)  # fp32 accumulation of a bf16/fp16 grad
                 param.grad = None
             if self.overlap and self.final_microbatch[chunk]:
-                bucket.ready += 1
-                if bucket.ready == len(bucket.params):
-                    self._deferred.flush()
-                    self._launch(bucket)
+                self._count_ready(bucket)
         return hook
+
+    def _count_ready(self, bucket: _Bucket) -> None:
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._deferred.flush()
+            self._launch(bucket)
+
+    def weight_grads_done(self, chunk: int, weights) -> None:
+        """Split backward (parallel/wgrad_defer.py): `chunk`'s last W ran; its `weights` got no
+        gradient through autograd (no hook fired), so they count as ready here, and a bucket's
+        reduction starts once its last W is done."""
+        if self.overlap and self.final_microbatch[chunk]:
+            for p in dict.fromkeys(weights):
+                self._count_ready(self.buffers[chunk].bucket_of[p])
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.grad.div_(self.dp_size)

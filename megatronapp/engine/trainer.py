@@ -36,7 +36,8 @@ from megatronapp.parallel.fp8 import delayed_states, enable_fp8, update_delayed_
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.parallel.random import build_rng_tracker
 from megatronapp.pipeline.runtime import PipelineRuntime
-from megatronapp.pipeline.schedules import build_schedule
+from megatronapp.parallel.wgrad_defer import apply_split_backward
+from megatronapp.pipeline.schedules import build_schedule, schedule_has_weight_tasks
 from megatronapp.pipeline.validate import validate_schedule
 
 log = logging.getLogger("megatronapp.engine")
@@ -123,8 +124,12 @@ class Trainer:
                                       num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
                                       tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
                                       attention_backend=attention_backend)
+        # split backward: the linears' weight GEMMs wait for W tasks (parallel/wgrad_defer.py)
+        split = t.uses_split_backward() or (schedule is not None and schedule_has_weight_tasks(schedule))
+        if split:
+            apply_split_backward(m for c in self.chunks for m in c.modules())
         runtime_kw = dict(device=device, tracer=tracer, reducer=self.reducer, injector=injector,
-                          grad_scale_func=self.optimizer.scale_loss)
+                          grad_scale_func=self.optimizer.scale_loss, split_backward=split)
         if runtime_factory is not None:  # decisions at run time (e.g. megatronapp.dpp): no static schedule
             self.schedule, self.runtime = None, runtime_factory(self.model, groups, **runtime_kw)
         else:

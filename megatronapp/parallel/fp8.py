@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatronapp.parallel.wgrad_defer import defer_or_run
 from megatronapp.parallel.wgrad_fusion import consume_first_write
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -176,7 +177,7 @@ def _(main_grad, grad_t, input_cm, grad_inv_scale, input_inv_scale) -> None:
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, main_grad, spec: FP8Spec, state: DelayedScaling | None):
+    def forward(ctx, x, weight, bias, main_grad, spec: FP8Spec, state: DelayedScaling | None, defer: bool):
         x2 = x.reshape(-1, x.shape[-1])
         qx, sx = _cast(x2, E4M3, spec.input_group, state, X)
         qw, sw = _cast(weight, E4M3, spec.weight_group, state, W)
@@ -186,6 +187,7 @@ class _FP8Linear(torch.autograd.Function):
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.spec, ctx.state, ctx.main_grad, ctx.has_bias = spec, state, main_grad, bias is not None
         ctx.dtype, ctx.weight_dtype = x.dtype, weight.dtype
+        ctx.weight = weight if defer else None
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -196,21 +198,42 @@ class _FP8Linear(torch.autograd.Function):
         qg, sg = _cast(g2, spec.grad_dtype, spec.grad_group, ctx.state, G)
         grad_x = torch._scaled_mm(qg, _column_major(qw), scale_a=sg, scale_b=sw, out_dtype=ctx.dtype)
         qg_t, qx_cm = qg.t().contiguous(), _column_major(qx)
-        if ctx.main_grad is not None:
+        if ctx.weight is not None:  # split backward: the weight GEMM runs in W (wgrad_defer.py)
+            defer_or_run(_DeferredFP8Gemm(ctx.weight, qg_t, qx_cm, sg, sx, ctx.main_grad is not None))
+            grad_w = None
+        elif ctx.main_grad is not None:
             torch.ops.megatronapp.accumulate_fp8_weight_grad(ctx.main_grad, qg_t, qx_cm, sg, sx)
             grad_w = torch.empty(qw.shape, dtype=ctx.weight_dtype, device=qw.device)  # dropped (wgrad_fusion)
         else:
             grad_w = torch._scaled_mm(qg_t, qx_cm, scale_a=sg, scale_b=sx, out_dtype=ctx.weight_dtype)
         grad_bias = g2.sum(0) if ctx.has_bias else None
-        return grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w, grad_bias, None, None, None
+        return grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), grad_w, grad_bias, None, None, None, None
+
+
+class _DeferredFP8Gemm:
+    """An FP8 linear's weight-gradient GEMM, run in W (split backward, wgrad_defer.py)."""
+
+    def __init__(self, weight, grad_t, input_cm, grad_inv_scale, input_inv_scale, fused: bool):
+        self.weight, self.fused = weight, fused
+        self.operands = (grad_t, input_cm, grad_inv_scale, input_inv_scale)
+
+    def run(self) -> None:
+        main = self.weight.main_grad
+        if self.fused:
+            _accumulate_fp8_weight_grad(main, *self.operands)
+        else:  # the low-precision weight gradient, then the widening add its hook would do
+            grad_t, input_cm, sg, sx = self.operands
+            main.add_(torch._scaled_mm(grad_t, input_cm, scale_a=sg, scale_b=sx, out_dtype=self.weight.dtype))
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: FP8Spec, *,
-               main_grad: torch.Tensor | None = None, state: DelayedScaling | None = None) -> torch.Tensor:
+               main_grad: torch.Tensor | None = None, state: DelayedScaling | None = None,
+               defer_weight_grad: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) with FP8 GEMMs; with `main_grad` the weight gradient is
     accumulated there (fp32) and autograd gets a placeholder, as wgrad_fusion does; with
-    `state`, the delayed recipe's scales (else current scaling)."""
-    return _FP8Linear.apply(x, weight, bias, main_grad, spec, state)
+    `state`, the delayed recipe's scales (else current scaling); with `defer_weight_grad` the
+    weight GEMM runs in W (split backward, wgrad_defer.py)."""
+    return _FP8Linear.apply(x, weight, bias, main_grad, spec, state, defer_weight_grad)
 
 
 def enable_fp8(blocks, fmt: str, recipe: str = "tensorwise", history_len: int = 1) -> int:

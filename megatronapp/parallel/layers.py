@@ -30,6 +30,7 @@ from megatronapp.parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence_parallel,
 )
+from megatronapp.parallel.wgrad_defer import linear_with_deferred_weight_grad
 from megatronapp.parallel.wgrad_fusion import linear_with_grad_accumulation
 
 
@@ -65,13 +66,17 @@ class _ParallelLinear(nn.Module):
         full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
         self.weight = mark_split(nn.Parameter(_shard(full, split_dim, tp_size, tp_rank, device)), split_dim)
         self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
+        self.split_backward = False  # set by parallel.wgrad_defer.apply_split_backward
         self.fp8_spec: FP8Spec | None = None  # set by parallel.fp8.enable_fp8
         self.fp8_state: DelayedScaling | None = None  # the delayed recipe's, set there too
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8_spec is not None:
             return fp8_linear(x, self.weight, bias, self.fp8_spec,
-                              main_grad=self.weight.main_grad if self.wgrad_fusion else None, state=self.fp8_state)
+                              main_grad=self.weight.main_grad if self.wgrad_fusion else None, state=self.fp8_state,
+                              defer_weight_grad=self.split_backward)
+        if self.split_backward:
+            return linear_with_deferred_weight_grad(x, self.weight, bias, fused=self.wgrad_fusion)
         if self.wgrad_fusion:
             return linear_with_grad_accumulation(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

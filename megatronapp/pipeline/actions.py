@@ -11,7 +11,8 @@ Communication semantics (what the runtime does, and what the validator simulates
   * Messages between a directed pair of ranks are matched in FIFO order: the k-th send
     from A to B pairs with the k-th recv on B from A, and both must name the same message.
   * A FORWARD(c, m) on a non-first virtual stage consumes the RECV_FORWARD(c, m) posted
-    earlier on that rank; a BACKWARD(c, m) on a non-last virtual stage consumes RECV_BACKWARD(c, m).
+    earlier on that rank; a BACKWARD(c, m) (or BACKWARD_INPUT(c, m)) on a non-last virtual
+    stage consumes RECV_BACKWARD(c, m). BACKWARD_WEIGHT neither receives nor sends.
 """
 
 from __future__ import annotations
@@ -22,15 +23,30 @@ from enum import Enum
 
 class ActionKind(str, Enum):
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward: input and weight gradients
+    # split backward (parallel/wgrad_defer.py), torch.distributed.pipelining's letters: I is
+    # the input gradient (what the previous stage waits for, sent like B's), W the deferred
+    # weight gradients of the same (chunk, microbatch), local, any time after its I and
+    # before the step's optimizer update
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     SEND_FORWARD = "SF"  # send output activation of (chunk, mb) to the next virtual stage
     RECV_FORWARD = "RF"  # receive input activation of (chunk, mb) from the previous virtual stage
-    SEND_BACKWARD = "SB"  # send grad w.r.t. the input of (chunk, mb) to the previous virtual stage
+    SEND_BACKWARD = "SB"  # send grad w.r.t. the input of (chunk, mb) to the previous virtual stage (B or I)
     RECV_BACKWARD = "RB"  # receive grad w.r.t. the output of (chunk, mb) from the next virtual stage
 
     @property
     def is_comm(self) -> bool:
-        return self not in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        return self not in _COMPUTE_KINDS
+
+    @property
+    def is_backward(self) -> bool:
+        """B or I: the compute that consumes the output gradient and produces the input gradient."""
+        return self in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
+
+
+_COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                            ActionKind.BACKWARD_WEIGHT})
 
 
 @dataclass(frozen=True)

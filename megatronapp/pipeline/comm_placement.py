@@ -58,6 +58,8 @@ _Segment = Action | list[_Op]
 def compute_outgoing_recv(action: Action, pp_rank: int, pp_size: int,
                           num_chunks: int) -> tuple[int, Action] | None:
     """(peer rank, the RECV action it posts) for what this compute produces, or None if it stays local."""
+    if action.kind is ActionKind.BACKWARD_WEIGHT:  # W only writes this rank's main grads
+        return None
     vstage = virtual_stage(action.chunk, pp_rank, pp_size)
     forward = action.kind is ActionKind.FORWARD
     target = vstage + 1 if forward else vstage - 1
@@ -70,6 +72,8 @@ def compute_outgoing_recv(action: Action, pp_rank: int, pp_size: int,
 
 def compute_incoming_recv(action: Action, pp_rank: int, pp_size: int, num_chunks: int) -> Action | None:
     """The RECV action this compute consumes on its own rank, or None if its input is local."""
+    if action.kind is ActionKind.BACKWARD_WEIGHT:  # W's operands were kept by its I
+        return None
     vstage = virtual_stage(action.chunk, pp_rank, pp_size)
     forward = action.kind is ActionKind.FORWARD
     source = vstage - 1 if forward else vstage + 1

@@ -19,9 +19,13 @@ import torch.distributed as dist
 
 from megatronapp import spans
 from megatronapp.parallel.groups import ParallelGroups
+from megatronapp.parallel.wgrad_defer import WeightGradQueue
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
 from megatronapp.pipeline.contract import MicrobatchContext, PipelineModel
+
+
+_SPLIT_KINDS = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 
 
 class NullInjector:
@@ -71,8 +75,10 @@ class StageCompute:
     traced and fault-injected. Shared by this runtime and MegaDPP's dynamic runtime."""
 
     def __init__(self, model: PipelineModel, pp_rank: int, pp_size: int, num_chunks: int,
-                 num_microbatches: int, device, injector=None, grad_scale_func=None):
+                 num_microbatches: int, device, injector=None, grad_scale_func=None, split_backward: bool = False):
         self.model, self.pp_rank, self.pp_size = model, pp_rank, pp_size
+        # split backward: backward() is B and defers the weight GEMMs here; weight_grad() is W
+        self.wgrad_queue = WeightGradQueue() if split_backward else None
         self.grad_scale_func = grad_scale_func  # loss scaling (fp16, Megatron's): applied before backward
         self.num_vstages, self.num_microbatches = pp_size * num_chunks, num_microbatches
         self.injector = injector or NullInjector()
@@ -92,13 +98,29 @@ class StageCompute:
                 out = loss_fn(out) / self.num_microbatches
         return out
 
-    def backward(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input, tracer, chunk: int = 0):
-        """Backward of `chunk` from `output` (grad None for the loss); the gradient of stage_input, if any."""
+    def backward(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input, tracer, chunk: int = 0,
+                 microbatch: int = 0):
+        """Backward of `chunk` from `output` (grad None for the loss); the gradient of stage_input, if any.
+        With split backward this is B: the weight GEMMs wait in `wgrad_queue` for weight_grad()."""
         if grad is None and self.grad_scale_func is not None:
             output = self.grad_scale_func(output)
+        capture = (contextlib.nullcontext() if self.wgrad_queue is None
+                   else self.wgrad_queue.capture(chunk, microbatch))
         with tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute((spans.BACKWARD, chunk)):
-            torch.autograd.backward(output, grad)
+            with capture:
+                torch.autograd.backward(output, grad)
         return None if stage_input is None else stage_input.grad
+
+    def weight_grad(self, chunk: int, microbatch: int, tracer, reducer=None, backwards_left: int = 0) -> None:
+        """W of (chunk, microbatch): its deferred weight GEMMs into the main grads. When it is the
+        chunk's last (no backward of the chunk left, no W of it pending), the reducer counts its
+        weights, so their buckets' DP reduction may start (engine/grads.py)."""
+        with tracer.span(spans.WEIGHT_GRAD), self.compute_timer.measure(), \
+                self.injector.compute((spans.WEIGHT_GRAD, chunk)):
+            weights = self.wgrad_queue.run(chunk, microbatch)
+        last = backwards_left == 0 and not any(c == chunk for c, _ in self.wgrad_queue.pending_keys())
+        if reducer is not None and last:
+            reducer.weight_grads_done(chunk, weights)
 
 
 class PipelineRuntime:
@@ -109,7 +131,7 @@ class PipelineRuntime:
     """
 
     def __init__(self, model: PipelineModel, groups: ParallelGroups, schedule: PipelineSchedule, *,
-                 device, tracer, reducer=None, injector=None, grad_scale_func=None):
+                 device, tracer, reducer=None, injector=None, grad_scale_func=None, split_backward: bool = False):
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = {start: end for start, end in comm_batches(self.actions)}
@@ -117,8 +139,11 @@ class PipelineRuntime:
         self.tracer, self.reducer = tracer, reducer
         self.num_vstages = schedule.pp_size * schedule.num_chunks
         self.stage = StageCompute(model, groups.pp_rank, schedule.pp_size, schedule.num_chunks,
-                                  schedule.num_microbatches, device, injector, grad_scale_func)
+                                  schedule.num_microbatches, device, injector, grad_scale_func, split_backward)
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
+        if not split_backward and any(a.kind in _SPLIT_KINDS for a in self.actions):
+            raise ValueError(f"schedule {schedule.name!r} has I/W actions but the model runs its backward "
+                             f"whole (split_backward is off)")
 
     def _vstage(self, chunk: int) -> int:
         return virtual_stage(chunk, self.groups.pp_rank, self.schedule.pp_size)
@@ -139,6 +164,8 @@ class PipelineRuntime:
             with self.tracer.context(chunk=action.chunk, microbatch=action.microbatch):
                 if action.kind is ActionKind.FORWARD:
                     self._forward(action, st)
+                elif action.kind is ActionKind.BACKWARD_WEIGHT:
+                    self._weight_grad(action.chunk, action.microbatch, st)
                 else:
                     self._backward(action, st)
             i += 1
@@ -146,6 +173,8 @@ class PipelineRuntime:
             batch.wait()
         if st.inputs or st.outputs or st.to_send or st.recvs:
             raise RuntimeError("pipeline step ended with unconsumed tensors: schedule and runtime disagree")
+        if self.stage.wgrad_queue is not None and self.stage.wgrad_queue.pending_keys():
+            raise RuntimeError("pipeline step ended with W work pending: the optimizer would miss weight grads")
         return torch.stack(st.losses).sum() if st.losses else None
 
     # -- compute -------------------------------------------------------------------------
@@ -181,9 +210,15 @@ class PipelineRuntime:
         if vs != self.num_vstages - 1:
             grad = self._wait_recv((ActionKind.RECV_BACKWARD, a.chunk, a.microbatch), st)
         x = st.inputs.pop((a.chunk, a.microbatch)) if vs != 0 else None
-        x_grad = self.stage.backward(out, grad, x, self.tracer, a.chunk)
+        x_grad = self.stage.backward(out, grad, x, self.tracer, a.chunk, a.microbatch)
         if vs != 0:
             st.to_send[(ActionKind.SEND_BACKWARD, a.chunk, a.microbatch)] = x_grad
+        if a.kind is ActionKind.BACKWARD and self.stage.wgrad_queue is not None:  # whole backward = I then W
+            self._weight_grad(a.chunk, a.microbatch, st)
+
+    def _weight_grad(self, chunk: int, microbatch: int, st: _StepState) -> None:
+        left = self.schedule.num_microbatches - st.backwards_done.get(chunk, 0)
+        self.stage.weight_grad(chunk, microbatch, self.tracer, self.reducer, left)
 
     # -- communication -------------------------------------------------------------------
     def _post_batch(self, batch: tuple[Action, ...], st: _StepState) -> None:

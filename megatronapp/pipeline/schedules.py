@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule
 from megatronapp.pipeline.comm_placement import ComputeStep, compute_step_actions, place_communication
+from megatronapp.pipeline.zero_bubble import compute_zero_bubble_orders
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "breadth-first")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "breadth-first", "zb-h1", "interleaved-zb")
 
 
 def _check_sizes(pp_size: int, num_chunks: int, num_microbatches: int) -> None:
@@ -156,12 +157,43 @@ def build_breadth_first_schedule(pp_size: int, num_chunks: int, num_microbatches
                                              "breadth-first")
 
 
+def build_zb_h1_schedule(pp_size: int, num_microbatches: int) -> PipelineSchedule:
+    """ZB-H1 (Qi et al.): 1F1B's forwards and input gradients, W in the bubbles, 1F1B's memory
+    (pipeline/zero_bubble.py)."""
+    _check_sizes(pp_size, 1, num_microbatches)
+    base = [compute_1f1b_order(pp_size, p, num_microbatches) for p in range(pp_size)]
+    orders = compute_zero_bubble_orders(base, pp_size, 1)
+    return build_schedule_from_compute_order(pp_size, 1, num_microbatches, orders, "zb-h1")
+
+
+def build_interleaved_zero_bubble_schedule(pp_size: int, num_chunks: int,
+                                           num_microbatches: int) -> PipelineSchedule:
+    """Interleaved 1F1B with I/W split and W in the bubbles, at interleaved 1F1B's memory
+    (pipeline/zero_bubble.py). Requires num_microbatches % pp_size == 0, as interleaved."""
+    _check_sizes(pp_size, num_chunks, num_microbatches)
+    if num_microbatches % pp_size:
+        raise ValueError(f"interleaved-zb schedule needs num_microbatches ({num_microbatches}) "
+                         f"divisible by pp_size ({pp_size})")
+    base = [compute_interleaved_steps(pp_size, p, num_chunks, num_microbatches) for p in range(pp_size)]
+    orders = compute_zero_bubble_orders(base, pp_size, num_chunks)
+    return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, orders, "interleaved-zb")
+
+
+def schedule_has_weight_tasks(schedule: PipelineSchedule) -> bool:
+    """Whether the schedule splits backward into I and W actions (the model must defer W)."""
+    return any(a.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+               for actions in schedule.actions for a in actions)
+
+
 def build_schedule(name: str, pp_size: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
-    """Build a schedule by name: "gpipe" | "1f1b" (num_chunks must be 1) | "interleaved" | "breadth-first"."""
+    """Build a schedule by name: "gpipe" | "1f1b" | "zb-h1" (num_chunks must be 1) | "interleaved" |
+    "interleaved-zb" | "breadth-first"."""
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if name == "interleaved":
         return build_interleaved_1f1b_schedule(pp_size, num_chunks, num_microbatches)
+    if name == "interleaved-zb":
+        return build_interleaved_zero_bubble_schedule(pp_size, num_chunks, num_microbatches)
     if name == "breadth-first":
         return build_breadth_first_schedule(pp_size, num_chunks, num_microbatches)
     if num_chunks != 1:
@@ -169,4 +201,6 @@ def build_schedule(name: str, pp_size: int, num_chunks: int, num_microbatches: i
                          f"use 'interleaved' for virtual pipeline stages")
     if name == "gpipe":
         return build_gpipe_schedule(pp_size, num_microbatches)
+    if name == "zb-h1":
+        return build_zb_h1_schedule(pp_size, num_microbatches)
     return build_1f1b_schedule(pp_size, num_microbatches)

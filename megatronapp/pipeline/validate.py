@@ -1,8 +1,10 @@
 """Validation and unit-time simulation of pipeline schedules (semantics: see actions.py).
 
 validate_schedule runs, in order:
-  1. per-rank checks: ids in range; every (chunk, microbatch) forwarded and backwarded exactly
-     once; backward after its own forward; each comm action's peer holds the adjacent virtual
+  1. per-rank checks: ids in range; every (chunk, microbatch) forwarded once and backwarded
+     once, either whole (B) or split (I, then its W: W after its I, and every W in the list,
+     i.e. before the step's optimizer update, which follows the list); backward after its own
+     forward; each comm action's peer holds the adjacent virtual
      stage; each compute that needs a remote input has a prior matching recv; each needed
      send exists and comes after the compute that produces it;
   2. FIFO matching: for each directed pair A->B the sequence of sends on A equals, message by
@@ -13,7 +15,7 @@ validate_schedule runs, in order:
      nothing else. A send therefore blocks until the matching recv is posted, which is the
      strictest thing NCCL may do, so a schedule passing here cannot hang on NCCL either.
 
-The same simulation gives a unit-time timeline (forward 1 tick, backward 2, comm 0) used for
+The same simulation gives a unit-time timeline (forward 1 tick, backward 2 = I 1 + W 1, comm 0) used for
 bubble fractions and the ASCII rendering. Every error is one line starting with
 "pp rank R, action I <action>: ..." so it can be found in a printed schedule.
 """
@@ -31,8 +33,10 @@ from megatronapp.pipeline.actions import (
 
 FORWARD_TICKS = 1
 BACKWARD_TICKS = 2  # backward costs about twice the forward (grads w.r.t. inputs and weights)
+SPLIT_TICKS = 1  # I and W each cost about one forward (Qi et al.'s zero-bubble cost model)
 
 _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
+_I, _W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 _SF, _SB = ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD
 _RF, _RB = ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD
 # For each comm kind: which compute it belongs to and which way along the virtual stages its
@@ -45,9 +49,11 @@ class ScheduleError(ValueError):
 
 
 def compute_action_ticks(action: Action) -> int:
-    """Unit-time duration of an action: forward 1, backward 2, communication 0."""
+    """Unit-time duration of an action: forward 1, backward 2 (I 1, W 1), communication 0."""
     if action.kind is _F:
         return FORWARD_TICKS
+    if action.kind in (_I, _W):
+        return SPLIT_TICKS
     return BACKWARD_TICKS if action.kind is _B else 0
 
 
@@ -84,11 +90,13 @@ def _check_ids_and_peer(schedule: PipelineSchedule, rank: int, i: int, a: Action
 
 def _local_input(a: Action, rank: int, p: int, v: int) -> Action | None:
     """What a compute action consumes: a recv on this rank, a local compute (pp_size 1) or None."""
+    if a.kind is _W:  # its operands come from its own I (checked in _check_order)
+        return None
     vstage = virtual_stage(a.chunk, rank, p)
     step = -1 if a.kind is _F else +1
     if not 0 <= vstage + step < p * v:
         return None
-    if p == 1:
+    if p == 1:  # the neighbouring stage's compute of the same kind (a B or an I there)
         return Action(a.kind, a.chunk + step, a.microbatch)
     return Action(_RF if a.kind is _F else _RB, a.chunk, a.microbatch, peer=stage_location(vstage + step, p)[0])
 
@@ -98,15 +106,21 @@ def _check_order(schedule: PipelineSchedule, rank: int, i: int, a: Action, seen:
     key = Action(a.kind, a.chunk, a.microbatch)  # peer-free key: duplicates to other peers count
     if key in seen:
         raise _fail(rank, i, a, f"appears twice (first at action {seen[key]})")
-    if a.kind is _B and Action(_F, a.chunk, a.microbatch) not in seen:
+    if a.kind.is_backward and Action(_F, a.chunk, a.microbatch) not in seen:
         raise _fail(rank, i, a, "backward before its own forward")
+    if a.kind.is_backward and Action(_I if a.kind is _B else _B, a.chunk, a.microbatch) in seen:
+        raise _fail(rank, i, a, "its backward already ran (a microbatch's backward is B, or I then W)")
+    if a.kind is _W and Action(_I, a.chunk, a.microbatch) not in seen:
+        raise _fail(rank, i, a, "W before its I (the weight gradients need I's output gradient)")
     if a.kind.is_comm:
         producer, _ = _COMM_STEP[a.kind]
-        if a.kind in (_SF, _SB) and Action(producer, a.chunk, a.microbatch) not in seen:
+        producers = (_B, _I) if producer is _B else (producer,)
+        if a.kind in (_SF, _SB) and not any(Action(k, a.chunk, a.microbatch) in seen for k in producers):
             raise _fail(rank, i, a, f"sent before the {producer.name} that produces it")
     else:
         needed = _local_input(a, rank, p, v)
-        if needed is not None and Action(needed.kind, needed.chunk, needed.microbatch) not in seen:
+        kinds = (_B, _I) if needed is not None and needed.kind.is_backward else (needed and needed.kind,)
+        if needed is not None and not any(Action(k, needed.chunk, needed.microbatch) in seen for k in kinds):
             raise _fail(rank, i, a, f"its input {needed} is not posted/run before it on this rank")
     seen[key] = i
 
@@ -116,12 +130,16 @@ def _check_completeness(schedule: PipelineSchedule, rank: int, seen: dict[Action
     actions = schedule.actions[rank]
     for c in range(v):
         for m in range(schedule.num_microbatches):
-            for kind in (_F, _B):
+            backward = _I if Action(_I, c, m) in seen else _B
+            for kind in (_F, backward):
                 if Action(kind, c, m) not in seen:
                     raise _fail(rank, "end of list", None, f"{Action(kind, c, m)} never runs")
+            if backward is _I and Action(_W, c, m) not in seen:
+                raise _fail(rank, "end of list", None, f"{Action(_W, c, m)} never runs before the optimizer step "
+                                                       f"(its weight gradients would miss the update)")
             if p == 1:
                 continue
-            for kind, send, step in ((_F, _SF, +1), (_B, _SB, -1)):
+            for kind, send, step in ((_F, _SF, +1), (backward, _SB, -1)):
                 if 0 <= virtual_stage(c, rank, p) + step < p * v and Action(send, c, m) not in seen:
                     i = seen[Action(kind, c, m)]
                     raise _fail(rank, i, actions[i], f"its output is never sent (no {send.value} after it)")

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from megatronapp import spans as spans_vocab
-from megatronapp.dpp.simulator import CostModel, Span
+from megatronapp.dpp.sim.simulator import CostModel, Span
 from megatronapp.dpp.tasks import backward_task, forward_task
 
 

@@ -31,7 +31,7 @@ class EagerStaticAgent:
         self.pp_rank, self.pp_size, self.num_chunks = pp_rank, schedule.pp_size, schedule.num_chunks
         self.order = [a for a in schedule.for_rank(pp_rank) if not a.kind.is_comm]
         self.index, self.arrived = 0, set()
-        self.counter = InflightCounter()
+        self.counter = InflightCounter(split_backward=_has_w(self.order))
 
     @property
     def done(self) -> bool:
@@ -42,7 +42,10 @@ class EagerStaticAgent:
 
     def decide(self) -> Decision | None:
         task = self.order[self.index]
-        if compute_producer_rank(task, self.pp_rank, self.pp_size, self.num_chunks) is None or task in self.arrived:
+        if task.kind is ActionKind.BACKWARD_WEIGHT:  # local: its I ran earlier in the order
+            return Decision(task, "static", (task,), self.counter.activations)
+        needed = Action(ActionKind.BACKWARD, task.chunk, task.microbatch) if task.kind.is_backward else task
+        if compute_producer_rank(task, self.pp_rank, self.pp_size, self.num_chunks) is None or needed in self.arrived:
             return Decision(task, "static", (task,), self.counter.activations)
         return None
 
@@ -52,7 +55,7 @@ class EagerStaticAgent:
 
     def finish(self, task: Action) -> tuple[int, Action] | None:
         self.counter.finish(task)
-        return route_output(self, task)
+        return None if task.kind is ActionKind.BACKWARD_WEIGHT else route_output(self, task)
 
     def observe(self, busy_s: float, waited_s: float) -> None:
         pass
@@ -82,7 +85,7 @@ class RendezvousStaticAgent:
 
     def __init__(self, pp_rank: int, schedule: PipelineSchedule, hub: RendezvousHub):
         self.pp_rank, self.hub = pp_rank, hub
-        self.counter = InflightCounter()
+        self.counter = InflightCounter(split_backward=_has_w(schedule.for_rank(pp_rank)))
         self.items: list = []  # compute Action, or list of op keys (one batch)
         self.waits: dict[int, int] = {}  # item index of a compute -> index of the batch it waits for
         self._build(schedule.for_rank(pp_rank))
@@ -138,6 +141,10 @@ class RendezvousStaticAgent:
 
     def observe(self, busy_s: float, waited_s: float) -> None:
         pass
+
+
+def _has_w(order) -> bool:
+    return any(a.kind is ActionKind.BACKWARD_WEIGHT for a in order)
 
 
 def build_static_agents(schedule: PipelineSchedule, comm: str, transfer_s) -> tuple[list, RendezvousHub | None]:

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import Decision, RankScheduler
-from megatronapp.dpp.static_agents import build_static_agents
+from megatronapp.dpp.sim.static_agents import build_static_agents
 from megatronapp.dpp.tasks import FORWARD
-from megatronapp.pipeline.actions import Action, PipelineSchedule
+from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class CostModel:
     # slow peer has longer gaps than the slow peer itself, and a pooled mean overcharges it)
     task_overhead_s: float | tuple[float, ...] = 0.0
     link_delay_s: tuple[tuple[int, int, float], ...] = ()  # (src pp rank, dst pp rank, extra seconds per message)
+    # split backward: the share of a backward's time that is W (the rest is I); Qi et al.'s
+    # model (F = I = W) gives one half
+    weight_grad_share: float = 0.5
 
     @classmethod
     def uniform(cls, pp_size: int, num_chunks: int, forward_s: float = 1.0, backward_s: float = 2.0,
@@ -56,9 +59,15 @@ class CostModel:
         o = self.task_overhead_s
         return o[pp_rank] if isinstance(o, tuple) else o
 
-    def task_s(self, pp_rank: int, task: Action) -> float:
-        table = self.forward_s if task.kind is FORWARD else self.backward_s
-        return table[pp_rank][task.chunk]
+    def task_s(self, pp_rank: int, task: Action, split_backward: bool = False) -> float:
+        if task.kind is FORWARD:
+            return self.forward_s[pp_rank][task.chunk]
+        whole = self.backward_s[pp_rank][task.chunk]
+        if task.kind is ActionKind.BACKWARD_WEIGHT:
+            return whole * self.weight_grad_share
+        if split_backward or task.kind is ActionKind.BACKWARD_INPUT:  # B run as I
+            return whole * (1.0 - self.weight_grad_share)
+        return whole
 
     def transfer_s(self, src: int | None = None, dst: int | None = None) -> float:
         extra = sum(d for s, t, d in self.link_delay_s if (s, t) == (src, dst))
@@ -103,7 +112,7 @@ class _Simulation:
         self.seq += 1
 
     def _duration(self, rank: int, task: Action) -> float:
-        seconds = self.cost.task_s(rank, task)
+        seconds = self.cost.task_s(rank, task, getattr(self.agents[rank], "split_backward", False))
         if rank in self.jitter:
             rng, top = self.jitter[rank]
             seconds *= rng.uniform(1.0, top)
@@ -120,7 +129,10 @@ class _Simulation:
         end = now + self._duration(rank, decision.task)
         agent.observe(end - now, now - self.idle_since[rank])
         self.idle_since[rank] = None
-        self.spans.append(Span(rank, decision.task, now, end, decision))
+        shown = decision.task
+        if getattr(agent, "split_backward", False) and shown.kind is ActionKind.BACKWARD:  # it ran as I
+            shown = Action(ActionKind.BACKWARD_INPUT, shown.chunk, shown.microbatch)
+        self.spans.append(Span(rank, shown, now, end, decision))
         self._push(end, 1, rank, decision.task)
 
     def run(self) -> float:
@@ -149,9 +161,11 @@ class _Simulation:
 
 def simulate(pp_size: int, num_chunks: int, num_microbatches: int, cost: CostModel, *,
              schedule: PipelineSchedule | None = None, traversal: str | None = None,
-             caps: list[int] | None = None, static_comm: str = "eager") -> SimResult:
+             caps: list[int] | None = None, static_comm: str = "eager",
+             split_backward: bool = False) -> SimResult:
     """Simulate one step of a static `schedule` (its comm modelled as `static_comm`, see
-    static_agents.py) or of the dynamic `traversal` under `caps` (per rank)."""
+    static_agents.py) or of the dynamic `traversal` under `caps` (per rank), with W filling
+    when `split_backward` (scheduler.py)."""
     if (schedule is None) == (traversal is None):
         raise ValueError("simulate needs exactly one of schedule= or traversal=")
     if schedule is not None:
@@ -159,7 +173,7 @@ def simulate(pp_size: int, num_chunks: int, num_microbatches: int, cost: CostMod
         return simulate_agents(agents, cost, hub=hub)
     caps = caps or [num_chunks * num_microbatches] * pp_size  # no cap
     agents = [RankScheduler(p, pp_size, num_chunks, num_microbatches, caps[p],
-                            build_policy(traversal, p, pp_size, num_chunks, num_microbatches))
+                            build_policy(traversal, p, pp_size, num_chunks, num_microbatches), split_backward)
               for p in range(pp_size)]
     return simulate_agents(agents, cost, cost.decision_s)
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from megatronapp.dpp.simulator import CostModel
+from megatronapp.dpp.sim.simulator import CostModel
 from megatronapp.dpp.tasks import BACKWARD, FORWARD
 from megatronapp.pipeline.actions import stage_location
 

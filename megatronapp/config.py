@@ -9,13 +9,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from megatronapp.model.recompute import RecomputeConfig
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says why in one line."""
+
+
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute (Megatron's --recompute-*); model/recompute.py applies it."""
+
+    granularity: str = "none"  # none | selective | full
+    method: str = "uniform"  # uniform | block (full only)
+    num_layers: int = 1  # layers per group (uniform) or layers per chunk recomputed (block)
+
+    def __post_init__(self) -> None:
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"unknown recompute granularity {self.granularity!r}; choose from "
+                             f"{', '.join(RECOMPUTE_GRANULARITIES)}")
+        if self.method not in RECOMPUTE_METHODS:
+            raise ValueError(f"unknown recompute method {self.method!r}; choose from {', '.join(RECOMPUTE_METHODS)}")
+        if self.num_layers < 1:
+            raise ValueError(f"recompute num layers must be >= 1, got {self.num_layers}")
+
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import dataclasses
 from megatronapp.config import (
     ATTENTION_BACKENDS,
     MODEL_PRESETS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
     SCHEDULES,
     ConfigError,
     JobConfig,
@@ -25,7 +27,6 @@ from megatronapp.config import (
 )
 from megatronapp.dpp.config import add_dpp_arguments
 from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
-from megatronapp.model.recompute import GRANULARITIES, METHODS
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 
 # flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
@@ -100,8 +101,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                        ("--adam-eps", float), ("--clip-grad", float), ("--seed", int)):
         _train_flag(g, flag, type=kind)
     _train_flag(g, "--compile", "torch.compile each block's local math", action="store_true")
-    _train_flag(g, "--recompute-granularity", "activation recompute", choices=GRANULARITIES[1:])
-    _train_flag(g, "--recompute-method", "for full recompute", choices=METHODS)
+    _train_flag(g, "--recompute-granularity", "activation recompute", choices=RECOMPUTE_GRANULARITIES[1:])
+    _train_flag(g, "--recompute-method", "for full recompute", choices=RECOMPUTE_METHODS)
     _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
     _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
                 choices=ATTENTION_BACKENDS)

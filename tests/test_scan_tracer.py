@@ -55,7 +55,7 @@ def run_iterations(tracer: Tracer, iterations, body) -> None:
         ({"interval": 4, "continuous_iterations": 5}, "continuous_iterations must be in 1..interval"),
         ({"continuous_iterations": 0}, "continuous_iterations"),
         ({"granularity": "layers"}, "granularity must be one of"),
-        ({"enabled": True}, "trace_dir is empty"),
+        ({"enabled": True, "trace_dir": ""}, "trace_dir is empty"),
     ],
 )
 def test_config_rejects_unusable_settings(kwargs, message):

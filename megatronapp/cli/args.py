@@ -28,6 +28,7 @@ from megatronapp.config import (
 from megatronapp.dpp.config import add_dpp_arguments
 from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
+from megatronapp.scan.trace_config import add_trace_arguments
 
 # flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
 _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
@@ -146,10 +147,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("MegaScan tracing")
     g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")
-    g.add_argument("--trace-dir", default="runs/trace")
-    g.add_argument("--trace-interval", type=int, default=1, help="trace K iterations every N")
-    g.add_argument("--continuous-trace-iterations", type=int, default=1)
-    g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
+    add_trace_arguments(g, granularity_help="full: also per-layer attention and MLP spans")
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
     g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
     add_fbd_arguments(p)

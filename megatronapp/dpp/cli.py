@@ -39,7 +39,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-microbatches", type=int, default=8, dest="microbatches")
     p.add_argument("--pipeline-schedule", choices=(*SCHEDULE_NAMES, "dynamic"), default=None, dest="schedule",
                    help="default: dynamic, or the traced run's schedule with --from-trace")
-    p.add_argument("--dpp-traversal", choices=TRAVERSALS, default="depth-first")
+    p.add_argument("--dpp-traversal", choices=TRAVERSALS, default=DppConfig.traversal)
     p.add_argument("--dpp-max-inflight", type=int, default=None)
     p.add_argument("--forward-ms", default="1", help="per task; one value or one per pipeline rank")
     p.add_argument("--backward-ms", default="2")

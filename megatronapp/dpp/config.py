@@ -74,7 +74,7 @@ def parse_jitter(spec: str) -> JitterSpec:
 
 def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")
-    g.add_argument("--dpp-traversal", choices=TRAVERSALS, default="depth-first",
+    g.add_argument("--dpp-traversal", choices=TRAVERSALS, default=DppConfig.traversal,
                    help="how a rank picks among ready tasks")
     g.add_argument("--dpp-max-inflight", type=int, default=None, metavar="N",
                    help="most microbatches whose activations a rank holds; default: what interleaved 1F1B holds")

@@ -55,7 +55,7 @@ from megatronapp.dpp.scenarios import SCENARIOS, compute_scenario_flags
 VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
     "interleaved": ("interleaved", True, []),
-    "breadth-first": ("breadth-first", True, []),
+    "breadth-first": ("looped-bfs", True, []),
     "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first"]),
     "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive"]),
     "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order"]),

@@ -31,7 +31,7 @@ from megatronapp.dpp.scheduler import RankScheduler, compute_default_caps
 from megatronapp.dpp.simulator import CostModel, simulate, simulate_agents
 from megatronapp.pipeline.schedules import build_schedule
 
-SCHEDULES = {"1f1b": False, "interleaved": True, "breadth-first": True, "dynamic": True}  # virtual stages?
+SCHEDULES = {"1f1b": False, "interleaved": True, "looped-bfs": True, "dynamic": True}  # virtual stages?
 
 
 def traced_job(a, schedule: str, trace_dir: str) -> None:

@@ -118,7 +118,9 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return replace(MODEL_PRESETS[name], **overrides)
 
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "dynamic")
+# looped-bfs is the static breadth-first schedule (PyTorch's ScheduleLoopedBFS); "breadth-first" is
+# one of MegaDPP's run-time traversals (--dpp-traversal), which picks tasks in the same order
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped-bfs", "dynamic")
 # --attention-backend: SDPA's own backends, one preferred and the rest as fallbacks (model/attention_kernels.py)
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
@@ -304,8 +306,8 @@ def validate_job(job: JobConfig) -> None:
     if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
         raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
                           "follows the whole update; use --overlap-param-gather)")
-    if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "breadth-first", "dynamic"):
-        raise ConfigError(f"virtual pipeline stages need the interleaved, breadth-first or dynamic schedule, "
+    if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "looped-bfs", "dynamic"):
+        raise ConfigError(f"virtual pipeline stages need the interleaved, looped-bfs or dynamic schedule, "
                           f"not {t.schedule!r}")
     if t.schedule == "interleaved":
         if lay.virtual_pp_size < 2:

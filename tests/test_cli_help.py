@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from megatronapp.cli.main import build_parser
 HELP_DIR = Path(__file__).parent / "data" / "cli_help"
 COLUMNS = "100"  # argparse wraps to the terminal width; fixed so every machine renders the same text
 REGENERATE = "UPDATE_CLI_HELP=1 python -m pytest tests/test_cli_help.py"
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # argparse's layout changes between minors
+PYTHON_FILE = HELP_DIR / "python_version"
 
 
 def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -37,6 +40,10 @@ def render_helps() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def helps():
+    rendered_by = PYTHON_FILE.read_text().strip() if PYTHON_FILE.exists() else None
+    if os.environ.get("UPDATE_CLI_HELP") != "1" and rendered_by != PYTHON:
+        pytest.skip(f"help snapshots were rendered by Python {rendered_by}, this is {PYTHON}; "
+                    f"regenerate with {REGENERATE} to compare here")
     saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = COLUMNS
     try:
@@ -55,6 +62,7 @@ def test_every_command_has_a_snapshot_and_no_snapshot_is_stale(helps):
             (HELP_DIR / stale).unlink()
         for name, text in helps.items():
             (HELP_DIR / name).write_text(text)
+        PYTHON_FILE.write_text(PYTHON + "\n")
     on_disk = sorted(p.name for p in HELP_DIR.glob("*.txt"))
     assert on_disk == sorted(helps), f"commands changed; to accept: {REGENERATE}"
 

@@ -1,6 +1,6 @@
 """MegaDPP's dynamic runtime on real gloo ranks: same losses and gradients as one process and
 as static interleaved 1F1B, for every traversal and several caps; the cap holds; random
-delays never deadlock (hard timeouts); TP ranks agree; static breadth-first matches too."""
+delays never deadlock (hard timeouts); TP ranks agree; static breadth-first (looped-bfs) matches too."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _check_against(results: list[dict], variants: list, ref: dict) -> None:
 def test_dynamic_and_breadth_first_match_interleaved_and_one_process(cluster):
     pp, vpp, m = 2, 3, 4
     caps = [vpp, None, vpp * m]  # the minimum, interleaved's default, unbounded
-    variants = [("interleaved", None, None), ("breadth-first", None, None)] + \
+    variants = [("interleaved", None, None), ("looped-bfs", None, None)] + \
         [("dynamic", t, c) for t in TRAVERSALS for c in caps if t != "in-order" or c != vpp] + \
         [("dynamic", "in-order", None, "off")]  # in-order: >= its peak; last: sends on the compute thread
     results = cluster.run(train_variants, pp, (1, pp, vpp, m, 6), variants)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule
 from megatronapp.pipeline.comm_placement import ComputeStep, compute_step_actions, place_communication
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "breadth-first")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "looped-bfs")
 
 
 def _check_sizes(pp_size: int, num_chunks: int, num_microbatches: int) -> None:
@@ -153,16 +153,16 @@ def build_breadth_first_schedule(pp_size: int, num_chunks: int, num_microbatches
     _check_sizes(pp_size, num_chunks, num_microbatches)
     order = compute_breadth_first_order(num_chunks, num_microbatches)
     return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, [order] * pp_size,
-                                             "breadth-first")
+                                             "looped-bfs")
 
 
 def build_schedule(name: str, pp_size: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
-    """Build a schedule by name: "gpipe" | "1f1b" (num_chunks must be 1) | "interleaved" | "breadth-first"."""
+    """Build a schedule by name: "gpipe" | "1f1b" (num_chunks must be 1) | "interleaved" | "looped-bfs"."""
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if name == "interleaved":
         return build_interleaved_1f1b_schedule(pp_size, num_chunks, num_microbatches)
-    if name == "breadth-first":
+    if name == "looped-bfs":
         return build_breadth_first_schedule(pp_size, num_chunks, num_microbatches)
     if num_chunks != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank, got num_chunks={num_chunks}; "

@@ -63,8 +63,8 @@ class BackwardRuntime:
         if injector is not None:  # CPU slowdown injection sleeps: count them as compute, as PipelineRuntime does
             injector.on_stall = self.compute_timer.add_stall
         self.waits = RoleWaits()
-        delay = fbd.random_delay_ms if "backward" in fbd.delayed_roles else 0.0
-        self.faults = RoleFaults(roles.rank, "backward", fbd.crash, delay, fbd.delay_seed)
+        inj = fbd.injection
+        self.faults = RoleFaults(roles.rank, "backward", inj.crash, inj.delay_ms("backward"), inj.delay_seed)
         self.loss_gap = 0.0  # max |forward loss - recomputed loss| seen (last stage, logging)
 
     def _compute(self):

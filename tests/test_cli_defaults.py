@@ -81,3 +81,11 @@ def test_train_without_flags_builds_the_dataclass_defaults():
             assert getattr(train, name) == default, name
     assert train.schedule == "1f1b"
 
+
+
+def test_ui_generate_message_defaults_are_the_sampling_defaults():
+    """The UI's `generate` message samples as `megatronapp generate` does when a field is omitted."""
+    from megatronapp.scope_ui.protocol import Generate
+
+    for name, default in field_defaults(SamplingConfig).items():
+        assert Generate.model_fields[name].default == default, name

@@ -65,6 +65,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from megatronapp.inference.generate import SamplingConfig
+
 PROTOCOL_VERSION = 2
 
 
@@ -100,15 +102,17 @@ class View(_Msg):
 
 
 class Generate(_Msg):
+    """Sampling as `megatronapp generate`: an omitted field takes SamplingConfig's default."""
+
     type: Literal["generate"]
     prompt: str = Field(min_length=1)
-    max_new_tokens: int = Field(default=16, ge=1)
-    greedy: bool = True
-    temperature: float = Field(default=1.0, gt=0, le=100)
-    top_k: int = Field(default=0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int = Field(default=0, ge=0, lt=2**63)
-    stop_on_eod: bool = True
+    max_new_tokens: int = Field(default=SamplingConfig.max_new_tokens, ge=1)
+    greedy: bool = SamplingConfig.greedy
+    temperature: float = Field(default=SamplingConfig.temperature, gt=0, le=100)
+    top_k: int = Field(default=SamplingConfig.top_k, ge=0)
+    top_p: float = Field(default=SamplingConfig.top_p, gt=0, le=1)
+    seed: int = Field(default=SamplingConfig.seed, ge=0, lt=2**63)
+    stop_on_eod: bool = SamplingConfig.stop_on_eod
 
 
 class Perturb(_Msg):

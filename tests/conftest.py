@@ -28,6 +28,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """inference_jobs.save_tiny_checkpoint's folder, written once per test run; read-only to tests."""
+    from inference_jobs import save_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny_ckpt")
+    torch.set_num_threads(1)
+    save_tiny_checkpoint(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def ui_checkpoint(tmp_path_factory) -> str:
+    """scope_ui_jobs.save_ui_checkpoint's folder, written once per test run; read-only to tests."""
+    from scope_ui_jobs import save_ui_checkpoint
+
+    path = tmp_path_factory.mktemp("ui_ckpt")
+    torch.set_num_threads(1)
+    save_ui_checkpoint(str(path))
+    return str(path)
+
+
 @pytest.fixture
 def train_before_launch(monkeypatch, capsys):
     """`megatronapp train --device cpu --model tiny ARGS` in this process, with every way of

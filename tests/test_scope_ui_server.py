@@ -16,18 +16,15 @@ from websockets.sync.client import connect
 from megatronapp.cli.main import main
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.server import ServerConfig, resolve_token
-from scope_ui_jobs import TrainingServer, save_ui_checkpoint, start_generation_server, weights_digest
+from scope_ui_jobs import TrainingServer, start_generation_server, weights_digest
 
 DIRECT_REPLIES = {"error", "welcome", "perturbations", "role", "run_start"}
 RUN_BROADCASTS = ("run_start", "tokens", "run_end", "compare")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    torch.set_num_threads(1)
-    path = str(tmp_path_factory.mktemp("ui_ckpt"))
-    save_ui_checkpoint(path)
-    return path
+def ckpt(ui_checkpoint):
+    return ui_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,16 @@ def test_a_model_side_failure_is_logged_and_the_tab_gets_a_code(caplog):
     assert SECRET in caplog.text  # the traceback stays on the server
 
 
+def test_a_capture_over_its_limit_is_refused_with_its_reason():
+    from megatronapp.scope.capture import CaptureLimitError
+
+    hub, sent = build_hub(FakeGenerationBackend(fail_with=CaptureLimitError("capture would need 9 bytes")))
+    driver = hub.join(object())
+    hub.handle(driver, view(1))
+    hub.worker.shutdown(wait=True)
+    assert [(msg.code, msg.message) for _, msg in sent] == [("too_large", "capture would need 9 bytes")]
+
+
 def test_a_handler_bug_is_logged_and_the_tab_gets_a_code(caplog):
     hub, sent = build_hub(FakeGenerationBackend())
     client = hub.join(object())

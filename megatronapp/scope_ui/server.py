@@ -41,6 +41,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketDisconnect
 
+from megatronapp.scope.capture import CaptureLimitError
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.outbox import coalesce, encode
 
@@ -225,6 +226,8 @@ class Hub:
             work()
         except P.ProtocolError as e:
             self.send(client, e.error)
+        except CaptureLimitError as e:  # the request asked for more than Limits.max_capture_bytes
+            self.send(client, P.Error(code="too_large", message=str(e)[:300]))
         except Exception:  # a model-side failure ends this request only
             log.exception("MegaScope UI: a model-side request failed")
             self.send(client, INTERNAL_ERROR)

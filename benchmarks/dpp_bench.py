@@ -56,7 +56,7 @@ from torch_zb_cell import UNSUPPORTED, run_torch_zb_cell
 VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
     "interleaved": ("interleaved", True, []),
-    "breadth-first": ("breadth-first", True, []),
+    "breadth-first": ("looped-bfs", True, []),
     # static zero-bubble schedules: backward split into I and W, W in the unit-cost bubbles
     "zb-h1": ("zb-h1", False, []),
     "interleaved-zb": ("interleaved-zb", True, []),

@@ -52,7 +52,7 @@ from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.pipeline.actions import ActionKind
 
 # dpp_bench variant -> the simulator's (megatronapp.dpp.study.variants) name for it
-SIM_NAME = {"interleaved": "interleaved/eager", "breadth-first": "breadth-first/eager",
+SIM_NAME = {"interleaved": "interleaved/eager", "breadth-first": "looped-bfs/eager",
             "dynamic-df": "dynamic-depth-first", "dynamic-adaptive": "dynamic-adaptive",
             "dynamic-inorder": "dynamic-in-order"}
 TRAVERSALS = ("depth-first", "adaptive", "in-order")

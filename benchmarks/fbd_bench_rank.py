@@ -99,7 +99,7 @@ def run_probe(s: RankSetup, cfg, micro_batch: int, microbatches: int, steps: int
     (backward side) and this process's peak GPU memory."""
     from megatronapp.engine.trainer import Trainer
     from megatronapp.fbd.backward import BackwardWorker
-    from megatronapp.fbd.config import FbdConfig
+    from megatronapp.fbd.config import FbdConfig, FbdInjection
     from megatronapp.fbd.forward import ForwardWorker
 
     job = build_bench_job(cfg, micro_batch, microbatches, s.variant)
@@ -110,7 +110,8 @@ def run_probe(s: RankSetup, cfg, micro_batch: int, microbatches: int, steps: int
         worker = Trainer(job, s.groups, s.device, FixedBatches(job, dp_rank=s.groups.dp_rank))
         out["step_s"] = _timed(worker, warmup + steps, warmup)
     else:
-        fbd = FbdConfig(forward_tp_size=cfg.tf, max_ahead=cfg.max_ahead, free_forward=s.variant == "free_forward")
+        fbd = FbdConfig(forward_tp_size=cfg.tf, max_ahead=cfg.max_ahead,
+                        injection=FbdInjection(free_forward=s.variant == "free_forward"))
         data = FixedBatches(job, dp_rank=s.groups.coords.dp)
         cls = ForwardWorker if s.is_forward else BackwardWorker
         worker = cls(job, fbd, s.groups, s.device, data, links=s.links)

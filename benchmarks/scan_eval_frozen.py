@@ -1,4 +1,4 @@
-"""Frozen evaluation of MegaScan detection on real faults from the fault lab (megatronapp/faults/lab).
+"""Frozen evaluation of MegaScan detection on real faults from the fault lab (megatronapp/faultlab).
 
 A split is only worth quoting if the detector was fixed before its scenarios existed, so:
 

@@ -1,6 +1,6 @@
 """Running and scoring a frozen split (scan_eval_frozen.py): scenario -> lab plan -> verdict -> scores.
 
-Each scenario runs once through megatronapp.faults.lab.run_lab, one at a time (the lab pins and
+Each scenario runs once through megatronapp.faultlab.run_lab, one at a time (the lab pins and
 throttles real processes: two runs at once would be each other's fault). Its verdict comes from
 the split's own thresholds; one JSON line per run is appended to SPLIT/results.jsonl at once.
 """
@@ -27,7 +27,7 @@ ENGINE_MODEL = ("--model", "tiny", "--hidden-size", "128", "--global-batch-size"
 
 def build_plan(sc: dict):
     """The LabPlan of a scenario (scan_eval_frozen.draw_scenario)."""
-    from megatronapp.faults.lab import (EngineJob, ExtraWork, LabPlan, Noise, Schedule, ScriptJob, SlowLink,
+    from megatronapp.faultlab import (EngineJob, ExtraWork, LabPlan, Noise, Schedule, ScriptJob, SlowLink,
                                         SlowRank)
 
     job = sc["job"]
@@ -51,7 +51,7 @@ def build_plan(sc: dict):
 
 
 def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -> dict:
-    from megatronapp.faults.lab import run_lab
+    from megatronapp.faultlab import run_lab
     from megatronapp.scan.analyze.analysis import load_aligned_traces
     from megatronapp.scan.analyze.detect import DetectConfig, detect
 

@@ -7,7 +7,7 @@ CPU (gloo) by default; on a machine with CUDA, one GPU per rank (NCCL).
 
 STRAGGLER_RANK=R STRAGGLER_WORK=K: rank R also does K extra matmuls of the hidden size in every
 forward, as a user's script with an uneven data or augmentation step would (the fault lab,
-megatronapp/faults/lab, sets these to make a real straggler the tracer knows nothing of).
+megatronapp/faultlab, sets these to make a real straggler the tracer knows nothing of).
 """
 
 import argparse

@@ -9,13 +9,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from megatronapp.model.recompute import RecomputeConfig
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says why in one line."""
+
+
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute (Megatron's --recompute-*); model/recompute.py applies it."""
+
+    granularity: str = "none"  # none | selective | full
+    method: str = "uniform"  # uniform | block (full only)
+    num_layers: int = 1  # layers per group (uniform) or layers per chunk recomputed (block)
+
+    def __post_init__(self) -> None:
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"unknown recompute granularity {self.granularity!r}; choose from "
+                             f"{', '.join(RECOMPUTE_GRANULARITIES)}")
+        if self.method not in RECOMPUTE_METHODS:
+            raise ValueError(f"unknown recompute method {self.method!r}; choose from {', '.join(RECOMPUTE_METHODS)}")
+        if self.num_layers < 1:
+            raise ValueError(f"recompute num layers must be >= 1, got {self.num_layers}")
+
 
 
 @dataclass(frozen=True)
@@ -96,7 +118,9 @@ def model_preset(name: str, **overrides) -> ModelConfig:
     return replace(MODEL_PRESETS[name], **overrides)
 
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "breadth-first", "zb-h1", "interleaved-zb", "dynamic")
+# looped-bfs is the static breadth-first schedule (PyTorch's ScheduleLoopedBFS); "breadth-first" is
+# one of MegaDPP's run-time traversals (--dpp-traversal), which picks tasks in the same order
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "looped-bfs", "zb-h1", "interleaved-zb", "dynamic")
 # schedules whose backward runs as I (input grad) and W (weight grads) tasks: pipeline/zero_bubble.py
 SPLIT_SCHEDULES = ("zb-h1", "interleaved-zb")
 # --attention-backend: SDPA's own backends, one preferred and the rest as fallbacks (model/attention_kernels.py)
@@ -354,8 +378,8 @@ def validate_job(job: JobConfig) -> None:
     if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
         raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
                           "follows the whole update; use --overlap-param-gather)")
-    if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "interleaved-zb", "breadth-first", "dynamic"):
-        raise ConfigError(f"virtual pipeline stages need the interleaved, interleaved-zb, breadth-first or "
+    if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "interleaved-zb", "looped-bfs", "dynamic"):
+        raise ConfigError(f"virtual pipeline stages need the interleaved, interleaved-zb, looped-bfs or "
                           f"dynamic schedule, not {t.schedule!r}")
     if t.schedule in ("interleaved", "interleaved-zb"):
         if lay.virtual_pp_size < 2:

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -44,13 +43,9 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
     (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "recompute num layers must be >= 1"),
     (["--hidden-dropout", "1.5"], "hidden_dropout must be in [0, 1)"),
 ])
-def test_bad_input_fails_before_launch(args, message):
-    started = time.monotonic()
-    res = run_cli(args, timeout=60)
-    assert res.returncode == 2, res.stderr
-    lines = [line for line in res.stderr.strip().splitlines() if line]
-    assert len(lines) == 1 and message in lines[0], res.stderr
-    assert time.monotonic() - started < 30  # nothing was launched
+def test_bad_input_fails_before_launch(args, message, train_before_launch):
+    code, lines = train_before_launch(args)
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
 def test_a_subcommand_usage_error_is_one_line():
@@ -103,12 +98,12 @@ def test_failing_rank_stops_the_job_with_its_error(tmp_path):
     res = run_cli(["--nproc-per-node", "2", "--train-iters", "1", "--global-batch-size", "4", "--save", str(ckpt)])
     assert res.returncode == 0, res.stderr
     (ckpt / "iter_0000001" / "rank00001.pt").write_bytes(b"not a checkpoint")  # only rank 1 reads it
-    started = time.monotonic()
+    # rank 0 loads its shard and waits for rank 1 in the first collective: a job that did not
+    # stop on rank 1's error would hang there (the subprocess timeout fails the test then)
     res = run_cli(["--nproc-per-node", "2", "--train-iters", "50", "--global-batch-size", "4",
                    "--load", str(ckpt)], timeout=90)
     assert res.returncode == 1
     assert "rank 1 failed" in res.stderr
-    assert time.monotonic() - started < 60
 
 
 def test_trains_on_jsonl_with_hf_tokenizer(tmp_path):

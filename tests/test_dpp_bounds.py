@@ -55,7 +55,7 @@ def test_bound_is_below_every_schedule_on_random_instances():
     for i, (rng, pp, vpp, m, cost) in enumerate(_instances(40)):
         caps = compute_default_caps(pp, vpp, m)
         runs = {}
-        static = ["interleaved", "breadth-first"] if vpp > 1 else ["1f1b", "gpipe"]
+        static = ["interleaved", "looped-bfs"] if vpp > 1 else ["1f1b", "gpipe"]
         for name in static:
             for comm in ("eager", "rendezvous"):
                 runs[f"{name}/{comm}"] = simulate(pp, vpp, m, cost, schedule=build_schedule(name, pp, vpp, m),

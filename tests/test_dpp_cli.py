@@ -58,7 +58,7 @@ def test_schedule_tools_read_the_trace(traced_run):
     report = json.loads(res.stdout)
     assert report["schedule"].startswith("dynamic") and report["iteration_s"] > 0
     png, chrome = traced_run / "real.png", traced_run / "real.json"
-    res = _run(["schedule", "show", "--from-trace", str(traced_run / "t"), "-o", str(png), "--chrome", str(chrome)])
+    res = _run(["schedule", "show", "--from-trace", str(traced_run / "t"), "--out", str(png), "--chrome", str(chrome)])
     assert res.returncode == 0, res.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     tasks = [e for e in json.loads(chrome.read_text())["traceEvents"] if e["ph"] == "X"]
@@ -84,8 +84,10 @@ def test_bad_dpp_flags_fail_in_one_line_before_launch(args, message, capsys):
 
 
 @_NO_FAULT_HANDLER
-@pytest.mark.parametrize("args", [["-p", "0"], ["--forward-ms", "a"], ["--dpp-max-inflight", "1", "-v", "2"],
-                                  ["--inject-jitter", "7:1.5", "-p", "2"], ["--from-trace", "/nonexistent/dir"],
+@pytest.mark.parametrize("args", [["--pipeline-model-parallel-size", "0"], ["--forward-ms", "a"],
+                                  ["--dpp-max-inflight", "1", "--num-virtual-stages-per-pipeline-rank", "2"],
+                                  ["--inject-jitter", "7:1.5", "--pipeline-model-parallel-size", "2"],
+                                  ["--from-trace", "/nonexistent/dir"],
                                   ["--dpp-traversal", "in-order", "--dpp-max-inflight", "2"]])
 def test_schedule_simulate_refuses_bad_input_in_one_line(args, capsys):
     code = main(["schedule", "simulate", *args])
@@ -104,3 +106,14 @@ def test_dynamic_and_jitter_are_accepted_for_gpus():
     args = build_parser().parse_args(["train", "--model", "tiny", "--pipeline-schedule", "dynamic", "--device", "cuda",
                                       "--inject-jitter", "1:1.5"])
     assert check_dpp_job(args, job).jitter[0].max_factor == 1.5
+
+
+def test_jitter_names_a_global_rank_mapped_onto_the_simulated_pipeline():
+    """As in `train`: with TP 2 x DP 2 x PP 2 the simulated pipeline (tp 0, dp 0) is global
+    ranks 0 and 4; rank 4 is pipeline rank 1 there, rank 1 (tp 1) is not on it."""
+    from megatronapp.dpp.cli import compute_pipeline_jitter
+
+    assert [j.rank for j in compute_pipeline_jitter(["4:1.5", "0:2"], 2, 2, 2)] == [1, 0]
+    assert [j.rank for j in compute_pipeline_jitter(["3:1.5"], 1, 1, 4)] == [3]
+    with pytest.raises(ValueError, match=r"rank 1 is not on the simulated pipeline \(global ranks 0, 4\)"):
+        compute_pipeline_jitter(["1:1.5"], 2, 2, 2)

@@ -1,5 +1,5 @@
 """MegaDPP's pure parts: cap rule, deadlock freedom over random layouts/costs/policies,
-bubble formulas reproduced by the simulator, static breadth-first schedule."""
+bubble formulas reproduced by the simulator, static breadth-first schedule (looped-bfs)."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_simulator_reproduces_interleaved_bubble(pp, v, m):
 
 @pytest.mark.parametrize("pp,v,m", [(2, 1, 3), (4, 2, 8), (3, 3, 5), (4, 3, 4), (1, 2, 3)])
 def test_static_breadth_first_is_valid_and_has_interleaved_bubble(pp, v, m):
-    schedule = build_schedule("breadth-first", pp, v, m)
+    schedule = build_schedule("looped-bfs", pp, v, m)
     validate_schedule(schedule)
     res = simulate(pp, v, m, CostModel.uniform(pp, v), schedule=schedule)
     assert res.bubble_fraction == pytest.approx((pp - 1) / (v * m + pp - 1) if m >= pp else res.bubble_fraction)

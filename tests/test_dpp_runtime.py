@@ -1,6 +1,6 @@
 """MegaDPP's dynamic runtime on real gloo ranks: same losses and gradients as one process and
 as static interleaved 1F1B, for every traversal and several caps; the cap holds; random
-delays never deadlock (hard timeouts); TP ranks agree; static breadth-first matches too."""
+delays never deadlock (hard timeouts); TP ranks agree; static breadth-first (looped-bfs) matches too."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _check_against(results: list[dict], variants: list, ref: dict) -> None:
 def test_dynamic_and_breadth_first_match_interleaved_and_one_process(cluster):
     pp, vpp, m = 2, 3, 4
     caps = [vpp, None, vpp * m]  # the minimum, interleaved's default, unbounded
-    variants = [("interleaved", None, None), ("breadth-first", None, None)] + \
+    variants = [("interleaved", None, None), ("looped-bfs", None, None)] + \
         [("dynamic", t, c) for t in TRAVERSALS for c in caps if t != "in-order" or c != vpp] + \
         [("dynamic", "in-order", None, "off")]  # in-order: >= its peak; last: sends on the compute thread
     results = cluster.run(train_variants, pp, (1, pp, vpp, m, 6), variants)
@@ -242,28 +242,31 @@ class _SlowWork:
 
 
 def test_the_sender_thread_keeps_isends_off_the_compute_thread_in_order(monkeypatch):
-    """gloo's isend writes before it returns; with the sender thread a send only queues, the
-    isends go out in send order (header then payload, per message), and finish() waits."""
+    """gloo's isend writes before it returns; with the sender thread a send only queues (every
+    send returns while the isends are held back), the isends go out on another thread in send
+    order (header then payload, per message), and finish() waits for them."""
+    import threading
+
     import megatronapp.dpp.transport as transport
     from megatronapp.dpp.tasks import forward_task
 
-    issued = []
+    issued, release = [], threading.Event()
 
-    def slow_isend(tensor, dst, tag, group=None):
-        time.sleep(0.05)
-        issued.append((dst, tag, tensor.dtype))
+    def held_isend(tensor, dst, tag, group=None):
+        release.wait(timeout=5)  # an isend on the compute thread would hold up send() here
+        issued.append((dst, tag, tensor.dtype, threading.get_ident()))
         return _SlowWork()
 
-    monkeypatch.setattr(transport.dist, "isend", slow_isend)
+    monkeypatch.setattr(transport.dist, "isend", held_isend)
     outbox = transport.Outbox()
-    t0 = time.perf_counter()
     for m in range(4):
         outbox.send(1 + m % 2, forward_task(0, m), torch.zeros(2, 3))
-    queued_s = time.perf_counter() - t0
+    assert issued == []  # all four sends returned, none of their isends has gone out
+    release.set()
     outbox.finish()
-    assert queued_s < 0.05, queued_s  # not one isend's worth: the compute thread did not issue them
-    assert issued == [(1 + m % 2, tag, dtype) for m in range(4)
-                      for tag, dtype in ((transport.HEADER_TAG, torch.int64), (transport.PAYLOAD_TAG, torch.float32))]
+    assert [i[:3] for i in issued] == [(1 + m % 2, tag, dtype) for m in range(4) for tag, dtype in
+                                      ((transport.HEADER_TAG, torch.int64), (transport.PAYLOAD_TAG, torch.float32))]
+    assert threading.get_ident() not in {i[3] for i in issued}
     assert not outbox._thread.is_alive()
 
 

@@ -34,7 +34,7 @@ def _random_case(seed: int):
         p2p_latency_s=rng.choice([0.0, 0.1, 1.5]),
         jitter=tuple(JitterSpec(r, rng.uniform(1.0, 3.0), seed) for r in range(pp) if rng.random() < 0.5),
         link_delay_s=((0, 1, rng.uniform(0, 3)),) if rng.random() < 0.5 else ())
-    names = (["1f1b", "gpipe"] if v == 1 else []) + ["interleaved", "breadth-first"]
+    names = (["1f1b", "gpipe"] if v == 1 else []) + ["interleaved", "looped-bfs"]
     return pp, v, m, cost, names
 
 
@@ -65,7 +65,7 @@ def test_rendezvous_serializes_lazy_breadth_first():
     # whole, so each send waits for the receiver to reach its recv: far slower than eager.
     pp, v, m = 4, 2, 8
     cost = CostModel.uniform(pp, v, p2p_latency_s=0.1)
-    schedule = build_schedule("breadth-first", pp, v, m)
+    schedule = build_schedule("looped-bfs", pp, v, m)
     eager = simulate(pp, v, m, cost, schedule=schedule).makespan_s
     assert simulate(pp, v, m, cost, schedule=schedule, static_comm="rendezvous").makespan_s > 1.3 * eager
 

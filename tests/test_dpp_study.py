@@ -72,7 +72,7 @@ def test_link_cost_adds_latency_and_bytes_over_bandwidth_and_keeps_task_times():
         study.compute_link_cost(traced, 1, bandwidth_GBps=0.0, latency_us=1.0)
 
 
-@pytest.mark.parametrize("how", ["interleaved", "breadth-first", "dynamic"])
+@pytest.mark.parametrize("how", ["interleaved", "looped-bfs", "dynamic"])
 def test_peak_bytes_with_unit_sets_equal_the_in_flight_counters_peak(how):
     """Two independent accounts of held activations: the span replay (bytes) and the
     schedulers' own counters (sets), under jitter; with 1 byte per set they must agree."""

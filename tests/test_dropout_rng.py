@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatronapp.model.recompute import RecomputeConfig, compute_full_recompute_groups
+from megatronapp.config import RecomputeConfig
+from megatronapp.model.recompute import compute_full_recompute_groups
 from megatronapp.parallel.random import DropoutKey, build_rng_tracker, keyed_dropout, keyed_uniform
 
 

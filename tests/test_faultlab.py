@@ -1,4 +1,4 @@
-"""Real faults from the fault lab (megatronapp/faults/lab), found by the detector: a straggler in
+"""Real faults from the fault lab (megatronapp/faultlab), found by the detector: a straggler in
 an unmodified DDP script, a rank of an engine job under a CPU quota, a rate-limited link between
 namespaces, and a two-node job whose node traces merge into one timeline. Nothing in the traced
 program knows about the fault. Each test skips with one line where the machine lacks what it
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from megatronapp.faults.lab import EngineJob, ExtraWork, LabPlan, ScriptJob, SlowLink, SlowRank, run_lab
-from megatronapp.faults.lab.cpu import cgroup_flavour
-from megatronapp.faults.lab.net import namespace_support, probe_qdiscs
+from megatronapp.faultlab import EngineJob, ExtraWork, LabPlan, ScriptJob, SlowLink, SlowRank, run_lab
+from megatronapp.faultlab.cpu import cgroup_flavour
+from megatronapp.faultlab.net import namespace_support, probe_qdiscs
 from megatronapp.scan.analyze.analysis import analyze_trace_dir
 
 ROOT = Path(__file__).resolve().parents[1]

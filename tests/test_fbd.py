@@ -15,7 +15,7 @@ import torch
 
 from engine_jobs import assemble_full_grads, make_job, train_and_report
 from fbd_jobs import fbd_losses, fbd_train_and_report, plain_losses
-from megatronapp.fbd.config import FbdConfig
+from megatronapp.fbd.config import FbdConfig, FbdInjection
 
 CASES = {
     # name: (backward world, tp, pp, tf, dropout: None | "hidden" | "both" (hidden and attention))
@@ -92,7 +92,7 @@ def test_random_delays_in_either_role_never_deadlock(cluster, seed, ahead, roles
     arrival order of messages; the job must finish (hard timeout) with the undisturbed numbers."""
     job = _job(2, 1, 2, None, iters=2)
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, global_batch_size=6))
-    fbd = FbdConfig(max_ahead=ahead, random_delay_ms=15.0, delay_seed=seed, delayed_roles=roles)
+    fbd = FbdConfig(max_ahead=ahead, injection=FbdInjection(random_delay_ms=15.0, delay_seed=seed, delayed_roles=roles))
     delayed = cluster.run(fbd_losses, 4, job, fbd, 2, timeout=120)
     assert delayed[0] == cluster.run(plain_losses, 2, job, 2)[0]
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from inference_jobs import PROMPTS, load_model, save_tiny_checkpoint
+from inference_jobs import PROMPTS, load_model
 from megatronapp.config import ConfigError
 from megatronapp.inference.generate import SamplingConfig, compute_next_tokens, generate
 
@@ -18,11 +18,8 @@ EOD, VOCAB = 256, 257
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    torch.set_num_threads(1)
-    save_tiny_checkpoint(str(path))
-    return str(path)
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 def generate_job(rank: int, world: int, tp: int, pp: int, load_dir: str, samplings) -> list[list[list[int]]]:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_jobs import RandomTokenBatches, make_job
-from inference_jobs import PROMPTS, load_model, save_tiny_checkpoint
+from inference_jobs import PROMPTS, load_model
 from megatronapp import scope
 from megatronapp.engine.trainer import Trainer
 from megatronapp.inference.generate import SamplingConfig, generate
@@ -29,11 +29,8 @@ EOD, VOCAB = 256, 257
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    torch.set_num_threads(1)
-    save_tiny_checkpoint(str(path))
-    return str(path)
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture

@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_jobs import save_tiny_checkpoint
 from megatronapp.scope.specs import Perturbation, Target
 from scope_jobs import capture_job
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    torch.set_num_threads(1)
-    save_tiny_checkpoint(str(path))
-    return str(path)
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 def _assert_items_close(got: dict, ref: dict) -> None:

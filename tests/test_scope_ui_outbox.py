@@ -132,11 +132,14 @@ def _serve_one_generation(runner, stalled: bool, n: int):
         tabs[0].layer, tabs[1].layer = 1, 2
         senders = [asyncio.create_task(_send_loop(t, hub.decode)) for t in (tabs[1:] if stalled else tabs)]
         msg = P.Generate(type="generate", prompt="Once upon", max_new_tokens=n, stop_on_eod=False)
-        done = threading.Event()
-        threading.Thread(target=lambda: (runner.run(msg, hub, hub.layers_shown()), done.set()), daemon=True).start()
-        while not done.is_set():
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # the model thread's last posts reach the loop
+        posted = asyncio.Event()
+
+        def model_thread():
+            runner.run(msg, hub, hub.layers_shown())
+            hub.loop.call_soon_threadsafe(posted.set)  # queued after every post of the run (FIFO)
+
+        threading.Thread(target=model_thread, daemon=True).start()
+        await posted.wait()  # every record of the run is in the tabs' backlogs
         if stalled:
             senders.append(asyncio.create_task(_send_loop(tabs[0], hub.decode)))
         while not any(isinstance(f, dict) and f["type"] == "run_end" for f in tabs[0].ws.frames):

@@ -20,18 +20,14 @@ from megatronapp.inference.model import build_inference_model, read_model_config
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.outbox import TokenOut, ViewOut
-from scope_ui_jobs import save_ui_checkpoint
 
 FLIP = {"kind": "bitflip", "bits": [30], "seed": 5, "target": {"site": "residual", "layers": [1], "positions": [2]}}
 REQUEST = {"type": "generate", "prompt": "Hello there", "max_new_tokens": 6}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    torch.set_num_threads(1)
-    path = str(tmp_path_factory.mktemp("ui_ranks_ckpt"))
-    save_ui_checkpoint(path)
-    return path
+def ckpt(ui_checkpoint):
+    return ui_checkpoint
 
 
 def _runner(rank: int, world: int, tp: int, pp: int, ckpt: str):

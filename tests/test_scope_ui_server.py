@@ -16,17 +16,15 @@ from websockets.sync.client import connect
 from megatronapp.cli.main import main
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.server import ServerConfig, resolve_token
-from scope_ui_jobs import TrainingServer, save_ui_checkpoint, start_generation_server, weights_digest
+from scope_ui_jobs import TrainingServer, start_generation_server, weights_digest
 
 DIRECT_REPLIES = {"error", "welcome", "perturbations", "role", "run_start"}
+RUN_BROADCASTS = ("run_start", "tokens", "run_end", "compare")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    torch.set_num_threads(1)
-    path = str(tmp_path_factory.mktemp("ui_ckpt"))
-    save_ui_checkpoint(path)
-    return path
+def ckpt(ui_checkpoint):
+    return ui_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +235,7 @@ def test_fuzz_ten_thousand_malformed_messages(server):
                     replies = 0
                     while replies < 100:  # exactly one direct reply per message, in order
                         msg = recv_json(ws, timeout=30)
-                        assert "internal error" not in msg.get("message", ""), msg
+                        assert msg.get("code") != "internal", msg
                         replies += msg["type"] in DIRECT_REPLIES
                     answered += replies
         except ConnectionClosed:
@@ -249,8 +247,9 @@ def test_fuzz_ten_thousand_malformed_messages(server):
         recv_json(ws)
         ws.send("x" * (5 * P.Limits().max_message_bytes))
         with pytest.raises(ConnectionClosed):
-            while True:  # (a role message may come first: the driving tab may just have left)
-                assert recv_json(ws, timeout=10)["type"] in ("role", "welcome")
+            while True:  # (a role message may come first: the driving tab may just have left; and a
+                # generation a fuzz message started may still be broadcasting to every tab)
+                assert recv_json(ws, timeout=10)["type"] in ("role", "welcome", *RUN_BROADCASTS)
     server.hub.backend.perturbations.clear()
     assert len(generate_over_ws(server, prompt="still serving", max_new_tokens=3)) >= 1
     assert weights_digest(model) == digest

@@ -14,6 +14,8 @@ import dataclasses
 from megatronapp.config import (
     ATTENTION_BACKENDS,
     MODEL_PRESETS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
     RERUN_MODES,
     SCHEDULES,
     ConfigError,
@@ -27,8 +29,8 @@ from megatronapp.config import (
 )
 from megatronapp.dpp.config import add_dpp_arguments
 from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
-from megatronapp.model.recompute import GRANULARITIES, METHODS
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
+from megatronapp.scan.record.trace_config import add_trace_arguments
 
 # flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
 _TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
@@ -146,8 +148,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                        ("--adam-eps", float), ("--clip-grad", float), ("--seed", int)):
         _train_flag(g, flag, type=kind)
     _train_flag(g, "--compile", "torch.compile each block's local math", action="store_true")
-    _train_flag(g, "--recompute-granularity", "activation recompute", choices=GRANULARITIES[1:])
-    _train_flag(g, "--recompute-method", "for full recompute", choices=METHODS)
+    _train_flag(g, "--recompute-granularity", "activation recompute", choices=RECOMPUTE_GRANULARITIES[1:])
+    _train_flag(g, "--recompute-method", "for full recompute", choices=RECOMPUTE_METHODS)
     _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
     _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
                 choices=ATTENTION_BACKENDS)
@@ -191,10 +193,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("MegaScan tracing")
     g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")
-    g.add_argument("--trace-dir", default="runs/trace")
-    g.add_argument("--trace-interval", type=int, default=1, help="trace K iterations every N")
-    g.add_argument("--continuous-trace-iterations", type=int, default=1)
-    g.add_argument("--trace-granularity", choices=("base", "full"), default="base")
+    add_trace_arguments(g, granularity_help="full: also per-layer attention and MLP spans")
     g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
     g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
     _add_integrity_arguments(p)

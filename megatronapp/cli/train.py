@@ -50,6 +50,7 @@ def _build_tracer(args, job, groups, device, meta_overrides=None):
     from megatronapp.scan.record.format import build_rank_meta
     from megatronapp.scan.record.instrument import install_distributed_instrumentation
     from megatronapp.scan.record.tracer import TraceConfig, Tracer
+    from megatronapp.scan.record.trace_config import trace_fields_from_args
 
     lay, over = job.layout, meta_overrides or {}
     meta = build_rank_meta(
@@ -65,9 +66,7 @@ def _build_tracer(args, job, groups, device, meta_overrides=None):
              "dpp_max_inflight": args.dpp_max_inflight,
              **({"role": over["role"]} if "role" in over else {})})
     skew = int(os.environ.get("MEGATRONAPP_TRACE_CLOCK_SKEW_NS", "0"))  # tests skew clocks per rank
-    cfg = TraceConfig(enabled=True, trace_dir=args.trace_dir, interval=args.trace_interval,
-                      continuous_iterations=args.continuous_trace_iterations,
-                      granularity=args.trace_granularity, clock_skew_ns=skew)
+    cfg = TraceConfig(enabled=True, clock_skew_ns=skew, **trace_fields_from_args(args))
     tracer = Tracer(cfg, meta, device)
     return tracer, install_distributed_instrumentation(tracer)
 
@@ -142,9 +141,7 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
     if t.metrics_file and rank == 0:
         Path(t.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_out = open(t.metrics_file, "a") if (t.metrics_file and rank == 0) else None
-    # Online warnings: a hint during training (the trace-based detector is the verdict), so
-    # they are held to the slowdowns we promise to find (>= 1.3x) over 4 iterations in a row.
-    online = (OnlineDetector(job.layout, OnlineDetectConfig(min_ratio=1.3, patience=4))
+    online = (OnlineDetector(job.layout, OnlineDetectConfig())
               if (rank == 0 and job.layout.world_size > 1) else None)
     history = []
     with TrainProgress(job, enabled=rank == 0, log_interval=t.log_interval) as progress:

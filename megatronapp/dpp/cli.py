@@ -1,36 +1,43 @@
 """`megatronapp schedule simulate|show`: run any schedule against a cost model, or draw one.
 
-    megatronapp schedule simulate -p 4 -v 2 -m 8 --schedule dynamic --dpp-traversal adaptive \
+    megatronapp schedule simulate --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 \
+        --num-microbatches 8 --pipeline-schedule dynamic --dpp-traversal adaptive \
         --forward-ms 10 --backward-ms 20 --p2p-latency-ms 0.5 --inject-jitter 2:1.5:7
-    megatronapp schedule simulate --from-trace runs/t --schedule interleaved   # task times of a real run
-    megatronapp schedule show -p 4 -v 2 -m 8 --schedule interleaved -o s.png --chrome s.json
-    megatronapp schedule show --from-trace runs/t -o real.png                   # the recorded timeline
+    megatronapp schedule simulate --from-trace runs/t --pipeline-schedule interleaved   # task times of a real run
+    megatronapp schedule show --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 \
+        --num-microbatches 8 --pipeline-schedule interleaved --out s.png --chrome s.json
+    megatronapp schedule show --from-trace runs/t --out real.png                   # the recorded timeline
 
-Costs: --forward-ms / --backward-ms take one value or one per pipeline rank (comma-separated);
---inject-jitter RANK:MAXFACTOR[:SEED] names a pipeline rank here. Bad input: one line on
-stderr, exit code 2.
+Flags are `train`'s (Megatron's) names. Costs: --forward-ms / --backward-ms take one value or one
+per pipeline rank (comma-separated). --inject-jitter RANK:MAXFACTOR[:SEED] names a global rank, as
+in `train`: without a trace the simulated job is one pipeline (global rank = pipeline rank); with
+--from-trace the traced layout maps it, and it must be on the simulated pipeline (tp 0, dp 0).
+Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 
-from megatronapp.dpp.config import DppConfig, parse_jitter
+from megatronapp.dpp.config import DppConfig, JitterSpec, parse_jitter
 from megatronapp.dpp.policies import TRAVERSALS
 from megatronapp.dpp.scheduler import check_cap, compute_default_caps
 from megatronapp.dpp.sim.simulator import CostModel, SimResult, simulate
 from megatronapp.dpp.sim.static_agents import STATIC_COMM_MODELS
+from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-p", "--pipeline-model-parallel-size", type=int, default=4, dest="pp")
-    p.add_argument("-v", "--virtual-stages", type=int, default=2, dest="vpp", help="model chunks per rank")
-    p.add_argument("-m", "--microbatches", type=int, default=8)
-    p.add_argument("--schedule", choices=(*SCHEDULE_NAMES, "dynamic"), default=None,
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=4, dest="pp")
+    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=2, dest="vpp",
+                   help="model chunks per pipeline rank")
+    p.add_argument("--num-microbatches", type=int, default=8, dest="microbatches")
+    p.add_argument("--pipeline-schedule", choices=(*SCHEDULE_NAMES, "dynamic"), default=None, dest="schedule",
                    help="default: dynamic, or the traced run's schedule with --from-trace")
     p.add_argument("--dpp-traversal", choices=TRAVERSALS, default=DppConfig.traversal)
     p.add_argument("--no-split-backward", dest="split_backward", action="store_false",
@@ -50,7 +57,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "(batches waited whole, a send moves once its recv is posted); eager = every recv "
                         "posted ahead (dpp/sim/static_agents.py). Default: rendezvous, or eager with --from-trace "
                         "(the overhead fitted from a trace already holds the rendezvous waits)")
-    p.add_argument("--inject-jitter", action="append", default=[], metavar="PPRANK:MAXFACTOR[:SEED]")
+    p.add_argument("--inject-jitter", action="append", default=[], metavar="RANK:MAXFACTOR[:SEED]",
+                   help="global rank, as in train (see the module docstring)")
     p.add_argument("--from-trace", default=None, metavar="DIR", help="task times (and layout) of a MegaScan trace")
 
 
@@ -63,7 +71,7 @@ def add_schedule_subcommands(sub) -> None:
     sim.set_defaults(func=run_simulate)
     show = leaf.add_parser("show", help="Gantt chart (PNG) and Chrome/Perfetto trace of a schedule")
     _add_common(show)
-    show.add_argument("-o", "--output", default="schedule.png")
+    show.add_argument("-o", "--out", default="schedule.png", help="Gantt chart PNG to write")
     show.add_argument("--chrome", default=None, help="also write a Chrome trace JSON here")
     show.add_argument("--iteration", type=int, default=None, help="with --from-trace: which iteration to draw "
                       "(default: the last traced)")
@@ -88,8 +96,21 @@ def _link(args, latency_ms: float = 0.0) -> dict:
         raise ValueError("latency, bandwidth, message bytes and decision cost must be >= 0")
     return dict(p2p_latency_s=latency_ms / 1e3,
                 p2p_bandwidth_Bps=args.p2p_bandwidth_gbps * 1e9 / 8 if args.p2p_bandwidth_gbps else float("inf"),
-                message_bytes=args.message_bytes, decision_s=args.decision_us / 1e6,
-                jitter=tuple(parse_jitter(s) for s in args.inject_jitter))
+                message_bytes=args.message_bytes, decision_s=args.decision_us / 1e6)
+
+
+def compute_pipeline_jitter(specs: list[str], tp_size: int, dp_size: int, pp_size: int) -> tuple[JitterSpec, ...]:
+    """--inject-jitter specs (global ranks of a TP x DP x PP job) as specs on the pipeline ranks of
+    the simulated pipeline, the one of tp 0, dp 0; a rank elsewhere is refused in one line."""
+    layout = ParallelLayout(tp_size * dp_size * pp_size, tp_size, pp_size)
+    on_pipeline = [layout.rank_of(0, 0, p) for p in range(pp_size)]
+    out = []
+    for spec in map(parse_jitter, specs):
+        if spec.rank not in on_pipeline:
+            raise ValueError(f"--inject-jitter rank {spec.rank} is not on the simulated pipeline "
+                             f"(global ranks {', '.join(map(str, on_pipeline))})")
+        out.append(dataclasses.replace(spec, rank=layout.coords(spec.rank).pp))
+    return tuple(out)
 
 
 def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
@@ -100,6 +121,7 @@ def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
         run = trace_costs.load_traced_run(args.from_trace)
         pp, vpp, m = run.pp_size, run.num_chunks, run.num_microbatches
         link = _link(args, trace_costs.estimate_p2p_latency_s(run) * 1e3)
+        link["jitter"] = compute_pipeline_jitter(args.inject_jitter, run.tp_size, run.dp_size, pp)
         link["task_overhead_s"] = trace_costs.estimate_task_overheads_s(run, link["p2p_latency_s"])
         return pp, vpp, m, args.schedule or run.schedule, trace_costs.compute_trace_costs(run, **link), run
     pp, vpp, m = args.pp, args.vpp, args.microbatches
@@ -109,16 +131,14 @@ def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
         raise ValueError(f"pipeline size, virtual stages and microbatches must be >= 1, got {pp}, {vpp}, {m}")
     fwd, bwd = _per_rank(args.forward_ms, pp, "--forward-ms"), _per_rank(args.backward_ms, pp, "--backward-ms")
     cost = CostModel(tuple((f,) * vpp for f in fwd), tuple((b,) * vpp for b in bwd), **_link(args),
-                     weight_grad_share=args.weight_grad_share)
+                     weight_grad_share=args.weight_grad_share,
+                     jitter=compute_pipeline_jitter(args.inject_jitter, 1, 1, pp))
     return pp, vpp, m, args.schedule or "dynamic", cost, None
 
 
 def simulate_from_args(args) -> tuple[SimResult, str, list[int] | None, object]:
     """(result, schedule label, per-rank caps for dynamic, traced run or None)."""
     pp, vpp, m, name, cost, run = build_setup(args)
-    for j in cost.jitter:
-        if j.rank >= pp:
-            raise ValueError(f"--inject-jitter rank {j.rank} is not a pipeline rank (pp size {pp})")
     if name != "dynamic":
         schedule = build_schedule(name, pp, vpp, m)
         comm = args.static_comm or ("eager" if run is not None else "rendezvous")
@@ -171,11 +191,11 @@ def run_show(args) -> int:
             res, name, _, _ = simulate_from_args(args)
             spans = res.spans
             title = f"{name} (simulated): {res.makespan_s * 1e3:.3f} ms, bubble {res.bubble_fraction:.1%}"
-        save_gantt_png(spans, args.output, title)
+        save_gantt_png(spans, args.out, title)
         if args.chrome:
             save_chrome_trace(spans, args.chrome, title)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}" + (f" and {args.chrome}" if args.chrome else ""))
+    print(f"wrote {args.out}" + (f" and {args.chrome}" if args.chrome else ""))
     return 0

@@ -37,7 +37,7 @@ def variants(pp: int, vpp: int, m: int, traversals, cap_extra: tuple[int, ...] =
     many more slots per rank than interleaved holds (what memory buys; not the same cap)."""
     caps = compute_default_caps(pp, vpp, m)
     out = {}
-    for name in ("interleaved", "breadth-first"):
+    for name in ("interleaved", "looped-bfs"):
         schedule = build_schedule(name, pp, vpp, m)
         for comm in ("eager", "rendezvous"):
             out[f"{name}/{comm}"] = dict(schedule=schedule, static_comm=comm)

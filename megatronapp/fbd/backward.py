@@ -61,8 +61,8 @@ class BackwardRuntime:
         self.compute_timer = ComputeTimer(device)
         self.injector = injector
         self.waits = RoleWaits()
-        delay = fbd.random_delay_ms if "backward" in fbd.delayed_roles else 0.0
-        self.faults = RoleFaults(roles.rank, "backward", fbd.crash, delay, fbd.delay_seed)
+        inj = fbd.injection
+        self.faults = RoleFaults(roles.rank, "backward", inj.crash, inj.delay_ms("backward"), inj.delay_seed)
         self.loss_gap = 0.0  # max |forward loss - recomputed loss| seen (last stage, logging)
 
     def _compute(self):

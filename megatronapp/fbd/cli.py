@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from megatronapp.config import ConfigError, JobConfig
-from megatronapp.fbd.config import FbdConfig, parse_crash_spec, validate_fbd_job
+from megatronapp.fbd.config import FbdConfig, FbdInjection, parse_crash_spec, validate_fbd_job
 from megatronapp.fbd.plan import build_fbd_plan
 from megatronapp.fbd.validate import validate_fbd_plan
 from megatronapp.parallel.layout import LayoutError, RoleLayout
@@ -35,7 +35,7 @@ def add_fbd_arguments(p: argparse.ArgumentParser) -> None:
 def fbd_config_from_args(args: argparse.Namespace) -> FbdConfig:
     return FbdConfig(forward_tp_size=args.forward_tensor_model_parallel_size or args.tensor_model_parallel_size,
                      forward_device=args.forward_device, max_ahead=args.fbd_max_ahead,
-                     crash=parse_crash_spec(args.inject_crash))
+                     injection=FbdInjection(crash=parse_crash_spec(args.inject_crash)))
 
 
 def role_layout_from_args(args: argparse.Namespace, world: int) -> RoleLayout:

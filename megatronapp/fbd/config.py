@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatronapp.config import ConfigError, JobConfig
+
+
+@dataclass(frozen=True)
+class FbdInjection:
+    """What tests and benchmarks do to an FBD job on purpose (no training run sets these but
+    --inject-crash): faults that exercise failure handling and ordering, and an upper bound."""
+
+    crash: tuple[int, int] | None = None  # (global rank, iteration): raise there (--inject-crash)
+    random_delay_ms: float = 0.0  # sleep U(0, this) before every compute action, seeded per rank
+    delay_seed: int = 0
+    delayed_roles: tuple[str, ...] = ("forward", "backward")  # whose compute the delays hit
+    free_forward: bool = False  # benchmarks' upper bound: forward workers send zeros, compute nothing
+
+    def __post_init__(self) -> None:
+        if self.random_delay_ms < 0:
+            raise ConfigError(f"random_delay_ms must be >= 0, got {self.random_delay_ms}")
+
+    def delay_ms(self, role: str) -> float:
+        return self.random_delay_ms if role in self.delayed_roles else 0.0
 
 
 @dataclass(frozen=True)
@@ -12,11 +31,7 @@ class FbdConfig:
     forward_tp_size: int = 1  # TF: tensor-parallel degree of forward workers
     forward_device: str | None = None  # "cpu" | "cuda"; None: the backward workers' device
     max_ahead: int = 2  # stage inputs a forward worker may send ahead of its backward twin's use
-    crash: tuple[int, int] | None = None  # (global rank, iteration): raise there (tests of failure handling)
-    random_delay_ms: float = 0.0  # tests: sleep U(0, this) before every compute action, seeded per rank
-    delay_seed: int = 0
-    delayed_roles: tuple[str, ...] = ("forward", "backward")  # whose compute the delays hit
-    free_forward: bool = False  # benchmarks' upper bound: forward workers send zeros, compute nothing
+    injection: FbdInjection = field(default_factory=FbdInjection)  # none unless a test asks
 
     def __post_init__(self) -> None:
         if self.forward_tp_size < 1:
@@ -25,8 +40,6 @@ class FbdConfig:
             raise ConfigError(f"--fbd-max-ahead must be >= 1, got {self.max_ahead}")
         if self.forward_device not in (None, "cpu", "cuda"):
             raise ConfigError(f"--forward-device must be cpu or cuda, got {self.forward_device!r}")
-        if self.random_delay_ms < 0:
-            raise ConfigError(f"random_delay_ms must be >= 0, got {self.random_delay_ms}")
 
 
 def parse_crash_spec(spec: str | None) -> tuple[int, int] | None:
@@ -60,5 +73,6 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
     if m.attention_dropout and tf != job.layout.tp_size:
         raise ConfigError(f"attention dropout draws per-TP-rank streams: it needs forward TP size {tf} "
                           f"= TP size {job.layout.tp_size} (hidden dropout works with any)")
-    if cfg.crash is not None and cfg.crash[0] >= world_size:
-        raise ConfigError(f"--inject-crash rank {cfg.crash[0]} is outside world size {world_size}")
+    crash = cfg.injection.crash
+    if crash is not None and crash[0] >= world_size:
+        raise ConfigError(f"--inject-crash rank {crash[0]} is outside world size {world_size}")

@@ -77,8 +77,8 @@ class ForwardWorker:
         # backward TP ranks take sequence slices when they use sequence parallelism and we do not
         self.slice_for_targets = job.train.sequence_parallel and not self.model.seq_shards > 1
         self.waits = RoleWaits()
-        self.faults = RoleFaults(groups.rank, self.role, fbd.crash,
-                                 fbd.random_delay_ms if self.role in fbd.delayed_roles else 0.0, fbd.delay_seed)
+        inj = fbd.injection
+        self.faults = RoleFaults(groups.rank, self.role, inj.crash, inj.delay_ms(self.role), inj.delay_seed)
         self.hand_off = Outbox(window=fbd.max_ahead)  # stage inputs to backward workers
         self.downstream = Outbox(window=fbd.max_ahead)  # stage outputs to the next forward stage
         self.iteration = 0
@@ -148,7 +148,7 @@ class ForwardWorker:
         first, last = self.chunk.has_embedding, self.chunk.has_head
         x = None if first else it.inputs.pop(a.microbatch)
         ctx = MicrobatchContext(it.index, a.microbatch, 0, first, last)
-        if self.fbd.free_forward:  # upper-bound benchmark: backward workers never wait on compute
+        if self.fbd.injection.free_forward:  # upper-bound benchmark: backward workers never wait on compute
             if last:
                 it.losses.append(torch.zeros((), device=self.device))
             else:

@@ -20,18 +20,19 @@ from pathlib import Path
 
 from megatronapp.config import ConfigError
 from megatronapp.files import write_text_atomic
+from megatronapp.inference.generate import SamplingConfig
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="checkpoint folder (any saved layout)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     p.add_argument("--prompt-file", default=None, help="one prompt per non-empty line")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default unless --temperature etc.)")
     p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=SamplingConfig.top_k)
+    p.add_argument("--top-p", type=float, default=SamplingConfig.top_p)
+    p.add_argument("--seed", type=int, default=SamplingConfig.seed)
     p.add_argument("--no-stop-on-eod", dest="stop_on_eod", action="store_false")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as a CUDA graph (one GPU)")
@@ -49,14 +50,12 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
 
 
-def build_sampling_config(args: argparse.Namespace):
-    from megatronapp.inference.generate import SamplingConfig
-
+def build_sampling_config(args: argparse.Namespace) -> SamplingConfig:
     sampled = args.temperature is not None or args.top_k or args.top_p < 1
     if args.greedy and sampled:
         raise ConfigError("--greedy cannot be combined with --temperature / --top-k / --top-p")
     return SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=not sampled,
-                          temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+                          temperature=args.temperature or SamplingConfig.temperature, top_k=args.top_k, top_p=args.top_p,
                           seed=args.seed, stop_on_eod=args.stop_on_eod)
 
 

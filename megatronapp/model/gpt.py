@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronapp import spans
-from megatronapp.config import ModelConfig
+from megatronapp.config import ModelConfig, RecomputeConfig
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.model.attention_kernels import specialise_on_preference
-from megatronapp.model.recompute import RecomputeConfig, compute_full_recompute_groups, recompute
+from megatronapp.model.recompute import compute_full_recompute_groups, recompute
 from megatronapp.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 from megatronapp.parallel.random import DropoutKey, RNGStatesTracker, keyed_dropout
 

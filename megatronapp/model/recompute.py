@@ -16,32 +16,11 @@ forward step only). So gradients with recompute are bit-identical to gradients w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatronapp.config import RecomputeConfig
 from megatronapp.model.attention_kernels import replay_sdpa_preference
-
-GRANULARITIES = ("none", "selective", "full")
-METHODS = ("uniform", "block")
-
-
-@dataclass(frozen=True)
-class RecomputeConfig:
-    granularity: str = "none"  # none | selective | full
-    method: str = "uniform"  # uniform | block (full only)
-    num_layers: int = 1  # layers per group (uniform) or layers per chunk recomputed (block)
-
-    def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"unknown recompute granularity {self.granularity!r}; choose from "
-                             f"{', '.join(GRANULARITIES)}")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown recompute method {self.method!r}; choose from {', '.join(METHODS)}")
-        if self.num_layers < 1:
-            raise ValueError(f"recompute num layers must be >= 1, got {self.num_layers}")
-
 
 def compute_full_recompute_groups(num_layers: int, cfg: RecomputeConfig) -> list[tuple[int, int, bool]]:
     """Split a chunk's `num_layers` layers into [start, end) runs and whether each is recomputed."""

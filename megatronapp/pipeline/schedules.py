@@ -15,7 +15,7 @@ from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule
 from megatronapp.pipeline.comm_placement import ComputeStep, compute_step_actions, place_communication
 from megatronapp.pipeline.zero_bubble import compute_zero_bubble_orders
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "breadth-first", "zb-h1", "interleaved-zb")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "interleaved-zb")
 
 
 def _check_sizes(pp_size: int, num_chunks: int, num_microbatches: int) -> None:
@@ -154,7 +154,7 @@ def build_breadth_first_schedule(pp_size: int, num_chunks: int, num_microbatches
     _check_sizes(pp_size, num_chunks, num_microbatches)
     order = compute_breadth_first_order(num_chunks, num_microbatches)
     return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, [order] * pp_size,
-                                             "breadth-first")
+                                             "looped-bfs")
 
 
 def build_zb_h1_schedule(pp_size: int, num_microbatches: int) -> PipelineSchedule:
@@ -187,14 +187,14 @@ def schedule_has_weight_tasks(schedule: PipelineSchedule) -> bool:
 
 def build_schedule(name: str, pp_size: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
     """Build a schedule by name: "gpipe" | "1f1b" | "zb-h1" (num_chunks must be 1) | "interleaved" |
-    "interleaved-zb" | "breadth-first"."""
+    "interleaved-zb" | "looped-bfs"."""
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if name == "interleaved":
         return build_interleaved_1f1b_schedule(pp_size, num_chunks, num_microbatches)
     if name == "interleaved-zb":
         return build_interleaved_zero_bubble_schedule(pp_size, num_chunks, num_microbatches)
-    if name == "breadth-first":
+    if name == "looped-bfs":
         return build_breadth_first_schedule(pp_size, num_chunks, num_microbatches)
     if num_chunks != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank, got num_chunks={num_chunks}; "

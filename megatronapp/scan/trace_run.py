@@ -17,15 +17,12 @@ from pathlib import Path
 from megatronapp.faults.inject import FaultSpecError, fault_env, parse_fault_plan
 from megatronapp.engine.launch_failures import pick_root_failure
 from megatronapp.scan.record.autotrace import AutoTraceConfig
+from megatronapp.scan.record.trace_config import add_trace_arguments, trace_fields_from_args
 
 
 def add_trace_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
-    parser.add_argument("--trace-dir", default="runs/trace", help="where rank*.mscan and timeline.json go")
-    parser.add_argument("--trace-granularity", choices=("base", "full"), default="base",
-                        help="full: also every module's forward and backward")
-    parser.add_argument("--trace-interval", type=int, default=1, help="trace K iterations every N (iteration 0 never)")
-    parser.add_argument("--continuous-trace-iterations", type=int, default=1)
+    add_trace_arguments(parser, granularity_help="full: also every module's forward and backward")
     parser.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
     parser.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
     parser.add_argument("--json", action="store_true", help="print the detection report as JSON")
@@ -43,8 +40,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], AutoTraceConfig]:
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(args.nproc_per_node)
-    config = AutoTraceConfig(trace_dir=args.trace_dir, granularity=args.trace_granularity,
-                             interval=args.trace_interval, continuous_iterations=args.continuous_trace_iterations)
+    config = AutoTraceConfig(**trace_fields_from_args(args))
     return command, config
 
 

@@ -43,6 +43,10 @@ from megatronapp.scope.staging import HostStaging, pack_blocks, view_items
 from megatronapp.scope.target import resolve_target
 
 
+class CaptureLimitError(ValueError):
+    """A step's raw capture would pass CaptureConfig.max_bytes_per_step (nothing was captured)."""
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     sites: tuple[str, ...] = DEFAULT_SITES
@@ -140,7 +144,7 @@ class Capture:
         per_column, per_column_key = self._raw_bytes
         raw = cache.pad_left.shape[0] * cache.num_new * (per_column + per_column_key * (cache.start + cache.num_new))
         if raw > self.cfg.max_bytes_per_step:
-            raise ValueError(f"capture would need {raw} bytes this step, over the limit of "
+            raise CaptureLimitError(f"capture would need {raw} bytes this step, over the limit of "
                              f"{self.cfg.max_bytes_per_step}; capture fewer sites/layers or shorter prompts")
 
     def step_end(self, model, logits) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from megatronapp.config import ConfigError
 from megatronapp.inference.cli import (add_layout_arguments, check_layout_args, read_prompts, run_command)
+from megatronapp.inference.generate import SamplingConfig
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
 
@@ -63,7 +64,7 @@ def _capture_config(args, cfg):
 
 def check_capture_args(args) -> None:
     from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.inference.generate import SamplingConfig, check_prompts
+    from megatronapp.inference.generate import check_prompts
 
     cfg, _ = check_layout_args(args)
     _capture_config(args, cfg)
@@ -79,7 +80,7 @@ def capture_worker(args) -> dict | None:
     from contextlib import ExitStack
 
     from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.inference.generate import SamplingConfig, generate
+    from megatronapp.inference.generate import generate
     from megatronapp.inference.launch import finish_worker, start_worker
     from megatronapp.scope.capture import Capture
     from megatronapp.scope.perturb import perturb
@@ -135,7 +136,7 @@ def add_scope_subcommands(sub) -> None:
     cap.add_argument("--load", required=True)
     cap.add_argument("--prompt", action="append", default=[])
     cap.add_argument("--prompt-file", default=None)
-    cap.add_argument("--max-new-tokens", type=int, default=8)
+    cap.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens)
     cap.add_argument("--sites", default=",".join(DEFAULT_SITES), help="comma-separated; see megatronapp/scope/sites.py")
     cap.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
     cap.add_argument("--heads", default=None, help="comma-separated heads kept for q/k/v/attn_probs")

@@ -12,7 +12,9 @@ Client -> server (text only; a binary frame from a client is an error):
                                                                  generation tensors are captured and sent
                                                                  for the shown layers only; a layer the
                                                                  last generation did not capture is refilled
-                                                                 (the same request rerun, views only)
+                                                                 (the same request rerun, views only) for
+                                                                 the driving tab; a watcher's layer is
+                                                                 captured by the next generation
     generate     prompt + sampling (as `megatronapp generate`)   driver only; clean run, then a
                                                                  perturbed run when perturbations are set
     perturb      {"type": "perturb", "spec": {...}}              add a scope Perturbation (specs.py format);
@@ -44,13 +46,16 @@ Server -> client:
     probe        every K steps: probe prompt top-k and per-layer activation stats (+ tensor frames)
     train_state  paused / running, iteration
     role         your role changed (driver / watcher)
-    error        {"code", "message"}: the request was refused and nothing changed
+    error        {"code", "message"}: the request was refused and nothing changed; code
+                 "internal" is a server-side failure (details in the server's log only)
 
 Version 2 (this one) replaced v1's one `token` message per token and one tensor frame per
 layer and site per token with `tokens` batches, the `view` request and row-addressed frames.
 
 Limits (Limits below) are enforced before anything is parsed further: frame size, prompt
-length, tokens requested, capture bytes per step, and messages per second per connection.
+length, tokens requested, capture bytes per step, and messages per second per connection; a
+perturbation is refused ("too_large") when applying it would draw more than
+max_perturb_draws random values.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from megatronapp.inference.generate import SamplingConfig
 
 PROTOCOL_VERSION = 2
 
@@ -74,6 +81,10 @@ class Limits:
     max_messages_per_s: float = 50.0  # token bucket per connection
     burst: int = 100
     max_perturbations: int = 16
+    # random values one perturbation may draw each time it applies (its tensor's elements x draws
+    # per element; random bits draw one per candidate bit, ~16 bytes each with the argsort): bounds
+    # what one message can make the server allocate, to about 1 GiB
+    max_perturb_draws: int = 1 << 26
 
 
 class _Msg(BaseModel):
@@ -93,15 +104,17 @@ class View(_Msg):
 
 
 class Generate(_Msg):
+    """Sampling as `megatronapp generate`: an omitted field takes SamplingConfig's default."""
+
     type: Literal["generate"]
     prompt: str = Field(min_length=1)
-    max_new_tokens: int = Field(default=16, ge=1)
-    greedy: bool = True
-    temperature: float = Field(default=1.0, gt=0, le=100)
-    top_k: int = Field(default=0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int = Field(default=0, ge=0, lt=2**63)
-    stop_on_eod: bool = True
+    max_new_tokens: int = Field(default=SamplingConfig.max_new_tokens, ge=1)
+    greedy: bool = SamplingConfig.greedy
+    temperature: float = Field(default=SamplingConfig.temperature, gt=0, le=100)
+    top_k: int = Field(default=SamplingConfig.top_k, ge=0)
+    top_p: float = Field(default=SamplingConfig.top_p, gt=0, le=1)
+    seed: int = Field(default=SamplingConfig.seed, ge=0, lt=2**63)
+    stop_on_eod: bool = SamplingConfig.stop_on_eod
 
 
 class Perturb(_Msg):
@@ -249,7 +262,7 @@ class Role(_Msg):
 class Error(_Msg):
     type: Literal["error"] = "error"
     code: Literal["bad_json", "bad_message", "too_large", "rate_limited", "not_driver", "busy", "refused",
-                  "binary_not_accepted", "wrong_mode", "version"]
+                  "binary_not_accepted", "wrong_mode", "version", "internal"]
     message: str
 
 

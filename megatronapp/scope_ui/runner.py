@@ -29,8 +29,8 @@ import torch
 from megatronapp.config import ConfigError
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.scope import capture, perturb
-from megatronapp.scope.bits import FORMATS
-from megatronapp.scope.specs import KINDS, PerturbSpecError, perturbation_from_dict, validate_perturbation
+from megatronapp.scope.bits import FORMATS, format_of
+from megatronapp.scope.specs import BIT_KINDS, KINDS, PerturbSpecError, perturbation_from_dict, validate_perturbation
 from megatronapp.scope.sites import PERTURB_SITES
 from megatronapp.scope.target import resolve_target
 from megatronapp.scope_ui import protocol as P
@@ -58,11 +58,27 @@ def welcome_fields(info: dict) -> dict:
             "bit_formats": list(FORMATS), "bit_fields": ["sign", "exponent", "mantissa"]}
 
 
+def compute_perturbation_draws(spec, cfg, param_shapes: dict) -> int:
+    """Random values a validated `spec` draws each time it applies, per sequence of the batch.
+    Draws cover the target's whole tensor (so the same elements are hit on every layout): a
+    parameter's full shape, or seq_length x the site's width; per element one value for
+    `rate`, one for gaussian/uniform noise, and for random bits (`field`) one per candidate bit
+    (bits.random_bit_masks argsorts them)."""
+    if spec.target.site == "param":
+        elements = math.prod(param_shapes[spec.target.param])
+    else:
+        elements = cfg.seq_length * (cfg.ffn_size if spec.target.site == "fc1" else cfg.hidden_size)
+    per_element = (spec.rate is not None) + (spec.kind in ("gaussian", "uniform"))
+    if spec.kind in BIT_KINDS and spec.field is not None:
+        per_element += len(format_of(spec.format, torch.float32).field_bits(spec.field))
+    return elements * per_element
+
+
 class PerturbationSet:
     """The active perturbations (scope specs), validated against the model before adding."""
 
-    def __init__(self, cfg, param_shapes: dict, limit: int):
-        self.cfg, self.shapes, self.limit, self.specs = cfg, param_shapes, limit, []
+    def __init__(self, cfg, param_shapes: dict, limit: int, max_draws: int = P.Limits.max_perturb_draws):
+        self.cfg, self.shapes, self.limit, self.max_draws, self.specs = cfg, param_shapes, limit, max_draws, []
 
     def add(self, data: dict):
         """Validated spec from `data` (a seed is drawn and recorded when none is given); ProtocolError."""
@@ -77,6 +93,10 @@ class PerturbationSet:
             validate_perturbation(spec, self.cfg, self.shapes)
         except (PerturbSpecError, TypeError, ValueError) as e:
             raise P.ProtocolError("refused", f"perturbation: {e}") from None
+        draws = compute_perturbation_draws(spec, self.cfg, self.shapes)
+        if draws > self.max_draws:
+            raise P.ProtocolError("too_large", f"perturbation: {draws} random values per application, over "
+                                  f"{self.max_draws}; choose a smaller tensor, fixed 'bits' instead of a random 'field', or no 'rate'")
         self.specs.append(spec)
         return spec
 
@@ -236,7 +256,7 @@ class GenerationRunner:
         self.model, self.tokenizer, self.limits = model, tokenizer, limits
         shapes = resolve_target(model).full_param_shapes()
         self.info = describe_model(model.cfg, shapes)
-        self.perturbations = PerturbationSet(model.cfg, shapes, limits.max_perturbations)
+        self.perturbations = PerturbationSet(model.cfg, shapes, limits.max_perturbations, limits.max_perturb_draws)
         self.last: LastRequest | None = None
 
     def welcome_fields(self) -> dict:

@@ -7,7 +7,12 @@ server's is refused. Client frames are parsed by protocol.py only: nothing from 
 evaluated, executed or unpickled.
 
 Tabs: the first tab drives (generate, perturb, train controls), later ones watch; when the
-driver leaves, the oldest watcher drives. Each tab says which layer it shows (`view`).
+driver leaves, the oldest watcher drives. Each tab says which layer it shows (`view`); only
+the driver's view reruns the model (a refill), a watcher's layer waits for the next generation.
+
+Errors: a refused request gets its ProtocolError code and message; any other exception is
+logged here with its traceback and the tab gets code "internal" only (exception text can
+name paths and internals the page has no business seeing).
 
 Outbound: the model's thread only posts small records (outbox.py) with one
 call_soon_threadsafe per step; each tab has its own backlog, which its sender task takes
@@ -22,6 +27,7 @@ import asyncio
 import functools
 import hmac
 import ipaddress
+import logging
 import secrets
 import socket
 import threading
@@ -35,10 +41,13 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketDisconnect
 
+from megatronapp.scope.capture import CaptureLimitError
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.outbox import coalesce, encode
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+INTERNAL_ERROR = P.Error(code="internal", message="internal server error; see the server log")
+log = logging.getLogger(__name__)
 MAX_PENDING = 20000  # records waiting for one tab, after coalescing, before it is dropped
 
 
@@ -195,6 +204,8 @@ class Hub:
         if msg.layer >= info["num_layers"] or msg.head >= info["num_heads"]:
             raise P.ProtocolError("refused", f"view: layer must be < {info['num_layers']}, head < {info['num_heads']}")
         client.layer, client.head = msg.layer, msg.head
+        if client is not self.driver:  # reruns are the driver's to ask for; layers_shown() has this one
+            return
         # a generation running now captures the layers shown when it began: check after it
         if self.backend.mode == "generate" and (self.busy or self.backend.needs_refill(msg.layer)):
             self.worker.submit(self._refill, client, msg.layer)
@@ -215,8 +226,11 @@ class Hub:
             work()
         except P.ProtocolError as e:
             self.send(client, e.error)
-        except Exception as e:  # a model-side failure ends this request only
-            self.send(client, P.Error(code="refused", message=f"{type(e).__name__}: {e}"[:300]))
+        except CaptureLimitError as e:  # the request asked for more than Limits.max_capture_bytes
+            self.send(client, P.Error(code="too_large", message=str(e)[:300]))
+        except Exception:  # a model-side failure ends this request only
+            log.exception("MegaScope UI: a model-side request failed")
+            self.send(client, INTERNAL_ERROR)
 
 
 def build_app(hub: Hub, cfg: ServerConfig):
@@ -282,8 +296,9 @@ def _receive_one(hub: Hub, client: _Client, frame: dict) -> None:
         hub.handle(client, P.parse_client_text(frame.get("text") or "", hub.limits))
     except P.ProtocolError as e:
         hub.send(client, e.error)
-    except Exception as e:  # a bug must not end the connection or the server; say what failed
-        hub.send(client, P.Error(code="refused", message=f"internal error: {type(e).__name__}: {e}"[:300]))
+    except Exception:  # a bug must not end the connection or the server
+        log.exception("MegaScope UI: handling a client message failed")
+        hub.send(client, INTERNAL_ERROR)
 
 
 async def _send_loop(client: _Client, decode) -> None:

@@ -26,6 +26,7 @@ class TracedRun:
     spans: dict  # iteration -> list[Span] (seconds from that iteration's first task)
     run_meta: dict = field(default_factory=dict)  # the trace's "run" metadata (schedule, injections)
     dp_size: int = 1
+    tp_size: int = 1
 
 
 def load_traced_run(trace_dir: str) -> TracedRun:
@@ -59,7 +60,7 @@ def load_traced_run(trace_dir: str) -> TracedRun:
         del spans[min(spans)]
     run_meta = traces[0].meta.get("run", {})
     return TracedRun(layout["pp_size"], layout["virtual_pp_size"], num_mb, run_meta.get("schedule", "custom"), spans,
-                     run_meta, layout.get("dp_size", 1))
+                     run_meta, layout.get("dp_size", 1), layout.get("tp_size", 1))
 
 
 def compute_trace_costs(run: TracedRun, **link) -> CostModel:

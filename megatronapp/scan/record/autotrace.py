@@ -47,10 +47,10 @@ ENV_PREFIX = "MEGATRONAPP_TRACE_"
 class AutoTraceConfig:
     """What `trace run` hands every rank (through MEGATRONAPP_TRACE_* variables)."""
 
-    trace_dir: str = "runs/trace"
-    granularity: str = "base"
-    interval: int = 1  # trace continuous_iterations iterations every interval (iteration 0 never)
-    continuous_iterations: int = 1
+    trace_dir: str = TraceConfig.trace_dir
+    granularity: str = TraceConfig.granularity
+    interval: int = TraceConfig.interval  # trace continuous_iterations iterations every interval (iteration 0 never)
+    continuous_iterations: int = TraceConfig.continuous_iterations
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:

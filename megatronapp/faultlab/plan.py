@@ -1,6 +1,6 @@
 """What a lab run is: the traced job, the faults put on the machine, and where ranks live.
 
-Pure data and command lines; faults/lab/runner.py executes them. A job is either an engine job
+Pure data and command lines; faultlab/runner.py executes them. A job is either an engine job
 (`megatronapp train --trace`) or an unmodified script under `megatronapp trace run` (or, one
 namespace per node, torchrun with the zero-code tracer `megatronapp.scan.record.run`).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from megatronapp.faults.lab.cpu import Schedule
-from megatronapp.faults.lab.net import IFNAME, address
+from megatronapp.faultlab.cpu import Schedule
+from megatronapp.faultlab.net import IFNAME, address
 
 RDZV_PORT = 29431
 

@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatronapp.faults.lab import cpu, net
-from megatronapp.faults.lab.plan import (
+import megatronapp.faultlab.cpu as cpu
+import megatronapp.faultlab.net as net
+from megatronapp.faultlab.plan import (
     LabPlan,
     Noise,
     ScriptJob,

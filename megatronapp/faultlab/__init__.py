@@ -1,6 +1,6 @@
 """The fault lab: real faults made by the machine, which the traced program cannot see or help.
 
-    from megatronapp.faults.lab import LabPlan, EngineJob, ScriptJob, SlowRank, SlowLink, run_lab
+    from megatronapp.faultlab import LabPlan, EngineJob, ScriptJob, SlowRank, SlowLink, run_lab
     run_lab(LabPlan(ScriptJob("examples/ddp_train.py", ("--steps", "16"), nproc=4),
                     faults=(SlowRank(2, "quota", share=0.4),)), Path("runs/lab/trace"))
 
@@ -21,13 +21,13 @@ Set-up and tear-down (root only; runner.run_lab does both, in this order, undoin
      (v1 /sys/fs/cgroup/cpu, or v2 cpu.max) with the quota, or its threads pinned with a busy loop
      on the same core; the tc qdisc on the slow link's source. Processes go back to their own
      cgroup and the lab's cgroup is removed at the end.
-After a killed run, `python -m megatronapp.faults.lab.cleanup` removes whatever is left by name
+After a killed run, `python -m megatronapp.faultlab.cleanup` removes whatever is left by name
 prefix (`mapplab-`): namespaces and cgroups.
 """
 
-from megatronapp.faults.lab.cpu import Schedule
-from megatronapp.faults.lab.plan import EngineJob, ExtraWork, LabPlan, Noise, ScriptJob, SlowLink, SlowRank
-from megatronapp.faults.lab.runner import LabResult, run_lab
+from megatronapp.faultlab.cpu import Schedule
+from megatronapp.faultlab.plan import EngineJob, ExtraWork, LabPlan, Noise, ScriptJob, SlowLink, SlowRank
+from megatronapp.faultlab.runner import LabResult, run_lab
 
 __all__ = ["EngineJob", "ExtraWork", "LabPlan", "LabResult", "Noise", "Schedule", "ScriptJob", "SlowLink",
            "SlowRank", "run_lab"]

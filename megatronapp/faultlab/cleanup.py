@@ -1,10 +1,10 @@
 """Remove what a killed fault-lab run left behind: namespaces and cgroups named `mapplab-*`.
 
-    python -m megatronapp.faults.lab.cleanup
+    python -m megatronapp.faultlab.cleanup
 """
 
-from megatronapp.faults.lab.cpu import cleanup_cgroups
-from megatronapp.faults.lab.net import cleanup_namespaces
+from megatronapp.faultlab.cpu import cleanup_cgroups
+from megatronapp.faultlab.net import cleanup_namespaces
 
 if __name__ == "__main__":
     for name in cleanup_namespaces() + cleanup_cgroups():

@@ -10,7 +10,8 @@ from megatronapp.fbd.plan import FbdAction, Op, build_fbd_plan
 from megatronapp.fbd.reshard import compute_weight_pieces, full_param_specs, pack_weights, unpack_weights
 from megatronapp.fbd.validate import PlanError, validate_fbd_plan
 from megatronapp.model.gpt import GPTChunk, TPContext
-from megatronapp.parallel.layout import LayoutError, RoleLayout
+from megatronapp.fbd.layout import RoleLayout
+from megatronapp.parallel.layout import LayoutError
 
 SHAPES = [  # (tp, pp, tf, dp)
     (1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (2, 2, 2, 1), (1, 2, 1, 2), (2, 2, 1, 2),

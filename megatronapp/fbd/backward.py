@@ -23,7 +23,8 @@ from megatronapp.fbd.config import FbdConfig
 from megatronapp.fbd.links import LinkDevices, Outbox, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
 from megatronapp.fbd.reshard import compute_weight_pieces, frame, full_param_specs, pack_weights, unframe
-from megatronapp.parallel.groups import ParallelGroups, RoleGroups
+from megatronapp.fbd.groups import RoleGroups
+from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.contract import MicrobatchContext
 

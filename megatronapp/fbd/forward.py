@@ -21,7 +21,7 @@ from megatronapp.fbd.reshard import (compute_weight_pieces, frame, full_param_sp
                                      weight_message_dtype, weight_message_numel)
 from megatronapp.model.gpt import ChunkOptions, TPContext, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
-from megatronapp.parallel.groups import RoleGroups
+from megatronapp.fbd.groups import RoleGroups
 from megatronapp.parallel.random import build_rng_tracker
 from megatronapp.pipeline.contract import MicrobatchContext
 

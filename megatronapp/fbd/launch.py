@@ -23,8 +23,8 @@ from megatronapp.fbd.cli import fbd_config_from_args, fbd_placements_from_args, 
 from megatronapp.fbd.forward import ForwardWorker
 from megatronapp.fbd.links import LinkDevices
 from megatronapp.files import write_text_atomic
-from megatronapp.parallel.groups import build_role_groups
-from megatronapp.parallel.layout import RoleLayout
+from megatronapp.fbd.groups import build_role_groups
+from megatronapp.fbd.layout import RoleLayout
 from megatronapp.parallel.placement import Placement, compute_default_backend
 
 

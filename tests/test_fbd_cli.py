@@ -79,27 +79,3 @@ def test_fbd_run_traces_both_roles_and_reports_waits(tmp_path):
                      "rank 2 forward (pp0 dp0 tp0)", "rank 3 forward (pp1 dp0 tp0)"]
     assert any(e.get("name") == "wait_forward" for e in events)
     assert any(e.get("cat") == "flow" for e in events)  # send -> recv arrows, including the hand-offs
-
-
-def test_the_launcher_names_the_rank_that_caused_the_failure():
-    """Error files carry whole-second timestamps: a victim of the crash may tie with it."""
-    from types import SimpleNamespace
-
-    from megatronapp.engine.launch_failures import pick_root_failure
-
-    lost = {"message": "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:45743"}
-    failures = {0: SimpleNamespace(message=lost, timestamp=100, exitcode=1),
-                1: SimpleNamespace(message={"message": "RuntimeError: injected crash"}, timestamp=100, exitcode=1),
-                2: SimpleNamespace(message="<N/A>", timestamp=101, exitcode=-9)}
-    rank, _, message = pick_root_failure(failures)
-    assert (rank, message) == (1, "RuntimeError: injected crash")
-    assert pick_root_failure({0: failures[0], 3: failures[0]})[0] == 0  # only victims: the earliest, lowest
-    # The launcher stops the survivors with SIGTERM; collected in the crash's second, they tie with it.
-    stopped = SimpleNamespace(message="Signal 15 (SIGTERM) received by PID 7", timestamp=100, exitcode=-15)
-    assert pick_root_failure({0: stopped, 2: stopped, 3: failures[1]})[0] == 3
-    # The crashed rank may itself be stopped by SIGTERM while it exits, after recording its error.
-    crashed_then_stopped = SimpleNamespace(message=failures[1].message, timestamp=100, exitcode=-15)
-    hung = {"message": "RuntimeError: [gloo/pair.cc:534] Read error [127.0.0.1]:5173: Connection timed out"
-                       ". This is typically caused by a remote worker hanging or bugs in the application."}
-    assert pick_root_failure({0: SimpleNamespace(message=hung, timestamp=100, exitcode=-15),
-                              1: crashed_then_stopped})[0] == 1

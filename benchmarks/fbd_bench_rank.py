@@ -87,7 +87,7 @@ def setup_rank(rank: int, world: int, variant: str, cfg, store_path: str) -> Ran
     """Place this rank, set its threads, start torch.distributed and build its groups."""
     import torch.distributed as dist
 
-    from megatronapp.fbd.launch import place_rank
+    from megatronapp.fbd.roles import place_rank
     from megatronapp.fbd.groups import build_role_groups
     from megatronapp.fbd.layout import RoleLayout
     from megatronapp.parallel.groups import build_process_groups

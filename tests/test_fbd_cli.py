@@ -79,3 +79,19 @@ def test_fbd_run_traces_both_roles_and_reports_waits(tmp_path):
                      "rank 2 forward (pp0 dp0 tp0)", "rank 3 forward (pp1 dp0 tp0)"]
     assert any(e.get("name") == "wait_forward" for e in events)
     assert any(e.get("cat") == "flow" for e in events)  # send -> recv arrows, including the hand-offs
+
+
+def test_the_rank_body_picks_each_rank_its_role():
+    """One training-rank body (cli/train.py): a plain job's ranks are PlainRole; an FBD job of
+    world 4 at PP2 has backward workers 0, 1 (stages 0, 1) and forward workers 2, 3."""
+    from megatronapp.cli.main import build_parser
+    from megatronapp.cli.train import PlainRole, pick_role
+    from megatronapp.fbd.roles import BackwardRole, ForwardRole
+
+    plain = build_parser().parse_args(["train", "--device", "cpu"])
+    assert isinstance(pick_role(plain, None, 1, 0), PlainRole)
+    args = build_parser().parse_args(["train", "--device", "cpu", *FBD, "--pipeline-model-parallel-size", "2"])
+    roles = [pick_role(args, None, 4, rank) for rank in range(4)]
+    assert [type(r) for r in roles] == [BackwardRole, BackwardRole, ForwardRole, ForwardRole]
+    assert [r.trace_meta["role"] for r in roles] == ["backward", "backward", "forward", "forward"]
+    assert {r.backend for r in roles} == {"gloo"} and {r.device.type for r in roles} == {"cpu"}

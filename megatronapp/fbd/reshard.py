@@ -7,9 +7,9 @@ the stage in named_parameters order, flattened into one message. Replicated tens
 from the first backward rank overlapping f only. The first element of a weight message is
 its version (the number of optimizer steps behind those weights), checked by the receiver.
 
-Activations need no reshaping (replicated over TP); a stage-input message is
-[iteration, microbatch, activation...] and a loss message [iteration, loss per microbatch...],
-both checked by the backward worker against what its own action list expects.
+Activations need no reshaping (replicated over TP): they travel as packed messages
+(p2p/message.py) with ids (iteration, microbatch), losses with ids (iteration,), both checked by
+the receiver against what its own action list expects.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-MAX_EXACT_TAG = 2**24  # tags ride in fp32 messages: integers are exact below this
 
 
 @dataclass(frozen=True)
@@ -112,17 +110,3 @@ def unpack_weights(module: nn.Module, pieces: list[WeightPiece], message: torch.
             dst = _view(params[pc.name], pc, pc.dst_start)
             dst.copy_(message[offset:offset + dst.numel()].view(dst.shape))
             offset += dst.numel()
-
-
-def frame(tags: tuple[int, ...], payload: torch.Tensor, device) -> torch.Tensor:
-    """[tags..., payload.flatten()] as fp32 on `device`."""
-    head = torch.tensor([float(t) for t in tags], device=payload.device)
-    return torch.cat([head, payload.detach().float().reshape(-1)]).to(device)
-
-
-def unframe(message: torch.Tensor, expected: tuple[int, ...], what: str, source: int) -> torch.Tensor:
-    """The payload of a framed message after checking its tags; RuntimeError naming both sides otherwise."""
-    got = tuple(int(v) for v in message[:len(expected)].tolist())
-    if got != expected:
-        raise RuntimeError(f"{what} from rank {source}: expected tags {expected}, got {got}")
-    return message[len(expected):]

@@ -5,7 +5,7 @@ gloo's isend writes to the socket before it returns, so on the compute thread ea
 (in-order) job on gloo (one thread per rank, the demo model at dpp_bench's sizes) and
 alternates, step by step in ABBA order, the sender thread on and off (--dpp-send-thread
 on / off; auto picks it where each rank has a spare core). Per variant it reports rank 0's compute-thread time per
-`Outbox.send` (median, mean) and per step, and the step time; the paired per-step ratio
+`send_task_message` (median, mean) and per step, and the step time; the paired per-step ratio
 (inline / threaded: > 1 means the thread is faster) with its median and range.
 
     python benchmarks/dpp_send_cost.py --pp 2 --steps 40              # the 2-core VM
@@ -29,16 +29,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def _timed_outbox(times: list):
-    from megatronapp.dpp.transport import Outbox
+def _timed_send(times: list):
+    from megatronapp.dpp.transport import send_task_message
 
-    class TimedOutbox(Outbox):
-        def send(self, dst, task, tensor) -> None:
-            t0 = time.perf_counter()
-            super().send(dst, task, tensor)
-            times.append(time.perf_counter() - t0)
+    def timed_send(*args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        send_task_message(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
 
-    return TimedOutbox
+    return timed_send
 
 
 def _worker(rank: int, a, port: int, out: str) -> None:
@@ -57,7 +56,7 @@ def _worker(rank: int, a, port: int, out: str) -> None:
     train = TrainConfig(micro_batch_size=1, global_batch_size=a.microbatches, train_iters=10**6, schedule="dynamic")
     job = JobConfig(model=model, train=train, layout=build_layout(a.pp, 1, a.pp, 2))
     send_times: list = []
-    runtime.Outbox = _timed_outbox(send_times)
+    runtime.send_task_message = _timed_send(send_times)
     trainer = Trainer(job, build_process_groups(job.layout, rank), torch.device("cpu"), RandomTokenBatches(job, 0),
                       runtime_factory=build_dynamic_runtime_factory(DppConfig("in-order"), job))
     for _ in range(a.warmup):

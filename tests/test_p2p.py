@@ -202,3 +202,16 @@ def test_fbd_sends_one_packed_copy_per_link_device_in_the_activations_dtype():
     assert sends[0].tensor is sends[1].tensor and sends[2].tensor.device == meta
     assert sends[0].tensor.numel() == HEADER_BYTES + x.numel() * 2
     assert torch.equal(unpack_message(sends[0].tensor, (3, 1), "stage input", 0), x)
+
+
+@pytest.mark.gpu
+def test_a_packed_message_unpacks_on_the_gpu_and_stages_through_the_host():
+    """On a GPU the header is compared on the device (no host wait); a message staged for gloo
+    is packed where the tensor is and crosses to the host once."""
+    x = torch.randn(4, 8, device="cuda").bfloat16()
+    message = pack_message(x, (0, 1, 2))
+    got = unpack_expected(message, x.shape, x.dtype, (0, 1, 2), "activation", 0)
+    torch.cuda.synchronize()  # a mismatched header would fail the device-side assert here
+    assert got.device.type == "cuda" and torch.equal(got, x)
+    staged = pack_message(x, (0, 1, 2), torch.device("cpu"))
+    assert staged.device.type == "cpu" and torch.equal(unpack_message(staged, (0, 1, 2), "activation", 0), x.cpu())

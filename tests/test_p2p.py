@@ -13,8 +13,8 @@ import torch
 
 from megatronapp.p2p import outbox as outbox_module
 from megatronapp.p2p.message import (HEADER_BYTES, HEADER_LEN, MessageHeader, compute_header, decode_header,
-                                     empty_message, encode_header, message_nbytes, pack_message, unpack_expected,
-                                     unpack_message)
+                                     empty_message, encode_header, message_nbytes, pack_flat_message, pack_message,
+                                     split_message, unpack_expected, unpack_message)
 from megatronapp.p2p.outbox import Outbox, Send, sends_to
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
@@ -58,6 +58,13 @@ def test_a_bf16_activation_costs_bf16_bytes():
     x = torch.randn(4, 16, 32).bfloat16()
     assert pack_message(x, ids=(0, 1)).numel() == HEADER_BYTES + x.numel() * 2
     assert pack_message(x.float(), ids=(0, 1)).numel() == HEADER_BYTES + x.numel() * 4
+
+
+def test_parts_pack_as_one_flat_payload():
+    parts = [torch.randn(2, 3).bfloat16().reshape(-1), torch.randn(5).bfloat16()]
+    header, payload = split_message(pack_flat_message(parts, ids=(70_001,)), "weights", 0)
+    assert header == MessageHeader(torch.bfloat16, torch.Size((11,)), (70_001,))
+    assert torch.equal(payload, torch.cat(parts))
 
 
 def test_ids_are_optional_and_their_count_is_kept():

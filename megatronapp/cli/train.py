@@ -28,8 +28,8 @@ from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_
 from megatronapp.engine.faults import FaultInjector, fault_plan_from_env, parse_fault_plan
 from megatronapp.engine.link_delay import install_link_delays
 from megatronapp.engine.trainer import Trainer
-from megatronapp.parallel.device import select_device
 from megatronapp.launch.roles import RankContext, TrainingRole, TrainLoop, join_default_group
+from megatronapp.parallel.device import select_device
 from megatronapp.parallel.groups import ParallelGroups, build_process_groups, destroy_subgroups
 from megatronapp.scope_ui.training import training_scope
 

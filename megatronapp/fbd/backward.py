@@ -19,10 +19,10 @@ from megatronapp import spans
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.trainer import Trainer
 from megatronapp.fbd.config import FbdConfig
+from megatronapp.fbd.groups import RoleGroups
 from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
 from megatronapp.fbd.reshard import compute_weight_pieces, full_param_specs, pack_weights
-from megatronapp.fbd.groups import RoleGroups
 from megatronapp.p2p.message import empty_message, unpack_expected
 from megatronapp.p2p.outbox import Outbox, Send
 from megatronapp.parallel.groups import ParallelGroups

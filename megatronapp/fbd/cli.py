@@ -10,9 +10,9 @@ import argparse
 
 from megatronapp.config import ConfigError, JobConfig
 from megatronapp.fbd.config import FbdConfig, parse_crash_spec, validate_fbd_job
+from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
 from megatronapp.fbd.plan import build_fbd_plan
 from megatronapp.fbd.validate import validate_fbd_plan
-from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
 from megatronapp.parallel.layout import LayoutError
 from megatronapp.parallel.placement import Placement, check_gpu_groups, resolve_device_kind
 

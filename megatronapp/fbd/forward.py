@@ -14,13 +14,13 @@ from megatronapp.engine.checkpoint import find_latest
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import params_dtype
 from megatronapp.fbd.config import FbdConfig
+from megatronapp.fbd.groups import RoleGroups
 from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_forward_actions
 from megatronapp.fbd.reshard import (compute_weight_pieces, full_param_specs, unpack_weights, weight_message_dtype,
-                                     weight_message_numel)
+                                     weight_message_shape)
 from megatronapp.model.gpt import ChunkOptions, TPContext, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
-from megatronapp.fbd.groups import RoleGroups
 from megatronapp.p2p.message import empty_message, pack_message, unpack_expected
 from megatronapp.p2p.outbox import Outbox, Send
 from megatronapp.parallel.random import build_rng_tracker
@@ -119,8 +119,7 @@ class ForwardWorker:
 
     def _recv_weights(self, a: FbdAction, it: _Iteration) -> None:
         dtype = weight_message_dtype(self.chunk)
-        posted = {src: PostedRecv(torch.empty(weight_message_numel(self.chunk, pcs), dtype=dtype,
-                                              device=self.links(src)), src)
+        posted = {src: PostedRecv(empty_message(weight_message_shape(self.chunk, pcs), dtype, self.links(src)), src)
                   for src, pcs in self.weight_pieces.items()}
         with self.waits.on_other_role(self.tracer, spans.WAIT_WEIGHTS):
             messages = {src: p.wait() for src, p in posted.items()}

@@ -90,6 +90,19 @@ def pack_message(tensor: torch.Tensor, ids: Sequence[int] = (), device: torch.de
     return message if device is None else message.to(device)
 
 
+def pack_flat_message(parts: Sequence[torch.Tensor], ids: Sequence[int] = (),
+                      device: torch.device | None = None) -> torch.Tensor:
+    """The parts (one dtype, one device) flattened into one 1-dim payload, packed as by
+    pack_message without first concatenating them on their own (one copy, not two)."""
+    first = parts[0]
+    numel = sum(p.numel() for p in parts)
+    check_sendable(first, ids)
+    header = torch.tensor(compute_header((numel,), first.dtype, ids), dtype=torch.int64)
+    message = torch.cat([_as_bytes(header.to(first.device, non_blocking=True))]
+                        + [_as_bytes(p.detach()) for p in parts])
+    return message if device is None else message.to(device)
+
+
 def message_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return HEADER_BYTES + torch.Size(shape).numel() * dtype.itemsize
 
@@ -99,17 +112,24 @@ def empty_message(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Ten
     return torch.empty(message_nbytes(shape, dtype), dtype=torch.uint8, device=device)
 
 
-def unpack_message(message: torch.Tensor, expected_ids: Sequence[int], what: str, source: int) -> torch.Tensor:
-    """The payload of a packed message (a view of `message` in the header's dtype and shape)
-    after checking its ids and size; RuntimeError naming the sender and both sides otherwise.
-    Reads the header on the host: on a GPU buffer that waits for the message to arrive."""
+def split_message(message: torch.Tensor, what: str, source: int) -> tuple[MessageHeader, torch.Tensor]:
+    """(header, payload) of a packed message, the payload a view of `message` in the header's
+    dtype and shape; RuntimeError if it does not fill the buffer. Reads the header on the
+    host: on a GPU buffer that waits for the message to arrive."""
     header = decode_header(message[:HEADER_BYTES].view(torch.int64))
-    if header.ids != tuple(expected_ids):
-        raise RuntimeError(f"{what} from rank {source}: expected ids {tuple(expected_ids)}, got {header.ids}")
     if HEADER_BYTES + header.payload_bytes != message.numel():
         raise RuntimeError(f"{what} from rank {source}: a {tuple(header.shape)} {header.dtype} payload does not "
                            f"fill the {message.numel() - HEADER_BYTES} bytes expected")
-    return message[HEADER_BYTES:].view(header.dtype).view(header.shape)
+    return header, message[HEADER_BYTES:].view(header.dtype).view(header.shape)
+
+
+def unpack_message(message: torch.Tensor, expected_ids: Sequence[int], what: str, source: int) -> torch.Tensor:
+    """The payload of a packed message after checking its ids (split_message); RuntimeError
+    naming the sender and both sides otherwise."""
+    header, payload = split_message(message, what, source)
+    if header.ids != tuple(expected_ids):
+        raise RuntimeError(f"{what} from rank {source}: expected ids {tuple(expected_ids)}, got {header.ids}")
+    return payload
 
 
 def unpack_expected(message: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, ids: Sequence[int],

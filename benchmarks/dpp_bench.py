@@ -64,7 +64,7 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first", "--no-split-backward"]),
     "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive", "--no-split-backward"]),
     "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order", "--no-split-backward"]),
-    # sends on the compute thread, as before the sender thread (transport.Outbox); dynamic-inorder's
+    # sends on the compute thread, as before the sender thread (p2p.outbox.Outbox); dynamic-inorder's
     # default (auto) uses the thread where each rank has a spare core, as on the 16-core host
     "dynamic-inorder-inline": ("dynamic", True, ["--dpp-traversal", "in-order", "--dpp-send-thread", "off",
                                                  "--no-split-backward"]),

@@ -35,9 +35,8 @@ def world_of(variant: str, cfg) -> int:
 
 def compute_placements(variant: str, cfg, gpus: int):
     """Every rank's Placement; LayoutError (one line) for a layout NCCL cannot run."""
-    from megatronapp.parallel.layout import RoleLayout
-    from megatronapp.parallel.placement import (check_gpu_groups, compute_plain_placements,
-                                                compute_role_placements, engine_group_ranks, role_group_ranks)
+    from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
+    from megatronapp.parallel.placement import check_gpu_groups, compute_plain_placements, engine_group_ranks
 
     world = world_of(variant, cfg)
     if variant not in FBD_VARIANTS:
@@ -76,9 +75,10 @@ def setup_rank(rank: int, world: int, variant: str, cfg, store_path: str) -> Ran
     """Place this rank, set its threads, start torch.distributed and build its groups."""
     import torch.distributed as dist
 
-    from megatronapp.fbd.launch import place_rank
-    from megatronapp.parallel.groups import build_process_groups, build_role_groups
-    from megatronapp.parallel.layout import RoleLayout
+    from megatronapp.fbd.roles import place_rank
+    from megatronapp.fbd.groups import build_role_groups
+    from megatronapp.fbd.layout import RoleLayout
+    from megatronapp.parallel.groups import build_process_groups
     from megatronapp.parallel.placement import compute_default_backend
 
     placements = compute_placements(variant, cfg, torch.cuda.device_count() if cfg.device == "cuda" else 0)

@@ -8,10 +8,9 @@ from engine_jobs import RandomTokenBatches, full_grads
 from megatronapp.fbd.backward import BackwardWorker
 from megatronapp.fbd.config import FbdConfig
 from megatronapp.fbd.forward import ForwardWorker
+from megatronapp.fbd.groups import build_role_groups
+from megatronapp.fbd.layout import RoleLayout, compute_role_placements
 from megatronapp.fbd.links import LinkDevices
-from megatronapp.parallel.groups import build_role_groups
-from megatronapp.parallel.layout import RoleLayout
-from megatronapp.parallel.placement import compute_role_placements
 
 
 def build_worker(rank: int, world: int, job, fbd: FbdConfig):

@@ -162,7 +162,8 @@ def _receive_over_slow_link(rank: int, world: int, delay_ms: float, known_spec: 
     import torch.distributed as dist
 
     from megatronapp.dpp.tasks import forward_task
-    from megatronapp.dpp.transport import RECV_AHEAD, Outbox, PeerReceiver
+    from megatronapp.dpp.transport import RECV_AHEAD, PeerReceiver, send_task_message
+    from megatronapp.p2p.outbox import Outbox
     from megatronapp.faults.inject import FaultPlan
     from megatronapp.faults.link_delay import install_link_delays
 
@@ -173,8 +174,8 @@ def _receive_over_slow_link(rank: int, world: int, delay_ms: float, known_spec: 
         if rank == 0:
             outbox = Outbox()
             for m in range(RECV_AHEAD):
-                outbox.send(1, forward_task(0, m), torch.full(shape, float(m)))
-            outbox.finish()
+                send_task_message(outbox, 1, forward_task(0, m), torch.full(shape, float(m)))
+            outbox.drain()
             dist.barrier()
             return None
         inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -212,12 +213,13 @@ def _receive_with_wrong_spec(rank: int, world: int) -> str | None:
     import torch.distributed as dist
 
     from megatronapp.dpp.tasks import forward_task
-    from megatronapp.dpp.transport import Outbox, PeerReceiver
+    from megatronapp.dpp.transport import PeerReceiver, send_task_message
+    from megatronapp.p2p.outbox import Outbox
 
     if rank == 0:
         outbox = Outbox()
-        outbox.send(1, forward_task(1, 0), torch.zeros(3, 5))
-        outbox.finish()
+        send_task_message(outbox, 1, forward_task(1, 0), torch.zeros(3, 5))
+        outbox.drain()
         dist.barrier()
         return None
     inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -244,7 +246,7 @@ class _SlowWork:
 def test_the_sender_thread_keeps_isends_off_the_compute_thread_in_order(monkeypatch):
     """gloo's isend writes before it returns; with the sender thread a send only queues (every
     send returns while the isends are held back), the isends go out on another thread in send
-    order (header then payload, per message), and finish() waits for them."""
+    order (header then payload, per message), and drain() waits for them."""
     import threading
 
     import megatronapp.dpp.transport as transport
@@ -258,12 +260,12 @@ def test_the_sender_thread_keeps_isends_off_the_compute_thread_in_order(monkeypa
         return _SlowWork()
 
     monkeypatch.setattr(transport.dist, "isend", held_isend)
-    outbox = transport.Outbox()
+    outbox = transport.Outbox(threaded=True)
     for m in range(4):
-        outbox.send(1 + m % 2, forward_task(0, m), torch.zeros(2, 3))
+        transport.send_task_message(outbox, 1 + m % 2, forward_task(0, m), torch.zeros(2, 3))
     assert issued == []  # all four sends returned, none of their isends has gone out
     release.set()
-    outbox.finish()
+    outbox.drain()
     assert [i[:3] for i in issued] == [(1 + m % 2, tag, dtype) for m in range(4) for tag, dtype in
                                       ((transport.HEADER_TAG, torch.int64), (transport.PAYLOAD_TAG, torch.float32))]
     assert threading.get_ident() not in {i[3] for i in issued}
@@ -278,12 +280,12 @@ def test_a_failed_send_is_raised_and_a_bad_tensor_at_once(monkeypatch):
         raise RuntimeError("connection reset by peer")
 
     monkeypatch.setattr(transport.dist, "isend", broken_isend)
-    outbox = transport.Outbox()
+    outbox = transport.Outbox(threaded=True)
     with pytest.raises(ValueError, match="cannot send a 5-dim"):
-        outbox.send(1, forward_task(0, 0), torch.zeros(1, 1, 1, 1, 1))
-    outbox.send(1, forward_task(0, 0), torch.zeros(2))
+        transport.send_task_message(outbox, 1, forward_task(0, 0), torch.zeros(1, 1, 1, 1, 1))
+    transport.send_task_message(outbox, 1, forward_task(0, 0), torch.zeros(2))
     with pytest.raises(RuntimeError, match="sending failed: connection reset by peer"):
-        outbox.finish()
+        outbox.drain()
 
 
 def test_the_send_thread_is_used_where_each_rank_has_a_spare_core():
@@ -311,9 +313,9 @@ def test_the_outbox_sends_headers_and_payloads_on_their_channels(monkeypatch):
     channels = Channels(decision_group=None, header_group="hosts", payload_groups={(3, 5): "3->5", (5, 3): "5->3"})
     for threaded in (False, True):
         issued.clear()
-        outbox = transport.Outbox(threaded, channels, rank=3)
-        outbox.send(5, backward_task(1, 2), torch.zeros(4))
-        outbox.finish()
+        outbox = transport.Outbox(threaded=threaded)
+        transport.send_task_message(outbox, 5, backward_task(1, 2), torch.zeros(4), channels, rank=3)
+        outbox.drain()
         assert issued == [(5, transport.HEADER_TAG, "hosts"), (5, transport.PAYLOAD_TAG, "3->5")]
     assert transport.route(channels, 5, 3) == ("hosts", "5->3") and transport.route(None, 5, 3) == (None, None)
 
@@ -381,7 +383,7 @@ def test_the_runtime_keeps_the_gpu_stream_protocol(cluster):
         assert kinds.count("complete") == kinds.count("adopt") == remote
         marks = [m for kind, m in log if kind == "mark"]
         assert marks == [m for kind, m in log if kind == "after_mark"] == list(range(1, remote + 1))
-        assert sorted(name for kind, name in log if kind == "side_stream") == ["dpp-recv-" + str(1 - rank), "dpp-send"]
+        assert sorted(name for kind, name in log if kind == "side_stream") == ["dpp-recv-" + str(1 - rank), "p2p-send"]
 
 
 def test_one_process_builds_no_channels_even_where_cuda_would():

@@ -28,7 +28,7 @@ CASES = {
     # sequence parallelism on the backward workers: TF1 hands each TP rank its sequence slice
     "tp2_pp2_sp_tf1": (4, 2, 2, 1, "hidden"),
     "tp2_pp2_sp_tf2": (4, 2, 2, 2, None),  # TF = TP: forward workers are sequence-parallel too
-    "pp2_bf16": (2, 1, 2, 1, None),  # bf16 params: weights published in bf16, activations framed in fp32
+    "pp2_bf16": (2, 1, 2, 1, None),  # bf16 params: weights published in bf16, activations sent in bf16
 }
 
 

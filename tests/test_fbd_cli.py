@@ -74,25 +74,17 @@ def test_fbd_run_traces_both_roles_and_reports_waits(tmp_path):
     assert any(e.get("cat") == "flow" for e in events)  # send -> recv arrows, including the hand-offs
 
 
-def test_the_launcher_names_the_rank_that_caused_the_failure():
-    """Error files carry whole-second timestamps: a victim of the crash may tie with it."""
-    from types import SimpleNamespace
+def test_the_rank_body_picks_each_rank_its_role():
+    """One training-rank body (cli/train.py): a plain job's ranks are PlainRole; an FBD job of
+    world 4 at PP2 has backward workers 0, 1 (stages 0, 1) and forward workers 2, 3."""
+    from megatronapp.cli.main import build_parser
+    from megatronapp.cli.train import PlainRole, pick_role
+    from megatronapp.fbd.roles import BackwardRole, ForwardRole
 
-    from megatronapp.engine.launch_failures import pick_root_failure
-
-    lost = {"message": "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:45743"}
-    failures = {0: SimpleNamespace(message=lost, timestamp=100, exitcode=1),
-                1: SimpleNamespace(message={"message": "RuntimeError: injected crash"}, timestamp=100, exitcode=1),
-                2: SimpleNamespace(message="<N/A>", timestamp=101, exitcode=-9)}
-    rank, _, message = pick_root_failure(failures)
-    assert (rank, message) == (1, "RuntimeError: injected crash")
-    assert pick_root_failure({0: failures[0], 3: failures[0]})[0] == 0  # only victims: the earliest, lowest
-    # The launcher stops the survivors with SIGTERM; collected in the crash's second, they tie with it.
-    stopped = SimpleNamespace(message="Signal 15 (SIGTERM) received by PID 7", timestamp=100, exitcode=-15)
-    assert pick_root_failure({0: stopped, 2: stopped, 3: failures[1]})[0] == 3
-    # The crashed rank may itself be stopped by SIGTERM while it exits, after recording its error.
-    crashed_then_stopped = SimpleNamespace(message=failures[1].message, timestamp=100, exitcode=-15)
-    hung = {"message": "RuntimeError: [gloo/pair.cc:534] Read error [127.0.0.1]:5173: Connection timed out"
-                       ". This is typically caused by a remote worker hanging or bugs in the application."}
-    assert pick_root_failure({0: SimpleNamespace(message=hung, timestamp=100, exitcode=-15),
-                              1: crashed_then_stopped})[0] == 1
+    plain = build_parser().parse_args(["train", "--device", "cpu"])
+    assert isinstance(pick_role(plain, None, 1, 0), PlainRole)
+    args = build_parser().parse_args(["train", "--device", "cpu", *FBD, "--pipeline-model-parallel-size", "2"])
+    roles = [pick_role(args, None, 4, rank) for rank in range(4)]
+    assert [type(r) for r in roles] == [BackwardRole, BackwardRole, ForwardRole, ForwardRole]
+    assert [r.trace_meta["role"] for r in roles] == ["backward", "backward", "forward", "forward"]
+    assert {r.backend for r in roles} == {"gloo"} and {r.device.type for r in roles} == {"cpu"}

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from megatronapp.config import model_preset
+from megatronapp.fbd.layout import RoleLayout
 from megatronapp.fbd.plan import FbdAction, Op, build_fbd_plan
 from megatronapp.fbd.reshard import compute_weight_pieces, full_param_specs, pack_weights, unpack_weights
 from megatronapp.fbd.validate import PlanError, validate_fbd_plan
 from megatronapp.model.gpt import GPTChunk, TPContext
-from megatronapp.parallel.layout import LayoutError, RoleLayout
+from megatronapp.p2p.message import HEADER_BYTES, split_message
+from megatronapp.parallel.layout import LayoutError
 
 SHAPES = [  # (tp, pp, tf, dp)
     (1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (2, 2, 2, 1), (1, 2, 1, 2), (2, 2, 1, 2),
@@ -145,14 +147,15 @@ def test_weights_of_another_version_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_weight_versions_are_exact_in_half_precision_messages(dtype):
-    """Weights travel in the parameters' dtype; the version rides as base-256 digits, which
-    bf16 and fp16 hold exactly (a version above 256 would not survive as one bf16 number)."""
+    """Weights travel in the parameters' dtype; the version rides in the message header's int64
+    ids, exact whatever the payload dtype (a version above 256 would not survive as one bf16 number)."""
     cfg = model_preset("tiny", num_layers=1, seq_length=8)
     (src,), (dst,) = _chunks(cfg, 1, 7), _chunks(cfg, 1, 1)
     src.to(dtype), dst.to(dtype)
     pieces = compute_weight_pieces(full_param_specs(src, 1), 1, 0, 1, 0)
     message = pack_weights(src, pieces, 70_001, "cpu")
-    assert message.dtype == dtype
+    header, payload = split_message(message, "weights", 7)
+    assert payload.dtype == dtype and message.numel() == HEADER_BYTES + payload.numel() * 2  # half the fp32 bytes
     with pytest.raises(RuntimeError, match="expected weights of version 70000 from rank 2, got version 70001"):
         unpack_weights(dst, pieces, message, 70_000, source=2)
     unpack_weights(dst, pieces, message, 70_001, source=2)

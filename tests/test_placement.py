@@ -13,11 +13,11 @@ import torch
 
 from megatronapp.cli import main as cli_main
 from megatronapp.fbd.links import LinkDevices
-from megatronapp.parallel.layout import LayoutError, ParallelLayout, RoleLayout
+from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
+from megatronapp.parallel.layout import LayoutError, ParallelLayout
 from megatronapp.parallel.placement import (Placement, check_gpu_groups, compute_default_backend,
                                             compute_group_backend, compute_link_device_kind,
-                                            compute_plain_placements, compute_role_placements, engine_group_ranks,
-                                            resolve_device_kind, role_group_ranks)
+                                            compute_plain_placements, engine_group_ranks, resolve_device_kind)
 
 GPU0, GPU1, CPU = Placement("cuda", 0), Placement("cuda", 1), Placement("cpu")
 

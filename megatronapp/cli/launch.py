@@ -1,73 +1,37 @@
-"""Launching local ranks through torch's own launcher, and the end-of-run report.
+"""`megatronapp train` on local ranks (launch.local) and its end-of-run report.
 
-`--nproc-per-node N` hands the same command line (minus that flag) to
-torch.distributed.run in standalone mode, so every rank runs exactly what `torchrun`
-would run. If any rank raises, the elastic agent stops the others and we print that
-rank's error and exit non-zero.
+The ranks write their metrics to a summary file that the launching process reads back to print
+one table (and, with --trace, the merged timeline and the detection report).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from megatronapp.config import TrainConfig
-from megatronapp.engine.launch_failures import pick_root_failure
 from megatronapp.engine.throughput import compute_run_throughput
-
-
-def _strip_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc-per-node":
-            skip = True
-            continue
-        if a.startswith("--nproc-per-node="):
-            continue
-        out.append(a)
-    return out
+from megatronapp.launch.local import rank_argv, remove_stale_rank_traces, run_local_ranks
 
 
 def prepare_trace_dir(args: argparse.Namespace) -> None:
     """Remove rank files of an earlier run, so a smaller world does not merge stale ranks."""
-    if not args.trace:
-        return
-    d = Path(args.trace_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    for f in d.glob("rank*.mscan"):
-        f.unlink()
+    if args.trace:
+        remove_stale_rank_traces(args.trace_dir)
 
 
-def launch_local(args: argparse.Namespace, argv: list[str], world: int) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
+def launch_train(args: argparse.Namespace, argv: list[str], world: int) -> int:
+    """Run this `train` command on `world` local ranks, then report; the exit code."""
     prepare_trace_dir(args)
     summary = Path(tempfile.mkdtemp(prefix="megatronapp-")) / "summary.json"
-    worker_argv = _strip_nproc(argv) + ["--summary-file", str(summary)]
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    os.environ.setdefault("LOGLEVEL", "ERROR")
-    os.environ.setdefault("MEGATRONAPP_RUN_ID", uuid.uuid4().hex[:12])  # one id for all ranks' traces
-    run_args = get_args_parser().parse_args(
-        ["--standalone", "--nproc-per-node", str(world), "--monitor-interval", "0.1",
-         "--module", "megatronapp.cli.main", *worker_argv])
-    try:
-        run(run_args)
-    except ChildFailedError as exc:
-        rank, failure, message = pick_root_failure(exc.failures)
-        print(f"megatronapp: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
-        return 1
+    code = run_local_ranks("megatronapp.cli.main", rank_argv(argv, ["--summary-file", str(summary)]), world)
+    if code:
+        return code
     saved = json.loads(summary.read_text()) if summary.is_file() else {}
     return report_run(args, saved.get("history", []), world, saved.get("rows", []))
 

@@ -28,6 +28,7 @@ from megatronapp.cli.devices import check_job_devices
 from megatronapp.config import ConfigError
 from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.dpp.setup import check_dpp_job
+from megatronapp.launch.local import under_launcher
 from megatronapp.faults.inject import FaultSpecError, fault_plan_from_env, parse_fault_plan
 from megatronapp.scope_ui.training import check_training_scope
 
@@ -63,16 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _under_launcher() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
 def check_train_args(args: argparse.Namespace):
     """Validate everything that can be validated before launching; returns (world size, job)."""
     from megatronapp.data.tokenizer import load_tokenizer
     from megatronapp.engine.checkpoint import compute_model_config_mismatch, has_checkpoint
 
-    world = int(os.environ["WORLD_SIZE"]) if _under_launcher() else (args.nproc_per_node or 1)
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
     vocab = load_tokenizer(args.tokenizer_model).vocab_size
     job = build_job_config(args, world, vocab)
     check_dpp_job(args, job)
@@ -110,10 +107,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     if args.print_config:
         _print_config(job)
         return 0
-    if _under_launcher() or not args.nproc_per_node:
+    if under_launcher() or not args.nproc_per_node:
         from megatronapp.cli.train import run_worker
 
-        if not _under_launcher():
+        if not under_launcher():
             from megatronapp.cli.launch import prepare_trace_dir, report_run
 
             prepare_trace_dir(args)
@@ -121,9 +118,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             return report_run(args, history, world)
         run_worker(args)
         return 0
-    from megatronapp.cli.launch import launch_local
+    from megatronapp.cli.launch import launch_train
 
-    return launch_local(args, argv, world)
+    return launch_train(args, argv, world)
 
 
 @record

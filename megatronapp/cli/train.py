@@ -1,8 +1,9 @@
 """The body of one training process: under torchrun, under our launcher, or alone.
 
-Reads the torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK), builds groups,
-data, model and (optionally) a MegaScan tracer, trains, checkpoints, and on global rank 0
-shows progress and writes the metrics file.
+Reads the torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK), picks this rank's role
+(launch/roles.py: a plain rank here, a MegaFBD backward or forward worker in fbd/roles.py), builds
+groups, data and (optionally) a MegaScan tracer, lets the role train, checkpoints, and on global
+rank 0 shows progress and writes the metrics file.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from megatronapp.engine.determinism import enable_deterministic_mode
 from megatronapp.faults.inject import FaultInjector, fault_plan_from_env, parse_fault_plan
 from megatronapp.faults.link_delay import install_link_delays
 from megatronapp.engine.trainer import Trainer
+from megatronapp.launch.roles import RankContext, TrainingRole, TrainLoop, join_default_group
 from megatronapp.parallel.device import select_device
-from megatronapp.parallel.groups import build_process_groups, destroy_subgroups
+from megatronapp.parallel.groups import ParallelGroups, build_process_groups, destroy_subgroups
 from megatronapp.scope_ui.training import training_scope
 
 
@@ -71,8 +73,46 @@ def _build_tracer(args, job, groups, device, meta_overrides=None):
     return tracer, install_distributed_instrumentation(tracer)
 
 
+class PlainRole:
+    """A rank of a plain job: one engine Trainer (with MegaDPP's runtime when the schedule is dynamic)."""
+
+    def __init__(self, args: argparse.Namespace, job, rank: int):
+        self.args, self.job, self.rank = args, job, rank
+        self.device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.device_id = self.device if self.device.type == "cuda" else None
+        self.trace_meta: dict = {}
+        self.groups = self.trainer = None
+
+    def build_groups(self) -> ParallelGroups:
+        self.groups = build_process_groups(self.job.layout, self.rank)
+        return self.groups
+
+    def run(self, ctx: RankContext, train_loop: TrainLoop) -> list[dict]:
+        injector, runtime_factory = build_dpp_hooks(self.args, ctx.job, self.rank, self.device, ctx.injector)
+        self.trainer = Trainer(ctx.job, self.groups, self.device, ctx.data, injector=injector,
+                               runtime_factory=runtime_factory, **({"tracer": ctx.tracer} if ctx.tracer else {}))
+        return train_loop(self.trainer)
+
+    def finish(self, summary_file: str | None) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.trainer is not None and hasattr(self.trainer.runtime, "close"):
+            self.trainer.runtime.close()  # groups the runtime built (dpp/channels.py)
+
+
+def pick_role(args: argparse.Namespace, job, world: int, rank: int) -> TrainingRole:
+    """This rank's role: plain, or under --forward-backward-disaggregating a backward or forward worker."""
+    if args.forward_backward_disaggregating:
+        from megatronapp.fbd.roles import pick_fbd_role
+
+        return pick_fbd_role(args, world, rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return PlainRole(args, job, rank)
+
+
 def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) -> list[dict]:
-    """Train in this process as one rank of the job; returns the metrics history.
+    """Train in this process as one rank of the job; returns the metrics history (rank 0's).
     keep_process_group: leave the default group up (only this job's subgroups are destroyed),
     so one launched set of ranks can run several jobs in a row (benchmarks/dpp_bench.py)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -85,29 +125,20 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
     plan.check(world)
     if job.integrity.deterministic:  # before any CUDA work and the process group (env read at creation)
         enable_deterministic_mode(os.environ)
-    if args.forward_backward_disaggregating:
-        from megatronapp.fbd.launch import CliParts, run_fbd_rank
-
-        injector = (lambda r, d: None if plan.empty else FaultInjector(plan, r, d))
-        return run_fbd_rank(args, job, tokenizer,
-                            CliParts(_build_data, _build_tracer, _train_loop, injector, _maybe_load))
-    device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                device_id=device if device.type == "cuda" else None)
-    tracer = instrumentation = link_delays = groups = trainer = None
+    role = pick_role(args, job, world, rank)
+    join_default_group(role, world, rank)
+    tracer = instrumentation = link_delays = groups = None
     try:  # every exit path tears the process group down and flushes the trace
-        groups = build_process_groups(job.layout, rank)
+        groups = role.build_groups()
         data = _build_data(args, tokenizer, job, groups)
         # Below the tracer's instrumentation, so traced recv spans see the late arrival.
-        link_delays = install_link_delays(plan, rank) if device.type == "cpu" else None
-        tracer, instrumentation = _build_tracer(args, job, groups, device)
-        injector = None if plan.empty else FaultInjector(plan, rank, device)
-        injector, runtime_factory = build_dpp_hooks(args, job, rank, device, injector)
-        trainer = Trainer(job, groups, device, data, injector=injector, runtime_factory=runtime_factory,
-                          **({"tracer": tracer} if tracer else {}))
-        _maybe_load(job, trainer, data, rank)
-        return _train_loop(args, job, trainer, data, rank)
+        link_delays = install_link_delays(plan, rank) if role.device.type == "cpu" else None
+        tracer, instrumentation = _build_tracer(args, job, groups, role.device, role.trace_meta)
+        injector = None if plan.empty else FaultInjector(plan, rank, role.device)
+        ctx = RankContext(job, data, injector, tracer)
+        history = role.run(ctx, lambda trainer: _load_and_train(args, job, trainer, data, rank))
+        role.finish(args.summary_file)
+        return history
     finally:
         if instrumentation is not None:
             instrumentation.uninstall()
@@ -116,11 +147,15 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
         if link_delays is not None:
             link_delays.uninstall()
         if keep_process_group:
-            if trainer is not None and hasattr(trainer.runtime, "close"):
-                trainer.runtime.close()  # groups the runtime built (dpp/channels.py)
+            role.close()
             destroy_subgroups(groups)
         elif dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _load_and_train(args, job, trainer, data, rank: int) -> list[dict]:
+    _maybe_load(job, trainer, data, rank)
+    return _train_loop(args, job, trainer, data, rank)
 
 
 def _maybe_load(job, trainer, data, rank: int) -> None:

@@ -49,7 +49,7 @@ class DppConfig:
     traversal: str = "in-order"
     max_inflight: int | None = None  # None: per rank, what interleaved 1F1B holds
     jitter: tuple[JitterSpec, ...] = ()
-    send_thread: str = "auto"  # one of SEND_THREAD: sends issued off the compute thread (transport.Outbox)
+    send_thread: str = "auto"  # one of SEND_THREAD: sends issued off the compute thread (p2p.outbox.Outbox)
 
     def __post_init__(self) -> None:
         if self.traversal not in TRAVERSALS:

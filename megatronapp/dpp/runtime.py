@@ -39,7 +39,8 @@ from megatronapp.dpp.policies import build_policy
 from megatronapp.dpp.scheduler import Decision, RankScheduler, compute_default_caps
 from megatronapp.dpp.streams import build_order
 from megatronapp.dpp.tasks import BACKWARD, FORWARD, WEIGHT_GRAD, remote_inputs
-from megatronapp.dpp.transport import Outbox, start_receivers
+from megatronapp.dpp.transport import send_task_message, start_receivers
+from megatronapp.p2p.outbox import Outbox
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.actions import Action, virtual_stage
 from megatronapp.pipeline.runtime import StageCompute
@@ -118,7 +119,7 @@ class DynamicPipelineRuntime:
         inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait,
                                          self._message_specs(microbatches), self.channels, self.groups.rank,
                                          self.order)
-        outbox = Outbox(self.send_thread, self.channels, self.groups.rank, self.order)
+        outbox = Outbox(threaded=self.send_thread, order=self.order)
         st = _Step(microbatches, iteration)
         self.counters.tasks = []
         try:
@@ -130,7 +131,7 @@ class DynamicPipelineRuntime:
             outbox.close()  # the sender thread ends with the step, on every path
         for t in threads:  # every expected message was consumed, so they have ended
             t.join()
-        outbox.finish()
+        outbox.drain()
         c = self.counters
         c.wait_fraction = sched.wait_fraction
         c.peak_activations = max(c.peak_activations, sched.counter.peak_activations)
@@ -235,7 +236,8 @@ class DynamicPipelineRuntime:
         busy = time.perf_counter() - t0
         consumer = sched.finish(task)
         if consumer is not None:
-            outbox.send(self.groups.pp_ranks[consumer[0]], consumer[1], out)
+            send_task_message(outbox, self.groups.pp_ranks[consumer[0]], consumer[1], out, self.channels,
+                              self.groups.rank)
         t1 = time.perf_counter()
         self.order.after_task()  # CUDA: until the GPU is at most one task behind; that wait is its compute
         return busy + time.perf_counter() - t1

@@ -1,8 +1,9 @@
 """Identity-carrying asynchronous P2P for the dynamic runtime, over torch.distributed.
 
-Wire format, per message, on one directed pair of ranks: a fixed header, then the payload.
-  header: int64[9] = (kind 0=forward activation / 1=backward gradient, receiver's local
-          chunk, microbatch, dtype code, ndim, shape padded to 4 dims)  (tag HEADER_TAG)
+Wire format, per message, on one directed pair of ranks: the framed message of p2p/message.py
+in its two-message layout, with ids (kind 0=forward activation / 1=backward gradient,
+receiver's local chunk, microbatch):
+  header: int64[HEADER_LEN] (dtype, shape, ids)                          (tag HEADER_TAG)
   payload: the tensor, shape and dtype from the header                   (tag PAYLOAD_TAG)
 So a receiver never assumes the sender's order: the header names the task it feeds.
 
@@ -19,7 +20,7 @@ arrival. Each `PeerReceiver` thread always has a recv from its peer posted and
 blocks in wait() (which releases the GIL), then hands (task, tensor) to the compute thread
 through a queue; the compute thread drains the queue without blocking whenever it decides,
 and blocks on it only when no task is ready. Sends are `isend`s, issued by one sender thread
-per step where each rank has a spare core (`Outbox`: gloo's isend writes in the calling
+per step where each rank has a spare core (p2p.outbox.Outbox: gloo's isend writes in the calling
 thread), and completed at the end of the step, so they never wait on a receiver. Per pair, messages stay FIFO (gloo and
 NCCL both keep order per pair and tag), which is all the header/payload pairing needs.
 On CUDA the same threads run with NCCL payloads: channels.py says which group carries what
@@ -39,38 +40,28 @@ import torch.distributed as dist
 
 from megatronapp.dpp.streams import HostOrder
 from megatronapp.dpp.tasks import BACKWARD, backward_task, forward_task
+from megatronapp.p2p.message import HEADER_LEN, decode_header, encode_header
+from megatronapp.p2p.outbox import Outbox, Send
 from megatronapp.pipeline.actions import Action
 
 HEADER_TAG, PAYLOAD_TAG = 7101, 7102
 # Messages per peer with receives posted, when the peer's spec is known: each holds a payload
 # buffer outside the in-flight cap's count, so a few, not a step's worth.
 RECV_AHEAD = 4
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HEADER_LEN = 9
 
 
-def check_sendable(tensor: torch.Tensor) -> None:
-    """ValueError unless a header can describe `tensor`."""
-    if tensor.dim() > 4 or tensor.dtype not in _DTYPES:
-        raise ValueError(f"cannot send a {tensor.dim()}-dim {tensor.dtype} tensor (at most 4 dims, "
-                         f"dtypes {_DTYPES})")
+def task_ids(task: Action) -> tuple[int, int, int]:
+    """The ids of a message that feeds `task` on the receiving rank: (kind, chunk, microbatch)."""
+    return int(task.kind is BACKWARD), task.chunk, task.microbatch
 
 
-def encode_header(task: Action, tensor: torch.Tensor) -> torch.Tensor:
-    """The header announcing `tensor` as the input of `task` on the receiving rank."""
-    check_sendable(tensor)
-    shape = list(tensor.shape) + [0] * (4 - tensor.dim())
-    return torch.tensor([int(task.kind is BACKWARD), task.chunk, task.microbatch, _DTYPES.index(tensor.dtype),
-                         tensor.dim(), *shape], dtype=torch.int64)
-
-
-def decode_header(header: torch.Tensor) -> tuple[Action, torch.Size, torch.dtype]:
+def decode_task_header(header: torch.Tensor) -> tuple[Action, torch.Size, torch.dtype]:
     """(task, payload shape, payload dtype); ValueError on a malformed header."""
-    kind, chunk, mb, dtype, ndim, *shape = (int(x) for x in header.tolist())
-    if kind not in (0, 1) or not 0 <= dtype < len(_DTYPES) or not 0 <= ndim <= 4 or min(chunk, mb) < 0:
+    decoded = decode_header(header)
+    if len(decoded.ids) != 3 or decoded.ids[0] not in (0, 1):
         raise ValueError(f"malformed dynamic-pipeline header {header.tolist()}")
-    task = (backward_task if kind else forward_task)(chunk, mb)
-    return task, torch.Size(shape[:ndim]), _DTYPES[dtype]
+    kind, chunk, mb = decoded.ids
+    return (backward_task if kind else forward_task)(chunk, mb), decoded.shape, decoded.dtype
 
 
 def route(channels, src: int, dst: int) -> tuple:
@@ -111,7 +102,7 @@ class PeerReceiver(threading.Thread):
             for _ in range(self.count):
                 header, header_work = self._post_header()
                 header_work.wait()
-                task, shape, dtype = decode_header(header)
+                task, shape, dtype = decode_task_header(header)
                 self._deliver(task, self._post_payload(shape, dtype))
         else:
             self._run_ahead(*self.spec)
@@ -125,14 +116,14 @@ class PeerReceiver(threading.Thread):
             if k + RECV_AHEAD < self.count:  # keep RECV_AHEAD posted while this one completes
                 posted.append((self._post_header(), self._post_payload(shape, dtype)))
             header_work.wait()
-            task, got_shape, got_dtype = decode_header(header)
+            task, got_shape, got_dtype = decode_task_header(header)
             if (got_shape, got_dtype) != (shape, dtype):
                 raise ValueError(f"rank {self.src} sent {tuple(got_shape)} {got_dtype} for {task}, but the model's "
                                  f"spec for its messages is {tuple(shape)} {dtype}")
             self._deliver(task, payload)
 
     def _post_header(self) -> tuple[torch.Tensor, object]:
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
         return header, dist.irecv(header, src=self.src, tag=HEADER_TAG, group=self.header_group)
 
     def _post_payload(self, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
@@ -145,71 +136,15 @@ class PeerReceiver(threading.Thread):
         self.inbox.put((task, tensor, self.src))
 
 
-class Outbox:
-    """Asynchronous sends of one step, issued by a sender thread (or inline, `threaded=False`);
-    `finish()` completes them (end of step), `close()` stops the thread on an error path.
-
-    Why a thread: gloo's isend writes to the socket in the calling thread before it returns
-    (its TCP pair sends what the socket takes at once). Measured on the 2-core VM for a PP2
-    step of 128 KiB activations (BENCHMARKS.md, MegaDPP): 0.25 ms median (0.41-0.43
-    mean) per message for the header and payload isends, ~10 ms a step, all of it on the
-    compute thread between one task and the next. With the thread the compute thread only
-    checks the tensor (so a bad one still fails at once) and queues it (~28 us); the thread
-    builds the header and issues the isends in queue order, which keeps each pair's
-    messages FIFO as the receivers need. It pays only with a spare core per rank
-    (config.resolve_send_thread); without one, `threaded=False` issues them inline.
-    """
-
-    def __init__(self, threaded: bool = True, channels=None, rank: int = 0, order=None):
-        self.pending: list = []  # (works, tensors kept alive until completion)
-        self.error: BaseException | None = None
-        self.channels, self.rank = channels, rank  # which groups carry what (channels.py); None: the default
-        self.order = order or HostOrder()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._issue_queued, name="dpp-send", daemon=True) if threaded else None
-        if self._thread is not None:
-            self._thread.start()
-
-    def send(self, dst: int, task: Action, tensor: torch.Tensor) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"an earlier send failed: {self.error}") from self.error
-        tensor = tensor.detach().contiguous()
-        check_sendable(tensor)
-        if self._thread is None:  # --dpp-send-thread off (or auto without a spare core): inline
-            self._issue(dst, task, tensor)  # on the compute stream, right behind the producer
-        else:
-            self._queue.put((dst, task, tensor, self.order.mark()))
-
-    def _issue(self, dst: int, task: Action, tensor: torch.Tensor, ready=None) -> None:
-        header = encode_header(task, tensor)
-        header_group, payload_group = route(self.channels, self.rank, dst)
-        self.order.after_mark(ready)  # the payload's send waits for its producer (streams.py)
-        works = [dist.isend(header, dst=dst, tag=HEADER_TAG, group=header_group),
-                 dist.isend(tensor, dst=dst, tag=PAYLOAD_TAG, group=payload_group)]
-        self.pending.append((works, header, tensor))
-
-    def _issue_queued(self) -> None:
-        try:
-            with self.order.side_stream():
-                while (item := self._queue.get()) is not None:
-                    self._issue(*item)
-        except BaseException as exc:  # surfaced by the next send() or finish()
-            self.error = exc
-
-    def close(self) -> None:
-        """Stop the sender thread once it has issued what is queued."""
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-    def finish(self) -> None:
-        self.close()
-        if self.error is not None:
-            raise RuntimeError(f"sending failed: {self.error}") from self.error
-        for works, _, _ in self.pending:
-            for w in works:
-                w.wait()
-        self.pending.clear()
+def send_task_message(outbox: Outbox, dst: int, task: Action, tensor: torch.Tensor, channels=None,
+                      rank: int = 0) -> None:
+    """Post `tensor` as the input of `task` on global rank `dst`: its header on the header group,
+    the payload on the group of its direction (channels.py; None: the default group). A tensor
+    no header can describe fails here, on the compute thread, before anything is queued."""
+    tensor = tensor.detach().contiguous()
+    header = encode_header(tensor, task_ids(task))
+    header_group, payload_group = route(channels, rank, dst)
+    outbox.post([Send(header, dst, HEADER_TAG, header_group), Send(tensor, dst, PAYLOAD_TAG, payload_group)])
 
 
 def start_receivers(counts: dict[int, int], device, before_wait=None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +19,13 @@ from megatronapp import spans
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.trainer import Trainer
 from megatronapp.fbd.config import FbdConfig
-from megatronapp.fbd.links import LinkDevices, Outbox, PostedRecv, RoleFaults, RoleWaits
+from megatronapp.fbd.groups import RoleGroups
+from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
-from megatronapp.fbd.reshard import compute_weight_pieces, frame, full_param_specs, pack_weights, unframe
-from megatronapp.parallel.groups import ParallelGroups, RoleGroups
+from megatronapp.fbd.reshard import compute_weight_pieces, full_param_specs, pack_weights
+from megatronapp.p2p.message import empty_message, unpack_expected
+from megatronapp.p2p.outbox import Outbox, Send
+from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.contract import MicrobatchContext
 
@@ -87,13 +89,13 @@ class BackwardRuntime:
 
     def _send_weights(self, a: FbdAction, it: _Iteration) -> None:
         self.reducer.wait_param_gather()  # distributed optimizer: the step's all-gather may be in flight
-        self.outbox.post([(pack_weights(self.chunk, pieces, it.index, self.links(dst)), (dst,))
+        self.outbox.post([Send(pack_weights(self.chunk, pieces, it.index, self.links(dst)), dst)
                           for dst, pieces in self.weight_pieces.items()])
 
     def _recv_input(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         spec = self.model.input_spec(0, it.tokens[a.microbatch])
-        it.posted[a.microbatch] = PostedRecv(2 + math.prod(spec.shape), src, self.links(src))
+        it.posted[a.microbatch] = PostedRecv(empty_message(spec.shape, spec.dtype, self.links(src)), src)
 
     def _recompute(self, a: FbdAction, it: _Iteration) -> None:
         m, tokens = a.microbatch, it.tokens[a.microbatch]
@@ -103,8 +105,8 @@ class BackwardRuntime:
             posted, spec = it.posted.pop(m), self.model.input_spec(0, tokens)
             with self.waits.on_other_role(self.tracer, spans.WAIT_FORWARD):
                 message = posted.wait()
-            x = unframe(message, (it.index, m), "stage input", posted.source).view(spec.shape)
-            x = x.to(self.device, spec.dtype).requires_grad_(True)
+            x = unpack_expected(message, spec.shape, spec.dtype, (it.index, m), "stage input", posted.source)
+            x = x.to(self.device).requires_grad_(True)
             it.inputs[m] = x
         ctx = MicrobatchContext(it.index, m, 0, first, last)
         self.faults.before_compute()
@@ -119,9 +121,9 @@ class BackwardRuntime:
     def _recv_grad(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         spec = self.model.output_spec(0, it.tokens[a.microbatch])
-        message = PostedRecv(2 + math.prod(spec.shape), src, self.links(src)).wait()
-        grad = unframe(message, (it.index, a.microbatch), "output grad", src)
-        it.grads[a.microbatch] = grad.view(spec.shape).to(self.device, spec.dtype)
+        message = PostedRecv(empty_message(spec.shape, spec.dtype, self.links(src)), src).wait()
+        grad = unpack_expected(message, spec.shape, spec.dtype, (it.index, a.microbatch), "output grad", src)
+        it.grads[a.microbatch] = grad.to(self.device)
 
     def _backward(self, a: FbdAction, it: _Iteration) -> None:
         m = a.microbatch
@@ -136,15 +138,15 @@ class BackwardRuntime:
 
     def _send_grad(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs.pop(a.microbatch)
-        self.outbox.post([(frame((it.index, a.microbatch), x.grad, device), peers)
-                          for device, peers in self.links.group_peers(a.peers)])
+        self.outbox.post(self.links.packed_sends(x.grad, (it.index, a.microbatch), a.peers))
 
     def _recv_losses(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
-        posted = PostedRecv(1 + self.num_microbatches, src, self.links(src))
+        posted = PostedRecv(empty_message((self.num_microbatches,), torch.float32, self.links(src)), src)
         with self.waits.on_other_role(self.tracer, spans.WAIT_FORWARD):
             message = posted.wait()
-        forward = unframe(message, (it.index,), "forward losses", src).to(self.device)
+        forward = unpack_expected(message, (self.num_microbatches,), torch.float32, (it.index,), "forward losses",
+                                  src).to(self.device)
         recomputed = torch.stack(it.losses) * self.num_microbatches
         self.loss_gap = max(self.loss_gap, float((forward - recomputed).abs().max()))
 

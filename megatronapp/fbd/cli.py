@@ -10,11 +10,11 @@ import argparse
 
 from megatronapp.config import ConfigError, JobConfig
 from megatronapp.fbd.config import FbdConfig, FbdInjection, parse_crash_spec, validate_fbd_job
+from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
 from megatronapp.fbd.plan import build_fbd_plan
 from megatronapp.fbd.validate import validate_fbd_plan
-from megatronapp.parallel.layout import LayoutError, RoleLayout
-from megatronapp.parallel.placement import (Placement, check_gpu_groups, compute_role_placements,
-                                            resolve_device_kind, role_group_ranks)
+from megatronapp.parallel.layout import LayoutError
+from megatronapp.parallel.placement import Placement, check_gpu_groups, resolve_device_kind
 
 
 def add_fbd_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,6 @@ its backward twins, and takes versioned weights from them before every iteration
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -15,13 +14,15 @@ from megatronapp.engine.checkpoint import find_latest
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import params_dtype
 from megatronapp.fbd.config import FbdConfig
-from megatronapp.fbd.links import LinkDevices, Outbox, PostedRecv, RoleFaults, RoleWaits
+from megatronapp.fbd.groups import RoleGroups
+from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_forward_actions
-from megatronapp.fbd.reshard import (compute_weight_pieces, frame, full_param_specs, unframe, unpack_weights,
-                                     weight_message_dtype, weight_message_numel)
+from megatronapp.fbd.reshard import (compute_weight_pieces, full_param_specs, unpack_weights, weight_message_dtype,
+                                     weight_message_shape)
 from megatronapp.model.gpt import ChunkOptions, TPContext, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
-from megatronapp.parallel.groups import RoleGroups
+from megatronapp.p2p.message import empty_message, pack_message, unpack_expected
+from megatronapp.p2p.outbox import Outbox, Send
 from megatronapp.parallel.random import build_rng_tracker
 from megatronapp.pipeline.contract import MicrobatchContext
 
@@ -118,7 +119,7 @@ class ForwardWorker:
 
     def _recv_weights(self, a: FbdAction, it: _Iteration) -> None:
         dtype = weight_message_dtype(self.chunk)
-        posted = {src: PostedRecv(weight_message_numel(self.chunk, pcs), src, self.links(src), dtype)
+        posted = {src: PostedRecv(empty_message(weight_message_shape(self.chunk, pcs), dtype, self.links(src)), src)
                   for src, pcs in self.weight_pieces.items()}
         with self.waits.on_other_role(self.tracer, spans.WAIT_WEIGHTS):
             messages = {src: p.wait() for src, p in posted.items()}
@@ -128,9 +129,9 @@ class ForwardWorker:
     def _recv_act(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         spec = self.model.input_spec(0, it.tokens[a.microbatch])
-        message = PostedRecv(2 + math.prod(spec.shape), src, self.links(src)).wait()
-        payload = unframe(message, (it.index, a.microbatch), "activation", src)
-        it.inputs[a.microbatch] = payload.view(spec.shape).to(self.device, spec.dtype)
+        message = PostedRecv(empty_message(spec.shape, spec.dtype, self.links(src)), src).wait()
+        payload = unpack_expected(message, spec.shape, spec.dtype, (it.index, a.microbatch), "activation", src)
+        it.inputs[a.microbatch] = payload.to(self.device)
 
     def _send_input(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs[a.microbatch]
@@ -141,7 +142,8 @@ class ForwardWorker:
             return
         lay, shard = self.groups.layout, x.shape[1] // self.groups.layout.tp_size
         pieces = [(x[:, t * shard:(t + 1) * shard], target) for target in a.peers for t in [lay.role_of(target).tp]]
-        self.hand_off.post([(frame(tags, piece, self.links(target)), (target,)) for piece, target in pieces], waiting)
+        self.hand_off.post([Send(pack_message(piece, tags, self.links(target)), target) for piece, target in pieces],
+                           waiting)
 
     def _forward(self, a: FbdAction, it: _Iteration) -> None:
         tokens = it.tokens[a.microbatch]
@@ -152,7 +154,8 @@ class ForwardWorker:
             if last:
                 it.losses.append(torch.zeros((), device=self.device))
             else:
-                it.outputs[a.microbatch] = torch.zeros(self.model.output_spec(0, tokens).shape, device=self.device)
+                spec = self.model.output_spec(0, tokens)
+                it.outputs[a.microbatch] = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
             return
         self.faults.before_compute()
         with torch.no_grad(), self.tracer.span(spans.FORWARD):
@@ -171,9 +174,8 @@ class ForwardWorker:
         self.hand_off.post(self._framed((it.index,), torch.stack(it.losses), a.peers),
                            lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD))
 
-    def _framed(self, tags: tuple, x: torch.Tensor, peers) -> list:
-        """One framed copy of x per link device among `peers` (Outbox messages)."""
-        return [(frame(tags, x, device), group) for device, group in self.links.group_peers(peers)]
+    def _framed(self, ids: tuple, x: torch.Tensor, peers) -> list[Send]:
+        return self.links.packed_sends(x, ids, peers)
 
     _HANDLERS = {Op.RECV_WEIGHTS: _recv_weights, Op.RECV_ACT: _recv_act, Op.SEND_INPUT: _send_input,
                  Op.FORWARD: _forward, Op.SEND_ACT: _send_act, Op.SEND_LOSSES: _send_losses}

@@ -1,8 +1,10 @@
-"""Point-to-point plumbing shared by both roles: posted messages, the run-ahead window,
-time spent waiting on the other role, and the failure/delay injection of tests.
+"""Point-to-point plumbing shared by both roles: link devices, posted receives, time spent
+waiting on the other role, and the failure/delay injection of tests.
 
-Every P2P message is posted asynchronously (dist.isend / dist.irecv) in action-list order
-and waited for lazily; a rank only blocks where the rendezvous model of fbd.validate allows.
+Every P2P message is posted asynchronously in action-list order (p2p.outbox.Outbox for sends,
+with the run-ahead window; `PostedRecv` for receives) and waited for lazily; a rank only blocks
+where the rendezvous model of fbd.validate allows. Activations, gradients and losses travel as
+packed messages (p2p/message.py): their own dtype, ids (iteration, microbatch) checked on arrival.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from megatronapp import spans
+from megatronapp.p2p.message import pack_message
+from megatronapp.p2p.outbox import Send
 from megatronapp.parallel.placement import Placement, compute_link_device_kind
 
 
@@ -42,11 +45,16 @@ class LinkDevices:
         return self._by_peer.get(peer, self._default)
 
     def group_peers(self, peers) -> list[tuple[torch.device, tuple[int, ...]]]:
-        """Peers grouped by link device, in first-seen order (one framed copy per device)."""
+        """Peers grouped by link device, in first-seen order (one packed copy per device)."""
         out: dict[torch.device, list[int]] = {}
         for p in peers:
             out.setdefault(self(p), []).append(p)
         return [(d, tuple(ps)) for d, ps in out.items()]
+
+    def packed_sends(self, x: torch.Tensor, ids: tuple[int, ...], peers) -> list[Send]:
+        """x to every peer of `peers` as a packed message (p2p/message.py), packed once per link device."""
+        return [Send(message, p) for device, group in self.group_peers(peers)
+                for message in [pack_message(x, ids, device)] for p in group]
 
 
 class RoleWaits:
@@ -64,43 +72,15 @@ class RoleWaits:
 
 
 class PostedRecv:
-    def __init__(self, numel: int, source: int, device, dtype: torch.dtype = torch.float32):
-        self.source = source
-        self.buffer = torch.empty(numel, dtype=dtype, device=device)
+    """A receive posted into `buffer` (a packed message, p2p/message.py, or a weight message)."""
+
+    def __init__(self, buffer: torch.Tensor, source: int):
+        self.source, self.buffer = source, buffer
         self.work = dist.irecv(self.buffer, source)
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
         return self.buffer
-
-
-class Outbox:
-    """Sends in flight, oldest first. Each `post` is one entry (one microbatch's messages);
-    with a `window`, at most that many entries stay outstanding (the run-ahead bound): a
-    post first waits for the oldest entry beyond the window."""
-
-    def __init__(self, window: int | None = None):
-        self.window = window
-        self._inflight: deque = deque()  # [(tensor, works)]: tensors must outlive their sends
-
-    def post(self, messages: list[tuple[torch.Tensor, tuple[int, ...]]], waiting=contextlib.nullcontext) -> None:
-        if self.window is not None and len(self._inflight) >= self.window:
-            with waiting():
-                self._wait_oldest()
-        entry = []
-        for tensor, peers in messages:
-            tensor = tensor.contiguous()
-            entry.append((tensor, [dist.isend(tensor, p) for p in peers]))
-        self._inflight.append(entry)
-
-    def _wait_oldest(self) -> None:
-        for _, works in self._inflight.popleft():
-            for w in works:
-                w.wait()
-
-    def drain(self) -> None:
-        while self._inflight:
-            self._wait_oldest()
 
 
 class RoleFaults:

@@ -1,6 +1,6 @@
 """MegaFBD action lists: what every forward and backward worker does in one iteration, as data.
 
-Vocabulary (peers and group members are global ranks; see parallel.layout.RoleLayout):
+Vocabulary (peers and group members are global ranks; see fbd.layout.RoleLayout):
 
     forward worker (tf, dp, pp)              backward worker (tp, dp, pp)
     RW  recv weights of version i            SW  send (publish) weights of version i
@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from megatronapp.parallel.layout import RoleLayout
+from megatronapp.fbd.layout import RoleLayout
 
 
 class Op(str, Enum):

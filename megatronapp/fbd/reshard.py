@@ -1,15 +1,16 @@
-"""Resharding between backward workers (TP) and forward workers (TF), and message framing.
+"""Resharding between backward workers (TP) and forward workers (TF), and its weight messages.
 
 Weights (TP -> TF): a tensor split along dim d of full length n lives as the slice
 [t*n/TP, (t+1)*n/TP) on backward TP rank t and is needed as [f*n/TF, (f+1)*n/TF) on forward
 TP rank f; backward t sends forward f exactly the overlap of the two, for every parameter of
 the stage in named_parameters order, flattened into one message. Replicated tensors travel
-from the first backward rank overlapping f only. The first element of a weight message is
-its version (the number of optimizer steps behind those weights), checked by the receiver.
+from the first backward rank overlapping f only. A weight message is a packed message
+(p2p/message.py) in the parameters' dtype whose id is its version (the number of optimizer
+steps behind those weights), checked by the receiver.
 
-Activations need no reshaping (replicated over TP); a stage-input message is
-[iteration, microbatch, activation...] and a loss message [iteration, loss per microbatch...],
-both checked by the backward worker against what its own action list expects.
+Activations need no reshaping (replicated over TP): they travel as packed messages
+(p2p/message.py) with ids (iteration, microbatch), losses with ids (iteration,), both checked by
+the receiver against what its own action list expects.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-MAX_EXACT_TAG = 2**24  # tags ride in fp32 messages: integers are exact below this
+from megatronapp.p2p.message import pack_flat_message, split_message
 
 
 @dataclass(frozen=True)
@@ -71,58 +72,38 @@ def _view(p: torch.Tensor, piece: WeightPiece, start: int) -> torch.Tensor:
     return p if piece.dim is None else p.narrow(piece.dim, start, piece.length)
 
 
-VERSION_DIGITS = 3  # a weight message's version as base-256 digits: exact in bf16, fp16 and fp32
-
-
 def weight_message_dtype(module: nn.Module) -> torch.dtype:
     """Weights travel in the parameters' dtype (bf16 under --bf16: half the bytes of fp32, exact)."""
     return next(module.parameters()).dtype
 
 
 def pack_weights(module: nn.Module, pieces: list[WeightPiece], version: int, device) -> torch.Tensor:
-    """[version digits, pieces...] as one tensor of the parameters' dtype on `device` (a copy:
-    the optimizer may step meanwhile)."""
-    if not 0 <= version < 256**VERSION_DIGITS:
-        raise ValueError(f"weight version {version} does not fit {VERSION_DIGITS} base-256 digits")
+    """The pieces as one packed message (p2p/message.py) on `device`, the version as its id (a
+    copy: the optimizer may step meanwhile); assembled where the weights are, then copied once."""
     params = dict(module.named_parameters())
-    home, dtype = next(iter(params.values())).device, weight_message_dtype(module)
-    digits = [(version >> (8 * i)) & 255 for i in reversed(range(VERSION_DIGITS))]
-    parts = [torch.tensor(digits, dtype=dtype, device=home)]  # assembled where the weights are, then one
-    parts += [_view(params[pc.name].detach(), pc, pc.src_start).reshape(-1) for pc in pieces]  # copy (host staging)
-    return torch.cat(parts).to(device)
+    parts = [_view(params[pc.name].detach(), pc, pc.src_start).reshape(-1) for pc in pieces]
+    if not parts:  # nothing of this stage overlaps: an empty payload still carries the version
+        first = next(iter(params.values()))
+        parts = [torch.empty(0, dtype=first.dtype, device=first.device)]
+    return pack_flat_message(parts, (version,), device)
 
 
-def weight_message_numel(module: nn.Module, pieces: list[WeightPiece]) -> int:
+def weight_message_shape(module: nn.Module, pieces: list[WeightPiece]) -> tuple[int]:
+    """Shape of the payload of the weight message carrying `pieces` (empty_message allocates it)."""
     params = dict(module.named_parameters())
-    return VERSION_DIGITS + sum(_view(params[pc.name], pc, pc.dst_start).numel() for pc in pieces)
+    return (sum(_view(params[pc.name], pc, pc.dst_start).numel() for pc in pieces),)
 
 
 def unpack_weights(module: nn.Module, pieces: list[WeightPiece], message: torch.Tensor, expected_version: int,
                    source: int) -> None:
     """Copy a weight message into the forward shard; RuntimeError if its version is not the expected one."""
-    version = 0
-    for digit in message[:VERSION_DIGITS].tolist():
-        version = version * 256 + int(digit)
-    if version != expected_version:
+    header, payload = split_message(message, "weights", source)
+    if header.ids != (expected_version,):
         raise RuntimeError(f"forward worker expected weights of version {expected_version} from rank {source}, "
-                           f"got version {version}")
-    params, offset = dict(module.named_parameters()), VERSION_DIGITS
+                           f"got version {header.ids[0] if header.ids else None}")
+    params, offset = dict(module.named_parameters()), 0
     with torch.no_grad():
         for pc in pieces:
             dst = _view(params[pc.name], pc, pc.dst_start)
-            dst.copy_(message[offset:offset + dst.numel()].view(dst.shape))
+            dst.copy_(payload[offset:offset + dst.numel()].view(dst.shape))
             offset += dst.numel()
-
-
-def frame(tags: tuple[int, ...], payload: torch.Tensor, device) -> torch.Tensor:
-    """[tags..., payload.flatten()] as fp32 on `device`."""
-    head = torch.tensor([float(t) for t in tags], device=payload.device)
-    return torch.cat([head, payload.detach().float().reshape(-1)]).to(device)
-
-
-def unframe(message: torch.Tensor, expected: tuple[int, ...], what: str, source: int) -> torch.Tensor:
-    """The payload of a framed message after checking its tags; RuntimeError naming both sides otherwise."""
-    got = tuple(int(v) for v in message[:len(expected)].tolist())
-    if got != expected:
-        raise RuntimeError(f"{what} from rank {source}: expected tags {expected}, got {got}")
-    return message[len(expected):]

@@ -21,6 +21,7 @@ from pathlib import Path
 from megatronapp.config import ConfigError
 from megatronapp.files import write_text_atomic
 from megatronapp.inference.generate import SamplingConfig
+from megatronapp.launch.local import rank_argv, run_local_ranks, under_launcher
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,10 +96,6 @@ def check_layout_args(args: argparse.Namespace):
     return cfg, layout
 
 
-def under_launcher() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
 def check_generate_args(args: argparse.Namespace) -> None:
     from megatronapp.data.tokenizer import load_tokenizer
     from megatronapp.inference.generate import check_prompts
@@ -125,10 +122,9 @@ def run_command(args: argparse.Namespace, argv: list[str], check, worker, render
         elif result is not None:
             print(render(args, result))
         return 0
-    from megatronapp.inference.launch import launch_ranks
-
     result_file = Path(tempfile.mkdtemp(prefix="megatronapp-")) / "result.json"
-    code = launch_ranks(argv, args.nproc_per_node, result_file)
+    code = run_local_ranks("megatronapp.cli.main", rank_argv(argv, ["--result-file", str(result_file)]),
+                           args.nproc_per_node)
     if code == 0:
         print(render(args, json.loads(result_file.read_text())))
     return code

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatronapp.parallel.layout import ParallelLayout, RankCoords, RoleCoords, RoleLayout
+from megatronapp.parallel.layout import ParallelLayout, RankCoords
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,9 @@ def destroy_subgroups(groups: ParallelGroups | None) -> None:
             dist.destroy_process_group(group)
 
 
-def _new_groups(all_ranks: list[list[int]], rank: int) -> dist.ProcessGroup | None:
+def new_member_group(all_ranks: list[list[int]], rank: int) -> dist.ProcessGroup | None:
+    """Create every group of `all_ranks` (collective: every rank calls it with the same list) and
+    return the one `rank` belongs to; None for a single-member group or when it is in none."""
     mine = None
     for ranks in all_ranks:
         group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -82,50 +84,9 @@ def build_process_groups(layout: ParallelLayout, rank: int) -> ParallelGroups:
         raise ValueError(f"layout expects world size {layout.world_size}, "
                          f"torch.distributed has {dist.get_world_size()}")
     coords = layout.coords(rank)
-    tp = _new_groups(layout.tp_group_ranks(), rank)
-    dp = _new_groups(layout.dp_group_ranks(), rank)
-    pp = _new_groups(layout.pp_group_ranks(), rank)
-    mp = _new_groups(layout.model_parallel_group_ranks(), rank)
+    tp = new_member_group(layout.tp_group_ranks(), rank)
+    dp = new_member_group(layout.dp_group_ranks(), rank)
+    pp = new_member_group(layout.pp_group_ranks(), rank)
+    mp = new_member_group(layout.model_parallel_group_ranks(), rank)
     pp_ranks = tuple(layout.rank_of(coords.tp, coords.dp, p) for p in range(layout.pp_size))
     return ParallelGroups(layout, rank, coords, tp, dp, pp, mp, pp_ranks, dist.group.WORLD)
-
-
-@dataclass(frozen=True)
-class RoleGroups:
-    """Groups of one rank of a forward/backward-disaggregated job (layout: RoleLayout).
-
-    `parallel` is what the engine sees. Backward workers: their TP/DP/PP/model-parallel
-    groups, with `world` the subgroup of all backward ranks (their global ranks equal their
-    layout ranks). Forward workers: only `tp` (their TF group) is set, `rank` is the index
-    among forward workers and `pp_ranks` the global ranks of their forward pipeline.
-    """
-
-    layout: RoleLayout
-    rank: int  # global rank in the job
-    coords: RoleCoords
-    parallel: ParallelGroups
-
-    @property
-    def is_forward(self) -> bool:
-        return self.coords.is_forward
-
-
-def build_role_groups(layout: RoleLayout, rank: int) -> RoleGroups:
-    """Create both roles' groups; collective over the default group, same order on every rank."""
-    if dist.get_world_size() != layout.world_size:
-        raise ValueError(f"role layout expects world size {layout.world_size}, "
-                         f"torch.distributed has {dist.get_world_size()}")
-    bwd, coords = layout.backward, layout.role_of(rank)
-    groups = [_new_groups(ranks, rank) for ranks in (bwd.tp_group_ranks(), bwd.dp_group_ranks(),
-                                                     bwd.pp_group_ranks(), bwd.model_parallel_group_ranks())]
-    world = _new_groups([list(range(layout.num_backward))], rank)
-    ftp = _new_groups(layout.forward_tp_group_ranks(), rank)
-    if coords.is_forward:
-        fwd = layout.forward
-        local = rank - layout.num_backward
-        pp_ranks = tuple(layout.forward_rank(coords.tp, coords.dp, p) for p in range(layout.pp_size))
-        parallel = ParallelGroups(fwd, local, fwd.coords(local), ftp, None, None, None, pp_ranks, None)
-    else:
-        pp_ranks = tuple(bwd.rank_of(coords.tp, coords.dp, p) for p in range(layout.pp_size))
-        parallel = ParallelGroups(bwd, rank, bwd.coords(rank), *groups, pp_ranks, world)
-    return RoleGroups(layout, rank, coords, parallel)

@@ -17,7 +17,8 @@ Placement rule (torchrun's local ranks, `ranks_per_node` consecutive global rank
 rank r runs on GPU (r mod ranks_per_node) mod gpus_per_node of node r // ranks_per_node; the
 wrap-around is what an oversubscribed launch would do, and the group check refuses it. Under
 forward-backward disaggregation a forward worker on CUDA shares its backward twin's GPU
-(spare memory on the expensive device; RoleLayout.twin_of).
+(spare memory on the expensive device; fbd.layout.RoleLayout.twin_of, whose placement
+functions build on these).
 
 Worked example, one GPU, RoleLayout(world 2, TP 1, PP 1, TF 1), forward on cuda:
     rank 0 backward -> GPU 0, rank 1 forward -> GPU 0 (twin 0); link 0 <-> 1: gloo (same GPU);
@@ -30,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatronapp.parallel.layout import LayoutError, ParallelLayout, RoleLayout
+from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 DEVICE_KINDS = ("cpu", "cuda")
 
@@ -85,29 +86,6 @@ def compute_plain_placements(world_size: int, kind: str, gpus_per_node: int = 0,
                  for r in range(world_size))
 
 
-def compute_role_placements(layout: RoleLayout, backward_kind: str, forward_kind: str, gpus_per_node: int = 0,
-                            ranks_per_node: int | None = None) -> tuple[Placement, ...]:
-    """Placement of every rank of an FBD job: backward ranks as a plain job; forward ranks on
-    the CPU or on their backward twin's GPU (which must then be on the same node)."""
-    per_node = ranks_per_node or layout.world_size
-    backward = compute_plain_placements(layout.num_backward, backward_kind, gpus_per_node, per_node)
-    if forward_kind not in DEVICE_KINDS:
-        raise LayoutError(f"forward device must be one of {', '.join(DEVICE_KINDS)}, got {forward_kind!r}")
-    placements = list(backward)
-    for rank in range(layout.num_backward, layout.world_size):
-        if forward_kind == "cpu":
-            placements.append(Placement("cpu", node=rank // per_node))
-            continue
-        twin = backward[layout.twin_of(rank)]
-        if not twin.is_cuda:
-            raise LayoutError("--forward-device cuda shares the backward workers' GPUs: it needs --device cuda")
-        if twin.node != rank // per_node:
-            raise LayoutError(f"forward worker rank {rank} is on node {rank // per_node} but its backward twin "
-                              f"{layout.twin_of(rank)} on node {twin.node}: it cannot share that GPU")
-        placements.append(twin)
-    return tuple(placements)
-
-
 def compute_group_backend(members: Sequence[Placement]) -> str:
     """'nccl' when every member computes on its own GPU, else 'gloo' (host-staged tensors)."""
     gpus = [(p.node, p.index) for p in members if p.is_cuda]
@@ -131,15 +109,6 @@ def engine_group_ranks(layout: ParallelLayout, offset: int = 0) -> list[tuple[st
              ("pipeline-parallel", layout.pp_group_ranks()),
              ("model-parallel", layout.model_parallel_group_ranks()), ("world", [list(range(layout.world_size))])]
     return [(name, [offset + r for r in ranks]) for name, groups in named for ranks in groups if len(ranks) > 1]
-
-
-def role_group_ranks(layout: RoleLayout) -> list[tuple[str, list[int]]]:
-    """Groups that carry device tensors in an FBD job: the backward workers' engine groups and
-    the forward workers' TF groups. Every point-to-point message (hand-offs between the roles,
-    activations between forward stages) is a link whose device is chosen per pair
-    (compute_link_device_kind), so it needs no check."""
-    forward = [("forward tensor-parallel", ranks) for ranks in layout.forward_tp_group_ranks() if len(ranks) > 1]
-    return [("backward " + name, ranks) for name, ranks in engine_group_ranks(layout.backward)] + forward
 
 
 def check_gpu_groups(groups: Sequence[tuple[str, Sequence[int]]], placements: Sequence[Placement],

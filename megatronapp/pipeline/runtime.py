@@ -7,6 +7,8 @@ The runtime makes no decisions: the schedule says what to run and in which order
 maximal run of communication actions is posted as one `batch_isend_irecv` (NCCL groups it,
 so paired send/recv between neighbours cannot deadlock); a received tensor is waited for
 only right before the compute that consumes it. Sends are completed at the end of the step.
+Each message is a packed frame (p2p/message.py) with ids (0 forward / 1 backward, the virtual
+stage that consumes it, microbatch), checked on arrival against what the schedule expects.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp import spans
+from megatronapp.p2p.message import empty_message, pack_message, unpack_expected
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.parallel.wgrad_defer import WeightGradQueue
 from megatronapp.pipeline.compute_timer import ComputeTimer
@@ -64,7 +67,7 @@ class _StepState:
     inputs: dict = field(default_factory=dict)  # (c, m) -> input activation (requires grad)
     outputs: dict = field(default_factory=dict)  # (c, m) -> output activation or scaled loss
     to_send: dict = field(default_factory=dict)  # (kind, c, m) -> tensor to send
-    recvs: dict = field(default_factory=dict)  # (kind, c, m) -> (buffer, batch, src, op index)
+    recvs: dict = field(default_factory=dict)  # (kind, c, m) -> (buffer, batch, src, op index, expected frame)
     batches: list = field(default_factory=list)  # every posted batch, completed at step end
     backwards_done: dict = field(default_factory=dict)  # chunk -> count
     losses: list = field(default_factory=list)
@@ -179,12 +182,13 @@ class PipelineRuntime:
 
     # -- compute -------------------------------------------------------------------------
     def _wait_recv(self, key, st: _StepState) -> torch.Tensor:
-        buf, batch, src, index = st.recvs.pop(key)
+        buf, batch, src, index, (shape, dtype, ids) = st.recvs.pop(key)
         # gloo returns one work per op, NCCL may return one for the whole group
         work = batch.works[index] if index < len(batch.works) else batch.works[-1]
         self.injector.before_recv_wait(src, work)
         batch.wait()
-        return buf
+        what = "activation" if key[0] is ActionKind.RECV_FORWARD else "gradient"
+        return unpack_expected(buf, shape, dtype, ids, what, src)
 
     def _forward(self, a: Action, st: _StepState) -> None:
         vs = self._vstage(a.chunk)
@@ -227,18 +231,25 @@ class PipelineRuntime:
             peer = self.groups.pp_ranks[a.peer]
             key = (a.kind, a.chunk, a.microbatch)
             if a.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
-                ops.append(dist.P2POp(dist.isend, st.to_send.pop(key).contiguous(), peer))
+                ops.append(dist.P2POp(dist.isend, pack_message(st.to_send.pop(key), self._message_ids(a)), peer))
             else:
-                buf = self._recv_buffer(a, st)
-                recv_keys.append((key, buf, peer, len(ops)))
+                spec = self._recv_spec(a, st)
+                buf = empty_message(spec.shape, spec.dtype, self.device)
+                recv_keys.append((key, buf, peer, len(ops), (spec.shape, spec.dtype, self._message_ids(a))))
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
         batch = _PostedBatch(dist.batch_isend_irecv(ops))
-        for key, buf, peer, index in recv_keys:
-            st.recvs[key] = (buf, batch, peer, index)
+        for key, buf, peer, index, expected in recv_keys:
+            st.recvs[key] = (buf, batch, peer, index, expected)
         st.batches.append(batch)
 
-    def _recv_buffer(self, a: Action, st: _StepState) -> torch.Tensor:
+    def _recv_spec(self, a: Action, st: _StepState):
         mb = st.microbatches[a.microbatch]
-        spec = (self.model.input_spec(a.chunk, mb) if a.kind is ActionKind.RECV_FORWARD
+        return (self.model.input_spec(a.chunk, mb) if a.kind is ActionKind.RECV_FORWARD
                 else self.model.output_spec(a.chunk, mb))
-        return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+
+    def _message_ids(self, a: Action) -> tuple[int, int, int]:
+        """(direction, virtual stage that consumes it, microbatch): sender and receiver agree."""
+        vs = self._vstage(a.chunk)
+        if a.kind in (ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD):
+            return 0, vs + (a.kind is ActionKind.SEND_FORWARD), a.microbatch
+        return 1, vs - (a.kind is ActionKind.SEND_BACKWARD), a.microbatch

@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import uuid
 from pathlib import Path
 
 from megatronapp.faults.inject import FaultSpecError, fault_env, parse_fault_plan
-from megatronapp.engine.launch_failures import pick_root_failure
+from megatronapp.launch.local import remove_stale_rank_traces, run_local_ranks
 from megatronapp.scan.record.autotrace import AutoTraceConfig
 from megatronapp.scan.record.trace_config import add_trace_arguments, trace_fields_from_args
 
@@ -44,22 +43,6 @@ def _check(args: argparse.Namespace) -> tuple[list[str], AutoTraceConfig]:
     return command, config
 
 
-def _launch(command: list[str], nproc: int) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    run_args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "--monitor-interval",
-                                             "0.1", "--module", "megatronapp.scan.record.run", *command])
-    try:
-        run(run_args)
-    except ChildFailedError as exc:
-        rank, failure, message = pick_root_failure(exc.failures)
-        print(f"megatronapp trace run: rank {rank} failed (exit code {failure.exitcode}): {message}",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
 def run_trace_run(args: argparse.Namespace) -> int:
     """Handler of `trace run`: 2 on bad input, 1 if a rank failed, else 0 (report printed)."""
     try:
@@ -67,16 +50,10 @@ def run_trace_run(args: argparse.Namespace) -> int:
     except (ValueError, FaultSpecError) as exc:
         print(f"megatronapp trace run: error: {exc}", file=sys.stderr)
         return 2
-    trace_dir = Path(config.trace_dir)
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    for stale in trace_dir.glob("rank*.mscan"):  # a smaller world must not merge an older run's ranks
-        stale.unlink()
+    remove_stale_rank_traces(config.trace_dir)
     os.environ.update(config.to_env())
     os.environ.update(fault_env(args.inject_slowdown, args.inject_link_delay))
-    os.environ.setdefault("MEGATRONAPP_RUN_ID", uuid.uuid4().hex[:12])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
-    os.environ.setdefault("LOGLEVEL", "ERROR")
-    code = _launch(command, args.nproc_per_node)
+    code = run_local_ranks("megatronapp.scan.record.run", command, args.nproc_per_node, prog="megatronapp trace run")
     if code:
         return code
     return _report(config.trace_dir, args.json)

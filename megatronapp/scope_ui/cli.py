@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 from megatronapp.config import ConfigError
-from megatronapp.inference.cli import add_layout_arguments, check_layout_args, under_launcher
+from megatronapp.inference.cli import add_layout_arguments, check_layout_args
+from megatronapp.launch.local import rank_argv, run_local_ranks, under_launcher
 
 DEMO_CHECKPOINTS = ("ckpt",)  # where the README's training example saves
 TINY_DEMO_DIR = Path.home() / ".cache" / "megatronapp" / "scope-demo"
@@ -113,11 +114,7 @@ def serve_main(args, argv: list[str]) -> int:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
     if not under_launcher() and (args.nproc_per_node or 1) > 1:
-        import tempfile
-
-        from megatronapp.inference.launch import launch_ranks
-
-        return launch_ranks(argv, args.nproc_per_node, Path(tempfile.mkdtemp(prefix="megatronapp-")) / "unused")
+        return run_local_ranks("megatronapp.cli.main", rank_argv(argv), args.nproc_per_node)
     if under_launcher():
         return _serve_ranks(args, cfg, load)
     return _serve(build_generation_backend(load, args.tokenizer_model, args.device, args.bf16, cfg.limits), cfg, load)

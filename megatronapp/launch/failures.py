@@ -1,4 +1,4 @@
-"""Which rank's failure caused a torchrun job's end (every launcher in the package names it).
+"""Which rank's failure caused a torchrun job's end (launch.local reports it).
 
 When one rank dies, its peers fail too (their collectives lose the connection) and torchrun stops
 the rest; ChildFailedError lists them all. Naming the first by time alone names a victim as often

@@ -54,7 +54,7 @@ RULES = [
     ("overlap update", dict(train=dict(bf16=True, overlap_param_update=True, use_distributed_optimizer=True)),
      "--overlap-param-update with --use-distributed-optimizer needs DP 1"),
     ("virtual schedule", dict(layout=dict(virtual_pp_size=2), train=dict(schedule="1f1b")),
-     "virtual pipeline stages need the interleaved, looped-bfs or dynamic schedule, not '1f1b'"),
+     "virtual pipeline stages need the interleaved, interleaved-zb, looped-bfs or dynamic schedule, not '1f1b'"),
     ("interleaved stages", dict(train=dict(schedule="interleaved")),
      "the interleaved schedule needs --num-layers-per-virtual-pipeline-stage giving >= 2 virtual stages"),
     ("interleaved microbatches", dict(layout=dict(virtual_pp_size=2, world_size=4, tp_size=1, pp_size=4),

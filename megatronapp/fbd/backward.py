@@ -48,8 +48,10 @@ class BackwardRuntime:
     (built through Trainer(runtime_factory=...): the engine's runtime arguments plus FBD's settings)."""
 
     def __init__(self, model, groups: ParallelGroups, *, device, tracer, reducer, injector,
-                 grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, links: LinkDevices,
-                 num_microbatches: int):
+                 grad_scale_func=None, split_backward: bool = False, fbd: FbdConfig, roles: RoleGroups,
+                 links: LinkDevices, num_microbatches: int):
+        if split_backward:  # validate_fbd_job refuses it first; here for direct users of the runtime
+            raise ValueError("the FBD backward runtime runs whole backwards (no I/W split)")
         lay, c = roles.layout, roles.coords
         self.model, self.reducer, self.fbd, self.roles = model, reducer, fbd, roles
         self.grad_scale_func = grad_scale_func  # fp16 loss scaling, applied before backward

@@ -63,6 +63,9 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
     if job.train.schedule == "dynamic":
         raise ConfigError("forward-backward disaggregation runs its own action lists: "
                           "--pipeline-schedule dynamic does not apply")
+    if job.train.uses_split_backward():
+        raise ConfigError("forward-backward disaggregation runs whole backwards on its backward ranks: "
+                          "--split-backward and the zero-bubble schedules do not apply")
     if job.train.fp8_format is not None:
         raise ConfigError("forward-backward disaggregation's forward ranks do not run FP8 GEMMs: "
                           "--fp8-format does not apply")

@@ -66,6 +66,14 @@ class Batches:
     def next_microbatches(self):
         return self.mbs
 
+    # The rerun validator (engine_rerun) snapshots and restores the data position; these
+    # batches are the same every step, so there is no position to keep.
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
 
 def make_job(micro_batch: int, num_micro: int, **train_kw) -> JobConfig:
     return make_bench_job("1.3b", micro_batch, num_micro, model_overrides={"vocab_size": 50304}, bf16=True,

@@ -2,7 +2,7 @@
 against the plain engine, on layouts that fit the machine.
 
     PYTHONPATH=. python benchmarks/fbd_bench.py --device cuda --out fbd.json    # the H200: ~5-7 min
-    PYTHONPATH=. python -m pytest -q tests/test_fbd_gpu.py                        # one-GPU FBD parity
+    PYTHONPATH=. python -m pytest -q tests/gpu/test_fbd_gpu.py                        # one-GPU FBD parity
     PYTHONPATH=. python benchmarks/fbd_bench.py --device cpu --pp 2 --dp 2 --rounds 3   # 8 CPU processes
 
 On CUDA the defaults fit the visible GPUs: backward workers TP1 x DP1 x PP (PP1 on one GPU, PP2

@@ -12,7 +12,7 @@ ours_scope_off is capture off with MegaScope used just before (a capture entered
 capture_off_overhead_pct compares it with ours_off (goal: within 0.5%; the same code runs,
 so this is the noise floor); *_paired_pct are the same comparisons paired within each round
 (median of per-round ratios, 95% bootstrap interval), which is what resolves 0.5%. Bytes per token count every captured step's items over the
-step's new tokens (prefill included); the per-step op count is tests/op_count.py's. With --cuda-graphs,
+step's new tokens (prefill included); the per-step op count is tests/support/op_count.py's. With --cuda-graphs,
 ours_off / ours_capture replay the decode step as a CUDA graph (the capture recorded inside
 it) and ours_eager* are the same without graphs. Decode tokens/s counts new tokens after the
 first (prefill excluded), batch 1, no stop at end-of-text. "capture" is the default

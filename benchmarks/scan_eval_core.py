@@ -1,5 +1,5 @@
 """Pure parts of the held-out detection evaluation: scenarios from fixed seeds, scoring, Wilson
-intervals and threshold tuning. No processes, no files: tests/test_scan_eval.py covers it all.
+intervals and threshold tuning. No processes, no files: tests/scan/test_scan_eval.py covers it all.
 
 Splits: thresholds may be tuned on "design" scenarios only; each held-out split ("heldout",
 "heldout2") draws from its own fixed seed, and the split name is part of every random key, so

@@ -139,7 +139,7 @@ def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
 
 
 def simulate_run(sc: Scenario, trace_dir: Path) -> str:
-    """The trace simulator instead of a job (--synthetic smoke; tests/scan_simulation.py)."""
+    """The trace simulator instead of a job (--synthetic smoke; tests/support/scan_simulation.py)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from scan_simulation import SimulatedJob, simulate_job_traces
 

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # System packages, only as root on a Debian-like machine and only when missing:
-# chromium for the MegaScope UI browser tests (tests/test_scope_ui.py),
+# chromium for the MegaScope UI browser tests (tests/scope_ui/test_scope_ui.py),
 # iproute2 (`ip`) for the tests that put ranks in network namespaces.
 missing=()
 [ -x /usr/bin/chromium ] || missing+=(chromium)
@@ -17,7 +17,7 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
 fi
 
 # The master-AdamW Triton kernel is checked on the CPU through Triton's interpreter
-# (tests/test_master_adam_interpret.py); Triton goes beside the environment (.ci/triton), not into it,
+# (tests/engine/test_master_adam_interpret.py); Triton goes beside the environment (.ci/triton), not into it,
 # so nothing else in the environment picks it up.
 if [ ! -d .ci/triton/triton ]; then
   pip install -q --no-deps --target .ci/triton triton==3.5.0 \

@@ -5,7 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # dist_harness, engine_jobs
+# tests/<package>/ hold the tests; tests/dist/ the gloo process harness and the job bodies it runs,
+# tests/support/ the other helpers: importable by name from every test (and spawned worker)
+for _helpers in ("dist", "support"):
+    sys.path.insert(0, str(Path(__file__).parent / _helpers))
 
 from dist_harness import ProcessCluster  # noqa: E402
 

@@ -48,7 +48,7 @@ def _holding(name: str, sdpa_state):
 def specialise_on_preference() -> None:
     """Call where SDPA runs in code that may be compiled. torch.compile does not guard on SDPA's
     kernel preference: a graph traced under one is reused under another, by any instance of the
-    same module class (tests/test_attention_kernels.py shows it), so two jobs of one process, or
+    same module class (tests/model/test_attention_kernels.py shows it), so two jobs of one process, or
     two benchmark variants, would silently share a kernel. A branch on the name held here makes
     dynamo guard on it and retrace when it changes; in eager code it is one comparison."""
     if _held not in _PREFERRED and _held != "auto":

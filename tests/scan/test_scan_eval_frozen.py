@@ -1,0 +1,90 @@
+"""Frozen evaluation (benchmarks/scan_eval_frozen*.py): the detector version is recorded before the
+split's scenarios exist, a split runs once, its report carries both hashes, and a split is never
+scored by a detector other than the one it was frozen with."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import scan_eval  # noqa: E402
+import scan_eval_frozen as frozen  # noqa: E402
+import scan_eval_frozen_run as frozen_run  # noqa: E402
+from scan_eval_runner import append_record  # noqa: E402
+
+
+def _frozen_split(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    thresholds = tmp_path / "thresholds.json"
+    frozen.write_default_thresholds(thresholds)
+    monkeypatch.setattr(frozen, "detector_version", lambda path: {
+        "commit": "a" * 40, "dirty": False, "thresholds_sha256": frozen.hashlib.sha256(Path(path).read_bytes()).hexdigest()})
+    split = tmp_path / "split"
+    frozen.freeze_split(split, thresholds, runs_per_kind=2, clean_runs=4)
+    return split, thresholds
+
+
+def test_the_thresholds_file_holds_every_detector_threshold(tmp_path):
+    path = tmp_path / "t.json"
+    frozen.write_default_thresholds(path)
+    values = json.loads(path.read_text())
+    assert {"compute_min_ratio", "arrival_min_share", "link_min_ratio", "intermittent_alpha"} <= set(values)
+    del values["arrival_min_share"]
+    path.write_text(json.dumps(values))
+    with pytest.raises(frozen.FrozenSplitError, match="missing \\['arrival_min_share'\\]"):
+        frozen.load_thresholds(path)
+
+
+def test_a_split_records_the_detector_and_draws_every_kind_and_layout_family(tmp_path, monkeypatch):
+    split, _ = _frozen_split(tmp_path, monkeypatch)
+    doc = json.loads((split / "split.json").read_text())
+    assert doc["detector"]["commit"] == "a" * 40 and len(doc["detector"]["thresholds_sha256"]) == 64
+    kinds = [s["kind"] for s in doc["scenarios"]]
+    assert {k: kinds.count(k) for k in frozen.KINDS} == {"none": 2, "noise": 2, "slow_rank": 2, "intermittent": 2,
+                                                         "user_straggler": 2, "slow_link": 2, "two_faults": 2}
+    for sc in doc["scenarios"]:
+        if sc["kind"] in ("slow_link", "two_faults"):
+            link = next(t[1] for t in sc["truth"] if t[0] == "slow_link")
+            assert sc["nodes"] == 4 and link[0] != link[1]
+    with pytest.raises(frozen.FrozenSplitError, match="already frozen"):
+        frozen.freeze_split(split, tmp_path / "thresholds.json", 1, 1)
+
+
+def test_rescoring_a_split_with_a_different_detector_is_refused(tmp_path, monkeypatch):
+    split, thresholds = _frozen_split(tmp_path, monkeypatch)
+    append_record(split / "results.jsonl", {"index": 0, "kind": "none", "layout": "engine TP1 PP2 DP2", "truth": [],
+                                            "error": "", "suspects": []})
+    scores = frozen_run.score_split(split)
+    assert scores["detector"]["commit"] == "a" * 40 and scores["kind"]["none"]["false_alarm"]["n"] == 1
+    values = json.loads(thresholds.read_text())
+    values["compute_min_ratio"] = 1.25  # tuned after the split was drawn
+    thresholds.write_text(json.dumps(values))
+    with pytest.raises(frozen.FrozenSplitError, match="frozen with another detector .*thresholds_sha256"):
+        frozen_run.score_split(split)
+    assert scan_eval.main(["frozen", "score", str(split)]) == 2
+
+
+def test_a_split_runs_once(tmp_path, monkeypatch):
+    split, _ = _frozen_split(tmp_path, monkeypatch)
+    (split / "results.jsonl").write_text("")
+    with pytest.raises(frozen.FrozenSplitError, match="has run already"):
+        frozen_run.run_split(split, tmp_path / "work")
+
+
+def test_scores_per_kind_and_layout_with_intervals():
+    recs = [{"kind": "slow_rank", "layout": "L1", "truth": [["slow_compute", 1]], "error": "",
+             "suspects": [{"cause": "slow_compute", "rank": 1, "link": None}]},
+            {"kind": "slow_rank", "layout": "L2", "truth": [["slow_compute", 2]], "error": "",
+             "suspects": [{"cause": "slow_compute", "rank": 0, "link": None}]},
+            {"kind": "slow_link", "layout": "L1", "truth": [["slow_link", [0, 2]]], "error": "",
+             "suspects": [{"cause": "slow_link", "rank": 0, "link": [0, 2]}]},
+            {"kind": "noise", "layout": "L2", "truth": [], "error": "", "suspects": []},
+            {"kind": "none", "layout": "L1", "truth": [], "error": "job exit 1", "suspects": []}]
+    s = frozen_run.score_records(recs)
+    assert s["kind"]["slow_rank"]["recall"]["k"] == 1 and s["kind"]["slow_rank"]["recall"]["n"] == 2
+    assert s["kind"]["slow_link"]["top1"]["value"] == 1.0
+    assert s["layout"]["L2"]["false_alarm"] == {"value": 0.0, "k": 0, "n": 1, "ci95": (0.0, 0.793)}
+    assert "none" not in s["kind"]  # a failed run is not scored

@@ -62,15 +62,19 @@ def _train(out: Path, name: str, iters: int, extra: list[str], timeout: float) -
     return read_metrics(metrics)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="engine integrity on one GPU: determinism, spikes, cost")
     p.add_argument("--out", required=True, help="folder for the JSON results and the runs' metrics")
     p.add_argument("--only", default="determinism,spikes,cost")
     p.add_argument("--iters", type=int, default=50, help="determinism: steps of each run")
     p.add_argument("--spike-runs", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5, help="cost: interleaved rounds")
     p.add_argument("--cost-variants", default="engine,engine_no_checks,engine_checks,engine_deterministic")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": vars(args)}

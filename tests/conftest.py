@@ -60,7 +60,7 @@ def train_before_launch(monkeypatch, capsys):
     def launched(*args, **kwargs):
         raise AssertionError("ranks were started for input that should have been refused")
 
-    monkeypatch.setattr("megatronapp.cli.launch.launch_local", launched)
+    monkeypatch.setattr("megatronapp.cli.launch.run_local_ranks", launched)
     monkeypatch.setattr("megatronapp.cli.train.run_worker", launched)
 
     def run(args: list[str]) -> tuple[int, list[str]]:

@@ -25,10 +25,10 @@ from megatronapp.config import (
     TrainConfig,
     build_layout,
     model_preset,
-    validate_job,
 )
-from megatronapp.dpp.config import add_dpp_arguments
-from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
+from megatronapp.dpp.config import add_dpp_arguments, build_dpp_config
+from megatronapp.faults.inject import fault_plan_from_env, parse_fault_plan
+from megatronapp.fbd.cli import add_fbd_arguments, fbd_config_from_args, layout_world_size
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.scan.record.trace_config import add_trace_arguments
 
@@ -234,7 +234,8 @@ def _virtual_stages(model: ModelConfig, pp: int, per: int | None) -> int:
 
 
 def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> JobConfig:
-    """Translate parsed flags into a validated JobConfig for `world_size` processes."""
+    """Translate parsed flags into a JobConfig for `world_size` processes; each config checks its
+    own fields, cli/validate.py the job as a whole."""
     _positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "num_layers_per_virtual_pipeline_stage", "nproc_per_node", "nnodes", "trace_interval",
                      "continuous_trace_iterations"))
@@ -246,7 +247,23 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
     train_kw["schedule"] = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
     train = TrainConfig(**train_kw)
     layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
-    job = JobConfig(model=model, train=train, layout=layout, integrity=_integrity_config(args))
-    validate_job(job)
-    check_fbd_job(args, job, world_size)
-    return job
+    return JobConfig(model=model, train=train, layout=layout, integrity=_integrity_config(args))
+
+
+def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int | None = None):
+    """What `train` will launch on `world_size` ranks (cli/validate.py checks it before launch)."""
+    import torch
+
+    from megatronapp.cli.validate import TrainRun
+    from megatronapp.engine.checkpoint import read_saved_model_fields
+    from megatronapp.parallel.device import ranks_per_node
+
+    job = build_job_config(args, world_size, vocab_size)
+    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
+    return TrainRun(job=job, world_size=world_size, dpp=build_dpp_config(args),
+                    fbd=fbd_config_from_args(args) if args.forward_backward_disaggregating else None,
+                    faults=fault_plan_from_env() if plan.empty else plan, device=args.device,
+                    visible_gpus=torch.cuda.device_count(), ranks_per_node=ranks_per_node(),
+                    scope_every=args.scope_every if getattr(args, "scope", False) else None,
+                    data_paths=tuple(args.data_path or ()),
+                    saved_model=read_saved_model_fields(args.load) if args.load else None)

@@ -93,11 +93,9 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
                    help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly")
 
 
-def build_dpp_config(args: argparse.Namespace, world_size: int) -> DppConfig:
-    """DppConfig from parsed flags; DppConfigError (one line) on bad values."""
+def build_dpp_config(args: argparse.Namespace) -> DppConfig:
+    """DppConfig from parsed flags; DppConfigError (one line) on bad values (ranks are checked
+    against the job by dpp.setup.check_dpp_job)."""
     jitter = tuple(parse_jitter(s) for s in args.inject_jitter or [])
-    for j in jitter:
-        if j.rank >= world_size:
-            raise DppConfigError(f"--inject-jitter rank {j.rank} is outside world size {world_size}")
     return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight, jitter=jitter,
                      send_thread=args.dpp_send_thread)

@@ -204,12 +204,19 @@ def has_checkpoint(load_dir: str | os.PathLike) -> bool:
     return (Path(load_dir) / "latest").is_file()
 
 
-def compute_model_config_mismatch(load_dir: str | os.PathLike, model_config) -> list[str]:
-    """`field saved -> current` for every model-shape field that differs from the checkpoint's.
+def read_saved_model_fields(load_dir: str | os.PathLike) -> dict | None:
+    """The model fields of the latest checkpoint in `load_dir`; None when it holds none."""
+    if not has_checkpoint(load_dir):
+        return None
+    return json.loads((find_latest(load_dir) / "meta.json").read_text())["model"]
+
+
+def compute_model_config_mismatch(saved: dict, model_config) -> list[str]:
+    """`field saved -> current` for every model-shape field that differs from a checkpoint's
+    `saved` model fields (read_saved_model_fields).
 
     Dropout rates are training settings, not shape: they may change on resume.
     """
-    saved = json.loads((find_latest(load_dir) / "meta.json").read_text())["model"]
     current = asdict(model_config)
     return [f"{k} {saved[k]} -> {current[k]}" for k in sorted(current)
             if k in saved and saved[k] != current[k] and not k.endswith("dropout")]

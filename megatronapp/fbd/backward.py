@@ -49,7 +49,9 @@ class BackwardRuntime:
 
     def __init__(self, model, groups: ParallelGroups, *, device, tracer, reducer, injector,
                  grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, links: LinkDevices,
-                 num_microbatches: int):
+                 num_microbatches: int, split_backward: bool = False):
+        if split_backward:  # refused before launch (fbd.config.validate_fbd_job)
+            raise ValueError("forward-backward disaggregation runs the whole backward, not I and W tasks")
         lay, c = roles.layout, roles.coords
         self.model, self.reducer, self.fbd, self.roles = model, reducer, fbd, roles
         self.grad_scale_func = grad_scale_func  # fp16 loss scaling, applied before backward

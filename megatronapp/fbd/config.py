@@ -63,6 +63,8 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
     if job.train.schedule == "dynamic":
         raise ConfigError("forward-backward disaggregation runs its own action lists: "
                           "--pipeline-schedule dynamic does not apply")
+    if job.train.uses_split_backward():
+        raise ConfigError("forward-backward disaggregation runs the whole backward: --split-backward does not apply")
     if job.train.fp8_format is not None:
         raise ConfigError("forward-backward disaggregation's forward ranks do not run FP8 GEMMs: "
                           "--fp8-format does not apply")

@@ -50,14 +50,16 @@ def training_scope(args, job, trainer, on_step):
         server.stop()
 
 
-def check_training_scope(args, world: int) -> None:
+def check_training_scope(every: int | None, world: int) -> None:
+    """`train --scope` (probe every `every` steps; None: off) on `world` ranks; one-line ConfigError."""
     from megatronapp.config import ConfigError
 
-    if getattr(args, "scope", False):
-        if world != 1:
-            raise ConfigError("--scope serves one training process; run without --nproc-per-node (world size 1)")
-        if args.scope_every < 1:
-            raise ConfigError(f"--scope-every must be >= 1, got {args.scope_every}")
+    if every is None:
+        return
+    if world != 1:
+        raise ConfigError("--scope serves one training process; run without --nproc-per-node (world size 1)")
+    if every < 1:
+        raise ConfigError(f"--scope-every must be >= 1, got {every}")
 
 
 class TrainingScope:

@@ -292,14 +292,10 @@ def test_deterministic_runs_are_bit_identical(cluster, world, tp, pp):
             assert torch.equal(g, b["grads"][name][0]), name
 
 
-# -- the device benchmark's bookkeeping ----------------------------------------------------------
+# -- comparing runs' metrics: bit-for-bit, and the flagged steps ---------------------------------
 
-def test_integrity_bench_compares_bit_for_bit_and_tabulates_flagged_steps():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from integrity_bench import compare_runs, tabulate_flagged
+def test_runs_compare_bit_for_bit_and_flagged_steps_are_tabulated():
+    from megatronapp.engine.integrity import compare_runs, tabulate_flagged
 
     rows = [{"iteration": i, "loss": 3.0 + i * 1e-7, "grad_norm": 2.0, "flags": [], "rerun": None} for i in (1, 2, 3)]
     assert compare_runs(rows, [dict(r) for r in rows])["identical"]

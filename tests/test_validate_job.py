@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatronapp.config import ConfigError, JobConfig, ModelConfig, TrainConfig, validate_job
+from megatronapp import config
+from megatronapp.config import ConfigError, JobConfig, ModelConfig, validate_job
 from megatronapp.parallel.layout import ParallelLayout
 
 # 8 layers, 4 heads, hidden 64 (ffn 256), vocab padded to 128: fits TP 1/2/4, PP 1/2/4
@@ -17,8 +18,9 @@ LAYOUT = dict(world_size=8, tp_size=2, pp_size=2)
 
 
 def build_job(model=None, train=None, layout=None) -> JobConfig:
-    return JobConfig(model=ModelConfig(**{**MODEL, **(model or {})}), train=TrainConfig(**{**TRAIN, **(train or {})}),
-                     layout=ParallelLayout(**{**LAYOUT, **(layout or {})}))
+    """`train`: fields of any of the job's component configs (train, optimizer, precision, ...)."""
+    return config.build_job(ModelConfig(**{**MODEL, **(model or {})}), ParallelLayout(**{**LAYOUT, **(layout or {})}),
+                            **{**TRAIN, **(train or {})})
 
 
 BF16_FP8 = dict(bf16=True, fp8_format="e4m3")

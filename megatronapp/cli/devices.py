@@ -18,7 +18,7 @@ def check_job_devices(job: JobConfig, world: int, device: str | None, fbd: FbdCo
     ranks of one NCCL group on one GPU (e.g. PP2 on a one-GPU machine): NCCL refuses that at
     run time with 'invalid usage', after every process has started."""
     if fbd is not None:
-        if job.train.overlap_param_update:
+        if job.optimizer.overlap_param_update:
             raise ConfigError("--overlap-param-update is not supported with --forward-backward-disaggregating")
         from megatronapp.fbd.cli import build_role_layout, compute_fbd_placements
 
@@ -29,5 +29,5 @@ def check_job_devices(job: JobConfig, world: int, device: str | None, fbd: FbdCo
         kind = check_layout_devices(device, job.layout, visible_gpus)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    if job.train.overlap_param_update and kind != "cuda":
+    if job.optimizer.overlap_param_update and kind != "cuda":
         raise ConfigError("--overlap-param-update needs CUDA (the update runs on a side stream)")

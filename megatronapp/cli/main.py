@@ -73,8 +73,10 @@ def _build_train_run(args: argparse.Namespace):
 def _print_config(job) -> None:
     from dataclasses import asdict
 
-    print(json.dumps({"layout": asdict(job.layout), "model": asdict(job.model), "train": asdict(job.train),
-                      "integrity": asdict(job.integrity),
+    from megatronapp.config import FIELD_COMPONENTS
+
+    print(json.dumps({"layout": asdict(job.layout), "model": asdict(job.model),
+                      **{name: asdict(getattr(job, name)) for name in FIELD_COMPONENTS},
                       "derived": {"dp_size": job.layout.dp_size, "num_microbatches": job.num_microbatches,
                                   "padded_vocab_size": job.model.padded_vocab_size,
                                   "parameters": job.model.num_parameters(),

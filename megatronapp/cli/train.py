@@ -160,26 +160,27 @@ def _load_and_train(args, job, trainer, data, rank: int) -> list[dict]:
 
 def _maybe_load(job, trainer, data, rank: int) -> None:
     """Resume from --load; an empty or missing folder starts from scratch, as in Megatron."""
-    if not job.train.load:
+    load = job.checkpoint.load
+    if not load:
         return
-    if has_checkpoint(job.train.load):
-        load_checkpoint(job.train.load, trainer, data)
+    if has_checkpoint(load):
+        load_checkpoint(load, trainer, data)
     elif rank == 0:
-        print(f"megatronapp: warning: --load {job.train.load} holds no checkpoint; starting from scratch",
+        print(f"megatronapp: warning: --load {load} holds no checkpoint; starting from scratch",
               file=sys.stderr, flush=True)
 
 
 def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
     from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 
-    t = job.train
-    if t.metrics_file and rank == 0:
-        Path(t.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-    metrics_out = open(t.metrics_file, "a") if (t.metrics_file and rank == 0) else None
+    ckpt, log = job.checkpoint, job.logging
+    if log.metrics_file and rank == 0:
+        Path(log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+    metrics_out = open(log.metrics_file, "a") if (log.metrics_file and rank == 0) else None
     online = (OnlineDetector(job.layout, OnlineDetectConfig())
               if (rank == 0 and job.layout.world_size > 1) else None)
     history = []
-    with TrainProgress(job, enabled=rank == 0, log_interval=t.log_interval) as progress:
+    with TrainProgress(job, enabled=rank == 0, log_interval=log.log_interval) as progress:
         def on_step(metrics) -> None:
             m = metrics.as_dict()
             history.append(m)
@@ -190,13 +191,13 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
             if metrics_out:
                 metrics_out.write(json.dumps(m) + "\n")
                 metrics_out.flush()
-            if t.save and t.save_interval and trainer.iteration % t.save_interval == 0:
-                save_checkpoint(t.save, trainer, data)
+            if ckpt.save and ckpt.save_interval and trainer.iteration % ckpt.save_interval == 0:
+                save_checkpoint(ckpt.save, trainer, data)
 
         with training_scope(args, job, trainer, on_step) as on_step:  # unchanged unless --scope
             trainer.train(on_step=on_step)
-    if t.save and not (t.save_interval and trainer.iteration % t.save_interval == 0):
-        save_checkpoint(t.save, trainer, data)
+    if ckpt.save and not (ckpt.save_interval and trainer.iteration % ckpt.save_interval == 0):
+        save_checkpoint(ckpt.save, trainer, data)
     if metrics_out:
         metrics_out.close()
     if rank == 0 and args.summary_file:

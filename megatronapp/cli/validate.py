@@ -68,7 +68,7 @@ def check_train_run(run: TrainRun) -> None:
     if run.saved_model is not None:
         diff = compute_model_config_mismatch(run.saved_model, job.model)
         if diff:
-            raise ConfigError(f"--load {job.train.load}: checkpoint model differs: {', '.join(diff)}")
+            raise ConfigError(f"--load {job.checkpoint.load}: checkpoint model differs: {', '.join(diff)}")
     for path in run.data_paths:
         if not os.path.exists(path):
             raise ConfigError(f"--data-path {path} does not exist")

@@ -65,7 +65,7 @@ def check_fbd_job(cfg: FbdConfig, job: JobConfig, world: int) -> None:
     """FBD's constraints, and its action lists for two iterations checked (validate.py)."""
     validate_fbd_job(job, cfg, world)
     lay = build_role_layout(world, job.layout.tp_size, job.layout.pp_size, cfg)
-    plan = build_fbd_plan(lay, job.num_microbatches, cfg.max_ahead, range(2), job.train.log_interval)
+    plan = build_fbd_plan(lay, job.num_microbatches, cfg.max_ahead, range(2), job.logging.log_interval)
     validate_fbd_plan(plan)
 
 

@@ -65,7 +65,7 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
                           "--pipeline-schedule dynamic does not apply")
     if job.train.uses_split_backward():
         raise ConfigError("forward-backward disaggregation runs the whole backward: --split-backward does not apply")
-    if job.train.fp8_format is not None:
+    if job.precision.fp8_format is not None:
         raise ConfigError("forward-backward disaggregation's forward ranks do not run FP8 GEMMs: "
                           "--fp8-format does not apply")
     for what, size in (("num attention heads", m.num_attention_heads), ("ffn hidden size", m.ffn_size),

@@ -51,7 +51,7 @@ def build_forward_model(job: JobConfig, fbd: FbdConfig, groups: RoleGroups, devi
     chunks = build_model_chunks(job.model, pp_rank=c.pp, pp_size=lay.pp_size, num_chunks=1, tp=tp,
                                 seed=t.seed, device=device, options=options)
     for chunk in chunks:  # the backward workers' params dtype (bf16/fp16 as Megatron, else fp32)
-        chunk.requires_grad_(False).to(params_dtype(t))
+        chunk.requires_grad_(False).to(params_dtype(job.precision))
     return GPTPipelineModel(chunks, job.model, seed=t.seed, dp_rank=c.dp, num_microbatches=job.num_microbatches,
                             tp_size=lay.forward_tp_size, tp_rank=c.tp, sequence_parallel=sp,
                             attention_backend=t.attention_backend)

@@ -97,8 +97,9 @@ class ForwardRole(_FbdRole):
 
     def run(self, ctx: RankContext, train_loop: TrainLoop) -> list[dict]:
         self.worker = ForwardWorker(ctx.job, self.fbd, self.groups, self.device, ctx.data, **self._worker_kwargs(ctx))
-        if ctx.job.train.load and has_checkpoint(ctx.job.train.load):
-            self.worker.load(ctx.job.train.load)
+        load = ctx.job.checkpoint.load
+        if load and has_checkpoint(load):
+            self.worker.load(load)
         self.worker.train(ctx.job.train.train_iters)
         return []
 

@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from megatronapp.cli.validate import TrainRun, validate
+from megatronapp.cli.injection import InjectionConfig
+from megatronapp.cli.run import TrainRun
+from megatronapp.cli.validate import validate
 from megatronapp.config import JobConfig, ModelConfig, TrainConfig
 from megatronapp.dpp.cli import ScheduleRun
 from megatronapp.dpp.config import DppConfig, JitterSpec
@@ -21,7 +23,9 @@ from megatronapp.scan.record.autotrace import AutoTraceConfig
 from megatronapp.scan.trace_run import TraceRun
 from megatronapp.scope.capture import make_capture_config
 from megatronapp.scope.cli import CaptureRequest
+from megatronapp.scope_ui.training import TrainingScopeConfig
 
+SCOPE = TrainingScopeConfig(host="127.0.0.1", port=0, token=None, probe="The", every=10)
 MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
                     hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -55,17 +59,24 @@ TRAIN_RULES = [
      "virtual stages 3"),
     ("fbd split backward", dict(world=4, layout_world=2, schedule="zb-h1", fbd=FbdConfig()),
      "runs the whole backward"),
-    ("fbd crash rank", dict(world=4, layout_world=2, fbd=FbdConfig(injection=FbdInjection(crash=(4, 1)))),
+    ("fbd crash rank", dict(world=4, layout_world=2, fbd=FbdConfig(),
+                            injection=InjectionConfig(fbd=FbdInjection(crash=(4, 1)))),
      "--inject-crash rank 4 is outside world size 4"),
     ("fbd layout", dict(world=5, layout_world=2, fbd=FbdConfig()), "world size 5"),
-    ("jitter rank", dict(dpp=DppConfig(jitter=(JitterSpec(2, 1.5),))), "--inject-jitter rank 2 is outside world size 2"),
+    ("jitter rank", dict(injection=InjectionConfig(jitter=(JitterSpec(2, 1.5),))),
+     "--inject-jitter rank 2 is outside world size 2"),
+    ("jitter on a forward worker", dict(world=4, layout_world=2, fbd=FbdConfig(),
+                                        injection=InjectionConfig(jitter=(JitterSpec(2, 1.5),))),
+     "--inject-jitter rank 2 is outside world size 2"),
     ("dynamic cap", dict(schedule="dynamic", vpp=2, dpp=DppConfig(max_inflight=1)),
      "--dpp-max-inflight 1 is below the 2 activation sets"),
     ("no gpu", dict(device="cuda", visible_gpus=0), "--device cuda requested but no GPU is visible"),
     ("two ranks on a gpu", dict(device="cuda", visible_gpus=1), "would put ranks 0 and 1 on GPU 0"),
-    ("slowdown rank", dict(faults=FaultPlan({2: 2.0})), "--inject-slowdown rank 2 is outside world size 2"),
-    ("link", dict(faults=FaultPlan(link_delays={(0, 0): 5.0})), "--inject-link-delay 0:0 is not a link"),
-    ("scope world", dict(scope_every=10), "--scope serves one training process"),
+    ("slowdown rank", dict(injection=InjectionConfig(FaultPlan({2: 2.0}))),
+     "--inject-slowdown rank 2 is outside world size 2"),
+    ("link", dict(injection=InjectionConfig(FaultPlan(link_delays={(0, 0): 5.0}))),
+     "--inject-link-delay 0:0 is not a link"),
+    ("scope world", dict(scope=SCOPE), "--scope serves one training process"),
     ("checkpoint", dict(saved_model={"hidden_size": 64}), "checkpoint model differs: hidden_size 64 -> 32"),
     ("data", dict(data_paths=("/nonexistent/corpus.txt",)), "--data-path /nonexistent/corpus.txt does not exist"),
 ]
@@ -76,10 +87,11 @@ def test_train_rule(name, change, message):
     _refused(train_run(**change), message)
 
 
-def test_scope_needs_a_positive_period_on_one_process():
-    run = replace(train_run(world=1, pp=1), scope_every=0)
-    _refused(run, "--scope-every must be >= 1, got 0")
-    validate(replace(run, scope_every=5))
+def test_scope_needs_a_positive_period_and_a_port_on_one_process():
+    run = replace(train_run(world=1, pp=1), scope=SCOPE)
+    validate(run)
+    _refused(replace(run, scope=replace(SCOPE, every=0)), "--scope-every must be >= 1, got 0")
+    _refused(replace(run, scope=replace(SCOPE, port=-1)), "port must be in 0..65535, got -1")
 
 
 INFERENCE = InferenceRun(model=MODEL, nproc_per_node=2, tp_size=2, pp_size=1, world_size=2, vocab_size=100,

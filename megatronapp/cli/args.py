@@ -28,9 +28,8 @@ from megatronapp.config import (
     field_default,
     model_preset,
 )
-from megatronapp.dpp.config import add_dpp_arguments, build_dpp_config
-from megatronapp.faults.inject import fault_plan_from_env, parse_fault_plan
-from megatronapp.fbd.cli import add_fbd_arguments, fbd_config_from_args, layout_world_size
+from megatronapp.dpp.config import add_dpp_arguments
+from megatronapp.fbd.cli import add_fbd_arguments, layout_world_size
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.scan.record.trace_config import add_trace_arguments
 
@@ -226,22 +225,3 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
     layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
     schedule = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
     return build_job(model, layout, **_given_job_fields(args), schedule=schedule)
-
-
-def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int | None = None):
-    """What `train` will launch on `world_size` ranks (cli/validate.py checks it before launch)."""
-    import torch
-
-    from megatronapp.cli.validate import TrainRun
-    from megatronapp.engine.checkpoint import read_saved_model_fields
-    from megatronapp.parallel.device import ranks_per_node
-
-    job = build_job_config(args, world_size, vocab_size)
-    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
-    return TrainRun(job=job, world_size=world_size, dpp=build_dpp_config(args),
-                    fbd=fbd_config_from_args(args) if args.forward_backward_disaggregating else None,
-                    faults=fault_plan_from_env() if plan.empty else plan, device=args.device,
-                    visible_gpus=torch.cuda.device_count(), ranks_per_node=ranks_per_node(),
-                    scope_every=args.scope_every if getattr(args, "scope", False) else None,
-                    data_paths=tuple(args.data_path or ()),
-                    saved_model=read_saved_model_fields(args.load) if args.load else None)

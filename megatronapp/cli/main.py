@@ -24,7 +24,8 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatronapp.cli.args import add_train_arguments, build_train_run
+from megatronapp.cli.args import add_train_arguments
+from megatronapp.cli.run import build_train_run
 from megatronapp.cli.validate import validate
 from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.launch.local import under_launcher

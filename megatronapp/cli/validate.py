@@ -8,7 +8,7 @@ calls `validate(run)` once, before any process starts. A broken rule raises a Va
 `main` prints it and exits with code 2. What cannot be read cannot be checked: a missing
 checkpoint or prompt file, or a flag that does not parse, is refused (in one line) by `build_run`.
 
-    TrainRun      megatronapp train (plain, --pipeline-schedule dynamic, --forward-backward-disaggregating, --scope)
+    TrainRun      megatronapp train (cli/run.py) (plain, --pipeline-schedule dynamic, --forward-backward-disaggregating, --scope)
     InferenceRun  megatronapp generate, scope capture (with a CaptureRequest), scope serve (with a port)
     TraceRun      megatronapp trace run
     ScheduleRun   megatronapp schedule simulate|show
@@ -20,17 +20,15 @@ dpp.setup.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 from megatronapp.cli.devices import check_job_devices
-from megatronapp.config import ConfigError, JobConfig, validate_job
+from megatronapp.cli.injection import check_injection
+from megatronapp.cli.run import TrainRun
+from megatronapp.config import ConfigError, validate_job
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
-from megatronapp.dpp.config import DppConfig
 from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.engine.checkpoint import compute_model_config_mismatch
-from megatronapp.faults.inject import FaultPlan
 from megatronapp.fbd.cli import check_fbd_job
-from megatronapp.fbd.config import FbdConfig
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
 from megatronapp.scan.trace_run import TraceRun, check_trace_run
 from megatronapp.scope.cli import check_capture
@@ -38,33 +36,16 @@ from megatronapp.scope_ui.cli import check_port
 from megatronapp.scope_ui.training import check_training_scope
 
 
-@dataclass(frozen=True)
-class TrainRun:
-    """What `megatronapp train` will launch, and what its checks read from the host."""
-
-    job: JobConfig
-    world_size: int  # every rank; under FBD backward + forward ranks (job.layout holds the backward ones)
-    dpp: DppConfig = field(default_factory=DppConfig)
-    fbd: FbdConfig | None = None  # None: no --forward-backward-disaggregating
-    faults: FaultPlan = field(default_factory=FaultPlan)
-    device: str | None = None  # --device; None: cuda when present
-    visible_gpus: int = 0
-    ranks_per_node: int | None = None  # torchrun's LOCAL_WORLD_SIZE; None: every rank on this node
-    scope_every: int | None = None  # --scope: probe every K steps; None: no --scope
-    data_paths: tuple[str, ...] = ()
-    saved_model: dict | None = None  # the model fields of the --load checkpoint, when there is one
-
-
 def check_train_run(run: TrainRun) -> None:
-    """Model x training x layout, MegaDPP, MegaFBD, devices, faults, MegaScope, checkpoint, data."""
+    """Model x training x layout, MegaFBD, MegaDPP, devices, injections, MegaScope, checkpoint, data."""
     job = run.job
     validate_job(job)
     if run.fbd is not None:
         check_fbd_job(run.fbd, job, run.world_size)
     check_dpp_job(run.dpp, job)
     check_job_devices(job, run.world_size, run.device, run.fbd, run.visible_gpus, run.ranks_per_node)
-    run.faults.check(run.world_size)
-    check_training_scope(run.scope_every, run.world_size)
+    check_injection(run.injection, run.world_size, job.layout.world_size)
+    check_training_scope(run.scope, run.world_size)
     if run.saved_model is not None:
         diff = compute_model_config_mismatch(run.saved_model, job.model)
         if diff:

@@ -48,7 +48,6 @@ class DppConfig:
     # filling (TrainConfig.split_backward, on by default for dynamic) measured best; see policies.py
     traversal: str = "in-order"
     max_inflight: int | None = None  # None: per rank, what interleaved 1F1B holds
-    jitter: tuple[JitterSpec, ...] = ()
     send_thread: str = "auto"  # one of SEND_THREAD: sends issued off the compute thread (p2p.outbox.Outbox)
 
     def __post_init__(self) -> None:
@@ -94,8 +93,7 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_dpp_config(args: argparse.Namespace) -> DppConfig:
-    """DppConfig from parsed flags; DppConfigError (one line) on bad values (ranks are checked
-    against the job by dpp.setup.check_dpp_job)."""
-    jitter = tuple(parse_jitter(s) for s in args.inject_jitter or [])
-    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight, jitter=jitter,
+    """DppConfig from parsed flags; DppConfigError (one line) on bad values. (--inject-jitter is
+    a test knob: its specs go to the run's injection config, cli/injection.py.)"""
+    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight,
                      send_thread=args.dpp_send_thread)

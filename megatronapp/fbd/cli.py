@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from megatronapp.config import ConfigError, JobConfig
-from megatronapp.fbd.config import FbdConfig, FbdInjection, parse_crash_spec, validate_fbd_job
+from megatronapp.fbd.config import FbdConfig, validate_fbd_job
 from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
 from megatronapp.fbd.plan import build_fbd_plan
 from megatronapp.fbd.validate import validate_fbd_plan
@@ -34,8 +34,7 @@ def add_fbd_arguments(p: argparse.ArgumentParser) -> None:
 
 def fbd_config_from_args(args: argparse.Namespace) -> FbdConfig:
     return FbdConfig(forward_tp_size=args.forward_tensor_model_parallel_size or args.tensor_model_parallel_size,
-                     forward_device=args.forward_device, max_ahead=args.fbd_max_ahead,
-                     injection=FbdInjection(crash=parse_crash_spec(args.inject_crash)))
+                     forward_device=args.forward_device, max_ahead=args.fbd_max_ahead)
 
 
 def build_role_layout(world: int, tp_size: int, pp_size: int, cfg: FbdConfig) -> RoleLayout:
@@ -67,11 +66,6 @@ def check_fbd_job(cfg: FbdConfig, job: JobConfig, world: int) -> None:
     lay = build_role_layout(world, job.layout.tp_size, job.layout.pp_size, cfg)
     plan = build_fbd_plan(lay, job.num_microbatches, cfg.max_ahead, range(2), job.logging.log_interval)
     validate_fbd_plan(plan)
-
-
-def fbd_placements_from_args(args: argparse.Namespace, lay: RoleLayout, visible_gpus: int,
-                             ranks_per_node: int | None = None) -> tuple[Placement, ...]:
-    return compute_fbd_placements(args.device, args.forward_device, lay, visible_gpus, ranks_per_node)
 
 
 def compute_fbd_placements(device: str | None, forward_device: str | None, lay: RoleLayout, visible_gpus: int,

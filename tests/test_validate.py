@@ -94,7 +94,7 @@ def test_scope_needs_a_positive_period_and_a_port_on_one_process():
     _refused(replace(run, scope=replace(SCOPE, port=-1)), "port must be in 0..65535, got -1")
 
 
-INFERENCE = InferenceRun(model=MODEL, nproc_per_node=2, tp_size=2, pp_size=1, world_size=2, vocab_size=100,
+INFERENCE = InferenceRun(load="ckpt", model=MODEL, nproc_per_node=2, tp_size=2, pp_size=1, world_size=2, vocab_size=100,
                          device="cpu", visible_gpus=0, prompts=((1, 2, 3),), sampling=SamplingConfig(max_new_tokens=4))
 CAPTURE = CaptureRequest(make_capture_config(["residual"], layers=[0, 3]), out="cap.safetensors")
 

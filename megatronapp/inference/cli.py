@@ -76,13 +76,15 @@ class InferenceRun:
     """What `generate`, `scope capture` or `scope serve` will launch on a checkpoint's model, and
     what the checks before launch read (cli/validate.py runs them)."""
 
-    model: ModelConfig  # the checkpoint's
+    load: str  # the checkpoint folder
+    model: ModelConfig  # its model
     nproc_per_node: int | None
     tp_size: int
     pp_size: int
     world_size: int
     vocab_size: int  # the tokenizer's
     device: str | None = None
+    bf16: bool = False  # bf16 weights and activations
     visible_gpus: int | None = None  # None: under the launcher, which checked the whole job's devices
     prompts: tuple[tuple[int, ...], ...] = ()  # token ids; none for `scope serve`
     sampling: SamplingConfig | None = None
@@ -103,9 +105,9 @@ def build_inference_run(args: argparse.Namespace, with_prompts: bool = True, **e
     tokenizer = load_tokenizer(args.tokenizer_model)
     prompts = tuple(tuple(tokenizer.encode(p)) for p in read_prompts(args)) if with_prompts else ()
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
-    return InferenceRun(model=read_model_config(args.load), nproc_per_node=args.nproc_per_node,
+    return InferenceRun(load=args.load, model=read_model_config(args.load), nproc_per_node=args.nproc_per_node,
                         tp_size=args.tensor_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
-                        world_size=world, vocab_size=tokenizer.vocab_size, device=getattr(args, "device", None),
+                        world_size=world, vocab_size=tokenizer.vocab_size, device=args.device, bf16=args.bf16,
                         visible_gpus=None if under_launcher() else torch.cuda.device_count(), prompts=prompts,
                         **extra)
 
@@ -144,10 +146,10 @@ def build_generate_run(args: argparse.Namespace) -> InferenceRun:
     return build_inference_run(args, sampling=build_sampling_config(args))
 
 
-def run_command(args: argparse.Namespace, argv: list[str], worker, render) -> int:
-    """Run `worker(args) -> dict` here or on launched ranks (the run was validated); print render(result)."""
+def run_command(args: argparse.Namespace, argv: list[str], run: InferenceRun, worker, render) -> int:
+    """Run `worker(args, run) -> dict` here or on launched ranks (the run was validated); print render(result)."""
     if under_launcher() or not args.nproc_per_node or args.nproc_per_node == 1:
-        result = worker(args)
+        result = worker(args, run)
         if result is not None and args.result_file:
             write_text_atomic(args.result_file, json.dumps(result))
         elif result is not None:
@@ -161,17 +163,17 @@ def run_command(args: argparse.Namespace, argv: list[str], worker, render) -> in
     return code
 
 
-def generate_worker(args: argparse.Namespace) -> dict | None:
+def generate_worker(args: argparse.Namespace, run: InferenceRun) -> dict | None:
     """Body of one rank: load, generate, return the result on rank 0 (None elsewhere)."""
     from megatronapp.data.tokenizer import load_tokenizer
     from megatronapp.inference.generate import generate
     from megatronapp.inference.launch import finish_worker, start_worker
 
-    model = start_worker(args)
+    model = start_worker(run)
     model.cuda_graphs = args.cuda_graphs
     tokenizer = load_tokenizer(args.tokenizer_model)
     prompts = read_prompts(args)
-    res = generate(model, [tokenizer.encode(p) for p in prompts], build_sampling_config(args),
+    res = generate(model, [tokenizer.encode(p) for p in prompts], run.sampling,
                    eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
     out = {"layout": model.groups.layout.describe(), "prompts": prompts,
            "completions": [tokenizer.decode(t) for t in res.tokens], "tokens": res.tokens,
@@ -195,4 +197,4 @@ def add_generate_subcommand(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint (any TP x PP layout)")
     add_generate_arguments(p)
     p.set_defaults(build_run=build_generate_run,
-                   launch=lambda args, argv, run: run_command(args, argv, generate_worker, render_generation))
+                   launch=lambda args, argv, run: run_command(args, argv, run, generate_worker, render_generation))

@@ -86,7 +86,7 @@ def build_capture_run(args):
                                capture=build_capture_request(args))
 
 
-def capture_worker(args) -> dict | None:
+def capture_worker(args, run) -> dict | None:
     """One rank: load, install perturbations and capture, generate greedily, rank 0 saves."""
     from contextlib import ExitStack
 
@@ -97,17 +97,17 @@ def capture_worker(args) -> dict | None:
     from megatronapp.scope.perturb import perturb
     from megatronapp.scope.store import save_capture
 
-    model = start_worker(args)
+    model = start_worker(run)
     tokenizer = load_tokenizer(args.tokenizer_model)
     prompts = read_prompts(args)
-    request = build_capture_request(args)
+    request = run.capture
     capture_cfg = request.config
     with ExitStack() as stack:
         specs = request.perturbations
         for spec in specs:
             stack.enter_context(perturb(model, spec))
         cap = stack.enter_context(Capture(model, capture_cfg))
-        res = generate(model, [tokenizer.encode(p) for p in prompts], SamplingConfig(max_new_tokens=args.max_new_tokens),
+        res = generate(model, [tokenizer.encode(p) for p in prompts], run.sampling,
                        eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
     out = None
     if model.is_serving_rank:
@@ -162,7 +162,7 @@ def add_scope_subcommands(sub) -> None:
     cap.add_argument("--tokenizer-model", default=None)
     add_layout_arguments(cap)
     cap.set_defaults(build_run=build_capture_run,
-                     launch=lambda args, argv, run: run_command(args, argv, capture_worker, render_capture))
+                     launch=lambda args, argv, run: run_command(args, argv, run, capture_worker, render_capture))
     rep = cmds.add_parser("report", help="render PNG heatmaps, attention maps and PCA of a capture file")
     rep.add_argument("file")
     rep.add_argument("--out", required=True, help="output folder")

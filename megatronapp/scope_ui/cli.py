@@ -113,7 +113,7 @@ def serve_main(args, argv: list[str], run) -> int:
     if not under_launcher() and (args.nproc_per_node or 1) > 1:
         return run_local_ranks("megatronapp.cli.main", rank_argv(argv), args.nproc_per_node)
     if under_launcher():
-        return _serve_ranks(args, cfg, load)
+        return _serve_ranks(args, run, cfg)
     return _serve(build_generation_backend(load, args.tokenizer_model, args.device, args.bf16, cfg.limits), cfg, load)
 
 
@@ -130,12 +130,12 @@ def _serve(backend, cfg, load: str) -> int:
     return 0
 
 
-def _serve_ranks(args, cfg, load: str) -> int:
+def _serve_ranks(args, run, cfg) -> int:
     """Under the launcher: rank 0 serves and leads, the other ranks follow (scope_ui/ranks.py)."""
     from megatronapp.inference.launch import finish_worker, start_worker
     from megatronapp.scope_ui.ranks import JobChannel, LeaderRunner, follow
 
-    model = start_worker(args)
+    model, load = start_worker(run), run.load
     runner = build_generation_backend(load, args.tokenizer_model, None, args.bf16, cfg.limits, model=model)
     channel = JobChannel(model.device)
     try:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatronapp.config import JobConfig, build_job, build_layout, model_preset
+from megatronapp.config import JobConfig, build_layout, model_preset
+from megatronapp.job import build_job
 from megatronapp.paired import bootstrap_median_ci
 
 __all__ = ["FixedBatches", "bootstrap_median_ci", "make_job", "sync", "timed_seconds"]

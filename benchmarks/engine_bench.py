@@ -46,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import make_job as make_bench_job  # noqa: E402
 from plain_gpt import PlainGPT  # noqa: E402
 
-from megatronapp.config import IntegrityConfig, JobConfig, build_layout, model_preset, replace_fields  # noqa: E402
+from megatronapp.config import IntegrityConfig, JobConfig, build_layout, model_preset  # noqa: E402
 from megatronapp.engine.determinism import compute_deterministic_env  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.job import replace_fields  # noqa: E402
 from megatronapp.model.gpt import compile_counts  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronapp.config import JobConfig, build_layout, validate_job
+from megatronapp.config import JobConfig, build_layout
+from megatronapp.job import validate_job
 
 from common import FixedBatches, make_job
 

@@ -29,11 +29,12 @@ import time
 
 import torch
 
-from megatronapp.config import build_job, build_layout, model_preset
+from megatronapp.config import build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model, read_model_config
+from megatronapp.job import build_job
 from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope.capture import capture
 from megatronapp.scope.compress import DEFAULT_COMPRESS

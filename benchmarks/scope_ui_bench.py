@@ -31,11 +31,12 @@ import time
 
 import torch
 
-from megatronapp.config import build_job, build_layout, model_preset
+from megatronapp.config import build_layout, model_preset
 from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.engine.trainer import Trainer
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model
+from megatronapp.job import build_job
 from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope_ui.protocol import Limits
 from megatronapp.scope_ui.runner import GenerationRunner

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megatronapp.config import JobConfig, build_job, build_layout, model_preset, validate_job
+from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job, validate_job
 from megatronapp.model.gpt import compile_counts
 from megatronapp.parallel.groups import build_process_groups, single_process_groups
 

@@ -11,9 +11,10 @@ import threading
 import torch
 
 from engine_jobs import RandomTokenBatches
-from megatronapp.config import JobConfig, build_job, build_layout, model_preset, validate_job
+from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job, validate_job
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.scope_ui.protocol import Limits
 from megatronapp.scope_ui.server import Hub, RunningServer, ServerConfig

@@ -10,10 +10,10 @@ import pytest
 
 from megatronapp.cli.args import build_job_config
 from megatronapp.cli.main import build_parser
-from megatronapp.config import FIELD_COMPONENTS, component_of
 from megatronapp.dpp.config import DppConfig
 from megatronapp.fbd.config import FbdConfig
 from megatronapp.inference.generate import SamplingConfig
+from megatronapp.job import FIELD_COMPONENTS, component_of
 from megatronapp.scan.record.trace_config import TRACE_FLAGS, TraceConfig
 from test_cli_help import walk_parsers
 
@@ -68,7 +68,8 @@ def test_the_table_covers_every_config():
 def test_flag_default_is_the_config_default(command, action, cls, name):
     expected = field_defaults(cls)[name]
     if action.default is None and expected is not None:  # the config supplies it: see the built one
-        assert cls in FIELD_COMPONENTS.values(), f"{command} {action.option_strings[-1]}: None, but {cls.__name__}.{name} = {expected!r}"
+        assert cls in FIELD_COMPONENTS.values(), (
+            f"{command} {action.option_strings[-1]}: None, but {cls.__name__}.{name} = {expected!r}")
         return
     assert action.default == expected, (
         f"{command} {action.option_strings[-1]} defaults to {action.default!r}, {cls.__name__}.{name} to {expected!r}")

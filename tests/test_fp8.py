@@ -8,14 +8,8 @@ import torch
 import torch.distributed as dist
 from engine_jobs import compiled_frames, make_job, train_and_report
 
-from megatronapp.config import (
-    ConfigError,
-    PrecisionConfig,
-    build_job,
-    build_layout,
-    model_preset,
-    validate_job,
-)
+from megatronapp.config import ConfigError, PrecisionConfig, build_layout, model_preset
+from megatronapp.job import build_job, validate_job
 from megatronapp.parallel.fp8 import (
     E4M3,
     E5M2,

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches, compiled_frames
-from megatronapp.config import JobConfig, build_job, build_layout, model_preset
+from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.faults.inject import FaultInjector, FaultPlan
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job
 from megatronapp.parallel.groups import single_process_groups
 
 pytestmark = pytest.mark.gpu

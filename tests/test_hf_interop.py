@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from engine_jobs import RandomTokenBatches, make_job
 from megatronapp.cli.main import main
-from megatronapp.config import replace_fields, validate_job
 from megatronapp.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.full_model import (
@@ -29,6 +28,7 @@ from megatronapp.engine.full_model import (
 )
 from megatronapp.engine.trainer import Trainer
 from megatronapp.interop.hf_gptneox import GPTNEOX_DEFAULTS
+from megatronapp.job import replace_fields, validate_job
 from megatronapp.parallel.groups import build_process_groups
 
 transformers = pytest.importorskip("transformers")

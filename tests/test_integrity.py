@@ -10,12 +10,13 @@ import torch
 
 from engine_jobs import RandomTokenBatches, make_job
 from integrity_jobs import Corruption, integrity_job, train_deterministic, train_with_hook
-from megatronapp.config import ConfigError, IntegrityConfig, validate_job
+from megatronapp.config import ConfigError, IntegrityConfig
 from megatronapp.engine.determinism import compute_deterministic_env, deterministic_attention_backend
 from megatronapp.engine.integrity import (StepHistory, compute_band_upper, compute_differing_ranks,
                                           compute_rerun_verdict, compute_step_flags)
 from megatronapp.engine.throughput import compute_run_throughput
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import validate_job
 from megatronapp.parallel.groups import single_process_groups
 from test_cli import run_cli
 

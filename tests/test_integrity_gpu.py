@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches
-from megatronapp.config import JobConfig, build_job, build_layout, model_preset, replace_fields
+from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job, replace_fields
 from megatronapp.parallel.groups import single_process_groups
 
 pytestmark = pytest.mark.gpu

@@ -148,7 +148,8 @@ def test_fp16_without_overflow_follows_fp32():
 @pytest.mark.parametrize("kw", [{"bf16": True}, {"bf16": True, "use_distributed_optimizer": True},
                                 {"fp16": True, "initial_loss_scale": 2.0**16}], ids=["bf16", "bf16_distopt", "fp16"])
 def test_low_precision_on_cuda_is_close_to_fp32(kw):
-    from megatronapp.config import build_job, build_layout, model_preset
+    from megatronapp.config import build_layout, model_preset
+    from megatronapp.job import build_job
 
     def losses(**train_kw):
         job = build_job(model_preset("small", num_layers=4, seq_length=128), build_layout(1, 1, 1),
@@ -238,7 +239,8 @@ def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
     """The engine with the Triton master-weight kernel (AdamW + clip + model-weight write) against
     torch's fused AdamW + clip + master->bf16 copy: the kernel is used, trains the same, and the
     model weights are exactly the rounded masters."""
-    from megatronapp.config import build_job, build_layout, model_preset
+    from megatronapp.config import build_layout, model_preset
+    from megatronapp.job import build_job
     from megatronapp.engine import master_adam
 
     assert master_adam.available(torch.device("cuda"))
@@ -267,7 +269,8 @@ def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
 def test_master_adamw_kernel_resumes_into_a_trainer_that_already_stepped(tmp_path):
     """Loading a checkpoint replaces the Adam state the kernel's address tables point at: the
     tables are rebuilt, so the loaded state is the one stepped (step count 2 + 1, same weights)."""
-    from megatronapp.config import build_job, build_layout, model_preset
+    from megatronapp.config import build_layout, model_preset
+    from megatronapp.job import build_job
 
     job = build_job(model_preset("small", num_layers=2, seq_length=128), build_layout(1, 1, 1),
                     micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3, bf16=True)

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches
-from megatronapp.config import build_job, build_layout, model_preset
+from megatronapp.config import build_layout, model_preset
 from megatronapp.engine.overlap_update import chunk_units, partition_by_unit
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job
 from megatronapp.model.gpt import GPTChunk, TPContext
 from megatronapp.parallel.groups import single_process_groups
 

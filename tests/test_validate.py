@@ -1,6 +1,6 @@
 """cli.validate.validate directly, one rule at a time, for every launching command: each case
 changes one thing of a run that passes and must be refused with that rule's one-line message.
-(The model x training x layout rules are config.validate_job's: test_validate_job.py.)"""
+(The model x training x layout rules are job.validate_job's: test_validate_job.py.)"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Defaults live in one place, the config dataclasses (config.py): every flag that sets a
 field of one of the job's component configs (train, optimizer, precision, checkpoint,
 logging, integrity) is named by that field, defaults to None here, and only the flags a user
-gave are passed on (config.build_job routes each to its component), so the dataclass default
+gave are passed on (job.build_job routes each to its component), so the dataclass default
 applies otherwise. `--help` shows those defaults, read from the
 dataclasses.
 """
@@ -14,7 +14,6 @@ import argparse
 
 from megatronapp.config import (
     ATTENTION_BACKENDS,
-    FIELD_COMPONENTS,
     MODEL_PRESETS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
@@ -23,13 +22,12 @@ from megatronapp.config import (
     ConfigError,
     JobConfig,
     ModelConfig,
-    build_job,
     build_layout,
-    field_default,
     model_preset,
 )
 from megatronapp.dpp.config import add_dpp_arguments
 from megatronapp.fbd.cli import add_fbd_arguments, layout_world_size
+from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.scan.record.trace_config import add_trace_arguments
 

@@ -74,7 +74,7 @@ def _build_train_run(args: argparse.Namespace):
 def _print_config(job) -> None:
     from dataclasses import asdict
 
-    from megatronapp.config import FIELD_COMPONENTS
+    from megatronapp.job import FIELD_COMPONENTS
 
     print(json.dumps({"layout": asdict(job.layout), "model": asdict(job.model),
                       **{name: asdict(getattr(job, name)) for name in FIELD_COMPONENTS},

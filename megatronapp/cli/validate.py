@@ -8,12 +8,13 @@ calls `validate(run)` once, before any process starts. A broken rule raises a Va
 `main` prints it and exits with code 2. What cannot be read cannot be checked: a missing
 checkpoint or prompt file, or a flag that does not parse, is refused (in one line) by `build_run`.
 
-    TrainRun      megatronapp train (cli/run.py) (plain, --pipeline-schedule dynamic, --forward-backward-disaggregating, --scope)
+    TrainRun      megatronapp train (cli/run.py): plain, --pipeline-schedule dynamic,
+                  --forward-backward-disaggregating, --scope
     InferenceRun  megatronapp generate, scope capture (with a CaptureRequest), scope serve (with a port)
     TraceRun      megatronapp trace run
     ScheduleRun   megatronapp schedule simulate|show
 
-The rules themselves are the components' own pure checks (config.validate_job,
+The rules themselves are the components' own pure checks (job.validate_job,
 dpp.setup.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a user meets them.
 """
 
@@ -24,12 +25,13 @@ import os
 from megatronapp.cli.devices import check_job_devices
 from megatronapp.cli.injection import check_injection
 from megatronapp.cli.run import TrainRun
-from megatronapp.config import ConfigError, validate_job
+from megatronapp.config import ConfigError
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
 from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.engine.checkpoint import compute_model_config_mismatch
 from megatronapp.fbd.cli import check_fbd_job
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
+from megatronapp.job import validate_job
 from megatronapp.scan.trace_run import TraceRun, check_trace_run
 from megatronapp.scope.cli import check_capture
 from megatronapp.scope_ui.cli import check_port

@@ -145,7 +145,8 @@ class ScheduleRun:
     weight_grad_share: float
     forward_ms: str
     backward_ms: str
-    link: tuple[float | None, float, int, float]  # latency ms (None: default), bandwidth Gbps, message bytes, decision us
+    # latency ms (None: the default), bandwidth Gbps, message bytes, decision us
+    link: tuple[float | None, float, int, float]
     jitter: tuple[str, ...]
     from_trace: str | None
 

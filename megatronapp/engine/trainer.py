@@ -168,7 +168,8 @@ class Trainer:
         """One execution of the next optimizer step (`attempt` 1: its rerun)."""
         it = self.iteration
         self.tracer.step_begin(it)
-        lr = compute_lr(it - self.optimizer.skipped_iterations, self.job.optimizer, self.job.train.train_iters)  # skips do not advance it
+        # skipped steps do not advance the schedule
+        lr = compute_lr(it - self.optimizer.skipped_iterations, self.job.optimizer, self.job.train.train_iters)
         set_lr(self.optimizer, lr)
         self.reducer.zero_grad()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]

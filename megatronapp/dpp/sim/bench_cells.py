@@ -126,7 +126,8 @@ def predicted_step_s(grid: CellGrid, scenario: str, variant: str) -> float:
     per_task = grid.vpp / v  # a chunk of a non-virtual variant holds vpp chunks' layers
     cost = CostModel.uniform(pp, v, per_task, 2.0 * per_task, **sim)
     if schedule != "dynamic":
-        return simulate(pp, v, m, cost, schedule=build_schedule(schedule, pp, v, m), static_comm="rendezvous").makespan_s
+        built = build_schedule(schedule, pp, v, m)
+        return simulate(pp, v, m, cost, schedule=built, static_comm="rendezvous").makespan_s
     traversal = extra[extra.index("--dpp-traversal") + 1]
     return simulate(pp, v, m, cost, traversal=traversal, caps=compute_default_caps(pp, v, m),
                     split_backward="--no-split-backward" not in extra).makespan_s

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from megatronapp.config import build_layout
-from megatronapp.parallel.layout import RoleLayout
-from megatronapp.parallel.placement import (check_gpu_groups, compute_plain_placements, compute_role_placements,
-                                            engine_group_ranks, role_group_ranks)
+from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
+from megatronapp.parallel.placement import check_gpu_groups, compute_plain_placements, engine_group_ranks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fbd_bench.py"
 

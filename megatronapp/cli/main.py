@@ -85,19 +85,23 @@ def _print_config(job) -> None:
 
 
 def _train(args: argparse.Namespace, argv: list[str], run) -> int:
+    """Run the validated `run`: in this process (alone, or as a rank under a launcher), or on
+    --nproc-per-node local ranks, each of which builds and checks it again from the same flags."""
     if args.print_config:
         _print_config(run.job)
         return 0
     if under_launcher() or not args.nproc_per_node:
-        from megatronapp.cli.train import run_worker
+        from megatronapp.cli.train import run_rank
+        from megatronapp.data.tokenizer import load_tokenizer
 
+        tokenizer = load_tokenizer(run.tokenizer_model)
         if not under_launcher():
             from megatronapp.cli.launch import prepare_trace_dir, report_run
 
             prepare_trace_dir(args)
-            history = run_worker(args)
+            history = run_rank(run, tokenizer, summary_file=args.summary_file)
             return report_run(args, history, run.world_size)
-        run_worker(args)
+        run_rank(run, tokenizer, summary_file=args.summary_file)
         return 0
     from megatronapp.cli.launch import launch_train
 

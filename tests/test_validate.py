@@ -166,3 +166,21 @@ def test_every_launching_command_is_validated_by_main(argv):
 
     args = build_parser().parse_args(argv)
     assert callable(args.build_run) and callable(args.launch) and not hasattr(args, "func")
+
+
+def test_injections_come_only_from_the_inject_flags_or_the_fault_environment(monkeypatch):
+    from megatronapp.cli.injection import build_injection_config
+    from megatronapp.cli.main import build_parser
+
+    monkeypatch.delenv("MEGATRONAPP_INJECT_SLOWDOWN", raising=False)
+    monkeypatch.delenv("MEGATRONAPP_INJECT_LINK_DELAY", raising=False)
+    parse = build_parser().parse_args
+    none = build_injection_config(parse(["train"]))
+    assert none.faults.empty and none.jitter == () and none.fbd == FbdInjection()
+    inj = build_injection_config(parse(["train", "--inject-slowdown", "1:2", "--inject-jitter", "3:1.5:7",
+                                        "--forward-backward-disaggregating", "--inject-crash", "2:5"]))
+    assert inj.faults.slowdowns[1].factor == 2.0 and inj.jitter == (JitterSpec(3, 1.5, 7),)
+    assert inj.fbd.crash == (2, 5) and inj.fbd.random_delay_ms == 0.0
+    assert inj.spec_dict == {"inject_slowdown": ["1:2"], "inject_link_delay": [], "inject_jitter": ["3:1.5:7"]}
+    monkeypatch.setenv("MEGATRONAPP_INJECT_SLOWDOWN", "0:3")  # how `trace run` and the fault lab pass faults
+    assert build_injection_config(parse(["train"])).faults.slowdowns[0].factor == 3.0

@@ -66,8 +66,9 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
     folder = Path(save_dir) / f"iter_{it:07d}"
     if g.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        meta = {"iteration": it, "layout": asdict(trainer.job.layout),
-                "model": asdict(trainer.job.model), "train": asdict(trainer.job.train)}
+        job = trainer.job  # the settings beside the model are a record only: a resume takes its own flags
+        meta = {"iteration": it, "layout": asdict(job.layout), "model": asdict(job.model),
+                **{name: asdict(getattr(job, name)) for name in ("train", "optimizer", "precision")}}
         write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     _barrier(g.world)
     state = _shard_state(trainer)

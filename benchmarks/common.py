@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
+from megatronapp.config import JobConfig, build_layout, model_preset
+from megatronapp.job import build_job
 from megatronapp.paired import bootstrap_median_ci
 
 __all__ = ["FixedBatches", "bootstrap_median_ci", "make_job", "sync", "timed_seconds"]
@@ -39,11 +40,11 @@ def make_job(preset: str, micro_batch: int, num_micro: int, *, tp: int = 1, pp: 
              model_overrides: dict | None = None, **train_kw) -> JobConfig:
     """A job of `preset` on a TP x PP x DP layout with `num_micro` microbatches of `micro_batch`
     per DP rank per step; trains "forever" (the benchmark decides how many steps), lr 1e-4.
-    `train_kw` are further TrainConfig fields (bf16, compile, recompute_granularity, ...)."""
+    `train_kw` are further fields of the job's component configs (bf16, compile, recompute_granularity, ...)."""
     model = model_preset(preset, **(model_overrides or {}))
     train_kw = {"train_iters": 10**6, "lr": 1e-4, **train_kw}
-    train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=micro_batch * num_micro * dp, **train_kw)
-    return JobConfig(model=model, train=train, layout=build_layout(tp * pp * dp, tp, pp))
+    return build_job(model, build_layout(tp * pp * dp, tp, pp), micro_batch_size=micro_batch,
+                     global_batch_size=micro_batch * num_micro * dp, **train_kw)
 
 
 def sync(device: torch.device | str) -> None:

@@ -28,6 +28,9 @@ simulator study), translated to global ranks for the layout; on the default PP4 
     python benchmarks/dpp_bench.py --pp 8 --microbatches 16 --num-layers 16 --out runs/dpp_pp8  # PP8 V2 M16
     python benchmarks/dpp_bench.py --smoke --out /tmp/dpp_smoke         # tiny, a couple of minutes
 
+The variants, a cell's flags, the plan, the records and their statistics are
+megatronapp/dpp/sim/bench_cells.py; this script launches the jobs.
+
 --trace-cells adds one traced pass of every cell after the repeats (OUT/traces/SCENARIO__VARIANT,
 not in the statistics); benchmarks/dpp_trace_gap.py OUT then splits each variant's measured
 iteration into what its traced task times, waits and host gaps explain, against the simulator.
@@ -39,10 +42,8 @@ import argparse
 import gc
 import json
 import os
-import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,34 +51,16 @@ import threading
 import time
 from pathlib import Path
 
+from megatronapp.dpp.sim.bench_cells import (TORCH_ZB, TRACED_REPEAT, VARIANTS, CellGrid, append_record, build_plan,
+                                             compute_summary, compute_train_argv, make_record, run_cells)
 from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_flags
 from torch_zb_cell import UNSUPPORTED, run_torch_zb_cell
 
-VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
-    "1f1b": ("1f1b", False, []),
-    "interleaved": ("interleaved", True, []),
-    "breadth-first": ("looped-bfs", True, []),
-    # static zero-bubble schedules: backward split into I and W, W in the unit-cost bubbles
-    "zb-h1": ("zb-h1", False, []),
-    "interleaved-zb": ("interleaved-zb", True, []),
-    # the dynamic runtime without W filling (whole backward), as published before the split
-    "dynamic-df": ("dynamic", True, ["--dpp-traversal", "depth-first", "--no-split-backward"]),
-    "dynamic-adaptive": ("dynamic", True, ["--dpp-traversal", "adaptive", "--no-split-backward"]),
-    "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order", "--no-split-backward"]),
-    # sends on the compute thread, as before the sender thread (p2p.outbox.Outbox); dynamic-inorder's
-    # default (auto) uses the thread where each rank has a spare core, as on the 16-core host
-    "dynamic-inorder-inline": ("dynamic", True, ["--dpp-traversal", "in-order", "--dpp-send-thread", "off",
-                                                 "--no-split-backward"]),
-    # the default dynamic schedule: in-order with W filling (split backward)
-    "dynamic-w": ("dynamic", True, ["--dpp-traversal", "in-order"]),
-    # PyTorch's ScheduleInterleavedZeroBubble on the same chunks (torch_zb_cell.py; the flags
-    # only describe the model and layout; persistent mode, balanced scenario only)
-    "torch-zb": ("interleaved", True, []),
-}
-TORCH_ZB = "torch-zb"
-
-
-TRACED_REPEAT = -1  # the --trace-cells pass: traced, left out of the statistics
+def grid_of(a) -> CellGrid:
+    """The cells' shared job from the parsed flags."""
+    return CellGrid(nproc=a.nproc, pp=a.pp, vpp=a.vpp, microbatches=a.microbatches, num_layers=a.num_layers,
+                    hidden_size=a.hidden_size, heads=a.heads, seq_length=a.seq_length, iters=a.iters,
+                    device=a.device, seed=a.seed, simulate_scenarios=not a.smoke, scenario_flags=a.scenario_flags)
 
 
 def trace_dir_of(a, scenario: str, variant: str) -> Path:
@@ -86,17 +69,8 @@ def trace_dir_of(a, scenario: str, variant: str) -> Path:
 
 def _train_argv(a, variant: str, scenario: str, metrics: str, repeat: int = 0) -> list[str]:
     """`megatronapp train` arguments of a cell, without the launch: for ranks already running."""
-    schedule, virtual, extra = VARIANTS[variant]
-    argv = ["train", "--device", a.device, "--model", "demo", "--pipeline-model-parallel-size", str(a.pp),
-            "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--seq-length", str(a.seq_length),
-            "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches * (a.nproc // a.pp)),
-            "--train-iters", str(a.iters), "--log-interval", "1", "--pipeline-schedule", schedule,
-            "--metrics-file", metrics, *extra, *a.scenario_flags[scenario]]
-    if virtual:
-        argv += ["--num-layers-per-virtual-pipeline-stage", str(a.num_layers // (a.pp * a.vpp))]
-    if repeat == TRACED_REPEAT:  # every iteration, base spans: what dpp_trace_gap.py reads
-        argv += ["--trace", "--trace-dir", str(trace_dir_of(a, scenario, variant))]
-    return argv
+    trace_dir = str(trace_dir_of(a, scenario, variant)) if repeat == TRACED_REPEAT else None
+    return compute_train_argv(grid_of(a), variant, scenario, metrics, trace_dir)
 
 
 def _train_cmd(a, variant: str, scenario: str, metrics: str, repeat: int = 0) -> list[str]:
@@ -136,7 +110,8 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
                 break
             if variant == TORCH_ZB and scenario != "balanced":
                 if rank == 0:
-                    _append(log, {"scenario": scenario, "variant": variant, "repeat": rep, "error": UNSUPPORTED})
+                    append_record(log, {"scenario": scenario, "variant": variant, "repeat": rep,
+                                        "error": UNSUPPORTED})
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 metrics, start = os.path.join(tmp, "m.jsonl"), time.time()
@@ -151,9 +126,9 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
                     if variant != TORCH_ZB:
                         lines = Path(metrics).read_text().splitlines()
                         steps = [json.loads(line)["step_time_s"] for line in lines][a.warmup:]
-                    rec = _record(a, scenario, variant, rep, steps, time.time() - start)
+                    rec = make_record(grid_of(a), scenario, variant, rep, steps, time.time() - start)
                     rec["process"] = process_state()  # rank 0's, after the cell: a leak across cells shows here
-                    _append(log, rec)
+                    append_record(log, rec)
                     _progress(k + 1, len(plan), t0, rep, scenario, variant, rec)
     finally:
         if log is not None:
@@ -216,61 +191,6 @@ def run_once(a, variant: str, scenario: str, repeat: int = 0) -> list[float]:
     return steps[a.warmup:]
 
 
-def schedule_peaks(a, variant: str) -> list[int]:
-    """Peak in-flight activation sets per pipeline rank (static: simulated; dynamic: the cap)."""
-    from megatronapp.dpp.scheduler import compute_default_caps
-    from megatronapp.pipeline.schedules import build_schedule
-    from megatronapp.pipeline.zero_bubble import compute_peak_live
-
-    schedule, virtual, _ = VARIANTS[variant]
-    v = a.vpp if virtual else 1
-    if schedule == "dynamic":
-        return compute_default_caps(a.pp, v, a.microbatches)
-    built = build_schedule(schedule, a.pp, v, a.microbatches)  # a set lives from its F to its B (or W)
-    return [compute_peak_live([x for x in built.for_rank(p) if not x.kind.is_comm]) for p in range(a.pp)]
-
-
-def predicted_step_s(a, scenario: str, variant: str) -> float:
-    """The simulator's step time for a cell, in units of one virtual stage's forward (F = 1,
-    B = 2 = I + W; the scenario's link delays stay in seconds, so they weigh as F = 1 s): the
-    scenario's jitter and link delays, static schedules under the rendezvous comm model (what the
-    static runtime does on gloo), dynamic ones at their default caps. Uniform task times: a
-    prediction of the schedule's effect, not of this host's absolute times."""
-    from megatronapp.dpp.scheduler import compute_default_caps
-    from megatronapp.dpp.sim.scenarios import compute_scenario_sim
-    from megatronapp.dpp.sim.simulator import CostModel, simulate
-    from megatronapp.pipeline.schedules import build_schedule
-
-    schedule, virtual, extra = VARIANTS[variant]
-    schedule = "interleaved-zb" if variant == TORCH_ZB else schedule  # torch's: our interleaved-zb's idea
-    v, m = (a.vpp if virtual else 1), a.microbatches
-    sim = compute_scenario_sim(scenario, a.pp, a.seed) if not a.smoke else {}
-    per_task = a.vpp / v  # a chunk of a non-virtual variant holds vpp chunks' layers
-    cost = CostModel.uniform(a.pp, v, per_task, 2.0 * per_task, **sim)
-    if schedule != "dynamic":
-        return simulate(a.pp, v, m, cost, schedule=build_schedule(schedule, a.pp, v, m),
-                        static_comm="rendezvous").makespan_s
-    traversal = extra[extra.index("--dpp-traversal") + 1]
-    return simulate(a.pp, v, m, cost, traversal=traversal, caps=compute_default_caps(a.pp, v, m),
-                    split_backward="--no-split-backward" not in extra).makespan_s
-
-
-def memory_fields(a, variant: str) -> dict:
-    """Peak in-flight sets per pipeline rank and the activation memory they stand for."""
-    layers = a.num_layers // (a.pp * (a.vpp if VARIANTS[variant][1] else 1))
-    peaks = schedule_peaks(a, variant)
-    s, h = a.seq_length, a.hidden_size
-    per_layer = 2 * s * h * (34 + 5 * a.heads * s / h)  # fp32, micro-batch 1, no recompute (estimate)
-    return {"peak_inflight_sets": peaks, "layers_per_set": layers,
-            "layer_input_MiB": [round(p * layers * s * h * 4 / 2**20, 2) for p in peaks],
-            "activation_MiB_est": [round(p * layers * per_layer / 2**20, 1) for p in peaks]}
-
-
-def _record(a, scenario: str, variant: str, repeat: int, steps: list[float], wall_s: float) -> dict:
-    return {"scenario": scenario, "variant": variant, "repeat": repeat, "median_s": statistics.median(steps),
-            "steps_s": steps, "wall_s": round(wall_s, 1), **memory_fields(a, variant)}
-
-
 def process_state() -> dict:
     """Threads (native ones too: gloo's), open file descriptors and resident MiB of this
     process (Linux; {} elsewhere), and the Python objects the garbage collector tracks with its
@@ -284,83 +204,30 @@ def process_state() -> dict:
             "gc_objects": len(gc.get_objects()), "gc_full_collections": gc.get_stats()[2]["collections"]}
 
 
-def _append(log, rec: dict) -> None:
-    log.write(json.dumps(rec) + "\n")
-    log.flush()
-    os.fsync(log.fileno())
-
-
 def _progress(done: int, total: int, t0: float, rep: int, scenario: str, variant: str, rec: dict) -> None:
     what = f"{rec['median_s'] * 1e3:.1f} ms/iter" if "median_s" in rec else "FAILED: " + rec["error"][-200:]
     print(f"[{done}/{total}] {time.time() - t0:5.0f} s  repeat {rep} {scenario}/{variant}: {what} "
           f"({rec['wall_s']:.0f} s)", flush=True)
 
 
-def measure_cell(a, scenario: str, variant: str, repeat: int, log) -> dict:
-    """Run one cell as its own job and append its record to the JSONL log at once (flushed)."""
-    t0 = time.time()
-    try:
-        rec = _record(a, scenario, variant, repeat, run_once(a, variant, scenario, repeat), time.time() - t0)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        rec = {"scenario": scenario, "variant": variant, "repeat": repeat, "error": str(exc)[-500:],
-               "wall_s": round(time.time() - t0, 1)}
-    _append(log, rec)
-    return rec
-
-
-def _measured(records: list[dict]) -> list[dict]:
-    """The records that count: measured, and not from the traced pass."""
-    return [r for r in records if "median_s" in r and r["repeat"] != TRACED_REPEAT]
-
-
-def paired_speeds(records: list[dict], scenario: str, variant: str) -> list[float]:
-    """Per repeat that measured both: interleaved's time over `variant`'s (cells of one repeat run
-    close together, so a slow phase of the host hits both: the ratio cancels it)."""
-    by = {(r["variant"], r["repeat"]): r["median_s"] for r in _measured(records) if r["scenario"] == scenario}
-    return [by[("interleaved", rep)] / by[(variant, rep)] for (v, rep) in sorted(by)
-            if v == variant and ("interleaved", rep) in by]
-
-
-def _paired_summary(records: list[dict], scenario: str, variant: str) -> dict | None:
-    from common import bootstrap_median_ci
-
-    speeds = paired_speeds(records, scenario, variant)
-    if len(speeds) < 2:
-        return None
-    med, lo, hi = bootstrap_median_ci(speeds)
-    return {"median": med, "ci95": [lo, hi], "n": len(speeds), "speeds": speeds}
-
-
-def summarize(a, records: list[dict]) -> dict:
-    """Per scenario and variant: median over repeats, spread, speed vs interleaved (ratio of the
-    medians, and the median of per-repeat paired ratios with a 95 % bootstrap interval), memory."""
-    times: dict = {}
-    for r in _measured(records):
-        times.setdefault((r["scenario"], r["variant"]), []).append(r["median_s"])
-    out = {}
+def print_summary(a, summary: dict) -> None:
+    """Per scenario and variant: median over repeats, spread, speed vs interleaved (measured,
+    simulated, paired per repeat with its 95 % interval), peak in-flight sets and memory."""
     for scenario in a.scenarios:
-        base = statistics.median(times[(scenario, "interleaved")]) if (scenario, "interleaved") in times else None
         print(f"\n{scenario}: median ms/iteration over repeats (spread), speed vs interleaved")
         for variant in a.variants:
-            runs = times.get((scenario, variant))
-            if not runs:
+            row = summary.get(f"{scenario}/{variant}")
+            if row is None:
                 print(f"  {variant:<17} not measured")
                 continue
-            med = statistics.median(runs)
-            speed = base / med if base else float("nan")
-            mem = memory_fields(a, variant)
-            predicted = predicted_step_s(a, scenario, "interleaved") / predicted_step_s(a, scenario, variant)
-            print(f"  {variant:<17} {med * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f}, n={len(runs)})"
-                  f"  x{speed:.3f} (simulated x{predicted:.3f})  peak sets {mem['peak_inflight_sets']} x {mem['layers_per_set']} layer(s), "
-                  f"~{mem['activation_MiB_est']} MiB")
-            paired = _paired_summary(records, scenario, variant) if variant != "interleaved" else None
+            runs, paired = row["runs_s"], row["paired_speed_vs_interleaved"]
+            print(f"  {variant:<17} {row['median_s'] * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f}, "
+                  f"n={len(runs)})  x{row['speed_vs_interleaved']:.3f} (simulated "
+                  f"x{row['simulated_speed_vs_interleaved']:.3f})  peak sets {row['peak_inflight_sets']} x "
+                  f"{row['layers_per_set']} layer(s), ~{row['activation_MiB_est']} MiB")
             if paired:
                 print(f"  {'':<17} paired per repeat x{paired['median']:.3f} "
                       f"[95% CI {paired['ci95'][0]:.3f}, {paired['ci95'][1]:.3f}], n={paired['n']}")
-            out[f"{scenario}/{variant}"] = {"median_s": med, "runs_s": runs, "speed_vs_interleaved": speed,
-                                            "simulated_speed_vs_interleaved": predicted,
-                                            "paired_speed_vs_interleaved": paired, **mem}
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -418,30 +285,20 @@ def parse_args(argv):
     return a
 
 
-def build_plan(a) -> list[tuple[int, str, str]]:
-    """(repeat, scenario, variant) for every cell; the cells of each repeat shuffled by --seed."""
-    rng, cells, plan = random.Random(a.seed), [(s, v) for s in a.scenarios for v in a.variants], []
-    for rep in range(a.repeats):
-        rng.shuffle(cells)
-        plan += [(rep, s, v) for s, v in cells]
-    if a.trace_cells:
-        rng.shuffle(cells)
-        plan += [(TRACED_REPEAT, s, v) for s, v in cells]
-    return plan
-
-
 def run_isolated(a, plan: list[tuple[int, str, str]]) -> list[dict]:
-    records, t0, slowest = [], time.time(), 0.0
+    """Every cell as its own `megatronapp train` job (--isolated), each record on disk at once."""
+    t0 = time.time()
+
+    def measure(rep: int, scenario: str, variant: str) -> dict:
+        start = time.time()
+        return make_record(grid_of(a), scenario, variant, rep, run_once(a, variant, scenario, rep), time.time() - start)
+
     with open(Path(a.out) / "dpp_bench.jsonl", "a") as log:
-        for rep, scenario, variant in plan:
-            elapsed = time.time() - t0
-            if a.budget_s is not None and elapsed + slowest > a.budget_s:
-                print(f"budget: {elapsed:.0f} s used, the next cell may take {slowest:.0f} s: stopping", flush=True)
-                break
-            rec = measure_cell(a, scenario, variant, rep, log)
-            records.append(rec)
-            slowest = max(slowest, rec["wall_s"])
-            _progress(len(records), len(plan), t0, rep, scenario, variant, rec)
+        records = run_cells(plan, measure, log, budget_s=a.budget_s, clock=time.time,
+                            on_record=lambda done, rec: _progress(done, len(plan), t0, rec["repeat"], rec["scenario"],
+                                                                  rec["variant"], rec))
+    if len(records) < len(plan):
+        print(f"budget: {time.time() - t0:.0f} s used, the next cell would not end in time: stopped", flush=True)
     return records
 
 
@@ -455,9 +312,10 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     if a.trace_cells:  # a trace directory holds one cell's ranks, never an older run's
         shutil.rmtree(Path(a.out) / "traces", ignore_errors=True)
-    plan = build_plan(a)
+    plan = build_plan(a.scenarios, a.variants, a.repeats, a.seed, a.trace_cells)
     records = run_isolated(a, plan) if a.isolated else run_persistent(a, plan)
-    results = summarize(a, records)
+    results = compute_summary(grid_of(a), a.scenarios, a.variants, records)
+    print_summary(a, results)
     path = Path(a.out) / "dpp_bench.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"args": vars(a), "results": results, "records": records}, indent=1))

@@ -46,14 +46,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import make_job as make_bench_job  # noqa: E402
 from plain_gpt import PlainGPT  # noqa: E402
 
-from megatronapp.config import IntegrityConfig, JobConfig, TrainConfig, build_layout, model_preset  # noqa: E402
+from megatronapp.config import IntegrityConfig, JobConfig, build_layout, model_preset  # noqa: E402
 from megatronapp.engine.determinism import compute_deterministic_env  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
+from megatronapp.job import replace_fields  # noqa: E402
 from megatronapp.model.gpt import compile_counts  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 
 PEAK = 989e12
-# fp8_loss: the runs beside bf16 (--loss-variants), each a TrainConfig override
+# fp8_loss: the runs beside bf16 (--loss-variants), each a precision override
 LOSS_VARIANTS = {"bf16": {}, "fp8_hybrid": {"fp8_format": "hybrid"},
                  "fp8_hybrid_delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed"}}
 DEV = torch.device("cuda")
@@ -195,7 +196,7 @@ CHECKS = dict(check_for_spiky_loss=True, check_for_large_grads=True)
 def _variants(job: JobConfig, data: Batches) -> dict:
     """name -> factory of a step function: the engine as measured, its alternatives, the twin."""
     def engine(integrity: dict | None = None, **kw):
-        checked = replace(job, train=replace(job.train, **kw), integrity=IntegrityConfig(**(integrity or {})))
+        checked = replace(replace_fields(job, **kw), integrity=IntegrityConfig(**(integrity or {})))
         return _engine_factory(checked, data)
     return {"engine": engine(), "engine_no_checks": engine({"check_for_nan_in_loss_and_grad": False}),
             "engine_checks": engine(CHECKS), "engine_rerun": engine({**CHECKS, "rerun_mode": "validate_results"}),
@@ -238,7 +239,7 @@ def bench_fp8_loss(args, results: dict) -> None:
     for name in ["bf16"] + [v for v in args.loss_variants.split(",") if v != "bf16"]:
         kw = LOSS_VARIANTS[name]
         job = make_job(4, args.num_micro, compile=True, **kw)
-        job = replace(job, train=replace(job.train, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps))
+        job = replace_fields(job, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps)
         data = DistributedBatchIterator(build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
                                         micro_batch_size=4, global_batch_size=job.train.global_batch_size,
                                         dp_rank=0, dp_size=1, seed=job.train.seed)
@@ -261,7 +262,7 @@ def bench_split(args, results: dict) -> None:
     job = make_job(2, args.num_micro, split_backward=False)
     data = Batches(job.model.padded_vocab_size, 2, job.model.seq_length, args.num_micro)
     variants = {"engine_eager": _engine_factory(job, data),
-                "engine_eager_split": _engine_factory(replace(job, train=replace(job.train, split_backward=True)), data)}
+                "engine_eager_split": _engine_factory(replace_fields(job, split_backward=True), data)}
     out = _interleave(variants, args)
     _annotate(out, job)
     out["split_cost"] = out["engine_eager_split"]["step_s"] / out["engine_eager"]["step_s"] - 1.0
@@ -274,7 +275,7 @@ def bench_recompute(args, results: dict) -> None:
     variants = {}
     for name, kw in (("none", {}), ("selective", {"recompute_granularity": "selective"}),
                      ("full", {"recompute_granularity": "full"})):
-        variants[name] = _engine_factory(replace(base, train=replace(base.train, **kw)), data)
+        variants[name] = _engine_factory(replace_fields(base, **kw), data)
     out = _interleave(variants, args)
     _annotate(out, base)
     results["recompute"] = out

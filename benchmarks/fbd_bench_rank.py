@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronapp.config import JobConfig, build_layout, validate_job
+from megatronapp.config import JobConfig, build_layout
+from megatronapp.job import validate_job
 
 from common import FixedBatches, make_job
 
@@ -110,11 +111,11 @@ def run_probe(s: RankSetup, cfg, micro_batch: int, microbatches: int, steps: int
         worker = Trainer(job, s.groups, s.device, FixedBatches(job, dp_rank=s.groups.dp_rank))
         out["step_s"] = _timed(worker, warmup + steps, warmup)
     else:
-        fbd = FbdConfig(forward_tp_size=cfg.tf, max_ahead=cfg.max_ahead,
-                        injection=FbdInjection(free_forward=s.variant == "free_forward"))
+        fbd = FbdConfig(forward_tp_size=cfg.tf, max_ahead=cfg.max_ahead)
+        injection = FbdInjection(free_forward=s.variant == "free_forward")
         data = FixedBatches(job, dp_rank=s.groups.coords.dp)
         cls = ForwardWorker if s.is_forward else BackwardWorker
-        worker = cls(job, fbd, s.groups, s.device, data, links=s.links)
+        worker = cls(job, fbd, s.groups, s.device, data, links=s.links, injection=injection)
         if s.is_forward:
             worker.train(warmup + steps)
         else:

@@ -29,11 +29,12 @@ import time
 
 import torch
 
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
+from megatronapp.config import build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model, read_model_config
+from megatronapp.job import build_job
 from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope.capture import capture
 from megatronapp.scope.compress import DEFAULT_COMPRESS
@@ -49,8 +50,7 @@ class _NoData:
 
 
 def write_preset_checkpoint(preset: str, device) -> str:
-    job = JobConfig(model=model_preset(preset, vocab_size=50304), train=TrainConfig(train_iters=1),
-                    layout=build_layout(1, 1, 1))
+    job = build_job(model_preset(preset, vocab_size=50304), build_layout(1, 1, 1), train_iters=1)
     trainer = Trainer(job, single_process_groups(), device, _NoData())
     folder = tempfile.mkdtemp(prefix="gen-bench-")
     save_checkpoint(folder, trainer, _NoData())

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatronapp.engine.integrity import compare_runs, tabulate_flagged
+
 ROOT = Path(__file__).resolve().parents[1]
 SPIKE_COMMAND = ["--model", "1.3b", "--bf16", "--compile", "--micro-batch-size", "4", "--global-batch-size", "4",
                  "--make-vocab-size-divisible-by", "50304"]
@@ -30,23 +32,6 @@ CHECK_FLAGS = ["--check-for-spiky-loss", "--check-for-large-grads", "--rerun-mod
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def compare_runs(first: list[dict], second: list[dict]) -> dict:
-    """Bit-for-bit comparison of two runs' per-step loss and grad norm (floats from JSON
-    round-trip exactly)."""
-    differing = [a["iteration"] for a, b in zip(first, second)
-                 if (a["loss"], a["grad_norm"]) != (b["loss"], b["grad_norm"])]
-    return {"steps": min(len(first), len(second)), "identical": not differing and len(first) == len(second),
-            "first_differing_iteration": differing[0] if differing else None, "differing_steps": len(differing)}
-
-
-def tabulate_flagged(runs: dict[str, list[dict]]) -> list[dict]:
-    """One row per flagged step of every run: run, iteration, flags, loss, grad norm, verdict, ranks."""
-    return [{"run": name, "iteration": r["iteration"], "flags": r["flags"], "loss": r["loss"],
-             "grad_norm": r["grad_norm"], "verdict": (r.get("rerun") or {}).get("verdict"),
-             "ranks": (r.get("rerun") or {}).get("ranks")}
-            for name, rows in runs.items() for r in rows if r.get("flags")]
 
 
 def _train(out: Path, name: str, iters: int, extra: list[str], timeout: float) -> list[dict]:

@@ -31,11 +31,12 @@ import time
 
 import torch
 
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
+from megatronapp.config import build_layout, model_preset
 from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.engine.trainer import Trainer
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model
+from megatronapp.job import build_job
 from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope_ui.protocol import Limits
 from megatronapp.scope_ui.runner import GenerationRunner
@@ -182,9 +183,9 @@ def bench_training(args, device) -> dict:
     from megatronapp.scope_ui.training import TrainingScope
 
     model = model_preset(args.train_model)
-    train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                        train_iters=10**9, log_interval=1, bf16=args.bf16 and device.type == "cuda")
-    job = JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
+    job = build_job(model, build_layout(1, 1, 1), micro_batch_size=args.micro_batch_size,
+                    global_batch_size=args.global_batch_size, train_iters=10**9, log_interval=1,
+                    bf16=args.bf16 and device.type == "cuda")
     from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset
 
     tok = load_tokenizer(None)

@@ -67,7 +67,7 @@ def _train(job, groups, warmup: int) -> list[float]:
                             group=groups.pp) for i, c in enumerate(chunks)]
     schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=job.num_microbatches, loss_fn=_loss)
     params = [p for c in chunks for p in c.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=job.train.lr)
+    optimizer = torch.optim.AdamW(params, lr=job.optimizer.lr)
     gen = torch.Generator().manual_seed(1000 + groups.dp_rank)
     steps = []
     for _ in range(job.train.train_iters):

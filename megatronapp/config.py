@@ -1,15 +1,17 @@
-"""Configuration dataclasses for model, training and data, with named model presets.
+"""Configuration dataclasses, the one place their defaults are written: the model (with named
+presets) and one config per component of a training job (schedule and batches, optimizer,
+precision, checkpoints, logging, step checks), nested in JobConfig.
 
-Every constraint that ties configs to a parallel layout is checked by `validate_job`,
-which the CLI calls before any process is launched, so a bad combination fails with
-one line instead of a hang.
+Each config checks its own fields when built. The rules between configs and against the
+parallel layout are job.validate_job's, which the CLI calls before any process is launched,
+so a bad combination fails with one line instead of a hang.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_ALIGNMENT, FP8_FORMATS, FP8_RECIPES
+from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -129,82 +131,33 @@ ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Batches, iterations, the pipeline schedule and how each step computes (Megatron's names)."""
+
     micro_batch_size: int = 2
     global_batch_size: int = 16
     train_iters: int = 100
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    lr_warmup_iters: int = 10
-    lr_decay_iters: int = 0  # 0 -> train_iters
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
     seed: int = 1234
     schedule: str = "1f1b"  # one of SCHEDULES; interleaved needs virtual stages; dynamic: megatronapp/dpp
-    # Mixed precision as Megatron: bf16/fp16 params and activations, fp32 main grads and
-    # master weights (engine.mixed_precision). fp16 uses loss scaling: static when
-    # loss_scale is set, else dynamic (engine.grad_scaler).
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float | None = None
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    # FP8 GEMMs in the transformer layers' linears (parallel/fp8.py), with --bf16 or --fp16:
-    # Megatron's --fp8-format e4m3|hybrid, --fp8-recipe tensorwise|delayed and the delayed
-    # recipe's --fp8-amax-history-len / --fp8-amax-compute-algo / --fp8-margin (Megatron's defaults)
-    fp8_format: str | None = None
-    fp8_recipe: str = "tensorwise"
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"
-    fp8_margin: int = 0
-    first_last_layers_bf16: bool = False  # Megatron's: the first / last layers' GEMMs stay bf16
-    num_layers_at_start_in_bf16: int = 1
-    num_layers_at_end_in_bf16: int = 1
-    use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over DP
-    overlap_param_gather: bool = False  # distributed optimizer: all-gather params during the next forward
     compile: bool = False  # torch.compile each block's local math (GPU; see model.gpt.apply_compile)
     overlap_grad_reduce: bool = True
+    grad_bucket_mb: float = 25.0
     # split backward (parallel/wgrad_defer.py): each backward runs as I (input gradient) and W
     # (deferred weight-gradient GEMMs). None: as the schedule needs (on for the zero-bubble
     # schedules and for dynamic, whose ranks fill their waits with W, unless --compile; off
     # for the others)
     split_backward: bool | None = None
-    # bf16/fp16: weight-gradient GEMMs accumulate straight into the fp32 main grads
-    # (Megatron's --gradient-accumulation-fusion, on by default there too; parallel/wgrad_fusion.py)
-    gradient_accumulation_fusion: bool = True
-    # bf16/fp16 on CUDA: one Triton kernel per tensor does AdamW on the fp32 master weight, the
-    # clip and the write of the model weight (as TE's FusedAdam with master weights; engine/master_adam.py)
-    fused_master_adamw: bool = True
-    # the fused master AdamW on a side stream, unit by unit, beside the next step's forward
-    # (engine/overlap_update.py); CUDA only
-    overlap_param_update: bool = False
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
     recompute_method: str = "uniform"  # uniform | block, for full recompute
     recompute_num_layers: int = 1
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (model/attention_kernels.py)
-    grad_bucket_mb: float = 25.0
-    log_interval: int = 1
-    save: str | None = None
-    load: str | None = None
-    save_interval: int = 0
-    metrics_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
-        if self.clip_grad < 0:
-            raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
-        self._check_precision()
         self._check_split_backward()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"unknown attention backend {self.attention_backend!r}; "
@@ -213,16 +166,6 @@ class TrainConfig:
             self.recompute_config()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-    def fp8_layers(self, num_layers: int) -> range:
-        """Global indices of the layers whose GEMMs run in FP8 (empty without --fp8-format).
-        --first-last-layers-bf16 keeps the layers nearest the embedding and the output in bf16:
-        they are the most sensitive to FP8's rounding (Megatron's option)."""
-        if self.fp8_format is None:
-            return range(0)
-        if not self.first_last_layers_bf16:
-            return range(num_layers)
-        return range(self.num_layers_at_start_in_bf16, num_layers - self.num_layers_at_end_in_bf16)
 
     def uses_split_backward(self) -> bool:
         """Whether backward runs as I and W tasks (split_backward, resolved against the schedule)."""
@@ -242,7 +185,67 @@ class TrainConfig:
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
 
-    def _check_precision(self) -> None:
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, its learning-rate schedule (linear warm-up, cosine decay to min_lr), clipping and
+    where its state lives (engine/optim.py, engine/mixed_precision.py)."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 10
+    lr_decay_iters: int = 0  # 0 -> train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    use_distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over DP
+    overlap_param_gather: bool = False  # distributed optimizer: all-gather params during the next forward
+    # bf16/fp16 on CUDA: one Triton kernel per tensor does AdamW on the fp32 master weight, the
+    # clip and the write of the model weight (as TE's FusedAdam with master weights; engine/master_adam.py)
+    fused_master_adamw: bool = True
+    # the fused master AdamW on a side stream, unit by unit, beside the next step's forward
+    # (engine/overlap_update.py); CUDA only
+    overlap_param_update: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed precision as Megatron: bf16/fp16 params and activations, fp32 main grads and master
+    weights (engine.mixed_precision). fp16 uses loss scaling: static when loss_scale is set, else
+    dynamic (engine.grad_scaler). FP8 GEMMs in the transformer layers' linears (parallel/fp8.py),
+    with bf16 or fp16: Megatron's --fp8-format e4m3|hybrid, --fp8-recipe tensorwise|delayed and
+    the delayed recipe's amax history, compute algorithm and margin (Megatron's defaults)."""
+
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    fp8_format: str | None = None
+    fp8_recipe: str = "tensorwise"
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_margin: int = 0
+    first_last_layers_bf16: bool = False  # Megatron's: the first / last layers' GEMMs stay bf16
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    # bf16/fp16: weight-gradient GEMMs accumulate straight into the fp32 main grads
+    # (Megatron's --gradient-accumulation-fusion, on by default there too; parallel/wgrad_fusion.py)
+    gradient_accumulation_fusion: bool = True
+
+    def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive")
         if self.loss_scale is not None and self.loss_scale <= 0:
@@ -250,14 +253,31 @@ class TrainConfig:
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             raise ConfigError(f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
                               f"({self.initial_loss_scale})")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
-        if self.overlap_param_update and not ((self.bf16 or self.fp16) and self.fused_master_adamw):
-            raise ConfigError("--overlap-param-update needs --bf16 or --fp16 and the fused master AdamW")
+        for name in ("loss_scale_window", "hysteresis"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_fp8()
+
+    @property
+    def half(self) -> bool:
+        """bf16 or fp16 params and activations."""
+        return self.bf16 or self.fp16
+
+    def fp8_layers(self, num_layers: int) -> range:
+        """Global indices of the layers whose GEMMs run in FP8 (empty without --fp8-format).
+        --first-last-layers-bf16 keeps the layers nearest the embedding and the output in bf16:
+        they are the most sensitive to FP8's rounding (Megatron's option)."""
+        if self.fp8_format is None:
+            return range(0)
+        if not self.first_last_layers_bf16:
+            return range(num_layers)
+        return range(self.num_layers_at_start_in_bf16, num_layers - self.num_layers_at_end_in_bf16)
+
+    def _check_fp8(self) -> None:
         if self.fp8_format is not None:
             if self.fp8_format not in FP8_FORMATS:
                 raise ConfigError(f"unknown fp8 format {self.fp8_format!r}; choose from {', '.join(FP8_FORMATS)}")
-            if not (self.bf16 or self.fp16):
+            if not self.half:
                 raise ConfigError("--fp8-format needs --bf16 or --fp16 (FP8 GEMMs, the rest in bf16/fp16, as Megatron)")
         if self.first_last_layers_bf16 and self.fp8_format is None:
             raise ConfigError("--first-last-layers-bf16 needs --fp8-format")
@@ -272,9 +292,31 @@ class TrainConfig:
         if self.fp8_amax_history_len < 1 or self.fp8_margin < 0:
             raise ConfigError(f"need fp8_amax_history_len >= 1 and fp8_margin >= 0, got "
                               f"{self.fp8_amax_history_len} and {self.fp8_margin}")
-        for name in ("loss_scale_window", "hysteresis"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Megatron's --save / --load / --save-interval (engine/checkpoint.py)."""
+
+    save: str | None = None
+    load: str | None = None  # resume from its latest checkpoint; empty or missing: start fresh
+    save_interval: int = 0  # 0: save once, at the end
+
+    def __post_init__(self) -> None:
+        if self.save_interval < 0:
+            raise ConfigError(f"save_interval must be >= 0, got {self.save_interval}")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """How often metrics reach the host, and where they are written."""
+
+    log_interval: int = 1
+    metrics_file: str | None = None  # JSON lines, one object per iteration
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            raise ConfigError(f"log_interval must be >= 1, got {self.log_interval}")
 
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
@@ -324,83 +366,20 @@ class IntegrityConfig:
 
 @dataclass(frozen=True)
 class JobConfig:
+    """One training job: the model, its layout, and one config per component of the engine."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     layout: ParallelLayout = field(default_factory=lambda: ParallelLayout(world_size=1))
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def num_microbatches(self) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.layout.dp_size)
-
-
-def validate_job(job: JobConfig) -> None:
-    """Check every model x train x layout constraint; raise ConfigError with one line."""
-    m, t, lay = job.model, job.train, job.layout
-    if m.num_attention_heads % lay.tp_size:
-        raise ConfigError(
-            f"num attention heads {m.num_attention_heads} is not divisible by "
-            f"tensor-parallel size {lay.tp_size}"
-        )
-    if m.ffn_size % lay.tp_size:
-        raise ConfigError(f"ffn hidden size {m.ffn_size} is not divisible by tensor-parallel size {lay.tp_size}")
-    if m.padded_vocab_size % lay.tp_size:
-        raise ConfigError(
-            f"padded vocab size {m.padded_vocab_size} is not divisible by tensor-parallel size {lay.tp_size}"
-        )
-    stages = lay.pp_size * lay.virtual_pp_size
-    if m.num_layers % stages:
-        raise ConfigError(
-            f"num layers {m.num_layers} is not divisible by pipeline-parallel size {lay.pp_size} "
-            f"x virtual stages {lay.virtual_pp_size}"
-        )
-    per_step = t.micro_batch_size * lay.dp_size
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"global batch size {t.global_batch_size} is not divisible by micro batch size "
-            f"{t.micro_batch_size} x data-parallel size {lay.dp_size}"
-        )
-    if t.sequence_parallel:
-        if lay.tp_size < 2:
-            raise ConfigError("--sequence-parallel needs tensor-parallel size > 1")
-        if m.seq_length % lay.tp_size:
-            raise ConfigError(f"--sequence-parallel needs seq length {m.seq_length} divisible by "
-                              f"tensor-parallel size {lay.tp_size}")
-    if t.fp8_format is not None:
-        _check_fp8_shapes(job)
-        if not t.fp8_layers(m.num_layers):
-            raise ConfigError(f"--num-layers-at-start-in-bf16 {t.num_layers_at_start_in_bf16} and "
-                              f"--num-layers-at-end-in-bf16 {t.num_layers_at_end_in_bf16} leave none of the "
-                              f"{m.num_layers} layers in FP8")
-    if job.integrity.deterministic and t.attention_backend == "cudnn":
-        raise ConfigError("--deterministic needs an attention backend with a deterministic backward "
-                          "(flash, efficient or math), not cudnn")
-    if t.overlap_param_update and t.use_distributed_optimizer and lay.dp_size > 1:
-        raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
-                          "follows the whole update; use --overlap-param-gather)")
-    if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "interleaved-zb", "looped-bfs", "dynamic"):
-        raise ConfigError(f"virtual pipeline stages need the interleaved, interleaved-zb, looped-bfs or "
-                          f"dynamic schedule, not {t.schedule!r}")
-    if t.schedule in ("interleaved", "interleaved-zb"):
-        if lay.virtual_pp_size < 2:
-            raise ConfigError("the interleaved schedule needs --num-layers-per-virtual-pipeline-stage "
-                              "giving >= 2 virtual stages per pipeline rank")
-        if job.num_microbatches % lay.pp_size:
-            raise ConfigError(
-                f"interleaved schedule needs the number of microbatches ({job.num_microbatches}) "
-                f"to be a multiple of pipeline-parallel size {lay.pp_size}"
-            )
-
-
-def _check_fp8_shapes(job: JobConfig) -> None:
-    """FP8 GEMMs need every dimension a multiple of FP8_ALIGNMENT (parallel/fp8.py)."""
-    m, tp = job.model, job.layout.tp_size
-    dims = {"tokens per microbatch (micro batch size x seq length)": job.train.micro_batch_size * m.seq_length,
-            "hidden size": m.hidden_size, "hidden size / tensor-parallel size": m.hidden_size // tp,
-            "ffn hidden size / tensor-parallel size": m.ffn_size // tp}
-    for what, value in dims.items():
-        if value % FP8_ALIGNMENT:
-            raise ConfigError(f"--fp8-format needs {what} ({value}) to be a multiple of {FP8_ALIGNMENT}")
 
 
 def build_layout(world_size: int, tp_size: int, pp_size: int, virtual_pp_size: int = 1) -> ParallelLayout:

@@ -65,6 +65,7 @@ def train_before_launch(monkeypatch, capsys):
 
     monkeypatch.setattr("megatronapp.cli.launch.run_local_ranks", launched)
     monkeypatch.setattr("megatronapp.cli.train.run_worker", launched)
+    monkeypatch.setattr("megatronapp.cli.train.run_rank", launched)
 
     def run(args: list[str]) -> tuple[int, list[str]]:
         try:

@@ -1,15 +1,16 @@
 """`megatronapp train` flags (Megatron-LM's names) and their translation into configs.
 
 Defaults live in one place, the config dataclasses (config.py): every flag that sets a
-config field defaults to None here, and only the flags a user gave are passed on, so the
-dataclass default applies otherwise. `--help` shows those defaults, read from the
+field of one of the job's component configs (train, optimizer, precision, checkpoint,
+logging, integrity) is named by that field, defaults to None here, and only the flags a user
+gave are passed on (job.build_job routes each to its component), so the dataclass default
+applies otherwise. `--help` shows those defaults, read from the
 dataclasses.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from megatronapp.config import (
     ATTENTION_BACKENDS,
@@ -19,84 +20,60 @@ from megatronapp.config import (
     RERUN_MODES,
     SCHEDULES,
     ConfigError,
-    IntegrityConfig,
     JobConfig,
     ModelConfig,
-    TrainConfig,
     build_layout,
     model_preset,
-    validate_job,
 )
 from megatronapp.dpp.config import add_dpp_arguments
-from megatronapp.fbd.cli import add_fbd_arguments, check_fbd_job, layout_world_size
+from megatronapp.fbd.cli import add_fbd_arguments, layout_world_size
+from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.scan.record.trace_config import add_trace_arguments
 
-# flag dest -> TrainConfig field (same name unless listed in _TRAIN_RENAMES)
-_TRAIN_FLAGS = ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
-                "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
-                "bf16", "fp16", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                "hysteresis", "fp8_format", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin",
-                "first_last_layers_bf16", "num_layers_at_start_in_bf16",
-                "num_layers_at_end_in_bf16", "use_distributed_optimizer", "overlap_param_gather",
-                "compile", "overlap_grad_reduce", "split_backward",
-                "gradient_accumulation_fusion", "fused_master_adamw", "overlap_param_update",
-                "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers",
-                "attention_backend", "log_interval", "save", "load", "save_interval",
-                "metrics_file")
-_TRAIN_RENAMES = {"pipeline_schedule": "schedule"}
 _MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                 "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-_INTEGRITY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(IntegrityConfig)}
 
 
-def _train_flag(g, flag: str, help: str = "", **kw) -> None:
-    """A flag for a TrainConfig field: default None here, the dataclass default applies."""
+def _job_flag(g, flag: str, help: str = "", **kw) -> None:
+    """A flag for the field of one of the job's component configs that its dest names: default
+    None here, so the dataclass default applies unless the flag is given."""
     dest = flag.lstrip("-").replace("-", "_")
-    field = _TRAIN_RENAMES.get(dest, dest)
     if kw.get("action") not in ("store_true", "store_false"):
-        help = f"{help} (default: {_DEFAULTS[field]})".strip()
-    g.add_argument(flag, dest=dest, default=None, help=help, **kw)
-
-
-def _integrity_flag(g, flag: str, help: str, **kw) -> None:
-    """A flag for an IntegrityConfig field: default None here, the dataclass default applies."""
-    dest = flag.lstrip("-").replace("-", "_")
-    if kw.get("action") != "store_true":
-        help = f"{help} (default: {_INTEGRITY_DEFAULTS[dest]})"
+        help = f"{help} (default: {field_default(dest)})".strip()
     g.add_argument(flag, dest=dest, default=None, help=help, **kw)
 
 
 def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("step checks, reruns, determinism (Megatron's; engine/integrity.py, engine/rerun.py)")
-    _integrity_flag(g, "--check-for-nan-in-loss-and-grad", "a non-finite loss or grad norm skips the update; "
-                    "the rank and parameter are named (default)", action="store_true")
+    _job_flag(g, "--check-for-nan-in-loss-and-grad", "a non-finite loss or grad norm skips the update; "
+              "the rank and parameter are named (default)", action="store_true")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", default=None)
-    _integrity_flag(g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps",
-                    action="store_true")
-    _integrity_flag(g, "--check-for-large-grads", "flag a grad norm above median + factor x MAD of recent steps",
-                    action="store_true")
-    _integrity_flag(g, "--spiky-loss-factor", "band width in scaled MADs", type=float)
-    _integrity_flag(g, "--large-grads-factor", "band width in scaled MADs", type=float)
-    _integrity_flag(g, "--check-window", "recent accepted steps in the band", type=int)
-    _integrity_flag(g, "--check-min-history", "steps before the band is used", type=int)
-    _integrity_flag(g, "--rerun-mode", "validate_results: re-execute a flagged step from its saved state and "
-                    "classify it transient or reproducible (one sync a step); report_stats: re-execute every "
-                    "--rerun-stats-interval-th step and report the differences", choices=RERUN_MODES)
-    _integrity_flag(g, "--rerun-stats-interval", "report_stats: every N-th step", type=int)
-    _integrity_flag(g, "--skip-spiky-batches", "validate_results: a reproducibly flagged step is not applied",
-                    action="store_true")
-    _integrity_flag(g, "--deterministic", "bit-identical reruns: deterministic kernels and attention, fixed "
-                    "NCCL algorithm (Megatron's --deterministic-mode)", action="store_true")
+    _job_flag(g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps",
+              action="store_true")
+    _job_flag(g, "--check-for-large-grads", "flag a grad norm above median + factor x MAD of recent steps",
+              action="store_true")
+    _job_flag(g, "--spiky-loss-factor", "band width in scaled MADs", type=float)
+    _job_flag(g, "--large-grads-factor", "band width in scaled MADs", type=float)
+    _job_flag(g, "--check-window", "recent accepted steps in the band", type=int)
+    _job_flag(g, "--check-min-history", "steps before the band is used", type=int)
+    _job_flag(g, "--rerun-mode", "validate_results: re-execute a flagged step from its saved state and "
+              "classify it transient or reproducible (one sync a step); report_stats: re-execute every "
+              "--rerun-stats-interval-th step and report the differences", choices=RERUN_MODES)
+    _job_flag(g, "--rerun-stats-interval", "report_stats: every N-th step", type=int)
+    _job_flag(g, "--skip-spiky-batches", "validate_results: a reproducibly flagged step is not applied",
+              action="store_true")
+    _job_flag(g, "--deterministic", "bit-identical reruns: deterministic kernels and attention, fixed "
+              "NCCL algorithm (Megatron's --deterministic-mode)", action="store_true")
     g.add_argument("--deterministic-mode", dest="deterministic", action="store_true", default=None,
                    help=argparse.SUPPRESS)
 
 
-def _integrity_config(args: argparse.Namespace) -> IntegrityConfig:
-    given = {name: getattr(args, name) for name in _INTEGRITY_DEFAULTS if getattr(args, name, None) is not None}
-    return IntegrityConfig(**given)
+def _given_job_fields(args: argparse.Namespace) -> dict:
+    """The component-config fields whose flags were given (every such flag's dest is the field's name)."""
+    names = (n for cls in FIELD_COMPONENTS.values() for n in cls.__dataclass_fields__)
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,23 +90,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
                    help="default: interleaved with virtual stages, else 1f1b")
-    _train_flag(g, "--sequence-parallel", "shard LayerNorm/dropout/residual regions along the sequence "
-                "(needs TP > 1)", action="store_true")
-    _train_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
+    _job_flag(g, "--sequence-parallel", "shard LayerNorm/dropout/residual regions along the sequence "
+              "(needs TP > 1)", action="store_true")
+    _job_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None)
-    _train_flag(g, "--split-backward", "run each backward as I (input gradient, sent upstream) and W "
-                "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
-                action="store_true")
+    _job_flag(g, "--split-backward", "run each backward as I (input gradient, sent upstream) and W "
+              "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
+              action="store_true")
     g.add_argument("--no-split-backward", dest="split_backward", action="store_false", default=None)
-    _train_flag(g, "--gradient-accumulation-fusion", "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 "
-                "main grads (default)", action="store_true")
+    _job_flag(g, "--gradient-accumulation-fusion", "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 "
+              "main grads (default)", action="store_true")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
                    default=None)
-    _train_flag(g, "--fused-master-adamw", "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the "
-                "model weights in the same kernel (default)", action="store_true")
+    _job_flag(g, "--fused-master-adamw", "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the "
+              "model weights in the same kernel (default)", action="store_true")
     g.add_argument("--no-fused-master-adamw", dest="fused_master_adamw", action="store_false", default=None)
-    _train_flag(g, "--overlap-param-update", "CUDA: the fused master AdamW runs layer by layer on a side stream "
-                "beside the next forward", action="store_true")
+    _job_flag(g, "--overlap-param-update", "CUDA: the fused master AdamW runs layer by layer on a side stream "
+              "beside the next forward", action="store_true")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=tuple(MODEL_PRESETS), default="demo", help="preset; flags below override")
@@ -146,38 +123,38 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                        ("--lr", float), ("--min-lr", float), ("--lr-warmup-iters", int), ("--lr-decay-iters", int),
                        ("--weight-decay", float), ("--adam-beta1", float), ("--adam-beta2", float),
                        ("--adam-eps", float), ("--clip-grad", float), ("--seed", int)):
-        _train_flag(g, flag, type=kind)
-    _train_flag(g, "--compile", "torch.compile each block's local math", action="store_true")
-    _train_flag(g, "--recompute-granularity", "activation recompute", choices=RECOMPUTE_GRANULARITIES[1:])
-    _train_flag(g, "--recompute-method", "for full recompute", choices=RECOMPUTE_METHODS)
-    _train_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
-    _train_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
-                choices=ATTENTION_BACKENDS)
+        _job_flag(g, flag, type=kind)
+    _job_flag(g, "--compile", "torch.compile each block's local math", action="store_true")
+    _job_flag(g, "--recompute-granularity", "activation recompute", choices=RECOMPUTE_GRANULARITIES[1:])
+    _job_flag(g, "--recompute-method", "for full recompute", choices=RECOMPUTE_METHODS)
+    _job_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
+    _job_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
+              choices=ATTENTION_BACKENDS)
 
     g = p.add_argument_group("mixed precision and optimizer (Megatron's; engine/mixed_precision.py)")
-    _train_flag(g, "--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true")
-    _train_flag(g, "--fp16", "as --bf16 in fp16, with loss scaling", action="store_true")
-    _train_flag(g, "--loss-scale", "static scale; default dynamic", type=float)
-    _train_flag(g, "--initial-loss-scale", type=float)
-    _train_flag(g, "--min-loss-scale", type=float)
-    _train_flag(g, "--loss-scale-window", type=int)
-    _train_flag(g, "--hysteresis", type=int)
-    _train_flag(g, "--fp8-format", "FP8 GEMMs in the transformer layers (with --bf16/--fp16): e4m3 everywhere, "
-                "or hybrid (E5M2 gradients)", choices=FP8_FORMATS)
-    _train_flag(g, "--fp8-recipe", "scaling recipe: tensorwise (current scaling) or delayed (scales from earlier "
-                "steps' amaxes); power-of-two scales", choices=FP8_RECIPES)
-    _train_flag(g, "--fp8-amax-history-len", "delayed recipe: steps of amax history", type=int)
-    _train_flag(g, "--fp8-amax-compute-algo", "delayed recipe: the scale's amax from the history",
-                choices=AMAX_COMPUTE_ALGOS)
-    _train_flag(g, "--fp8-margin", "delayed recipe: powers of two of headroom under the format's max", type=int)
-    _train_flag(g, "--first-last-layers-bf16", "with --fp8-format: keep the first and last layers' GEMMs in bf16",
-                action="store_true")
-    _train_flag(g, "--num-layers-at-start-in-bf16", "with --first-last-layers-bf16", type=int)
-    _train_flag(g, "--num-layers-at-end-in-bf16", "with --first-last-layers-bf16", type=int)
-    _train_flag(g, "--use-distributed-optimizer", "shard fp32 master weights and Adam state over DP (ZeRO-1)",
-                action="store_true")
-    _train_flag(g, "--overlap-param-gather", "distributed optimizer: all-gather updated params during the next "
-                "forward", action="store_true")
+    _job_flag(g, "--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true")
+    _job_flag(g, "--fp16", "as --bf16 in fp16, with loss scaling", action="store_true")
+    _job_flag(g, "--loss-scale", "static scale; default dynamic", type=float)
+    _job_flag(g, "--initial-loss-scale", type=float)
+    _job_flag(g, "--min-loss-scale", type=float)
+    _job_flag(g, "--loss-scale-window", type=int)
+    _job_flag(g, "--hysteresis", type=int)
+    _job_flag(g, "--fp8-format", "FP8 GEMMs in the transformer layers (with --bf16/--fp16): e4m3 everywhere, "
+              "or hybrid (E5M2 gradients)", choices=FP8_FORMATS)
+    _job_flag(g, "--fp8-recipe", "scaling recipe: tensorwise (current scaling) or delayed (scales from earlier "
+              "steps' amaxes); power-of-two scales", choices=FP8_RECIPES)
+    _job_flag(g, "--fp8-amax-history-len", "delayed recipe: steps of amax history", type=int)
+    _job_flag(g, "--fp8-amax-compute-algo", "delayed recipe: the scale's amax from the history",
+              choices=AMAX_COMPUTE_ALGOS)
+    _job_flag(g, "--fp8-margin", "delayed recipe: powers of two of headroom under the format's max", type=int)
+    _job_flag(g, "--first-last-layers-bf16", "with --fp8-format: keep the first and last layers' GEMMs in bf16",
+              action="store_true")
+    _job_flag(g, "--num-layers-at-start-in-bf16", "with --first-last-layers-bf16", type=int)
+    _job_flag(g, "--num-layers-at-end-in-bf16", "with --first-last-layers-bf16", type=int)
+    _job_flag(g, "--use-distributed-optimizer", "shard fp32 master weights and Adam state over DP (ZeRO-1)",
+              action="store_true")
+    _job_flag(g, "--overlap-param-gather", "distributed optimizer: all-gather updated params during the next "
+              "forward", action="store_true")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help=".txt / Megatron-style .jsonl files or folders; "
@@ -185,11 +162,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
 
     g = p.add_argument_group("checkpoints and logging")
-    _train_flag(g, "--save")
-    _train_flag(g, "--load", "resume from the latest checkpoint there; empty or missing: start fresh")
-    _train_flag(g, "--save-interval", type=int)
-    _train_flag(g, "--log-interval", "metrics reach the host every N steps", type=int)
-    _train_flag(g, "--metrics-file", "JSON lines, one object per iteration")
+    _job_flag(g, "--save")
+    _job_flag(g, "--load", "resume from the latest checkpoint there; empty or missing: start fresh")
+    _job_flag(g, "--save-interval", type=int)
+    _job_flag(g, "--log-interval", "metrics reach the host every N steps", type=int)
+    _job_flag(g, "--metrics-file", "JSON lines, one object per iteration")
 
     g = p.add_argument_group("MegaScan tracing")
     g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")
@@ -234,7 +211,8 @@ def _virtual_stages(model: ModelConfig, pp: int, per: int | None) -> int:
 
 
 def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> JobConfig:
-    """Translate parsed flags into a validated JobConfig for `world_size` processes."""
+    """Translate parsed flags into a JobConfig for `world_size` processes; each config checks its
+    own fields, cli/validate.py the job as a whole."""
     _positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "num_layers_per_virtual_pipeline_stage", "nproc_per_node", "nnodes", "trace_interval",
                      "continuous_trace_iterations"))
@@ -242,11 +220,6 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
     model = _model_config(args, vocab_size)
     pp = args.pipeline_model_parallel_size
     vpp = _virtual_stages(model, pp, args.num_layers_per_virtual_pipeline_stage)
-    train_kw = {f: getattr(args, f) for f in _TRAIN_FLAGS if getattr(args, f, None) is not None}
-    train_kw["schedule"] = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
-    train = TrainConfig(**train_kw)
     layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
-    job = JobConfig(model=model, train=train, layout=layout, integrity=_integrity_config(args))
-    validate_job(job)
-    check_fbd_job(args, job, world_size)
-    return job
+    schedule = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
+    return build_job(model, layout, **_given_job_fields(args), schedule=schedule)

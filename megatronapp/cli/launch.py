@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from megatronapp.config import TrainConfig
+from megatronapp.config import LoggingConfig
 from megatronapp.engine.throughput import compute_run_throughput
 from megatronapp.launch.local import rank_argv, remove_stale_rank_traces, run_local_ranks
 
@@ -40,7 +40,7 @@ def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: 
     """Print the run summary; with --trace also merge the timeline and run detection."""
     console = Console()
     if history:
-        step_s, tokens_per_s = compute_run_throughput(history, args.log_interval or TrainConfig.log_interval)
+        step_s, tokens_per_s = compute_run_throughput(history, args.log_interval or LoggingConfig.log_interval)
         table = Table(title="megatronapp train: summary", show_header=False)
         table.add_row("ranks", str(world))
         table.add_row("iterations", str(history[-1]["iteration"]))

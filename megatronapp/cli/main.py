@@ -11,7 +11,8 @@
     megatronapp schedule simulate|show ...                                  # MegaDPP
 
 Every configuration error is reported in one line, with exit code 2, before any process
-is launched.
+is launched: each launching command builds a description of its run, which `validate`
+(cli/validate.py) checks in one place.
 """
 
 from __future__ import annotations
@@ -23,14 +24,11 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatronapp.cli.args import add_train_arguments, build_job_config
-from megatronapp.cli.devices import check_job_devices
-from megatronapp.config import ConfigError
+from megatronapp.cli.args import add_train_arguments
+from megatronapp.cli.run import build_train_run
+from megatronapp.cli.validate import validate
 from megatronapp.dpp.cli import add_schedule_subcommands
-from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.launch.local import under_launcher
-from megatronapp.faults.inject import FaultSpecError, fault_plan_from_env, parse_fault_plan
-from megatronapp.scope_ui.training import check_training_scope
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -47,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a GPT with TP/PP/DP (Megatron-LM flag names)")
     add_train_arguments(train)
     train.add_argument("--summary-file", default=None, help=argparse.SUPPRESS)
+    train.set_defaults(build_run=_build_train_run, launch=_train)
     from megatronapp.scan.cli import add_trace_subcommands
 
     add_trace_subcommands(sub)
@@ -64,74 +63,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_train_args(args: argparse.Namespace):
-    """Validate everything that can be validated before launching; returns (world size, job)."""
+def _build_train_run(args: argparse.Namespace):
+    """What `train` will launch: on torchrun's world, or --nproc-per-node local ranks."""
     from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.engine.checkpoint import compute_model_config_mismatch, has_checkpoint
 
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
-    vocab = load_tokenizer(args.tokenizer_model).vocab_size
-    job = build_job_config(args, world, vocab)
-    check_dpp_job(args, job)
-    check_job_devices(args, job, world)
-    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
-    (fault_plan_from_env() if plan.empty else plan).check(world)
-    check_training_scope(args, world)
-    if args.load and has_checkpoint(args.load):
-        diff = compute_model_config_mismatch(args.load, job.model)
-        if diff:
-            raise ConfigError(f"--load {args.load}: checkpoint model differs: {', '.join(diff)}")
-    for path in args.data_path or []:
-        if not os.path.exists(path):
-            raise ConfigError(f"--data-path {path} does not exist")
-    return world, job
+    return build_train_run(args, world, load_tokenizer(args.tokenizer_model).vocab_size)
 
 
 def _print_config(job) -> None:
     from dataclasses import asdict
 
-    print(json.dumps({"layout": asdict(job.layout), "model": asdict(job.model), "train": asdict(job.train),
-                      "integrity": asdict(job.integrity),
+    from megatronapp.job import FIELD_COMPONENTS
+
+    print(json.dumps({"layout": asdict(job.layout), "model": asdict(job.model),
+                      **{name: asdict(getattr(job, name)) for name in FIELD_COMPONENTS},
                       "derived": {"dp_size": job.layout.dp_size, "num_microbatches": job.num_microbatches,
                                   "padded_vocab_size": job.model.padded_vocab_size,
                                   "parameters": job.model.num_parameters(),
                                   "flops_per_token": job.model.flops_per_token()}}, indent=1))
 
 
-def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    try:
-        world, job = check_train_args(args)
-    except (ConfigError, FaultSpecError, ValueError, FileNotFoundError) as exc:
-        print(f"megatronapp: error: {exc}", file=sys.stderr)
-        return 2
+def _train(args: argparse.Namespace, argv: list[str], run) -> int:
+    """Run the validated `run`: in this process (alone, or as a rank under a launcher), or on
+    --nproc-per-node local ranks, each of which builds and checks it again from the same flags."""
     if args.print_config:
-        _print_config(job)
+        _print_config(run.job)
         return 0
     if under_launcher() or not args.nproc_per_node:
-        from megatronapp.cli.train import run_worker
+        from megatronapp.cli.train import run_rank
+        from megatronapp.data.tokenizer import load_tokenizer
 
+        tokenizer = load_tokenizer(run.tokenizer_model)
         if not under_launcher():
             from megatronapp.cli.launch import prepare_trace_dir, report_run
 
             prepare_trace_dir(args)
-            history = run_worker(args)
-            return report_run(args, history, world)
-        run_worker(args)
+            history = run_rank(run, tokenizer, summary_file=args.summary_file)
+            return report_run(args, history, run.world_size)
+        run_rank(run, tokenizer, summary_file=args.summary_file)
         return 0
     from megatronapp.cli.launch import launch_train
 
-    return launch_train(args, argv, world)
+    return launch_train(args, argv, run.world_size)
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.command == "train":
-        return _train(args, argv)
-    if hasattr(args, "run_with_argv"):  # commands that may launch ranks themselves (generate, scope capture)
-        return args.run_with_argv(args, argv)
-    return args.func(args)
+    if not hasattr(args, "build_run"):  # commands that launch nothing (merge, detect, export, ...)
+        return args.func(args)
+    try:  # the one check of every launching command, before any process starts
+        run = args.build_run(args)
+        validate(run)
+    except (ValueError, OSError) as exc:  # ConfigError and the components' errors are ValueErrors
+        print(f"megatronapp: error: {exc}", file=sys.stderr)
+        return 2
+    return args.launch(args, argv, run)
 
 
 if __name__ == "__main__":

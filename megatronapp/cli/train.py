@@ -13,20 +13,20 @@ import json
 import os
 import socket
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatronapp.cli.args import build_job_config
 from megatronapp.cli.progress import TrainProgress
+from megatronapp.cli.run import TrainRun, build_train_run
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
 from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.dpp.setup import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.determinism import enable_deterministic_mode
-from megatronapp.faults.inject import FaultInjector, fault_plan_from_env, parse_fault_plan
+from megatronapp.faults.inject import FaultInjector
 from megatronapp.faults.link_delay import install_link_delays
 from megatronapp.engine.trainer import Trainer
 from megatronapp.launch.roles import RankContext, TrainingRole, TrainLoop, join_default_group
@@ -35,26 +35,27 @@ from megatronapp.parallel.groups import ParallelGroups, build_process_groups, de
 from megatronapp.scope_ui.training import training_scope
 
 
-def _build_data(args, tokenizer, job, groups):
+def _build_data(run: TrainRun, tokenizer, groups):
+    job = run.job
     seq = job.model.seq_length
-    dataset = (build_text_dataset(tokenizer, args.data_path, seq) if args.data_path
+    dataset = (build_text_dataset(tokenizer, list(run.data_paths), seq) if run.data_paths
                else build_default_dataset(tokenizer, seq, job.train.seed))
     return DistributedBatchIterator(dataset, micro_batch_size=job.train.micro_batch_size,
                                     global_batch_size=job.train.global_batch_size, dp_rank=groups.dp_rank,
                                     dp_size=job.layout.dp_size, seed=job.train.seed)
 
 
-def _build_tracer(args, job, groups, device, meta_overrides=None):
+def _build_tracer(run: TrainRun, groups, device, meta_overrides=None):
     """MegaScan tracer + torch.distributed instrumentation, or (None, None) when off.
     meta_overrides: rank, world_size, role of an FBD rank (groups then describe its role)."""
-    if not args.trace:
+    if run.trace is None:
         return None, None
     from megatronapp.scan.record.format import build_rank_meta
     from megatronapp.scan.record.instrument import install_distributed_instrumentation
-    from megatronapp.scan.record.tracer import TraceConfig, Tracer
-    from megatronapp.scan.record.trace_config import trace_fields_from_args
+    from megatronapp.scan.record.tracer import Tracer
 
-    lay, over = job.layout, meta_overrides or {}
+    job, over = run.job, meta_overrides or {}
+    lay = job.layout
     meta = build_rank_meta(
         rank=over.get("rank", groups.rank), world_size=over.get("world_size", lay.world_size),
         coords=groups.coords.as_dict(),
@@ -62,34 +63,33 @@ def _build_tracer(args, job, groups, device, meta_overrides=None):
                 "virtual_pp_size": lay.virtual_pp_size},
         host=socket.gethostname(), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         run_id=os.environ.get("MEGATRONAPP_RUN_ID", "local"), clock="cuda" if device.type == "cuda" else "monotonic",
-        run={"model": asdict(job.model), "schedule": job.train.schedule,
-             "inject_slowdown": args.inject_slowdown, "inject_link_delay": args.inject_link_delay,
-             "inject_jitter": args.inject_jitter or [], "dpp_traversal": args.dpp_traversal,
-             "dpp_max_inflight": args.dpp_max_inflight,
+        run={"model": asdict(job.model), "schedule": job.train.schedule, **run.injection.spec_dict,
+             "dpp_traversal": run.dpp.traversal, "dpp_max_inflight": run.dpp.max_inflight,
              **({"role": over["role"]} if "role" in over else {})})
     skew = int(os.environ.get("MEGATRONAPP_TRACE_CLOCK_SKEW_NS", "0"))  # tests skew clocks per rank
-    cfg = TraceConfig(enabled=True, clock_skew_ns=skew, **trace_fields_from_args(args))
-    tracer = Tracer(cfg, meta, device)
+    tracer = Tracer(replace(run.trace, clock_skew_ns=skew), meta, device)
     return tracer, install_distributed_instrumentation(tracer)
 
 
 class PlainRole:
     """A rank of a plain job: one engine Trainer (with MegaDPP's runtime when the schedule is dynamic)."""
 
-    def __init__(self, args: argparse.Namespace, job, rank: int):
-        self.args, self.job, self.rank = args, job, rank
-        self.device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    def __init__(self, run: TrainRun, rank: int):
+        self.train_run, self.rank = run, rank
+        self.device = select_device(run.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.device_id = self.device if self.device.type == "cuda" else None
         self.trace_meta: dict = {}
         self.groups = self.trainer = None
 
     def build_groups(self) -> ParallelGroups:
-        self.groups = build_process_groups(self.job.layout, self.rank)
+        self.groups = build_process_groups(self.train_run.job.layout, self.rank)
         return self.groups
 
     def run(self, ctx: RankContext, train_loop: TrainLoop) -> list[dict]:
-        injector, runtime_factory = build_dpp_hooks(self.args, ctx.job, self.rank, self.device, ctx.injector)
+        run = self.train_run
+        injector, runtime_factory = build_dpp_hooks(run.dpp, run.injection.jitter, ctx.job, self.rank, self.device,
+                                                    ctx.injector)
         self.trainer = Trainer(ctx.job, self.groups, self.device, ctx.data, injector=injector,
                                runtime_factory=runtime_factory, **({"tracer": ctx.tracer} if ctx.tracer else {}))
         return train_loop(self.trainer)
@@ -102,42 +102,45 @@ class PlainRole:
             self.trainer.runtime.close()  # groups the runtime built (dpp/channels.py)
 
 
-def pick_role(args: argparse.Namespace, job, world: int, rank: int) -> TrainingRole:
+def pick_role(run: TrainRun, rank: int) -> TrainingRole:
     """This rank's role: plain, or under --forward-backward-disaggregating a backward or forward worker."""
-    if args.forward_backward_disaggregating:
+    if run.fbd is not None:
         from megatronapp.fbd.roles import pick_fbd_role
 
-        return pick_fbd_role(args, world, rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    return PlainRole(args, job, rank)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size))
+        return pick_fbd_role(run.job, run.fbd, run.injection.fbd, run.device, run.world_size, rank, local_world)
+    return PlainRole(run, rank)
 
 
 def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) -> list[dict]:
-    """Train in this process as one rank of the job; returns the metrics history (rank 0's).
-    keep_process_group: leave the default group up (only this job's subgroups are destroyed),
-    so one launched set of ranks can run several jobs in a row (benchmarks/dpp_bench.py)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    """Train in this process as one rank of the job `train`'s flags describe; the metrics history
+    (rank 0's). keep_process_group: as run_rank."""
     tokenizer = load_tokenizer(args.tokenizer_model)
-    job = build_job_config(args, world, tokenizer.vocab_size)
-    plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
-    if plan.empty:
-        plan = fault_plan_from_env()  # `trace run` and eval harnesses pass faults this way
-    plan.check(world)
+    run = build_train_run(args, int(os.environ.get("WORLD_SIZE", "1")), tokenizer.vocab_size)
+    return run_rank(run, tokenizer, summary_file=args.summary_file, keep_process_group=keep_process_group)
+
+
+def run_rank(run: TrainRun, tokenizer, *, summary_file: str | None = None,
+             keep_process_group: bool = False) -> list[dict]:
+    """Train in this process as rank RANK of `run` (checked before launch); the metrics history
+    (rank 0's). keep_process_group: leave the default group up (only this job's subgroups are
+    destroyed), so one launched set of ranks can run several jobs in a row (benchmarks/dpp_bench.py)."""
+    rank, job, plan = int(os.environ.get("RANK", "0")), run.job, run.injection.faults
     if job.integrity.deterministic:  # before any CUDA work and the process group (env read at creation)
         enable_deterministic_mode(os.environ)
-    role = pick_role(args, job, world, rank)
-    join_default_group(role, world, rank)
+    role = pick_role(run, rank)
+    join_default_group(role, run.world_size, rank)
     tracer = instrumentation = link_delays = groups = None
     try:  # every exit path tears the process group down and flushes the trace
         groups = role.build_groups()
-        data = _build_data(args, tokenizer, job, groups)
+        data = _build_data(run, tokenizer, groups)
         # Below the tracer's instrumentation, so traced recv spans see the late arrival.
         link_delays = install_link_delays(plan, rank) if role.device.type == "cpu" else None
-        tracer, instrumentation = _build_tracer(args, job, groups, role.device, role.trace_meta)
+        tracer, instrumentation = _build_tracer(run, groups, role.device, role.trace_meta)
         injector = None if plan.empty else FaultInjector(plan, rank, role.device)
         ctx = RankContext(job, data, injector, tracer)
-        history = role.run(ctx, lambda trainer: _load_and_train(args, job, trainer, data, rank))
-        role.finish(args.summary_file)
+        history = role.run(ctx, lambda trainer: _load_and_train(run, trainer, data, rank, summary_file))
+        role.finish(summary_file)
         return history
     finally:
         if instrumentation is not None:
@@ -153,33 +156,35 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
             dist.destroy_process_group()
 
 
-def _load_and_train(args, job, trainer, data, rank: int) -> list[dict]:
-    _maybe_load(job, trainer, data, rank)
-    return _train_loop(args, job, trainer, data, rank)
+def _load_and_train(run: TrainRun, trainer, data, rank: int, summary_file: str | None) -> list[dict]:
+    _maybe_load(run.job, trainer, data, rank)
+    return _train_loop(run, trainer, data, rank, summary_file)
 
 
 def _maybe_load(job, trainer, data, rank: int) -> None:
     """Resume from --load; an empty or missing folder starts from scratch, as in Megatron."""
-    if not job.train.load:
+    load = job.checkpoint.load
+    if not load:
         return
-    if has_checkpoint(job.train.load):
-        load_checkpoint(job.train.load, trainer, data)
+    if has_checkpoint(load):
+        load_checkpoint(load, trainer, data)
     elif rank == 0:
-        print(f"megatronapp: warning: --load {job.train.load} holds no checkpoint; starting from scratch",
+        print(f"megatronapp: warning: --load {load} holds no checkpoint; starting from scratch",
               file=sys.stderr, flush=True)
 
 
-def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
+def _train_loop(run: TrainRun, trainer, data, rank: int, summary_file: str | None) -> list[dict]:
     from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 
-    t = job.train
-    if t.metrics_file and rank == 0:
-        Path(t.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-    metrics_out = open(t.metrics_file, "a") if (t.metrics_file and rank == 0) else None
+    job = run.job
+    ckpt, log = job.checkpoint, job.logging
+    if log.metrics_file and rank == 0:
+        Path(log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+    metrics_out = open(log.metrics_file, "a") if (log.metrics_file and rank == 0) else None
     online = (OnlineDetector(job.layout, OnlineDetectConfig())
               if (rank == 0 and job.layout.world_size > 1) else None)
     history = []
-    with TrainProgress(job, enabled=rank == 0, log_interval=t.log_interval) as progress:
+    with TrainProgress(job, enabled=rank == 0, log_interval=log.log_interval) as progress:
         def on_step(metrics) -> None:
             m = metrics.as_dict()
             history.append(m)
@@ -190,16 +195,16 @@ def _train_loop(args, job, trainer, data, rank: int) -> list[dict]:
             if metrics_out:
                 metrics_out.write(json.dumps(m) + "\n")
                 metrics_out.flush()
-            if t.save and t.save_interval and trainer.iteration % t.save_interval == 0:
-                save_checkpoint(t.save, trainer, data)
+            if ckpt.save and ckpt.save_interval and trainer.iteration % ckpt.save_interval == 0:
+                save_checkpoint(ckpt.save, trainer, data)
 
-        with training_scope(args, job, trainer, on_step) as on_step:  # unchanged unless --scope
+        with training_scope(run.scope, run.tokenizer_model, trainer, on_step) as on_step:  # unchanged unless --scope
             trainer.train(on_step=on_step)
-    if t.save and not (t.save_interval and trainer.iteration % t.save_interval == 0):
-        save_checkpoint(t.save, trainer, data)
+    if ckpt.save and not (ckpt.save_interval and trainer.iteration % ckpt.save_interval == 0):
+        save_checkpoint(ckpt.save, trainer, data)
     if metrics_out:
         metrics_out.close()
-    if rank == 0 and args.summary_file:
-        Path(args.summary_file).write_text(json.dumps({"layout": job.layout.describe(), "history": history}))
+    if rank == 0 and summary_file:
+        Path(summary_file).write_text(json.dumps({"layout": job.layout.describe(), "history": history}))
     return history
 

@@ -12,7 +12,7 @@ Flags are `train`'s (Megatron's) names. Costs: --forward-ms / --backward-ms take
 per pipeline rank (comma-separated). --inject-jitter RANK:MAXFACTOR[:SEED] names a global rank, as
 in `train`: without a trace the simulated job is one pipeline (global rank = pipeline rank); with
 --from-trace the traced layout maps it, and it must be on the simulated pipeline (tp 0, dp 0).
-Bad input: one line on stderr, exit code 2.
+Bad input: one line on stderr, exit code 2, before anything runs (cli/validate.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 
@@ -68,7 +69,7 @@ def add_schedule_subcommands(sub) -> None:
     sim = leaf.add_parser("simulate", help="iteration time, bubble fraction, peak in-flight per rank")
     _add_common(sim)
     sim.add_argument("--json", action="store_true")
-    sim.set_defaults(func=run_simulate)
+    sim.set_defaults(build_run=build_schedule_run, launch=lambda args, argv, run: run_simulate(args))
     show = leaf.add_parser("show", help="Gantt chart (PNG) and Chrome/Perfetto trace of a schedule")
     _add_common(show)
     show.add_argument("-o", "--out", default="schedule.png", help="Gantt chart PNG to write")
@@ -76,7 +77,7 @@ def add_schedule_subcommands(sub) -> None:
     show.add_argument("--iteration", type=int, default=None, help="with --from-trace: which iteration to draw "
                       "(default: the last traced)")
     show.add_argument("--simulate", action="store_true", help="with --from-trace: draw the simulation, not the record")
-    show.set_defaults(func=run_show)
+    show.set_defaults(build_run=build_schedule_run, launch=lambda args, argv, run: run_show(args))
 
 
 def _per_rank(text: str, pp: int, flag: str) -> tuple[float, ...]:
@@ -125,15 +126,59 @@ def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
         link["task_overhead_s"] = trace_costs.estimate_task_overheads_s(run, link["p2p_latency_s"])
         return pp, vpp, m, args.schedule or run.schedule, trace_costs.compute_trace_costs(run, **link), run
     pp, vpp, m = args.pp, args.vpp, args.microbatches
-    if not 0.0 < args.weight_grad_share < 1.0:
-        raise ValueError(f"--weight-grad-share must be in (0, 1), got {args.weight_grad_share}")
-    if min(pp, vpp, m) < 1:
-        raise ValueError(f"pipeline size, virtual stages and microbatches must be >= 1, got {pp}, {vpp}, {m}")
     fwd, bwd = _per_rank(args.forward_ms, pp, "--forward-ms"), _per_rank(args.backward_ms, pp, "--backward-ms")
     cost = CostModel(tuple((f,) * vpp for f in fwd), tuple((b,) * vpp for b in bwd), **_link(args),
                      weight_grad_share=args.weight_grad_share,
                      jitter=compute_pipeline_jitter(args.inject_jitter, 1, 1, pp))
     return pp, vpp, m, args.schedule or "dynamic", cost, None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleRun:
+    """The flags of `schedule simulate|show` that its checks read (cli/validate.py runs them)."""
+
+    pp: int
+    vpp: int
+    microbatches: int
+    schedule: str | None
+    dpp: DppConfig
+    weight_grad_share: float
+    forward_ms: str
+    backward_ms: str
+    # latency ms (None: the default), bandwidth Gbps, message bytes, decision us
+    link: tuple[float | None, float, int, float]
+    jitter: tuple[str, ...]
+    from_trace: str | None
+
+
+def build_schedule_run(args) -> ScheduleRun:
+    return ScheduleRun(args.pp, args.vpp, args.microbatches, args.schedule,
+                       DppConfig(args.dpp_traversal, args.dpp_max_inflight), args.weight_grad_share,
+                       args.forward_ms, args.backward_ms,
+                       (args.p2p_latency_ms, args.p2p_bandwidth_gbps, args.message_bytes, args.decision_us),
+                       tuple(args.inject_jitter), args.from_trace)
+
+
+def check_schedule_run(run: ScheduleRun) -> None:
+    """Costs and link values, and without a trace the pipeline's shape, its costs per rank, jitter
+    on its ranks and a dynamic cap it can run with; ValueError (one line)."""
+    latency, bandwidth, message_bytes, decision = run.link
+    if (latency or 0.0) < 0 or bandwidth < 0 or message_bytes < 0 or decision < 0:
+        raise ValueError("latency, bandwidth, message bytes and decision cost must be >= 0")
+    if not 0.0 < run.weight_grad_share < 1.0:
+        raise ValueError(f"--weight-grad-share must be in (0, 1), got {run.weight_grad_share}")
+    if run.from_trace is not None:
+        if not os.path.isdir(run.from_trace):
+            raise ValueError(f"--from-trace {run.from_trace} is not a folder")
+        return  # the traced run gives the shape and the costs
+    pp, vpp, m = run.pp, run.vpp, run.microbatches
+    if min(pp, vpp, m) < 1:
+        raise ValueError(f"pipeline size, virtual stages and microbatches must be >= 1, got {pp}, {vpp}, {m}")
+    _per_rank(run.forward_ms, pp, "--forward-ms")
+    _per_rank(run.backward_ms, pp, "--backward-ms")
+    compute_pipeline_jitter(list(run.jitter), 1, 1, pp)
+    if (run.schedule or "dynamic") == "dynamic" and run.dpp.max_inflight is not None:
+        check_cap(run.dpp.max_inflight, vpp)
 
 
 def simulate_from_args(args) -> tuple[SimResult, str, list[int] | None, object]:

@@ -48,7 +48,6 @@ class DppConfig:
     # filling (TrainConfig.split_backward, on by default for dynamic) measured best; see policies.py
     traversal: str = "in-order"
     max_inflight: int | None = None  # None: per rank, what interleaved 1F1B holds
-    jitter: tuple[JitterSpec, ...] = ()
     send_thread: str = "auto"  # one of SEND_THREAD: sends issued off the compute thread (p2p.outbox.Outbox)
 
     def __post_init__(self) -> None:
@@ -93,11 +92,8 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
                    help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly")
 
 
-def build_dpp_config(args: argparse.Namespace, world_size: int) -> DppConfig:
-    """DppConfig from parsed flags; DppConfigError (one line) on bad values."""
-    jitter = tuple(parse_jitter(s) for s in args.inject_jitter or [])
-    for j in jitter:
-        if j.rank >= world_size:
-            raise DppConfigError(f"--inject-jitter rank {j.rank} is outside world size {world_size}")
-    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight, jitter=jitter,
+def build_dpp_config(args: argparse.Namespace) -> DppConfig:
+    """DppConfig from parsed flags; DppConfigError (one line) on bad values. (--inject-jitter is
+    a test knob: its specs go to the run's injection config, cli/injection.py.)"""
+    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight,
                      send_thread=args.dpp_send_thread)

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 
-from megatronapp.dpp.config import DppConfig, build_dpp_config
+from megatronapp.dpp.config import DppConfig, JitterSpec
 from megatronapp.dpp.jitter import apply_jitter
 from megatronapp.dpp.policies import compute_depth_first_order
 from megatronapp.dpp.scheduler import check_cap, check_order_fits
 
 
-def check_dpp_job(args: argparse.Namespace, job) -> DppConfig:
-    """Validate the MegaDPP flags against the job before any process starts (one-line errors)."""
-    cfg = build_dpp_config(args, job.layout.world_size)
+def check_dpp_job(cfg: DppConfig, job) -> DppConfig:
+    """The MegaDPP settings checked against the job (one-line errors): a --dpp-max-inflight cap
+    that every pipeline rank's order fits."""
     if job.train.schedule == "dynamic":
         if cfg.max_inflight is not None:
             check_cap(cfg.max_inflight, job.layout.virtual_pp_size)
@@ -33,8 +32,7 @@ def build_dynamic_runtime_factory(cfg: DppConfig, job):
                              num_microbatches=job.num_microbatches)
 
 
-def build_dpp_hooks(args: argparse.Namespace, job, rank: int, device, injector):
-    """(injector with this rank's jitter, runtime_factory or None) for Trainer(...)."""
-    cfg = check_dpp_job(args, job)
+def build_dpp_hooks(cfg: DppConfig, jitter: tuple[JitterSpec, ...], job, rank: int, device, injector):
+    """(injector with this rank's --inject-jitter, runtime_factory or None) for Trainer(...)."""
     factory = build_dynamic_runtime_factory(cfg, job) if job.train.schedule == "dynamic" else None
-    return apply_jitter(injector, cfg.jitter, rank, device), factory
+    return apply_jitter(injector, jitter, rank, device), factory

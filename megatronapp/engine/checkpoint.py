@@ -66,8 +66,9 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
     folder = Path(save_dir) / f"iter_{it:07d}"
     if g.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        meta = {"iteration": it, "layout": asdict(trainer.job.layout),
-                "model": asdict(trainer.job.model), "train": asdict(trainer.job.train)}
+        job = trainer.job  # the settings beside the model are a record only: a resume takes its own flags
+        meta = {"iteration": it, "layout": asdict(job.layout), "model": asdict(job.model),
+                **{name: asdict(getattr(job, name)) for name in ("train", "optimizer", "precision")}}
         write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     _barrier(g.world)
     state = _shard_state(trainer)
@@ -204,12 +205,19 @@ def has_checkpoint(load_dir: str | os.PathLike) -> bool:
     return (Path(load_dir) / "latest").is_file()
 
 
-def compute_model_config_mismatch(load_dir: str | os.PathLike, model_config) -> list[str]:
-    """`field saved -> current` for every model-shape field that differs from the checkpoint's.
+def read_saved_model_fields(load_dir: str | os.PathLike) -> dict | None:
+    """The model fields of the latest checkpoint in `load_dir`; None when it holds none."""
+    if not has_checkpoint(load_dir):
+        return None
+    return json.loads((find_latest(load_dir) / "meta.json").read_text())["model"]
+
+
+def compute_model_config_mismatch(saved: dict, model_config) -> list[str]:
+    """`field saved -> current` for every model-shape field that differs from a checkpoint's
+    `saved` model fields (read_saved_model_fields).
 
     Dropout rates are training settings, not shape: they may change on resume.
     """
-    saved = json.loads((find_latest(load_dir) / "meta.json").read_text())["model"]
     current = asdict(model_config)
     return [f"{k} {saved[k]} -> {current[k]}" for k in sorted(current)
             if k in saved and saved[k] != current[k] and not k.endswith("dropout")]

@@ -86,3 +86,21 @@ def compute_rerun_verdict(differing_ranks: list[int]) -> str:
     """Same values on every rank: the step's outcome follows from its inputs (reproducible);
     any difference: something other than the inputs decided it (a transient fault)."""
     return "transient" if differing_ranks else "reproducible"
+
+
+def compare_runs(first: list[dict], second: list[dict]) -> dict:
+    """Bit-for-bit comparison of two runs' per-step loss and grad norm (metrics-file records;
+    floats from JSON round-trip exactly): how a --deterministic run is checked."""
+    differing = [a["iteration"] for a, b in zip(first, second)
+                 if (a["loss"], a["grad_norm"]) != (b["loss"], b["grad_norm"])]
+    return {"steps": min(len(first), len(second)), "identical": not differing and len(first) == len(second),
+            "first_differing_iteration": differing[0] if differing else None, "differing_steps": len(differing)}
+
+
+def tabulate_flagged(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per flagged step of every run (name -> metrics-file records): run, iteration,
+    flags, loss, grad norm, the rerun's verdict and ranks."""
+    return [{"run": name, "iteration": r["iteration"], "flags": r["flags"], "loss": r["loss"],
+             "grad_norm": r["grad_norm"], "verdict": (r.get("rerun") or {}).get("verdict"),
+             "ranks": (r.get("rerun") or {}).get("ranks")}
+            for name, rows in runs.items() for r in rows if r.get("flags")]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatronapp.config import ConfigError, TrainConfig
+from megatronapp.config import ConfigError, JobConfig, OptimizerConfig, PrecisionConfig
 from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
 from megatronapp.engine.grad_scaler import build_grad_scaler
 from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norms
@@ -36,7 +36,7 @@ from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 log = logging.getLogger("megatronapp.engine")
 
 
-def params_dtype(cfg: TrainConfig) -> torch.dtype:
+def params_dtype(cfg: PrecisionConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
 
 
@@ -93,9 +93,9 @@ def _counts(p: nn.Parameter, tp_rank: int) -> bool:
 class MixedPrecisionOptimizer:
     """AdamW over fp32 main params, with loss scaling, clipping and (optionally) DP sharding."""
 
-    def __init__(self, reducer: GradReducer, cfg: TrainConfig, groups, device: torch.device, *,
-                 log_overflow: bool = True, fused: bool | None = None):
-        self.reducer, self.cfg, self.groups, self.device = reducer, cfg, groups, device
+    def __init__(self, reducer: GradReducer, cfg: OptimizerConfig, precision: PrecisionConfig, groups,
+                 device: torch.device, *, log_overflow: bool = True, fused: bool | None = None):
+        self.reducer, self.cfg, self.precision, self.groups, self.device = reducer, cfg, precision, groups, device
         self.chunk_mains = _main_params_of(reducer, groups.tp_rank)
         self.mains = [m for chunk in self.chunk_mains for m in chunk]
         self.norm_params = [m.model_param for m in self.mains if m.count_in_norm]  # the norm's terms, in order
@@ -112,7 +112,7 @@ class MixedPrecisionOptimizer:
         if cfg.overlap_param_update and not self.master_kernel:
             raise ConfigError("--overlap-param-update needs the fused master AdamW: CUDA, Triton, --bf16/--fp16")
         self.overlapped_update: OverlappedUpdate | None = None  # see enable_overlapped_update
-        self.grad_scaler = build_grad_scaler(cfg, device)
+        self.grad_scaler = build_grad_scaler(precision, device)
         self.skipped_iterations = 0
         self.log_overflow = log_overflow
         # the groups a per-rank sum must cover to count every element once
@@ -266,7 +266,7 @@ class MixedPrecisionOptimizer:
 
     def _has_separate_mains(self) -> bool:
         # fp32 models hold the main params' values themselves (also when sharded)
-        return params_dtype(self.cfg) != torch.float32
+        return params_dtype(self.precision) != torch.float32
 
     def _step_count(self) -> float | None:
         steps = [float(st["step"]) for st in self.optimizer.state.values() if "step" in st]
@@ -324,23 +324,24 @@ def _nonfinite_flags(norm: torch.Tensor, per_tensor: torch.Tensor, loss_nonfinit
     return skip, first_bad
 
 
-def build_grads_and_optimizer(chunks: list[nn.Module], cfg: TrainConfig, groups, device: torch.device
+def build_grads_and_optimizer(chunks: list[nn.Module], job: JobConfig, groups, device: torch.device
                               ) -> tuple[GradReducer, MixedPrecisionOptimizer]:
     """Cast the model to its params dtype, build its main-grad buffers and the optimizer."""
-    dtype = params_dtype(cfg)
+    t, opt, prec = job.train, job.optimizer, job.precision
+    dtype = params_dtype(prec)
     if dtype != torch.float32:
         for c in chunks:
             c.to(dtype)
     lay = groups.layout
     reducer = GradReducer(chunks, groups.dp, lay.dp_size, dp_rank=groups.dp_rank,
-                          overlap=cfg.overlap_grad_reduce, bucket_mb=cfg.grad_bucket_mb,
-                          distributed_optimizer=cfg.use_distributed_optimizer)
-    if cfg.overlap_param_gather:
+                          overlap=t.overlap_grad_reduce, bucket_mb=t.grad_bucket_mb,
+                          distributed_optimizer=opt.use_distributed_optimizer)
+    if opt.overlap_param_gather:
         for i, c in enumerate(chunks):  # a chunk's first forward waits for its params' all-gather
             c.register_forward_pre_hook(lambda *_, i=i: reducer.wait_param_gather(i))
-    if cfg.gradient_accumulation_fusion:  # needs the main grads, so after the reducer
+    if prec.gradient_accumulation_fusion:  # needs the main grads, so after the reducer
         enable_grad_accumulation_fusion(m for c in chunks for m in c.modules())
-    optimizer = MixedPrecisionOptimizer(reducer, cfg, groups, device, log_overflow=groups.rank == 0)
-    if cfg.overlap_param_update:
+    optimizer = MixedPrecisionOptimizer(reducer, opt, prec, groups, device, log_overflow=groups.rank == 0)
+    if opt.overlap_param_update:
         optimizer.enable_overlapped_update(chunks)
     return reducer, optimizer

@@ -9,10 +9,10 @@ import math
 
 import torch
 
-from megatronapp.config import TrainConfig
+from megatronapp.config import OptimizerConfig
 
 
-def build_adamw(params: list[tuple[torch.Tensor, bool]], cfg: TrainConfig, *, fused: bool) -> torch.optim.AdamW:
+def build_adamw(params: list[tuple[torch.Tensor, bool]], cfg: OptimizerConfig, *, fused: bool) -> torch.optim.AdamW:
     """AdamW over (tensor, decays) pairs; Megatron gives biases and norm weights (1-D model
     params) no weight decay. fused: the single-kernel CUDA implementation."""
     decay = [t for t, d in params if d]
@@ -22,11 +22,11 @@ def build_adamw(params: list[tuple[torch.Tensor, bool]], cfg: TrainConfig, *, fu
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
 
 
-def compute_lr(iteration: int, cfg: TrainConfig) -> float:
+def compute_lr(iteration: int, cfg: OptimizerConfig, train_iters: int) -> float:
     """LR for optimizer step `iteration` (0-based): linear warm-up, then cosine decay to min_lr."""
     if cfg.lr_warmup_iters and iteration < cfg.lr_warmup_iters:
         return cfg.lr * (iteration + 1) / cfg.lr_warmup_iters
-    decay_iters = (cfg.lr_decay_iters or cfg.train_iters) - cfg.lr_warmup_iters
+    decay_iters = (cfg.lr_decay_iters or train_iters) - cfg.lr_warmup_iters
     if decay_iters <= 0:
         return cfg.lr
     progress = min(1.0, (iteration - cfg.lr_warmup_iters) / decay_iters)

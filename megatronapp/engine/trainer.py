@@ -111,15 +111,16 @@ class Trainer:
         self.chunks = build_model_chunks(job.model, pp_rank=groups.pp_rank, pp_size=lay.pp_size,
                                          num_chunks=lay.virtual_pp_size, tp=tp, seed=t.seed, device=device,
                                          options=options)
-        if t.fp8_format is not None:
-            in_fp8 = t.fp8_layers(job.model.num_layers)
+        prec = job.precision
+        if prec.fp8_format is not None:
+            in_fp8 = prec.fp8_layers(job.model.num_layers)
             enable_fp8([block for c in self.chunks for i, block in c.layers.items() if int(i) in in_fp8],
-                       t.fp8_format, t.fp8_recipe, t.fp8_amax_history_len)
+                       prec.fp8_format, prec.fp8_recipe, prec.fp8_amax_history_len)
         # the delayed FP8 recipe's per-linear states, by layout-independent module name (checkpoints)
         self.fp8_states = delayed_states((name, m) for c in self.chunks for name, m in c.named_modules())
         if job.train.compile:
             apply_compile(self.chunks)
-        self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job.train, groups, device)
+        self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job, groups, device)
         self.model = GPTPipelineModel(self.chunks, job.model, seed=t.seed, dp_rank=groups.dp_rank,
                                       num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
                                       tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
@@ -167,7 +168,8 @@ class Trainer:
         """One execution of the next optimizer step (`attempt` 1: its rerun)."""
         it = self.iteration
         self.tracer.step_begin(it)
-        lr = compute_lr(it - self.optimizer.skipped_iterations, self.job.train)  # skips do not advance it
+        # skipped steps do not advance the schedule
+        lr = compute_lr(it - self.optimizer.skipped_iterations, self.job.optimizer, self.job.train.train_iters)
         set_lr(self.optimizer, lr)
         self.reducer.zero_grad()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
@@ -178,8 +180,8 @@ class Trainer:
             loss = self.step_hook(it, attempt, loss, self.optimizer)
         check = self.integrity.check_for_nan_in_loss_and_grad
         if self.fp8_states:  # the step's amaxes -> the next step's scales (one max-reduce over TP and DP)
-            t = self.job.train
-            update_delayed_scaling(self.fp8_states.values(), self.groups, t.fp8_amax_compute_algo, t.fp8_margin)
+            prec = self.job.precision
+            update_delayed_scaling(self.fp8_states.values(), self.groups, prec.fp8_amax_compute_algo, prec.fp8_margin)
         with self.tracer.span(spans.OPTIMIZER):
             # unscale + inf check, norm, (non-finite check,) clip, AdamW, params update
             result = self.optimizer.step(check, self._loss_nonfinite(loss) if check else None)
@@ -278,7 +280,7 @@ class Trainer:
         such as on_step and checkpoints, falls in the next interval).
         """
         end = self.job.train.train_iters if num_steps is None else self.iteration + num_steps
-        interval = max(1, self.job.train.log_interval)
+        interval = self.job.logging.log_interval
         history, pending, t0 = [], [], self.clock()
         while self.iteration < end:
             pending.append(self._run_step())

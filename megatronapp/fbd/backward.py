@@ -18,7 +18,7 @@ import torch
 from megatronapp import spans
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.trainer import Trainer
-from megatronapp.fbd.config import FbdConfig
+from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.fbd.groups import RoleGroups
 from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
@@ -48,10 +48,10 @@ class BackwardRuntime:
     (built through Trainer(runtime_factory=...): the engine's runtime arguments plus FBD's settings)."""
 
     def __init__(self, model, groups: ParallelGroups, *, device, tracer, reducer, injector,
-                 grad_scale_func=None, split_backward: bool = False, fbd: FbdConfig, roles: RoleGroups,
-                 links: LinkDevices, num_microbatches: int):
-        if split_backward:  # validate_fbd_job refuses it first; here for direct users of the runtime
-            raise ValueError("the FBD backward runtime runs whole backwards (no I/W split)")
+                 grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, links: LinkDevices,
+                 num_microbatches: int, injection: FbdInjection = FbdInjection(), split_backward: bool = False):
+        if split_backward:  # refused before launch (fbd.config.validate_fbd_job)
+            raise ValueError("forward-backward disaggregation runs the whole backward, not I and W tasks")
         lay, c = roles.layout, roles.coords
         self.model, self.reducer, self.fbd, self.roles = model, reducer, fbd, roles
         self.grad_scale_func = grad_scale_func  # fp16 loss scaling, applied before backward
@@ -65,8 +65,8 @@ class BackwardRuntime:
         self.compute_timer = ComputeTimer(device)
         self.injector = injector
         self.waits = RoleWaits()
-        inj = fbd.injection
-        self.faults = RoleFaults(roles.rank, "backward", inj.crash, inj.delay_ms("backward"), inj.delay_seed)
+        self.faults = RoleFaults(roles.rank, "backward", injection.crash, injection.delay_ms("backward"),
+                                 injection.delay_seed)
         self.loss_gap = 0.0  # max |forward loss - recomputed loss| seen (last stage, logging)
 
     def _compute(self):
@@ -163,9 +163,9 @@ class BackwardWorker:
     role = "backward"
 
     def __init__(self, job, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
-                 links: LinkDevices, tracer=NULL_TRACER, injector=None):
+                 links: LinkDevices, tracer=NULL_TRACER, injector=None, injection: FbdInjection = FbdInjection()):
         factory = functools.partial(BackwardRuntime, fbd=fbd, roles=groups, links=links,
-                                    num_microbatches=job.num_microbatches)
+                                    num_microbatches=job.num_microbatches, injection=injection)
         self.trainer = Trainer(job, groups.parallel, device, data, tracer=tracer, injector=injector,
                                runtime_factory=factory)
         self.runtime = self.trainer.runtime

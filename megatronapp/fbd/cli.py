@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from megatronapp.config import ConfigError, JobConfig
-from megatronapp.fbd.config import FbdConfig, FbdInjection, parse_crash_spec, validate_fbd_job
+from megatronapp.fbd.config import FbdConfig, validate_fbd_job
 from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
 from megatronapp.fbd.plan import build_fbd_plan
 from megatronapp.fbd.validate import validate_fbd_plan
@@ -34,17 +34,20 @@ def add_fbd_arguments(p: argparse.ArgumentParser) -> None:
 
 def fbd_config_from_args(args: argparse.Namespace) -> FbdConfig:
     return FbdConfig(forward_tp_size=args.forward_tensor_model_parallel_size or args.tensor_model_parallel_size,
-                     forward_device=args.forward_device, max_ahead=args.fbd_max_ahead,
-                     injection=FbdInjection(crash=parse_crash_spec(args.inject_crash)))
+                     forward_device=args.forward_device, max_ahead=args.fbd_max_ahead)
+
+
+def build_role_layout(world: int, tp_size: int, pp_size: int, cfg: FbdConfig) -> RoleLayout:
+    """The FBD role layout of `world` ranks; one-line ConfigError when it does not fit."""
+    try:
+        return RoleLayout(world, tp_size, pp_size, cfg.forward_tp_size)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
 
 
 def role_layout_from_args(args: argparse.Namespace, world: int) -> RoleLayout:
-    cfg = fbd_config_from_args(args)
-    try:
-        return RoleLayout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                          cfg.forward_tp_size)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
+    return build_role_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                             fbd_config_from_args(args))
 
 
 def layout_world_size(args: argparse.Namespace, world: int) -> int:
@@ -57,24 +60,21 @@ def layout_world_size(args: argparse.Namespace, world: int) -> int:
     return role_layout_from_args(args, world).num_backward
 
 
-def check_fbd_job(args: argparse.Namespace, job: JobConfig, world: int) -> None:
+def check_fbd_job(cfg: FbdConfig, job: JobConfig, world: int) -> None:
     """FBD's constraints, and its action lists for two iterations checked (validate.py)."""
-    if not args.forward_backward_disaggregating:
-        return
-    cfg = fbd_config_from_args(args)
     validate_fbd_job(job, cfg, world)
-    plan = build_fbd_plan(role_layout_from_args(args, world), job.num_microbatches, cfg.max_ahead, range(2),
-                          job.train.log_interval)
+    lay = build_role_layout(world, job.layout.tp_size, job.layout.pp_size, cfg)
+    plan = build_fbd_plan(lay, job.num_microbatches, cfg.max_ahead, range(2), job.logging.log_interval)
     validate_fbd_plan(plan)
 
 
-def fbd_placements_from_args(args: argparse.Namespace, lay: RoleLayout, visible_gpus: int,
-                             ranks_per_node: int | None = None) -> tuple[Placement, ...]:
+def compute_fbd_placements(device: str | None, forward_device: str | None, lay: RoleLayout, visible_gpus: int,
+                           ranks_per_node: int | None = None) -> tuple[Placement, ...]:
     """Where every rank of the FBD job computes (--device, --forward-device); one-line ConfigError
     for a device that is not there or a layout NCCL cannot run (two ranks of a group on one GPU)."""
     try:
-        backward = resolve_device_kind(args.device, visible_gpus)
-        forward = resolve_device_kind(args.forward_device or backward, visible_gpus, "--forward-device")
+        backward = resolve_device_kind(device, visible_gpus)
+        forward = resolve_device_kind(forward_device or backward, visible_gpus, "--forward-device")
         placements = compute_role_placements(lay, backward, forward, visible_gpus, ranks_per_node)
         check_gpu_groups(role_group_ranks(lay), placements, visible_gpus)
     except LayoutError as e:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megatronapp.config import ConfigError, JobConfig
 
 
 @dataclass(frozen=True)
 class FbdInjection:
-    """What tests and benchmarks do to an FBD job on purpose (no training run sets these but
-    --inject-crash): faults that exercise failure handling and ordering, and an upper bound."""
+    """What tests and benchmarks do to an FBD job on purpose, apart from its FbdConfig (a training
+    run sets only `crash`, from --inject-crash): faults that exercise failure handling and
+    ordering, and an upper bound."""
 
     crash: tuple[int, int] | None = None  # (global rank, iteration): raise there (--inject-crash)
     random_delay_ms: float = 0.0  # sleep U(0, this) before every compute action, seeded per rank
@@ -31,7 +32,6 @@ class FbdConfig:
     forward_tp_size: int = 1  # TF: tensor-parallel degree of forward workers
     forward_device: str | None = None  # "cpu" | "cuda"; None: the backward workers' device
     max_ahead: int = 2  # stage inputs a forward worker may send ahead of its backward twin's use
-    injection: FbdInjection = field(default_factory=FbdInjection)  # none unless a test asks
 
     def __post_init__(self) -> None:
         if self.forward_tp_size < 1:
@@ -64,9 +64,8 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
         raise ConfigError("forward-backward disaggregation runs its own action lists: "
                           "--pipeline-schedule dynamic does not apply")
     if job.train.uses_split_backward():
-        raise ConfigError("forward-backward disaggregation runs whole backwards on its backward ranks: "
-                          "--split-backward and the zero-bubble schedules do not apply")
-    if job.train.fp8_format is not None:
+        raise ConfigError("forward-backward disaggregation runs the whole backward: --split-backward does not apply")
+    if job.precision.fp8_format is not None:
         raise ConfigError("forward-backward disaggregation's forward ranks do not run FP8 GEMMs: "
                           "--fp8-format does not apply")
     for what, size in (("num attention heads", m.num_attention_heads), ("ffn hidden size", m.ffn_size),
@@ -76,6 +75,3 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
     if m.attention_dropout and tf != job.layout.tp_size:
         raise ConfigError(f"attention dropout draws per-TP-rank streams: it needs forward TP size {tf} "
                           f"= TP size {job.layout.tp_size} (hidden dropout works with any)")
-    crash = cfg.injection.crash
-    if crash is not None and crash[0] >= world_size:
-        raise ConfigError(f"--inject-crash rank {crash[0]} is outside world size {world_size}")

@@ -13,7 +13,7 @@ from megatronapp.config import JobConfig
 from megatronapp.engine.checkpoint import find_latest
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import params_dtype
-from megatronapp.fbd.config import FbdConfig
+from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.fbd.groups import RoleGroups
 from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_forward_actions
@@ -51,7 +51,7 @@ def build_forward_model(job: JobConfig, fbd: FbdConfig, groups: RoleGroups, devi
     chunks = build_model_chunks(job.model, pp_rank=c.pp, pp_size=lay.pp_size, num_chunks=1, tp=tp,
                                 seed=t.seed, device=device, options=options)
     for chunk in chunks:  # the backward workers' params dtype (bf16/fp16 as Megatron, else fp32)
-        chunk.requires_grad_(False).to(params_dtype(t))
+        chunk.requires_grad_(False).to(params_dtype(job.precision))
     return GPTPipelineModel(chunks, job.model, seed=t.seed, dp_rank=c.dp, num_microbatches=job.num_microbatches,
                             tp_size=lay.forward_tp_size, tp_rank=c.tp, sequence_parallel=sp,
                             attention_backend=t.attention_backend)
@@ -63,7 +63,7 @@ class ForwardWorker:
     role = "forward"
 
     def __init__(self, job: JobConfig, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
-                 links: LinkDevices, tracer=NULL_TRACER):
+                 links: LinkDevices, tracer=NULL_TRACER, injection: FbdInjection = FbdInjection()):
         lay, c = groups.layout, groups.coords
         self.job, self.fbd, self.groups, self.device, self.data = job, fbd, groups, device, data
         self.links, self.tracer = links, tracer  # links(peer): device of that link's tensors
@@ -78,8 +78,9 @@ class ForwardWorker:
         # backward TP ranks take sequence slices when they use sequence parallelism and we do not
         self.slice_for_targets = job.train.sequence_parallel and not self.model.seq_shards > 1
         self.waits = RoleWaits()
-        inj = fbd.injection
-        self.faults = RoleFaults(groups.rank, self.role, inj.crash, inj.delay_ms(self.role), inj.delay_seed)
+        self.injection = injection
+        self.faults = RoleFaults(groups.rank, self.role, injection.crash, injection.delay_ms(self.role),
+                                 injection.delay_seed)
         self.hand_off = Outbox(window=fbd.max_ahead)  # stage inputs to backward workers
         self.downstream = Outbox(window=fbd.max_ahead)  # stage outputs to the next forward stage
         self.iteration = 0
@@ -150,7 +151,7 @@ class ForwardWorker:
         first, last = self.chunk.has_embedding, self.chunk.has_head
         x = None if first else it.inputs.pop(a.microbatch)
         ctx = MicrobatchContext(it.index, a.microbatch, 0, first, last)
-        if self.fbd.injection.free_forward:  # upper-bound benchmark: backward workers never wait on compute
+        if self.injection.free_forward:  # upper-bound benchmark: backward workers never wait on compute
             if last:
                 it.losses.append(torch.zeros((), device=self.device))
             else:

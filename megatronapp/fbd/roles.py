@@ -9,7 +9,6 @@ reduction of the seconds each role waited on the other (the summary's rows).
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ import torch.distributed as dist
 
 from megatronapp.engine.checkpoint import has_checkpoint
 from megatronapp.fbd.backward import BackwardWorker
-from megatronapp.fbd.cli import fbd_config_from_args, fbd_placements_from_args, role_layout_from_args
+from megatronapp.fbd.cli import build_role_layout, compute_fbd_placements
+from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.fbd.forward import ForwardWorker
 from megatronapp.fbd.groups import build_role_groups
 from megatronapp.fbd.layout import RoleLayout
@@ -54,9 +54,10 @@ class _FbdRole:
 
     role = ""
 
-    def __init__(self, args: argparse.Namespace, lay: RoleLayout, rank: int, local_world: int):
-        self.lay, self.rank, self.fbd = lay, rank, fbd_config_from_args(args)
-        placements = fbd_placements_from_args(args, lay, torch.cuda.device_count(), local_world)
+    def __init__(self, fbd: FbdConfig, injection: FbdInjection, device: str | None, lay: RoleLayout, rank: int,
+                 local_world: int):
+        self.lay, self.rank, self.fbd, self.injection = lay, rank, fbd, injection
+        placements = compute_fbd_placements(device, fbd.forward_device, lay, torch.cuda.device_count(), local_world)
         self.placed = place_rank(placements, rank)
         self.device, self.backend = self.placed.device, self.placed.backend
         self.device_id = None  # NCCL communicators are made per group, lazily
@@ -68,7 +69,8 @@ class _FbdRole:
         return self.groups.parallel
 
     def _worker_kwargs(self, ctx: RankContext) -> dict:
-        return {"links": self.placed.links, **({"tracer": ctx.tracer} if ctx.tracer else {})}
+        return {"links": self.placed.links, "injection": self.injection,
+                **({"tracer": ctx.tracer} if ctx.tracer else {})}
 
     def finish(self, summary_file: str | None) -> None:
         stats = gather_role_waits(self.worker, self.lay, self.rank)
@@ -97,16 +99,20 @@ class ForwardRole(_FbdRole):
 
     def run(self, ctx: RankContext, train_loop: TrainLoop) -> list[dict]:
         self.worker = ForwardWorker(ctx.job, self.fbd, self.groups, self.device, ctx.data, **self._worker_kwargs(ctx))
-        if ctx.job.train.load and has_checkpoint(ctx.job.train.load):
-            self.worker.load(ctx.job.train.load)
+        load = ctx.job.checkpoint.load
+        if load and has_checkpoint(load):
+            self.worker.load(load)
         self.worker.train(ctx.job.train.train_iters)
         return []
 
 
-def pick_fbd_role(args: argparse.Namespace, world: int, rank: int, local_world: int) -> _FbdRole:
-    """The role of global rank `rank` in an FBD job of `world` ranks (backward ranks first)."""
-    lay = role_layout_from_args(args, world)
-    return (ForwardRole if lay.role_of(rank).is_forward else BackwardRole)(args, lay, rank, local_world)
+def pick_fbd_role(job, fbd: FbdConfig, injection: FbdInjection, device: str | None, world: int, rank: int,
+                  local_world: int) -> _FbdRole:
+    """The role of global rank `rank` in an FBD job of `world` ranks (backward ranks first); `job`
+    describes the backward workers' layout, `device` is --device (forward workers: fbd.forward_device)."""
+    lay = build_role_layout(world, job.layout.tp_size, job.layout.pp_size, fbd)
+    role = ForwardRole if lay.role_of(rank).is_forward else BackwardRole
+    return role(fbd, injection, device, lay, rank, local_world)
 
 
 def gather_role_waits(worker, lay: RoleLayout, rank: int) -> dict:

@@ -6,7 +6,7 @@
 
 Ranks are launched as for training (torch.distributed.run); rank 0 samples and writes the
 result, which the launching process prints. Bad input fails in one line (exit 2) before
-anything is launched.
+anything is launched (cli/validate.py).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from megatronapp.config import ConfigError
+from megatronapp.config import ConfigError, ModelConfig
 from megatronapp.files import write_text_atomic
 from megatronapp.inference.generate import SamplingConfig
 from megatronapp.launch.local import rank_argv, run_local_ranks, under_launcher
@@ -71,52 +71,85 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def check_layout_args(args: argparse.Namespace):
-    """Validate load folder and layout before launching; returns (model config, layout)."""
-    from megatronapp.config import build_layout
-    from megatronapp.inference.model import check_inference_layout, read_model_config
-    from megatronapp.parallel.device import check_layout_devices
-    from megatronapp.parallel.layout import LayoutError
+@dataclass(frozen=True)
+class InferenceRun:
+    """What `generate`, `scope capture` or `scope serve` will launch on a checkpoint's model, and
+    what the checks before launch read (cli/validate.py runs them)."""
+
+    load: str  # the checkpoint folder
+    model: ModelConfig  # its model
+    nproc_per_node: int | None
+    tp_size: int
+    pp_size: int
+    world_size: int
+    vocab_size: int  # the tokenizer's
+    device: str | None = None
+    bf16: bool = False  # bf16 weights and activations
+    visible_gpus: int | None = None  # None: under the launcher, which checked the whole job's devices
+    prompts: tuple[tuple[int, ...], ...] = ()  # token ids; none for `scope serve`
+    sampling: SamplingConfig | None = None
+    capture: object | None = None  # scope capture's request (scope/cli.py)
+    port: int | None = None  # scope serve's
+
+
+def build_inference_run(args: argparse.Namespace, with_prompts: bool = True, **extra) -> InferenceRun:
+    """The run on args.load's model; a one-line ConfigError when the checkpoint or a prompt file is
+    missing (what cannot be read cannot be checked)."""
+    import torch
+
+    from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.inference.model import read_model_config
 
     if not os.path.isfile(os.path.join(args.load, "latest")):
         raise ConfigError(f"--load {args.load}: no complete checkpoint there (missing 'latest')")
-    for flag in ("nproc_per_node", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    tokenizer = load_tokenizer(args.tokenizer_model)
+    prompts = tuple(tuple(tokenizer.encode(p)) for p in read_prompts(args)) if with_prompts else ()
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
-    cfg = read_model_config(args.load)
-    layout = build_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    check_inference_layout(cfg, layout)
-    if not under_launcher():  # the launcher checked the whole job's devices before starting it
+    return InferenceRun(load=args.load, model=read_model_config(args.load), nproc_per_node=args.nproc_per_node,
+                        tp_size=args.tensor_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
+                        world_size=world, vocab_size=tokenizer.vocab_size, device=args.device, bf16=args.bf16,
+                        visible_gpus=None if under_launcher() else torch.cuda.device_count(), prompts=prompts,
+                        **extra)
+
+
+def check_inference_layout_run(run: InferenceRun) -> None:
+    """Layout sizes, the model on the layout as one replica, devices."""
+    from megatronapp.config import build_layout
+    from megatronapp.inference.model import check_inference_layout
+    from megatronapp.parallel.device import check_layout_devices
+    from megatronapp.parallel.layout import LayoutError
+
+    for flag, value in (("nproc-per-node", run.nproc_per_node), ("tensor-model-parallel-size", run.tp_size),
+                        ("pipeline-model-parallel-size", run.pp_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag} must be >= 1, got {value}")
+    layout = build_layout(run.world_size, run.tp_size, run.pp_size)
+    check_inference_layout(run.model, layout)
+    if run.visible_gpus is not None:
         try:
-            check_layout_devices(getattr(args, "device", None), layout)
+            check_layout_devices(run.device, layout, run.visible_gpus)
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
-    return cfg, layout
 
 
-def check_generate_args(args: argparse.Namespace) -> None:
-    from megatronapp.data.tokenizer import load_tokenizer
+def check_inference_prompts(run: InferenceRun) -> None:
+    """The tokenizer against the model, and the prompts with the tokens to generate."""
     from megatronapp.inference.generate import check_prompts
 
-    cfg, _ = check_layout_args(args)
-    sampling = build_sampling_config(args)
-    tokenizer = load_tokenizer(args.tokenizer_model)
-    if tokenizer.vocab_size > cfg.padded_vocab_size:
-        raise ConfigError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {cfg.padded_vocab_size}")
-    check_prompts([tokenizer.encode(p) for p in read_prompts(args)], sampling, cfg.seq_length, tokenizer.vocab_size)
+    if run.vocab_size > run.model.padded_vocab_size:
+        raise ConfigError(f"tokenizer vocabulary {run.vocab_size} exceeds the model's {run.model.padded_vocab_size}")
+    if run.sampling is not None:
+        check_prompts([list(p) for p in run.prompts], run.sampling, run.model.seq_length, run.vocab_size)
 
 
-def run_command(args: argparse.Namespace, argv: list[str], check, worker, render) -> int:
-    """Validate, then run `worker(args) -> dict` here or on launched ranks; print render(result)."""
-    try:
-        check(args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"megatronapp: error: {exc}", file=sys.stderr)
-        return 2
+def build_generate_run(args: argparse.Namespace) -> InferenceRun:
+    return build_inference_run(args, sampling=build_sampling_config(args))
+
+
+def run_command(args: argparse.Namespace, argv: list[str], run: InferenceRun, worker, render) -> int:
+    """Run `worker(args, run) -> dict` here or on launched ranks (the run was validated); print render(result)."""
     if under_launcher() or not args.nproc_per_node or args.nproc_per_node == 1:
-        result = worker(args)
+        result = worker(args, run)
         if result is not None and args.result_file:
             write_text_atomic(args.result_file, json.dumps(result))
         elif result is not None:
@@ -130,17 +163,17 @@ def run_command(args: argparse.Namespace, argv: list[str], check, worker, render
     return code
 
 
-def generate_worker(args: argparse.Namespace) -> dict | None:
+def generate_worker(args: argparse.Namespace, run: InferenceRun) -> dict | None:
     """Body of one rank: load, generate, return the result on rank 0 (None elsewhere)."""
     from megatronapp.data.tokenizer import load_tokenizer
     from megatronapp.inference.generate import generate
     from megatronapp.inference.launch import finish_worker, start_worker
 
-    model = start_worker(args)
+    model = start_worker(run)
     model.cuda_graphs = args.cuda_graphs
     tokenizer = load_tokenizer(args.tokenizer_model)
     prompts = read_prompts(args)
-    res = generate(model, [tokenizer.encode(p) for p in prompts], build_sampling_config(args),
+    res = generate(model, [tokenizer.encode(p) for p in prompts], run.sampling,
                    eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
     out = {"layout": model.groups.layout.describe(), "prompts": prompts,
            "completions": [tokenizer.decode(t) for t in res.tokens], "tokens": res.tokens,
@@ -163,5 +196,5 @@ def render_generation(args: argparse.Namespace, result: dict) -> str:
 def add_generate_subcommand(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint (any TP x PP layout)")
     add_generate_arguments(p)
-    p.set_defaults(run_with_argv=lambda args, argv: run_command(args, argv, check_generate_args, generate_worker,
-                                                     render_generation))
+    p.set_defaults(build_run=build_generate_run,
+                   launch=lambda args, argv, run: run_command(args, argv, run, generate_worker, render_generation))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
@@ -11,20 +10,21 @@ import torch.distributed as dist
 from megatronapp.parallel.device import select_device
 
 
-def start_worker(args: argparse.Namespace):
-    """Join the process group (when launched), build groups and load this rank's model."""
+def start_worker(run):
+    """Join the process group (when launched), build groups and load this rank's model of `run`
+    (inference.cli.InferenceRun: checkpoint, TP x PP, device, dtype)."""
     from megatronapp.config import build_layout
     from megatronapp.inference.model import build_inference_model, read_model_config
     from megatronapp.parallel.groups import build_process_groups
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    device = select_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    device = select_device(run.device, int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
-    layout = build_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    layout = build_layout(world, run.tp_size, run.pp_size)
     groups = build_process_groups(layout, rank)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    return build_inference_model(read_model_config(args.load), groups, device, load_dir=args.load, dtype=dtype)
+    dtype = torch.bfloat16 if run.bf16 else torch.float32
+    return build_inference_model(read_model_config(run.load), groups, device, load_dir=run.load, dtype=dtype)
 
 
 def finish_worker() -> None:

@@ -30,10 +30,11 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from megatronapp.config import ConfigError, JobConfig, ModelConfig, TrainConfig, validate_job
+from megatronapp.config import ConfigError, JobConfig, ModelConfig, TrainConfig
 from megatronapp.engine.checkpoint import find_latest, load_model_params
 from megatronapp.inference.graphs import DecodeGraph
 from megatronapp.inference.kv_cache import KVCache, compute_static_length
+from megatronapp.job import validate_job
 from megatronapp.model.gpt import GPTChunk, TPContext, build_model_chunks
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.parallel.layout import ParallelLayout

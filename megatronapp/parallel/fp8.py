@@ -40,7 +40,7 @@ is on (see wgrad_fusion.py): written by the GEMM on a step's first accumulation,
 otherwise (`_scaled_mm` has no beta). The FP8 copies of x and W are what backward saves,
 half the bytes of the bf16 ones.
 
-GEMM shapes must be multiples of 16 (cuBLASLt's FP8 rule); config.validate_job refuses a
+GEMM shapes must be multiples of 16 (cuBLASLt's FP8 rule); job.validate_job refuses a
 job whose tokens per microbatch, hidden or per-rank FFN / head sizes are not.
 """
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from megatronapp.faults.inject import FaultSpecError, fault_env, parse_fault_plan
+from megatronapp.faults.inject import FaultPlan, fault_env, parse_fault_plan
 from megatronapp.launch.local import remove_stale_rank_traces, run_local_ranks
 from megatronapp.scan.record.autotrace import AutoTraceConfig
 from megatronapp.scan.record.trace_config import add_trace_arguments, trace_fields_from_args
@@ -26,37 +26,46 @@ def add_trace_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
     parser.add_argument("--json", action="store_true", help="print the detection report as JSON")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT.py ARGS...")
-    parser.set_defaults(func=run_trace_run)
+    parser.set_defaults(build_run=build_trace_run, launch=run_trace_run)
 
 
-def _check(args: argparse.Namespace) -> tuple[list[str], AutoTraceConfig]:
-    """The script command and the trace config; ValueError with a one-line reason otherwise."""
+@dataclass(frozen=True)
+class TraceRun:
+    """What `trace run` will launch: a script on local ranks, traced, with injected faults."""
+
+    command: tuple[str, ...]  # SCRIPT.py ARGS...
+    nproc_per_node: int
+    config: AutoTraceConfig
+    faults: FaultPlan
+
+
+def build_trace_run(args: argparse.Namespace) -> TraceRun:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
+    return TraceRun(tuple(command), args.nproc_per_node, AutoTraceConfig(**trace_fields_from_args(args)),
+                    parse_fault_plan(args.inject_slowdown, args.inject_link_delay))
+
+
+def check_trace_run(run: TraceRun) -> None:
+    """A Python script to run, ranks to run it on, faults on those ranks; ValueError (one line)."""
+    if not run.command:
         raise ValueError("no program given: megatronapp trace run [options] -- SCRIPT.py ARGS...")
-    if not command[0].endswith(".py") or not Path(command[0]).is_file():
-        raise ValueError(f"{command[0]} is not a Python script file")
-    if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    parse_fault_plan(args.inject_slowdown, args.inject_link_delay).check(args.nproc_per_node)
-    config = AutoTraceConfig(**trace_fields_from_args(args))
-    return command, config
+    if not run.command[0].endswith(".py") or not Path(run.command[0]).is_file():
+        raise ValueError(f"{run.command[0]} is not a Python script file")
+    if run.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {run.nproc_per_node}")
+    run.faults.check(run.nproc_per_node)
 
 
-def run_trace_run(args: argparse.Namespace) -> int:
-    """Handler of `trace run`: 2 on bad input, 1 if a rank failed, else 0 (report printed)."""
-    try:
-        command, config = _check(args)
-    except (ValueError, FaultSpecError) as exc:
-        print(f"megatronapp trace run: error: {exc}", file=sys.stderr)
-        return 2
-    remove_stale_rank_traces(config.trace_dir)
-    os.environ.update(config.to_env())
+def run_trace_run(args: argparse.Namespace, argv: list[str], run: TraceRun) -> int:
+    """Launch the validated run: 1 if a rank failed, else 0 (report printed)."""
+    remove_stale_rank_traces(run.config.trace_dir)
+    os.environ.update(run.config.to_env())
     os.environ.update(fault_env(args.inject_slowdown, args.inject_link_delay))
-    code = run_local_ranks("megatronapp.scan.record.run", command, args.nproc_per_node, prog="megatronapp trace run")
+    code = run_local_ranks("megatronapp.scan.record.run", list(run.command), run.nproc_per_node,
+                           prog="megatronapp trace run")
     if code:
         return code
-    return _report(config.trace_dir, args.json)
+    return _report(run.config.trace_dir, args.json)
 
 
 def _report(trace_dir: str, as_json: bool) -> int:

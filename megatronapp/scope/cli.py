@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatronapp.config import ConfigError
-from megatronapp.inference.cli import (add_layout_arguments, check_layout_args, read_prompts, run_command)
+from megatronapp.inference.cli import add_layout_arguments, build_inference_run, read_prompts, run_command
 from megatronapp.inference.generate import SamplingConfig
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
@@ -46,36 +47,46 @@ def _perturbation_specs(args) -> list:
     return specs
 
 
-def _capture_config(args, cfg):
-    """Validated CaptureConfig for a model of `cfg`; perturbation specs are checked too."""
-    from megatronapp.scope.capture import make_capture_config, validate_capture
+@dataclass(frozen=True)
+class CaptureRequest:
+    """What `scope capture` records: sites and compression, perturbations, the output file."""
+
+    config: object  # scope.capture.CaptureConfig
+    perturbations: tuple = ()  # scope.specs.Perturbation
+    bf16: bool = False
+    out: str | None = None
+
+
+def build_capture_request(args) -> CaptureRequest:
+    """Parsed from the flags (and --perturb @FILE); the checks against the model are check_capture."""
+    from megatronapp.scope.capture import make_capture_config
+
+    config = make_capture_config([s for s in args.sites.split(",") if s], layers=_int_list(args.layers),
+                                 heads=_int_list(args.heads), compress=args.compress or "", topk=args.topk,
+                                 max_bytes_per_step=int(args.max_capture_mb * 2**20))
+    return CaptureRequest(config, tuple(_perturbation_specs(args)), args.bf16, args.out)
+
+
+def check_capture(request: CaptureRequest, cfg) -> None:
+    """Sites, layers, heads and every perturbation against a model of `cfg`; an output file."""
+    from megatronapp.scope.capture import validate_capture
     from megatronapp.scope.specs import validate_perturbation
     from megatronapp.scope.target import stand_in_target
 
-    capture_cfg = make_capture_config([s for s in args.sites.split(",") if s], layers=_int_list(args.layers),
-                                      heads=_int_list(args.heads), compress=args.compress or "", topk=args.topk,
-                                      max_bytes_per_step=int(args.max_capture_mb * 2**20))
-    validate_capture(cfg, capture_cfg)
+    validate_capture(cfg, request.config)
     shapes = stand_in_target(cfg).full_param_shapes()
-    for spec in _perturbation_specs(args):
-        validate_perturbation(spec, cfg, shapes, torch.bfloat16 if args.bf16 else torch.float32)
-    return capture_cfg
-
-
-def check_capture_args(args) -> None:
-    from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.inference.generate import check_prompts
-
-    cfg, _ = check_layout_args(args)
-    _capture_config(args, cfg)
-    tokenizer = load_tokenizer(args.tokenizer_model)
-    check_prompts([tokenizer.encode(p) for p in read_prompts(args)], SamplingConfig(max_new_tokens=args.max_new_tokens),
-                  cfg.seq_length, tokenizer.vocab_size)
-    if not args.out:
+    for spec in request.perturbations:
+        validate_perturbation(spec, cfg, shapes, torch.bfloat16 if request.bf16 else torch.float32)
+    if not request.out:
         raise ConfigError("--out FILE is required")
 
 
-def capture_worker(args) -> dict | None:
+def build_capture_run(args):
+    return build_inference_run(args, sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
+                               capture=build_capture_request(args))
+
+
+def capture_worker(args, run) -> dict | None:
     """One rank: load, install perturbations and capture, generate greedily, rank 0 saves."""
     from contextlib import ExitStack
 
@@ -86,16 +97,17 @@ def capture_worker(args) -> dict | None:
     from megatronapp.scope.perturb import perturb
     from megatronapp.scope.store import save_capture
 
-    model = start_worker(args)
+    model = start_worker(run)
     tokenizer = load_tokenizer(args.tokenizer_model)
     prompts = read_prompts(args)
-    capture_cfg = _capture_config(args, model.cfg)
+    request = run.capture
+    capture_cfg = request.config
     with ExitStack() as stack:
-        specs = _perturbation_specs(args)
+        specs = request.perturbations
         for spec in specs:
             stack.enter_context(perturb(model, spec))
         cap = stack.enter_context(Capture(model, capture_cfg))
-        res = generate(model, [tokenizer.encode(p) for p in prompts], SamplingConfig(max_new_tokens=args.max_new_tokens),
+        res = generate(model, [tokenizer.encode(p) for p in prompts], run.sampling,
                        eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
     out = None
     if model.is_serving_rank:
@@ -149,8 +161,8 @@ def add_scope_subcommands(sub) -> None:
     cap.add_argument("--json", action="store_true")
     cap.add_argument("--tokenizer-model", default=None)
     add_layout_arguments(cap)
-    cap.set_defaults(run_with_argv=lambda args, argv: run_command(args, argv, check_capture_args, capture_worker,
-                                                        render_capture))
+    cap.set_defaults(build_run=build_capture_run,
+                     launch=lambda args, argv, run: run_command(args, argv, run, capture_worker, render_capture))
     rep = cmds.add_parser("report", help="render PNG heatmaps, attention maps and PCA of a capture file")
     rep.add_argument("file")
     rep.add_argument("--out", required=True, help="output folder")

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from megatronapp.config import ConfigError
-from megatronapp.inference.cli import add_layout_arguments, check_layout_args
+from megatronapp.inference.cli import add_layout_arguments, build_inference_run
 from megatronapp.launch.local import rank_argv, run_local_ranks, under_launcher
 
 DEMO_CHECKPOINTS = ("ckpt",)  # where the README's training example saves
@@ -37,7 +37,7 @@ def add_serve_subcommand(cmds) -> None:
     add_server_arguments(p, default_port=8765)
     p.add_argument("--tokenizer-model", default=None)
     add_layout_arguments(p)  # --nproc-per-node, TP/PP sizes, --device, --bf16
-    p.set_defaults(run_with_argv=serve_main)
+    p.set_defaults(build_run=build_serve_run, launch=serve_main)
 
 
 def add_server_arguments(p: argparse.ArgumentParser, default_port: int, prefix: str = "") -> None:
@@ -58,8 +58,7 @@ def add_scope_ui_train_arguments(p: argparse.ArgumentParser) -> None:
 def server_config(host: str, port: int, token: str | None):
     from megatronapp.scope_ui.server import ServerConfig, resolve_token
 
-    if not 0 <= port < 65536:
-        raise ConfigError(f"port must be in 0..65535, got {port}")
+    check_port(port)
     return ServerConfig(host=host, port=port, token=resolve_token(host, token))
 
 
@@ -95,28 +94,26 @@ def build_generation_backend(load: str, tokenizer_model, device, bf16: bool, lim
     return GenerationRunner(model, load_tokenizer(tokenizer_model), limits)
 
 
-def _check_serve_args(args):
-    """(server config, checkpoint folder); ConfigError before anything starts."""
-    cfg = server_config(args.host, args.port, args.token)
+def check_port(port: int) -> None:
+    if not 0 <= port < 65536:
+        raise ConfigError(f"port must be in 0..65535, got {port}")
+
+
+def build_serve_run(args):
+    """The run of `scope serve`: args.load, or the demo checkpoint (trained here when missing)."""
     if args.load is None and (args.nproc_per_node or 1) > 1:
         raise ConfigError("--nproc-per-node needs --load (the demo model is served by one process)")
+    check_port(args.port)  # before a missing demo checkpoint is trained
     args.load = args.load or find_demo_checkpoint(train_if_missing=not under_launcher())
-    if not os.path.isfile(os.path.join(args.load, "latest")):
-        raise ConfigError(f"--load {args.load}: no complete checkpoint there (missing 'latest')")
-    check_layout_args(args)
-    return cfg, args.load
+    return build_inference_run(args, with_prompts=False, port=args.port)
 
 
-def serve_main(args, argv: list[str]) -> int:
-    try:
-        cfg, load = _check_serve_args(args)
-    except (ConfigError, ValueError, OSError) as exc:
-        print(f"megatronapp: error: {exc}", file=sys.stderr)
-        return 2
+def serve_main(args, argv: list[str], run) -> int:
+    cfg, load = server_config(args.host, args.port, args.token), args.load
     if not under_launcher() and (args.nproc_per_node or 1) > 1:
         return run_local_ranks("megatronapp.cli.main", rank_argv(argv), args.nproc_per_node)
     if under_launcher():
-        return _serve_ranks(args, cfg, load)
+        return _serve_ranks(args, run, cfg)
     return _serve(build_generation_backend(load, args.tokenizer_model, args.device, args.bf16, cfg.limits), cfg, load)
 
 
@@ -133,12 +130,12 @@ def _serve(backend, cfg, load: str) -> int:
     return 0
 
 
-def _serve_ranks(args, cfg, load: str) -> int:
+def _serve_ranks(args, run, cfg) -> int:
     """Under the launcher: rank 0 serves and leads, the other ranks follow (scope_ui/ranks.py)."""
     from megatronapp.inference.launch import finish_worker, start_worker
     from megatronapp.scope_ui.ranks import JobChannel, LeaderRunner, follow
 
-    model = start_worker(args)
+    model, load = start_worker(run), run.load
     runner = build_generation_backend(load, args.tokenizer_model, None, args.bf16, cfg.limits, model=model)
     channel = JobChannel(model.device)
     try:

@@ -1,6 +1,6 @@
 """`train --scope`: the training view, plugged in through the trainer's on_step callback.
 
-    with training_scope(args, job, trainer, on_step) as on_step:   # on_step unchanged when --scope is off
+    with training_scope(scope, tokenizer_model, trainer, on_step) as on_step:   # unchanged when scope is None
         trainer.train(on_step=on_step)
 
 After each reported step (every --log-interval steps; use 1 for a live view) the wrapped
@@ -22,23 +22,44 @@ import collections
 import contextlib
 import queue
 import threading
+from dataclasses import dataclass
 
 HISTORY = 5000  # training steps replayed to a tab that connects late
 
 
-@contextlib.contextmanager
-def training_scope(args, job, trainer, on_step):
-    """`on_step`, wrapped with the UI when args.scope; the server stops on exit."""
+@dataclass(frozen=True)
+class TrainingScopeConfig:
+    """`train --scope`: where the training view is served and what it probes."""
+
+    host: str
+    port: int
+    token: str | None  # None: generated for a non-loopback bind
+    probe: str  # the prompt run every `every` steps
+    every: int
+    start_paused: bool = False  # wait for the page before the first step
+
+
+def build_training_scope_config(args) -> TrainingScopeConfig | None:
+    """From the --scope* flags; None without --scope."""
     if not getattr(args, "scope", False):
+        return None
+    return TrainingScopeConfig(args.scope_host, args.scope_port, args.scope_token, args.scope_probe,
+                               args.scope_every, args.scope_start_paused)
+
+
+@contextlib.contextmanager
+def training_scope(scope: TrainingScopeConfig | None, tokenizer_model: str | None, trainer, on_step):
+    """`on_step`, wrapped with the UI when `scope` is set; the server stops on exit."""
+    if scope is None:
         yield on_step
         return
     from megatronapp.data.tokenizer import load_tokenizer
     from megatronapp.scope_ui.cli import server_config
     from megatronapp.scope_ui.server import Hub, RunningServer
 
-    cfg = server_config(args.scope_host, args.scope_port, args.scope_token)
-    backend = TrainingScope(trainer, load_tokenizer(args.tokenizer_model), args.scope_probe, args.scope_every,
-                            cfg.limits.max_perturbations, paused=args.scope_start_paused)
+    cfg = server_config(scope.host, scope.port, scope.token)
+    backend = TrainingScope(trainer, load_tokenizer(tokenizer_model), scope.probe, scope.every,
+                            cfg.limits.max_perturbations, paused=scope.start_paused)
     hub = Hub(backend, cfg.limits)
     backend.hub = hub
     server = RunningServer(hub, cfg).start()
@@ -50,14 +71,18 @@ def training_scope(args, job, trainer, on_step):
         server.stop()
 
 
-def check_training_scope(args, world: int) -> None:
+def check_training_scope(scope: TrainingScopeConfig | None, world: int) -> None:
+    """`train --scope` on `world` ranks; one-line ConfigError."""
     from megatronapp.config import ConfigError
 
-    if getattr(args, "scope", False):
-        if world != 1:
-            raise ConfigError("--scope serves one training process; run without --nproc-per-node (world size 1)")
-        if args.scope_every < 1:
-            raise ConfigError(f"--scope-every must be >= 1, got {args.scope_every}")
+    if scope is None:
+        return
+    if world != 1:
+        raise ConfigError("--scope serves one training process; run without --nproc-per-node (world size 1)")
+    if scope.every < 1:
+        raise ConfigError(f"--scope-every must be >= 1, got {scope.every}")
+    if not 0 <= scope.port < 65536:
+        raise ConfigError(f"port must be in 0..65535, got {scope.port}")
 
 
 class TrainingScope:

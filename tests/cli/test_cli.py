@@ -57,14 +57,16 @@ def test_a_subcommand_usage_error_is_one_line():
 
 
 def test_print_config_shows_dataclass_defaults():
-    from megatronapp.config import TrainConfig
+    from megatronapp.config import OptimizerConfig, TrainConfig
 
     res = run_cli(["--print-config", "--lr", "0.005"], timeout=60)
     assert res.returncode == 0, res.stderr
     cfg = json.loads(res.stdout)
-    assert cfg["train"]["lr"] == 0.005  # a given flag wins
-    for name in ("global_batch_size", "min_lr", "lr_warmup_iters", "clip_grad", "recompute_granularity"):
-        assert cfg["train"][name] == getattr(TrainConfig(), name), name  # the dataclass is the one default
+    assert cfg["optimizer"]["lr"] == 0.005  # a given flag wins
+    for name in ("min_lr", "lr_warmup_iters", "clip_grad"):
+        assert cfg["optimizer"][name] == getattr(OptimizerConfig(), name), name  # the dataclass is the one default
+    for name in ("global_batch_size", "recompute_granularity"):
+        assert cfg["train"][name] == getattr(TrainConfig(), name), name
     assert cfg["model"]["hidden_dropout"] == 0.0 and cfg["derived"]["dp_size"] == 1
 
 

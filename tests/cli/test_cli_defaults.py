@@ -10,10 +10,10 @@ import pytest
 
 from megatronapp.cli.args import build_job_config
 from megatronapp.cli.main import build_parser
-from megatronapp.config import TrainConfig
 from megatronapp.dpp.config import DppConfig
 from megatronapp.fbd.config import FbdConfig
 from megatronapp.inference.generate import SamplingConfig
+from megatronapp.job import FIELD_COMPONENTS, component_of
 from megatronapp.scan.record.trace_config import TRACE_FLAGS, TraceConfig
 from test_cli_help import walk_parsers
 
@@ -36,8 +36,8 @@ def config_field_of(command: str, dest: str):
         return FbdConfig, dest[4:]
     if command in GENERATING_COMMANDS and dest in SAMPLING_FLAGS:
         return SamplingConfig, dest
-    if command == "train" and dest in field_defaults(TrainConfig):
-        return TrainConfig, dest
+    if command == "train" and any(dest in field_defaults(cls) for cls in FIELD_COMPONENTS.values()):
+        return FIELD_COMPONENTS[component_of(dest)], dest
     return None
 
 
@@ -57,7 +57,10 @@ def test_the_table_covers_every_config():
     assert {("train", "TraceConfig", "interval"), ("trace run", "TraceConfig", "interval"),
             ("train", "DppConfig", "traversal"), ("schedule simulate", "DppConfig", "traversal"),
             ("generate", "SamplingConfig", "max_new_tokens"), ("scope capture", "SamplingConfig", "max_new_tokens"),
-            ("train", "FbdConfig", "max_ahead"), ("train", "TrainConfig", "lr")} <= covered
+            ("train", "FbdConfig", "max_ahead"), ("train", "TrainConfig", "micro_batch_size"),
+            ("train", "OptimizerConfig", "lr"), ("train", "PrecisionConfig", "fp8_recipe"),
+            ("train", "CheckpointConfig", "save_interval"), ("train", "LoggingConfig", "log_interval"),
+            ("train", "IntegrityConfig", "check_window")} <= covered
 
 
 @pytest.mark.parametrize("command, action, cls, name", FLAGS,
@@ -65,21 +68,23 @@ def test_the_table_covers_every_config():
 def test_flag_default_is_the_config_default(command, action, cls, name):
     expected = field_defaults(cls)[name]
     if action.default is None and expected is not None:  # the config supplies it: see the built one
-        assert cls is TrainConfig, f"{command} {action.option_strings[-1]}: None, but {cls.__name__}.{name} = {expected!r}"
+        assert cls in FIELD_COMPONENTS.values(), (
+            f"{command} {action.option_strings[-1]}: None, but {cls.__name__}.{name} = {expected!r}")
         return
     assert action.default == expected, (
         f"{command} {action.option_strings[-1]} defaults to {action.default!r}, {cls.__name__}.{name} to {expected!r}")
 
 
 def test_train_without_flags_builds_the_dataclass_defaults():
-    """The None-default train flags: the job built from no flags holds TrainConfig's defaults
-    (schedule aside: it follows from the layout, 1f1b without virtual stages)."""
+    """The None-default train flags: the job built from no flags holds its component configs'
+    defaults (schedule aside: it follows from the layout, 1f1b without virtual stages)."""
     args = build_parser().parse_args(["train", "--model", "tiny"])
-    train = build_job_config(args, 1).train
-    for name, default in field_defaults(TrainConfig).items():
-        if name != "schedule":
-            assert getattr(train, name) == default, name
-    assert train.schedule == "1f1b"
+    job = build_job_config(args, 1)
+    for component, cls in FIELD_COMPONENTS.items():
+        for name, default in field_defaults(cls).items():
+            if name != "schedule":
+                assert getattr(getattr(job, component), name) == default, (component, name)
+    assert job.train.schedule == "1f1b"
 
 
 

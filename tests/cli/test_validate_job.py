@@ -1,4 +1,4 @@
-"""config.validate_job directly, one rule at a time: each case changes one thing of a job that
+"""job.validate_job directly, one rule at a time: each case changes one thing of a job that
 passes, and must be refused with that rule's one-line message (the CLI end-to-end cases in
 test_cli.py check that the command line reaches it before launching anything)."""
 
@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatronapp.config import ConfigError, JobConfig, ModelConfig, TrainConfig, validate_job
+from megatronapp import job as job_ops
+from megatronapp.config import ConfigError, JobConfig, ModelConfig
+from megatronapp.job import validate_job
 from megatronapp.parallel.layout import ParallelLayout
 
 # 8 layers, 4 heads, hidden 64 (ffn 256), vocab padded to 128: fits TP 1/2/4, PP 1/2/4
@@ -17,8 +19,9 @@ LAYOUT = dict(world_size=8, tp_size=2, pp_size=2)
 
 
 def build_job(model=None, train=None, layout=None) -> JobConfig:
-    return JobConfig(model=ModelConfig(**{**MODEL, **(model or {})}), train=TrainConfig(**{**TRAIN, **(train or {})}),
-                     layout=ParallelLayout(**{**LAYOUT, **(layout or {})}))
+    """`train`: fields of any of the job's component configs (train, optimizer, precision, ...)."""
+    return job_ops.build_job(ModelConfig(**{**MODEL, **(model or {})}), ParallelLayout(**{**LAYOUT, **(layout or {})}),
+                            **{**TRAIN, **(train or {})})
 
 
 BF16_FP8 = dict(bf16=True, fp8_format="e4m3")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset, validate_job
+from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job, validate_job
 from megatronapp.model.gpt import compile_counts
 from megatronapp.parallel.groups import build_process_groups, single_process_groups
 
@@ -37,9 +38,9 @@ def make_job(world: int, tp: int = 1, pp: int = 1, vpp: int = 1, schedule: str =
              model_kw: dict | None = None, **train_kw) -> JobConfig:
     model = model_preset("tiny", num_layers=num_layers, seq_length=16, **(model_kw or {}))
     train_kw = {"lr_warmup_iters": 0, "min_lr": 0.0, **train_kw}
-    train = TrainConfig(micro_batch_size=micro_batch, global_batch_size=global_batch, train_iters=iters,
-                        lr=3e-3, schedule=schedule, grad_bucket_mb=0.01, **train_kw)
-    job = JobConfig(model=model, train=train, layout=build_layout(world, tp, pp, vpp))
+    job = build_job(model, build_layout(world, tp, pp, vpp), micro_batch_size=micro_batch,
+                    global_batch_size=global_batch, train_iters=iters, lr=3e-3, schedule=schedule,
+                    grad_bucket_mb=0.01, **train_kw)
     validate_job(job)
     return job
 

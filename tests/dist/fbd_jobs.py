@@ -6,14 +6,14 @@ import torch
 
 from engine_jobs import RandomTokenBatches, full_grads
 from megatronapp.fbd.backward import BackwardWorker
-from megatronapp.fbd.config import FbdConfig
+from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.fbd.forward import ForwardWorker
 from megatronapp.fbd.groups import build_role_groups
 from megatronapp.fbd.layout import RoleLayout, compute_role_placements
 from megatronapp.fbd.links import LinkDevices
 
 
-def build_worker(rank: int, world: int, job, fbd: FbdConfig):
+def build_worker(rank: int, world: int, job, fbd: FbdConfig, injection: FbdInjection = FbdInjection()):
     """The role `rank` plays in an FBD job whose backward layout is job.layout."""
     lay = RoleLayout(world, job.layout.tp_size, job.layout.pp_size, fbd.forward_tp_size)
     assert lay.num_backward == job.layout.world_size
@@ -22,7 +22,7 @@ def build_worker(rank: int, world: int, job, fbd: FbdConfig):
     cpu = torch.device("cpu")
     links = LinkDevices.from_placements(compute_role_placements(lay, "cpu", "cpu"), rank, cpu)
     cls = ForwardWorker if groups.is_forward else BackwardWorker
-    return cls(job, fbd, groups, cpu, data, links=links), data
+    return cls(job, fbd, groups, cpu, data, links=links, injection=injection), data
 
 
 def fbd_train_and_report(rank: int, world: int, job, fbd: FbdConfig) -> dict:
@@ -45,12 +45,12 @@ def fbd_train_and_report(rank: int, world: int, job, fbd: FbdConfig) -> dict:
 
 
 def fbd_losses(rank: int, world: int, job, fbd: FbdConfig, steps: int, save_dir: str | None = None,
-               load_dir: str | None = None) -> list[float] | None:
+               load_dir: str | None = None, injection: FbdInjection = FbdInjection()) -> list[float] | None:
     """Train `steps` more steps under FBD (optionally loading first and saving after);
     backward workers return their losses, forward workers None."""
     from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 
-    worker, data = build_worker(rank, world, job, fbd)
+    worker, data = build_worker(rank, world, job, fbd, injection)
     if worker.role == "forward":
         if load_dir:
             worker.load(load_dir)

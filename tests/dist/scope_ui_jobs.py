@@ -11,9 +11,10 @@ import threading
 import torch
 
 from engine_jobs import RandomTokenBatches
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset, validate_job
+from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job, validate_job
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.scope_ui.protocol import Limits
 from megatronapp.scope_ui.server import Hub, RunningServer, ServerConfig
@@ -26,9 +27,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 def ui_job(iters: int = 3) -> JobConfig:
     """Tiny GPT with room for a prompt and a few tokens (seq 48), byte vocabulary."""
     model = model_preset("tiny", num_layers=4, seq_length=48, vocab_size=257)
-    train = TrainConfig(micro_batch_size=1, global_batch_size=4, train_iters=iters, lr=3e-3, lr_warmup_iters=0,
-                        min_lr=0.0, grad_bucket_mb=0.01, log_interval=1)
-    job = JobConfig(model=model, train=train, layout=build_layout(1, 1, 1, 1))
+    job = build_job(model, build_layout(1, 1, 1, 1), micro_batch_size=1, global_batch_size=4, train_iters=iters,
+                    lr=3e-3, lr_warmup_iters=0, min_lr=0.0, grad_bucket_mb=0.01, log_interval=1)
     validate_job(job)
     return job
 

@@ -99,13 +99,18 @@ def test_schedule_simulate_refuses_bad_input_in_one_line(args, capsys):
 def test_dynamic_and_jitter_are_accepted_for_gpus():
     """Both used to be refused on CUDA; the checks before launch now let them through."""
     from engine_jobs import make_job
+    from megatronapp.cli.injection import build_injection_config, check_injection
     from megatronapp.cli.main import build_parser
+    from megatronapp.dpp.config import build_dpp_config
     from megatronapp.dpp.setup import check_dpp_job
 
     job = make_job(2, 1, 2, 2, "dynamic", global_batch=8)
     args = build_parser().parse_args(["train", "--model", "tiny", "--pipeline-schedule", "dynamic", "--device", "cuda",
                                       "--inject-jitter", "1:1.5"])
-    assert check_dpp_job(args, job).jitter[0].max_factor == 1.5
+    check_dpp_job(build_dpp_config(args), job)
+    injection = build_injection_config(args)
+    check_injection(injection, 2, job.layout.world_size)
+    assert injection.jitter[0].max_factor == 1.5
 
 
 def test_jitter_names_a_global_rank_mapped_onto_the_simulated_pipeline():

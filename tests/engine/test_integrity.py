@@ -10,12 +10,13 @@ import torch
 
 from engine_jobs import RandomTokenBatches, make_job
 from integrity_jobs import Corruption, integrity_job, train_deterministic, train_with_hook
-from megatronapp.config import ConfigError, IntegrityConfig, validate_job
+from megatronapp.config import ConfigError, IntegrityConfig
 from megatronapp.engine.determinism import compute_deterministic_env, deterministic_attention_backend
 from megatronapp.engine.integrity import (StepHistory, compute_band_upper, compute_differing_ranks,
                                           compute_rerun_verdict, compute_step_flags)
 from megatronapp.engine.throughput import compute_run_throughput
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import validate_job
 from megatronapp.parallel.groups import single_process_groups
 from test_cli import run_cli
 
@@ -292,14 +293,10 @@ def test_deterministic_runs_are_bit_identical(cluster, world, tp, pp):
             assert torch.equal(g, b["grads"][name][0]), name
 
 
-# -- the device benchmark's bookkeeping ----------------------------------------------------------
+# -- comparing runs' metrics: bit-for-bit, and the flagged steps ---------------------------------
 
-def test_integrity_bench_compares_bit_for_bit_and_tabulates_flagged_steps():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from integrity_bench import compare_runs, tabulate_flagged
+def test_runs_compare_bit_for_bit_and_flagged_steps_are_tabulated():
+    from megatronapp.engine.integrity import compare_runs, tabulate_flagged
 
     rows = [{"iteration": i, "loss": 3.0 + i * 1e-7, "grad_norm": 2.0, "flags": [], "rerun": None} for i in (1, 2, 3)]
     assert compare_runs(rows, [dict(r) for r in rows])["identical"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches, make_job, train_and_report
-from megatronapp.config import ConfigError, TrainConfig
+from megatronapp.config import ConfigError, PrecisionConfig
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.grad_scaler import DynamicGradScaler
 from megatronapp.engine.trainer import Trainer
@@ -44,9 +44,9 @@ def test_dynamic_scaler_follows_megatron_rule():
 
 def test_bad_precision_config_is_refused():
     with pytest.raises(ConfigError, match="mutually exclusive"):
-        TrainConfig(bf16=True, fp16=True)
+        PrecisionConfig(bf16=True, fp16=True)
     with pytest.raises(ConfigError, match="hysteresis"):
-        TrainConfig(fp16=True, hysteresis=0)
+        PrecisionConfig(fp16=True, hysteresis=0)
 
 
 def test_bf16_trains_and_follows_fp32():
@@ -148,12 +148,12 @@ def test_fp16_without_overflow_follows_fp32():
 @pytest.mark.parametrize("kw", [{"bf16": True}, {"bf16": True, "use_distributed_optimizer": True},
                                 {"fp16": True, "initial_loss_scale": 2.0**16}], ids=["bf16", "bf16_distopt", "fp16"])
 def test_low_precision_on_cuda_is_close_to_fp32(kw):
-    from megatronapp.config import JobConfig, build_layout, model_preset
+    from megatronapp.config import build_layout, model_preset
+    from megatronapp.job import build_job
 
     def losses(**train_kw):
-        job = JobConfig(model=model_preset("small", num_layers=4, seq_length=128),
-                        train=TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=6, lr=1e-3,
-                                          **train_kw), layout=build_layout(1, 1, 1))
+        job = build_job(model_preset("small", num_layers=4, seq_length=128), build_layout(1, 1, 1),
+                        micro_batch_size=2, global_batch_size=8, train_iters=6, lr=1e-3, **train_kw)
         torch.manual_seed(0)
         trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
         return [m.loss for m in trainer.train(6)]
@@ -172,8 +172,8 @@ def test_fused_adamw_folds_clipping_into_its_grad_scale(bf16):
     runs = []
     for fused in (False, True):
         trainer, _ = _trainer(make_job(1, bf16=bf16, clip_grad=0.05))
-        trainer.optimizer = MixedPrecisionOptimizer(trainer.reducer, trainer.job.train, trainer.groups, CPU,
-                                                    fused=fused)
+        trainer.optimizer = MixedPrecisionOptimizer(trainer.reducer, trainer.job.optimizer, trainer.job.precision,
+                                                    trainer.groups, CPU, fused=fused)
         trainer.runtime.grad_scale_func = trainer.optimizer.scale_loss
         norms = [trainer.train_step().grad_norm for _ in range(3)]
         runs.append((norms, _params(trainer)))
@@ -239,16 +239,16 @@ def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
     """The engine with the Triton master-weight kernel (AdamW + clip + model-weight write) against
     torch's fused AdamW + clip + master->bf16 copy: the kernel is used, trains the same, and the
     model weights are exactly the rounded masters."""
-    from megatronapp.config import JobConfig, build_layout, model_preset
+    from megatronapp.config import build_layout, model_preset
+    from megatronapp.job import build_job
     from megatronapp.engine import master_adam
 
     assert master_adam.available(torch.device("cuda"))
     runs = []
     for kernel in (False, True):
-        job = JobConfig(model=model_preset("small", num_layers=2, seq_length=128),
-                        train=TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3,
-                                          clip_grad=0.05, bf16=True, use_distributed_optimizer=distopt,
-                                          fused_master_adamw=kernel), layout=build_layout(1, 1, 1))
+        job = build_job(model_preset("small", num_layers=2, seq_length=128), build_layout(1, 1, 1),
+                        micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3, clip_grad=0.05, bf16=True,
+                        use_distributed_optimizer=distopt, fused_master_adamw=kernel)
         torch.manual_seed(0)
         trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
         assert trainer.optimizer.master_kernel == kernel
@@ -269,11 +269,11 @@ def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
 def test_master_adamw_kernel_resumes_into_a_trainer_that_already_stepped(tmp_path):
     """Loading a checkpoint replaces the Adam state the kernel's address tables point at: the
     tables are rebuilt, so the loaded state is the one stepped (step count 2 + 1, same weights)."""
-    from megatronapp.config import JobConfig, build_layout, model_preset
+    from megatronapp.config import build_layout, model_preset
+    from megatronapp.job import build_job
 
-    job = JobConfig(model=model_preset("small", num_layers=2, seq_length=128),
-                    train=TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3,
-                                      bf16=True), layout=build_layout(1, 1, 1))
+    job = build_job(model_preset("small", num_layers=2, seq_length=128), build_layout(1, 1, 1),
+                    micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3, bf16=True)
 
     def trainer():
         torch.manual_seed(0)

@@ -92,8 +92,9 @@ def test_random_delays_in_either_role_never_deadlock(cluster, seed, ahead, roles
     arrival order of messages; the job must finish (hard timeout) with the undisturbed numbers."""
     job = _job(2, 1, 2, None, iters=2)
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, global_batch_size=6))
-    fbd = FbdConfig(max_ahead=ahead, injection=FbdInjection(random_delay_ms=15.0, delay_seed=seed, delayed_roles=roles))
-    delayed = cluster.run(fbd_losses, 4, job, fbd, 2, timeout=120)
+    fbd = FbdConfig(max_ahead=ahead)
+    delays = FbdInjection(random_delay_ms=15.0, delay_seed=seed, delayed_roles=roles)
+    delayed = cluster.run(fbd_losses, 4, job, fbd, 2, None, None, delays, timeout=120)
     assert delayed[0] == cluster.run(plain_losses, 2, job, 2)[0]
 
 

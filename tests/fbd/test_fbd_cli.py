@@ -79,13 +79,14 @@ def test_the_rank_body_picks_each_rank_its_role():
     """One training-rank body (cli/train.py): a plain job's ranks are PlainRole; an FBD job of
     world 4 at PP2 has backward workers 0, 1 (stages 0, 1) and forward workers 2, 3."""
     from megatronapp.cli.main import build_parser
+    from megatronapp.cli.run import build_train_run
     from megatronapp.cli.train import PlainRole, pick_role
     from megatronapp.fbd.roles import BackwardRole, ForwardRole
 
-    plain = build_parser().parse_args(["train", "--device", "cpu"])
-    assert isinstance(pick_role(plain, None, 1, 0), PlainRole)
+    plain = build_train_run(build_parser().parse_args(["train", "--device", "cpu"]), 1)
+    assert isinstance(pick_role(plain, 0), PlainRole)
     args = build_parser().parse_args(["train", "--device", "cpu", *FBD, "--pipeline-model-parallel-size", "2"])
-    roles = [pick_role(args, None, 4, rank) for rank in range(4)]
+    roles = [pick_role(build_train_run(args, 4), rank) for rank in range(4)]
     assert [type(r) for r in roles] == [BackwardRole, BackwardRole, ForwardRole, ForwardRole]
     assert [r.trace_meta["role"] for r in roles] == ["backward", "backward", "forward", "forward"]
     assert {r.backend for r in roles} == {"gloo"} and {r.device.type for r in roles} == {"cpu"}

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches, compiled_frames
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
+from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.faults.inject import FaultInjector, FaultPlan
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job
 from megatronapp.parallel.groups import single_process_groups
 
 pytestmark = pytest.mark.gpu
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.gpu
 
 def _job(model_kw=None, **train_kw) -> JobConfig:
     model = model_preset("small", **{"num_layers": 4, "seq_length": 128, **(model_kw or {})})
-    train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=4, lr=1e-3, lr_warmup_iters=0, **train_kw)
-    return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
+    return build_job(model, build_layout(1, 1, 1), micro_batch_size=2, global_batch_size=8, train_iters=4, lr=1e-3,
+                     lr_warmup_iters=0, **train_kw)
 
 
 def _losses(job: JobConfig) -> list[float]:

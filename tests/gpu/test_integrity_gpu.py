@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engine_jobs import RandomTokenBatches
-from megatronapp.config import JobConfig, TrainConfig, build_layout, model_preset
+from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.trainer import Trainer
+from megatronapp.job import build_job, replace_fields
 from megatronapp.parallel.groups import single_process_groups
 
 pytestmark = pytest.mark.gpu
@@ -22,9 +23,8 @@ pytestmark = pytest.mark.gpu
 def _gpu_bound_job(log_interval: int, **train_kw) -> JobConfig:
     # ~30-60 ms a step on an H100: the device, not the host, sets the pace
     model = model_preset("350m", num_layers=8, seq_length=1024)
-    train = TrainConfig(micro_batch_size=4, global_batch_size=8, train_iters=1000, lr=1e-4, lr_warmup_iters=0,
-                        bf16=True, log_interval=log_interval, **train_kw)
-    return JobConfig(model=model, train=train, layout=build_layout(1, 1, 1))
+    return build_job(model, build_layout(1, 1, 1), micro_batch_size=4, global_batch_size=8, train_iters=1000,
+                     lr=1e-4, lr_warmup_iters=0, bf16=True, log_interval=log_interval, **train_kw)
 
 
 @pytest.mark.parametrize("log_interval", [1, 10])
@@ -63,9 +63,8 @@ def test_nan_grad_skips_the_update_on_the_device(bf16):
     from integrity_jobs import Corruption
 
     model = model_preset("small", num_layers=2, seq_length=128)
-    job = JobConfig(model=model, train=TrainConfig(micro_batch_size=2, global_batch_size=4, 
-                                                   bf16=bf16, log_interval=3, train_iters=4),
-                    layout=build_layout(1, 1, 1))
+    job = build_job(model, build_layout(1, 1, 1), micro_batch_size=2, global_batch_size=4, bf16=bf16,
+                    log_interval=3, train_iters=4)
     trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0),
                       step_hook=Corruption(iteration=1, ranks=[0], nan=True))
     assert trainer.optimizer.master_kernel == bf16
@@ -84,10 +83,9 @@ def test_nan_grad_skips_the_update_on_the_device(bf16):
 def test_transient_corruption_is_classified_on_the_gpu():
     from integrity_jobs import Corruption, integrity_job
 
-    from dataclasses import replace
     base = integrity_job(iters=10, check_for_spiky_loss=True, check_for_large_grads=True,
                          rerun_mode="validate_results")
-    job = replace(base, train=replace(base.train, bf16=True))
+    job = replace_fields(base, bf16=True)
     losses = {}
     for name, hook in (("clean", None), ("corrupt", Corruption(iteration=7, ranks=[0], grad_scale=1e3))):
         trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0),

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from engine_jobs import RandomTokenBatches, make_job
 from megatronapp.cli.main import main
-from megatronapp.config import validate_job
 from megatronapp.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.full_model import (
@@ -29,6 +28,7 @@ from megatronapp.engine.full_model import (
 )
 from megatronapp.engine.trainer import Trainer
 from megatronapp.interop.hf_gptneox import GPTNEOX_DEFAULTS
+from megatronapp.job import replace_fields, validate_job
 from megatronapp.parallel.groups import build_process_groups
 
 transformers = pytest.importorskip("transformers")
@@ -298,7 +298,7 @@ def test_expressibility_reads_both_config_styles_and_the_defaults():
 def test_bf16_checkpoint_exports_its_fp32_main_params(tmp_path):
     """Under bf16 the fp32 main params are the model; --dtype bfloat16 gives exactly the bf16 copies."""
     torch.set_num_threads(1)
-    job = replace(_job(1), train=replace(_job(1).train, bf16=True))
+    job = replace_fields(_job(1), bf16=True)
     data = RandomTokenBatches(job, 0)
     trainer = Trainer(job, build_process_groups(job.layout, 0), CPU, data)
     trainer.train(2)

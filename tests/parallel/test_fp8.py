@@ -8,14 +8,8 @@ import torch
 import torch.distributed as dist
 from engine_jobs import compiled_frames, make_job, train_and_report
 
-from megatronapp.config import (
-    ConfigError,
-    JobConfig,
-    TrainConfig,
-    build_layout,
-    model_preset,
-    validate_job,
-)
+from megatronapp.config import ConfigError, PrecisionConfig, build_layout, model_preset
+from megatronapp.job import build_job, validate_job
 from megatronapp.parallel.fp8 import (
     E4M3,
     E5M2,
@@ -182,17 +176,17 @@ def test_fp8_compiles_into_the_block_graph():
 
 def test_bad_fp8_configs_are_refused():
     with pytest.raises(ConfigError, match="needs --bf16 or --fp16"):
-        TrainConfig(fp8_format="hybrid")
+        PrecisionConfig(fp8_format="hybrid")
     with pytest.raises(ConfigError, match="unknown fp8 format"):
-        TrainConfig(bf16=True, fp8_format="e5m2")
+        PrecisionConfig(bf16=True, fp8_format="e5m2")
     with pytest.raises(ConfigError, match="recipe 'mxfp8' is not built"):
-        TrainConfig(bf16=True, fp8_format="hybrid", fp8_recipe="mxfp8")
+        PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_recipe="mxfp8")
     with pytest.raises(ConfigError, match="unknown fp8 amax compute algo 'mean'"):
-        TrainConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_compute_algo="mean")
+        PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_compute_algo="mean")
     with pytest.raises(ConfigError, match="need fp8_amax_history_len >= 1"):
-        TrainConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=0)
-    odd_tokens = JobConfig(model=model_preset("tiny", seq_length=24), layout=build_layout(1, 1, 1),
-                           train=TrainConfig(bf16=True, fp8_format="hybrid", micro_batch_size=1))
+        PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=0)
+    odd_tokens = build_job(model_preset("tiny", seq_length=24), build_layout(1, 1, 1), bf16=True,
+                           fp8_format="hybrid", micro_batch_size=1)
     with pytest.raises(ConfigError, match=r"tokens per microbatch .* \(24\) to be a multiple of 16"):
         validate_job(odd_tokens)
     with pytest.raises(ConfigError, match=r"hidden size / tensor-parallel size \(8\)"):
@@ -226,7 +220,7 @@ def test_first_and_last_layers_can_stay_bf16():
         make_job(1, bf16=True, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
                  num_layers_at_end_in_bf16=2)
     with pytest.raises(ConfigError, match="--first-last-layers-bf16 needs --fp8-format"):
-        TrainConfig(bf16=True, first_last_layers_bf16=True)
+        PrecisionConfig(bf16=True, first_last_layers_bf16=True)
 
 
 @pytest.mark.parametrize("recompute", [{"recompute_granularity": "selective"},

@@ -1,0 +1,80 @@
+"""Every check a command's input must pass before anything is launched, in one place.
+
+Each launching command turns its flags into a frozen description of what it will run (its
+`build_run`, which parses flags and reads what the checks need from disk and the host: the
+checkpoint's model fields, the tokenizer's vocabulary, the visible GPUs), then `cli.main`
+calls `validate(run)` once, before any process starts. A broken rule raises a ValueError
+(ConfigError and the components' own error classes are ValueErrors) whose message is one line;
+`main` prints it and exits with code 2. What cannot be read cannot be checked: a missing
+checkpoint or prompt file, or a flag that does not parse, is refused (in one line) by `build_run`.
+
+    TrainRun      megatronapp train (cli/run.py): plain, --pipeline-schedule dynamic,
+                  --forward-backward-disaggregating, --scope
+    InferenceRun  megatronapp generate, scope capture (with a CaptureRequest), scope serve (with a port)
+    TraceRun      megatronapp trace run
+    ScheduleRun   megatronapp schedule simulate|show
+
+The rules themselves are the components' own pure checks (job.validate_job,
+dpp.setup.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a user meets them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatronapp.cli.devices import check_job_devices
+from megatronapp.cli.injection import check_injection
+from megatronapp.cli.run import TrainRun
+from megatronapp.config import ConfigError
+from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
+from megatronapp.dpp.setup import check_dpp_job
+from megatronapp.engine.checkpoint import compute_model_config_mismatch
+from megatronapp.fbd.cli import check_fbd_job
+from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
+from megatronapp.job import validate_job
+from megatronapp.scan.trace_run import TraceRun, check_trace_run
+from megatronapp.scope.cli import check_capture
+from megatronapp.scope_ui.cli import check_port
+from megatronapp.scope_ui.training import check_training_scope
+
+
+def check_train_run(run: TrainRun) -> None:
+    """Model x training x layout, MegaFBD, MegaDPP, devices, injections, MegaScope, checkpoint, data."""
+    job = run.job
+    validate_job(job)
+    if run.fbd is not None:
+        check_fbd_job(run.fbd, job, run.world_size)
+    check_dpp_job(run.dpp, job)
+    check_job_devices(job, run.world_size, run.device, run.fbd, run.visible_gpus, run.ranks_per_node)
+    check_injection(run.injection, run.world_size, job.layout.world_size)
+    check_training_scope(run.scope, run.world_size)
+    if run.saved_model is not None:
+        diff = compute_model_config_mismatch(run.saved_model, job.model)
+        if diff:
+            raise ConfigError(f"--load {job.checkpoint.load}: checkpoint model differs: {', '.join(diff)}")
+    for path in run.data_paths:
+        if not os.path.exists(path):
+            raise ConfigError(f"--data-path {path} does not exist")
+
+
+def _check_inference(run: InferenceRun) -> None:
+    """Layout and devices, scope capture's request, tokenizer and prompts, scope serve's port."""
+    check_inference_layout_run(run)
+    if run.capture is not None:
+        check_capture(run.capture, run.model)
+    check_inference_prompts(run)
+    if run.port is not None:
+        check_port(run.port)
+
+
+_RULES = {TrainRun: check_train_run, InferenceRun: _check_inference, TraceRun: check_trace_run,
+          ScheduleRun: check_schedule_run}
+
+
+def validate(run) -> None:
+    """Check `run` (TrainRun, InferenceRun, TraceRun or ScheduleRun) before anything is launched;
+    a ValueError with a one-line message names the first rule it breaks."""
+    for kind, check in _RULES.items():
+        if isinstance(run, kind):
+            return check(run)
+    raise TypeError(f"no rules for {type(run).__name__}")

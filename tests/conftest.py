@@ -5,10 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-# tests/<package>/ hold the tests; tests/dist/ the gloo process harness and the job bodies it runs,
-# tests/support/ the other helpers: importable by name from every test (and spawned worker)
-for _helpers in ("dist", "support"):
-    sys.path.insert(0, str(Path(__file__).parent / _helpers))
+# tests/<package>/ hold the tests, tests/dist/ the gloo process harness and the job bodies it runs,
+# tests/support/ the other helpers. Every folder goes on sys.path here, before any worker is
+# spawned: a spawned rank imports a job body by module name (some live beside their tests,
+# e.g. test_checkpoint.train_save_resume), and module names are unique across folders.
+for _folder in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir() and any(p.glob("*.py"))):
+    sys.path.insert(0, str(_folder))
 
 from dist_harness import ProcessCluster  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The command-line surface is frozen: `megatronapp --help` and every subcommand's help are
-compared with tests/data/cli_help/*.txt, so a changed flag, default or help text is a
+compared with tests/fixtures/cli_help/*.txt, so a changed flag, default or help text is a
 deliberate change reviewed in the diff of those files.
 
 Regenerate after a deliberate change:  UPDATE_CLI_HELP=1 python -m pytest tests/cli/test_cli_help.py
@@ -16,7 +16,7 @@ import pytest
 
 from megatronapp.cli.main import build_parser
 
-HELP_DIR = Path(__file__).resolve().parents[1] / "data" / "cli_help"
+HELP_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "cli_help"
 COLUMNS = "100"  # argparse wraps to the terminal width; fixed so every machine renders the same text
 REGENERATE = "UPDATE_CLI_HELP=1 python -m pytest tests/cli/test_cli_help.py"
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # argparse's layout changes between minors

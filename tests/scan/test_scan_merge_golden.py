@@ -1,7 +1,7 @@
 """The merged timeline's bytes are pinned: a speed-up of the streaming merge (merge.py,
 merge_window.py, chrome.py, fixed_lines.py, stream.py) must write exactly what it wrote before.
 
-The golden file tests/data/scan_merge_golden.json.gz was written by the merge of 2026-12-03
+The golden file tests/fixtures/scan_merge_golden.json.gz was written by the merge of 2026-12-03
 (before the merge-speed work) from the job below: a 2x2x2 simulated job with a slowed rank,
 every rank's clock skewed (so alignment moves times), merged in windows of 150 rows (so
 messages cross windows). The timing fields of "otherData" are left out of the comparison.
@@ -24,7 +24,7 @@ import megatronapp.scan.merge.merge as merge
 from megatronapp.scan.record.format import TraceWriter, trace_file_name
 from scan_simulation import SimulatedJob, simulate_job_traces
 
-GOLDEN = Path(__file__).resolve().parents[1] / "data" / "scan_merge_golden.json.gz"
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "scan_merge_golden.json.gz"
 WINDOW_EVENTS = 150
 _TIMING = ("seconds", "events_per_s")
 

@@ -26,7 +26,7 @@ PP2 = ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--global
     (FBD + ["--nproc-per-node", "4", "--forward-tensor-model-parallel-size", "3"],
      "num attention heads 4 is not divisible by forward tensor-parallel size 3"),
     (FBD + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], "does not support virtual pipeline stages"),
-    (FBD + PP2 + ["--split-backward"], "runs whole backwards on its backward ranks"),
+    (FBD + PP2 + ["--split-backward"], "runs the whole backward: --split-backward does not apply"),
 ])
 def test_bad_fbd_input_fails_before_launch(args, message, train_before_launch):
     code, lines = train_before_launch(args)

@@ -41,7 +41,7 @@ from megatronapp.scan.analyze.detect_links import P2PMessage, group_by_link
 from megatronapp.scan.analyze.detect_rules import CollectiveInstance, robust_z
 
 
-_ALIKE = ("dp", "tp")  # group families whose members do identical work
+ALIKE_FAMILIES = ("dp", "tp")  # group families whose members do identical work
 
 
 @dataclass(frozen=True)
@@ -196,10 +196,10 @@ def compare_arrivals(samples: list[ArrivalSample], instances: list[CollectiveIns
     rows: dict[tuple[int, str], list[ArrivalSample]] = defaultdict(list)
     for s in samples:
         rows[(s.rank, s.family)].append(s)
-    alike = {rank for rank, family in rows if family in _ALIKE}
+    alike = {rank for rank, family in rows if family in ALIKE_FAMILIES}
     best: dict[int, ArrivalStats] = {}
     for (rank, family), rs in sorted(rows.items()):
-        if rank in alike and family not in _ALIKE:
+        if rank in alike and family not in ALIKE_FAMILIES:
             continue
         share = caused[(rank, family)] / waited[(rank, family)] if waited[(rank, family)] > 0 else 0.0
         st = _family_stats(rank, family, rs, float(np.mean([members[s.group] for s in rs])), min_ratio, share)

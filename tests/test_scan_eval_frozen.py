@@ -1,20 +1,18 @@
-"""Frozen evaluation (benchmarks/scan_eval_frozen*.py): the detector version is recorded before the
+"""Frozen evaluation (megatronapp/faultlab/evaluation/frozen*.py): the detector version is recorded before the
 split's scenarios exist, a split runs once, its report carries both hashes, and a split is never
 scored by a detector other than the one it was frozen with."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import scan_eval  # noqa: E402
-import scan_eval_frozen as frozen  # noqa: E402
-import scan_eval_frozen_run as frozen_run  # noqa: E402
-from scan_eval_runner import append_record  # noqa: E402
+import megatronapp.faultlab.evaluation.cli as scan_eval
+import megatronapp.faultlab.evaluation.frozen as frozen
+import megatronapp.faultlab.evaluation.frozen_run as frozen_run
+from megatronapp.faultlab.evaluation.injected_runner import append_record
 
 
 def _frozen_split(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:

@@ -37,7 +37,7 @@ import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository: examples/ and tests/ live there
 
 KINDS = ("none", "noise", "slow_rank", "intermittent", "user_straggler", "slow_link", "two_faults")
 CLEAN_KINDS = ("none", "noise")

@@ -86,3 +86,17 @@ def test_scores_per_kind_and_layout_with_intervals():
     assert s["kind"]["slow_link"]["top1"]["value"] == 1.0
     assert s["layout"]["L2"]["false_alarm"] == {"value": 0.0, "k": 0, "n": 1, "ci95": (0.0, 0.793)}
     assert "none" not in s["kind"]  # a failed run is not scored
+
+
+def test_intermittent_scenarios_run_long_enough_to_meet_several_bursts_and_clean_runs_cover_both_lengths():
+    """300 ms of every 1-2 s against 20 iterations of ~16-150 ms: the fault could miss training
+    altogether (design runs read 0.3 s of training, one burst at most)."""
+    scenarios = frozen.plan_split(seed=11, runs_per_kind=6, clean_runs=40)
+    iters = {}
+    for sc in scenarios:
+        if "iters" in sc["job"]:
+            iters.setdefault(sc["kind"], set()).add(sc["job"]["iters"])
+    assert iters["intermittent"] == {frozen.LONG_ITERATIONS} and iters["slow_rank"] == {frozen.SHORT_ITERATIONS}
+    assert iters["none"] | iters["noise"] == {frozen.SHORT_ITERATIONS, frozen.LONG_ITERATIONS}
+    plan = frozen_run.build_plan(next(s for s in scenarios if s["kind"] == "intermittent"))
+    assert plan.job.iters == frozen.LONG_ITERATIONS

@@ -19,7 +19,7 @@ what ran). Tune on design splits only; a held-out split is frozen after tuning a
 
 Scenarios (all real faults): none and noise (a busy loop per core) as clean runs; slow_rank (a
 cgroup quota or a competing pinned process, 2.5-6x below the rank's fair share of CPU);
-intermittent (the same for 300 ms of every 2 s... 1 s); user_straggler (extra matmuls in one
+intermittent (the same for 300 ms of every 2 s... 1 s, on a job of 120 iterations); user_straggler (extra matmuls in one
 rank's step of the DDP or FSDP2 example under `trace run`); slow_link (a PP engine job with each
 rank in its own namespace, one pipeline link rate-limited to 10-40 Mbit/s); two_faults (a slow
 rank and a slow link). Layouts: engine TP/PP/DP mixes of 4 ranks and the DDP/FSDP2 examples at
@@ -48,6 +48,7 @@ SCRIPTS = {"ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768",
 # Extra matmuls per step that make the straggler's step ~1.3-3x (an extra matmul is batch x hidden^2 MACs:
 # 56 M for the DDP settings, whose step is ~190 M; 4.2 M for FSDP2's, whose step is ~300 M).
 EXTRA_MATMULS = {"ddp": (6, 16), "fsdp2": (40, 150)}
+SHORT_ITERATIONS, LONG_ITERATIONS = 20, 120  # engine jobs (engine_iterations)
 
 
 class FrozenSplitError(ValueError):
@@ -96,6 +97,16 @@ def _same_detector(recorded: dict, current: dict) -> str | None:
 # -- scenarios -------------------------------------------------------------------------------
 
 
+def engine_iterations(rng: random.Random, kind: str) -> int:
+    """Training iterations of an engine scenario. An intermittent fault (300 ms of every 1-2 s) must
+    overlap training several times: LONG_ITERATIONS of the CPU engine's ~50-150 ms take 6-18 s,
+    whereas SHORT_ITERATIONS (~1-3 s) may fall between two bursts. Clean runs are drawn at both
+    lengths, so false alarms are measured where each rule has the most iterations to err on."""
+    if kind == "intermittent":
+        return LONG_ITERATIONS
+    return rng.choice((SHORT_ITERATIONS, LONG_ITERATIONS)) if kind in CLEAN_KINDS else SHORT_ITERATIONS
+
+
 def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     """One scenario as JSON-ready data: kind, layout, the faults and the true causes."""
     if kind == "user_straggler":
@@ -107,8 +118,9 @@ def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     pp_needed = kind in ("slow_link", "two_faults")
     layouts = [lay for lay in ENGINE_LAYOUTS if lay[1] > 1] if pp_needed else ENGINE_LAYOUTS
     tp, pp, dp = rng.choice(layouts)
-    sc = {"index": index, "kind": kind, "layout": f"engine TP{tp} PP{pp} DP{dp}", "job": {"tp": tp, "pp": pp, "dp": dp},
-          "faults": [], "truth": [], "nodes": 0}
+    iters = engine_iterations(rng, kind)
+    sc = {"index": index, "kind": kind, "layout": f"engine TP{tp} PP{pp} DP{dp}",
+          "job": {"tp": tp, "pp": pp, "dp": dp, "iters": iters}, "faults": [], "truth": [], "nodes": 0}
     if kind == "noise":
         sc["faults"].append({"type": "noise"})
     if kind in ("slow_rank", "intermittent", "two_faults"):

@@ -35,7 +35,7 @@ def build_plan(sc: dict):
         script, args = SCRIPTS[job["script"]]
         lab_job = ScriptJob(str(ROOT / script), args, nproc=job["nproc"])
     else:
-        lab_job = EngineJob(job["tp"], job["pp"], job["dp"], iters=20, extra=ENGINE_MODEL)
+        lab_job = EngineJob(job["tp"], job["pp"], job["dp"], iters=job.get("iters", 20), extra=ENGINE_MODEL)
     faults = []
     for f in sc["faults"]:
         if f["type"] == "extra_work":

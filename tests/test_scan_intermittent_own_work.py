@@ -4,7 +4,7 @@ A rank whose CPU is taken away in bursts (a cgroup quota or a competing process 
 off) is frozen wherever it is, mostly between its spans: the simulated rank stalls outside every
 span, before its DP gradient reduce (or the model-parallel grad-norm where there is no DP), for
 2 consecutive iterations of every 10, while its forward/backward spans are untouched. Traces come
-from tests/scan_simulation.py on a loaded host; 80 iterations, as the fault lab's engine jobs run.
+from tests/scan_simulation.py on a loaded host, 80 iterations (the lab's intermittent jobs run 300).
 """
 
 from __future__ import annotations

@@ -15,7 +15,12 @@ def _rank(rank: int, tp: int, dp: int, pp: int, confidence: float) -> Suspect:
 
 
 def _link(src: int, dst: int, excess_ms: float, confidence: float = 0.9) -> Suspect:
-    return Suspect(src, {}, "slow_link", confidence, {"summary": "", "excess_ms": excess_ms}, link=(src, dst))
+    return Suspect(src, {}, "slow_link", confidence, {"summary": "", "excess_ms": excess_ms,
+                                                      "excess_ms_per_iteration": excess_ms}, link=(src, dst))
+
+
+PP4 = {r: {"tp": 0, "dp": 0, "pp": r} for r in range(4)}
+PP4_SENDERS = {0: {1}, 1: {0, 2}, 2: {1, 3}, 3: {2}}
 
 
 def test_a_tp_peer_of_a_stronger_suspect_is_dropped_and_noted():
@@ -68,3 +73,26 @@ def test_a_compute_suspect_and_a_link_suspect_never_echo_each_other():
     suspects = [_rank(0, 0, 0, 0, 0.9), _link(0, 2, 10.0), _rank(1, 1, 0, 0, 0.5), _link(2, 0, 3.0)]
     kept, _ = drop_echoes(suspects, tp_size=2)
     assert {(s.cause, s.link or s.rank) for s in kept} == {("slow_compute", 0), ("slow_link", (0, 2))}
+
+
+def test_every_link_into_a_rank_named_slow_is_its_receiver():
+    """A rank under a competing process (PP4 design run): both of its incoming links read slow."""
+    kept, notes = drop_echoes([_link(0, 1, 20.0, 0.7), _link(2, 1, 9.0, 0.6)], 1, PP4, PP4_SENDERS)
+    (s,) = kept
+    assert (s.cause, s.rank, s.link, s.evidence["basis"]) == ("slow_compute", 1, None, "incoming_links")
+    assert s.coords == PP4[1] and s.evidence["links"] == [[0, 1], [2, 1]] and "receiver, rank 1" in notes[0]
+
+
+def test_one_slow_link_into_a_rank_with_two_senders_stays_a_link():
+    kept, _ = drop_echoes([_link(0, 1, 20.0)], 1, PP4, PP4_SENDERS)
+    assert [(s.cause, s.link) for s in kept] == [("slow_link", (0, 1))]
+    kept, _ = drop_echoes([_link(1, 2, 20.0)], 1, PP4, {2: {1}})  # the only sender: nothing to compare with
+    assert [(s.cause, s.link) for s in kept] == [("slow_link", (1, 2))]
+
+
+def test_of_two_opposite_links_the_one_into_a_slow_rank_is_its_echo():
+    """Rank 2 under a quota and 2 -> 0 rate-limited: 0 -> 2 read slower (its receiver froze)."""
+    suspects = [_rank(2, 0, 0, 1, 1.0), _link(0, 2, 12.0, 0.6), _link(2, 0, 3.0, 0.5)]
+    kept, notes = drop_echoes(suspects, 1)
+    assert {(s.cause, s.link or s.rank) for s in kept} == {("slow_compute", 2), ("slow_link", (2, 0))}
+    assert "0->2 is slow too" in notes[0]

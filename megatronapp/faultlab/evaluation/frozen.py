@@ -19,7 +19,7 @@ what ran). Tune on design splits only; a held-out split is frozen after tuning a
 
 Scenarios (all real faults): none and noise (a busy loop per core) as clean runs; slow_rank (a
 cgroup quota or a competing pinned process, 2.5-6x below the rank's fair share of CPU);
-intermittent (the same for 300 ms of every 2 s... 1 s, on a job of 120 iterations); user_straggler (extra matmuls in one
+intermittent (the same for 300 ms of every 2 s... 1 s, on a job of 300 iterations); user_straggler (extra matmuls in one
 rank's step of the DDP or FSDP2 example under `trace run`); slow_link (a PP engine job with each
 rank in its own namespace, one pipeline link rate-limited to 10-40 Mbit/s); two_faults (a slow
 rank and a slow link). Layouts: engine TP/PP/DP mixes of 4 ranks and the DDP/FSDP2 examples at
@@ -48,7 +48,7 @@ SCRIPTS = {"ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768",
 # Extra matmuls per step that make the straggler's step ~1.3-3x (an extra matmul is batch x hidden^2 MACs:
 # 56 M for the DDP settings, whose step is ~190 M; 4.2 M for FSDP2's, whose step is ~300 M).
 EXTRA_MATMULS = {"ddp": (6, 16), "fsdp2": (40, 150)}
-SHORT_ITERATIONS, LONG_ITERATIONS = 20, 120  # engine jobs (engine_iterations)
+SHORT_ITERATIONS, LONG_ITERATIONS = 20, 300  # engine jobs (engine_iterations)
 
 
 class FrozenSplitError(ValueError):
@@ -99,9 +99,11 @@ def _same_detector(recorded: dict, current: dict) -> str | None:
 
 def engine_iterations(rng: random.Random, kind: str) -> int:
     """Training iterations of an engine scenario. An intermittent fault (300 ms of every 1-2 s) must
-    overlap training several times: LONG_ITERATIONS of the CPU engine's ~50-150 ms take 6-18 s,
-    whereas SHORT_ITERATIONS (~1-3 s) may fall between two bursts. Clean runs are drawn at both
-    lengths, so false alarms are measured where each rule has the most iterations to err on."""
+    overlap training many times: LONG_ITERATIONS of the CPU engine's ~50-150 ms take 15-45 s,
+    whereas SHORT_ITERATIONS (~1-3 s) may fall between two bursts (design split 4, a 9% quota
+    for 300 ms of every 1.5 s on DP4: p = 1 over 120 iterations, 3 bursts; p = 3e-7 over 300).
+    Clean runs are drawn at both lengths, so false alarms are measured where each rule has the
+    most iterations to err on."""
     if kind == "intermittent":
         return LONG_ITERATIONS
     return rng.choice((SHORT_ITERATIONS, LONG_ITERATIONS)) if kind in CLEAN_KINDS else SHORT_ITERATIONS

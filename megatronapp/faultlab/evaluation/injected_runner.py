@@ -24,7 +24,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from megatronapp.faultlab.evaluation.injected import COMPUTE_GRID, LINK_GRID, Fault, Scenario, named_causes, scenario_from_dict
+from megatronapp.faultlab.evaluation.injected import (COMPUTE_GRID, LINK_GRID, Fault, Scenario, named_causes,
+                                                      scenario_from_dict)
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: examples/ and tests/ live there
 ITERS = 32  # analysed 1..31 (0 is warm-up): an intermittent 1-in-4 slowdown hits 7 of them. Was 16 up to

@@ -40,7 +40,8 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      rank = its source, by convention.
   4. Combine. Suspects are ranks whose own compute or own link is slow, so pure victims are
      never listed; a TP peer dragged along in lockstep and the reverse of a slow link are
-     dropped as echoes of the stronger suspect (verdict_filters.py). Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
+     dropped as echoes of the stronger suspect, and slow links into one rank from every
+     sender it has become that rank (verdict_filters.py). Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
      (ratio - 1) / (strong ratio - 1) capped at 1. Order: confidence, then saving.
   5. What-if (detect_path): the iteration time if the suspect were as fast as its peers,
      from each iteration's critical path.
@@ -371,7 +372,7 @@ def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], busy: list[dict], 
         excess = s.evidence["slow_iteration_excess_ms"]
         savings = [excess.get(p.iteration, 0.0) * 1e6 for p in crit]
         floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
-    elif s.evidence.get("basis") == "arrival_order":  # its excess lies outside its compute spans
+    elif s.evidence.get("basis") in ("arrival_order", "incoming_links"):  # its excess lies outside its spans
         savings = [s.evidence["excess_ms_per_iteration"] * 1e6] * len(crit)
         floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
     elif s.cause == "slow_compute":
@@ -486,7 +487,10 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
                                         paths.build_blocking_events(i, messages, instances)) for i in iterations]
     busy = [paths.compute_busy_ns(i, {r: s[i] for r, s in iter_spans.items()}, messages, instances)
             for i in iterations]
-    suspects, echoes = drop_echoes(suspects, layout.get("tp_size", 1))
+    incoming = defaultdict(set)
+    for m in messages:
+        incoming[m.dst].add(m.src)
+    suspects, echoes = drop_echoes(suspects, layout.get("tp_size", 1), coords, incoming)
     notes += echoes
     suspects = [_with_what_if(s, crit, busy, spans, links) for s in suspects]
     negligible = [s for s in suspects if s.evidence.get("intermittent")

@@ -100,3 +100,16 @@ def test_intermittent_scenarios_run_long_enough_to_meet_several_bursts_and_clean
     assert iters["none"] | iters["noise"] == {frozen.SHORT_ITERATIONS, frozen.LONG_ITERATIONS}
     plan = frozen_run.build_plan(next(s for s in scenarios if s["kind"] == "intermittent"))
     assert plan.job.iters == frozen.LONG_ITERATIONS
+
+
+def test_a_split_can_hold_fewer_runs_of_one_fault_kind(tmp_path, monkeypatch):
+    thresholds = tmp_path / "thresholds.json"
+    frozen.write_default_thresholds(thresholds)
+    monkeypatch.setattr(frozen, "detector_version", lambda path: {"commit": "a" * 40, "dirty": False,
+                                                                  "thresholds_sha256": "b" * 64})
+    argv = ["frozen", "freeze", str(tmp_path / "s"), "--thresholds", str(thresholds), "--runs-per-kind", "3",
+            "--clean-runs", "4", "--kind-runs", "two_faults=1"]
+    assert scan_eval.main(argv) == 0
+    kinds = [s["kind"] for s in json.loads((tmp_path / "s" / "split.json").read_text())["scenarios"]]
+    assert kinds.count("two_faults") == 1 and kinds.count("slow_link") == 3 and kinds.count("none") == 2
+    assert scan_eval.main([*argv[:2], str(tmp_path / "t"), *argv[3:-1], "clean=2"]) == 2  # not a fault kind

@@ -243,6 +243,13 @@ def cmd_summarize(args) -> int:
     return 0
 
 
+def _kind_count(text: str) -> tuple[str, int]:
+    kind, _, count = text.partition("=")
+    if not count.isdigit():
+        raise argparse.ArgumentTypeError(f"expected KIND=N (e.g. two_faults=10), got {text!r}")
+    return kind.strip(), int(count)
+
+
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     if not kinds or set(kinds) - set(KINDS):
@@ -259,7 +266,8 @@ def cmd_frozen(args) -> int:
         frozen.write_default_thresholds(Path(args.out))
         print(f"wrote {args.out}: every detector threshold at its default")
     elif args.action == "freeze":
-        split = frozen.freeze_split(Path(args.split), Path(args.thresholds), args.runs_per_kind, args.clean_runs)
+        split = frozen.freeze_split(Path(args.split), Path(args.thresholds), args.runs_per_kind, args.clean_runs,
+                                    kind_runs=dict(args.kind_runs))
         print(f"froze {args.split}: {len(split['scenarios'])} scenarios, detector {split['detector']['commit'][:12]} "
               f"thresholds {split['detector']['thresholds_sha256'][:16]}")
     elif args.action == "run":
@@ -279,6 +287,8 @@ def _add_frozen_parser(sub) -> None:
     fz.add_argument("--thresholds", help="freeze: the thresholds file of the detector under test")
     fz.add_argument("--runs-per-kind", type=int, default=30)
     fz.add_argument("--clean-runs", type=int, default=50, help="half of them under background noise")
+    fz.add_argument("--kind-runs", type=_kind_count, action="append", default=[], metavar="KIND=N",
+                    help="freeze: N runs of this fault kind instead of --runs-per-kind (repeatable)")
     fz.add_argument("--work-dir", help="run: where traces go while detected")
     fz.set_defaults(func=cmd_frozen)
 

@@ -142,11 +142,16 @@ def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     return sc
 
 
-def plan_split(seed: int, runs_per_kind: int, clean_runs: int) -> list[dict]:
-    """Scenarios of a split: clean_runs split between none and noise, runs_per_kind of each fault kind."""
+def plan_split(seed: int, runs_per_kind: int, clean_runs: int, kind_runs: dict | None = None) -> list[dict]:
+    """Scenarios of a split: clean_runs split between none and noise, runs_per_kind of each fault kind
+    (kind_runs: other counts for some fault kinds, e.g. fewer of the slow two_faults)."""
+    unknown = sorted(set(kind_runs or {}) - (set(KINDS) - set(CLEAN_KINDS)))
+    if unknown or any(n < 0 for n in (kind_runs or {}).values()):
+        raise FrozenSplitError(f"kind_runs takes fault kinds {sorted(set(KINDS) - set(CLEAN_KINDS))} and counts "
+                               f">= 0, got {kind_runs}")
     rng, out = random.Random(seed), []
     counts = {"none": clean_runs - clean_runs // 2, "noise": clean_runs // 2,
-              **{k: runs_per_kind for k in KINDS if k not in CLEAN_KINDS}}
+              **{k: runs_per_kind for k in KINDS if k not in CLEAN_KINDS}, **(kind_runs or {})}
     for kind in KINDS:
         for _ in range(counts[kind]):
             out.append(draw_scenario(rng, len(out), kind))
@@ -155,7 +160,7 @@ def plan_split(seed: int, runs_per_kind: int, clean_runs: int) -> list[dict]:
 
 
 def freeze_split(split_dir: Path, thresholds_path: Path, runs_per_kind: int, clean_runs: int,
-                 allow_dirty: bool = False) -> dict:
+                 allow_dirty: bool = False, kind_runs: dict | None = None) -> dict:
     """Record the detector version, then draw a fresh seed and the scenarios; write split.json once."""
     split_dir = Path(split_dir)
     if (split_dir / "split.json").exists():
@@ -167,7 +172,7 @@ def freeze_split(split_dir: Path, thresholds_path: Path, runs_per_kind: int, cle
     seed = secrets.randbits(62)
     split = {"detector": version, "thresholds": thresholds, "thresholds_file": str(Path(thresholds_path).resolve()),
              "seed": seed, "frozen_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             "scenarios": plan_split(seed, runs_per_kind, clean_runs)}
+             "scenarios": plan_split(seed, runs_per_kind, clean_runs, kind_runs)}
     split_dir.mkdir(parents=True, exist_ok=True)
     _write_json_once(split_dir / "split.json", split)
     return split

@@ -14,8 +14,9 @@ def _rank(rank: int, tp: int, dp: int, pp: int, confidence: float) -> Suspect:
     return Suspect(rank, {"tp": tp, "dp": dp, "pp": pp}, "slow_compute", confidence, {"summary": ""})
 
 
-def _link(src: int, dst: int, excess_ms: float, confidence: float = 0.9) -> Suspect:
+def _link(src: int, dst: int, excess_ms: float, confidence: float = 0.9, ratio: float | None = None) -> Suspect:
     return Suspect(src, {}, "slow_link", confidence, {"summary": "", "excess_ms": excess_ms,
+                                                      "ratio": excess_ms if ratio is None else ratio,
                                                       "excess_ms_per_iteration": excess_ms}, link=(src, dst))
 
 
@@ -96,3 +97,10 @@ def test_of_two_opposite_links_the_one_into_a_slow_rank_is_its_echo():
     kept, notes = drop_echoes(suspects, 1)
     assert {(s.cause, s.link or s.rank) for s in kept} == {("slow_compute", 2), ("slow_link", (2, 0))}
     assert "0->2 is slow too" in notes[0]
+
+
+def test_of_two_opposite_links_the_one_slower_against_its_comparable_links_is_kept():
+    """PP4 with 1 -> 2 rate-limited (design split 4): 23x its comparable links but 3.9 ms over them,
+    the reverse 4.4x but 6.1 ms (its comparable links, the upstream ones, are slower)."""
+    kept, notes = drop_echoes([_link(2, 1, 6.1, 0.7, ratio=4.4), _link(1, 2, 3.9, 0.6, ratio=23.2)], 1)
+    assert [s.link for s in kept] == [(1, 2)] and "2->1 is slow too" in notes[0]

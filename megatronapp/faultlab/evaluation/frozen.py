@@ -7,7 +7,7 @@ A split is only worth quoting if the detector was fixed before its scenarios exi
     # 1. freeze: record the detector version (git commit + sha256 of the thresholds file), *then*
     #    draw the split's seed and scenarios; written once to SPLIT/split.json
     python benchmarks/scan_eval.py frozen freeze out/frozen/design1 --thresholds out/frozen/thresholds.json \
-        --runs-per-kind 3 --clean-runs 3
+        --runs-per-kind 3 --clean-runs 3          # --kind-runs two_faults=10: fewer of one fault kind
     # 2. run it, once (refused if the detector changed since freezing, or if it already ran)
     python benchmarks/scan_eval.py frozen run out/frozen/design1
     # 3. score: per fault kind and per layout, n and 95% Wilson intervals, both hashes in the report

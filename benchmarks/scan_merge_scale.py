@@ -5,7 +5,7 @@
     python benchmarks/scan_merge_scale.py --events 4000000 --repeats 4 --baseline /tmp/base
 
 A simulated TP2xPP4xDP8 job (64 ranks, 8 microbatches, ~5,000 events per iteration) is
-written per rank through format.TraceWriter (tests/scan_simulation.write_repeated_job: one
+written per rank through format.TraceWriter (tests/support/scan_simulation.write_repeated_job: one
 record batch and calibration row per 100 iterations, as the tracer's timed flushes give),
 once with --events/4 and once with --events events. Each merge runs in a fresh child process
 pinned to one core (taskset when present; numpy/Arrow single-threaded), which reports its CPU

@@ -98,3 +98,19 @@ def test_the_first_instance_has_no_window_and_is_skipped():
     instances, messages = _dp_job(2, {1: 15.0}, {}, iterations=3)
     samples = compute_arrival_samples(instances, messages)
     assert sorted({s.seq for s in samples}) == [1, 2]
+
+
+def test_a_rank_late_because_its_send_waited_for_a_blocked_receiver_is_not_named():
+    """The receiver of a rate-limited link sends back to the link's blocked sender: its send returns
+    only once that rank posts the receive (a PP2 x DP2 design run named it 1.76x by its own work).
+    Here rank 2 spends 4 of its 14 ms before each all-reduce in such a send."""
+    instances, _ = _dp_job(4, {2: 14.0}, {})
+    messages = []
+    for prev, inst in zip(instances, instances[1:]):  # to rank 4 (outside the group), posted 4 ms late
+        start = prev.spans[2][1] + MS
+        messages.append(P2PMessage(2, 4, inst.iteration, inst.seq, 1024, start, start + 4 * MS, start + 4 * MS,
+                                   start + 4 * MS + MS // 10, send_end=start + 4 * MS + MS // 10))
+    assert _named(instances, messages) == []
+    blind = [P2PMessage(m.src, m.dst, m.iteration, m.seq, m.bytes, m.send_start, m.recv_start, m.wait_start,
+                        m.recv_end) for m in messages]  # the send's end unknown: its wait is not seen
+    assert _named(instances, blind) == [2]

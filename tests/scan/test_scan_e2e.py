@@ -67,7 +67,7 @@ def test_traced_tp2_pp2_dp2_run_merges_into_one_timeline(tmp_path):
 @pytest.fixture(scope="module")
 def clean_report(tmp_path_factory):
     # 32 iterations, as the held-out clean runs whose false-alarm rate BENCHMARKS.md reports
-    # (scan_eval_runner.ITERS). With 8 (CI stop 22), a few hundred ms of a busy neighbour on the
+    # (megatronapp.faultlab.evaluation.injected_runner.ITERS). With 8 (CI stop 22), a few hundred ms of a busy neighbour on the
     # 2-core CI host made one replica >= 1.2x its peer in 5 of the 7 judged iterations: the
     # constant-slowdown bar, met by noise over too short a run.
     # The detector bounds its false alarms, it does not exclude them (intermittent_alpha 0.005 by

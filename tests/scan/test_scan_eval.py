@@ -1,4 +1,4 @@
-"""The held-out evaluation harness (benchmarks/scan_eval*.py): scenarios from fixed seeds, scores
+"""The held-out evaluation harness (megatronapp/faultlab/evaluation: injected*.py, cli.py): scenarios from fixed seeds, scores
 and Wilson intervals, tuning, the JSONL results file, the summary, and a tiny synthetic run of the
 whole command line (simulated traces: real jobs are for the benchmark, not CI)."""
 
@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import scan_eval  # noqa: E402
-import scan_eval_core as core  # noqa: E402
-import scan_eval_runner as runner  # noqa: E402
-from scan_eval_core import (  # noqa: E402
+import megatronapp.faultlab.evaluation.cli as scan_eval
+import megatronapp.faultlab.evaluation.injected as core
+import megatronapp.faultlab.evaluation.injected_runner as runner
+from megatronapp.faultlab.evaluation.injected import (
     HELDOUT_SPLITS,
     KINDS,
     Fault,

@@ -1,20 +1,18 @@
-"""Frozen evaluation (benchmarks/scan_eval_frozen*.py): the detector version is recorded before the
+"""Frozen evaluation (megatronapp/faultlab/evaluation/frozen*.py): the detector version is recorded before the
 split's scenarios exist, a split runs once, its report carries both hashes, and a split is never
 scored by a detector other than the one it was frozen with."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import scan_eval  # noqa: E402
-import scan_eval_frozen as frozen  # noqa: E402
-import scan_eval_frozen_run as frozen_run  # noqa: E402
-from scan_eval_runner import append_record  # noqa: E402
+import megatronapp.faultlab.evaluation.cli as scan_eval
+import megatronapp.faultlab.evaluation.frozen as frozen
+import megatronapp.faultlab.evaluation.frozen_run as frozen_run
+from megatronapp.faultlab.evaluation.injected_runner import append_record
 
 
 def _frozen_split(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
@@ -88,3 +86,30 @@ def test_scores_per_kind_and_layout_with_intervals():
     assert s["kind"]["slow_link"]["top1"]["value"] == 1.0
     assert s["layout"]["L2"]["false_alarm"] == {"value": 0.0, "k": 0, "n": 1, "ci95": (0.0, 0.793)}
     assert "none" not in s["kind"]  # a failed run is not scored
+
+
+def test_intermittent_scenarios_run_long_enough_to_meet_several_bursts_and_clean_runs_cover_both_lengths():
+    """300 ms of every 1-2 s against 20 iterations of ~16-150 ms: the fault could miss training
+    altogether (design runs read 0.3 s of training, one burst at most)."""
+    scenarios = frozen.plan_split(seed=11, runs_per_kind=6, clean_runs=40)
+    iters = {}
+    for sc in scenarios:
+        if "iters" in sc["job"]:
+            iters.setdefault(sc["kind"], set()).add(sc["job"]["iters"])
+    assert iters["intermittent"] == {frozen.LONG_ITERATIONS} and iters["slow_rank"] == {frozen.SHORT_ITERATIONS}
+    assert iters["none"] | iters["noise"] == {frozen.SHORT_ITERATIONS, frozen.LONG_ITERATIONS}
+    plan = frozen_run.build_plan(next(s for s in scenarios if s["kind"] == "intermittent"))
+    assert plan.job.iters == frozen.LONG_ITERATIONS
+
+
+def test_a_split_can_hold_fewer_runs_of_one_fault_kind(tmp_path, monkeypatch):
+    thresholds = tmp_path / "thresholds.json"
+    frozen.write_default_thresholds(thresholds)
+    monkeypatch.setattr(frozen, "detector_version", lambda path: {"commit": "a" * 40, "dirty": False,
+                                                                  "thresholds_sha256": "b" * 64})
+    argv = ["frozen", "freeze", str(tmp_path / "s"), "--thresholds", str(thresholds), "--runs-per-kind", "3",
+            "--clean-runs", "4", "--kind-runs", "two_faults=1"]
+    assert scan_eval.main(argv) == 0
+    kinds = [s["kind"] for s in json.loads((tmp_path / "s" / "split.json").read_text())["scenarios"]]
+    assert kinds.count("two_faults") == 1 and kinds.count("slow_link") == 3 and kinds.count("none") == 2
+    assert scan_eval.main([*argv[:2], str(tmp_path / "t"), *argv[3:-1], "clean=2"]) == 2  # not a fault kind

@@ -60,7 +60,10 @@ class SimulatedJob:
     seed: int = 0
     slow_rank: int | None = None
     slow_factor: float = 1.0  # forward/backward compute of slow_rank takes this many times longer
-    slow_every: int = 1  # ... in iterations i with i % slow_every == 0 (intermittent when > 1)
+    slow_every: int = 1  # ... in iterations i with i % slow_every < slow_burst (intermittent when > 1)
+    slow_burst: int = 1  # consecutive slow iterations per period (contention lasting a while)
+    stall_ns: int = 0  # in its slow iterations, slow_rank also stalls this long outside every span, before
+    # its DP gradient reduce (a process frozen by a CPU quota between spans: no span shows it)
     slow_link: tuple[int, int] | None = None  # (src, dst) global ranks
     link_delay_ns: int = 0  # added to every transfer on slow_link
     # "transfer": each message arrives link_delay_ns later (a slow wire); "before_wait": the
@@ -79,8 +82,9 @@ class SimulatedJob:
         for name in ("tp_size", "pp_size", "dp_size", "num_microbatches", "iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.slow_every < 1:
-            raise ValueError(f"slow_every must be >= 1, got {self.slow_every}")
+        if self.slow_every < 1 or not 1 <= self.slow_burst <= self.slow_every or self.stall_ns < 0:
+            raise ValueError(f"need slow_every >= 1, 1 <= slow_burst <= slow_every, stall_ns >= 0; got "
+                             f"{self.slow_every}, {self.slow_burst}, {self.stall_ns}")
         if self.slow_factor < 1.0:
             raise ValueError(f"slow_factor must be >= 1.0, got {self.slow_factor}")
         if self.slow_rank is not None and not 0 <= self.slow_rank < self.world_size:
@@ -184,13 +188,15 @@ class _ProgramBuilder:
                     seq=seq, bytes=4096)
         return [("coll", ev, size, self.noisy(cost))]
 
+    def slowed(self, rank: int, it: int) -> bool:
+        return rank == self.job.slow_rank and it % self.job.slow_every < self.job.slow_burst
+
     def compute_pass(self, rank: int, kind: ActionKind, chunk: int, mb: int, it: int) -> list[tuple]:
         job, pp = self.job, self.layout.coords(rank).pp
         forward = kind is ActionKind.FORWARD
         work = job.forward_ns * (1.0 if forward else job.backward_ratio)
         work *= 1 + (job.first_stage_extra if pp == 0 else 0) + (job.last_stage_extra if pp == job.pp_size - 1 else 0)
-        slowed = rank == job.slow_rank and it % job.slow_every == 0
-        work *= self.bias[rank] * (job.slow_factor if slowed else 1.0)
+        work *= self.bias[rank] * (job.slow_factor if self.slowed(rank, it) else 1.0)
         segments = job.tp_collectives_per_pass if job.tp_size > 1 else 1
         span = _Event("forward" if forward else "backward", "compute", 0, iteration=it, chunk=chunk, microbatch=mb)
         ops: list[tuple] = [("begin", span)]
@@ -237,6 +243,8 @@ class _ProgramBuilder:
                 a = actions[i]
                 ops += self.compute_pass(rank, a.kind, a.chunk, a.microbatch, it)
                 i += 1
+        if job.stall_ns and self.slowed(rank, it):
+            ops.append(("work", self.noisy(job.stall_ns)))
         ops += self.collective("dp", rank, "grad_reduce", job.grad_reduce_ns, it)
         ops += [("begin", _Event("optimizer", "compute", 0, iteration=it))]
         ops += self.collective("mp", rank, "grad_norm", job.grad_norm_ns, it)

@@ -29,7 +29,9 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      more *own* work since the group last synchronised (its waits subtracted, so a rank held up
      by its pipeline is a victim, not a straggler) by the compute bars (ratio, consistency, z)
      is named slow_compute even where its compute spans look normal (work outside the spans,
-     a CPU quota that freezes it between spans).
+     a CPU quota that freezes it between spans). The same own work per iteration feeds the
+     intermittent test too (detect_intermittent_arrival.py): a rank frozen in bursts between
+     its spans has its own work inflated in a few iterations while its spans look normal.
   3. P2P (detect_links.compare_links). Effective transfer per directed link against links
      carrying same-size messages in the same pipeline direction; `config.link_rule` decides
      (default: median ratio >= `link_min_ratio`, excess >= `link_min_excess_ns`, and >=
@@ -38,7 +40,8 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      rank = its source, by convention.
   4. Combine. Suspects are ranks whose own compute or own link is slow, so pure victims are
      never listed; a TP peer dragged along in lockstep and the reverse of a slow link are
-     dropped as echoes of the stronger suspect (verdict_filters.py). Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
+     dropped as echoes of the stronger suspect, and slow links into one rank from every
+     sender it has become that rank (verdict_filters.py). Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
      (ratio - 1) / (strong ratio - 1) capped at 1. Order: confidence, then saving.
   5. What-if (detect_path): the iteration time if the suspect were as fast as its peers,
      from each iteration's critical path.
@@ -60,6 +63,7 @@ from rich.table import Table
 
 from megatronapp.scan.analyze import detect_path as paths
 from megatronapp.scan.analyze import detect_arrival as arrivals
+from megatronapp.scan.analyze import detect_intermittent_arrival as own_intermittent
 from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
 from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
@@ -306,6 +310,32 @@ def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coor
                     "samples": st.samples, "iterations": st.iterations,
                     "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration), **fields}
         out.append(Suspect(rank, coords[rank], "slow_compute", conf, evidence))
+    named.update({s.rank: s for s in out})
+    return out + _own_work_intermittent_suspects(samples, named, coords, config)
+
+
+def _own_work_intermittent_suspects(samples, named: dict, coords: dict, config: DetectConfig) -> list[Suspect]:
+    """Ranks not named yet whose own work before arrivals is inflated in a few iterations
+    (detect_intermittent_arrival.py): a CPU taken away now and then, outside the compute spans."""
+    out = []
+    for rank, it in sorted(own_intermittent.compare_own_work_intermittent(
+            samples, config.intermittent_min_iterations, config.intermittent_max_share).items()):
+        stats = rules.ComputeStats(rank, "arrival_order", (), it.iterations, it.iterations, 1.0, 0.0, 0.0, 0.0,
+                                   0.0, 0.0, 0.0, False, it)
+        if rank in named or not is_intermittent(stats, config):
+            continue
+        excess = own_intermittent.compute_slow_iteration_excess(samples, rank, it.slow_iterations)
+        summary = (f"rank {rank}'s own work before its collectives (waits subtracted) is {it.slow_ratio:.2f}x "
+                   f"its peers' in iterations {list(it.slow_iterations)} ({len(it.slow_iterations)} of "
+                   f"{it.iterations}; {it.base_ratio:.2f}x in the others): intermittent, p = {it.p_value:.2g} "
+                   f"for a clean run; its compute spans do not show it (frozen between or around them)")
+        evidence = {"summary": summary, "basis": "arrival_order", "peers": [], "ratio": round(it.slow_ratio, 3),
+                    "intermittent": True, "slow_iterations": list(it.slow_iterations),
+                    "slow_iteration_ratio": round(it.slow_ratio, 3), "other_iteration_ratio": round(it.base_ratio, 3),
+                    "intermittent_p": float(f"{it.p_value:.3g}"), "periodic": it.periodic,
+                    "iterations": it.iterations, "slow_iteration_excess_ms": {i: _ms(v) for i, v in excess.items()}}
+        conf = _confidence(_BASIS_WEIGHT["dp_replicas"], it.slow_ratio, config.strong_compute_ratio, 0.5)
+        out.append(Suspect(rank, coords[rank], "slow_compute", conf, evidence))
     return out
 
 
@@ -338,7 +368,11 @@ def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], busy: list[dict], 
     if not crit:
         return s
     intermittent = s.evidence.get("intermittent", False)
-    if s.evidence.get("basis") == "arrival_order":  # its excess lies outside its compute spans
+    if s.evidence.get("basis") == "arrival_order" and intermittent:  # only its slow iterations cost
+        excess = s.evidence["slow_iteration_excess_ms"]
+        savings = [excess.get(p.iteration, 0.0) * 1e6 for p in crit]
+        floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
+    elif s.evidence.get("basis") in ("arrival_order", "incoming_links"):  # its excess lies outside its spans
         savings = [s.evidence["excess_ms_per_iteration"] * 1e6] * len(crit)
         floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
     elif s.cause == "slow_compute":
@@ -453,7 +487,10 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
                                         paths.build_blocking_events(i, messages, instances)) for i in iterations]
     busy = [paths.compute_busy_ns(i, {r: s[i] for r, s in iter_spans.items()}, messages, instances)
             for i in iterations]
-    suspects, echoes = drop_echoes(suspects, layout.get("tp_size", 1))
+    incoming = defaultdict(set)
+    for m in messages:
+        incoming[m.dst].add(m.src)
+    suspects, echoes = drop_echoes(suspects, layout.get("tp_size", 1), coords, incoming)
     notes += echoes
     suspects = [_with_what_if(s, crit, busy, spans, links) for s in suspects]
     negligible = [s for s in suspects if s.evidence.get("intermittent")

@@ -10,8 +10,9 @@ are already waiting in. Algorithm (pure, over CollectiveInstance and P2PMessage 
      time the group synchronised; members leave a collective together, so windows of all
      members start at about the same moment) and ends at r's arrival. From its length subtract
      the time r spent waiting in it: in collectives of other groups where somebody else arrived
-     last (r's start to the last start) and in receives (the receiver's wait start to the
-     message's arrival). What is left is r's own work: a rank that is late because it waited on
+     last (r's start to the last start), in receives (the receiver's wait start to the
+     message's arrival) and in sends (until the receiver posted its receive, plus the link's
+     usual transfer; both capped by the link's median). What is left is r's own work: a rank that is late because it waited on
      somebody else is not late by its own work (a pipeline neighbour of a slow stage).
   2. Per sample: own ratio = r's own work / the median of the other members' own work at I,
      lateness = r's start - the median of the other members' starts, whether r was last, and
@@ -41,7 +42,7 @@ from megatronapp.scan.analyze.detect_links import P2PMessage, group_by_link
 from megatronapp.scan.analyze.detect_rules import CollectiveInstance, robust_z
 
 
-_ALIKE = ("dp", "tp")  # group families whose members do identical work
+ALIKE_FAMILIES = ("dp", "tp")  # group families whose members do identical work
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessa
         end = min(m.recv_end, max(m.send_start, m.wait_start) + int(typical[(m.src, m.dst)]))
         if end > m.wait_start:
             per_rank[m.dst].append((m.wait_start, end, ""))
+        # a send blocks until its receiver has posted the receive, then for the transfer: the
+        # receiver of a slow link's reverse waits in its own send to the blocked sender
+        end = min(m.send_end, max(m.send_start, m.recv_start) + int(typical[(m.src, m.dst)]))
+        if end > m.send_start:
+            per_rank[m.src].append((m.send_start, end, ""))
     groups = {inst.group for inst in instances}
     out = {}
     for r, rows in per_rank.items():
@@ -196,10 +202,10 @@ def compare_arrivals(samples: list[ArrivalSample], instances: list[CollectiveIns
     rows: dict[tuple[int, str], list[ArrivalSample]] = defaultdict(list)
     for s in samples:
         rows[(s.rank, s.family)].append(s)
-    alike = {rank for rank, family in rows if family in _ALIKE}
+    alike = {rank for rank, family in rows if family in ALIKE_FAMILIES}
     best: dict[int, ArrivalStats] = {}
     for (rank, family), rs in sorted(rows.items()):
-        if rank in alike and family not in _ALIKE:
+        if rank in alike and family not in ALIKE_FAMILIES:
             continue
         share = caused[(rank, family)] / waited[(rank, family)] if waited[(rank, family)] > 0 else 0.0
         st = _family_stats(rank, family, rs, float(np.mean([members[s.group] for s in rs])), min_ratio, share)

@@ -27,6 +27,7 @@ class P2PMessage:
     recv_start: int
     wait_start: int  # when the receiver stopped doing other work and waited
     recv_end: int
+    send_end: int = -1  # when the sender's send returned (-1: unknown)
 
     @property
     def transfer_ns(self) -> int:
@@ -53,7 +54,8 @@ def collect_p2p_messages(index: CommIndex, events: dict[int, RankEvents], iterat
         if recv.iteration not in iterations or dst not in compute_ends:
             continue
         wait = _recv_wait_start(compute_ends[dst], recv.start, recv.end)
-        out.append(P2PMessage(src, dst, recv.iteration, seq, recv.bytes, send.start, recv.start, wait, recv.end))
+        out.append(P2PMessage(src, dst, recv.iteration, seq, recv.bytes, send.start, recv.start, wait, recv.end,
+                              send.end))
     return out
 
 

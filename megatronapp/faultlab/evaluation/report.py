@@ -1,10 +1,10 @@
-"""Tables and a chart of held-out detection scores (from scan_eval_core.compute_scores)."""
+"""Tables and a chart of held-out detection scores (from injected.compute_scores)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from scan_eval_core import FAULT_KINDS
+from megatronapp.faultlab.evaluation.injected import FAULT_KINDS
 
 _KIND_LABEL = {"compute": "constant compute 1.2-2x", "intermittent": "intermittent compute (1 in 2-4)",
                "link": "slow link 2-50 ms", "two_faults": "compute + link at once"}

@@ -1,4 +1,4 @@
-"""Running and scoring a frozen split (scan_eval_frozen.py): scenario -> lab plan -> verdict -> scores.
+"""Running and scoring a frozen split (frozen.py): scenario -> lab plan -> verdict -> scores.
 
 Each scenario runs once through megatronapp.faultlab.run_lab, one at a time (the lab pins and
 throttles real processes: two runs at once would be each other's fault). Its verdict comes from
@@ -13,10 +13,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from scan_eval_core import named_causes, rate
-import scan_eval_frozen
-from scan_eval_frozen import CLEAN_KINDS, ROOT, SCRIPTS, FrozenSplitError, load_split
-from scan_eval_runner import append_record, load_records
+from megatronapp.faultlab.evaluation.injected import named_causes, rate
+import megatronapp.faultlab.evaluation.frozen as frozen
+from megatronapp.faultlab.evaluation.frozen import CLEAN_KINDS, ROOT, SCRIPTS, FrozenSplitError, load_split
+from megatronapp.faultlab.evaluation.injected_runner import append_record, load_records
 
 
 # The tiny preset's 8 KiB activations fit in a rate limiter's burst: a 20 Mbit/s link delayed them
@@ -26,7 +26,7 @@ ENGINE_MODEL = ("--model", "tiny", "--hidden-size", "128", "--global-batch-size"
 
 
 def build_plan(sc: dict):
-    """The LabPlan of a scenario (scan_eval_frozen.draw_scenario)."""
+    """The LabPlan of a scenario (frozen.draw_scenario)."""
     from megatronapp.faultlab import (EngineJob, ExtraWork, LabPlan, Noise, Schedule, ScriptJob, SlowLink,
                                         SlowRank)
 
@@ -35,7 +35,7 @@ def build_plan(sc: dict):
         script, args = SCRIPTS[job["script"]]
         lab_job = ScriptJob(str(ROOT / script), args, nproc=job["nproc"])
     else:
-        lab_job = EngineJob(job["tp"], job["pp"], job["dp"], iters=20, extra=ENGINE_MODEL)
+        lab_job = EngineJob(job["tp"], job["pp"], job["dp"], iters=job.get("iters", 20), extra=ENGINE_MODEL)
     faults = []
     for f in sc["faults"]:
         if f["type"] == "extra_work":
@@ -81,7 +81,7 @@ def run_split(split_dir: Path, work_dir: Path, timeout_s: float = 150.0, log=pri
     working tree has uncommitted changes. The detector version is checked again before each
     run: a commit or a thresholds edit mid-split stops it (the split is then spent)."""
     split = load_split(split_dir)
-    if scan_eval_frozen.detector_version(Path(split["thresholds_file"]))["dirty"]:
+    if frozen.detector_version(Path(split["thresholds_file"]))["dirty"]:
         raise FrozenSplitError("the working tree has uncommitted changes: what runs would not be what was frozen")
     results = Path(split_dir) / "results.jsonl"
     if results.exists():

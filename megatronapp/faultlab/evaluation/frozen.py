@@ -7,7 +7,7 @@ A split is only worth quoting if the detector was fixed before its scenarios exi
     # 1. freeze: record the detector version (git commit + sha256 of the thresholds file), *then*
     #    draw the split's seed and scenarios; written once to SPLIT/split.json
     python benchmarks/scan_eval.py frozen freeze out/frozen/design1 --thresholds out/frozen/thresholds.json \
-        --runs-per-kind 3 --clean-runs 3
+        --runs-per-kind 3 --clean-runs 3          # --kind-runs two_faults=10: fewer of one fault kind
     # 2. run it, once (refused if the detector changed since freezing, or if it already ran)
     python benchmarks/scan_eval.py frozen run out/frozen/design1
     # 3. score: per fault kind and per layout, n and 95% Wilson intervals, both hashes in the report
@@ -19,7 +19,7 @@ what ran). Tune on design splits only; a held-out split is frozen after tuning a
 
 Scenarios (all real faults): none and noise (a busy loop per core) as clean runs; slow_rank (a
 cgroup quota or a competing pinned process, 2.5-6x below the rank's fair share of CPU);
-intermittent (the same for 300 ms of every 2 s... 1 s); user_straggler (extra matmuls in one
+intermittent (the same for 300 ms of every 2 s... 1 s, on a job of 300 iterations); user_straggler (extra matmuls in one
 rank's step of the DDP or FSDP2 example under `trace run`); slow_link (a PP engine job with each
 rank in its own namespace, one pipeline link rate-limited to 10-40 Mbit/s); two_faults (a slow
 rank and a slow link). Layouts: engine TP/PP/DP mixes of 4 ranks and the DDP/FSDP2 examples at
@@ -37,7 +37,7 @@ import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository: examples/ and tests/ live there
 
 KINDS = ("none", "noise", "slow_rank", "intermittent", "user_straggler", "slow_link", "two_faults")
 CLEAN_KINDS = ("none", "noise")
@@ -48,6 +48,7 @@ SCRIPTS = {"ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768",
 # Extra matmuls per step that make the straggler's step ~1.3-3x (an extra matmul is batch x hidden^2 MACs:
 # 56 M for the DDP settings, whose step is ~190 M; 4.2 M for FSDP2's, whose step is ~300 M).
 EXTRA_MATMULS = {"ddp": (6, 16), "fsdp2": (40, 150)}
+SHORT_ITERATIONS, LONG_ITERATIONS = 20, 300  # engine jobs (engine_iterations)
 
 
 class FrozenSplitError(ValueError):
@@ -96,6 +97,18 @@ def _same_detector(recorded: dict, current: dict) -> str | None:
 # -- scenarios -------------------------------------------------------------------------------
 
 
+def engine_iterations(rng: random.Random, kind: str) -> int:
+    """Training iterations of an engine scenario. An intermittent fault (300 ms of every 1-2 s) must
+    overlap training many times: LONG_ITERATIONS of the CPU engine's ~50-150 ms take 15-45 s,
+    whereas SHORT_ITERATIONS (~1-3 s) may fall between two bursts (design split 4, a 9% quota
+    for 300 ms of every 1.5 s on DP4: p = 1 over 120 iterations, 3 bursts; p = 3e-7 over 300).
+    Clean runs are drawn at both lengths, so false alarms are measured where each rule has the
+    most iterations to err on."""
+    if kind == "intermittent":
+        return LONG_ITERATIONS
+    return rng.choice((SHORT_ITERATIONS, LONG_ITERATIONS)) if kind in CLEAN_KINDS else SHORT_ITERATIONS
+
+
 def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     """One scenario as JSON-ready data: kind, layout, the faults and the true causes."""
     if kind == "user_straggler":
@@ -107,8 +120,9 @@ def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     pp_needed = kind in ("slow_link", "two_faults")
     layouts = [lay for lay in ENGINE_LAYOUTS if lay[1] > 1] if pp_needed else ENGINE_LAYOUTS
     tp, pp, dp = rng.choice(layouts)
-    sc = {"index": index, "kind": kind, "layout": f"engine TP{tp} PP{pp} DP{dp}", "job": {"tp": tp, "pp": pp, "dp": dp},
-          "faults": [], "truth": [], "nodes": 0}
+    iters = engine_iterations(rng, kind)
+    sc = {"index": index, "kind": kind, "layout": f"engine TP{tp} PP{pp} DP{dp}",
+          "job": {"tp": tp, "pp": pp, "dp": dp, "iters": iters}, "faults": [], "truth": [], "nodes": 0}
     if kind == "noise":
         sc["faults"].append({"type": "noise"})
     if kind in ("slow_rank", "intermittent", "two_faults"):
@@ -128,11 +142,16 @@ def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     return sc
 
 
-def plan_split(seed: int, runs_per_kind: int, clean_runs: int) -> list[dict]:
-    """Scenarios of a split: clean_runs split between none and noise, runs_per_kind of each fault kind."""
+def plan_split(seed: int, runs_per_kind: int, clean_runs: int, kind_runs: dict | None = None) -> list[dict]:
+    """Scenarios of a split: clean_runs split between none and noise, runs_per_kind of each fault kind
+    (kind_runs: other counts for some fault kinds, e.g. fewer of the slow two_faults)."""
+    unknown = sorted(set(kind_runs or {}) - (set(KINDS) - set(CLEAN_KINDS)))
+    if unknown or any(n < 0 for n in (kind_runs or {}).values()):
+        raise FrozenSplitError(f"kind_runs takes fault kinds {sorted(set(KINDS) - set(CLEAN_KINDS))} and counts "
+                               f">= 0, got {kind_runs}")
     rng, out = random.Random(seed), []
     counts = {"none": clean_runs - clean_runs // 2, "noise": clean_runs // 2,
-              **{k: runs_per_kind for k in KINDS if k not in CLEAN_KINDS}}
+              **{k: runs_per_kind for k in KINDS if k not in CLEAN_KINDS}, **(kind_runs or {})}
     for kind in KINDS:
         for _ in range(counts[kind]):
             out.append(draw_scenario(rng, len(out), kind))
@@ -141,7 +160,7 @@ def plan_split(seed: int, runs_per_kind: int, clean_runs: int) -> list[dict]:
 
 
 def freeze_split(split_dir: Path, thresholds_path: Path, runs_per_kind: int, clean_runs: int,
-                 allow_dirty: bool = False) -> dict:
+                 allow_dirty: bool = False, kind_runs: dict | None = None) -> dict:
     """Record the detector version, then draw a fresh seed and the scenarios; write split.json once."""
     split_dir = Path(split_dir)
     if (split_dir / "split.json").exists():
@@ -153,7 +172,7 @@ def freeze_split(split_dir: Path, thresholds_path: Path, runs_per_kind: int, cle
     seed = secrets.randbits(62)
     split = {"detector": version, "thresholds": thresholds, "thresholds_file": str(Path(thresholds_path).resolve()),
              "seed": seed, "frozen_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             "scenarios": plan_split(seed, runs_per_kind, clean_runs)}
+             "scenarios": plan_split(seed, runs_per_kind, clean_runs, kind_runs)}
     split_dir.mkdir(parents=True, exist_ok=True)
     _write_json_once(split_dir / "split.json", split)
     return split

@@ -24,9 +24,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from scan_eval_core import COMPUTE_GRID, LINK_GRID, Fault, Scenario, named_causes, scenario_from_dict
+from megatronapp.faultlab.evaluation.injected import (COMPUTE_GRID, LINK_GRID, Fault, Scenario, named_causes,
+                                                      scenario_from_dict)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository: examples/ and tests/ live there
 ITERS = 32  # analysed 1..31 (0 is warm-up): an intermittent 1-in-4 slowdown hits 7 of them. Was 16 up to
 # heldout2, whose 3 intermittent misses had 3-5 slow iterations each (the protocol from heldout3 on)
 # The DDP example at a real step's size: at its toy default a traced CPU forward is ~0.4 ms, mostly hook
@@ -123,7 +124,7 @@ def _suspects_json(report) -> list[dict]:
 
 def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
     """Suspects with `overrides` and with the defaults; with grid, the compute ranks at every
-    COMPUTE_GRID point and the links at every LINK_GRID point (scan_eval_core.tune_on_design)."""
+    COMPUTE_GRID point and the links at every LINK_GRID point (injected.tune_on_design)."""
     from megatronapp.scan.analyze.analysis import load_aligned_traces
     from megatronapp.scan.analyze.detect import DetectConfig, detect
 

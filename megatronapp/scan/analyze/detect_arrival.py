@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatronapp.scan.analyze.detect_links import P2PMessage, group_by_link
-from megatronapp.scan.analyze.detect_rules import CollectiveInstance, robust_z
+from megatronapp.scan.analyze.detect_rules import CollectiveInstance, robust_z, union_length
 
 
 ALIKE_FAMILIES = ("dp", "tp")  # group families whose members do identical work
@@ -114,16 +114,11 @@ def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessa
 
 
 def _covered_ns(intervals: np.ndarray, lo: int, hi: int) -> int:
-    """Length of the union of `intervals` (sorted by start) clipped to [lo, hi)."""
-    total, cur_s, cur_e = 0, None, None
-    for s, e in intervals[(intervals[:, 1] > lo) & (intervals[:, 0] < hi)] if len(intervals) else ():
-        s, e = max(int(s), lo), min(int(e), hi)
-        if cur_e is None or s > cur_e:
-            total += 0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (0 if cur_e is None else cur_e - cur_s)
+    """Length of the union of `intervals` ((n, 2) starts and ends) clipped to [lo, hi)."""
+    if not len(intervals):
+        return 0
+    inside = intervals[(intervals[:, 1] > lo) & (intervals[:, 0] < hi)]
+    return union_length([(max(int(s), lo), min(int(e), hi)) for s, e in inside])
 
 
 def _own_work(instances: list[CollectiveInstance], waits: dict) -> dict[tuple, tuple[int, int]]:

@@ -104,7 +104,8 @@ class ComputeSpan:
     cold: bool = False  # starts within the recovery window after a long wait (module docstring)
 
 
-def _union_length(intervals: list[tuple[int, int]]) -> int:
+def union_length(intervals: list[tuple[int, int]]) -> int:
+    """Length of the union of (start, end) intervals, in any order."""
     total, cur_s, cur_e = 0, None, None
     for s, e in sorted(intervals):
         if cur_e is None or s > cur_e:
@@ -135,7 +136,7 @@ def _wake_times(c: dict, idle_ns: int) -> np.ndarray:
     for lo, hi in zip(gap_lo[long_gap], gap_hi[long_gap]):  # only comm that starts in [lo - longest, hi) can overlap
         a, b = np.searchsorted(c_start, lo - longest, "left"), np.searchsorted(c_start, hi, "left")
         clipped = [(max(int(x), int(lo)), min(int(y), int(hi))) for x, y in zip(c_start[a:b], c_end[a:b]) if y > lo]
-        if _union_length(clipped) >= idle_ns:
+        if union_length(clipped) >= idle_ns:
             wakes.append(int(hi))
     return np.asarray(wakes, dtype=np.int64)
 
@@ -158,7 +159,7 @@ def compute_pure_spans(ev: RankEvents, iterations: set[int], idle_ns: int = 0,
         key = (int(c["iteration"][i]), int(c["chunk"][i]), int(c["microbatch"][i]), str(c["name"][i]))
         last = int(np.searchsorted(wakes, s, "right")) - 1
         cold = last >= 0 and s - int(wakes[last]) < recovery_ns
-        spans.append(ComputeSpan(key, s, e, max(0, e - s - _union_length(inside)), cold))
+        spans.append(ComputeSpan(key, s, e, max(0, e - s - union_length(inside)), cold))
     return spans
 
 

@@ -97,10 +97,16 @@ if triton is not None:
 
 
 def advance_step_counters(counters: list[torch.Tensor], skip: torch.Tensor | None) -> None:
-    """Adam's step counters + 1, or + 0 where the device flag `skip` is 1 (no host sync)."""
-    torch._foreach_add_(counters, 1.0)
-    if skip is not None:
-        torch._foreach_sub_(counters, skip)
+    """Adam's step counters + 1, or + 0 where the device flag `skip` is 1 (no host sync).
+
+    The increment goes in as a tensor through the Tensor overload by name: `_foreach_sub_` has
+    none, and the Python binding turns a 0-dim tensor argument into a Scalar by reading it on
+    the host, which made every step wait for the device (and the overlapped update's side
+    stream with it)."""
+    if skip is None:
+        torch._foreach_add_(counters, 1.0)
+    else:
+        torch.ops.aten._foreach_add_.Tensor(counters, 1.0 - skip)
 
 
 def _state_of(optimizer: torch.optim.AdamW, main: torch.Tensor) -> dict:

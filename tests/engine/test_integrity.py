@@ -371,3 +371,27 @@ def test_cli_deterministic_runs_write_identical_metrics(tmp_path):
         assert res.returncode == 0, res.stderr
         rows.append([(r["loss"], r["grad_norm"]) for r in map(json.loads, metrics.read_text().splitlines())])
     assert rows[0] == rows[1] and len(rows[0]) == 3
+
+
+def test_step_counters_advance_without_reading_the_skip_flag_on_the_host():
+    """A 0-dim tensor passed where an op takes a Scalar is read on the host (an .item(), which
+    on CUDA waits for the device every step); the counters must take the flag as a tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatronapp.engine.master_adam import advance_step_counters
+
+    class RecordOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    counters = [torch.zeros(()), torch.full((), 5.0)]
+    for flag, want in ((0.0, [1.0, 6.0]), (1.0, [1.0, 6.0]), (0.0, [2.0, 7.0])):
+        with RecordOps() as rec:
+            advance_step_counters(counters, torch.tensor(flag))
+        assert "_local_scalar_dense" not in rec.ops, rec.ops
+        assert [float(c) for c in counters] == want

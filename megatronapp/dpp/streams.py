@@ -27,20 +27,14 @@ import contextlib
 
 import torch
 
+from megatronapp.p2p.outbox import HostSendOrder
+
 PACE_AHEAD = 1  # tasks enqueued beyond the running one: enough to keep the GPU fed between decisions
 
 
-class HostOrder:
-    """CPU: work is done when its call returns; receives complete on wait()."""
-
-    def side_stream(self):
-        return contextlib.nullcontext()
-
-    def mark(self):
-        return None
-
-    def after_mark(self, mark) -> None:
-        pass
+class HostOrder(HostSendOrder):
+    """CPU: work is done when its call returns (sends: the outbox's own order); receives
+    complete on wait()."""
 
     def complete(self, work, before_wait, src: int) -> None:
         if before_wait is not None:  # CPU link delays live in the Work itself (faults/link_delay.py)

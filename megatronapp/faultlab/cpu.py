@@ -77,8 +77,7 @@ class CpuQuota:
         self.quota_us = int(share * _PERIOD_US)
         self.path = (_V1_CPU if flavour == "v1" else _V2_ROOT) / f"{CGROUP_PREFIX}{name}"
         self._origin: dict[int, Path] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._toggler: _Toggler | None = None
 
     def _limit(self, on: bool) -> None:
         if self.flavour == "v1":
@@ -93,28 +92,40 @@ class CpuQuota:
         for pid in self.pids:
             self._origin[pid] = _cgroup_of(pid, self.flavour)
             _move(pid, self.path)
-        if self.schedule is not None:
-            self._thread = threading.Thread(target=_toggle, args=(self._limit, self.schedule, self._stop), daemon=True)
-            self._thread.start()
+        self._toggler = _Toggler(self._limit, self.schedule)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._toggler is not None:
+            self._toggler.stop()
         for pid, origin in self._origin.items():
             _move(pid, origin)
         remove_cgroup(self.path)
 
 
-def _toggle(switch, schedule: Schedule, stop: threading.Event) -> None:
-    """switch(True) for on_ms, switch(False) for the rest of each period, until stop."""
-    while not stop.is_set():
-        switch(True)
-        if stop.wait(schedule.on_ms / 1000):
-            break
-        switch(False)
-        stop.wait((schedule.period_ms - schedule.on_ms) / 1000)
+class _Toggler:
+    """A thread calling switch(True) for on_ms and switch(False) for the rest of each period of
+    `schedule`, until stop(); no thread at all without a schedule."""
+
+    def __init__(self, switch, schedule: Schedule | None):
+        self._stop = threading.Event()
+        self._thread = None
+        if schedule is not None:
+            self._thread = threading.Thread(target=self._run, args=(switch, schedule), daemon=True)
+            self._thread.start()
+
+    def _run(self, switch, schedule: Schedule) -> None:
+        while not self._stop.is_set():
+            switch(True)
+            if self._stop.wait(schedule.on_ms / 1000):
+                break
+            switch(False)
+            self._stop.wait((schedule.period_ms - schedule.on_ms) / 1000)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def remove_cgroup(path: Path) -> None:
@@ -160,8 +171,7 @@ class CompetingLoad:
         self.name, self.pids, self.core, self.schedule, self.loops = name, list(pids), core, schedule, loops
         self._procs: list[subprocess.Popen] = []
         self._group: CpuQuota | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._toggler: _Toggler | None = None
 
     def _switch(self, on: bool) -> None:
         for proc in self._procs:
@@ -174,15 +184,12 @@ class CompetingLoad:
         self._procs = [start_busy_loop(self.core) for _ in range(self.loops)]
         if cgroup_flavour() is not None:  # a whole core: the cgroup only groups, it does not limit
             self._group = CpuQuota(self.name, self.pids + [p.pid for p in self._procs], 1.0).__enter__()
-        if self.schedule is not None:
-            self._thread = threading.Thread(target=_toggle, args=(self._switch, self.schedule, self._stop), daemon=True)
-            self._thread.start()
+        self._toggler = _Toggler(self._switch, self.schedule)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._toggler is not None:
+            self._toggler.stop()
         if self._group is not None:
             self._group.__exit__(None, None, None)
         for proc in self._procs:

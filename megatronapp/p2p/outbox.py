@@ -39,7 +39,9 @@ def sends_to(tensor: torch.Tensor, peers) -> list[Send]:
     return [Send(tensor, p) for p in peers]
 
 
-class _NoOrder:
+class HostSendOrder:
+    """No ordering to do: on the host a tensor is ready when the call that made it returns."""
+
     def side_stream(self):
         return contextlib.nullcontext()
 
@@ -57,7 +59,7 @@ class Outbox:
     def __init__(self, window: int | None = None, threaded: bool = False, order=None):
         if window is not None and (window < 1 or threaded):
             raise ValueError(f"an outbox window must be >= 1 and inline (not threaded), got {window}")
-        self.window, self.order = window, order or _NoOrder()
+        self.window, self.order = window, order or HostSendOrder()
         self.error: BaseException | None = None
         self._inflight: deque = deque()  # [(sends, works)]: a send's tensor must outlive its work
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

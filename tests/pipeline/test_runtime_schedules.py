@@ -36,7 +36,11 @@ def grads_for_combos(rank: int, world: int, combos) -> list[dict]:
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_matches_single_process(cluster, pp):
-    combos = _combos(pp)
+    assert_schedules_match_single_process(cluster, pp, _combos(pp))
+
+
+def assert_schedules_match_single_process(cluster, pp: int, combos) -> None:
+    """Every (schedule, V, M) of `combos` on `pp` ranks gives one process's 1F1B gradients."""
     per_rank = cluster.run(grads_for_combos, pp, combos)
     torch.set_num_threads(1)
     refs = {m: grads_for_combos(0, 1, [("1f1b", 1, m)])[0] for m in {m for _, _, m in combos}}

@@ -4,13 +4,12 @@ shapes, at 1F1B's memory, mutations rejected in one line, and the same gradients
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule
 from megatronapp.pipeline.schedules import build_schedule
 from megatronapp.pipeline.validate import ScheduleError, validate_schedule
 from megatronapp.pipeline.zero_bubble import compute_peak_live
-from test_runtime_schedules import NUM_LAYERS, grads_for_combos
+from test_runtime_schedules import NUM_LAYERS, assert_schedules_match_single_process
 
 F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
               ActionKind.BACKWARD_WEIGHT)
@@ -90,18 +89,8 @@ def test_rejects_whole_and_split_backward_of_one_microbatch():
 @pytest.mark.parametrize("pp", [2, 4])
 def test_zero_bubble_schedules_match_single_process(cluster, pp):
     combos = [("zb-h1", 1, m) for m in (1, 3, 2 * pp)] + [("interleaved-zb", 2, m) for m in (pp, 2 * pp)]
-    per_rank = cluster.run(grads_for_combos, pp, combos)
-    torch.set_num_threads(1)
-    refs = {m: grads_for_combos(0, 1, [("1f1b", 1, m)])[0] for m in {m for _, _, m in combos}}
     assert NUM_LAYERS % (2 * pp) == 0
-    for i, (schedule, vpp, m) in enumerate(combos):
-        full = {}
-        for rank_grads in per_rank:
-            full.update(rank_grads[i])
-        assert full.keys() == refs[m].keys()
-        for name, g in full.items():
-            torch.testing.assert_close(g, refs[m][name], rtol=1e-4, atol=1e-6,
-                                       msg=lambda msg: f"{schedule} V={vpp} M={m} {name}: {msg}")
+    assert_schedules_match_single_process(cluster, pp, combos)
 
 
 def test_split_backward_config_is_resolved_from_the_schedule_and_refused_in_one_line():

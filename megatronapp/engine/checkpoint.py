@@ -81,6 +81,7 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
     _barrier(g.world)
     if g.rank == 0:
         write_text_atomic(Path(save_dir) / "latest", str(it))
+    _barrier(g.world)  # every rank returns with the checkpoint complete: any rank may load it next
     return folder
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -71,3 +73,31 @@ def test_load_missing_checkpoint_is_clear(tmp_path):
     trainer, data = _trainer(job, 0)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_checkpoint(str(tmp_path), trainer, data)
+
+
+def save_with_a_late_marker(rank: int, world: int, job, save_dir: str) -> bool:
+    """Rank 0 writes the 'latest' marker late; whether this rank sees a complete checkpoint
+    the moment save_checkpoint returns."""
+    import time
+
+    import megatronapp.engine.checkpoint as checkpoint
+
+    write = checkpoint.write_text_atomic
+
+    def late_write(path, text):
+        time.sleep(0.5)  # the fault: a slow file system under rank 0's marker
+        write(path, text)
+
+    checkpoint.write_text_atomic = late_write
+    try:
+        trainer, data = _trainer(job, rank)
+        trainer.train_step()
+        save_checkpoint(save_dir, trainer, data)
+        return (Path(save_dir) / "latest").is_file()
+    finally:
+        checkpoint.write_text_atomic = write
+
+
+def test_save_returns_on_every_rank_only_once_the_checkpoint_is_complete(cluster, tmp_path):
+    job = make_job(2, 1, 2)  # PP2
+    assert cluster.run(save_with_a_late_marker, 2, job, str(tmp_path)) == [True, True]

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from megatronapp.scan.analyze.detect import DetectConfig, is_late_by_own_work
-from megatronapp.scan.analyze.detect_arrival import compare_arrivals, compute_arrival_samples
+from megatronapp.scan.analyze.detect_arrival import compare_arrivals, compute_arrival_samples, min_wait_share
 from megatronapp.scan.analyze.detect_links import P2PMessage
 from megatronapp.scan.analyze.detect_rules import CollectiveInstance
 
@@ -114,3 +114,40 @@ def test_a_rank_late_because_its_send_waited_for_a_blocked_receiver_is_not_named
     blind = [P2PMessage(m.src, m.dst, m.iteration, m.seq, m.bytes, m.send_start, m.recv_start, m.wait_start,
                         m.recv_end) for m in messages]  # the send's end unknown: its wait is not seen
     assert _named(instances, blind) == [2]
+
+
+def _jittery_fsdp_job(extra_ms: float, seed: int) -> list[CollectiveInstance]:
+    """Ten collectives an iteration among 4 ranks, each rank's work before each one 2 ms plus an
+    exponential jitter of mean 1 ms (CPU processes sharing cores); rank 1 works extra_ms more
+    before the first one only (its data step)."""
+    rng = random.Random(seed)
+    instances, t = [], 0
+    for it in range(16):
+        for k in range(10):
+            work = {r: (2.0 + (extra_ms if (r == 1 and k == 0) else 0.0) + rng.expovariate(1.0)) * MS
+                    for r in range(4)}
+            spans = {r: int(t + w) for r, w in work.items()}
+            last = max(spans, key=lambda r: (spans[r], r))
+            end = spans[last] + MS // 10
+            instances.append(CollectiveInstance(GROUP, "dp", it * 10 + k, it, {r: (s, end) for r, s in spans.items()},
+                                                last, spans[last]))
+            t = end
+    return instances
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_straggler_whose_share_the_others_jitter_dilutes_is_named(seed):
+    """The jitter of nine lockstep collectives leaves the straggler 0.55-0.57 of the waiting at dp 4:
+    more than twice a fair share, yet short of a flat 0.6. The bar is measured from a fair share."""
+    instances = _jittery_fsdp_job(10.0, seed)
+    stats = compare_arrivals(compute_arrival_samples(instances, []), instances, 1.2)
+    assert 0.5 < stats[1].wait_share < 0.6
+    assert _named(instances, []) == [1]
+    assert _named(_jittery_fsdp_job(0.0, seed), []) == []
+
+
+def test_the_wait_share_bar_is_measured_from_a_fair_share():
+    excess = DetectConfig().arrival_min_excess_share
+    assert min_wait_share(0.5, excess) == pytest.approx(0.75)  # 1.5x a fair share binds at 2 members
+    assert min_wait_share(0.25, excess) == pytest.approx(0.25 + 0.75 * excess)
+    assert min_wait_share(0.25, 1.0) == pytest.approx(1.0)

@@ -29,10 +29,10 @@ def test_the_thresholds_file_holds_every_detector_threshold(tmp_path):
     path = tmp_path / "t.json"
     frozen.write_default_thresholds(path)
     values = json.loads(path.read_text())
-    assert {"compute_min_ratio", "arrival_min_share", "link_min_ratio", "intermittent_alpha"} <= set(values)
-    del values["arrival_min_share"]
+    assert {"compute_min_ratio", "arrival_min_excess_share", "link_min_ratio", "intermittent_alpha"} <= set(values)
+    del values["arrival_min_excess_share"]
     path.write_text(json.dumps(values))
-    with pytest.raises(frozen.FrozenSplitError, match="missing \\['arrival_min_share'\\]"):
+    with pytest.raises(frozen.FrozenSplitError, match="missing \\['arrival_min_excess_share'\\]"):
         frozen.load_thresholds(path)
 
 

@@ -20,7 +20,7 @@ what ran). Tune on design splits only; a held-out split is frozen after tuning a
 Scenarios (all real faults): none and noise (a busy loop per core) as clean runs; slow_rank (a
 cgroup quota or a competing pinned process, 2.5-6x below the rank's fair share of CPU);
 intermittent (the same for 300 ms of every 2 s... 1 s, on a job of 300 iterations); user_straggler (extra matmuls in one
-rank's step of the DDP or FSDP2 example under `trace run`); slow_link (a PP engine job with each
+rank's step of the DDP or FSDP2 example under `trace run`, 0.3-2x the step: STEP_IN_MATMULS); slow_link (a PP engine job with each
 rank in its own namespace, one pipeline link rate-limited to 10-40 Mbit/s); two_faults (a slow
 rank and a slow link). Layouts: engine TP/PP/DP mixes of 4 ranks and the DDP/FSDP2 examples at
 dp 2 and 4. One run is one lab job (~15-35 s on an idle 2-core machine), run one at a time.
@@ -45,9 +45,13 @@ ENGINE_LAYOUTS = ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1), (1, 1, 4))  # (tp,
 SCRIPT_LAYOUTS = (("ddp", 2), ("ddp", 4), ("fsdp2", 2), ("fsdp2", 4))
 SCRIPTS = {"ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768", "--batch", "96")),
            "fsdp2": ("examples/fsdp2_train.py", ("--steps", "16", "--hidden", "256", "--batch", "64"))}
-# Extra matmuls per step that make the straggler's step ~1.3-3x (an extra matmul is batch x hidden^2 MACs:
-# 56 M for the DDP settings, whose step is ~190 M; 4.2 M for FSDP2's, whose step is ~300 M).
-EXTRA_MATMULS = {"ddp": (6, 16), "fsdp2": (40, 150)}
+# A straggler's extra work is drawn as a factor of the traced step it slows, 0.3-2x (a step 1.3-3x as long,
+# the constant slow rank's range), and converted to the scripts' extra matmuls with the step's length in
+# them, measured under `trace run` on the 2-core CI machine: DDP 18.6 / 51 ms at dp 2 / 4 and 0.47 / 0.57 ms
+# an extra matmul; FSDP2 52 / 126 ms and 0.095 / 0.104 ms (4 processes share 2 cores: an extra matmul costs
+# more wall time than alone, and FSDP2's step is mostly communication, so the same MACs matter far less).
+STRAGGLER_FACTOR = (0.3, 2.0)
+STEP_IN_MATMULS = {("ddp", 2): 40, ("ddp", 4): 90, ("fsdp2", 2): 550, ("fsdp2", 4): 1200}
 SHORT_ITERATIONS, LONG_ITERATIONS = 20, 300  # engine jobs (engine_iterations)
 
 
@@ -109,13 +113,18 @@ def engine_iterations(rng: random.Random, kind: str) -> int:
     return rng.choice((SHORT_ITERATIONS, LONG_ITERATIONS)) if kind in CLEAN_KINDS else SHORT_ITERATIONS
 
 
+def extra_matmuls(rng: random.Random, script: str, dp: int) -> int:
+    """A user-code straggler's extra matmuls per step: STRAGGLER_FACTOR of its step."""
+    return max(1, round(rng.uniform(*STRAGGLER_FACTOR) * STEP_IN_MATMULS[(script, dp)]))
+
+
 def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     """One scenario as JSON-ready data: kind, layout, the faults and the true causes."""
     if kind == "user_straggler":
         script, dp = rng.choice(SCRIPT_LAYOUTS)
         rank = rng.randrange(dp)
         return {"index": index, "kind": kind, "layout": f"{script} dp{dp}", "job": {"script": script, "nproc": dp},
-                "faults": [{"type": "extra_work", "rank": rank, "matmuls": rng.randint(*EXTRA_MATMULS[script])}],
+                "faults": [{"type": "extra_work", "rank": rank, "matmuls": extra_matmuls(rng, script, dp)}],
                 "truth": [["slow_compute", rank]]}
     pp_needed = kind in ("slow_link", "two_faults")
     layouts = [lay for lay in ENGINE_LAYOUTS if lay[1] > 1] if pp_needed else ENGINE_LAYOUTS

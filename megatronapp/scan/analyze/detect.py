@@ -25,7 +25,8 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
      wait (last start - my start) and transfer (end - last start). Chronic last arrival
      (share >= `straggler_min_share`) corroborates a slow-compute verdict (+0.1 confidence).
      Arrival order is also evidence of its own (detect_arrival.py): a rank that caused most of
-     the waiting at its collectives (>= `arrival_min_share`), `arrival_min_lateness_ns` after its peers, with
+     the waiting at its collectives (its share beyond a fair one >= `arrival_min_excess_share` of what is
+     left above a fair share), `arrival_min_lateness_ns` after its peers, with
      more *own* work since the group last synchronised (its waits subtracted, so a rank held up
      by its pipeline is a victim, not a straggler) by the compute bars (ratio, consistency, z)
      is named slow_compute even where its compute spans look normal (work outside the spans,
@@ -109,7 +110,7 @@ def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
 def is_late_by_own_work(stats: arrivals.ArrivalStats, config: DetectConfig) -> bool:
     """Default arrival rule (module docstring, step 2): the compute bars on own work before arrival."""
     return arrivals.is_arrival_straggler(
-        stats, min_samples=config.min_samples, min_share=config.arrival_min_share, min_ratio=config.compute_min_ratio,
+        stats, min_samples=config.min_samples, min_excess_share=config.arrival_min_excess_share, min_ratio=config.compute_min_ratio,
         min_consistency=config.compute_min_consistency, min_z=config.compute_min_z,
         min_lateness_ns=config.arrival_min_lateness_ns)
 
@@ -153,9 +154,12 @@ class DetectConfig:
     link_peer_quantile: float = 0.9  # a slow message must also beat this quantile of peer links' messages
     strong_link_ratio: float = 3.0
     straggler_min_share: float = 0.6  # share of last arrivals that corroborates a slow rank
-    arrival_min_share: float = 0.6  # share of the waiting at its collectives a rank caused that, with own-work
-    # evidence, names it, and at least 1.5x a fair share (detect_arrival.py). 0.75 missed a DDP dp4 straggler
-    # with 2.3x its peers' own work in 92% of iterations that caused 70% of the waiting (bucket order varies)
+    arrival_min_excess_share: float = 0.3  # of the waiting at its collectives, the share a rank caused beyond a
+    # fair one (1 / members), as a fraction of what lies above a fair share: with own-work evidence, names it; at
+    # least 1.5x a fair share too (detect_arrival.py). Needs 0.75 at dp2 and 0.475 at dp4: a flat 0.6 missed an
+    # FSDP2 dp4 straggler 1.3x slow per iteration (1.9x its peers' own work in 93% of iterations, 55% of the
+    # waiting: FSDP2 meets ~11 times an iteration and only the first meeting sees the data step, so the jitter
+    # of the other ten dilutes its share)
     arrival_min_lateness_ns: int = 1_000_000  # median lead of its peers' arrival over its own
     warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
     iterations: tuple[int, int] | None = None  # half-open [A, B); None: all, warm-up skipped
@@ -169,7 +173,7 @@ class DetectConfig:
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
         for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share",
-                     "intermittent_max_share", "intermittent_min_saving", "arrival_min_share"):
+                     "intermittent_max_share", "intermittent_min_saving", "arrival_min_excess_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
         if not 0.0 < self.intermittent_alpha < 0.5:

@@ -209,13 +209,19 @@ def compare_arrivals(samples: list[ArrivalSample], instances: list[CollectiveIns
     return best
 
 
-def is_arrival_straggler(st: ArrivalStats, *, min_samples: int, min_share: float, min_ratio: float,
+def min_wait_share(fair: float, min_excess_share: float) -> float:
+    """The share of its collectives' waiting a straggler must cause: `min_excess_share` of the way from a
+    fair share to all of it, and at least 1.5x a fair share."""
+    return max(fair + min_excess_share * (1.0 - fair), 1.5 * fair)
+
+
+def is_arrival_straggler(st: ArrivalStats, *, min_samples: int, min_excess_share: float, min_ratio: float,
                          min_consistency: float, min_z: float, min_lateness_ns: int) -> bool:
     """The cause of most of the waiting at its collectives, late by a margin, *and* by its own work
     (not by waiting)."""
     # evidence is per iteration, and a short run's first iterations run cold (a 6-iteration clean
     # job read 2.3x on 4 iterations): twice min_samples iterations are wanted
-    return (st.iterations >= 2 * min_samples and st.wait_share >= max(min_share, 1.5 * st.expected_share)
+    return (st.iterations >= 2 * min_samples and st.wait_share >= min_wait_share(st.expected_share, min_excess_share)
             and st.median_lateness_ns >= min_lateness_ns and st.ratio >= min_ratio
             and st.consistency >= min_consistency and st.z >= min_z
             and st.median_extra_wait_ns < 0.5 * st.median_lateness_ns)

@@ -14,6 +14,7 @@ import html
 import os
 
 from megatronapp.files import write_text_atomic
+from megatronapp.scan.analyze import detect_arrival as arrivals
 from megatronapp.scan.analyze.analysis import TraceAnalysis
 from megatronapp.scan.analyze.report_data import ReportData, compute_report_data, describe_layout, format_duration_ns
 
@@ -148,7 +149,9 @@ def _clean_html(data: ReportData) -> str:
             f"names a rank whose own work is at least {t['compute_min_ratio']}\u00d7 its peers' in at least "
             f"{t['compute_min_consistency']:.0%} of the iterations (or, intermittently, in a few iterations a clean run "
             f"would show with probability under {t['intermittent_alpha']}), or that causes at least "
-            f"{t['arrival_min_share']:.0%} of the waiting at its collectives by its own work; and a link whose transfers take at least "
+            f"{arrivals.min_wait_share(0.5, t['arrival_min_excess_share']):.0%} (2 members) / "
+            f"{arrivals.min_wait_share(0.25, t['arrival_min_excess_share']):.0%} (4 members) of the waiting at its "
+            f"collectives by its own work; and a link whose transfers take at least "
             f"{t['link_min_ratio']}\u00d7 and {t['link_min_excess_ns'] / 1e6:.1f} ms more than comparable links'.{seen}</p>"
             + (f"<h3>Effective bandwidth per link</h3>{_links_table(data, set())}" if data.links else ""))
 

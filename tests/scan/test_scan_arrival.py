@@ -151,3 +151,34 @@ def test_the_wait_share_bar_is_measured_from_a_fair_share():
     assert min_wait_share(0.5, excess) == pytest.approx(0.75)  # 1.5x a fair share binds at 2 members
     assert min_wait_share(0.25, excess) == pytest.approx(0.25 + 0.75 * excess)
     assert min_wait_share(0.25, 1.0) == pytest.approx(1.0)
+
+
+
+def _job_with_stretched_receives(stretched: set[int], send_end_known: bool) -> tuple[list, list]:
+    """4 DP ranks working 10 ms an iteration; before its work rank 2 receives from rank 4 (outside the
+    group), sent 1 ms into the iteration. In `stretched` iterations the sender was frozen inside that
+    send: it returned, and the message landed, 20 ms later."""
+    instances, messages, t = [], [], 0
+    for it in range(12):
+        landed = t + (21 if it in stretched else 1) * MS
+        messages.append(P2PMessage(4, 2, it, it, 1024, t + MS, t, t, landed,
+                                   send_end=landed - MS // 10 if send_end_known else -1))
+        spans = {r: t + 10 * MS for r in (0, 1, 3)} | {2: landed + 10 * MS}
+        end = spans[2] + MS
+        instances.append(CollectiveInstance(GROUP, "dp", it, it, {r: (s, end) for r, s in spans.items()}, 2, spans[2]))
+        t = end
+    return instances, messages
+
+
+def test_a_receive_stretched_by_a_sender_frozen_mid_send_is_waiting_not_own_work():
+    """A throttled sender frozen inside its send returns late, and the message lands when it does: the
+    receiver waited on it, however much longer than the link's usual transfer that took. Read without
+    the send's return, the stretch is the receiver's own work in those iterations (a pipeline
+    neighbour of a quota-throttled stage was named intermittently slow this way)."""
+    stretched = {3, 7, 10}
+    own = {it: s for s in compute_arrival_samples(*_job_with_stretched_receives(stretched, True)) if s.rank == 2
+           for it in [s.iteration]}
+    assert own and all(s.own_ns < 1.2 * s.peer_own_ns for s in own.values())
+    blind = {s.iteration: s for s in compute_arrival_samples(*_job_with_stretched_receives(stretched, False))
+             if s.rank == 2}
+    assert all(blind[it].own_ns > 2 * blind[it].peer_own_ns for it in stretched)

@@ -93,10 +93,11 @@ def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessa
                 per_rank[r].append((start, inst.last_start, inst.group))
     typical = {link: float(np.median([m.transfer_ns for m in ms])) for link, ms in group_by_link(messages).items()}
     for m in messages:
-        # waiting on the sender, then on the link for as long as its messages usually take: a receive
-        # that completes later than that stretched because the receiver itself stopped (a throttled
-        # process is frozen wherever it is, inside a receive too), which is no one else's doing
-        end = min(m.recv_end, max(m.send_start, m.wait_start) + int(typical[(m.src, m.dst)]))
+        # waiting on the sender until its send returned, then on the link for as long as its messages
+        # usually take: a receive that completes later than that stretched because the receiver itself
+        # stopped (a throttled process is frozen wherever it is, inside a receive too), which is no one
+        # else's doing. A sender frozen in the middle of its send returns late, so its receiver waited on it
+        end = min(m.recv_end, max(m.send_start, m.wait_start, m.send_end) + int(typical[(m.src, m.dst)]))
         if end > m.wait_start:
             per_rank[m.dst].append((m.wait_start, end, ""))
         # a send blocks until its receiver has posted the receive, then for the transfer: the

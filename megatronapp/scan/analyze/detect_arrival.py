@@ -100,9 +100,11 @@ def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessa
         end = min(m.recv_end, max(m.send_start, m.wait_start, m.send_end) + int(typical[(m.src, m.dst)]))
         if end > m.wait_start:
             per_rank[m.dst].append((m.wait_start, end, ""))
-        # a send blocks until its receiver has posted the receive, then for the transfer: the
-        # receiver of a slow link's reverse waits in its own send to the blocked sender
-        end = min(m.send_end, max(m.send_start, m.recv_start) + int(typical[(m.src, m.dst)]))
+        # a send blocks until its receiver has posted the receive and, once buffers are full (a slow
+        # link), until the receiver has drained it: a receiver frozen mid-receive keeps its sender
+        # waiting, as a sender frozen mid-send keeps its receiver waiting (above). Either way the stretch
+        # is nobody's own work here: a throttled rank shows its freezes in its other work
+        end = min(m.send_end, max(m.send_start, m.recv_start, m.recv_end) + int(typical[(m.src, m.dst)]))
         if end > m.send_start:
             per_rank[m.src].append((m.send_start, end, ""))
     groups = {inst.group for inst in instances}

@@ -182,3 +182,21 @@ def test_a_receive_stretched_by_a_sender_frozen_mid_send_is_waiting_not_own_work
     blind = {s.iteration: s for s in compute_arrival_samples(*_job_with_stretched_receives(stretched, False))
              if s.rank == 2}
     assert all(blind[it].own_ns > 2 * blind[it].peer_own_ns for it in stretched)
+
+
+def test_a_send_blocked_by_a_receiver_frozen_mid_receive_is_waiting_not_own_work():
+    """Rank 2 sends to rank 4 (outside the group) before its work; in three iterations the receiver,
+    frozen mid-receive behind a full link, drains the message 20 ms late and rank 2's send returns
+    only then. That is rank 2 waiting, not working (two faults at once: the slow link's sender was
+    named a slow rank when the slow rank was its receiver)."""
+    stretched = {3, 7, 10}
+    instances, messages, t = [], [], 0
+    for it in range(12):
+        drained = t + (21 if it in stretched else 1) * MS
+        messages.append(P2PMessage(2, 4, it, it, 1024, t, t, t, drained, send_end=drained - MS // 10))
+        spans = {r: t + 10 * MS for r in (0, 1, 3)} | {2: drained + 10 * MS}
+        end = spans[2] + MS
+        instances.append(CollectiveInstance(GROUP, "dp", it, it, {r: (s, end) for r, s in spans.items()}, 2, spans[2]))
+        t = end
+    own = [s for s in compute_arrival_samples(instances, messages) if s.rank == 2]
+    assert own and all(s.own_ns < 1.2 * s.peer_own_ns for s in own)

@@ -61,7 +61,7 @@ def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: 
 
 def _report_trace(args: argparse.Namespace, console: Console) -> int:
     from megatronapp.scan.analyze.analysis import analyze_trace_dir
-    from megatronapp.scan.analyze.detect import render_report
+    from megatronapp.scan.analyze.detect_output import render_report
     from megatronapp.scan.merge.merge import merge_traces
 
     out = Path(args.trace_dir) / "timeline.json"

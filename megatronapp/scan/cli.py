@@ -13,7 +13,8 @@ import os
 import sys
 
 from megatronapp.scan.analyze.analysis import analyze_trace_dir
-from megatronapp.scan.analyze.detect import DetectConfig, render_report, report_to_json
+from megatronapp.scan.analyze.detect_config import DetectConfig
+from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.record.format import TraceFormatError
 from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
 from megatronapp.scan.trace_run import add_trace_run_arguments

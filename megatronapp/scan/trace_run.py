@@ -72,7 +72,7 @@ def _report(trace_dir: str, as_json: bool) -> int:
     import json
 
     from megatronapp.scan.analyze.analysis import analyze_trace_dir
-    from megatronapp.scan.analyze.detect import render_report, report_to_json
+    from megatronapp.scan.analyze.detect_output import render_report, report_to_json
     from megatronapp.scan.merge.merge import merge_traces
 
     out = Path(trace_dir) / "timeline.json"

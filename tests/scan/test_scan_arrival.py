@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from megatronapp.scan.analyze.detect import DetectConfig, is_late_by_own_work
+from megatronapp.scan.analyze.detect_config import DetectConfig, is_late_by_own_work
 from megatronapp.scan.analyze.detect_arrival import compare_arrivals, compute_arrival_samples, min_wait_share
 from megatronapp.scan.analyze.detect_links import P2PMessage
 from megatronapp.scan.analyze.detect_rules import CollectiveInstance

@@ -18,13 +18,9 @@ from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.analyze import detect_path as paths
 from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
-from megatronapp.scan.analyze.detect import (
-    DetectConfig,
-    DetectInputError,
-    detect,
-    render_report,
-    report_to_json,
-)
+from megatronapp.scan.analyze.detect import detect
+from megatronapp.scan.analyze.detect_config import DetectConfig, DetectInputError
+from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.cli import add_trace_subcommands
 from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 from megatronapp.scan.record.format import TraceWriter, trace_file_name

@@ -14,7 +14,9 @@ import math
 
 import pytest
 
-from megatronapp.scan.analyze.detect import DetectConfig, detect, report_to_json
+from megatronapp.scan.analyze.detect import detect
+from megatronapp.scan.analyze.detect_config import DetectConfig
+from megatronapp.scan.analyze.detect_output import report_to_json
 from megatronapp.scan.analyze.detect_intermittent import _is_periodic, binomial_tail, count_episodes, evenly_spaced_chance
 from scan_simulation import SimulatedJob, simulate_job_traces
 

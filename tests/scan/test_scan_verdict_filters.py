@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatronapp.scan.analyze.detect import Suspect, detect
+from megatronapp.scan.analyze.detect import detect
+from megatronapp.scan.analyze.detect_config import Suspect
 from megatronapp.scan.analyze.verdict_filters import drop_echoes
 from scan_simulation import SimulatedJob, simulate_job_traces
 

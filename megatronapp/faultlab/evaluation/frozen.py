@@ -64,7 +64,7 @@ class FrozenSplitError(ValueError):
 
 def threshold_fields() -> dict:
     """Every plain threshold of DetectConfig with its default (rules and ranges excluded)."""
-    from megatronapp.scan.analyze.detect import DetectConfig
+    from megatronapp.scan.analyze.detect_config import DetectConfig
 
     return {f.name: f.default for f in dataclasses.fields(DetectConfig)
             if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)}

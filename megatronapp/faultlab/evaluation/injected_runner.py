@@ -126,7 +126,8 @@ def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
     """Suspects with `overrides` and with the defaults; with grid, the compute ranks at every
     COMPUTE_GRID point and the links at every LINK_GRID point (injected.tune_on_design)."""
     from megatronapp.scan.analyze.analysis import load_aligned_traces
-    from megatronapp.scan.analyze.detect import DetectConfig, detect
+    from megatronapp.scan.analyze.detect import detect
+    from megatronapp.scan.analyze.detect_config import DetectConfig
 
     aligned, _ = load_aligned_traces(trace_dir)
     out = {"suspects": _suspects_json(detect(aligned, config=DetectConfig(**overrides))),

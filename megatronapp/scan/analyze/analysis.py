@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatronapp.scan.merge.align import AlignmentReport, align_traces
-from megatronapp.scan.analyze.detect import DetectConfig, DetectionReport, detect
+from megatronapp.scan.analyze.detect import detect
+from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport
 from megatronapp.scan.record.format import RankTrace, load_trace_dir
 
 

@@ -2,7 +2,8 @@
 
 A slow rank makes everybody around it wait: pipeline neighbours in recv, TP peers inside
 their TP all-reduces, DP replicas in grad_reduce. Waiting is therefore never evidence
-against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligned traces):
+against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligned traces;
+thresholds and verdict rules in detect_config.py, the report as text or JSON in detect_output.py):
 
   0. Iterations: those with an "iteration" span on every rank, inside `config.iterations`
      (half-open [A, B)); without an explicit range, warm-up iterations (index <
@@ -50,170 +51,27 @@ against a rank; only its *own* work is. Algorithm of `detect` (pure, over aligne
 
 from __future__ import annotations
 
-import io
 import os
-import shutil
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from statistics import NormalDist
+from dataclasses import replace
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
 from megatronapp.scan.analyze import detect_path as paths
 from megatronapp.scan.analyze import detect_arrival as arrivals
 from megatronapp.scan.analyze import detect_intermittent_arrival as own_intermittent
 from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
+from megatronapp.scan.analyze.detect_config import (DetectConfig, DetectInputError, DetectionReport, Suspect,
+                                                    is_constant, is_intermittent)
 from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
+from megatronapp.scan.analyze.detect_rules import to_ms
 from megatronapp.scan.analyze.verdict_filters import drop_echoes
 from megatronapp.scan.merge.matching import index_comm_events
 
-CAUSES = ("slow_compute", "slow_link")
 _BASIS_WEIGHT = {"dp_replicas": 1.0, "tp_peers": 0.9, "pipeline_stages": 0.6}
 _LINK_WEIGHT = 0.9
 _VICTIM_MIN_SHARE = 0.05  # of the iteration time spent waiting, to be listed as a victim
-
-
-class DetectInputError(ValueError):
-    """Traces that cannot be analysed together; the message names the file."""
-
-
-def is_constant(stats: rules.ComputeStats, config: DetectConfig) -> bool:
-    """Slow in most iterations: median ratio, consistency and robust z above their bars."""
-    edge = stats.basis == "pipeline_stages" and stats.edge_stage
-    threshold = config.compute_min_ratio * (config.edge_stage_allowance if edge else 1.0)
-    return (stats.ratio >= threshold and stats.consistency >= config.compute_min_consistency
-            and stats.z >= config.compute_min_z)
-
-
-def is_intermittent(stats: rules.ComputeStats, config: DetectConfig) -> bool:
-    """Slow in a subset of iterations that a clean run produces with probability <= intermittent_alpha
-    (detect_intermittent.py: the p-value covers every rank and subset size tried), slower there
-    than its peers (not only than its usual self) at the same significance, and by a ratio worth
-    naming (>= intermittent_min_ratio) both against its peers and against its own compute in the
-    other iterations (a victim's ratio moves only because its peers' compute did)."""
-    it = stats.intermittent
-    return (it is not None and len(it.slow_iterations) >= config.intermittent_min_iterations
-            and it.p_value <= config.intermittent_alpha
-            and it.slow_z >= NormalDist().inv_cdf(1.0 - config.intermittent_alpha)
-            and min(it.slow_ratio, it.self_ratio) >= config.intermittent_min_ratio)
-
-
-def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
-    """Default compute rule (see the module docstring, step 1): constant or intermittent."""
-    return stats.samples >= config.min_samples and (is_constant(stats, config) or is_intermittent(stats, config))
-
-
-def is_late_by_own_work(stats: arrivals.ArrivalStats, config: DetectConfig) -> bool:
-    """Default arrival rule (module docstring, step 2): the compute bars on own work before arrival."""
-    return arrivals.is_arrival_straggler(
-        stats, min_samples=config.min_samples, min_excess_share=config.arrival_min_excess_share, min_ratio=config.compute_min_ratio,
-        min_consistency=config.compute_min_consistency, min_z=config.compute_min_z,
-        min_lateness_ns=config.arrival_min_lateness_ns)
-
-
-def is_slow_link(stats: p2p.LinkStats, config: DetectConfig) -> bool:
-    """Default link rule (see the module docstring, step 3)."""
-    return (stats.samples >= config.min_samples and stats.ratio >= config.link_min_ratio
-            and stats.excess_ns >= config.link_min_excess_ns and stats.consistency >= config.link_min_consistency)
-
-
-@dataclass(frozen=True)
-class DetectConfig:
-    """Thresholds of the detector. Margins are wide on purpose: 8 ranks of a tiny model on a
-    2-core CPU showed per-span jitter of 0.1x-10x, fault-free DP replicas 1.22x apart in median
-    (>= 1.2x in 3 of 5 iterations) and fault-free p2p links with medians of 0.2-2.1 ms, so
-    verdicts rest on medians and on consistency across iterations."""
-
-    compute_min_ratio: float = 1.2  # rank / peer median of pure compute
-    compute_min_consistency: float = 0.7  # share of iterations whose median ratio reaches compute_min_ratio
-    compute_min_z: float = 3.0  # robust significance of the median log-ratio
-    strong_compute_ratio: float = 1.5  # ratio at which the effect size saturates
-    intermittent_alpha: float = 0.005  # bound on the chance that a clean run names anybody intermittently slow
-    # (noise model: detect_intermittent.py). At 0.02 the model predicts ~1 false alarm in 50 clean runs, and
-    # heldout2 had exactly one (p = 0.0067); at 0.005, P(any in 50) <= 22%. 0.002 (<= 9.5%) lost a DDP rank
-    # 2x slow in every 3rd iteration (p = 0.0033) on the design runs; 0.005 keeps it
-    intermittent_max_share: float = 0.5  # of iterations: slower in more of them is a constant slowdown
-    intermittent_min_iterations: int = 2
-    intermittent_min_ratio: float = 1.1  # to its peers in the slow iterations: smaller is not worth naming
-    intermittent_min_saving: float = 0.001  # of the mean iteration, by the what-if: an intermittent suspect whose
-    # fix would save less is noise, not a straggler (the README demo's clean TP2xPP2 run: 1.14x in 4 of 119
-    # iterations, p = 0.0021, saving 0.07 of 325 ms = 0.02%; the faintest true ones in simulation save >= 0.4%)
-    edge_stage_allowance: float = 1.3  # cross-stage only: first/last stages carry embedding/head/loss work
-    # (measured 1.19x on a fault-free 4-stage CPU run), so they need compute_min_ratio x this
-    min_samples: int = 4
-    cold_idle_ns: int = 3_000_000  # a rank idle this long computes slower for a while (detect_rules: cold span);
-    # on the 2-core VM a 1 ms matmul chain is 1.04x after a 1 ms sleep, 1.3x after 5 ms, 1.5x after 45 ms
-    cold_recovery_ns: int = 3_000_000  # ... and is back to 1.1x / 1.0x in its 2nd / 3rd ms of work
-    link_min_ratio: float = 2.0  # link transfer / peer links' median
-    link_min_excess_ns: int = 2_000_000  # and this much slower: CPU p2p medians jitter by ~1-2 ms
-    link_min_consistency: float = 0.5  # of messages: a delay hides behind a sender later than it
-    link_peer_quantile: float = 0.9  # a slow message must also beat this quantile of peer links' messages
-    strong_link_ratio: float = 3.0
-    straggler_min_share: float = 0.6  # share of last arrivals that corroborates a slow rank
-    arrival_min_excess_share: float = 0.3  # of the waiting at its collectives, the share a rank caused beyond a
-    # fair one (1 / members), as a fraction of what lies above a fair share: with own-work evidence, names it; at
-    # least 1.5x a fair share too (detect_arrival.py). Needs 0.75 at dp2 and 0.475 at dp4: a flat 0.6 missed an
-    # FSDP2 dp4 straggler 1.3x slow per iteration (1.9x its peers' own work in 93% of iterations, 55% of the
-    # waiting: FSDP2 meets ~11 times an iteration and only the first meeting sees the data step, so the jitter
-    # of the other ten dilutes its share)
-    arrival_min_lateness_ns: int = 1_000_000  # median lead of its peers' arrival over its own
-    warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
-    iterations: tuple[int, int] | None = None  # half-open [A, B); None: all, warm-up skipped
-    compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
-    link_rule: Callable[[p2p.LinkStats, DetectConfig], bool] = is_slow_link
-    arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
-
-    def __post_init__(self) -> None:
-        for name in ("compute_min_ratio", "strong_compute_ratio", "link_min_ratio", "strong_link_ratio",
-                     "edge_stage_allowance", "intermittent_min_ratio"):
-            if getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
-        for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share",
-                     "intermittent_max_share", "intermittent_min_saving", "arrival_min_excess_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
-        if not 0.0 < self.intermittent_alpha < 0.5:
-            raise ValueError(f"intermittent_alpha must be a probability in (0, 0.5), got {self.intermittent_alpha}")
-        if (self.min_samples < 1 or self.warmup_iterations < 0 or self.link_min_excess_ns < 0
-                or self.cold_idle_ns < 0 or self.cold_recovery_ns < 0):
-            raise ValueError("min_samples must be >= 1; warmup_iterations, link_min_excess_ns and cold_* >= 0")
-        if self.iterations is not None and self.iterations[1] <= self.iterations[0]:
-            raise ValueError(f"iteration range {self.iterations[0]}:{self.iterations[1]} is empty; give A:B with B > A")
-
-
-@dataclass(frozen=True)
-class Suspect:
-    """One root-cause candidate. For a slow link, rank is the link's source (convention)."""
-
-    rank: int
-    coords: dict
-    cause: str  # one of CAUSES
-    confidence: float  # 0..1
-    evidence: dict  # numbers plus a one-line "summary"
-    link: tuple[int, int] | None = None
-    iteration_ns: float = 0.0  # median iteration time (critical path); the mean for an intermittent suspect
-    what_if_iteration_ns: float = 0.0  # the same, estimated were the suspect as fast as its peers
-
-    @property
-    def saving_ns(self) -> float:
-        return self.iteration_ns - self.what_if_iteration_ns
-
-
-@dataclass(frozen=True)
-class DetectionReport:
-    suspects: tuple[Suspect, ...]  # most likely first
-    iterations_analyzed: tuple[int, ...]
-    iteration_ns: float  # median iteration time over the analysed iterations
-    iteration_mean_ns: float  # their mean (what an intermittent suspect's what-if is compared with)
-    what_if_all_fixed_ns: float  # all suspects fixed at once (savings added up)
-    world_size: int
-    layout: dict
-    victims: tuple[tuple[int, float], ...]  # (rank, wait ns per iteration) of non-suspects, when suspects exist
-    notes: tuple[str, ...]
 
 
 def _check_traces(traces: list) -> tuple[dict[int, rules.RankEvents], dict, int]:
@@ -252,10 +110,6 @@ def _confidence(weight: float, ratio: float, strong: float, consistency: float) 
     return round(float(min(1.0, weight * (0.5 + 0.5 * effect) * consistency)), 3)
 
 
-def _ms(ns: float) -> float:
-    return round(float(ns) / 1e6, 3)
-
-
 def _compute_evidence(st: rules.ComputeStats, config: DetectConfig) -> tuple[bool, float, str, dict]:
     """(intermittent, ratio, summary, evidence fields) of a slow-compute suspect."""
     peers = {"dp_replicas": "DP replicas", "tp_peers": "TP peers", "pipeline_stages": "other pipeline stages"}
@@ -287,8 +141,8 @@ def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, con
     evidence = {"summary": summary, "basis": st.basis, "peers": list(st.peers), "ratio": round(st.ratio, 3),
                 **fields, "consistency": round(st.consistency, 3), "sample_share": round(st.sample_share, 3),
                 "z": round(min(st.z, 1e6), 2), "samples": st.samples, "iterations": st.iterations,
-                "rank_median_ms": _ms(st.rank_median_ns), "peer_median_ms": _ms(st.peer_median_ns),
-                "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration), "last_arrival_share": shares}
+                "rank_median_ms": to_ms(st.rank_median_ns), "peer_median_ms": to_ms(st.peer_median_ns),
+                "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration), "last_arrival_share": shares}
     return Suspect(st.rank, coords[st.rank], "slow_compute", conf, evidence)
 
 
@@ -312,7 +166,7 @@ def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coor
         evidence = {"summary": summary, "basis": "arrival_order", "peers": [], "ratio": round(st.ratio, 3),
                     "intermittent": False, "consistency": round(st.consistency, 3), "z": round(min(st.z, 1e6), 2),
                     "samples": st.samples, "iterations": st.iterations,
-                    "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration), **fields}
+                    "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration), **fields}
         out.append(Suspect(rank, coords[rank], "slow_compute", conf, evidence))
     named.update({s.rank: s for s in out})
     return out + _own_work_intermittent_suspects(samples, named, coords, config)
@@ -337,7 +191,7 @@ def _own_work_intermittent_suspects(samples, named: dict, coords: dict, config: 
                     "intermittent": True, "slow_iterations": list(it.slow_iterations),
                     "slow_iteration_ratio": round(it.slow_ratio, 3), "other_iteration_ratio": round(it.base_ratio, 3),
                     "intermittent_p": float(f"{it.p_value:.3g}"), "periodic": it.periodic,
-                    "iterations": it.iterations, "slow_iteration_excess_ms": {i: _ms(v) for i, v in excess.items()}}
+                    "iterations": it.iterations, "slow_iteration_excess_ms": {i: to_ms(v) for i, v in excess.items()}}
         conf = _confidence(_BASIS_WEIGHT["dp_replicas"], it.slow_ratio, config.strong_compute_ratio, 0.5)
         out.append(Suspect(rank, coords[rank], "slow_compute", conf, evidence))
     return out
@@ -355,13 +209,13 @@ def _judge_links(messages, coords: dict, config: DetectConfig) -> dict[tuple, p2
 
 def _link_suspect(st: p2p.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
     conf = _confidence(_LINK_WEIGHT, st.ratio, config.strong_link_ratio, st.consistency)
-    summary = (f"link {st.src}->{st.dst} takes {_ms(st.median_ns)} ms per message vs {_ms(st.peer_median_ns)} ms "
+    summary = (f"link {st.src}->{st.dst} takes {to_ms(st.median_ns)} ms per message vs {to_ms(st.peer_median_ns)} ms "
                f"on {st.peer_links} comparable links ({st.ratio:.1f}x) in {st.consistency:.0%} of {st.samples} "
                f"messages; rank {st.src} is the link's source (convention), its compute is not implicated")
-    evidence = {"summary": summary, "transfer_median_ms": _ms(st.median_ns), "peer_median_ms": _ms(st.peer_median_ns),
-                "ratio": round(st.ratio, 3), "excess_ms": _ms(st.excess_ns), "consistency": round(st.consistency, 3),
+    evidence = {"summary": summary, "transfer_median_ms": to_ms(st.median_ns), "peer_median_ms": to_ms(st.peer_median_ns),
+                "ratio": round(st.ratio, 3), "excess_ms": to_ms(st.excess_ns), "consistency": round(st.consistency, 3),
                 "samples": st.samples, "peer_links": st.peer_links,
-                "excess_ms_per_iteration": _ms(st.excess_ns_per_iteration)}
+                "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration)}
     return Suspect(st.src, coords.get(st.src, {}), "slow_link", conf, evidence, link=(st.src, st.dst))
 
 
@@ -445,7 +299,7 @@ def _cold_notes(spans: dict, compute: dict, config: DetectConfig) -> list[str]:
         judged = compute[rank].samples if rank in compute else 0
         if cold and judged < config.min_samples:
             notes.append(f"rank {rank}: {cold} of {len(rank_spans)} compute spans start within "
-                         f"{_ms(config.cold_recovery_ns)} ms of a wait >= {_ms(config.cold_idle_ns)} ms, "
+                         f"{to_ms(config.cold_recovery_ns)} ms of a wait >= {to_ms(config.cold_idle_ns)} ms, "
                          f"so its constant slowness is not judged (work after a long wait runs slower)")
     return notes
 
@@ -453,7 +307,7 @@ def _cold_notes(spans: dict, compute: dict, config: DetectConfig) -> list[str]:
 def _negligible_note(s: Suspect) -> str:
     ev = s.evidence
     return (f"rank {s.rank} is {ev['slow_iteration_ratio']}x its peers in {len(ev['slow_iterations'])} of "
-            f"{ev['iterations']} iterations, but fixing it would save {_ms(s.saving_ns)} of {_ms(s.iteration_ns)} "
+            f"{ev['iterations']} iterations, but fixing it would save {to_ms(s.saving_ns)} of {to_ms(s.iteration_ns)} "
             f"ms per iteration ({s.saving_ns / max(s.iteration_ns, 1):.2%}): not named")
 
 
@@ -509,61 +363,3 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     victims = _victims(instances, messages, len(iterations), t, {s.rank for s in suspects}) if suspects else ()
     notes += _coverage_notes(layout, world, events, basis, instances, messages) + _cold_notes(spans, compute, config)
     return DetectionReport(tuple(suspects), iterations, t, float(np.mean(durations)), max(fixed, 0.0), world, layout, victims, tuple(notes))
-
-
-# -- output ----------------------------------------------------------------------------------
-
-
-def report_to_json(report: DetectionReport) -> dict:
-    """JSON-ready dict: suspects (most likely first), iterations_analyzed, what_if, victims, notes."""
-    suspects = [{"rank": s.rank, "coords": dict(s.coords), "cause": s.cause,
-                 "link": list(s.link) if s.link else None, "confidence": s.confidence,
-                 "evidence": dict(s.evidence),
-                 "what_if": {"iteration_ms": _ms(s.iteration_ns), "iteration_if_fixed_ms": _ms(s.what_if_iteration_ns),
-                             "saving_ms": _ms(s.saving_ns),
-                             "over_iterations": "mean" if s.evidence.get("intermittent") else "median"}}
-                for s in report.suspects]
-    return {
-        "suspects": suspects,
-        "iterations_analyzed": list(report.iterations_analyzed),
-        "what_if": {"iteration_ms": _ms(report.iteration_ns), "iteration_mean_ms": _ms(report.iteration_mean_ns),
-                    "iteration_if_all_fixed_ms": _ms(report.what_if_all_fixed_ns)},
-        "victims": [{"rank": r, "wait_ms_per_iteration": _ms(w)} for r, w in report.victims],
-        "world_size": report.world_size,
-        "layout": dict(report.layout),
-        "notes": list(report.notes),
-    }
-
-
-def render_report(report: DetectionReport, width: int | None = None) -> str:
-    """The report as terminal text (a rich table of suspects, then victims and notes).
-
-    `width` defaults to the terminal's (80 when not a terminal), so printing the text
-    through another rich console does not re-wrap it."""
-    width = width or shutil.get_terminal_size((80, 24)).columns
-    console = Console(file=io.StringIO(), width=width, record=True, force_terminal=False)
-    lay = report.layout
-    its = report.iterations_analyzed
-    console.print(f"MegaScan detect: {report.world_size} ranks (TP={lay.get('tp_size')} PP={lay.get('pp_size')} "
-                  f"DP={lay.get('dp_size')}), iterations {its[0]}..{its[-1]} ({len(its)}), "
-                  f"iteration time {_ms(report.iteration_ns)} ms", markup=False)
-    if not report.suspects:
-        console.print("No slow rank or slow link found.")
-    else:
-        table = Table(show_lines=False)
-        for col in ("#", "rank", "tp,dp,pp", "cause", "confidence", "iteration if fixed"):
-            table.add_column(col, no_wrap=True)
-        for i, s in enumerate(report.suspects, 1):
-            c = s.coords
-            cause = f"slow_link {s.link[0]}->{s.link[1]}" if s.link else s.cause
-            table.add_row(str(i), str(s.rank), f"{c.get('tp')},{c.get('dp')},{c.get('pp')}", cause,
-                          f"{s.confidence:.2f}", f"{_ms(s.what_if_iteration_ns)} ms (-{_ms(s.saving_ns)})")
-        console.print(table)
-        for i, s in enumerate(report.suspects, 1):  # evidence below the table: it is a sentence
-            console.print(f"#{i}: {s.evidence['summary']}", markup=False)
-        if report.victims:
-            console.print("Waiting on them (victims, ms/iteration): "
-                          + ", ".join(f"rank {r} {_ms(w)}" for r, w in report.victims), markup=False)
-    for note in report.notes:
-        console.print(f"note: {note}", markup=False)
-    return console.export_text()

@@ -25,7 +25,7 @@ are already waiting in. Algorithm (pure, over CollectiveInstance and P2PMessage 
      (consistency), a robust z of the log ratios; and, at each iteration's latest arrival, the
      median lateness and the median extra wait.
      `is_arrival_straggler` asks all of them to point the same way (thresholds in
-     detect.DetectConfig), and the lateness not to be explained by waiting: a median extra wait
+     detect_config.DetectConfig), and the lateness not to be explained by waiting: a median extra wait
      of half the median lateness or more means r was late mostly because it waited on somebody
      (a receiver of a slow link, which then computes cold for a while, shows own work a little
      above its peers' and would otherwise be named).

@@ -382,3 +382,8 @@ def compute_straggler_stats(instances: list[CollectiveInstance]) -> dict[int, St
         for fam, n in st.instances.items():
             st.expected_share[fam] /= n
     return dict(stats)
+
+
+def to_ms(ns: float) -> float:
+    """Nanoseconds as milliseconds, rounded to the microsecond (reports and evidence)."""
+    return round(float(ns) / 1e6, 3)

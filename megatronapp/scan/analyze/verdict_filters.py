@@ -76,7 +76,7 @@ def _slowness(link) -> tuple:
 
 def drop_echoes(suspects: list, tp_size: int, coords: dict | None = None,
                 incoming: dict | None = None) -> tuple[list, list[str]]:
-    """(suspects kept, notes on the ones dropped or merged); `suspects` are detect.Suspect, any
+    """(suspects kept, notes on the ones dropped or merged); `suspects` are detect_config.Suspect, any
     order; `coords` and `incoming` (rank -> senders of its links) enable the starved-receiver rule."""
     suspects, notes = merge_starved_receivers(suspects, coords or {}, incoming or {})
     kept = []

@@ -200,3 +200,35 @@ def test_a_send_blocked_by_a_receiver_frozen_mid_receive_is_waiting_not_own_work
         t = end
     own = [s for s in compute_arrival_samples(instances, messages) if s.rank == 2]
     assert own and all(s.own_ns < 1.2 * s.peer_own_ns for s in own)
+
+
+def test_time_in_another_groups_slow_collective_is_not_own_work():
+    """Rank 2 (a last stage) first syncs its embedding with rank 0 across a slow pipeline link (20 ms
+    of transfer after both arrived, every iteration), while its DP peer 3 syncs with rank 1 in 1 ms;
+    both then work 10 ms before their DP all-reduce. Rank 2 arrives there 19 ms late, yet not by its
+    own work (a slow link's sender was named a slow rank this way)."""
+    instances, t = [], 0
+    for it in range(12):
+        spans = {}
+        for r, peer, transfer in ((2, 0, 20), (3, 1, 1)):
+            end = t + transfer * MS
+            instances.append(CollectiveInstance(f"emb:[{peer},{r}]", "pp", it, it, {peer: (t, end), r: (t, end)}, r, t))
+            spans[r] = end + 10 * MS
+        end = max(spans.values()) + MS
+        instances.append(CollectiveInstance("2:[2,3]", "dp", it, it, {r: (s, end) for r, s in spans.items()}, 2, spans[2]))
+        t = end
+    samples = [s for s in compute_arrival_samples(instances, []) if s.family == "dp" and s.rank == 2]
+    assert samples and all(s.lateness_ns > 15 * MS and s.own_ns < 1.2 * s.peer_own_ns for s in samples)
+    assert _named(instances, []) == []
+
+
+@pytest.mark.parametrize("slow", [(4, 2), (2, 4)])
+def test_a_receive_on_a_link_judged_slow_either_way_is_waiting(slow):
+    """The same stretched receives with the send's return unknown read as the receiver's own work,
+    unless the link, or its reverse (whose TCP acknowledgements it carries), was judged slow."""
+    stretched = {3, 7, 10}
+    job = _job_with_stretched_receives(stretched, False)
+    blind = {s.iteration: s for s in compute_arrival_samples(*job) if s.rank == 2}
+    assert all(blind[it].own_ns > 2 * blind[it].peer_own_ns for it in stretched)
+    judged = [s for s in compute_arrival_samples(*job, slow_links=frozenset({slow})) if s.rank == 2]
+    assert judged and all(s.own_ns < 1.2 * s.peer_own_ns for s in judged)

@@ -82,29 +82,40 @@ class ArrivalStats:
     worst: tuple[tuple[str, int, int, float], ...]  # (group, seq, iteration, lateness_ns): latest arrivals
 
 
-def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessage]) -> dict[tuple, np.ndarray]:
-    """(rank, group) -> sorted (start, end) rows of the rank's waits outside `group`: collectives
-    of other groups where somebody else came last, and receives. A wait in the same group is an
-    earlier, still open instance (DDP's overlapped buckets), not a reason to be late to this one."""
+def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessage],
+                    slow_links: frozenset = frozenset()) -> dict[tuple, np.ndarray]:
+    """(rank, group) -> sorted (start, end) rows of the rank's time outside its own work, outside
+    `group`: in collectives of other groups (waiting for the last member, then the transfer for as
+    long as that group's transfers usually take: a first and last stage's embedding all-reduce
+    crosses the pipeline's links, its DP peers' does not; longer than usual, the member itself
+    stopped), and in receives and sends. Time in the same group is an earlier, still open instance
+    (DDP's overlapped buckets), not a reason to be late to this one."""
     per_rank: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    transfers: dict[str, list[int]] = defaultdict(list)
     for inst in instances:
-        for r, (start, _) in inst.spans.items():
-            if r != inst.last_rank and inst.last_start > start:
-                per_rank[r].append((start, inst.last_start, inst.group))
+        transfers[inst.group] += [end - inst.last_start for _, end in inst.spans.values()]
+    usual = {g: int(np.median(v)) for g, v in transfers.items()}
+    for inst in instances:
+        for r, (start, end) in inst.spans.items():
+            per_rank[r].append((start, min(end, max(start, inst.last_start + usual[inst.group])), inst.group))
     typical = {link: float(np.median([m.transfer_ns for m in ms])) for link, ms in group_by_link(messages).items()}
+    # On a link judged slow, in either direction (a rate limit on one direction delays the other's TCP
+    # acknowledgements too, so both stall at times), a message takes as long as the link makes it:
+    # none of the stretch is its endpoints' own work
+    typical |= {link: float("inf") for link in typical if link in slow_links or link[::-1] in slow_links}
     for m in messages:
         # waiting on the sender until its send returned, then on the link for as long as its messages
         # usually take: a receive that completes later than that stretched because the receiver itself
         # stopped (a throttled process is frozen wherever it is, inside a receive too), which is no one
         # else's doing. A sender frozen in the middle of its send returns late, so its receiver waited on it
-        end = min(m.recv_end, max(m.send_start, m.wait_start, m.send_end) + int(typical[(m.src, m.dst)]))
+        end = min(m.recv_end, max(m.send_start, m.wait_start, m.send_end) + typical[(m.src, m.dst)])
         if end > m.wait_start:
             per_rank[m.dst].append((m.wait_start, end, ""))
         # a send blocks until its receiver has posted the receive and, once buffers are full (a slow
         # link), until the receiver has drained it: a receiver frozen mid-receive keeps its sender
         # waiting, as a sender frozen mid-send keeps its receiver waiting (above). Either way the stretch
         # is nobody's own work here: a throttled rank shows its freezes in its other work
-        end = min(m.send_end, max(m.send_start, m.recv_start, m.recv_end) + int(typical[(m.src, m.dst)]))
+        end = min(m.send_end, max(m.send_start, m.recv_start, m.recv_end) + typical[(m.src, m.dst)])
         if end > m.send_start:
             per_rank[m.src].append((m.send_start, end, ""))
     groups = {inst.group for inst in instances}
@@ -147,9 +158,11 @@ def _own_work(instances: list[CollectiveInstance], waits: dict) -> dict[tuple, t
     return own
 
 
-def compute_arrival_samples(instances: list[CollectiveInstance], messages: list[P2PMessage]) -> list[ArrivalSample]:
-    """Steps 1-2 of the module docstring, for every member of every instance that has a window."""
-    own = _own_work(instances, _wait_intervals(instances, messages))
+def compute_arrival_samples(instances: list[CollectiveInstance], messages: list[P2PMessage],
+                            slow_links: frozenset = frozenset()) -> list[ArrivalSample]:
+    """Steps 1-2 of the module docstring, for every member of every instance that has a window;
+    `slow_links`: (src, dst) links the link rule named, whose messages are all waiting."""
+    own = _own_work(instances, _wait_intervals(instances, messages, slow_links))
     samples = []
     for inst in instances:
         for r, (start, _) in inst.spans.items():

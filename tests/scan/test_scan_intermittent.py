@@ -34,8 +34,8 @@ LOADED = dict(noise=0.15, hiccup_prob=0.05, rank_bias=0.05, iterations=32)
 SEEDS = range(8)
 
 
-def _named(layout: dict, **kw) -> set[int]:
-    return {s.rank for s in detect(simulate_job_traces(SimulatedJob(**layout, **kw))).suspects}
+def _named(layout: dict, config: DetectConfig = DetectConfig(), **kw) -> set[int]:
+    return {s.rank for s in detect(simulate_job_traces(SimulatedJob(**layout, **kw)), config=config).suspects}
 
 
 def _world(layout: dict) -> int:
@@ -92,9 +92,12 @@ def test_adjacent_slow_iterations_are_one_episode():
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_faint_intermittent_straggler_is_named_and_nobody_else(name):
-    """1.2x in every 4th iteration (7 of the 31 analysed): named in >= 7 of 8 runs, never a peer."""
+    """1.2x in every 4th iteration (7 of the 31 analysed): named in >= 7 of 8 runs, never a peer. This is
+    the noise model's sensitivity; the what-if's saving bar (1% of the iteration by default, below which
+    the default config drops such a faint suspect as not worth naming) is set low so as not to mask it."""
     layout = LAYOUTS[name]
-    runs = [(seed % _world(layout), _named(layout, seed=3000 + seed, slow_rank=seed % _world(layout),
+    sensitive = DetectConfig(intermittent_min_saving=0.001)
+    runs = [(seed % _world(layout), _named(layout, sensitive, seed=3000 + seed, slow_rank=seed % _world(layout),
                                            slow_factor=1.2, slow_every=4, **QUIET)) for seed in SEEDS]
     assert all(named <= {slow} for slow, named in runs), runs
     assert sum(named == {slow} for slow, named in runs) >= 7, runs

@@ -146,11 +146,11 @@ def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, con
     return Suspect(st.rank, coords[st.rank], "slow_compute", conf, evidence)
 
 
-def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], slow_links: frozenset, coords: dict,
+def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coords: dict,
                       config: DetectConfig) -> list[Suspect]:
     """Ranks named by arrival order (module docstring, step 2) that compute did not name already;
     a compute suspect gets the arrival evidence added to its own."""
-    samples = arrivals.compute_arrival_samples(instances, messages, slow_links)
+    samples = arrivals.compute_arrival_samples(instances, messages)
     stats = arrivals.compare_arrivals(samples, instances, config.compute_min_ratio)
     named = {s.rank: s for s in compute_suspects}
     out = []
@@ -339,9 +339,8 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     links = _judge_links(messages, coords, config)
     suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
                 if config.compute_rule(st, config)]
-    slow_links = [st for st in links.values() if config.link_rule(st, config)]
-    suspects += _arrival_suspects(instances, messages, suspects, frozenset((st.src, st.dst) for st in slow_links), coords, config)
-    suspects += [_link_suspect(st, coords, config) for st in slow_links]
+    suspects += _arrival_suspects(instances, messages, suspects, coords, config)
+    suspects += [_link_suspect(st, coords, config) for st in links.values() if config.link_rule(st, config)]
     crit = [paths.compute_critical_path(i, {r: s[i] for r, s in iter_spans.items()},
                                         paths.build_blocking_events(i, messages, instances)) for i in iterations]
     busy = [paths.compute_busy_ns(i, {r: s[i] for r, s in iter_spans.items()}, messages, instances)

@@ -82,8 +82,7 @@ class ArrivalStats:
     worst: tuple[tuple[str, int, int, float], ...]  # (group, seq, iteration, lateness_ns): latest arrivals
 
 
-def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessage],
-                    slow_links: frozenset = frozenset()) -> dict[tuple, np.ndarray]:
+def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessage]) -> dict[tuple, np.ndarray]:
     """(rank, group) -> sorted (start, end) rows of the rank's time outside its own work, outside
     `group`: in collectives of other groups (waiting for the last member, then the transfer for as
     long as that group's transfers usually take: a first and last stage's embedding all-reduce
@@ -99,23 +98,22 @@ def _wait_intervals(instances: list[CollectiveInstance], messages: list[P2PMessa
         for r, (start, end) in inst.spans.items():
             per_rank[r].append((start, min(end, max(start, inst.last_start + usual[inst.group])), inst.group))
     typical = {link: float(np.median([m.transfer_ns for m in ms])) for link, ms in group_by_link(messages).items()}
-    # On a link judged slow, in either direction (a rate limit on one direction delays the other's TCP
-    # acknowledgements too, so both stall at times), a message takes as long as the link makes it:
-    # none of the stretch is its endpoints' own work
-    typical |= {link: float("inf") for link in typical if link in slow_links or link[::-1] in slow_links}
+    # Not widened where the link rule names the link: a receiver slowed by a competing process wakes
+    # late from every receive, so its incoming link reads slow, and excusing the link's messages would
+    # hide the receiver (faultlab test: PP2 x DP2, rank 1 beside seven busy loops)
     for m in messages:
         # waiting on the sender until its send returned, then on the link for as long as its messages
         # usually take: a receive that completes later than that stretched because the receiver itself
         # stopped (a throttled process is frozen wherever it is, inside a receive too), which is no one
         # else's doing. A sender frozen in the middle of its send returns late, so its receiver waited on it
-        end = min(m.recv_end, max(m.send_start, m.wait_start, m.send_end) + typical[(m.src, m.dst)])
+        end = min(m.recv_end, max(m.send_start, m.wait_start, m.send_end) + int(typical[(m.src, m.dst)]))
         if end > m.wait_start:
             per_rank[m.dst].append((m.wait_start, end, ""))
         # a send blocks until its receiver has posted the receive and, once buffers are full (a slow
         # link), until the receiver has drained it: a receiver frozen mid-receive keeps its sender
         # waiting, as a sender frozen mid-send keeps its receiver waiting (above). Either way the stretch
         # is nobody's own work here: a throttled rank shows its freezes in its other work
-        end = min(m.send_end, max(m.send_start, m.recv_start, m.recv_end) + typical[(m.src, m.dst)])
+        end = min(m.send_end, max(m.send_start, m.recv_start, m.recv_end) + int(typical[(m.src, m.dst)]))
         if end > m.send_start:
             per_rank[m.src].append((m.send_start, end, ""))
     groups = {inst.group for inst in instances}
@@ -158,11 +156,9 @@ def _own_work(instances: list[CollectiveInstance], waits: dict) -> dict[tuple, t
     return own
 
 
-def compute_arrival_samples(instances: list[CollectiveInstance], messages: list[P2PMessage],
-                            slow_links: frozenset = frozenset()) -> list[ArrivalSample]:
-    """Steps 1-2 of the module docstring, for every member of every instance that has a window;
-    `slow_links`: (src, dst) links the link rule named, whose messages are all waiting."""
-    own = _own_work(instances, _wait_intervals(instances, messages, slow_links))
+def compute_arrival_samples(instances: list[CollectiveInstance], messages: list[P2PMessage]) -> list[ArrivalSample]:
+    """Steps 1-2 of the module docstring, for every member of every instance that has a window."""
+    own = _own_work(instances, _wait_intervals(instances, messages))
     samples = []
     for inst in instances:
         for r, (start, _) in inst.spans.items():

@@ -40,6 +40,21 @@ def _dp_job(world: int, work_ms: dict[int, float], waits_ms: dict[int, float], i
     return instances, messages
 
 
+def _ten_collectives_an_iteration(iterations: int, work_ns) -> list[CollectiveInstance]:
+    """FSDP2-like: 4 DP ranks meet ten times an iteration; before meeting k each rank r works
+    work_ns(r, k) after the previous meeting ends (0.1 ms after its last member arrived)."""
+    instances, t = [], 0
+    for it in range(iterations):
+        for k in range(10):
+            spans = {r: int(t + work_ns(r, k)) for r in range(4)}
+            last = max(spans, key=lambda r: (spans[r], r))
+            end = spans[last] + MS // 10
+            instances.append(CollectiveInstance(GROUP, "dp", it * 10 + k, it, {r: (s, end) for r, s in spans.items()},
+                                                last, spans[last]))
+            t = end
+    return instances
+
+
 def _named(instances, messages, config=DetectConfig()) -> list[int]:
     stats = compare_arrivals(compute_arrival_samples(instances, messages), instances, config.compute_min_ratio)
     return sorted(r for r, st in stats.items() if is_late_by_own_work(st, config))
@@ -79,16 +94,8 @@ def test_a_straggler_late_only_at_the_first_of_many_collectives_per_iteration_is
     """FSDP2-like: ten collectives an iteration, the straggler's extra work before the first one
     only; afterwards it is in lockstep with the others (last about as often as they)."""
     rng = random.Random(3)
-    instances, t = [], 0
-    for it in range(12):
-        for k in range(10):
-            work = {r: (8.0 if (r == 1 and k == 0) else 2.0) * MS * rng.uniform(0.97, 1.03) for r in range(4)}
-            spans = {r: int(t + w) for r, w in work.items()}
-            last = max(spans, key=lambda r: (spans[r], r))
-            end = spans[last] + MS // 10
-            instances.append(CollectiveInstance(GROUP, "dp", it * 10 + k, it, {r: (s, end) for r, s in spans.items()},
-                                                last, spans[last]))
-            t = end
+    instances = _ten_collectives_an_iteration(
+        12, lambda r, k: (8.0 if (r == 1 and k == 0) else 2.0) * MS * rng.uniform(0.97, 1.03))
     assert _named(instances, []) == [1]
     stats = compare_arrivals(compute_arrival_samples(instances, []), instances, 1.2)[1]
     assert stats.last_share < 0.5 < 0.9 < stats.wait_share  # last at a few, but the cause of nearly all waiting
@@ -121,18 +128,8 @@ def _jittery_fsdp_job(extra_ms: float, seed: int) -> list[CollectiveInstance]:
     exponential jitter of mean 1 ms (CPU processes sharing cores); rank 1 works extra_ms more
     before the first one only (its data step)."""
     rng = random.Random(seed)
-    instances, t = [], 0
-    for it in range(16):
-        for k in range(10):
-            work = {r: (2.0 + (extra_ms if (r == 1 and k == 0) else 0.0) + rng.expovariate(1.0)) * MS
-                    for r in range(4)}
-            spans = {r: int(t + w) for r, w in work.items()}
-            last = max(spans, key=lambda r: (spans[r], r))
-            end = spans[last] + MS // 10
-            instances.append(CollectiveInstance(GROUP, "dp", it * 10 + k, it, {r: (s, end) for r, s in spans.items()},
-                                                last, spans[last]))
-            t = end
-    return instances
+    return _ten_collectives_an_iteration(
+        16, lambda r, k: (2.0 + (extra_ms if (r == 1 and k == 0) else 0.0) + rng.expovariate(1.0)) * MS)
 
 
 @pytest.mark.parametrize("seed", range(3))

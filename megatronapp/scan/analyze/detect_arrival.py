@@ -9,11 +9,13 @@ are already waiting in. Algorithm (pure, over CollectiveInstance and P2PMessage 
      the latest end of r's earlier instances of G that ended before r arrived at I (the last
      time the group synchronised; members leave a collective together, so windows of all
      members start at about the same moment) and ends at r's arrival. From its length subtract
-     the time r spent waiting in it: in collectives of other groups where somebody else arrived
-     last (r's start to the last start), in receives (the receiver's wait start to the
-     message's arrival) and in sends (until the receiver posted its receive, plus the link's
-     usual transfer; both capped by the link's median). What is left is r's own work: a rank that is late because it waited on
-     somebody else is not late by its own work (a pipeline neighbour of a slow stage).
+     the time r spent outside its own work: in collectives of other groups (its start to the
+     last member's start, then that group's usual transfer), in receives (the receiver's wait
+     start until the send returned, plus the link's usual transfer) and in sends (until the
+     receiver posted its receive and had the message, plus the link's usual transfer); a stretch
+     beyond "usual" is r itself stopped. What is left is r's own work: a rank that is late
+     because it waited on somebody else is not late by its own work (a pipeline neighbour of a
+     slow stage).
   2. Per sample: own ratio = r's own work / the median of the other members' own work at I,
      lateness = r's start - the median of the other members' starts, whether r was last, and
      its extra wait: r's waits in the window minus the median of the others' waits in theirs.

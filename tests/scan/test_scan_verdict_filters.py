@@ -7,7 +7,7 @@ import pytest
 
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import Suspect
-from megatronapp.scan.analyze.verdict_filters import drop_echoes
+from megatronapp.scan.analyze.verdict_filters import drop_echoes, root_causes_first
 from scan_simulation import SimulatedJob, simulate_job_traces
 
 
@@ -23,6 +23,15 @@ def _link(src: int, dst: int, excess_ms: float, confidence: float = 0.9, ratio: 
 
 PP4 = {r: {"tp": 0, "dp": 0, "pp": r} for r in range(4)}
 PP4_SENDERS = {0: {1}, 1: {0, 2}, 2: {1, 3}, 3: {2}}
+
+
+
+def test_a_slow_rank_comes_before_the_links_it_is_an_endpoint_of():
+    """A rank beside a competing process: its outgoing link read 0.79 confident, the rank 0.6. The
+    rank explains its link and goes first; an unrelated link keeps its place by confidence."""
+    rank, own_link, other = _rank(1, 0, 1, 0, 0.6), _link(1, 3, 15.0, 0.79), _link(2, 0, 20.0, 0.95)
+    assert root_causes_first([own_link, other, rank]) == [other, rank, own_link]
+    assert root_causes_first([_link(2, 3, 15.0, 0.79), rank]) == [_link(2, 3, 15.0, 0.79), rank]
 
 
 def test_a_tp_peer_of_a_stronger_suspect_is_dropped_and_noted():

@@ -66,7 +66,7 @@ from megatronapp.scan.analyze.detect_config import (DetectConfig, DetectInputErr
                                                     is_constant, is_intermittent)
 from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
 from megatronapp.scan.analyze.detect_rules import to_ms
-from megatronapp.scan.analyze.verdict_filters import drop_echoes
+from megatronapp.scan.analyze.verdict_filters import drop_echoes, root_causes_first
 from megatronapp.scan.merge.matching import index_comm_events
 
 _BASIS_WEIGHT = {"dp_replicas": 1.0, "tp_peers": 0.9, "pipeline_stages": 0.6}
@@ -355,7 +355,7 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
                   and s.saving_ns < config.intermittent_min_saving * s.iteration_ns]
     suspects = [s for s in suspects if s not in negligible]
     notes += [_negligible_note(s) for s in negligible]
-    suspects.sort(key=lambda s: (-s.confidence, -s.saving_ns, s.rank))
+    suspects = root_causes_first(suspects)
     durations = [p.duration_ns for p in crit]
     t = float(np.median(durations))
     fixed = t - sum(max(0.0, s.saving_ns) for s in suspects)

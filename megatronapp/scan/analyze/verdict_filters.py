@@ -99,3 +99,15 @@ def drop_echoes(suspects: list, tp_size: int, coords: dict | None = None,
                 continue
         kept.append(s)
     return kept, notes
+
+
+def root_causes_first(suspects: list) -> list:
+    """Most likely first, a slow rank ahead of any link it is an endpoint of: a rank descheduled
+    by a competing process wakes late from its receives and stalls mid-send, so its own links read
+    slow too, often more consistently than its compute; the rank explains them, not the reverse."""
+    def likelihood(s) -> float:
+        if s.cause != "slow_compute":
+            return s.confidence
+        return max([s.confidence] + [x.confidence for x in suspects if x.link and s.rank in x.link])
+
+    return sorted(suspects, key=lambda s: (-likelihood(s), s.cause != "slow_compute", -s.saving_ns, s.rank))

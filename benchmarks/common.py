@@ -29,22 +29,38 @@ class FixedBatches:
     def __init__(self, job: JobConfig, device: torch.device | str = "cpu", dp_rank: int = 0, seed: int = 1234):
         gen = torch.Generator().manual_seed(seed + dp_rank)
         t, m = job.train, job.model
-        self.mbs = [torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen).to(device)
-                    for _ in range(job.num_microbatches)]
+        self.mbs = [
+            torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length + 1), generator=gen).to(device)
+            for _ in range(job.num_microbatches)
+        ]
 
     def next_microbatches(self) -> list[torch.Tensor]:
         return self.mbs
 
 
-def make_job(preset: str, micro_batch: int, num_micro: int, *, tp: int = 1, pp: int = 1, dp: int = 1,
-             model_overrides: dict | None = None, **train_kw) -> JobConfig:
+def make_job(
+    preset: str,
+    micro_batch: int,
+    num_micro: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    model_overrides: dict | None = None,
+    **train_kw,
+) -> JobConfig:
     """A job of `preset` on a TP x PP x DP layout with `num_micro` microbatches of `micro_batch`
     per DP rank per step; trains "forever" (the benchmark decides how many steps), lr 1e-4.
     `train_kw` are further fields of the job's component configs (bf16, compile, recompute_granularity, ...)."""
     model = model_preset(preset, **(model_overrides or {}))
     train_kw = {"train_iters": 10**6, "lr": 1e-4, **train_kw}
-    return build_job(model, build_layout(tp * pp * dp, tp, pp), micro_batch_size=micro_batch,
-                     global_batch_size=micro_batch * num_micro * dp, **train_kw)
+    return build_job(
+        model,
+        build_layout(tp * pp * dp, tp, pp),
+        micro_batch_size=micro_batch,
+        global_batch_size=micro_batch * num_micro * dp,
+        **train_kw,
+    )
 
 
 def sync(device: torch.device | str) -> None:

@@ -26,6 +26,7 @@ import time
 import torch
 
 from megatronapp.config import model_preset
+from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
@@ -33,7 +34,6 @@ from megatronapp.scope import staging
 from megatronapp.scope.capture import capture
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
-from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.scope_ui.protocol import Limits
 from megatronapp.scope_ui.runner import GenerationRunner, stream_captures
 
@@ -41,12 +41,13 @@ from megatronapp.scope_ui.runner import GenerationRunner, stream_captures
 def variant_contexts(model):
     """name -> factory of the capture contexts that variant runs under (ui_runner: the UI's
     model thread, GenerationRunner.run, which enters its own)."""
-    return {"off": lambda: [],
-            "default_capture": lambda: [capture(model, DEFAULT_SITES, compress=DEFAULT_COMPRESS)],
-            "ui_captures": lambda: list(stream_captures(model, (0,), True, 1 << 34)),
-            "ui_captures_copies_inline": lambda: [copies_on_current_stream(),
-                                                  *stream_captures(model, (0,), True, 1 << 34)],
-            "ui_runner": lambda: []}
+    return {
+        "off": lambda: [],
+        "default_capture": lambda: [capture(model, DEFAULT_SITES, compress=DEFAULT_COMPRESS)],
+        "ui_captures": lambda: list(stream_captures(model, (0,), True, 1 << 34)),
+        "ui_captures_copies_inline": lambda: [copies_on_current_stream(), *stream_captures(model, (0,), True, 1 << 34)],
+        "ui_runner": lambda: [],
+    }
 
 
 @contextlib.contextmanager
@@ -79,16 +80,20 @@ def runner_decode_ms_per_step(runner, prompt, new_tokens: int) -> float:
     runner.check = lambda msg: list(prompt)  # the benchmark's prompt ids, not a tokenised text
     runner_mod.generate = timed
     try:
-        runner.run(P.Generate(type="generate", prompt="x", max_new_tokens=new_tokens, stop_on_eod=False),
-                   NoSink(), [0])
+        runner.run(P.Generate(type="generate", prompt="x", max_new_tokens=new_tokens, stop_on_eod=False), NoSink(), [0])
     finally:
         runner_mod.generate = real
     return 1e3 * results[0].decode_s / max(results[0].decode_steps, 1)
 
 
 def decode_ms_per_step(model, prompt, new_tokens: int) -> float:
-    res = generate(model, [prompt], SamplingConfig(max_new_tokens=new_tokens, stop_on_eod=False),
-                   eod_id=0, vocab_size=model.cfg.vocab_size)
+    res = generate(
+        model,
+        [prompt],
+        SamplingConfig(max_new_tokens=new_tokens, stop_on_eod=False),
+        eod_id=0,
+        vocab_size=model.cfg.vocab_size,
+    )
     return 1e3 * res.decode_s / max(res.decode_steps, 1)
 
 
@@ -116,8 +121,9 @@ def replay_kernels(model, top: int = 25) -> list:
         for _ in range(10):
             graph.graph.replay()
         torch.cuda.synchronize()
-    rows = [(e.device_time_total / 10, e.count // 10, e.key[:100]) for e in prof.key_averages()
-            if e.device_time_total > 0]
+    rows = [
+        (e.device_time_total / 10, e.count // 10, e.key[:100]) for e in prof.key_averages() if e.device_time_total > 0
+    ]
     rows.sort(reverse=True)
     return [{"us_per_replay": round(t, 2), "launches": c, "kernel": k} for t, c, k in rows[:top]]
 
@@ -139,8 +145,9 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     cfg = model_preset(args.model, vocab_size=50304, seq_length=max(128, args.new_tokens + 40))
-    model = build_inference_model(cfg, single_process_groups(), device,
-                                  dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    model = build_inference_model(
+        cfg, single_process_groups(), device, dtype=torch.bfloat16 if args.bf16 else torch.float32
+    )
     model.cuda_graphs = device.type == "cuda"
     tok = load_tokenizer(None)  # the runner's: ids below its vocabulary
     prompt = torch.randint(0, tok.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -154,8 +161,11 @@ def main() -> None:
             with contextlib.ExitStack() as stack:
                 for c in make():
                     stack.enter_context(c)
-                ms = (runner_decode_ms_per_step(runner, prompt, args.new_tokens) if name == "ui_runner"
-                      else decode_ms_per_step(model, prompt, args.new_tokens))
+                ms = (
+                    runner_decode_ms_per_step(runner, prompt, args.new_tokens)
+                    if name == "ui_runner"
+                    else decode_ms_per_step(model, prompt, args.new_tokens)
+                )
                 rep = replay_ms(model, args.replays) if device.type == "cuda" else None
                 if r == 0 and device.type == "cuda":
                     kernels[name] = replay_kernels(model)
@@ -168,11 +178,22 @@ def main() -> None:
     for name in variants:
         w = statistics.median(wall[name])
         g = statistics.median(gpu[name]) if gpu[name] else None
-        report[name] = {"wall_ms_per_step": w, "wall_range": [min(wall[name]), max(wall[name])],
-                        "gpu_ms_per_replay": g, "host_bound_ms": None if g is None else w - g,
-                        "kernels": kernels.get(name, [])}
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "kernels"} if isinstance(v, dict) else v
-                      for k, v in report.items()}, indent=1))
+        report[name] = {
+            "wall_ms_per_step": w,
+            "wall_range": [min(wall[name]), max(wall[name])],
+            "gpu_ms_per_replay": g,
+            "host_bound_ms": None if g is None else w - g,
+            "kernels": kernels.get(name, []),
+        }
+    print(
+        json.dumps(
+            {
+                k: {kk: vv for kk, vv in v.items() if kk != "kernels"} if isinstance(v, dict) else v
+                for k, v in report.items()
+            },
+            indent=1,
+        )
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

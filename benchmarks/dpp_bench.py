@@ -51,16 +51,40 @@ import threading
 import time
 from pathlib import Path
 
-from megatronapp.dpp.sim.bench_cells import (TORCH_ZB, TRACED_REPEAT, VARIANTS, CellGrid, append_record, build_plan,
-                                             compute_summary, compute_train_argv, make_record, run_cells)
-from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_flags
 from torch_zb_cell import UNSUPPORTED, run_torch_zb_cell
+
+from megatronapp.dpp.sim.bench_cells import (
+    TORCH_ZB,
+    TRACED_REPEAT,
+    VARIANTS,
+    CellGrid,
+    append_record,
+    build_plan,
+    compute_summary,
+    compute_train_argv,
+    make_record,
+    run_cells,
+)
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_flags
+
 
 def grid_of(a) -> CellGrid:
     """The cells' shared job from the parsed flags."""
-    return CellGrid(nproc=a.nproc, pp=a.pp, vpp=a.vpp, microbatches=a.microbatches, num_layers=a.num_layers,
-                    hidden_size=a.hidden_size, heads=a.heads, seq_length=a.seq_length, iters=a.iters,
-                    device=a.device, seed=a.seed, simulate_scenarios=not a.smoke, scenario_flags=a.scenario_flags)
+    return CellGrid(
+        nproc=a.nproc,
+        pp=a.pp,
+        vpp=a.vpp,
+        microbatches=a.microbatches,
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        heads=a.heads,
+        seq_length=a.seq_length,
+        iters=a.iters,
+        device=a.device,
+        seed=a.seed,
+        simulate_scenarios=not a.smoke,
+        scenario_flags=a.scenario_flags,
+    )
 
 
 def trace_dir_of(a, scenario: str, variant: str) -> Path:
@@ -75,8 +99,14 @@ def _train_argv(a, variant: str, scenario: str, metrics: str, repeat: int = 0) -
 
 def _train_cmd(a, variant: str, scenario: str, metrics: str, repeat: int = 0) -> list[str]:
     """The same cell as its own `megatronapp train` job (--isolated)."""
-    return [sys.executable, "-m", "megatronapp.cli.main", *_train_argv(a, variant, scenario, metrics, repeat),
-            "--nproc-per-node", str(a.nproc)]
+    return [
+        sys.executable,
+        "-m",
+        "megatronapp.cli.main",
+        *_train_argv(a, variant, scenario, metrics, repeat),
+        "--nproc-per-node",
+        str(a.nproc),
+    ]
 
 
 def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
@@ -105,13 +135,14 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
             dist.broadcast(go, 0)  # rank 0's clock decides, so every rank stops at the same cell
             if not go.item():
                 if rank == 0:
-                    print(f"budget: {time.time() - t0:.0f} s used, the next cell may take {slowest:.0f} s: "
-                          "stopping", flush=True)
+                    print(
+                        f"budget: {time.time() - t0:.0f} s used, the next cell may take {slowest:.0f} s: stopping",
+                        flush=True,
+                    )
                 break
             if variant == TORCH_ZB and scenario != "balanced":
                 if rank == 0:
-                    append_record(log, {"scenario": scenario, "variant": variant, "repeat": rep,
-                                        "error": UNSUPPORTED})
+                    append_record(log, {"scenario": scenario, "variant": variant, "repeat": rep, "error": UNSUPPORTED})
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 metrics, start = os.path.join(tmp, "m.jsonl"), time.time()
@@ -125,7 +156,7 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
                 if rank == 0:
                     if variant != TORCH_ZB:
                         lines = Path(metrics).read_text().splitlines()
-                        steps = [json.loads(line)["step_time_s"] for line in lines][a.warmup:]
+                        steps = [json.loads(line)["step_time_s"] for line in lines][a.warmup :]
                     rec = make_record(grid_of(a), scenario, variant, rep, steps, time.time() - start)
                     rec["process"] = process_state()  # rank 0's, after the cell: a leak across cells shows here
                     append_record(log, rec)
@@ -138,8 +169,12 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
 
 def _run_echoing_progress(cmd: list[str], env: dict, limit: float, log_path: Path):
     """Run `cmd` with its output in `log_path`, echoing the per-cell progress lines; exit code."""
-    with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      env=env, text=True, start_new_session=True) as proc:
+    with (
+        open(log_path, "w") as log,
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
+        ) as proc,
+    ):
         # a hung job cannot outlive the budget: kill the launcher and its ranks together
         timer = threading.Timer(limit, lambda: os.killpg(proc.pid, signal.SIGKILL))
         timer.start()
@@ -161,10 +196,23 @@ def run_persistent(a, plan: list[tuple[int, str, str]]) -> list[dict]:
     plan_file = Path(a.out) / "plan.json"
     plan_file.write_text(json.dumps({"args": vars(a), "plan": plan}))
     root = str(Path(__file__).resolve().parents[1])  # the ranks import this checkout, installed or not
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR",
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
-           __file__, "--worker", str(plan_file)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "LOGLEVEL": "ERROR",
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(a.nproc),
+        __file__,
+        "--worker",
+        str(plan_file),
+    ]
     limit = (a.budget_s or a.timeout * len(plan)) + a.timeout
     code = _run_echoing_progress(cmd, env, limit, Path(a.out) / "ranks.log")
     with open(path) as f:
@@ -183,12 +231,17 @@ def run_once(a, variant: str, scenario: str, repeat: int = 0) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        res = subprocess.run(_train_cmd(a, variant, scenario, metrics, repeat), capture_output=True, text=True,
-                             timeout=a.timeout, env=env)
+        res = subprocess.run(
+            _train_cmd(a, variant, scenario, metrics, repeat),
+            capture_output=True,
+            text=True,
+            timeout=a.timeout,
+            env=env,
+        )
         if res.returncode:
             raise RuntimeError(f"{variant}/{scenario} failed: {res.stderr[-2000:]}")
         steps = [json.loads(line)["step_time_s"] for line in Path(metrics).read_text().splitlines()]
-    return steps[a.warmup:]
+    return steps[a.warmup :]
 
 
 def process_state() -> dict:
@@ -200,14 +253,22 @@ def process_state() -> dict:
         rss_pages = int(Path("/proc/self/statm").read_text().split()[1])
     except OSError:
         return {}
-    return {"threads": threads, "fds": fds, "rss_mib": round(rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1),
-            "gc_objects": len(gc.get_objects()), "gc_full_collections": gc.get_stats()[2]["collections"]}
+    return {
+        "threads": threads,
+        "fds": fds,
+        "rss_mib": round(rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1),
+        "gc_objects": len(gc.get_objects()),
+        "gc_full_collections": gc.get_stats()[2]["collections"],
+    }
 
 
 def _progress(done: int, total: int, t0: float, rep: int, scenario: str, variant: str, rec: dict) -> None:
     what = f"{rec['median_s'] * 1e3:.1f} ms/iter" if "median_s" in rec else "FAILED: " + rec["error"][-200:]
-    print(f"[{done}/{total}] {time.time() - t0:5.0f} s  repeat {rep} {scenario}/{variant}: {what} "
-          f"({rec['wall_s']:.0f} s)", flush=True)
+    print(
+        f"[{done}/{total}] {time.time() - t0:5.0f} s  repeat {rep} {scenario}/{variant}: {what} "
+        f"({rec['wall_s']:.0f} s)",
+        flush=True,
+    )
 
 
 def print_summary(a, summary: dict) -> None:
@@ -221,20 +282,28 @@ def print_summary(a, summary: dict) -> None:
                 print(f"  {variant:<17} not measured")
                 continue
             runs, paired = row["runs_s"], row["paired_speed_vs_interleaved"]
-            print(f"  {variant:<17} {row['median_s'] * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f}, "
-                  f"n={len(runs)})  x{row['speed_vs_interleaved']:.3f} (simulated "
-                  f"x{row['simulated_speed_vs_interleaved']:.3f})  peak sets {row['peak_inflight_sets']} x "
-                  f"{row['layers_per_set']} layer(s), ~{row['activation_MiB_est']} MiB")
+            print(
+                f"  {variant:<17} {row['median_s'] * 1e3:8.1f} ms  ({min(runs) * 1e3:.1f}..{max(runs) * 1e3:.1f}, "
+                f"n={len(runs)})  x{row['speed_vs_interleaved']:.3f} (simulated "
+                f"x{row['simulated_speed_vs_interleaved']:.3f})  peak sets {row['peak_inflight_sets']} x "
+                f"{row['layers_per_set']} layer(s), ~{row['activation_MiB_est']} MiB"
+            )
             if paired:
-                print(f"  {'':<17} paired per repeat x{paired['median']:.3f} "
-                      f"[95% CI {paired['ci95'][0]:.3f}, {paired['ci95'][1]:.3f}], n={paired['n']}")
+                print(
+                    f"  {'':<17} paired per repeat x{paired['median']:.3f} "
+                    f"[95% CI {paired['ci95'][0]:.3f}, {paired['ci95'][1]:.3f}], n={paired['n']}"
+                )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=8)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: one GPU per rank (NCCL needs distinct GPUs), e.g. PP8 on an 8-GPU host")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one GPU per rank (NCCL needs distinct GPUs), e.g. PP8 on an 8-GPU host",
+    )
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vpp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8, help="per DP replica")
@@ -246,18 +315,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    p.add_argument("--variants", nargs="+", default=["interleaved", "breadth-first", "dynamic-df",
-                                                     "dynamic-inorder", "dynamic-w"], choices=list(VARIANTS))
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["interleaved", "breadth-first", "dynamic-df", "dynamic-inorder", "dynamic-w"],
+        choices=list(VARIANTS),
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300, help="per cell")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no cell that would end after this many seconds (by the slowest cell so far)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no cell that would end after this many seconds (by the slowest cell so far)",
+    )
     p.add_argument("--smoke", action="store_true", help="2 ranks, tiny model, 1 repeat, balanced + jitter1")
     p.add_argument("--out", default="runs/dpp_bench")
     p.add_argument("--isolated", action="store_true", help="a fresh `megatronapp train` job per cell")
-    p.add_argument("--trace-cells", action="store_true",
-                   help="after the repeats, one more pass of every cell with MegaScan tracing, into "
-                        "OUT/traces/SCENARIO__VARIANT (left out of the statistics; read by dpp_trace_gap.py)")
+    p.add_argument(
+        "--trace-cells",
+        action="store_true",
+        help="after the repeats, one more pass of every cell with MegaScan tracing, into "
+        "OUT/traces/SCENARIO__VARIANT (left out of the statistics; read by dpp_trace_gap.py)",
+    )
     return p
 
 
@@ -294,9 +374,16 @@ def run_isolated(a, plan: list[tuple[int, str, str]]) -> list[dict]:
         return make_record(grid_of(a), scenario, variant, rep, run_once(a, variant, scenario, rep), time.time() - start)
 
     with open(Path(a.out) / "dpp_bench.jsonl", "a") as log:
-        records = run_cells(plan, measure, log, budget_s=a.budget_s, clock=time.time,
-                            on_record=lambda done, rec: _progress(done, len(plan), t0, rec["repeat"], rec["scenario"],
-                                                                  rec["variant"], rec))
+        records = run_cells(
+            plan,
+            measure,
+            log,
+            budget_s=a.budget_s,
+            clock=time.time,
+            on_record=lambda done, rec: _progress(
+                done, len(plan), t0, rec["repeat"], rec["scenario"], rec["variant"], rec
+            ),
+        )
     if len(records) < len(plan):
         print(f"budget: {time.time() - t0:.0f} s used, the next cell would not end in time: stopped", flush=True)
     return records

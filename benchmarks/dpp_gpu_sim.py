@@ -34,11 +34,16 @@ import time
 
 import dpp_sim_study  # benchmarks/ is sys.path[0] when run as a script
 
-from megatronapp.dpp.sim.scenarios import SCENARIOS
 from megatronapp.dpp.scheduler import compute_default_caps
+from megatronapp.dpp.sim.scenarios import SCENARIOS
 from megatronapp.dpp.sim.simulator import CostModel
-from megatronapp.dpp.study import (DTYPE_BYTES, compute_link_cost, compute_message_bytes,
-                                   compute_peak_activation_bytes, study_config)
+from megatronapp.dpp.study import (
+    DTYPE_BYTES,
+    compute_link_cost,
+    compute_message_bytes,
+    compute_peak_activation_bytes,
+    study_config,
+)
 
 
 def build_chunks(a, torch):
@@ -46,13 +51,21 @@ def build_chunks(a, torch):
     from megatronapp.config import model_preset
     from megatronapp.model.gpt import TPContext, build_model_chunks
 
-    overrides = {k: v for k, v in (("num_layers", a.num_layers), ("vocab_size", a.vocab_size),
-                                   ("seq_length", a.seq_length)) if v}
+    overrides = {
+        k: v for k, v in (("num_layers", a.num_layers), ("vocab_size", a.vocab_size), ("seq_length", a.seq_length)) if v
+    }
     cfg = model_preset(a.preset, **overrides)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     tp = TPContext(None, 1, 0)
-    chunks = [[c.to(dtype) for c in build_model_chunks(cfg, pp_rank=p, pp_size=a.pp, num_chunks=a.vpp, tp=tp,
-                                                       seed=1234, device=a.device)] for p in range(a.pp)]
+    chunks = [
+        [
+            c.to(dtype)
+            for c in build_model_chunks(
+                cfg, pp_rank=p, pp_size=a.pp, num_chunks=a.vpp, tp=tp, seed=1234, device=a.device
+            )
+        ]
+        for p in range(a.pp)
+    ]
     return cfg, chunks, dtype
 
 
@@ -94,10 +107,24 @@ def _tracers(a, trace_dir: str, torch):
     cfg = TraceConfig(enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1)
     layout = {"tp_size": 1, "pp_size": a.pp, "dp_size": 1, "virtual_pp_size": a.vpp}
     clock = "cuda" if device.type == "cuda" else "monotonic"
-    return [Tracer(cfg, build_rank_meta(rank=p, world_size=a.pp, coords={"tp": 0, "dp": 0, "pp": p}, layout=layout,
-                                        host="", device=a.device, run_id="dpp_gpu_sim", clock=clock,
-                                        run={"schedule": "chunk-timing"}), device)
-            for p in range(a.pp)]
+    return [
+        Tracer(
+            cfg,
+            build_rank_meta(
+                rank=p,
+                world_size=a.pp,
+                coords={"tp": 0, "dp": 0, "pp": p},
+                layout=layout,
+                host="",
+                device=a.device,
+                run_id="dpp_gpu_sim",
+                clock=clock,
+                run={"schedule": "chunk-timing"},
+            ),
+            device,
+        )
+        for p in range(a.pp)
+    ]
 
 
 def trace_task_times(a, cfg, chunks, dtype, trace_dir: str, torch) -> list[list[int]]:
@@ -105,10 +132,18 @@ def trace_task_times(a, cfg, chunks, dtype, trace_dir: str, torch) -> list[list[
     from megatronapp import spans
 
     inputs = [[_chunk_inputs(c, cfg, a, dtype, torch) for c in row] for row in chunks]
-    grads = [[None if c.has_head else torch.randn(a.micro_batch, cfg.seq_length, cfg.hidden_size, device=a.device,
-                                                  dtype=dtype) for c in row] for row in chunks]
-    set_bytes = [[measure_set_bytes(c, *inputs[p][i], torch) for i, c in enumerate(row)]
-                 for p, row in enumerate(chunks)]
+    grads = [
+        [
+            None
+            if c.has_head
+            else torch.randn(a.micro_batch, cfg.seq_length, cfg.hidden_size, device=a.device, dtype=dtype)
+            for c in row
+        ]
+        for row in chunks
+    ]
+    set_bytes = [
+        [measure_set_bytes(c, *inputs[p][i], torch) for i, c in enumerate(row)] for p, row in enumerate(chunks)
+    ]
     tracers = _tracers(a, trace_dir, torch)
     try:
         for it in range(a.iters):
@@ -152,8 +187,11 @@ def simulate_all(a, cost: CostModel, set_bytes) -> dict:
         for name, row in res["rows"].items():
             if (scen, name) in peaks:
                 mb, sets, nbytes = peaks[(scen, name)]
-                row.update(peak_inflight_microbatches=mb, peak_activation_sets=sets,
-                           peak_activation_MiB=[round(b / 2**20, 1) for b in nbytes])
+                row.update(
+                    peak_inflight_microbatches=mb,
+                    peak_activation_sets=sets,
+                    peak_activation_MiB=[round(b / 2**20, 1) for b in nbytes],
+                )
         del res["runs"]
     return results
 
@@ -165,11 +203,15 @@ def _ms(table) -> list:
 def print_report(a, cost: CostModel, set_bytes, results: dict) -> None:
     print(f"{a.preset} on {a.device} ({a.dtype}), PP{a.pp} x V{a.vpp}, M{a.microbatches}, micro-batch {a.micro_batch}")
     print(f"  forward ms [pp][chunk] {_ms(cost.forward_s)}\n  backward ms [pp][chunk] {_ms(cost.backward_s)}")
-    print(f"  message {cost.message_bytes / 2**20:.2f} MiB: {cost.transfer_s() * 1e6:.1f} us per P2P "
-          f"({a.link_GBps} GB/s, {a.latency_us} us); activation set MiB [pp][chunk] "
-          f"{[[round(b / 2**20, 1) for b in row] for row in set_bytes]}")
-    dpp_sim_study.print_table("ms per iteration, speed vs interleaved/rendezvous (per-seed min..max)",
-                      {s: {"rows": r["rows"]} for s, r in results.items()})
+    print(
+        f"  message {cost.message_bytes / 2**20:.2f} MiB: {cost.transfer_s() * 1e6:.1f} us per P2P "
+        f"({a.link_GBps} GB/s, {a.latency_us} us); activation set MiB [pp][chunk] "
+        f"{[[round(b / 2**20, 1) for b in row] for row in set_bytes]}"
+    )
+    dpp_sim_study.print_table(
+        "ms per iteration, speed vs interleaved/rendezvous (per-seed min..max)",
+        {s: {"rows": r["rows"]} for s, r in results.items()},
+    )
     print("\npeak in-flight microbatches | activation MiB, per pipeline rank (max over seeds):")
     names = list(next(iter(results.values()))["rows"])
     print("| variant | " + " | ".join(results) + " |\n" + "| --- " * (len(results) + 1) + "|")
@@ -262,9 +304,16 @@ def main(argv=None) -> int:
 def write_json(a, device: str, cost: CostModel, set_bytes, results: dict) -> None:
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "dpp_gpu_sim.json")
-    doc = {"args": vars(a), "device": device, "forward_s": cost.forward_s, "backward_s": cost.backward_s,
-           "message_bytes": cost.message_bytes, "transfer_s": cost.transfer_s(),
-           "activation_set_bytes": set_bytes, "results": results}
+    doc = {
+        "args": vars(a),
+        "device": device,
+        "forward_s": cost.forward_s,
+        "backward_s": cost.backward_s,
+        "message_bytes": cost.message_bytes,
+        "transfer_s": cost.transfer_s(),
+        "activation_set_bytes": set_bytes,
+        "results": results,
+    }
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(path + ".tmp", path)

@@ -39,8 +39,8 @@ import json
 import os
 import sys
 
-from megatronapp.dpp.sim.scenarios import SCENARIOS
 from megatronapp.dpp.scheduler import compute_default_caps
+from megatronapp.dpp.sim.scenarios import SCENARIOS
 from megatronapp.dpp.sim.simulator import CostModel
 from megatronapp.dpp.study import REFERENCE, SWEEP, SWEEP_SKIPPED, study_config
 
@@ -50,8 +50,10 @@ def print_table(title: str, results: dict) -> None:
     print(f"\n{title}\n| scenario | " + " | ".join(names) + " |")
     print("| --- " * (len(names) + 1) + "|")
     for scen, res in results.items():
-        cells = [f"{r['mean_s'] * 1e3:.1f} x{r['speed']:.3f} ({r['speed_min']:.2f}..{r['speed_max']:.2f})"
-                 for r in res["rows"].values()]
+        cells = [
+            f"{r['mean_s'] * 1e3:.1f} x{r['speed']:.3f} ({r['speed_min']:.2f}..{r['speed_max']:.2f})"
+            for r in res["rows"].values()
+        ]
         print(f"| {scen} | " + " | ".join(cells) + " |")
 
 
@@ -64,13 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-ms", type=float, default=10.0)
     p.add_argument("--backward-ms", type=float, default=20.0)
     p.add_argument("--latency-ms", type=float, default=0.5)
-    p.add_argument("--dynamic-overhead-ms", type=float, default=0.0,
-                   help="host time the dynamic runtime adds per task (decision, receiver threads); static: none")
+    p.add_argument(
+        "--dynamic-overhead-ms",
+        type=float,
+        default=0.0,
+        help="host time the dynamic runtime adds per task (decision, receiver threads); static: none",
+    )
     p.add_argument("--seeds", type=int, default=30)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--traversals", nargs="+", default=["depth-first", "breadth-first", "adaptive", "in-order"])
-    p.add_argument("--cap-extra", type=int, nargs="*", default=[], metavar="K",
-                   help="also dynamic depth-first with K more slots per rank than interleaved's cap")
+    p.add_argument(
+        "--cap-extra",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="K",
+        help="also dynamic depth-first with K more slots per rank than interleaved's cap",
+    )
     p.add_argument("--json", default=None, help="also write the tables here")
     return p
 
@@ -90,13 +102,21 @@ def parse_args(argv):
 def main(argv=None) -> int:
     a = parse_args(argv)
     configs = SWEEP if a.sweep else [(a.pp, a.vpp, a.microbatches)]
-    print(f"F {a.forward_ms} ms, B {a.backward_ms} ms per chunk, {a.latency_ms} ms per message, dynamic "
-          f"+{a.dynamic_overhead_ms} ms per task, {a.seeds} seeds; "
-          f"cells: mean ms per iteration, xN speed vs {REFERENCE} (ratio of means), (min..max per seed)")
+    print(
+        f"F {a.forward_ms} ms, B {a.backward_ms} ms per chunk, {a.latency_ms} ms per message, dynamic "
+        f"+{a.dynamic_overhead_ms} ms per task, {a.seeds} seeds; "
+        f"cells: mean ms per iteration, xN speed vs {REFERENCE} (ratio of means), (min..max per seed)"
+    )
     out = {}
     for pp, vpp, m in configs:
-        base = CostModel.uniform(pp, vpp, a.forward_ms / 1e3, a.backward_ms / 1e3, p2p_latency_s=a.latency_ms / 1e3,
-                                 decision_s=a.dynamic_overhead_ms / 1e3)
+        base = CostModel.uniform(
+            pp,
+            vpp,
+            a.forward_ms / 1e3,
+            a.backward_ms / 1e3,
+            p2p_latency_s=a.latency_ms / 1e3,
+            decision_s=a.dynamic_overhead_ms / 1e3,
+        )
         res = study_config(base, m, a.scenarios, a.seeds, a.traversals, cap_extra=tuple(a.cap_extra))
         print_table(f"PP{pp} V{vpp} M{m}, dynamic at caps {compute_default_caps(pp, vpp, m)}", res)
         out[f"PP{pp}V{vpp}M{m}"] = res

@@ -47,11 +47,12 @@ def print_report(result: dict) -> None:
         for variant, r in rows.items():
             pred = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] else "-"
             err = f" ({r['measured_ms'] / r['predicted_ms'] - 1:+.1%} vs predicted)" if r["predicted_ms"] else ""
-            print(f"  {variant:<17} measured {r['measured_ms']:.1f} ms, predicted {pred} ms{err}, "
-                  f"n={r['iterations']}")
-            print(f"  {'':<17} busy {_fmt(r['busy'], '.0%')}; fwd ms {_fmt(r['fwd_ms'], '.2f')}; "
-                  f"bwd ms {_fmt(r['bwd_ms'], '.2f')}; host gap ms {_fmt(r['host_gap_ms'], '.3f')}; "
-                  f"p2p {r['p2p_ms']:.3f} ms")
+            print(f"  {variant:<17} measured {r['measured_ms']:.1f} ms, predicted {pred} ms{err}, n={r['iterations']}")
+            print(
+                f"  {'':<17} busy {_fmt(r['busy'], '.0%')}; fwd ms {_fmt(r['fwd_ms'], '.2f')}; "
+                f"bwd ms {_fmt(r['bwd_ms'], '.2f')}; host gap ms {_fmt(r['host_gap_ms'], '.3f')}; "
+                f"p2p {r['p2p_ms']:.3f} ms"
+            )
             if "measured_speed" in r:
                 pred_speed = f"x{r['predicted_speed']:.3f}" if "predicted_speed" in r else "-"
                 print(f"  {'':<17} speed over interleaved: measured x{r['measured_speed']:.3f}, predicted {pred_speed}")

@@ -43,20 +43,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import make_job as make_bench_job  # noqa: E402
-from plain_gpt import PlainGPT  # noqa: E402
+from common import make_job as make_bench_job
+from plain_gpt import PlainGPT
 
-from megatronapp.config import IntegrityConfig, JobConfig, build_layout, model_preset  # noqa: E402
-from megatronapp.engine.determinism import compute_deterministic_env  # noqa: E402
-from megatronapp.engine.trainer import Trainer  # noqa: E402
-from megatronapp.job import replace_fields  # noqa: E402
-from megatronapp.model.gpt import compile_counts  # noqa: E402
-from megatronapp.parallel.groups import single_process_groups  # noqa: E402
+from megatronapp.config import IntegrityConfig, JobConfig
+from megatronapp.engine.determinism import compute_deterministic_env
+from megatronapp.engine.trainer import Trainer
+from megatronapp.job import replace_fields
+from megatronapp.model.gpt import compile_counts
+from megatronapp.parallel.groups import single_process_groups
 
 PEAK = 989e12
 # fp8_loss: the runs beside bf16 (--loss-variants), each a precision override
-LOSS_VARIANTS = {"bf16": {}, "fp8_hybrid": {"fp8_format": "hybrid"},
-                 "fp8_hybrid_delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed"}}
+LOSS_VARIANTS = {
+    "bf16": {},
+    "fp8_hybrid": {"fp8_format": "hybrid"},
+    "fp8_hybrid_delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed"},
+}
 DEV = torch.device("cuda")
 
 
@@ -77,8 +80,16 @@ class Batches:
 
 
 def make_job(micro_batch: int, num_micro: int, **train_kw) -> JobConfig:
-    return make_bench_job("1.3b", micro_batch, num_micro, model_overrides={"vocab_size": 50304}, bf16=True,
-                          use_distributed_optimizer=True, log_interval=10**6, **train_kw)
+    return make_bench_job(
+        "1.3b",
+        micro_batch,
+        num_micro,
+        model_overrides={"vocab_size": 50304},
+        bf16=True,
+        use_distributed_optimizer=True,
+        log_interval=10**6,
+        **train_kw,
+    )
 
 
 class PlainRunner:
@@ -129,7 +140,7 @@ def _interleave(variants: dict, args) -> dict:
         resident[name] = torch.cuda.memory_allocated() - before
         built[name], compiled[name] = step, _delta(compile_counts(), counts)
         print(f"built {name}: resident {resident[name] / 2**30:.1f} GiB, dynamo {compiled[name]}", flush=True)
-    times, transient = {k: [] for k in built}, {k: 0 for k in built}
+    times, transient = {k: [] for k in built}, dict.fromkeys(built, 0)
     in_rounds = {k: {"frames": 0, "graph_breaks": 0} for k in built}
     for r in range(args.rounds):
         for name, step in built.items():
@@ -145,10 +156,15 @@ def _interleave(variants: dict, args) -> dict:
         med = statistics.median(ts)
         if any(in_rounds[name].values()):
             print(f"warning: {name}: dynamo compiled during the timed rounds: {in_rounds[name]}", flush=True)
-        out[name] = {"step_s": med, "spread": (max(ts) - min(ts)) / med, "rounds_s": ts,
-                     "resident_gib": resident[name] / 2**30, "dynamo_while_built": compiled[name],
-                     "dynamo_in_rounds": in_rounds[name],
-                     "peak_gib": (resident[name] + transient[name]) / 2**30}
+        out[name] = {
+            "step_s": med,
+            "spread": (max(ts) - min(ts)) / med,
+            "rounds_s": ts,
+            "resident_gib": resident[name] / 2**30,
+            "dynamo_while_built": compiled[name],
+            "dynamo_in_rounds": in_rounds[name],
+            "peak_gib": (resident[name] + transient[name]) / 2**30,
+        }
     return out
 
 
@@ -163,12 +179,14 @@ def _engine_factory(job: JobConfig, data: Batches):
     def build():
         trainer = Trainer(job, single_process_groups(), DEV, data)
         return lambda n: trainer.train(num_steps=n)
+
     return build
 
 
 def _deterministic(build):
     """A factory whose trainer is built and stepped with torch's deterministic switches on
     (process-wide state, so switched back off around the other variants' steps)."""
+
     def switched(on: bool) -> None:
         torch.use_deterministic_algorithms(on)
         torch.backends.cudnn.deterministic = on
@@ -186,7 +204,9 @@ def _deterministic(build):
                 return run(n)
             finally:
                 switched(False)
+
         return step
+
     return factory
 
 
@@ -195,18 +215,25 @@ CHECKS = dict(check_for_spiky_loss=True, check_for_large_grads=True)
 
 def _variants(job: JobConfig, data: Batches) -> dict:
     """name -> factory of a step function: the engine as measured, its alternatives, the twin."""
+
     def engine(integrity: dict | None = None, **kw):
         checked = replace(replace_fields(job, **kw), integrity=IntegrityConfig(**(integrity or {})))
         return _engine_factory(checked, data)
-    return {"engine": engine(), "engine_no_checks": engine({"check_for_nan_in_loss_and_grad": False}),
-            "engine_checks": engine(CHECKS), "engine_rerun": engine({**CHECKS, "rerun_mode": "validate_results"}),
-            "engine_deterministic": _deterministic(engine({"deterministic": True})),
-            "engine_torch_adamw": engine(fused_master_adamw=False),
-            "engine_overlap_update": engine(overlap_param_update=True),
-            "engine_fp8": engine(fp8_format="hybrid"), "engine_fp8_e4m3": engine(fp8_format="e4m3"),
-            "engine_fp8_first_last_bf16": engine(fp8_format="hybrid", first_last_layers_bf16=True),
-            "engine_fp8_delayed": engine(fp8_format="hybrid", fp8_recipe="delayed"),
-            "plain_bf16": lambda: PlainRunner(job, data).steps}
+
+    return {
+        "engine": engine(),
+        "engine_no_checks": engine({"check_for_nan_in_loss_and_grad": False}),
+        "engine_checks": engine(CHECKS),
+        "engine_rerun": engine({**CHECKS, "rerun_mode": "validate_results"}),
+        "engine_deterministic": _deterministic(engine({"deterministic": True})),
+        "engine_torch_adamw": engine(fused_master_adamw=False),
+        "engine_overlap_update": engine(overlap_param_update=True),
+        "engine_fp8": engine(fp8_format="hybrid"),
+        "engine_fp8_e4m3": engine(fp8_format="e4m3"),
+        "engine_fp8_first_last_bf16": engine(fp8_format="hybrid", first_last_layers_bf16=True),
+        "engine_fp8_delayed": engine(fp8_format="hybrid", fp8_recipe="delayed"),
+        "plain_bf16": lambda: PlainRunner(job, data).steps,
+    }
 
 
 def _selected(variants: dict, args, default: tuple[str, ...]) -> dict:
@@ -240,9 +267,14 @@ def bench_fp8_loss(args, results: dict) -> None:
         kw = LOSS_VARIANTS[name]
         job = make_job(4, args.num_micro, compile=True, **kw)
         job = replace_fields(job, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps)
-        data = DistributedBatchIterator(build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
-                                        micro_batch_size=4, global_batch_size=job.train.global_batch_size,
-                                        dp_rank=0, dp_size=1, seed=job.train.seed)
+        data = DistributedBatchIterator(
+            build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
+            micro_batch_size=4,
+            global_batch_size=job.train.global_batch_size,
+            dp_rank=0,
+            dp_size=1,
+            seed=job.train.seed,
+        )
         trainer = Trainer(job, single_process_groups(), DEV, data)
         out[name] = [float(trainer.train_step().loss) for _ in range(args.loss_steps)]
         print(f"  {name}: loss {out[name][0]:.4f} -> {out[name][-1]:.4f}", flush=True)
@@ -251,18 +283,24 @@ def bench_fp8_loss(args, results: dict) -> None:
         torch.cuda.empty_cache()
     tail = max(1, args.loss_steps // 10)
     last = {k: statistics.mean(v[-tail:]) for k, v in out.items()}
-    results["fp8_loss"] = {"losses": out, f"mean_of_last_{tail}": last,
-                           "minus_bf16": {k: last[k] - last["bf16"] for k in last if k != "bf16"},
-                           "max_abs_step_difference": {k: max(abs(a - b) for a, b in zip(out["bf16"], v))
-                                                       for k, v in out.items() if k != "bf16"}}
+    results["fp8_loss"] = {
+        "losses": out,
+        f"mean_of_last_{tail}": last,
+        "minus_bf16": {k: last[k] - last["bf16"] for k in last if k != "bf16"},
+        "max_abs_step_difference": {
+            k: max(abs(a - b) for a, b in zip(out["bf16"], v)) for k, v in out.items() if k != "bf16"
+        },
+    }
 
 
 def bench_split(args, results: dict) -> None:
     # micro-batch 2: both eager engines (states and activations) are resident at once
     job = make_job(2, args.num_micro, split_backward=False)
     data = Batches(job.model.padded_vocab_size, 2, job.model.seq_length, args.num_micro)
-    variants = {"engine_eager": _engine_factory(job, data),
-                "engine_eager_split": _engine_factory(replace_fields(job, split_backward=True), data)}
+    variants = {
+        "engine_eager": _engine_factory(job, data),
+        "engine_eager_split": _engine_factory(replace_fields(job, split_backward=True), data),
+    }
     out = _interleave(variants, args)
     _annotate(out, job)
     out["split_cost"] = out["engine_eager_split"]["step_s"] / out["engine_eager"]["step_s"] - 1.0
@@ -273,8 +311,11 @@ def bench_recompute(args, results: dict) -> None:
     base = make_job(4, args.num_micro, compile=True)
     data = Batches(base.model.padded_vocab_size, 4, base.model.seq_length, args.num_micro)
     variants = {}
-    for name, kw in (("none", {}), ("selective", {"recompute_granularity": "selective"}),
-                     ("full", {"recompute_granularity": "full"})):
+    for name, kw in (
+        ("none", {}),
+        ("selective", {"recompute_granularity": "selective"}),
+        ("full", {"recompute_granularity": "full"}),
+    ):
         variants[name] = _engine_factory(replace_fields(base, **kw), data)
     out = _interleave(variants, args)
     _annotate(out, base)
@@ -315,11 +356,14 @@ def bench_microbatch(args, results: dict) -> None:
 
 def _kernel_category(name: str) -> str:
     n = name.lower()
-    for cat, keys in (("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul")),
-                      ("attention", ("flash", "fmha", "attention", "cudnn")),
-                      ("optimizer", ("multi_tensor", "adam", "foreach")),
-                      ("triton", ("triton",)), ("copy/cast", ("copy", "cast", "convert")),
-                      ("reduce", ("reduce",))):
+    for cat, keys in (
+        ("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul")),
+        ("attention", ("flash", "fmha", "attention", "cudnn")),
+        ("optimizer", ("multi_tensor", "adam", "foreach")),
+        ("triton", ("triton",)),
+        ("copy/cast", ("copy", "cast", "convert")),
+        ("reduce", ("reduce",)),
+    ):
         if any(k in n for k in keys):
             return cat
     return "other elementwise"
@@ -367,8 +411,11 @@ def _busy_and_gaps(trace_path: str, top: int = 30) -> dict:
     """GPU busy time (union of kernel / memcpy / memset intervals) and the idle gaps between
     them in a chrome trace, largest first, with the names around each gap."""
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
-    dev = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
-                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    dev = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
     if not dev:
         return {}
     busy, gaps, end, last = 0.0, [], dev[0][0], dev[0][2]
@@ -380,10 +427,15 @@ def _busy_and_gaps(trace_path: str, top: int = 30) -> dict:
             end, last = t1, name
     gaps.sort(reverse=True)
     span = end - dev[0][0]
-    return {"window_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
-            "gaps_over_20us": sum(1 for g in gaps if g[0] > 20), "idle_in_gaps_over_20us_ms":
-            sum(g[0] for g in gaps if g[0] > 20) / 1e3, "kernels": len(dev),
-            "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]]}
+    return {
+        "window_ms": span / 1e3,
+        "busy_ms": busy / 1e3,
+        "idle_ms": (span - busy) / 1e3,
+        "gaps_over_20us": sum(1 for g in gaps if g[0] > 20),
+        "idle_in_gaps_over_20us_ms": sum(g[0] for g in gaps if g[0] > 20) / 1e3,
+        "kernels": len(dev),
+        "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in gaps[:top]],
+    }
 
 
 def bench_timeline(args, results: dict) -> None:
@@ -406,6 +458,7 @@ def bench_timeline(args, results: dict) -> None:
 
 def _engine_phases(trainer: Trainer, data: Batches):
     """One engine step split at the end of backward: (forward+backward s, reduce+optimizer s)."""
+
     def run() -> tuple[float, float]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -419,6 +472,7 @@ def _engine_phases(trainer: Trainer, data: Batches):
         trainer.iteration += 1
         trainer.runtime.compute_timer.take()
         return t1 - t0, time.perf_counter() - t1
+
     return run
 
 
@@ -435,6 +489,7 @@ def _plain_phases(plain: PlainRunner):
         plain.opt.step()
         torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t1
+
     return run
 
 
@@ -454,9 +509,13 @@ def bench_phases(args, results: dict) -> None:
     out = {}
     for name, ts in times.items():
         fb, opt = [t[0] for t in ts], [t[1] for t in ts]
-        out[name] = {"forward_backward_ms": statistics.median(fb) * 1e3, "optimizer_ms": statistics.median(opt) * 1e3,
-                     "forward_backward_range_ms": [min(fb) * 1e3, max(fb) * 1e3],
-                     "optimizer_range_ms": [min(opt) * 1e3, max(opt) * 1e3], "samples": len(ts)}
+        out[name] = {
+            "forward_backward_ms": statistics.median(fb) * 1e3,
+            "optimizer_ms": statistics.median(opt) * 1e3,
+            "forward_backward_range_ms": [min(fb) * 1e3, max(fb) * 1e3],
+            "optimizer_range_ms": [min(opt) * 1e3, max(opt) * 1e3],
+            "samples": len(ts),
+        }
     results["phases"] = out
 
 
@@ -468,13 +527,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--num-micro", type=int, default=2)
-    p.add_argument("--variants", default="", help="throughput (default engine,engine_fp8), profile, timeline: "
-                   "comma-separated subset of engine, engine_no_checks, engine_checks, engine_rerun, "
-                   "engine_deterministic, engine_torch_adamw, engine_overlap_update, engine_fp8, "
-                   "engine_fp8_e4m3, engine_fp8_first_last_bf16, engine_fp8_delayed (plain_bf16 always runs)")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="throughput (default engine,engine_fp8), profile, timeline: "
+        "comma-separated subset of engine, engine_no_checks, engine_checks, engine_rerun, "
+        "engine_deterministic, engine_torch_adamw, engine_overlap_update, engine_fp8, "
+        "engine_fp8_e4m3, engine_fp8_first_last_bf16, engine_fp8_delayed (plain_bf16 always runs)",
+    )
     p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss: steps of each run")
-    p.add_argument("--loss-variants", default="bf16,fp8_hybrid,fp8_hybrid_delayed",
-                   help="fp8_loss: FP8 runs beside bf16 (always run first): fp8_hybrid, fp8_hybrid_delayed")
+    p.add_argument(
+        "--loss-variants",
+        default="bf16,fp8_hybrid,fp8_hybrid_delayed",
+        help="fp8_loss: FP8 runs beside bf16 (always run first): fp8_hybrid, fp8_hybrid_delayed",
+    )
     return p
 
 
@@ -488,7 +554,16 @@ def main() -> None:
         p.error(f"--loss-variants: unknown {sorted(unknown)}; known: {', '.join(LOSS_VARIANTS)}")
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    benches = {"phases": bench_phases, "profile": bench_profile, "timeline": bench_timeline, "throughput": bench_throughput, "fp8_loss": bench_fp8_loss, "recompute": bench_recompute, "split": bench_split, "microbatch": bench_microbatch}
+    benches = {
+        "phases": bench_phases,
+        "profile": bench_profile,
+        "timeline": bench_timeline,
+        "throughput": bench_throughput,
+        "fp8_loss": bench_fp8_loss,
+        "recompute": bench_recompute,
+        "split": bench_split,
+        "microbatch": bench_microbatch,
+    }
     for name in args.only.split(","):
         benches[name](args, results)
         gc.collect()

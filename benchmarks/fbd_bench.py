@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 from megatronapp.config import MODEL_PRESETS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fbd_bench_rank import child, compute_placements, world_of  # noqa: E402
+from fbd_bench_rank import child, compute_placements, world_of
 
 VARIANTS = ("plain", "recompute", "fbd", "fbd_cpu_forward", "free_forward")
 
@@ -109,8 +109,13 @@ def _probe_summary(micro_batch: int, microbatches: int, by_rank: dict, cfg) -> d
     step_s = max(r["step_s"] for r in backward)
     tokens = micro_batch * cfg.dp * microbatches * (cfg.seq_length or MODEL_PRESETS[cfg.model].seq_length)
     peaks = [r["peak_gb"] for r in backward if "peak_gb" in r]
-    return {"micro_batch": micro_batch, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "peak_gb": max(peaks) if peaks else None, "forward_peak_gb": max(forward_gpu) if forward_gpu else None}
+    return {
+        "micro_batch": micro_batch,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "peak_gb": max(peaks) if peaks else None,
+        "forward_peak_gb": max(forward_gpu) if forward_gpu else None,
+    }
 
 
 def _summary(values: list[float]) -> dict | None:
@@ -127,8 +132,11 @@ def bench_throughput(cfg, budget: Budget, report: dict, save, variants: list[str
     for r in range(rounds):
         for v in variants:
             slow = v == "fbd_cpu_forward" and cfg.device == "cuda"
-            probe = ((cfg.micro_batch, cfg.cpu_forward_microbatches, cfg.cpu_forward_steps, 0) if slow
-                     else (cfg.micro_batch, cfg.microbatches, cfg.steps, cfg.warmup))
+            probe = (
+                (cfg.micro_batch, cfg.cpu_forward_microbatches, cfg.cpu_forward_steps, 0)
+                if slow
+                else (cfg.micro_batch, cfg.microbatches, cfg.steps, cfg.warmup)
+            )
             res = run_job(v, cfg, [probe], budget)[0]
             runs[v].append(res)
             print(f"throughput round {r} {v}: {res}", file=sys.stderr, flush=True)
@@ -138,9 +146,13 @@ def bench_throughput(cfg, budget: Budget, report: dict, save, variants: list[str
 
 def _throughput_entry(rs: list[dict]) -> dict:
     ok = [x for x in rs if "error" not in x]
-    return {"tokens_per_s": _summary([x["tokens_per_s"] for x in ok]), "peak_gb": _summary([x["peak_gb"] for x in ok]),
-            "forward_peak_gb": _summary([x["forward_peak_gb"] for x in ok]), "runs": rs,
-            "errors": [x["error"] for x in rs if "error" in x]}
+    return {
+        "tokens_per_s": _summary([x["tokens_per_s"] for x in ok]),
+        "peak_gb": _summary([x["peak_gb"] for x in ok]),
+        "forward_peak_gb": _summary([x["forward_peak_gb"] for x in ok]),
+        "runs": rs,
+        "errors": [x["error"] for x in rs if "error" in x],
+    }
 
 
 def bench_max_micro_batch(cfg, budget: Budget, report: dict, save) -> None:
@@ -156,9 +168,14 @@ def bench_max_micro_batch(cfg, budget: Budget, report: dict, save) -> None:
         report["max_micro_batch"][v] = {
             "largest": max(fits) if fits else None,
             "stopped_by": failed["error"] if failed else f"limit: all sizes up to {sizes[-1]} fit",
-            "tried": tried}
-        print(f"max micro batch {v}: {report['max_micro_batch'][v]['largest']} "
-              f"({report['max_micro_batch'][v]['stopped_by']})", file=sys.stderr, flush=True)
+            "tried": tried,
+        }
+        print(
+            f"max micro batch {v}: {report['max_micro_batch'][v]['largest']} "
+            f"({report['max_micro_batch'][v]['stopped_by']})",
+            file=sys.stderr,
+            flush=True,
+        )
         save(report)
 
 
@@ -166,12 +183,19 @@ def resolve_defaults(cfg) -> None:
     """Fill the flags left unset from the device: on CUDA, layouts that fit the visible GPUs."""
     cuda = cfg.device == "cuda"
     gpus = torch.cuda.device_count() if cuda else 0
-    defaults = {"model": "350m" if cuda else "tiny", "tp": 1, "dp": 1 if cuda else 2,
-                "pp": (1 if gpus < 2 else 2) if cuda else 2, "micro_batch": 8 if cuda else 2,
-                "threads": 4 if cuda else 1, "budget_s": 420.0 if cuda else None,
-                "max_micro_batch": 512 if cuda else 0, "search_from": 8 if cuda else 2,
-                "variants": list(VARIANTS) if cuda else ["plain", "recompute", "fbd", "free_forward"],
-                "cpu_forward_threads": max(1, (os.cpu_count() or 2) - 2)}
+    defaults = {
+        "model": "350m" if cuda else "tiny",
+        "tp": 1,
+        "dp": 1 if cuda else 2,
+        "pp": (1 if gpus < 2 else 2) if cuda else 2,
+        "micro_batch": 8 if cuda else 2,
+        "threads": 4 if cuda else 1,
+        "budget_s": 420.0 if cuda else None,
+        "max_micro_batch": 512 if cuda else 0,
+        "search_from": 8 if cuda else 2,
+        "variants": list(VARIANTS) if cuda else ["plain", "recompute", "fbd", "free_forward"],
+        "cpu_forward_threads": max(1, (os.cpu_count() or 2) - 2),
+    }
     for name, value in defaults.items():
         if getattr(cfg, name) is None:
             setattr(cfg, name, value)
@@ -214,6 +238,7 @@ def _saver(path: str | None):
             with open(tmp, "w") as f:
                 json.dump(report, f, indent=1)
             os.replace(tmp, path)
+
     return save
 
 
@@ -225,8 +250,11 @@ def main(argv=None) -> int:
     resolve_defaults(cfg)
     budget, save = Budget(cfg.budget_s), _saver(cfg.out)
     # no CUDA call that makes a context here: it would hold GPU memory the search measures
-    machine = {"gpus": torch.cuda.device_count() if cfg.device == "cuda" else 0, "cpus": os.cpu_count(),
-               "torch": torch.__version__}
+    machine = {
+        "gpus": torch.cuda.device_count() if cfg.device == "cuda" else 0,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+    }
     report = {"args": vars(cfg), "machine": machine, "throughput": {}, "max_micro_batch": {}}
     fast = [v for v in cfg.variants if v != "fbd_cpu_forward" or cfg.device == "cpu"]
     bench_throughput(cfg, budget, report, save, fast, cfg.rounds)
@@ -236,10 +264,18 @@ def main(argv=None) -> int:
         bench_throughput(cfg, budget, report, save, ["fbd_cpu_forward"], cfg.cpu_forward_rounds)
     report["elapsed_s"] = time.monotonic() - budget.start
     save(report)
-    print(json.dumps({"throughput": {v: {k: e[k] for k in ("tokens_per_s", "peak_gb", "errors")}
-                                     for v, e in report["throughput"].items()},
-                      "max_micro_batch": {v: e["largest"] for v, e in report["max_micro_batch"].items()},
-                      "elapsed_s": report["elapsed_s"]}, indent=1))
+    print(
+        json.dumps(
+            {
+                "throughput": {
+                    v: {k: e[k] for k in ("tokens_per_s", "peak_gb", "errors")} for v, e in report["throughput"].items()
+                },
+                "max_micro_batch": {v: e["largest"] for v, e in report["max_micro_batch"].items()},
+                "elapsed_s": report["elapsed_s"],
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -13,11 +13,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+from common import FixedBatches, make_job
 
 from megatronapp.config import JobConfig, build_layout
 from megatronapp.job import validate_job
-
-from common import FixedBatches, make_job
 
 FBD_VARIANTS = ("fbd", "fbd_cpu_forward", "free_forward")
 
@@ -51,10 +50,18 @@ def compute_placements(variant: str, cfg, gpus: int):
 
 
 def build_bench_job(cfg, micro_batch: int, microbatches: int, variant: str) -> JobConfig:
-    job = make_job(cfg.model, micro_batch, microbatches, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
-                   model_overrides={"seq_length": cfg.seq_length} if cfg.seq_length else None,
-                   bf16=cfg.device == "cuda", log_interval=1,
-                   recompute_granularity="full" if variant == "recompute" else "none")
+    job = make_job(
+        cfg.model,
+        micro_batch,
+        microbatches,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        dp=cfg.dp,
+        model_overrides={"seq_length": cfg.seq_length} if cfg.seq_length else None,
+        bf16=cfg.device == "cuda",
+        log_interval=1,
+        recompute_granularity="full" if variant == "recompute" else "none",
+    )
     validate_job(job)
     return job
 
@@ -76,19 +83,21 @@ def setup_rank(rank: int, world: int, variant: str, cfg, store_path: str) -> Ran
     """Place this rank, set its threads, start torch.distributed and build its groups."""
     import torch.distributed as dist
 
-    from megatronapp.fbd.roles import place_rank
     from megatronapp.fbd.groups import build_role_groups
     from megatronapp.fbd.layout import RoleLayout
+    from megatronapp.fbd.roles import place_rank
     from megatronapp.parallel.groups import build_process_groups
     from megatronapp.parallel.placement import compute_default_backend
 
     placements = compute_placements(variant, cfg, torch.cuda.device_count() if cfg.device == "cuda" else 0)
     placed = place_rank(placements, rank)  # device, per-link devices, default backend
-    torch.set_num_threads(cfg.threads if placed.device.type == "cuda" or cfg.device == "cpu"
-                          else cfg.cpu_forward_threads)
+    torch.set_num_threads(
+        cfg.threads if placed.device.type == "cuda" or cfg.device == "cpu" else cfg.cpu_forward_threads
+    )
     if world > 1:
-        dist.init_process_group(compute_default_backend(placements), store=dist.FileStore(store_path, world),
-                                rank=rank, world_size=world)
+        dist.init_process_group(
+            compute_default_backend(placements), store=dist.FileStore(store_path, world), rank=rank, world_size=world
+        )
     if variant not in FBD_VARIANTS:
         return RankSetup(rank, variant, placed.device, build_process_groups(build_layout(world, cfg.tp, cfg.pp), rank))
     groups = build_role_groups(RoleLayout(world, cfg.tp, cfg.pp, cfg.tf), rank)
@@ -149,6 +158,6 @@ def child(rank: int, world: int, variant: str, cfg, store_path: str, probes: lis
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - an out-of-memory is a result when searching the largest batch
+    except BaseException as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         results.put((rank, micro_batch, None, f"{type(e).__name__}: {first}"[:300]))

@@ -28,10 +28,12 @@ import tempfile
 import time
 
 import torch
+from common import bootstrap_median_ci, sync
 
 from megatronapp.config import build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
 from megatronapp.engine.trainer import Trainer
+from megatronapp.files import write_text_atomic
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.inference.model import build_inference_model, read_model_config
 from megatronapp.job import build_job
@@ -39,9 +41,6 @@ from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope.capture import capture
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
-from megatronapp.files import write_text_atomic
-
-from common import bootstrap_median_ci, sync
 
 
 class _NoData:
@@ -58,8 +57,9 @@ def write_preset_checkpoint(preset: str, device) -> str:
     return folder
 
 
-def time_ours(model, prompt, new_tokens: int, vocab: int, with_capture: bool,
-              after_capture: bool = False) -> tuple[float, dict]:
+def time_ours(
+    model, prompt, new_tokens: int, vocab: int, with_capture: bool, after_capture: bool = False
+) -> tuple[float, dict]:
     """(decode tokens/s, {"bytes_per_token", "recorded_fraction"} of the capture, or {});
     after_capture: capture off, right after a capture was entered and left (nothing stays)."""
     sampling = SamplingConfig(max_new_tokens=new_tokens, stop_on_eod=False)
@@ -72,8 +72,10 @@ def time_ours(model, prompt, new_tokens: int, vocab: int, with_capture: bool,
     with capture(model, DEFAULT_SITES, compress=DEFAULT_COMPRESS) as cap:
         res = generate(model, [prompt], sampling, eod_id=0, vocab_size=vocab)
     # recorded_fraction: decode steps whose capture ran inside the decode step (graph path)
-    return res.decode_tokens_per_s, {"bytes_per_token": cap.bytes_per_token,
-                                     "recorded_fraction": len(cap.recorded_steps) / max(res.decode_steps, 1)}
+    return res.decode_tokens_per_s, {
+        "bytes_per_token": cap.bytes_per_token,
+        "recorded_fraction": len(cap.recorded_steps) / max(res.decode_steps, 1),
+    }
 
 
 def load_hf(ckpt: str, device, dtype):
@@ -144,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed as a CUDA graph (ours)")
-    p.add_argument("--no-eager", action="store_true",
-                   help="with --cuda-graphs, skip the eager-decode variants (many cheap rounds for the paired CIs)")
+    p.add_argument(
+        "--no-eager",
+        action="store_true",
+        help="with --cuda-graphs, skip the eager-decode variants (many cheap rounds for the paired CIs)",
+    )
     p.add_argument("--out", default=None)
     return p
 
@@ -167,20 +172,29 @@ def main() -> None:
         def run() -> tuple[float, dict]:
             model.cuda_graphs = graphs
             return time_ours(model, prompt, new, cfg.vocab_size, with_capture, after_capture)
+
         return run
 
-    variants = {"ours_off": ours(args.cuda_graphs, False), "ours_capture": ours(args.cuda_graphs, True),
-                "ours_scope_off": ours(args.cuda_graphs, False, after_capture=True)}
+    variants = {
+        "ours_off": ours(args.cuda_graphs, False),
+        "ours_capture": ours(args.cuda_graphs, True),
+        "ours_scope_off": ours(args.cuda_graphs, False, after_capture=True),
+    }
     eager_too = args.cuda_graphs and not args.no_eager
     if eager_too:  # the eager decode path side by side with the graph replay
         variants.update(ours_eager=ours(False, False), ours_eager_capture=ours(False, True))
     if hf is not None:
         variants["hf"] = lambda: (time_hf(hf, prompt, new, device), {})
     results = run_interleaved(variants, args.rounds)
-    report = {"model": args.model if not args.load else args.load, "device": str(device), "dtype": str(dtype),
-              "cuda_graphs": args.cuda_graphs,
-              "prompt_len": args.prompt_len, "new_tokens": new,
-              **{k: summarize(v) for k, v in results.items() if v}}
+    report = {
+        "model": args.model if not args.load else args.load,
+        "device": str(device),
+        "dtype": str(dtype),
+        "cuda_graphs": args.cuda_graphs,
+        "prompt_len": args.prompt_len,
+        "new_tokens": new,
+        **{k: summarize(v) for k, v in results.items() if v},
+    }
     off, on = report["ours_off"]["median"], report["ours_capture"]["median"]
     report["capture_overhead_pct"] = 100.0 * (off / on - 1.0)  # per token: time on / time off - 1
     report["capture_off_overhead_pct"] = 100.0 * (off / report["ours_scope_off"]["median"] - 1.0)

@@ -25,8 +25,18 @@ from pathlib import Path
 from megatronapp.engine.integrity import compare_runs, tabulate_flagged
 
 ROOT = Path(__file__).resolve().parents[1]
-SPIKE_COMMAND = ["--model", "1.3b", "--bf16", "--compile", "--micro-batch-size", "4", "--global-batch-size", "4",
-                 "--make-vocab-size-divisible-by", "50304"]
+SPIKE_COMMAND = [
+    "--model",
+    "1.3b",
+    "--bf16",
+    "--compile",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "4",
+    "--make-vocab-size-divisible-by",
+    "50304",
+]
 CHECK_FLAGS = ["--check-for-spiky-loss", "--check-for-large-grads", "--rerun-mode", "validate_results"]
 
 
@@ -37,8 +47,20 @@ def read_metrics(path: Path) -> list[dict]:
 def _train(out: Path, name: str, iters: int, extra: list[str], timeout: float) -> list[dict]:
     metrics = out / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "megatronapp.cli.main", "train", *SPIKE_COMMAND, "--train-iters", str(iters),
-           "--log-interval", "10", "--metrics-file", str(metrics), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatronapp.cli.main",
+        "train",
+        *SPIKE_COMMAND,
+        "--train-iters",
+        str(iters),
+        "--log-interval",
+        "10",
+        "--metrics-file",
+        str(metrics),
+        *extra,
+    ]
     print("+", " ".join(cmd[1:]), flush=True)
     done = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
     (out / f"{name}.log").write_text(done.stdout + done.stderr)
@@ -69,15 +91,32 @@ def main() -> None:
         results["determinism"] = compare_runs(a, b)
         print(json.dumps(results["determinism"]), flush=True)
     if "spikes" in only:
-        runs = {f"spikes_r{k}": _train(out, f"spikes_r{k}", 40, CHECK_FLAGS, 600) for k in range(1, args.spike_runs + 1)}
-        results["spikes"] = {"flagged": tabulate_flagged(runs),
-                             "final_loss": {name: rows[-1]["loss"] for name, rows in runs.items()}}
+        runs = {
+            f"spikes_r{k}": _train(out, f"spikes_r{k}", 40, CHECK_FLAGS, 600) for k in range(1, args.spike_runs + 1)
+        }
+        results["spikes"] = {
+            "flagged": tabulate_flagged(runs),
+            "final_loss": {name: rows[-1]["loss"] for name, rows in runs.items()},
+        }
         print(json.dumps(results["spikes"], indent=1), flush=True)
     (out / "integrity.json").write_text(json.dumps(results, indent=1))
     if "cost" in only:
-        bench = [sys.executable, str(ROOT / "benchmarks" / "engine_bench.py"), "--only", "throughput",
-                 "--variants", args.cost_variants,
-                 "--rounds", str(args.rounds), "--steps", "4", "--num-micro", "1", "--out", str(out / "cost.json")]
+        bench = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "engine_bench.py"),
+            "--only",
+            "throughput",
+            "--variants",
+            args.cost_variants,
+            "--rounds",
+            str(args.rounds),
+            "--steps",
+            "4",
+            "--num-micro",
+            "1",
+            "--out",
+            str(out / "cost.json"),
+        ]
         print("+", " ".join(bench[1:]), flush=True)
         subprocess.run(bench, cwd=ROOT, check=True, timeout=900)
 

@@ -36,8 +36,9 @@ class PlainGPT(nn.Module):
     def __init__(self, cfg, device):
         super().__init__()
         self.emb = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(PlainBlock(cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_size)
-                                    for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(
+            PlainBlock(cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_size) for _ in range(cfg.num_layers)
+        )
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         cos, sin = rotary_tables(cfg.seq_length, cfg.head_dim, cfg.rotary_base, device)

@@ -13,7 +13,9 @@ are quoted; run/tune/summarize/rejudge evaluate the in-process injectors (kept f
 
 import sys
 
-from megatronapp.faultlab.evaluation.cli import build_parser, main  # build_parser: the documented commands parse (tests)
+from megatronapp.faultlab.evaluation.cli import (  # build_parser: the documented commands parse (tests)
+    main,
+)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -59,8 +59,14 @@ def run_merge(trace_dir: Path, out: Path, source: Path = ROOT) -> dict:
     where taskset exists."""
     env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    done = subprocess.run([*pin, sys.executable, "-c", _CHILD, str(trace_dir), str(out)], env=env, cwd=source,
-                          capture_output=True, text=True, check=True)  # cwd: "-c" puts it first on sys.path
+    done = subprocess.run(
+        [*pin, sys.executable, "-c", _CHILD, str(trace_dir), str(out)],
+        env=env,
+        cwd=source,
+        capture_output=True,
+        text=True,
+        check=True,
+    )  # cwd: "-c" puts it first on sys.path
     out.unlink(missing_ok=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if Path(result["source"]).resolve() != Path(source).resolve():
@@ -112,12 +118,17 @@ def main() -> None:
             t0 = time.perf_counter()
             written = write_repeated_job(job, d, max(1, events // per_iteration), iterations_per_batch=100)
             size = sum(p.stat().st_size for p in d.glob("rank*.mscan"))
-            results[label] = {"events": written, "ranks": job.world_size, "trace_bytes_per_event": size / written,
-                              "write_s": time.perf_counter() - t0, "runs": {name: [] for name in sources}}
+            results[label] = {
+                "events": written,
+                "ranks": job.world_size,
+                "trace_bytes_per_event": size / written,
+                "write_s": time.perf_counter() - t0,
+                "runs": {name: [] for name in sources},
+            }
             dirs[label] = d
         for k in range(args.repeats):  # interleaved: lengths, and trees in alternating order
             for label, d in dirs.items():
-                for name in (list(sources) if k % 2 == 0 else list(sources)[::-1]):
+                for name in list(sources) if k % 2 == 0 else list(sources)[::-1]:
                     results[label]["runs"][name].append(run_merge(d, Path(tmp) / "timeline.json", sources[name]))
     for r in results.values():
         r.update({name: summarize_runs(runs) for name, runs in r.pop("runs").items()})

@@ -50,10 +50,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatronapp.engine.hooks import NULL_TRACER  # noqa: E402
-from megatronapp.files import write_text_atomic  # noqa: E402
 from megatronapp.engine.trainer import Trainer  # noqa: E402
-from megatronapp.paired import (bootstrap_median_ci, compute_position_effect, pair_plan, run_rounds,  # noqa: E402
-                                summarize_rounds)
+from megatronapp.files import write_text_atomic  # noqa: E402
+from megatronapp.paired import bootstrap_median_ci, compute_position_effect, pair_plan, run_rounds, summarize_rounds  # noqa: E402
 from megatronapp.parallel.groups import single_process_groups  # noqa: E402
 from megatronapp.scan.record.format import build_rank_meta, load_rank_trace  # noqa: E402
 from megatronapp.scan.record.tracer import TraceConfig, Tracer  # noqa: E402
@@ -69,17 +68,26 @@ def format_line(label: str, variant: str, summary: dict) -> str:
     s = summary[variant]
     w, wo = s["overhead_with_close"], s["overhead"]
     size = f", {s['bytes_per_event']:.1f} bytes/event" if "bytes_per_event" in s else ""
-    return (f"{label} {variant}: {w['median']:+.2%} [95% CI {w['ci95'][0]:+.2%}, {w['ci95'][1]:+.2%}] with close, "
-            f"{wo['median']:+.2%} [{wo['ci95'][0]:+.2%}, {wo['ci95'][1]:+.2%}] steps only; "
-            f"median of {summary['rounds']} paired rounds x {summary['steps_per_round']} steps, "
-            f"off {summary['off_step_ms']:.2f} ms/step{size}")
+    return (
+        f"{label} {variant}: {w['median']:+.2%} [95% CI {w['ci95'][0]:+.2%}, {w['ci95'][1]:+.2%}] with close, "
+        f"{wo['median']:+.2%} [{wo['ci95'][0]:+.2%}, {wo['ci95'][1]:+.2%}] steps only; "
+        f"median of {summary['rounds']} paired rounds x {summary['steps_per_round']} steps, "
+        f"off {summary['off_step_ms']:.2f} ms/step{size}"
+    )
 
 
 # ----------------------------------------------------------------------------- measurement
 def _new_tracer(granularity: str, trace_dir: str, device: torch.device) -> Tracer:
-    meta = build_rank_meta(rank=0, world_size=1, coords={"tp": 0, "dp": 0, "pp": 0},
-                           layout={"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
-                           host="bench", device=str(device), run_id="overhead", clock="monotonic")
+    meta = build_rank_meta(
+        rank=0,
+        world_size=1,
+        coords={"tp": 0, "dp": 0, "pp": 0},
+        layout={"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
+        host="bench",
+        device=str(device),
+        run_id="overhead",
+        clock="monotonic",
+    )
     cfg = TraceConfig(enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1, granularity=granularity)
     return Tracer(cfg, meta, device)
 
@@ -115,14 +123,16 @@ def measure_overhead(trainer: Trainer, device: torch.device, steps: int, rounds:
 def _pairs_tracer(granularity: str, trace_dir: str, device: torch.device, traced: set[int]) -> Tracer:
     """A tracer recording exactly the iterations in `traced` (every window flushed when due)."""
     tracer = _new_tracer(granularity, trace_dir, device)
-    tracer.config = TraceConfig(enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1,
-                                granularity=granularity)
+    tracer.config = TraceConfig(
+        enabled=True, trace_dir=trace_dir, interval=1, continuous_iterations=1, granularity=granularity
+    )
     tracer.should_trace = traced.__contains__  # the plan's choice instead of the config's interval
     return tracer
 
 
-def _one_pass(trainer: Trainer, device: torch.device, plan: list[tuple[int, int]], granularity: str,
-              trace_dir: str, control: bool) -> tuple[Tracer, list[tuple[float, float]], float]:
+def _one_pass(
+    trainer: Trainer, device: torch.device, plan: list[tuple[int, int]], granularity: str, trace_dir: str, control: bool
+) -> tuple[Tracer, list[tuple[float, float]], float]:
     """Run the plan's steps; (tracer, (treated, other) seconds per pair, close seconds).
     `control`: the treated step is not traced either (an A/A pass: the method's own bias)."""
     traced = set() if control else {t for t, _ in plan}
@@ -155,12 +165,18 @@ def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed
         ratios = [t / o for t, o in timed]
         first = [t_it < o_it for t_it, o_it in plan]  # the treated step came first in its pair
         median, lo, hi = bootstrap_median_ci(ratios, seed)
-        entry = {"overhead": {"median": median - 1, "ci95": [lo - 1, hi - 1],
-                              "pair_range": [min(ratios) - 1, max(ratios) - 1]},
-                 "treated_first": sum(first), "close_s": close_s,
-                 "untraced_step_ms": statistics.median(o for _, o in timed) * 1e3,
-                 # per pair: treated s, other s, treated first? (to test a position bias afterwards)
-                 "pair_steps": [[t, o, f] for (t, o), f in zip(timed, first)]}
+        entry = {
+            "overhead": {
+                "median": median - 1,
+                "ci95": [lo - 1, hi - 1],
+                "pair_range": [min(ratios) - 1, max(ratios) - 1],
+            },
+            "treated_first": sum(first),
+            "close_s": close_s,
+            "untraced_step_ms": statistics.median(o for _, o in timed) * 1e3,
+            # per pair: treated s, other s, treated first? (to test a position bias afterwards)
+            "pair_steps": [[t, o, f] for (t, o), f in zip(timed, first)],
+        }
         if control:  # nothing differs within a pair but its position: the effect the coin cancels
             second = compute_position_effect(ratios, first)
             m2, lo2, hi2 = bootstrap_median_ci(second, seed)
@@ -170,17 +186,26 @@ def measure_alternating(trainer: Trainer, device: torch.device, pairs: int, seed
         cost = tracer.writer_cost  # its first batch (opening the file) is paid once per run: apart
         traced_s = sum(t for t, _ in timed)
         writer, steady = cost.total_s / traced_s, cost.later_s / traced_s
-        entry.update({"writer_cpu_share": writer,
-                      "overhead_with_writer_bound": {"median": median - 1 + writer,
-                                                     "ci95": [lo - 1 + writer, hi - 1 + writer]},
-                      "writer_first_batch_s": cost.first_batch_s,
-                      "writer_steady_us_per_event": 1e6 * cost.later_s / max(cost.later_records, 1),
-                      "writer_steady_cpu_share": steady,
-                      "overhead_with_steady_writer_bound": {"median": median - 1 + steady,
-                                                            "ci95": [lo - 1 + steady, hi - 1 + steady]},
-                      "writer_batches": cost.batches,
-                      "traced_step_ms": traced_s / pairs * 1e3,
-                      "bytes_per_event": size / max(rows, 1), "events_per_traced_step": rows / pairs})
+        entry.update(
+            {
+                "writer_cpu_share": writer,
+                "overhead_with_writer_bound": {
+                    "median": median - 1 + writer,
+                    "ci95": [lo - 1 + writer, hi - 1 + writer],
+                },
+                "writer_first_batch_s": cost.first_batch_s,
+                "writer_steady_us_per_event": 1e6 * cost.later_s / max(cost.later_records, 1),
+                "writer_steady_cpu_share": steady,
+                "overhead_with_steady_writer_bound": {
+                    "median": median - 1 + steady,
+                    "ci95": [lo - 1 + steady, hi - 1 + steady],
+                },
+                "writer_batches": cost.batches,
+                "traced_step_ms": traced_s / pairs * 1e3,
+                "bytes_per_event": size / max(rows, 1),
+                "events_per_traced_step": rows / pairs,
+            }
+        )
         out[variant] = entry
     return out
 
@@ -190,26 +215,46 @@ def format_alternating(label: str, variant: str, out: dict) -> str:
     if variant == "control":
         o = v["overhead"]
         pe = v["position_effect"]
-        return (f"{label} control (neither step traced): {o['median']:+.2%} [95% CI {o['ci95'][0]:+.2%}, "
-                f"{o['ci95'][1]:+.2%}], the method's own bias; a pair's second step vs its first "
-                f"{pe['median']:+.2%} [{pe['ci95'][0]:+.2%}, {pe['ci95'][1]:+.2%}], what a fixed order would charge; "
-                f"untraced {v['untraced_step_ms']:.2f} ms/step")
+        return (
+            f"{label} control (neither step traced): {o['median']:+.2%} [95% CI {o['ci95'][0]:+.2%}, "
+            f"{o['ci95'][1]:+.2%}], the method's own bias; a pair's second step vs its first "
+            f"{pe['median']:+.2%} [{pe['ci95'][0]:+.2%}, {pe['ci95'][1]:+.2%}], what a fixed order would charge; "
+            f"untraced {v['untraced_step_ms']:.2f} ms/step"
+        )
     o, w, ws = v["overhead"], v["overhead_with_writer_bound"], v["overhead_with_steady_writer_bound"]
-    return (f"{label} {variant}: {o['median']:+.2%} [95% CI {o['ci95'][0]:+.2%}, {o['ci95'][1]:+.2%}] training thread, "
-            f"<= {w['median']:+.2%} [{w['ci95'][0]:+.2%}, {w['ci95'][1]:+.2%}] with the writer's CPU time "
-            f"(first batch {v['writer_first_batch_s'] * 1e3:.1f} ms), "
-            f"<= {ws['median']:+.2%} [{ws['ci95'][0]:+.2%}, {ws['ci95'][1]:+.2%}] with its steady-state time "
-            f"({v['writer_steady_us_per_event']:.1f} us/event); "
-            f"median of {out['pairs']} adjacent step pairs (traced first in {v['treated_first']}), untraced {v['untraced_step_ms']:.2f} ms/step, "
-            f"{v['bytes_per_event']:.1f} bytes/event")
+    return (
+        f"{label} {variant}: {o['median']:+.2%} [95% CI {o['ci95'][0]:+.2%}, {o['ci95'][1]:+.2%}] training thread, "
+        f"<= {w['median']:+.2%} [{w['ci95'][0]:+.2%}, {w['ci95'][1]:+.2%}] with the writer's CPU time "
+        f"(first batch {v['writer_first_batch_s'] * 1e3:.1f} ms), "
+        f"<= {ws['median']:+.2%} [{ws['ci95'][0]:+.2%}, {ws['ci95'][1]:+.2%}] with its steady-state time "
+        f"({v['writer_steady_us_per_event']:.1f} us/event); "
+        f"median of {out['pairs']} adjacent step pairs (traced first in {v['treated_first']}), untraced {v['untraced_step_ms']:.2f} ms/step, "
+        f"{v['bytes_per_event']:.1f} bytes/event"
+    )
 
 
-def bench(preset: str, micro_batch: int, num_micro: int, device: torch.device, steps: int, rounds: int,
-          warmup: int, compile_model: bool, seed: int = 0, pairs: int | None = None) -> dict:
+def bench(
+    preset: str,
+    micro_batch: int,
+    num_micro: int,
+    device: torch.device,
+    steps: int,
+    rounds: int,
+    warmup: int,
+    compile_model: bool,
+    seed: int = 0,
+    pairs: int | None = None,
+) -> dict:
     """Build and warm the model, then measure_overhead (or, given `pairs`, measure_alternating)."""
     on_cuda = device.type == "cuda"  # bf16 (Megatron-style) on CUDA, fp32 on the CPU
-    job = make_job(preset, micro_batch, num_micro, model_overrides={"vocab_size": 50304 if on_cuda else 1024},
-                   bf16=on_cuda, compile=compile_model)
+    job = make_job(
+        preset,
+        micro_batch,
+        num_micro,
+        model_overrides={"vocab_size": 50304 if on_cuda else 1024},
+        bf16=on_cuda,
+        compile=compile_model,
+    )
     trainer = Trainer(job, single_process_groups(), device, FixedBatches(job, device))
     for _ in range(warmup):
         trainer.train_step()
@@ -250,8 +295,18 @@ def main() -> None:
         p.error("CUDA is not available: use --device cpu for a smoke run")
     began = time.perf_counter()
     alternating = args.method == "alternating"
-    summary = bench(args.preset, args.micro_batch, args.num_micro, device, args.steps, args.rounds, args.warmup,
-                    device.type == "cuda" and not args.no_compile, args.seed, args.pairs if alternating else None)
+    summary = bench(
+        args.preset,
+        args.micro_batch,
+        args.num_micro,
+        device,
+        args.steps,
+        args.rounds,
+        args.warmup,
+        device.type == "cuda" and not args.no_compile,
+        args.seed,
+        args.pairs if alternating else None,
+    )
     for variant in (("control",) if alternating else ()) + VARIANTS[1:]:
         print((format_alternating if alternating else format_line)(args.preset, variant, summary), flush=True)
     print(f"({time.perf_counter() - began:.0f} s)")

@@ -23,10 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the trace simulator lives with the tests
 
-from megatronapp.scan.analyze.analysis import analyze_traces  # noqa: E402
-from megatronapp.scan.record.format import TraceWriter, filter_iterations, trace_file_name  # noqa: E402
-from megatronapp.scan.merge.merge import merge_traces  # noqa: E402
-from scan_simulation import SimulatedJob, simulate_job_traces  # noqa: E402
+from scan_simulation import SimulatedJob, simulate_job_traces
+
+from megatronapp.scan.analyze.analysis import analyze_traces
+from megatronapp.scan.merge.merge import merge_traces
+from megatronapp.scan.record.format import TraceWriter, filter_iterations, trace_file_name
 
 
 def write_traces(traces, trace_dir: Path, iterations_per_batch: int, iterations: int) -> tuple[int, int]:

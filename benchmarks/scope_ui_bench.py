@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import statistics
+import sys
 import threading
 import time
 
@@ -42,22 +42,35 @@ from megatronapp.scope_ui.protocol import Limits
 from megatronapp.scope_ui.runner import GenerationRunner
 from megatronapp.scope_ui.server import Hub, RunningServer, ServerConfig
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 PROMPT = "Once upon a time"
 
 
 def summary(xs: list[float]) -> dict:
     xs = sorted(xs)
     pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]
-    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "p50": pick(0.5), "p95": pick(0.95),
-            "n": len(xs)}
+    return {
+        "median": statistics.median(xs),
+        "min": xs[0],
+        "max": xs[-1],
+        "p50": pick(0.5),
+        "p95": pick(0.95),
+        "n": len(xs),
+    }
 
 
 def start_server(args, device):
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = build_inference_model(model_preset(args.model, seq_length=max(64, args.new_tokens + 32)),
-                                  single_process_groups(), device, dtype=dtype)
+    model = build_inference_model(
+        model_preset(args.model, seq_length=max(64, args.new_tokens + 32)), single_process_groups(), device, dtype=dtype
+    )
     limits = Limits(max_new_tokens=max(256, args.new_tokens), max_capture_bytes=1 << 34)
     model.cuda_graphs = args.cuda_graphs and device.type == "cuda"  # as `scope serve` does on CUDA
     runner = GenerationRunner(model, load_tokenizer(None), limits)
@@ -141,14 +154,18 @@ def bench_generation(args, model, server, device) -> dict:
     generate(model, [prompt], sampling, eod_id=tok.eod_id, vocab_size=tok.vocab_size)  # warm-up
     ui_s()  # same shape as the rounds: captures its decode graph
     for r in range(args.rounds):  # alternate which variant goes first
-        for run in ((plain_once, ui_once) if r % 2 == 0 else (ui_once, plain_once)):
+        for run in (plain_once, ui_once) if r % 2 == 0 else (ui_once, plain_once):
             run()
     if client is not None:
         client.close()
     ratios = [u / p for u, p in zip(ui, plain)]
-    return {"plain_tokens_per_s": summary(plain), "ui_tokens_per_s": summary(ui),
-            "ui_over_plain": statistics.median(ui) / statistics.median(plain), "ui_over_plain_per_round": summary(ratios),
-            "rounds": {"plain_tokens_per_s": plain, "ui_tokens_per_s": ui}}  # raw, in run order, to pool runs
+    return {
+        "plain_tokens_per_s": summary(plain),
+        "ui_tokens_per_s": summary(ui),
+        "ui_over_plain": statistics.median(ui) / statistics.median(plain),
+        "ui_over_plain_per_round": summary(ratios),
+        "rounds": {"plain_tokens_per_s": plain, "ui_tokens_per_s": ui},
+    }  # raw, in run order, to pool runs
 
 
 def bench_latency(args, server) -> dict:
@@ -168,8 +185,9 @@ def bench_latency(args, server) -> dict:
             page.fill("#prompt", PROMPT)
             page.fill("#max-new-tokens", str(args.new_tokens))
             page.click("#generate")
-            page.wait_for_function("window.__scope.state.runs.clean && window.__scope.state.runs.clean.done",
-                                   timeout=600_000)
+            page.wait_for_function(
+                "window.__scope.state.runs.clean && window.__scope.state.runs.clean.done", timeout=600_000
+            )
             page.wait_for_timeout(100)
             if r == 0:  # warm-up round
                 page.evaluate("for (const k of ['latencies', 'arrivals', 'draws']) window.__scope[k].length = 0")
@@ -183,14 +201,26 @@ def bench_training(args, device) -> dict:
     from megatronapp.scope_ui.training import TrainingScope
 
     model = model_preset(args.train_model)
-    job = build_job(model, build_layout(1, 1, 1), micro_batch_size=args.micro_batch_size,
-                    global_batch_size=args.global_batch_size, train_iters=10**9, log_interval=1,
-                    bf16=args.bf16 and device.type == "cuda")
+    job = build_job(
+        model,
+        build_layout(1, 1, 1),
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        train_iters=10**9,
+        log_interval=1,
+        bf16=args.bf16 and device.type == "cuda",
+    )
     from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset
 
     tok = load_tokenizer(None)
-    data = DistributedBatchIterator(build_default_dataset(tok, model.seq_length, 0), micro_batch_size=args.micro_batch_size,
-                                    global_batch_size=args.global_batch_size, dp_rank=0, dp_size=1, seed=0)
+    data = DistributedBatchIterator(
+        build_default_dataset(tok, model.seq_length, 0),
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+    )
     trainer = Trainer(job, single_process_groups(), device, data)
     scope = TrainingScope(trainer, tok, "The quick brown fox", args.probe_every, 16)
     limits = Limits()
@@ -208,7 +238,7 @@ def bench_training(args, device) -> dict:
     off, on = [], []
     for r in range(args.rounds):  # alternate which variant goes first
         blocks = ((plain_cb, off), (scoped_cb, on))
-        for cb, out in (blocks if r % 2 == 0 else blocks[::-1]):
+        for cb, out in blocks if r % 2 == 0 else blocks[::-1]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -219,9 +249,14 @@ def bench_training(args, device) -> dict:
     scope.close()
     server.stop()
     ratios = [a / b for a, b in zip(on, off)]
-    return {"step_s_off": summary(off), "step_s_on": summary(on),
-            "on_over_off": statistics.median(on) / statistics.median(off), "on_over_off_per_round": summary(ratios),
-            "total_on_over_off": sum(on) / sum(off), "rounds": {"step_s_off": off, "step_s_on": on}}
+    return {
+        "step_s_off": summary(off),
+        "step_s_on": summary(on),
+        "on_over_off": statistics.median(on) / statistics.median(off),
+        "on_over_off_per_round": summary(ratios),
+        "total_on_over_off": sum(on) / sum(off),
+        "rounds": {"step_s_off": off, "step_s_on": on},
+    }
 
 
 def ratio_lines(result: dict) -> list[str]:
@@ -229,20 +264,27 @@ def ratio_lines(result: dict) -> list[str]:
     lines = []
     if "generation" in result:
         r = result["generation"]["ui_over_plain_per_round"]
-        lines.append(f"RATIO generation ui/plain tokens/s: median {r['median']:.3f} (min {r['min']:.3f}, "
-                     f"max {r['max']:.3f}, {r['n']} rounds; goal >= 0.90)")
+        lines.append(
+            f"RATIO generation ui/plain tokens/s: median {r['median']:.3f} (min {r['min']:.3f}, "
+            f"max {r['max']:.3f}, {r['n']} rounds; goal >= 0.90)"
+        )
     if "training" in result:
         r = result["training"]["on_over_off_per_round"]
-        lines.append(f"RATIO training step scope/no-scope: median {r['median']:.3f} (min {r['min']:.3f}, "
-                     f"max {r['max']:.3f}, {r['n']} rounds; all rounds' time {result['training']['total_on_over_off']:.3f}; "
-                     f"goal <= 1.03)")
+        lines.append(
+            f"RATIO training step scope/no-scope: median {r['median']:.3f} (min {r['min']:.3f}, "
+            f"max {r['max']:.3f}, {r['n']} rounds; all rounds' time {result['training']['total_on_over_off']:.3f}; "
+            f"goal <= 1.03)"
+        )
     lat = result.get("latency", {}).get("token_to_pixels_ms")
     if lat:
-        lines.append(f"LATENCY token->pixels ms: p50 {lat['p50']:.1f}, p95 {lat['p95']:.1f} ({lat['n']} tokens; "
-                     f"goal p95 <= 50)")
+        lines.append(
+            f"LATENCY token->pixels ms: p50 {lat['p50']:.1f}, p95 {lat['p95']:.1f} ({lat['n']} tokens; goal p95 <= 50)"
+        )
         arr, draw = result["latency"]["server_to_page_ms"], result["latency"]["draw_ms"]
-        lines.append(f"  of which server->page p50 {arr['p50']:.1f}, p95 {arr['p95']:.1f}; one frame's draw "
-                     f"p50 {draw['p50']:.1f}, p95 {draw['p95']:.1f} ms")
+        lines.append(
+            f"  of which server->page p50 {arr['p50']:.1f}, p95 {arr['p95']:.1f}; one frame's draw "
+            f"p50 {draw['p50']:.1f}, p95 {draw['p95']:.1f} ms"
+        )
     return lines
 
 
@@ -269,11 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--chromium", default="/usr/bin/chromium")
     p.add_argument("--skip", default="", help="comma list of parts to skip: latency,generation,training")
-    p.add_argument("--switch-interval", type=float, default=None,
-                   help="override sys.setswitchinterval (seconds) for this process (an A/B knob)")
-    p.add_argument("--client", choices=("process", "thread"), default="process",
-                   help="where the generation rounds' WebSocket client runs: its own process (as a browser), "
-                        "or this process's main thread (as before 2026-12-04)")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="override sys.setswitchinterval (seconds) for this process (an A/B knob)",
+    )
+    p.add_argument(
+        "--client",
+        choices=("process", "thread"),
+        default="process",
+        help="where the generation rounds' WebSocket client runs: its own process (as a browser), "
+        "or this process's main thread (as before 2026-12-04)",
+    )
     p.add_argument("--out", default=None)
     return p
 

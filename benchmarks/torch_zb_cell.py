@@ -60,19 +60,31 @@ def _train(job, groups, warmup: int) -> list[float]:
     from megatronapp.model.gpt import ChunkOptions, TPContext, build_model_chunks
 
     lay, device = job.layout, torch.device("cpu")
-    chunks = build_model_chunks(job.model, pp_rank=groups.pp_rank, pp_size=lay.pp_size, num_chunks=lay.virtual_pp_size,
-                                tp=TPContext(None, 1, 0, False), seed=job.train.seed, device=device,
-                                options=ChunkOptions())
-    stages = [PipelineStage(_Stage(c), i * lay.pp_size + groups.pp_rank, lay.pp_size * lay.virtual_pp_size, device,
-                            group=groups.pp) for i, c in enumerate(chunks)]
+    chunks = build_model_chunks(
+        job.model,
+        pp_rank=groups.pp_rank,
+        pp_size=lay.pp_size,
+        num_chunks=lay.virtual_pp_size,
+        tp=TPContext(None, 1, 0, False),
+        seed=job.train.seed,
+        device=device,
+        options=ChunkOptions(),
+    )
+    stages = [
+        PipelineStage(
+            _Stage(c), i * lay.pp_size + groups.pp_rank, lay.pp_size * lay.virtual_pp_size, device, group=groups.pp
+        )
+        for i, c in enumerate(chunks)
+    ]
     schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=job.num_microbatches, loss_fn=_loss)
     params = [p for c in chunks for p in c.parameters()]
     optimizer = torch.optim.AdamW(params, lr=job.optimizer.lr)
     gen = torch.Generator().manual_seed(1000 + groups.dp_rank)
     steps = []
     for _ in range(job.train.train_iters):
-        tokens = torch.randint(0, job.model.padded_vocab_size, (job.num_microbatches, job.model.seq_length + 1),
-                               generator=gen)
+        tokens = torch.randint(
+            0, job.model.padded_vocab_size, (job.num_microbatches, job.model.seq_length + 1), generator=gen
+        )
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
         if groups.pp_rank == 0:

@@ -30,8 +30,9 @@ def main() -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, args.hidden), nn.GELU(), nn.Linear(args.hidden, args.hidden), nn.GELU(),
-                          nn.Linear(args.hidden, 1)).to(device)
+    model = nn.Sequential(
+        nn.Linear(64, args.hidden), nn.GELU(), nn.Linear(args.hidden, args.hidden), nn.GELU(), nn.Linear(args.hidden, 1)
+    ).to(device)
     ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=0.1)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + rank)

@@ -22,7 +22,11 @@ from torch.distributed.fsdp import fully_shard
 class Block(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.norm, self.up, self.down = (
+            nn.LayerNorm(hidden),
+            nn.Linear(hidden, 4 * hidden),
+            nn.Linear(4 * hidden, hidden),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))

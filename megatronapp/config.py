@@ -33,13 +33,13 @@ class RecomputeConfig:
 
     def __post_init__(self) -> None:
         if self.granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"unknown recompute granularity {self.granularity!r}; choose from "
-                             f"{', '.join(RECOMPUTE_GRANULARITIES)}")
+            raise ValueError(
+                f"unknown recompute granularity {self.granularity!r}; choose from {', '.join(RECOMPUTE_GRANULARITIES)}"
+            )
         if self.method not in RECOMPUTE_METHODS:
             raise ValueError(f"unknown recompute method {self.method!r}; choose from {', '.join(RECOMPUTE_METHODS)}")
         if self.num_layers < 1:
             raise ValueError(f"recompute num layers must be >= 1, got {self.num_layers}")
-
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ConfigError(
-                f"hidden size {self.hidden_size} is not divisible by "
-                f"num attention heads {self.num_attention_heads}"
+                f"hidden size {self.hidden_size} is not divisible by num attention heads {self.num_attention_heads}"
             )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"head dim {self.head_dim} must be even for rotary embeddings")
@@ -160,8 +159,9 @@ class TrainConfig:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
         self._check_split_backward()
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"unknown attention backend {self.attention_backend!r}; "
-                              f"choose from {', '.join(ATTENTION_BACKENDS)}")
+            raise ConfigError(
+                f"unknown attention backend {self.attention_backend!r}; choose from {', '.join(ATTENTION_BACKENDS)}"
+            )
         try:
             self.recompute_config()
         except ValueError as e:
@@ -175,12 +175,16 @@ class TrainConfig:
 
     def _check_split_backward(self) -> None:
         if self.split_backward is False and self.schedule in SPLIT_SCHEDULES:
-            raise ConfigError(f"schedule {self.schedule!r} runs W tasks apart from their backward; "
-                              f"it needs the split backward (drop --no-split-backward)")
+            raise ConfigError(
+                f"schedule {self.schedule!r} runs W tasks apart from their backward; "
+                f"it needs the split backward (drop --no-split-backward)"
+            )
         if self.compile and self.uses_split_backward():
-            raise ConfigError("--compile cannot be combined with the split backward (a compiled backward "
-                              "would trace the deferral of weight GEMMs once); pass --no-split-backward "
-                              "or a schedule without W tasks")
+            raise ConfigError(
+                "--compile cannot be combined with the split backward (a compiled backward "
+                "would trace the deferral of weight GEMMs once); pass --no-split-backward "
+                "or a schedule without W tasks"
+            )
 
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
@@ -251,8 +255,9 @@ class PrecisionConfig:
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ConfigError(f"loss_scale must be > 0, got {self.loss_scale}")
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
-            raise ConfigError(f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
-                              f"({self.initial_loss_scale})")
+            raise ConfigError(
+                f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale ({self.initial_loss_scale})"
+            )
         for name in ("loss_scale_window", "hysteresis"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -287,11 +292,15 @@ class PrecisionConfig:
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"fp8 recipe {self.fp8_recipe!r} is not built; choose from {', '.join(FP8_RECIPES)}")
         if self.fp8_amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise ConfigError(f"unknown fp8 amax compute algo {self.fp8_amax_compute_algo!r}; choose from "
-                              f"{', '.join(AMAX_COMPUTE_ALGOS)}")
+            raise ConfigError(
+                f"unknown fp8 amax compute algo {self.fp8_amax_compute_algo!r}; choose from "
+                f"{', '.join(AMAX_COMPUTE_ALGOS)}"
+            )
         if self.fp8_amax_history_len < 1 or self.fp8_margin < 0:
-            raise ConfigError(f"need fp8_amax_history_len >= 1 and fp8_margin >= 0, got "
-                              f"{self.fp8_amax_history_len} and {self.fp8_margin}")
+            raise ConfigError(
+                f"need fp8_amax_history_len >= 1 and fp8_margin >= 0, got "
+                f"{self.fp8_amax_history_len} and {self.fp8_margin}"
+            )
 
 
 @dataclass(frozen=True)
@@ -352,8 +361,9 @@ class IntegrityConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 2 <= self.check_min_history <= self.check_window:
-            raise ConfigError(f"need 2 <= check_min_history ({self.check_min_history}) <= check_window "
-                              f"({self.check_window})")
+            raise ConfigError(
+                f"need 2 <= check_min_history ({self.check_min_history}) <= check_window ({self.check_window})"
+            )
         if self.rerun_stats_interval < 1:
             raise ConfigError(f"rerun_stats_interval must be >= 1, got {self.rerun_stats_interval}")
         if self.skip_spiky_batches and self.rerun_mode != "validate_results":

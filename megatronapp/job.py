@@ -27,8 +27,14 @@ from megatronapp.parallel.layout import ParallelLayout
 
 # JobConfig's component configs whose fields have distinct names, so that a flat field name (as
 # the CLI's flags, tests and benchmarks use them) names one component
-FIELD_COMPONENTS = {"train": TrainConfig, "optimizer": OptimizerConfig, "precision": PrecisionConfig,
-                    "checkpoint": CheckpointConfig, "logging": LoggingConfig, "integrity": IntegrityConfig}
+FIELD_COMPONENTS = {
+    "train": TrainConfig,
+    "optimizer": OptimizerConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "integrity": IntegrityConfig,
+}
 
 
 def component_of(name: str) -> str:
@@ -73,8 +79,10 @@ def _check_component_combinations(job: JobConfig) -> None:
     if opt.overlap_param_update and not (prec.half and opt.fused_master_adamw):
         raise ConfigError("--overlap-param-update needs --bf16 or --fp16 and the fused master AdamW")
     if job.integrity.deterministic and job.train.attention_backend == "cudnn":
-        raise ConfigError("--deterministic needs an attention backend with a deterministic backward "
-                          "(flash, efficient or math), not cudnn")
+        raise ConfigError(
+            "--deterministic needs an attention backend with a deterministic backward "
+            "(flash, efficient or math), not cudnn"
+        )
 
 
 def _check_layout_shapes(job: JobConfig) -> None:
@@ -82,8 +90,7 @@ def _check_layout_shapes(job: JobConfig) -> None:
     m, t, lay = job.model, job.train, job.layout
     if m.num_attention_heads % lay.tp_size:
         raise ConfigError(
-            f"num attention heads {m.num_attention_heads} is not divisible by "
-            f"tensor-parallel size {lay.tp_size}"
+            f"num attention heads {m.num_attention_heads} is not divisible by tensor-parallel size {lay.tp_size}"
         )
     if m.ffn_size % lay.tp_size:
         raise ConfigError(f"ffn hidden size {m.ffn_size} is not divisible by tensor-parallel size {lay.tp_size}")
@@ -112,24 +119,33 @@ def _check_layout_combinations(job: JobConfig) -> None:
         if lay.tp_size < 2:
             raise ConfigError("--sequence-parallel needs tensor-parallel size > 1")
         if m.seq_length % lay.tp_size:
-            raise ConfigError(f"--sequence-parallel needs seq length {m.seq_length} divisible by "
-                              f"tensor-parallel size {lay.tp_size}")
+            raise ConfigError(
+                f"--sequence-parallel needs seq length {m.seq_length} divisible by tensor-parallel size {lay.tp_size}"
+            )
     if prec.fp8_format is not None:
         _check_fp8_shapes(job)
         if not prec.fp8_layers(m.num_layers):
-            raise ConfigError(f"--num-layers-at-start-in-bf16 {prec.num_layers_at_start_in_bf16} and "
-                              f"--num-layers-at-end-in-bf16 {prec.num_layers_at_end_in_bf16} leave none of the "
-                              f"{m.num_layers} layers in FP8")
+            raise ConfigError(
+                f"--num-layers-at-start-in-bf16 {prec.num_layers_at_start_in_bf16} and "
+                f"--num-layers-at-end-in-bf16 {prec.num_layers_at_end_in_bf16} leave none of the "
+                f"{m.num_layers} layers in FP8"
+            )
     if job.optimizer.overlap_param_update and job.optimizer.use_distributed_optimizer and lay.dp_size > 1:
-        raise ConfigError("--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
-                          "follows the whole update; use --overlap-param-gather)")
+        raise ConfigError(
+            "--overlap-param-update with --use-distributed-optimizer needs DP 1 (the all-gather "
+            "follows the whole update; use --overlap-param-gather)"
+        )
     if lay.virtual_pp_size > 1 and t.schedule not in ("interleaved", "interleaved-zb", "looped-bfs", "dynamic"):
-        raise ConfigError(f"virtual pipeline stages need the interleaved, interleaved-zb, looped-bfs or "
-                          f"dynamic schedule, not {t.schedule!r}")
+        raise ConfigError(
+            f"virtual pipeline stages need the interleaved, interleaved-zb, looped-bfs or "
+            f"dynamic schedule, not {t.schedule!r}"
+        )
     if t.schedule in ("interleaved", "interleaved-zb"):
         if lay.virtual_pp_size < 2:
-            raise ConfigError("the interleaved schedule needs --num-layers-per-virtual-pipeline-stage "
-                              "giving >= 2 virtual stages per pipeline rank")
+            raise ConfigError(
+                "the interleaved schedule needs --num-layers-per-virtual-pipeline-stage "
+                "giving >= 2 virtual stages per pipeline rank"
+            )
         if job.num_microbatches % lay.pp_size:
             raise ConfigError(
                 f"interleaved schedule needs the number of microbatches ({job.num_microbatches}) "
@@ -140,9 +156,12 @@ def _check_layout_combinations(job: JobConfig) -> None:
 def _check_fp8_shapes(job: JobConfig) -> None:
     """FP8 GEMMs need every dimension a multiple of FP8_ALIGNMENT (parallel/fp8.py)."""
     m, tp = job.model, job.layout.tp_size
-    dims = {"tokens per microbatch (micro batch size x seq length)": job.train.micro_batch_size * m.seq_length,
-            "hidden size": m.hidden_size, "hidden size / tensor-parallel size": m.hidden_size // tp,
-            "ffn hidden size / tensor-parallel size": m.ffn_size // tp}
+    dims = {
+        "tokens per microbatch (micro batch size x seq length)": job.train.micro_batch_size * m.seq_length,
+        "hidden size": m.hidden_size,
+        "hidden size / tensor-parallel size": m.hidden_size // tp,
+        "ffn hidden size / tensor-parallel size": m.ffn_size // tp,
+    }
     for what, value in dims.items():
         if value % FP8_ALIGNMENT:
             raise ConfigError(f"--fp8-format needs {what} ({value}) to be a multiple of {FP8_ALIGNMENT}")

@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 
-def bootstrap_median_ci(ratios: Sequence[float], seed: int = 0, resamples: int = 4000,
-                        level: float = 0.95) -> tuple[float, float, float]:
+def bootstrap_median_ci(
+    ratios: Sequence[float], seed: int = 0, resamples: int = 4000, level: float = 0.95
+) -> tuple[float, float, float]:
     """(median, low, high): the median of `ratios` and a percentile-bootstrap confidence
     interval of it (rounds resampled with replacement)."""
     values = np.asarray(ratios, dtype=np.float64)
@@ -42,8 +43,9 @@ def paired_ratios(times: dict[str, list[float]], baseline: str) -> dict[str, lis
     return {k: [t / b for t, b in zip(v, base)] for k, v in times.items() if k != baseline}
 
 
-def run_rounds(measure: Callable[[str], dict[str, float]], variants: Sequence[str], rounds: int,
-               seed: int) -> list[dict[str, dict[str, float]]]:
+def run_rounds(
+    measure: Callable[[str], dict[str, float]], variants: Sequence[str], rounds: int, seed: int
+) -> list[dict[str, dict[str, float]]]:
     """`rounds` rounds; each runs every variant once, in a fresh random order (seeded).
     `measure(variant)` returns named seconds, at least "steps_s"."""
     rng = random.Random(seed)
@@ -55,21 +57,29 @@ def run_rounds(measure: Callable[[str], dict[str, float]], variants: Sequence[st
     return out
 
 
-def summarize_rounds(results: list[dict[str, dict[str, float]]], steps: int, baseline: str = "off",
-                     seed: int = 0) -> dict:
+def summarize_rounds(
+    results: list[dict[str, dict[str, float]]], steps: int, baseline: str = "off", seed: int = 0
+) -> dict:
     """The baseline's median seconds per step (and range) and, per other variant, the paired
     ratios' median and 95 % interval as fractions (+0.012 = 1.2 % slower than the baseline): of
     "steps_s" as "overhead", and of "with_close_s" (where measured, else "steps_s") as
     "overhead_with_close"."""
     off = [r[baseline]["steps_s"] / steps for r in results]
-    out: dict = {"rounds": len(results), "steps_per_round": steps, "off_step_ms": statistics.median(off) * 1e3,
-                 "off_step_ms_range": [min(off) * 1e3, max(off) * 1e3]}
+    out: dict = {
+        "rounds": len(results),
+        "steps_per_round": steps,
+        "off_step_ms": statistics.median(off) * 1e3,
+        "off_step_ms_range": [min(off) * 1e3, max(off) * 1e3],
+    }
     for key, label in (("steps_s", "overhead"), ("with_close_s", "overhead_with_close")):
         times = {v: [r[v].get(key, r[v]["steps_s"]) for r in results] for v in results[0]}
         for variant, ratios in paired_ratios(times, baseline).items():
             median, lo, hi = bootstrap_median_ci(ratios, seed)
-            out.setdefault(variant, {})[label] = {"median": median - 1, "ci95": [lo - 1, hi - 1],
-                                                  "round_range": [min(ratios) - 1, max(ratios) - 1]}
+            out.setdefault(variant, {})[label] = {
+                "median": median - 1,
+                "ci95": [lo - 1, hi - 1],
+                "round_range": [min(ratios) - 1, max(ratios) - 1],
+            }
     return out
 
 

@@ -17,8 +17,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
 def lab_run(work: Path) -> Path:
     from megatronapp.faultlab import EngineJob, LabPlan, SlowRank, run_lab
 
-    job = EngineJob(tp=1, pp=2, dp=2, iters=40, extra=("--model", "tiny", "--hidden-size", "128",
-                                                       "--global-batch-size", "8", "--micro-batch-size", "2"))
+    job = EngineJob(
+        tp=1,
+        pp=2,
+        dp=2,
+        iters=40,
+        extra=("--model", "tiny", "--hidden-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2"),
+    )
     result = run_lab(LabPlan(job, faults=(SlowRank(2, "quota", factor=3.0),), tag="shot"), work / "trace")
     if result.returncode != 0:
         raise SystemExit(f"the lab run failed (exit {result.returncode}); its log: {result.log}")

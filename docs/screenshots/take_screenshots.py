@@ -18,8 +18,14 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TIMEOUT_MS = 120_000
 URL = re.compile(r"(http://127\.0\.0\.1:\d+/\S*)")
 
@@ -31,8 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chromium", default="/usr/bin/chromium")
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--new-tokens", type=int, default=24)
-    p.add_argument("--flip-bit", type=int, default=28,
-                   help="the fp32 bit flipped in layer 0's residual at position 2 (28: an exponent bit, a factor of 2**32 either way)")
+    p.add_argument(
+        "--flip-bit",
+        type=int,
+        default=28,
+        help="the fp32 bit flipped in layer 0's residual at position 2 (28: an exponent bit, a factor of 2**32 either way)",
+    )
     p.add_argument("--train-model", default="demo", help="the checkpoint's --model preset, for the training view")
     return p
 
@@ -40,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 @contextmanager
 def served(argv: list[str]):
     """Runs a megatronapp command that serves the UI; yields the URL it prints, stops it after."""
-    proc = subprocess.Popen([sys.executable, "-m", "megatronapp.cli.main", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatronapp.cli.main", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     found: list[str] = []
     ready = threading.Event()
 
@@ -126,9 +140,26 @@ def main(argv: list[str] | None = None) -> int:
         browser = pw.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
         with served(["scope", "serve", "--load", args.load, "--port", "0", "--device", "cpu"]) as url:
             shoot_generation(browser, url, out, args.prompt, args.new_tokens, args.flip_bit)
-        with served(["train", "--model", args.train_model, "--load", args.load, "--train-iters", "100000",
-                     "--device", "cpu", "--log-interval", "1", "--scope", "--scope-port", "0",
-                     "--scope-every", "10"]) as url:
+        with served(
+            [
+                "train",
+                "--model",
+                args.train_model,
+                "--load",
+                args.load,
+                "--train-iters",
+                "100000",
+                "--device",
+                "cpu",
+                "--log-interval",
+                "1",
+                "--scope",
+                "--scope-port",
+                "0",
+                "--scope-every",
+                "10",
+            ]
+        ) as url:
             shoot_training(browser, url, out)
         browser.close()
     print(f"wrote {', '.join(n + '.png' for n in ('generate', 'attention', 'perturbed', 'training'))} to {out}")

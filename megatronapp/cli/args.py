@@ -31,8 +31,16 @@ from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.scan.record.trace_config import add_trace_arguments
 
-_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
+_MODEL_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "make_vocab_size_divisible_by",
+    "hidden_dropout",
+    "attention_dropout",
+)
 
 
 def _job_flag(g, flag: str, help: str = "", **kw) -> None:
@@ -46,28 +54,50 @@ def _job_flag(g, flag: str, help: str = "", **kw) -> None:
 
 def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("step checks, reruns, determinism (Megatron's; engine/integrity.py, engine/rerun.py)")
-    _job_flag(g, "--check-for-nan-in-loss-and-grad", "a non-finite loss or grad norm skips the update; "
-              "the rank and parameter are named (default)", action="store_true")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false", default=None)
-    _job_flag(g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps",
-              action="store_true")
-    _job_flag(g, "--check-for-large-grads", "flag a grad norm above median + factor x MAD of recent steps",
-              action="store_true")
+    _job_flag(
+        g,
+        "--check-for-nan-in-loss-and-grad",
+        "a non-finite loss or grad norm skips the update; the rank and parameter are named (default)",
+        action="store_true",
+    )
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false", default=None
+    )
+    _job_flag(
+        g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps", action="store_true"
+    )
+    _job_flag(
+        g,
+        "--check-for-large-grads",
+        "flag a grad norm above median + factor x MAD of recent steps",
+        action="store_true",
+    )
     _job_flag(g, "--spiky-loss-factor", "band width in scaled MADs", type=float)
     _job_flag(g, "--large-grads-factor", "band width in scaled MADs", type=float)
     _job_flag(g, "--check-window", "recent accepted steps in the band", type=int)
     _job_flag(g, "--check-min-history", "steps before the band is used", type=int)
-    _job_flag(g, "--rerun-mode", "validate_results: re-execute a flagged step from its saved state and "
-              "classify it transient or reproducible (one sync a step); report_stats: re-execute every "
-              "--rerun-stats-interval-th step and report the differences", choices=RERUN_MODES)
+    _job_flag(
+        g,
+        "--rerun-mode",
+        "validate_results: re-execute a flagged step from its saved state and "
+        "classify it transient or reproducible (one sync a step); report_stats: re-execute every "
+        "--rerun-stats-interval-th step and report the differences",
+        choices=RERUN_MODES,
+    )
     _job_flag(g, "--rerun-stats-interval", "report_stats: every N-th step", type=int)
-    _job_flag(g, "--skip-spiky-batches", "validate_results: a reproducibly flagged step is not applied",
-              action="store_true")
-    _job_flag(g, "--deterministic", "bit-identical reruns: deterministic kernels and attention, fixed "
-              "NCCL algorithm (Megatron's --deterministic-mode)", action="store_true")
-    g.add_argument("--deterministic-mode", dest="deterministic", action="store_true", default=None,
-                   help=argparse.SUPPRESS)
+    _job_flag(
+        g, "--skip-spiky-batches", "validate_results: a reproducibly flagged step is not applied", action="store_true"
+    )
+    _job_flag(
+        g,
+        "--deterministic",
+        "bit-identical reruns: deterministic kernels and attention, fixed "
+        "NCCL algorithm (Megatron's --deterministic-mode)",
+        action="store_true",
+    )
+    g.add_argument(
+        "--deterministic-mode", dest="deterministic", action="store_true", default=None, help=argparse.SUPPRESS
+    )
 
 
 def _given_job_fields(args: argparse.Namespace) -> dict:
@@ -78,8 +108,12 @@ def _given_job_fields(args: argparse.Namespace) -> dict:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch")
-    g.add_argument("--nproc-per-node", type=int, default=None,
-                   help="launch N local processes through torch.distributed.run (omit under torchrun)")
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="launch N local processes through torch.distributed.run (omit under torchrun)",
+    )
     g.add_argument("--nnodes", type=int, default=1, help="nodes, when launching through this command")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
     g.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
@@ -88,48 +122,99 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
-                   help="default: interleaved with virtual stages, else 1f1b")
-    _job_flag(g, "--sequence-parallel", "shard LayerNorm/dropout/residual regions along the sequence "
-              "(needs TP > 1)", action="store_true")
+    g.add_argument(
+        "--pipeline-schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="default: interleaved with virtual stages, else 1f1b",
+    )
+    _job_flag(
+        g,
+        "--sequence-parallel",
+        "shard LayerNorm/dropout/residual regions along the sequence (needs TP > 1)",
+        action="store_true",
+    )
     _job_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None)
-    _job_flag(g, "--split-backward", "run each backward as I (input gradient, sent upstream) and W "
-              "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
-              action="store_true")
+    _job_flag(
+        g,
+        "--split-backward",
+        "run each backward as I (input gradient, sent upstream) and W "
+        "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
+        action="store_true",
+    )
     g.add_argument("--no-split-backward", dest="split_backward", action="store_false", default=None)
-    _job_flag(g, "--gradient-accumulation-fusion", "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 "
-              "main grads (default)", action="store_true")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
-                   default=None)
-    _job_flag(g, "--fused-master-adamw", "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the "
-              "model weights in the same kernel (default)", action="store_true")
+    _job_flag(
+        g,
+        "--gradient-accumulation-fusion",
+        "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 main grads (default)",
+        action="store_true",
+    )
+    g.add_argument(
+        "--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false", default=None
+    )
+    _job_flag(
+        g,
+        "--fused-master-adamw",
+        "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the model weights in the same kernel (default)",
+        action="store_true",
+    )
     g.add_argument("--no-fused-master-adamw", dest="fused_master_adamw", action="store_false", default=None)
-    _job_flag(g, "--overlap-param-update", "CUDA: the fused master AdamW runs layer by layer on a side stream "
-              "beside the next forward", action="store_true")
+    _job_flag(
+        g,
+        "--overlap-param-update",
+        "CUDA: the fused master AdamW runs layer by layer on a side stream beside the next forward",
+        action="store_true",
+    )
 
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=tuple(MODEL_PRESETS), default="demo", help="preset; flags below override")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
-                 "--make-vocab-size-divisible-by"):
+    for flag in (
+        "--num-layers",
+        "--hidden-size",
+        "--num-attention-heads",
+        "--ffn-hidden-size",
+        "--seq-length",
+        "--make-vocab-size-divisible-by",
+    ):
         g.add_argument(flag, type=int, default=None, help="default: the preset's")
-    g.add_argument("--hidden-dropout", type=float, default=None,
-                   help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.hidden_dropout})")
-    g.add_argument("--attention-dropout", type=float, default=None,
-                   help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.attention_dropout})")
+    g.add_argument(
+        "--hidden-dropout",
+        type=float,
+        default=None,
+        help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.hidden_dropout})",
+    )
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=None,
+        help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.attention_dropout})",
+    )
 
     g = p.add_argument_group("training")
-    for flag, kind in (("--micro-batch-size", int), ("--global-batch-size", int), ("--train-iters", int),
-                       ("--lr", float), ("--min-lr", float), ("--lr-warmup-iters", int), ("--lr-decay-iters", int),
-                       ("--weight-decay", float), ("--adam-beta1", float), ("--adam-beta2", float),
-                       ("--adam-eps", float), ("--clip-grad", float), ("--seed", int)):
+    for flag, kind in (
+        ("--micro-batch-size", int),
+        ("--global-batch-size", int),
+        ("--train-iters", int),
+        ("--lr", float),
+        ("--min-lr", float),
+        ("--lr-warmup-iters", int),
+        ("--lr-decay-iters", int),
+        ("--weight-decay", float),
+        ("--adam-beta1", float),
+        ("--adam-beta2", float),
+        ("--adam-eps", float),
+        ("--clip-grad", float),
+        ("--seed", int),
+    ):
         _job_flag(g, flag, type=kind)
     _job_flag(g, "--compile", "torch.compile each block's local math", action="store_true")
     _job_flag(g, "--recompute-granularity", "activation recompute", choices=RECOMPUTE_GRANULARITIES[1:])
     _job_flag(g, "--recompute-method", "for full recompute", choices=RECOMPUTE_METHODS)
     _job_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
-    _job_flag(g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)",
-              choices=ATTENTION_BACKENDS)
+    _job_flag(
+        g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)", choices=ATTENTION_BACKENDS
+    )
 
     g = p.add_argument_group("mixed precision and optimizer (Megatron's; engine/mixed_precision.py)")
     _job_flag(g, "--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true")
@@ -139,26 +224,52 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _job_flag(g, "--min-loss-scale", type=float)
     _job_flag(g, "--loss-scale-window", type=int)
     _job_flag(g, "--hysteresis", type=int)
-    _job_flag(g, "--fp8-format", "FP8 GEMMs in the transformer layers (with --bf16/--fp16): e4m3 everywhere, "
-              "or hybrid (E5M2 gradients)", choices=FP8_FORMATS)
-    _job_flag(g, "--fp8-recipe", "scaling recipe: tensorwise (current scaling) or delayed (scales from earlier "
-              "steps' amaxes); power-of-two scales", choices=FP8_RECIPES)
+    _job_flag(
+        g,
+        "--fp8-format",
+        "FP8 GEMMs in the transformer layers (with --bf16/--fp16): e4m3 everywhere, or hybrid (E5M2 gradients)",
+        choices=FP8_FORMATS,
+    )
+    _job_flag(
+        g,
+        "--fp8-recipe",
+        "scaling recipe: tensorwise (current scaling) or delayed (scales from earlier "
+        "steps' amaxes); power-of-two scales",
+        choices=FP8_RECIPES,
+    )
     _job_flag(g, "--fp8-amax-history-len", "delayed recipe: steps of amax history", type=int)
-    _job_flag(g, "--fp8-amax-compute-algo", "delayed recipe: the scale's amax from the history",
-              choices=AMAX_COMPUTE_ALGOS)
+    _job_flag(
+        g, "--fp8-amax-compute-algo", "delayed recipe: the scale's amax from the history", choices=AMAX_COMPUTE_ALGOS
+    )
     _job_flag(g, "--fp8-margin", "delayed recipe: powers of two of headroom under the format's max", type=int)
-    _job_flag(g, "--first-last-layers-bf16", "with --fp8-format: keep the first and last layers' GEMMs in bf16",
-              action="store_true")
+    _job_flag(
+        g,
+        "--first-last-layers-bf16",
+        "with --fp8-format: keep the first and last layers' GEMMs in bf16",
+        action="store_true",
+    )
     _job_flag(g, "--num-layers-at-start-in-bf16", "with --first-last-layers-bf16", type=int)
     _job_flag(g, "--num-layers-at-end-in-bf16", "with --first-last-layers-bf16", type=int)
-    _job_flag(g, "--use-distributed-optimizer", "shard fp32 master weights and Adam state over DP (ZeRO-1)",
-              action="store_true")
-    _job_flag(g, "--overlap-param-gather", "distributed optimizer: all-gather updated params during the next "
-              "forward", action="store_true")
+    _job_flag(
+        g,
+        "--use-distributed-optimizer",
+        "shard fp32 master weights and Adam state over DP (ZeRO-1)",
+        action="store_true",
+    )
+    _job_flag(
+        g,
+        "--overlap-param-gather",
+        "distributed optimizer: all-gather updated params during the next forward",
+        action="store_true",
+    )
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None, help=".txt / Megatron-style .jsonl files or folders; "
-                   "default: the embedded synthetic corpus")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help=".txt / Megatron-style .jsonl files or folders; default: the embedded synthetic corpus",
+    )
     g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
 
     g = p.add_argument_group("checkpoints and logging")
@@ -188,8 +299,10 @@ def _positive(args, names) -> None:
 def check_flag_combinations(args: argparse.Namespace) -> None:
     """Combinations no config field can refuse on its own; one line each."""
     if args.trace and args.continuous_trace_iterations > args.trace_interval:
-        raise ConfigError(f"--continuous-trace-iterations {args.continuous_trace_iterations} is larger than "
-                          f"--trace-interval {args.trace_interval}")
+        raise ConfigError(
+            f"--continuous-trace-iterations {args.continuous_trace_iterations} is larger than "
+            f"--trace-interval {args.trace_interval}"
+        )
     if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
         raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
 
@@ -205,17 +318,28 @@ def _virtual_stages(model: ModelConfig, pp: int, per: int | None) -> int:
     if not per:
         return 1
     if model.num_layers % (pp * per):
-        raise ConfigError(f"num layers {model.num_layers} is not divisible by pipeline-parallel size {pp} "
-                          f"x layers per virtual stage {per}")
+        raise ConfigError(
+            f"num layers {model.num_layers} is not divisible by pipeline-parallel size {pp} "
+            f"x layers per virtual stage {per}"
+        )
     return model.num_layers // (pp * per)
 
 
 def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> JobConfig:
     """Translate parsed flags into a JobConfig for `world_size` processes; each config checks its
     own fields, cli/validate.py the job as a whole."""
-    _positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "num_layers_per_virtual_pipeline_stage", "nproc_per_node", "nnodes", "trace_interval",
-                     "continuous_trace_iterations"))
+    _positive(
+        args,
+        (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "num_layers_per_virtual_pipeline_stage",
+            "nproc_per_node",
+            "nnodes",
+            "trace_interval",
+            "continuous_trace_iterations",
+        ),
+    )
     check_flag_combinations(args)
     model = _model_config(args, vocab_size)
     pp = args.pipeline_model_parallel_size

@@ -12,8 +12,9 @@ from megatronapp.parallel.device import check_layout_devices
 from megatronapp.parallel.layout import LayoutError
 
 
-def check_job_devices(job: JobConfig, world: int, device: str | None, fbd: FbdConfig | None, visible_gpus: int,
-                      ranks_per_node: int | None) -> None:
+def check_job_devices(
+    job: JobConfig, world: int, device: str | None, fbd: FbdConfig | None, visible_gpus: int, ranks_per_node: int | None
+) -> None:
     """One-line ConfigError when a requested device is missing, or when the layout would put two
     ranks of one NCCL group on one GPU (e.g. PP2 on a one-GPU machine): NCCL refuses that at
     run time with 'invalid usage', after every process has started."""

@@ -34,13 +34,17 @@ class InjectionConfig:
 def build_injection_config(args: argparse.Namespace) -> InjectionConfig:
     """From the --inject-* flags (one-line errors for specs that do not parse)."""
     plan = parse_fault_plan(args.inject_slowdown, args.inject_link_delay)
-    specs = (("inject_slowdown", tuple(args.inject_slowdown or ())),
-             ("inject_link_delay", tuple(args.inject_link_delay or ())),
-             ("inject_jitter", tuple(args.inject_jitter or ())))
-    return InjectionConfig(faults=fault_plan_from_env() if plan.empty else plan,
-                           jitter=tuple(parse_jitter(s) for s in args.inject_jitter or ()),
-                           fbd=FbdInjection(crash=parse_crash_spec(getattr(args, "inject_crash", None))),
-                           specs=specs)
+    specs = (
+        ("inject_slowdown", tuple(args.inject_slowdown or ())),
+        ("inject_link_delay", tuple(args.inject_link_delay or ())),
+        ("inject_jitter", tuple(args.inject_jitter or ())),
+    )
+    return InjectionConfig(
+        faults=fault_plan_from_env() if plan.empty else plan,
+        jitter=tuple(parse_jitter(s) for s in args.inject_jitter or ()),
+        fbd=FbdInjection(crash=parse_crash_spec(getattr(args, "inject_crash", None))),
+        specs=specs,
+    )
 
 
 def check_injection(inj: InjectionConfig, world_size: int, engine_world_size: int) -> None:

@@ -50,10 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_trace_subcommands(sub)
     from megatronapp.inference.cli import add_generate_subcommand
+    from megatronapp.interop.cli import add_interop_subcommands
     from megatronapp.scope.cli import add_scope_subcommands
     from megatronapp.scope_ui.cli import add_scope_ui_train_arguments, add_serve_subcommand
-
-    from megatronapp.interop.cli import add_interop_subcommands
 
     add_generate_subcommand(sub)
     add_serve_subcommand(add_scope_subcommands(sub))
@@ -76,12 +75,23 @@ def _print_config(job) -> None:
 
     from megatronapp.job import FIELD_COMPONENTS
 
-    print(json.dumps({"layout": asdict(job.layout), "model": asdict(job.model),
-                      **{name: asdict(getattr(job, name)) for name in FIELD_COMPONENTS},
-                      "derived": {"dp_size": job.layout.dp_size, "num_microbatches": job.num_microbatches,
-                                  "padded_vocab_size": job.model.padded_vocab_size,
-                                  "parameters": job.model.num_parameters(),
-                                  "flops_per_token": job.model.flops_per_token()}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "layout": asdict(job.layout),
+                "model": asdict(job.model),
+                **{name: asdict(getattr(job, name)) for name in FIELD_COMPONENTS},
+                "derived": {
+                    "dp_size": job.layout.dp_size,
+                    "num_microbatches": job.num_microbatches,
+                    "padded_vocab_size": job.model.padded_vocab_size,
+                    "parameters": job.model.num_parameters(),
+                    "flops_per_token": job.model.flops_per_token(),
+                },
+            },
+            indent=1,
+        )
+    )
 
 
 def _train(args: argparse.Namespace, argv: list[str], run) -> int:

@@ -18,17 +18,25 @@ class TrainProgress:
         self.live = enabled and sys.stdout.isatty()
         self._progress = None
 
-    def __enter__(self) -> "TrainProgress":
+    def __enter__(self) -> TrainProgress:
         if not self.enabled:
             return self
-        print(f"megatronapp: training {self.job.model.num_parameters() / 1e6:.2f}M params, "
-              f"{self.job.layout.describe()}, schedule {self.job.train.schedule}, "
-              f"{self.job.num_microbatches} microbatches/step", flush=True)
+        print(
+            f"megatronapp: training {self.job.model.num_parameters() / 1e6:.2f}M params, "
+            f"{self.job.layout.describe()}, schedule {self.job.train.schedule}, "
+            f"{self.job.num_microbatches} microbatches/step",
+            flush=True,
+        )
         if self.live:
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
-                console=Console(), transient=False)
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+                TimeRemainingColumn(),
+                console=Console(),
+                transient=False,
+            )
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.job.train.train_iters, loss=float("nan"), tps=0.0)
         return self
@@ -40,10 +48,13 @@ class TrainProgress:
             self._progress.update(self._task, completed=m["iteration"], loss=m["loss"], tps=m["tokens_per_s"])
         elif m["iteration"] % self.log_interval == 0 or m["iteration"] == self.job.train.train_iters:
             mfu = f"  MFU {m['mfu'] * 100:.1f}%" if m.get("mfu") is not None else ""
-            print(f"iter {m['iteration']:>6}/{self.job.train.train_iters}  loss {m['loss']:.4f}  "
-                  f"lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
-                  f"step {m['step_time_s'] * 1e3:.1f} ms  {m['tokens_per_s']:,.0f} tok/s  "
-                  f"{m['tflops_per_gpu']:.2f} TFLOP/s/GPU{mfu}", flush=True)
+            print(
+                f"iter {m['iteration']:>6}/{self.job.train.train_iters}  loss {m['loss']:.4f}  "
+                f"lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
+                f"step {m['step_time_s'] * 1e3:.1f} ms  {m['tokens_per_s']:,.0f} tok/s  "
+                f"{m['tflops_per_gpu']:.2f} TFLOP/s/GPU{mfu}",
+                flush=True,
+            )
 
     def warn(self, message: str) -> None:
         """A live slow-rank warning (online detection), shown above the progress bar."""

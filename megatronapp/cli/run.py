@@ -48,12 +48,18 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
     from megatronapp.parallel.device import ranks_per_node
     from megatronapp.scan.record.trace_config import trace_fields_from_args
 
-    return TrainRun(job=build_job_config(args, world_size, vocab_size), world_size=world_size,
-                    dpp=build_dpp_config(args),
-                    fbd=fbd_config_from_args(args) if args.forward_backward_disaggregating else None,
-                    injection=build_injection_config(args), device=args.device,
-                    visible_gpus=torch.cuda.device_count(), ranks_per_node=ranks_per_node(),
-                    trace=TraceConfig(enabled=True, **trace_fields_from_args(args)) if args.trace else None,
-                    scope=build_training_scope_config(args), data_paths=tuple(args.data_path or ()),
-                    tokenizer_model=args.tokenizer_model,
-                    saved_model=read_saved_model_fields(args.load) if args.load else None)
+    return TrainRun(
+        job=build_job_config(args, world_size, vocab_size),
+        world_size=world_size,
+        dpp=build_dpp_config(args),
+        fbd=fbd_config_from_args(args) if args.forward_backward_disaggregating else None,
+        injection=build_injection_config(args),
+        device=args.device,
+        visible_gpus=torch.cuda.device_count(),
+        ranks_per_node=ranks_per_node(),
+        trace=TraceConfig(enabled=True, **trace_fields_from_args(args)) if args.trace else None,
+        scope=build_training_scope_config(args),
+        data_paths=tuple(args.data_path or ()),
+        tokenizer_model=args.tokenizer_model,
+        saved_model=read_saved_model_fields(args.load) if args.load else None,
+    )

@@ -26,9 +26,9 @@ from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.dpp.setup import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.determinism import enable_deterministic_mode
+from megatronapp.engine.trainer import Trainer
 from megatronapp.faults.inject import FaultInjector
 from megatronapp.faults.link_delay import install_link_delays
-from megatronapp.engine.trainer import Trainer
 from megatronapp.launch.roles import RankContext, TrainingRole, TrainLoop, join_default_group
 from megatronapp.parallel.device import select_device
 from megatronapp.parallel.groups import ParallelGroups, build_process_groups, destroy_subgroups
@@ -38,11 +38,19 @@ from megatronapp.scope_ui.training import training_scope
 def _build_data(run: TrainRun, tokenizer, groups):
     job = run.job
     seq = job.model.seq_length
-    dataset = (build_text_dataset(tokenizer, list(run.data_paths), seq) if run.data_paths
-               else build_default_dataset(tokenizer, seq, job.train.seed))
-    return DistributedBatchIterator(dataset, micro_batch_size=job.train.micro_batch_size,
-                                    global_batch_size=job.train.global_batch_size, dp_rank=groups.dp_rank,
-                                    dp_size=job.layout.dp_size, seed=job.train.seed)
+    dataset = (
+        build_text_dataset(tokenizer, list(run.data_paths), seq)
+        if run.data_paths
+        else build_default_dataset(tokenizer, seq, job.train.seed)
+    )
+    return DistributedBatchIterator(
+        dataset,
+        micro_batch_size=job.train.micro_batch_size,
+        global_batch_size=job.train.global_batch_size,
+        dp_rank=groups.dp_rank,
+        dp_size=job.layout.dp_size,
+        seed=job.train.seed,
+    )
 
 
 def _build_tracer(run: TrainRun, groups, device, meta_overrides=None):
@@ -57,15 +65,28 @@ def _build_tracer(run: TrainRun, groups, device, meta_overrides=None):
     job, over = run.job, meta_overrides or {}
     lay = job.layout
     meta = build_rank_meta(
-        rank=over.get("rank", groups.rank), world_size=over.get("world_size", lay.world_size),
+        rank=over.get("rank", groups.rank),
+        world_size=over.get("world_size", lay.world_size),
         coords=groups.coords.as_dict(),
-        layout={"tp_size": lay.tp_size, "pp_size": lay.pp_size, "dp_size": lay.dp_size,
-                "virtual_pp_size": lay.virtual_pp_size},
-        host=socket.gethostname(), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        run_id=os.environ.get("MEGATRONAPP_RUN_ID", "local"), clock="cuda" if device.type == "cuda" else "monotonic",
-        run={"model": asdict(job.model), "schedule": job.train.schedule, **run.injection.spec_dict,
-             "dpp_traversal": run.dpp.traversal, "dpp_max_inflight": run.dpp.max_inflight,
-             **({"role": over["role"]} if "role" in over else {})})
+        layout={
+            "tp_size": lay.tp_size,
+            "pp_size": lay.pp_size,
+            "dp_size": lay.dp_size,
+            "virtual_pp_size": lay.virtual_pp_size,
+        },
+        host=socket.gethostname(),
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        run_id=os.environ.get("MEGATRONAPP_RUN_ID", "local"),
+        clock="cuda" if device.type == "cuda" else "monotonic",
+        run={
+            "model": asdict(job.model),
+            "schedule": job.train.schedule,
+            **run.injection.spec_dict,
+            "dpp_traversal": run.dpp.traversal,
+            "dpp_max_inflight": run.dpp.max_inflight,
+            **({"role": over["role"]} if "role" in over else {}),
+        },
+    )
     skew = int(os.environ.get("MEGATRONAPP_TRACE_CLOCK_SKEW_NS", "0"))  # tests skew clocks per rank
     tracer = Tracer(replace(run.trace, clock_skew_ns=skew), meta, device)
     return tracer, install_distributed_instrumentation(tracer)
@@ -88,10 +109,18 @@ class PlainRole:
 
     def run(self, ctx: RankContext, train_loop: TrainLoop) -> list[dict]:
         run = self.train_run
-        injector, runtime_factory = build_dpp_hooks(run.dpp, run.injection.jitter, ctx.job, self.rank, self.device,
-                                                    ctx.injector)
-        self.trainer = Trainer(ctx.job, self.groups, self.device, ctx.data, injector=injector,
-                               runtime_factory=runtime_factory, **({"tracer": ctx.tracer} if ctx.tracer else {}))
+        injector, runtime_factory = build_dpp_hooks(
+            run.dpp, run.injection.jitter, ctx.job, self.rank, self.device, ctx.injector
+        )
+        self.trainer = Trainer(
+            ctx.job,
+            self.groups,
+            self.device,
+            ctx.data,
+            injector=injector,
+            runtime_factory=runtime_factory,
+            **({"tracer": ctx.tracer} if ctx.tracer else {}),
+        )
         return train_loop(self.trainer)
 
     def finish(self, summary_file: str | None) -> None:
@@ -120,8 +149,9 @@ def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) ->
     return run_rank(run, tokenizer, summary_file=args.summary_file, keep_process_group=keep_process_group)
 
 
-def run_rank(run: TrainRun, tokenizer, *, summary_file: str | None = None,
-             keep_process_group: bool = False) -> list[dict]:
+def run_rank(
+    run: TrainRun, tokenizer, *, summary_file: str | None = None, keep_process_group: bool = False
+) -> list[dict]:
     """Train in this process as rank RANK of `run` (checked before launch); the metrics history
     (rank 0's). keep_process_group: leave the default group up (only this job's subgroups are
     destroyed), so one launched set of ranks can run several jobs in a row (benchmarks/dpp_bench.py)."""
@@ -169,8 +199,11 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
     if has_checkpoint(load):
         load_checkpoint(load, trainer, data)
     elif rank == 0:
-        print(f"megatronapp: warning: --load {load} holds no checkpoint; starting from scratch",
-              file=sys.stderr, flush=True)
+        print(
+            f"megatronapp: warning: --load {load} holds no checkpoint; starting from scratch",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _train_loop(run: TrainRun, trainer, data, rank: int, summary_file: str | None) -> list[dict]:
@@ -181,10 +214,10 @@ def _train_loop(run: TrainRun, trainer, data, rank: int, summary_file: str | Non
     if log.metrics_file and rank == 0:
         Path(log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_out = open(log.metrics_file, "a") if (log.metrics_file and rank == 0) else None
-    online = (OnlineDetector(job.layout, OnlineDetectConfig())
-              if (rank == 0 and job.layout.world_size > 1) else None)
+    online = OnlineDetector(job.layout, OnlineDetectConfig()) if (rank == 0 and job.layout.world_size > 1) else None
     history = []
     with TrainProgress(job, enabled=rank == 0, log_interval=log.log_interval) as progress:
+
         def on_step(metrics) -> None:
             m = metrics.as_dict()
             history.append(m)
@@ -207,4 +240,3 @@ def _train_loop(run: TrainRun, trainer, data, rank: int, summary_file: str | Non
     if rank == 0 and summary_file:
         Path(summary_file).write_text(json.dumps({"layout": job.layout.describe(), "history": history}))
     return history
-

@@ -67,8 +67,12 @@ def _check_inference(run: InferenceRun) -> None:
         check_port(run.port)
 
 
-_RULES = {TrainRun: check_train_run, InferenceRun: _check_inference, TraceRun: check_trace_run,
-          ScheduleRun: check_schedule_run}
+_RULES = {
+    TrainRun: check_train_run,
+    InferenceRun: _check_inference,
+    TraceRun: check_trace_run,
+    ScheduleRun: check_schedule_run,
+}
 
 
 def validate(run) -> None:

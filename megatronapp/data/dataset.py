@@ -177,8 +177,11 @@ class DistributedBatchIterator:
         dp_size: int,
         seed: int,
     ) -> None:
-        for name, value in (("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size),
-                            ("dp_size", dp_size)):
+        for name, value in (
+            ("micro_batch_size", micro_batch_size),
+            ("global_batch_size", global_batch_size),
+            ("dp_size", dp_size),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if global_batch_size % (micro_batch_size * dp_size):

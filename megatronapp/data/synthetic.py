@@ -26,30 +26,164 @@ import numpy as np
 
 from megatronapp.data.tokenizer import Tokenizer, build_token_stream
 
-NAMES = "Anna Ben Carla Dan Eva Finn Gina Hugo Iris Jack Kara Leo Mia Nico Olga".split()
-ANIMATES = (
-    "cat dog bird fox horse mouse child teacher farmer doctor king queen girl boy wolf "
-    "sheep rabbit duck baker sailor"
-).split()
-THINGS = (
-    "ball box apple book cup key stone letter song tree house boat coin hat map lamp rope "
-    "shell basket cake flower bell drum kite candle"
-).split()
-PLACES = "garden forest market kitchen village castle school field harbor library river hill".split()
-ADJECTIVES = (
-    "red blue green small big old young happy quiet bright dark tall tiny heavy soft warm "
-    "cold brave clever lazy busy strange gentle golden silver"
-).split()
+NAMES = [
+    "Anna",
+    "Ben",
+    "Carla",
+    "Dan",
+    "Eva",
+    "Finn",
+    "Gina",
+    "Hugo",
+    "Iris",
+    "Jack",
+    "Kara",
+    "Leo",
+    "Mia",
+    "Nico",
+    "Olga",
+]
+ANIMATES = [
+    "cat",
+    "dog",
+    "bird",
+    "fox",
+    "horse",
+    "mouse",
+    "child",
+    "teacher",
+    "farmer",
+    "doctor",
+    "king",
+    "queen",
+    "girl",
+    "boy",
+    "wolf",
+    "sheep",
+    "rabbit",
+    "duck",
+    "baker",
+    "sailor",
+]
+THINGS = [
+    "ball",
+    "box",
+    "apple",
+    "book",
+    "cup",
+    "key",
+    "stone",
+    "letter",
+    "song",
+    "tree",
+    "house",
+    "boat",
+    "coin",
+    "hat",
+    "map",
+    "lamp",
+    "rope",
+    "shell",
+    "basket",
+    "cake",
+    "flower",
+    "bell",
+    "drum",
+    "kite",
+    "candle",
+]
+PLACES = [
+    "garden",
+    "forest",
+    "market",
+    "kitchen",
+    "village",
+    "castle",
+    "school",
+    "field",
+    "harbor",
+    "library",
+    "river",
+    "hill",
+]
+ADJECTIVES = [
+    "red",
+    "blue",
+    "green",
+    "small",
+    "big",
+    "old",
+    "young",
+    "happy",
+    "quiet",
+    "bright",
+    "dark",
+    "tall",
+    "tiny",
+    "heavy",
+    "soft",
+    "warm",
+    "cold",
+    "brave",
+    "clever",
+    "lazy",
+    "busy",
+    "strange",
+    "gentle",
+    "golden",
+    "silver",
+]
 # Verbs split by what their object may be: a selection rule the model can pick up.
-VERBS_ANIMATE_OBJ = "see like follow help love chase visit watch meet call thank greet".split()
-VERBS_THING_OBJ = (
-    "carry hold push pull find want wash build paint read open throw bring fix hide need"
-).split()
-VERBS_INTRANSITIVE = "sleep run sing dance wait laugh swim jump walk rest smile work".split()
-ADVERBS = "quickly slowly quietly happily often never always sometimes loudly gladly carefully again".split()
-PREPOSITIONS = "in near behind inside outside beside".split()
-DETERMINERS_SINGULAR = "the a this that every".split()
-DETERMINERS_PLURAL = "the these those some many two three few".split()
+VERBS_ANIMATE_OBJ = [
+    "see",
+    "like",
+    "follow",
+    "help",
+    "love",
+    "chase",
+    "visit",
+    "watch",
+    "meet",
+    "call",
+    "thank",
+    "greet",
+]
+VERBS_THING_OBJ = [
+    "carry",
+    "hold",
+    "push",
+    "pull",
+    "find",
+    "want",
+    "wash",
+    "build",
+    "paint",
+    "read",
+    "open",
+    "throw",
+    "bring",
+    "fix",
+    "hide",
+    "need",
+]
+VERBS_INTRANSITIVE = ["sleep", "run", "sing", "dance", "wait", "laugh", "swim", "jump", "walk", "rest", "smile", "work"]
+ADVERBS = [
+    "quickly",
+    "slowly",
+    "quietly",
+    "happily",
+    "often",
+    "never",
+    "always",
+    "sometimes",
+    "loudly",
+    "gladly",
+    "carefully",
+    "again",
+]
+PREPOSITIONS = ["in", "near", "behind", "inside", "outside", "beside"]
+DETERMINERS_SINGULAR = ["the", "a", "this", "that", "every"]
+DETERMINERS_PLURAL = ["the", "these", "those", "some", "many", "two", "three", "few"]
 IRREGULAR_PLURALS = {"mouse": "mice", "child": "children", "wolf": "wolves", "sheep": "sheep"}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

@@ -152,9 +152,7 @@ def compute_token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
 
 
-def build_token_stream(
-    tokenizer: Tokenizer, documents: Iterable[str], *, max_tokens: int | None = None
-) -> np.ndarray:
+def build_token_stream(tokenizer: Tokenizer, documents: Iterable[str], *, max_tokens: int | None = None) -> np.ndarray:
     """Encode `documents` in order into one 1-D id array, each document followed by one EOD.
 
     Documents that encode to no tokens are skipped (no double EODs). With `max_tokens`, stops

@@ -35,31 +35,58 @@ from megatronapp.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=4, dest="pp")
-    p.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=2, dest="vpp",
-                   help="model chunks per pipeline rank")
+    p.add_argument(
+        "--num-virtual-stages-per-pipeline-rank", type=int, default=2, dest="vpp", help="model chunks per pipeline rank"
+    )
     p.add_argument("--num-microbatches", type=int, default=8, dest="microbatches")
-    p.add_argument("--pipeline-schedule", choices=(*SCHEDULE_NAMES, "dynamic"), default=None, dest="schedule",
-                   help="default: dynamic, or the traced run's schedule with --from-trace")
+    p.add_argument(
+        "--pipeline-schedule",
+        choices=(*SCHEDULE_NAMES, "dynamic"),
+        default=None,
+        dest="schedule",
+        help="default: dynamic, or the traced run's schedule with --from-trace",
+    )
     p.add_argument("--dpp-traversal", choices=TRAVERSALS, default=DppConfig.traversal)
-    p.add_argument("--no-split-backward", dest="split_backward", action="store_false",
-                   help="dynamic: whole backward tasks, no W filling (default: split, as training)")
-    p.add_argument("--weight-grad-share", type=float, default=0.5,
-                   help="share of a backward's time that is W when split (I gets the rest)")
+    p.add_argument(
+        "--no-split-backward",
+        dest="split_backward",
+        action="store_false",
+        help="dynamic: whole backward tasks, no W filling (default: split, as training)",
+    )
+    p.add_argument(
+        "--weight-grad-share",
+        type=float,
+        default=0.5,
+        help="share of a backward's time that is W when split (I gets the rest)",
+    )
     p.add_argument("--dpp-max-inflight", type=int, default=None)
     p.add_argument("--forward-ms", default="1", help="per task; one value or one per pipeline rank")
     p.add_argument("--backward-ms", default="2")
-    p.add_argument("--p2p-latency-ms", type=float, default=None,
-                   help="default 0, or with --from-trace the delay measured in the trace")
+    p.add_argument(
+        "--p2p-latency-ms",
+        type=float,
+        default=None,
+        help="default 0, or with --from-trace the delay measured in the trace",
+    )
     p.add_argument("--p2p-bandwidth-gbps", type=float, default=0.0, help="0: infinite")
     p.add_argument("--message-bytes", type=int, default=0)
     p.add_argument("--decision-us", type=float, default=0.0, help="cost of each dynamic decision")
-    p.add_argument("--static-comm", choices=STATIC_COMM_MODELS, default=None,
-                   help="how a static schedule's messages move: rendezvous = the static runtime on gloo "
-                        "(batches waited whole, a send moves once its recv is posted); eager = every recv "
-                        "posted ahead (dpp/sim/static_agents.py). Default: rendezvous, or eager with --from-trace "
-                        "(the overhead fitted from a trace already holds the rendezvous waits)")
-    p.add_argument("--inject-jitter", action="append", default=[], metavar="RANK:MAXFACTOR[:SEED]",
-                   help="global rank, as in train (see the module docstring)")
+    p.add_argument(
+        "--static-comm",
+        choices=STATIC_COMM_MODELS,
+        default=None,
+        help="how a static schedule's messages move: rendezvous = the static runtime on gloo "
+        "(batches waited whole, a send moves once its recv is posted); eager = every recv "
+        "posted ahead (dpp/sim/static_agents.py). Default: rendezvous, or eager with --from-trace "
+        "(the overhead fitted from a trace already holds the rendezvous waits)",
+    )
+    p.add_argument(
+        "--inject-jitter",
+        action="append",
+        default=[],
+        metavar="RANK:MAXFACTOR[:SEED]",
+        help="global rank, as in train (see the module docstring)",
+    )
     p.add_argument("--from-trace", default=None, metavar="DIR", help="task times (and layout) of a MegaScan trace")
 
 
@@ -74,8 +101,12 @@ def add_schedule_subcommands(sub) -> None:
     _add_common(show)
     show.add_argument("-o", "--out", default="schedule.png", help="Gantt chart PNG to write")
     show.add_argument("--chrome", default=None, help="also write a Chrome trace JSON here")
-    show.add_argument("--iteration", type=int, default=None, help="with --from-trace: which iteration to draw "
-                      "(default: the last traced)")
+    show.add_argument(
+        "--iteration",
+        type=int,
+        default=None,
+        help="with --from-trace: which iteration to draw (default: the last traced)",
+    )
     show.add_argument("--simulate", action="store_true", help="with --from-trace: draw the simulation, not the record")
     show.set_defaults(build_run=build_schedule_run, launch=lambda args, argv, run: run_show(args))
 
@@ -95,9 +126,12 @@ def _link(args, latency_ms: float = 0.0) -> dict:
         latency_ms = args.p2p_latency_ms
     if latency_ms < 0 or args.p2p_bandwidth_gbps < 0 or args.message_bytes < 0 or args.decision_us < 0:
         raise ValueError("latency, bandwidth, message bytes and decision cost must be >= 0")
-    return dict(p2p_latency_s=latency_ms / 1e3,
-                p2p_bandwidth_Bps=args.p2p_bandwidth_gbps * 1e9 / 8 if args.p2p_bandwidth_gbps else float("inf"),
-                message_bytes=args.message_bytes, decision_s=args.decision_us / 1e6)
+    return dict(
+        p2p_latency_s=latency_ms / 1e3,
+        p2p_bandwidth_Bps=args.p2p_bandwidth_gbps * 1e9 / 8 if args.p2p_bandwidth_gbps else float("inf"),
+        message_bytes=args.message_bytes,
+        decision_s=args.decision_us / 1e6,
+    )
 
 
 def compute_pipeline_jitter(specs: list[str], tp_size: int, dp_size: int, pp_size: int) -> tuple[JitterSpec, ...]:
@@ -108,8 +142,10 @@ def compute_pipeline_jitter(specs: list[str], tp_size: int, dp_size: int, pp_siz
     out = []
     for spec in map(parse_jitter, specs):
         if spec.rank not in on_pipeline:
-            raise ValueError(f"--inject-jitter rank {spec.rank} is not on the simulated pipeline "
-                             f"(global ranks {', '.join(map(str, on_pipeline))})")
+            raise ValueError(
+                f"--inject-jitter rank {spec.rank} is not on the simulated pipeline "
+                f"(global ranks {', '.join(map(str, on_pipeline))})"
+            )
         out.append(dataclasses.replace(spec, rank=layout.coords(spec.rank).pp))
     return tuple(out)
 
@@ -127,9 +163,13 @@ def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
         return pp, vpp, m, args.schedule or run.schedule, trace_costs.compute_trace_costs(run, **link), run
     pp, vpp, m = args.pp, args.vpp, args.microbatches
     fwd, bwd = _per_rank(args.forward_ms, pp, "--forward-ms"), _per_rank(args.backward_ms, pp, "--backward-ms")
-    cost = CostModel(tuple((f,) * vpp for f in fwd), tuple((b,) * vpp for b in bwd), **_link(args),
-                     weight_grad_share=args.weight_grad_share,
-                     jitter=compute_pipeline_jitter(args.inject_jitter, 1, 1, pp))
+    cost = CostModel(
+        tuple((f,) * vpp for f in fwd),
+        tuple((b,) * vpp for b in bwd),
+        **_link(args),
+        weight_grad_share=args.weight_grad_share,
+        jitter=compute_pipeline_jitter(args.inject_jitter, 1, 1, pp),
+    )
     return pp, vpp, m, args.schedule or "dynamic", cost, None
 
 
@@ -152,11 +192,19 @@ class ScheduleRun:
 
 
 def build_schedule_run(args) -> ScheduleRun:
-    return ScheduleRun(args.pp, args.vpp, args.microbatches, args.schedule,
-                       DppConfig(args.dpp_traversal, args.dpp_max_inflight), args.weight_grad_share,
-                       args.forward_ms, args.backward_ms,
-                       (args.p2p_latency_ms, args.p2p_bandwidth_gbps, args.message_bytes, args.decision_us),
-                       tuple(args.inject_jitter), args.from_trace)
+    return ScheduleRun(
+        args.pp,
+        args.vpp,
+        args.microbatches,
+        args.schedule,
+        DppConfig(args.dpp_traversal, args.dpp_max_inflight),
+        args.weight_grad_share,
+        args.forward_ms,
+        args.backward_ms,
+        (args.p2p_latency_ms, args.p2p_bandwidth_gbps, args.message_bytes, args.decision_us),
+        tuple(args.inject_jitter),
+        args.from_trace,
+    )
 
 
 def check_schedule_run(run: ScheduleRun) -> None:
@@ -201,9 +249,14 @@ def run_simulate(args) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
-    report = {"schedule": name, "iteration_s": res.makespan_s, "bubble_fraction": res.bubble_fraction,
-              "peak_inflight_activations": res.peak_activations, "peak_inflight_microbatches": res.peak_inflight,
-              "caps": caps}
+    report = {
+        "schedule": name,
+        "iteration_s": res.makespan_s,
+        "bubble_fraction": res.bubble_fraction,
+        "peak_inflight_activations": res.peak_activations,
+        "peak_inflight_microbatches": res.peak_inflight,
+        "caps": caps,
+    }
     if run is not None:  # how far the prediction is from what the trace recorded
         from megatronapp.dpp.sim.trace_costs import compute_iteration_times
 
@@ -214,8 +267,10 @@ def run_simulate(args) -> int:
         return 0
     print(f"{name}: iteration {res.makespan_s * 1e3:.3f} ms, bubble {res.bubble_fraction:.1%}")
     if run is not None:
-        print(f"  traced run: mean {report['measured_iteration_s'] * 1e3:.3f} ms per iteration "
-              f"(forward/backward window); prediction {report['prediction_error']:+.1%}")
+        print(
+            f"  traced run: mean {report['measured_iteration_s'] * 1e3:.3f} ms per iteration "
+            f"(forward/backward window); prediction {report['prediction_error']:+.1%}"
+        )
     for r, (act, mb) in enumerate(zip(res.peak_activations, res.peak_inflight)):
         cap = f" (cap {caps[r]})" if caps else ""
         print(f"  pp rank {r}: peak in-flight {act} activation sets{cap}, {mb} microbatches")

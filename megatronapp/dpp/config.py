@@ -56,8 +56,10 @@ class DppConfig:
         if self.send_thread not in SEND_THREAD:
             raise DppConfigError(f"--dpp-send-thread must be one of {', '.join(SEND_THREAD)}, got {self.send_thread!r}")
         if self.max_inflight is not None and self.max_inflight < 1:
-            raise DppConfigError(f"--dpp-max-inflight must be >= 1 (a rank needs one slot to admit any "
-                                 f"microbatch), got {self.max_inflight}")
+            raise DppConfigError(
+                f"--dpp-max-inflight must be >= 1 (a rank needs one slot to admit any "
+                f"microbatch), got {self.max_inflight}"
+            )
 
 
 def parse_jitter(spec: str) -> JitterSpec:
@@ -75,25 +77,42 @@ def parse_jitter(spec: str) -> JitterSpec:
 
 def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")
-    g.add_argument("--dpp-traversal", choices=TRAVERSALS, default=DppConfig.traversal,
-                   help="how a rank picks among ready F/B tasks (pending W tasks fill whatever wait is left). "
-                        "in-order (default, measured fastest): interleaved 1F1B's order, never left. The others "
-                        "reorder on a late input and measured 0.90-1.01x of static interleaved (BENCHMARKS.md; "
-                        "the late task is usually on the critical path): depth-first keeps in-order's memory; "
-                        "breadth-first and adaptive queue more independent work, for pipelines whose waits "
-                        "are too long for W tasks to fill, at the price of memory up to the cap")
-    g.add_argument("--dpp-max-inflight", type=int, default=None, metavar="N",
-                   help="most (chunk, microbatch) activation sets a rank holds, pending W state included; "
-                        "default: what interleaved 1F1B holds")
-    g.add_argument("--dpp-send-thread", choices=SEND_THREAD, default=DppConfig.send_thread,
-                   help="issue the dynamic runtime's sends from a thread of their own (gloo's isend writes to the "
-                        "socket before it returns); auto: when the host has a spare core per rank")
-    g.add_argument("--inject-jitter", action="append", default=[], metavar="RANK:MAXFACTOR[:SEED]",
-                   help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly")
+    g.add_argument(
+        "--dpp-traversal",
+        choices=TRAVERSALS,
+        default=DppConfig.traversal,
+        help="how a rank picks among ready F/B tasks (pending W tasks fill whatever wait is left). "
+        "in-order (default, measured fastest): interleaved 1F1B's order, never left. The others "
+        "reorder on a late input and measured 0.90-1.01x of static interleaved (BENCHMARKS.md; "
+        "the late task is usually on the critical path): depth-first keeps in-order's memory; "
+        "breadth-first and adaptive queue more independent work, for pipelines whose waits "
+        "are too long for W tasks to fill, at the price of memory up to the cap",
+    )
+    g.add_argument(
+        "--dpp-max-inflight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most (chunk, microbatch) activation sets a rank holds, pending W state included; "
+        "default: what interleaved 1F1B holds",
+    )
+    g.add_argument(
+        "--dpp-send-thread",
+        choices=SEND_THREAD,
+        default=DppConfig.send_thread,
+        help="issue the dynamic runtime's sends from a thread of their own (gloo's isend writes to the "
+        "socket before it returns); auto: when the host has a spare core per rank",
+    )
+    g.add_argument(
+        "--inject-jitter",
+        action="append",
+        default=[],
+        metavar="RANK:MAXFACTOR[:SEED]",
+        help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly",
+    )
 
 
 def build_dpp_config(args: argparse.Namespace) -> DppConfig:
     """DppConfig from parsed flags; DppConfigError (one line) on bad values. (--inject-jitter is
     a test knob: its specs go to the run's injection config, cli/injection.py.)"""
-    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight,
-                     send_thread=args.dpp_send_thread)
+    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight, send_thread=args.dpp_send_thread)

@@ -77,8 +77,9 @@ class AdaptivePolicy:
 
     name = "adaptive"
 
-    def __init__(self, depth: _OrderPolicy, breadth: _OrderPolicy,
-                 starve_enter: float = 0.2, starve_exit: float = 0.05):
+    def __init__(
+        self, depth: _OrderPolicy, breadth: _OrderPolicy, starve_enter: float = 0.2, starve_exit: float = 0.05
+    ):
         self.depth, self.breadth = depth, breadth
         self.starve_enter, self.starve_exit = starve_enter, starve_exit
         self.starved = False

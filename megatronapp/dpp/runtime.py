@@ -81,27 +81,52 @@ class DynamicPipelineRuntime:
     separate_channels: payloads on a group per direction, decisions on gloo (channels.py);
     None: on CUDA, where NCCL needs them. Tests turn it on over gloo."""
 
-    def __init__(self, model, groups: ParallelGroups, config: DppConfig, *, num_chunks: int,
-                 num_microbatches: int, device, tracer, reducer=None, injector=None, grad_scale_func=None,
-                 separate_channels: bool | None = None, split_backward: bool = False):
+    def __init__(
+        self,
+        model,
+        groups: ParallelGroups,
+        config: DppConfig,
+        *,
+        num_chunks: int,
+        num_microbatches: int,
+        device,
+        tracer,
+        reducer=None,
+        injector=None,
+        grad_scale_func=None,
+        separate_channels: bool | None = None,
+        split_backward: bool = False,
+    ):
         lay = groups.layout
         self.model, self.groups, self.config, self.device = model, groups, config, device
         self.pp_size, self.num_chunks, self.num_microbatches = lay.pp_size, num_chunks, num_microbatches
         self.tracer, self.reducer = tracer, reducer
         default = compute_default_caps(lay.pp_size, num_chunks, num_microbatches)[groups.pp_rank]
         self.cap = config.max_inflight or default
-        self.stage = StageCompute(model, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches, device,
-                                  injector, grad_scale_func, split_backward)
+        self.stage = StageCompute(
+            model,
+            groups.pp_rank,
+            lay.pp_size,
+            num_chunks,
+            num_microbatches,
+            device,
+            injector,
+            grad_scale_func,
+            split_backward,
+        )
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         self.policy = build_policy(config.traversal, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
         # (task, global source rank) of every input another rank sends this one in a step
-        self.remote_inputs = [(task, groups.pp_ranks[p])
-                              for task, p in remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)]
+        self.remote_inputs = [
+            (task, groups.pp_ranks[p])
+            for task, p in remote_inputs(groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)
+        ]
         self.recv_counts = collections.Counter(src for _, src in self.remote_inputs)
         self.tp_root = lay.rank_of(0, groups.dp_rank, groups.pp_rank)
         separate = device.type == "cuda" if separate_channels is None else separate_channels
-        self.channels = build_channels(groups, num_chunks, separate=separate,
-                                       payload_backend="nccl" if device.type == "cuda" else "gloo")
+        self.channels = build_channels(
+            groups, num_chunks, separate=separate, payload_backend="nccl" if device.type == "cuda" else "gloo"
+        )
         self.order = build_order(device)
         self.counters = RuntimeCounters()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", lay.world_size))  # torchrun's; else one host
@@ -112,13 +137,26 @@ class DynamicPipelineRuntime:
         """Forward+backward of every microbatch; the summed 1/M-scaled loss on the last stage."""
         if len(microbatches) != self.num_microbatches:
             raise ValueError(f"dynamic runtime expects {self.num_microbatches} microbatches, got {len(microbatches)}")
-        sched = RankScheduler(self.groups.pp_rank, self.pp_size, self.num_chunks, self.num_microbatches,
-                              self.cap, self.policy, split_backward=self.stage.wgrad_queue is not None)
+        sched = RankScheduler(
+            self.groups.pp_rank,
+            self.pp_size,
+            self.num_chunks,
+            self.num_microbatches,
+            self.cap,
+            self.policy,
+            split_backward=self.stage.wgrad_queue is not None,
+        )
         self.injector.set_iteration(iteration)  # as PipelineRuntime.run
         sched.wait_fraction = self.counters.wait_fraction  # adaptive's observation carries across steps
-        inbox, threads = start_receivers(self.recv_counts, self.device, self.injector.before_recv_wait,
-                                         self._message_specs(microbatches), self.channels, self.groups.rank,
-                                         self.order)
+        inbox, threads = start_receivers(
+            self.recv_counts,
+            self.device,
+            self.injector.before_recv_wait,
+            self._message_specs(microbatches),
+            self.channels,
+            self.groups.rank,
+            self.order,
+        )
         outbox = Outbox(threaded=self.send_thread, order=self.order)
         st = _Step(microbatches, iteration)
         self.counters.tasks = []
@@ -153,8 +191,11 @@ class DynamicPipelineRuntime:
         found: dict[int, set] = {}
         for task, src in self.remote_inputs:
             mb = microbatches[task.microbatch]
-            spec = (self.model.input_spec(task.chunk, mb) if task.kind is FORWARD
-                    else self.model.output_spec(task.chunk, mb))
+            spec = (
+                self.model.input_spec(task.chunk, mb)
+                if task.kind is FORWARD
+                else self.model.output_spec(task.chunk, mb)
+            )
             found.setdefault(src, set()).add((torch.Size(spec.shape), spec.dtype))
         return {src: next(iter(specs)) for src, specs in found.items() if len(specs) == 1}
 
@@ -173,8 +214,10 @@ class DynamicPipelineRuntime:
                     item = inbox.get_nowait()
             except queue.Empty:
                 if block:
-                    raise RuntimeError(f"pp rank {self.groups.pp_rank}: no message for {INBOX_TIMEOUT_S:.0f} s "
-                                       f"with {sched.remaining} tasks left") from None
+                    raise RuntimeError(
+                        f"pp rank {self.groups.pp_rank}: no message for {INBOX_TIMEOUT_S:.0f} s "
+                        f"with {sched.remaining} tasks left"
+                    ) from None
                 return waited
             task, tensor, src = item
             if task is None:
@@ -236,8 +279,9 @@ class DynamicPipelineRuntime:
         busy = time.perf_counter() - t0
         consumer = sched.finish(task)
         if consumer is not None:
-            send_task_message(outbox, self.groups.pp_ranks[consumer[0]], consumer[1], out, self.channels,
-                              self.groups.rank)
+            send_task_message(
+                outbox, self.groups.pp_ranks[consumer[0]], consumer[1], out, self.channels, self.groups.rank
+            )
         t1 = time.perf_counter()
         self.order.after_task()  # CUDA: until the GPU is at most one task behind; that wait is its compute
         return busy + time.perf_counter() - t1
@@ -245,8 +289,9 @@ class DynamicPipelineRuntime:
     def _forward(self, task: Action, st: _Step) -> torch.Tensor | None:
         key = (task.chunk, task.microbatch)
         x = st.inputs.get(key)
-        out = self.stage.forward(task.chunk, task.microbatch, x, st.microbatches[task.microbatch],
-                                 st.iteration, self.tracer)
+        out = self.stage.forward(
+            task.chunk, task.microbatch, x, st.microbatches[task.microbatch], st.iteration, self.tracer
+        )
         if x is None or not x.is_floating_point():
             st.inputs.pop(key, None)
         st.outputs[key] = out
@@ -260,12 +305,19 @@ class DynamicPipelineRuntime:
         if self.reducer is not None and self.num_chunks == 1 and st.backwards_done == self.num_microbatches - 1:
             self.reducer.mark_final_microbatch(0)
         st.backwards_done += 1
-        return self.stage.backward(st.outputs.pop(key), st.grads.pop(key, None), st.inputs.pop(key, None),
-                                   self.tracer, task.chunk, task.microbatch)
+        return self.stage.backward(
+            st.outputs.pop(key),
+            st.grads.pop(key, None),
+            st.inputs.pop(key, None),
+            self.tracer,
+            task.chunk,
+            task.microbatch,
+        )
 
     def _weight_grad(self, task: Action, st: _Step) -> None:
         # with one chunk the last W may start its buckets' DP reduction (module doc: with several,
         # replicas finish chunks in different orders, so the reduction waits for the step's end)
         reducer = self.reducer if self.num_chunks == 1 else None
-        self.stage.weight_grad(task.chunk, task.microbatch, self.tracer, reducer,
-                               self.num_microbatches - st.backwards_done)
+        self.stage.weight_grad(
+            task.chunk, task.microbatch, self.tracer, reducer, self.num_microbatches - st.backwards_done
+        )

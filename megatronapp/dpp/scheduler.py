@@ -72,8 +72,10 @@ class CapError(ValueError):
 def check_cap(cap: int, num_chunks: int) -> None:
     """Refuse caps that cannot make progress (module docstring, R1)."""
     if cap < num_chunks:
-        raise CapError(f"--dpp-max-inflight {cap} is below the {num_chunks} activation sets one microbatch "
-                       f"holds across this rank's {num_chunks} chunks: no microbatch could ever start")
+        raise CapError(
+            f"--dpp-max-inflight {cap} is below the {num_chunks} activation sets one microbatch "
+            f"holds across this rank's {num_chunks} chunks: no microbatch could ever start"
+        )
 
 
 @dataclass(frozen=True)
@@ -125,15 +127,25 @@ def check_order_fits(order: list[Action], cap: int, num_chunks: int, pp_rank: in
     check_cap(cap, num_chunks)
     peak = compute_peak_inflight(order)
     if peak > cap:
-        raise CapError(f"--dpp-max-inflight {cap} is below the {peak} activation sets the in-order traversal "
-                       f"holds on pipeline rank {pp_rank} (the default cap fits)")
+        raise CapError(
+            f"--dpp-max-inflight {cap} is below the {peak} activation sets the in-order traversal "
+            f"holds on pipeline rank {pp_rank} (the default cap fits)"
+        )
 
 
 class RankScheduler:
     """Ready set, admission and decisions of one pipeline rank for one step."""
 
-    def __init__(self, pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int,
-                 cap: int, policy, split_backward: bool = False):
+    def __init__(
+        self,
+        pp_rank: int,
+        pp_size: int,
+        num_chunks: int,
+        num_microbatches: int,
+        cap: int,
+        policy,
+        split_backward: bool = False,
+    ):
         check_cap(cap, num_chunks)
         self.reserve_for_older = not isinstance(policy, InOrderPolicy)  # R2; in-order needs only the cap
         if not self.reserve_for_older:

@@ -28,8 +28,9 @@ def build_dynamic_runtime_factory(cfg: DppConfig, job):
     """A Trainer runtime_factory(model, groups, *, device, tracer, reducer, injector) for dynamic."""
     from megatronapp.dpp.runtime import DynamicPipelineRuntime
 
-    return functools.partial(DynamicPipelineRuntime, config=cfg, num_chunks=job.layout.virtual_pp_size,
-                             num_microbatches=job.num_microbatches)
+    return functools.partial(
+        DynamicPipelineRuntime, config=cfg, num_chunks=job.layout.virtual_pp_size, num_microbatches=job.num_microbatches
+    )
 
 
 def build_dpp_hooks(cfg: DppConfig, jitter: tuple[JitterSpec, ...], job, rank: int, device, injector):

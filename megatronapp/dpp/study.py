@@ -20,9 +20,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
+from megatronapp.dpp.scheduler import compute_default_caps
 from megatronapp.dpp.sim.bounds import compute_step_bound_s
 from megatronapp.dpp.sim.scenarios import compute_scenario_sim
-from megatronapp.dpp.scheduler import compute_default_caps
 from megatronapp.dpp.sim.simulator import CostModel, Span, simulate
 from megatronapp.dpp.tasks import FORWARD
 from megatronapp.pipeline.schedules import build_schedule
@@ -51,12 +51,15 @@ def variants(pp: int, vpp: int, m: int, traversals, cap_extra: tuple[int, ...] =
 def lower_bounds_s(cost: CostModel, pp: int, vpp: int, m: int) -> tuple[float, float]:
     """(clairvoyant bound, online bound) of the module docstring at any cap, for the seeds in
     `cost.jitter` (megatronapp/dpp/sim/bounds.py; its "expected" mode is the online bound)."""
-    return (compute_step_bound_s(cost, pp, vpp, m, mode="clairvoyant"),
-            compute_step_bound_s(cost, pp, vpp, m, mode="expected"))
+    return (
+        compute_step_bound_s(cost, pp, vpp, m, mode="clairvoyant"),
+        compute_step_bound_s(cost, pp, vpp, m, mode="expected"),
+    )
 
 
-def study_config(base: CostModel, m: int, scenarios, seeds: int, traversals, on_result=None,
-                 cap_extra: tuple[int, ...] = ()) -> dict:
+def study_config(
+    base: CostModel, m: int, scenarios, seeds: int, traversals, on_result=None, cap_extra: tuple[int, ...] = ()
+) -> dict:
     """Scenario -> {"runs": {variant: [seconds per seed]}, "rows": {variant: summary}} for the
     pipeline of `base` (its task times and link; the scenario adds jitter and link delays).
     `on_result(scenario, variant, seed, SimResult)` sees every simulation (memory reports)."""
@@ -84,8 +87,12 @@ def summarize_study(runs: dict) -> dict:
     rows = {}
     for name, times in runs.items():
         per_seed = [r / t for r, t in zip(ref, times)]
-        rows[name] = {"mean_s": statistics.fmean(times), "speed": statistics.fmean(ref) / statistics.fmean(times),
-                      "speed_min": min(per_seed), "speed_max": max(per_seed)}
+        rows[name] = {
+            "mean_s": statistics.fmean(times),
+            "speed": statistics.fmean(ref) / statistics.fmean(times),
+            "speed_min": min(per_seed),
+            "speed_max": max(per_seed),
+        }
     return rows
 
 
@@ -100,10 +107,13 @@ def compute_message_bytes(micro_batch: int, seq_length: int, hidden_size: int, d
 def compute_link_cost(traced: CostModel, message_bytes: int, bandwidth_GBps: float, latency_us: float) -> CostModel:
     """The traced task times with the link model: a message takes latency + bytes / bandwidth."""
     if bandwidth_GBps <= 0 or latency_us < 0 or message_bytes < 0:
-        raise ValueError(f"needs a bandwidth > 0, latency >= 0 and bytes >= 0, got {bandwidth_GBps} GB/s, "
-                         f"{latency_us} us, {message_bytes} B")
-    return replace(traced, p2p_latency_s=latency_us * 1e-6, p2p_bandwidth_Bps=bandwidth_GBps * 1e9,
-                   message_bytes=message_bytes)
+        raise ValueError(
+            f"needs a bandwidth > 0, latency >= 0 and bytes >= 0, got {bandwidth_GBps} GB/s, "
+            f"{latency_us} us, {message_bytes} B"
+        )
+    return replace(
+        traced, p2p_latency_s=latency_us * 1e-6, p2p_bandwidth_Bps=bandwidth_GBps * 1e9, message_bytes=message_bytes
+    )
 
 
 def compute_peak_activation_bytes(spans: list[Span], set_bytes, pp_size: int) -> list[int]:

@@ -33,8 +33,9 @@ def weight_task(chunk: int, microbatch: int) -> Action:
 
 def compute_rank_tasks(num_chunks: int, num_microbatches: int) -> list[Action]:
     """Every task of one rank for one optimizer step (2 * V * M of them)."""
-    return [Action(kind, c, m) for kind in (FORWARD, BACKWARD) for c in range(num_chunks)
-            for m in range(num_microbatches)]
+    return [
+        Action(kind, c, m) for kind in (FORWARD, BACKWARD) for c in range(num_chunks) for m in range(num_microbatches)
+    ]
 
 
 def compute_consumer(task: Action, pp_rank: int, pp_size: int, num_chunks: int) -> tuple[int, Action] | None:

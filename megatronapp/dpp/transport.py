@@ -82,8 +82,17 @@ class PeerReceiver(threading.Thread):
     channels.py); `order`: how a receive is known complete (streams.py).
     """
 
-    def __init__(self, src: int, count: int, inbox: queue.SimpleQueue, device, before_wait=None,
-                 spec: tuple[torch.Size, torch.dtype] | None = None, groups=(None, None), order=None):
+    def __init__(
+        self,
+        src: int,
+        count: int,
+        inbox: queue.SimpleQueue,
+        device,
+        before_wait=None,
+        spec: tuple[torch.Size, torch.dtype] | None = None,
+        groups=(None, None),
+        order=None,
+    ):
         super().__init__(name=f"dpp-recv-{src}", daemon=True)
         self.src, self.count, self.inbox, self.device = src, count, inbox, device
         self.before_wait, self.spec = before_wait, spec
@@ -118,8 +127,10 @@ class PeerReceiver(threading.Thread):
             header_work.wait()
             task, got_shape, got_dtype = decode_task_header(header)
             if (got_shape, got_dtype) != (shape, dtype):
-                raise ValueError(f"rank {self.src} sent {tuple(got_shape)} {got_dtype} for {task}, but the model's "
-                                 f"spec for its messages is {tuple(shape)} {dtype}")
+                raise ValueError(
+                    f"rank {self.src} sent {tuple(got_shape)} {got_dtype} for {task}, but the model's "
+                    f"spec for its messages is {tuple(shape)} {dtype}"
+                )
             self._deliver(task, payload)
 
     def _post_header(self) -> tuple[torch.Tensor, object]:
@@ -136,8 +147,9 @@ class PeerReceiver(threading.Thread):
         self.inbox.put((task, tensor, self.src))
 
 
-def send_task_message(outbox: Outbox, dst: int, task: Action, tensor: torch.Tensor, channels=None,
-                      rank: int = 0) -> None:
+def send_task_message(
+    outbox: Outbox, dst: int, task: Action, tensor: torch.Tensor, channels=None, rank: int = 0
+) -> None:
     """Post `tensor` as the input of `task` on global rank `dst`: its header on the header group,
     the payload on the group of its direction (channels.py; None: the default group). A tensor
     no header can describe fails here, on the compute thread, before anything is queued."""
@@ -147,18 +159,25 @@ def send_task_message(outbox: Outbox, dst: int, task: Action, tensor: torch.Tens
     outbox.post([Send(header, dst, HEADER_TAG, header_group), Send(tensor, dst, PAYLOAD_TAG, payload_group)])
 
 
-def start_receivers(counts: dict[int, int], device, before_wait=None,
-                    specs: dict[int, tuple[torch.Size, torch.dtype]] | None = None, channels=None,
-                    rank: int = 0, order=None) -> tuple[queue.SimpleQueue, list]:
+def start_receivers(
+    counts: dict[int, int],
+    device,
+    before_wait=None,
+    specs: dict[int, tuple[torch.Size, torch.dtype]] | None = None,
+    channels=None,
+    rank: int = 0,
+    order=None,
+) -> tuple[queue.SimpleQueue, list]:
     """One PeerReceiver per global source rank with messages to receive this step; `specs`:
     the one spec of every message from a source, where there is one (see PeerReceiver);
     `channels`: which groups carry the messages to `rank` (channels.py; None: the default group)."""
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     specs = specs or {}
-    threads = [PeerReceiver(src, n, inbox, device, before_wait, specs.get(src), route(channels, src, rank), order)
-               for src, n in counts.items() if n]
+    threads = [
+        PeerReceiver(src, n, inbox, device, before_wait, specs.get(src), route(channels, src, rank), order)
+        for src, n in counts.items()
+        if n
+    ]
     for t in threads:
         t.start()
     return inbox, threads
-
-

@@ -56,8 +56,13 @@ def _shard_state(trainer) -> dict:
         split[name] = p.tp_split_dim
         if p in param_state:
             optim[name] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in param_state[p].items()}
-    return {"params": params, "split": split, "optim": optim, "optimizer": trainer.optimizer.state_dict(),
-            "fp8": delayed_state_dict(trainer.fp8_states)}
+    return {
+        "params": params,
+        "split": split,
+        "optim": optim,
+        "optimizer": trainer.optimizer.state_dict(),
+        "fp8": delayed_state_dict(trainer.fp8_states),
+    }
 
 
 def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
@@ -67,16 +72,23 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
     if g.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         job = trainer.job  # the settings beside the model are a record only: a resume takes its own flags
-        meta = {"iteration": it, "layout": asdict(job.layout), "model": asdict(job.model),
-                **{name: asdict(getattr(job, name)) for name in ("train", "optimizer", "precision")}}
+        meta = {
+            "iteration": it,
+            "layout": asdict(job.layout),
+            "model": asdict(job.model),
+            **{name: asdict(getattr(job, name)) for name in ("train", "optimizer", "precision")},
+        }
         write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     _barrier(g.world)
     state = _shard_state(trainer)
     if g.dp_rank == 0:
         _atomic_torch_save(state, folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()[1],
-           "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None,
-           "tracker": trainer.rng_tracker.get_states()}
+    rng = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate()[1],
+        "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None,
+        "tracker": trainer.rng_tracker.get_states(),
+    }
     _atomic_torch_save({"rng": rng, "data": data.state_dict()}, folder / f"rank{g.rank:05d}.pt")
     _barrier(g.world)
     if g.rank == 0:
@@ -220,5 +232,8 @@ def compute_model_config_mismatch(saved: dict, model_config) -> list[str]:
     Dropout rates are training settings, not shape: they may change on resume.
     """
     current = asdict(model_config)
-    return [f"{k} {saved[k]} -> {current[k]}" for k in sorted(current)
-            if k in saved and saved[k] != current[k] and not k.endswith("dropout")]
+    return [
+        f"{k} {saved[k]} -> {current[k]}"
+        for k in sorted(current)
+        if k in saved and saved[k] != current[k] and not k.endswith("dropout")
+    ]

@@ -44,8 +44,10 @@ def compute_deterministic_env(environ) -> dict[str, str]:
 def deterministic_attention_backend(requested: str) -> str:
     """The --attention-backend to run under --deterministic; ConfigError for cuDNN's."""
     if requested not in DETERMINISTIC_ATTENTION:
-        raise ConfigError(f"--deterministic needs an attention backend with a deterministic backward "
-                          f"({', '.join(sorted(set(DETERMINISTIC_ATTENTION.values())))}), not {requested}")
+        raise ConfigError(
+            f"--deterministic needs an attention backend with a deterministic backward "
+            f"({', '.join(sorted(set(DETERMINISTIC_ATTENTION.values())))}), not {requested}"
+        )
     return DETERMINISTIC_ATTENTION[requested]
 
 
@@ -61,5 +63,7 @@ def enable_deterministic_mode(environ) -> None:
 def check_deterministic_mode() -> None:
     """For the trainer: a job asking for --deterministic in a process not set up for it."""
     if not torch.are_deterministic_algorithms_enabled() or torch.is_deterministic_algorithms_warn_only_enabled():
-        raise ConfigError("--deterministic: call megatronapp.engine.determinism.enable_deterministic_mode "
-                          "before building the trainer (the CLI does)")
+        raise ConfigError(
+            "--deterministic: call megatronapp.engine.determinism.enable_deterministic_mode "
+            "before building the trainer (the CLI does)"
+        )

@@ -26,8 +26,9 @@ class ShardRange:
     end: int
 
 
-def compute_shard_ranges(offsets: list[int], numels: list[int], buckets: list[BucketSpan], dp_size: int,
-                         dp_rank: int) -> list[ShardRange]:
+def compute_shard_ranges(
+    offsets: list[int], numels: list[int], buckets: list[BucketSpan], dp_size: int, dp_rank: int
+) -> list[ShardRange]:
     """The non-empty parameter slices inside `dp_rank`'s shard of every bucket."""
     ranges = []
     for b in buckets:
@@ -40,8 +41,9 @@ def compute_shard_ranges(offsets: list[int], numels: list[int], buckets: list[Bu
     return ranges
 
 
-def gather_full_params(buf: ChunkGradBuffer, shards: dict[int, tuple[ShardRange, torch.Tensor]], dp_group,
-                       dp_size: int, dp_rank: int) -> list[torch.Tensor | None]:
+def gather_full_params(
+    buf: ChunkGradBuffer, shards: dict[int, tuple[ShardRange, torch.Tensor]], dp_group, dp_size: int, dp_rank: int
+) -> list[torch.Tensor | None]:
     """Collective over DP: full fp32 tensors (shaped like the chunk's params) from the
     shard pieces every rank holds (`shards`: param index -> (range, flat piece))."""
     full_params: list[torch.Tensor | None] = [None] * len(buf.params)
@@ -54,7 +56,7 @@ def gather_full_params(buf: ChunkGradBuffer, shards: dict[int, tuple[ShardRange,
             if i in shards:
                 r, piece = shards[i]
                 at = buf.offsets[i] + r.start - lo
-                local[at:at + r.end - r.start] = piece
+                local[at : at + r.end - r.start] = piece
         full = torch.empty(n, dtype=torch.float32, device=device)
         if dp_group is None:
             full.copy_(local)
@@ -62,5 +64,5 @@ def gather_full_params(buf: ChunkGradBuffer, shards: dict[int, tuple[ShardRange,
             all_gather_flat(full, local, group=dp_group)
         for i in b.span.params:
             p, at = buf.params[i], buf.offsets[i] - b.span.start
-            full_params[i] = full[at:at + p.numel()].view_as(p)
+            full_params[i] = full[at : at + p.numel()].view_as(p)
     return full_params

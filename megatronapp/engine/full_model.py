@@ -73,16 +73,19 @@ def load_full_model(ckpt: str | os.PathLike, device: str | torch.device = "cpu")
     return build_full_model(cfg, load_full_state(folder), device)
 
 
-def build_full_model(cfg: ModelConfig, state: dict[str, torch.Tensor],
-                     device: str | torch.device = "cpu") -> list[GPTChunk]:
+def build_full_model(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu"
+) -> list[GPTChunk]:
     """One-process chunks of `cfg` holding the full tensors of `state` (names and shapes must match)."""
-    chunks = build_model_chunks(cfg, pp_rank=0, pp_size=1, num_chunks=1, tp=TPContext(None, 1, 0),
-                                seed=0, device=device)
+    chunks = build_model_chunks(
+        cfg, pp_rank=0, pp_size=1, num_chunks=1, tp=TPContext(None, 1, 0), seed=0, device=device
+    )
     params = {name: p for c in chunks for name, p in c.named_parameters()}
     missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
     if missing or unexpected:
-        raise ValueError(f"checkpoint tensors do not match the model: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"checkpoint tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     with torch.no_grad():
         for name, p in params.items():
             if tuple(state[name].shape) != tuple(p.shape):
@@ -108,6 +111,7 @@ def compute_logits(chunks: list[GPTChunk], tokens: torch.Tensor) -> torch.Tensor
         x = chunk(x)  # hidden states (B, S, H); the head chunk returns logits when given no labels
     return x
 
+
 def save_full_checkpoint(save_dir: str | os.PathLike, chunks: list[GPTChunk], *, seed: int = 1234) -> Path:
     """Write one-process `chunks` as an iteration-0 checkpoint in the engine's format.
 
@@ -118,15 +122,25 @@ def save_full_checkpoint(save_dir: str | os.PathLike, chunks: list[GPTChunk], *,
     cfg = chunks[0].cfg
     folder = Path(save_dir) / f"iter_{0:07d}"
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"iteration": 0, "layout": asdict(ParallelLayout(world_size=1)), "model": asdict(cfg),
-            "train": asdict(TrainConfig(seed=seed))}
+    meta = {
+        "iteration": 0,
+        "layout": asdict(ParallelLayout(world_size=1)),
+        "model": asdict(cfg),
+        "train": asdict(TrainConfig(seed=seed)),
+    }
     write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     named = {name: p for c in chunks for name, p in c.named_parameters()}
-    shard = {"params": {n: p.detach().cpu().contiguous() for n, p in named.items()},
-             "split": {n: p.tp_split_dim for n, p in named.items()}, "optim": {}}
+    shard = {
+        "params": {n: p.detach().cpu().contiguous() for n, p in named.items()},
+        "split": {n: p.tp_split_dim for n, p in named.items()},
+        "optim": {},
+    }
     _atomic_torch_save(shard, folder / "model_tp0_pp0.pt")
-    rng = {"torch": torch.Generator().manual_seed(seed).get_state(),
-           "python": random.Random(seed).getstate()[1], "cuda": None}
+    rng = {
+        "torch": torch.Generator().manual_seed(seed).get_state(),
+        "python": random.Random(seed).getstate()[1],
+        "cuda": None,
+    }
     _atomic_torch_save({"rng": rng, "data": {"consumed_samples": 0}}, folder / "rank00000.pt")
     write_text_atomic(Path(save_dir) / "latest", "0")
     return folder

@@ -43,8 +43,17 @@ class ConstantGradScaler:
 class DynamicGradScaler(ConstantGradScaler):
     dynamic = True
 
-    def __init__(self, initial_scale: float, min_scale: float, device, *, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2):
+    def __init__(
+        self,
+        initial_scale: float,
+        min_scale: float,
+        device,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ):
         super().__init__(initial_scale, device)
         self.min_scale = torch.tensor([float(min_scale)], dtype=torch.float32, device=device)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
@@ -66,8 +75,11 @@ class DynamicGradScaler(ConstantGradScaler):
                 self._scale = self._scale * self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": float(self._scale), "growth_tracker": self._growth_tracker,
-                "hysteresis_tracker": self._hysteresis_tracker}
+        return {
+            "scale": float(self._scale),
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._scale = torch.tensor([float(state["scale"])], dtype=torch.float32, device=self._scale.device)
@@ -81,6 +93,11 @@ def build_grad_scaler(cfg, device) -> ConstantGradScaler | None:
     if cfg.loss_scale is not None and (cfg.fp16 or cfg.bf16):
         return ConstantGradScaler(cfg.loss_scale, device)
     if cfg.fp16:
-        return DynamicGradScaler(cfg.initial_loss_scale, cfg.min_loss_scale, device,
-                                 growth_interval=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
+        return DynamicGradScaler(
+            cfg.initial_loss_scale,
+            cfg.min_loss_scale,
+            device,
+            growth_interval=cfg.loss_scale_window,
+            hysteresis=cfg.hysteresis,
+        )
     return None

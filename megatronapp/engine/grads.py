@@ -44,8 +44,9 @@ class BucketSpan:
     params: tuple[int, ...]  # indices (forward order) of the parameters inside
 
 
-def compute_bucket_layout(numels: list[int], bucket_numel: int, pad_multiple: int
-                          ) -> tuple[list[int], list[BucketSpan], int]:
+def compute_bucket_layout(
+    numels: list[int], bucket_numel: int, pad_multiple: int
+) -> tuple[list[int], list[BucketSpan], int]:
     """Offsets of parameters (given in forward order) in a flat buffer, its buckets and size.
 
     Parameters are placed last-first; a bucket closes once it holds >= bucket_numel
@@ -80,24 +81,25 @@ class ChunkGradBuffer:
     def __init__(self, params: list[nn.Parameter], bucket_mb: float, pad_multiple: int, flat_params: bool):
         self.params = params
         self.offsets, spans, total = compute_bucket_layout(
-            [p.numel() for p in params], max(1, int(bucket_mb * 2**20 / 4)), pad_multiple)
+            [p.numel() for p in params], max(1, int(bucket_mb * 2**20 / 4)), pad_multiple
+        )
         device = params[0].device if params else "cpu"
         self.grad_data = torch.zeros(total, dtype=torch.float32, device=device)
         self.param_data = None
         if flat_params and params:
             self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
         for p, off in zip(params, self.offsets):
-            p.main_grad = self.grad_data[off:off + p.numel()].view_as(p)
+            p.main_grad = self.grad_data[off : off + p.numel()].view_as(p)
             if p.dtype == torch.float32:
                 p.grad = p.main_grad  # autograd accumulates straight into the buffer
             if self.param_data is not None:
-                view = self.param_data[off:off + p.numel()].view_as(p)
+                view = self.param_data[off : off + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-        self.buckets = [_Bucket(s, self.grad_data[s.start:s.end], [params[i] for i in s.params]) for s in spans]
+        self.buckets = [_Bucket(s, self.grad_data[s.start : s.end], [params[i] for i in s.params]) for s in spans]
         for b in self.buckets:
             if self.param_data is not None:
-                b.param_data = self.param_data[b.span.start:b.span.end]
+                b.param_data = self.param_data[b.span.start : b.span.end]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._zero_plan: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
 
@@ -159,15 +161,28 @@ class _DeferredAdds:
 class GradReducer:
     """Owns the main-grad buffers of all chunks and their DP reduction (and param all-gather)."""
 
-    def __init__(self, chunks: list[nn.Module], dp_group, dp_size: int, *, overlap: bool, bucket_mb: float,
-                 dp_rank: int = 0, distributed_optimizer: bool = False):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        dp_group,
+        dp_size: int,
+        *,
+        overlap: bool,
+        bucket_mb: float,
+        dp_rank: int = 0,
+        distributed_optimizer: bool = False,
+    ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
         self.overlap = overlap and dp_group is not None
         self.distributed = distributed_optimizer
         # 64-element alignment of every shard keeps the collectives' chunks aligned on GPU.
         pad = dp_size * 64 if distributed_optimizer else 1
-        self.buffers = [ChunkGradBuffer([p for p in c.parameters() if p.requires_grad], bucket_mb, pad,
-                                        flat_params=distributed_optimizer) for c in chunks]
+        self.buffers = [
+            ChunkGradBuffer(
+                [p for p in c.parameters() if p.requires_grad], bucket_mb, pad, flat_params=distributed_optimizer
+            )
+            for c in chunks
+        ]
         self.final_microbatch = [False] * len(chunks)
         self._zeroed = [False] * len(chunks)  # by zero_buffer since the last zero_grad
         self._gather_works: list[list] = [[] for _ in chunks]
@@ -190,6 +205,7 @@ class GradReducer:
                 param.grad = None
             if self.overlap and self.final_microbatch[chunk]:
                 self._count_ready(bucket)
+
         return hook
 
     def _count_ready(self, bucket: _Bucket) -> None:

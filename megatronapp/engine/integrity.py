@@ -58,7 +58,7 @@ class StepHistory:
     norms: deque
 
     @classmethod
-    def build(cls, window: int) -> "StepHistory":
+    def build(cls, window: int) -> StepHistory:
         return cls(deque(maxlen=window), deque(maxlen=window))
 
     def judge(self, loss: float, grad_norm: float, cfg: IntegrityConfig) -> tuple[str, ...]:
@@ -77,8 +77,10 @@ class StepHistory:
 
 def compute_differing_ranks(first: list[tuple[float, ...]], second: list[tuple[float, ...]]) -> list[int]:
     """Ranks whose values differ between two executions of a step, bit for bit (nan equals nan)."""
+
     def same(a: float, b: float) -> bool:
         return a == b or (math.isnan(a) and math.isnan(b))
+
     return [r for r, (a, b) in enumerate(zip(first, second)) if not all(same(x, y) for x, y in zip(a, b))]
 
 
@@ -91,16 +93,31 @@ def compute_rerun_verdict(differing_ranks: list[int]) -> str:
 def compare_runs(first: list[dict], second: list[dict]) -> dict:
     """Bit-for-bit comparison of two runs' per-step loss and grad norm (metrics-file records;
     floats from JSON round-trip exactly): how a --deterministic run is checked."""
-    differing = [a["iteration"] for a, b in zip(first, second)
-                 if (a["loss"], a["grad_norm"]) != (b["loss"], b["grad_norm"])]
-    return {"steps": min(len(first), len(second)), "identical": not differing and len(first) == len(second),
-            "first_differing_iteration": differing[0] if differing else None, "differing_steps": len(differing)}
+    differing = [
+        a["iteration"] for a, b in zip(first, second) if (a["loss"], a["grad_norm"]) != (b["loss"], b["grad_norm"])
+    ]
+    return {
+        "steps": min(len(first), len(second)),
+        "identical": not differing and len(first) == len(second),
+        "first_differing_iteration": differing[0] if differing else None,
+        "differing_steps": len(differing),
+    }
 
 
 def tabulate_flagged(runs: dict[str, list[dict]]) -> list[dict]:
     """One row per flagged step of every run (name -> metrics-file records): run, iteration,
     flags, loss, grad norm, the rerun's verdict and ranks."""
-    return [{"run": name, "iteration": r["iteration"], "flags": r["flags"], "loss": r["loss"],
-             "grad_norm": r["grad_norm"], "verdict": (r.get("rerun") or {}).get("verdict"),
-             "ranks": (r.get("rerun") or {}).get("ranks")}
-            for name, rows in runs.items() for r in rows if r.get("flags")]
+    return [
+        {
+            "run": name,
+            "iteration": r["iteration"],
+            "flags": r["flags"],
+            "loss": r["loss"],
+            "grad_norm": r["grad_norm"],
+            "verdict": (r.get("rerun") or {}).get("verdict"),
+            "ranks": (r.get("rerun") or {}).get("ranks"),
+        }
+        for name, rows in runs.items()
+        for r in rows
+        if r.get("flags")
+    ]

@@ -39,6 +39,7 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
+
     @triton.jit
     def _address(row, column, base, ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr):
         """Column `column` of a pointer-table row as a pointer of `base`'s type. It is built as
@@ -51,10 +52,25 @@ if triton is not None:
         return base + index
 
     @triton.jit
-    def _adamw_master_kernel(table_ptr, numel_ptr, block_tensor_ptr, block_start_ptr, grad_scale_ptr, skip_ptr,
-                             fp32_base, model_base, lr, beta1, beta2, eps, weight_decay,
-                             HAS_GRAD_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr):
+    def _adamw_master_kernel(
+        table_ptr,
+        numel_ptr,
+        block_tensor_ptr,
+        block_start_ptr,
+        grad_scale_ptr,
+        skip_ptr,
+        fp32_base,
+        model_base,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        HAS_GRAD_SCALE: tl.constexpr,
+        HAS_SKIP: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         # one program = one BLOCK_SIZE slice of one tensor; which tensor and where comes from
         # the block table, its addresses from the pointer table (a multi-tensor apply)
         pid = tl.program_id(0)
@@ -128,8 +144,16 @@ class _GroupPlan:
         for i, (main, state, model) in enumerate(zip(mains, states, models)):
             assert main.is_contiguous() and model.is_contiguous() and model.numel() == main.numel()
             assert main.grad.is_contiguous() and main.grad.dtype == torch.float32
-            rows.append([main.data_ptr(), main.grad.data_ptr(), state["exp_avg"].data_ptr(),
-                         state["exp_avg_sq"].data_ptr(), model.data_ptr(), state["step"].data_ptr()])
+            rows.append(
+                [
+                    main.data_ptr(),
+                    main.grad.data_ptr(),
+                    state["exp_avg"].data_ptr(),
+                    state["exp_avg_sq"].data_ptr(),
+                    model.data_ptr(),
+                    state["step"].data_ptr(),
+                ]
+            )
             numels.append(main.numel())
             starts = range(0, main.numel(), block)
             block_tensor.extend([i] * len(starts))
@@ -142,8 +166,9 @@ class _GroupPlan:
         assert all(m.dtype == self.model_dtype for m in models)
         # 16-byte aligned tensors whose sizes are multiples of 16 (all but odd-sized slices of a
         # flat buffer) get vector access
-        self.aligned = (all(address % 16 == 0 for row in rows for address in row[:_STEP])
-                        and all(n % 16 == 0 for n in numels))
+        self.aligned = all(address % 16 == 0 for row in rows for address in row[:_STEP]) and all(
+            n % 16 == 0 for n in numels
+        )
         self.block = block
         self.fp32_base, self.model_base = mains[0], models[0]
         self.keepalive = (mains, states, models)  # the addresses above stay valid while these live
@@ -158,8 +183,15 @@ class MasterAdamW:
     `only`: ids of the main params this instance updates (default: all of the optimizer's), so
     that disjoint instances can update a model piece by piece (engine/overlap_update.py)."""
 
-    def __init__(self, optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor], *,
-                 block: int = BLOCK, num_warps: int = NUM_WARPS, only: set[int] | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.AdamW,
+        model_view_of: dict[int, torch.Tensor],
+        *,
+        block: int = BLOCK,
+        num_warps: int = NUM_WARPS,
+        only: set[int] | None = None,
+    ):
         self.optimizer, self.model_view_of = optimizer, model_view_of
         self.block, self.num_warps = block, num_warps
         self.only = only
@@ -199,10 +231,22 @@ class MasterAdamW:
         for group, plan in self._group_plans():
             beta1, beta2 = group["betas"]
             _adamw_master_kernel[(plan.block_tensor.numel(),)](
-                plan.table, plan.numels, plan.block_tensor, plan.block_start,
-                grad_scale if grad_scale is not None else plan.numels, skip if skip is not None else plan.numels,
-                plan.fp32_base, plan.model_base, float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
-                HAS_GRAD_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, ALIGNED=plan.aligned,
+                plan.table,
+                plan.numels,
+                plan.block_tensor,
+                plan.block_start,
+                grad_scale if grad_scale is not None else plan.numels,
+                skip if skip is not None else plan.numels,
+                plan.fp32_base,
+                plan.model_base,
+                float(group["lr"]),
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                HAS_GRAD_SCALE=grad_scale is not None,
+                HAS_SKIP=skip is not None,
+                ALIGNED=plan.aligned,
                 BLOCK_SIZE=plan.block,
-                num_warps=self.num_warps)
-
+                num_warps=self.num_warps,
+            )

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megatronapp.config import ConfigError, JobConfig, OptimizerConfig, PrecisionConfig
+from megatronapp.engine import master_adam
 from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
 from megatronapp.engine.grad_scaler import build_grad_scaler
 from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norms
-from megatronapp.engine import master_adam
 from megatronapp.engine.optim import build_adamw
 from megatronapp.engine.overlap_update import OverlappedUpdate
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
@@ -69,12 +69,13 @@ def _main_params_of(reducer: GradReducer, tp_rank: int) -> list[list[MainParam]]
         mains = []
         if reducer.distributed:
             spans = [b.span for b in buf.buckets]
-            for r in compute_shard_ranges(buf.offsets, [p.numel() for p in buf.params], spans,
-                                          reducer.dp_size, reducer.dp_rank):
+            for r in compute_shard_ranges(
+                buf.offsets, [p.numel() for p in buf.params], spans, reducer.dp_size, reducer.dp_rank
+            ):
                 p = buf.params[r.param]
-                main = p.detach().view(-1)[r.start:r.end]  # fp32: the param buffer itself
+                main = p.detach().view(-1)[r.start : r.end]  # fp32: the param buffer itself
                 main = main if p.dtype == torch.float32 else main.float()
-                main.grad = p.main_grad.view(-1)[r.start:r.end]
+                main.grad = p.main_grad.view(-1)[r.start : r.end]
                 mains.append(MainParam(p, main, r, _counts(p, tp_rank)))
         else:
             for p in buf.params:
@@ -93,22 +94,32 @@ def _counts(p: nn.Parameter, tp_rank: int) -> bool:
 class MixedPrecisionOptimizer:
     """AdamW over fp32 main params, with loss scaling, clipping and (optionally) DP sharding."""
 
-    def __init__(self, reducer: GradReducer, cfg: OptimizerConfig, precision: PrecisionConfig, groups,
-                 device: torch.device, *, log_overflow: bool = True, fused: bool | None = None):
+    def __init__(
+        self,
+        reducer: GradReducer,
+        cfg: OptimizerConfig,
+        precision: PrecisionConfig,
+        groups,
+        device: torch.device,
+        *,
+        log_overflow: bool = True,
+        fused: bool | None = None,
+    ):
         self.reducer, self.cfg, self.precision, self.groups, self.device = reducer, cfg, precision, groups, device
         self.chunk_mains = _main_params_of(reducer, groups.tp_rank)
         self.mains = [m for chunk in self.chunk_mains for m in chunk]
         self.norm_params = [m.model_param for m in self.mains if m.count_in_norm]  # the norm's terms, in order
         # fused (one CUDA kernel; default on GPU) also takes the clip factor as its grad_scale
         self.fused = device.type == "cuda" if fused is None else fused
-        self.optimizer = build_adamw([(m.main_param, m.model_param.ndim >= 2) for m in self.mains], cfg,
-                                     fused=self.fused)
+        self.optimizer = build_adamw(
+            [(m.main_param, m.model_param.ndim >= 2) for m in self.mains], cfg, fused=self.fused
+        )
         # bf16/fp16 on CUDA: AdamW + clip + master->model copy in one kernel (engine/master_adam.py)
-        self.master_kernel = (cfg.fused_master_adamw and self._has_separate_mains()
-                              and master_adam.available(device))
+        self.master_kernel = cfg.fused_master_adamw and self._has_separate_mains() and master_adam.available(device)
         self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
-        self._master_adamw = (master_adam.MasterAdamW(self.optimizer, self._model_view_of)
-                              if self.master_kernel else None)
+        self._master_adamw = (
+            master_adam.MasterAdamW(self.optimizer, self._model_view_of) if self.master_kernel else None
+        )
         if cfg.overlap_param_update and not self.master_kernel:
             raise ConfigError("--overlap-param-update needs the fused master AdamW: CUDA, Triton, --bf16/--fp16")
         self.overlapped_update: OverlappedUpdate | None = None  # see enable_overlapped_update
@@ -121,20 +132,26 @@ class MixedPrecisionOptimizer:
     def enable_overlapped_update(self, chunks: list[nn.Module]) -> None:
         """From the next step on, the update runs unit by unit beside the next forward
         (engine/overlap_update.py); its per-unit kernels replace the one-launch kernel."""
-        self.overlapped_update = OverlappedUpdate(self.optimizer, self._model_view_of, chunks, self.chunk_mains,
-                                                  self.device)
+        self.overlapped_update = OverlappedUpdate(
+            self.optimizer, self._model_view_of, chunks, self.chunk_mains, self.device
+        )
         self._master_adamw = None
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for model state, by kind (Adam's after the first step)."""
-        adam = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                   for t in st.values() if torch.is_tensor(t) and t.ndim > 0)
+        adam = sum(
+            t.numel() * t.element_size()
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.ndim > 0
+        )
         params = [p for buf in self.reducer.buffers for p in buf.params]
-        return {"params": sum(p.numel() * p.element_size() for p in params),
-                "main_grads": sum(buf.grad_data.numel() * 4 for buf in self.reducer.buffers),
-                "main_params": sum(m.main_param.numel() * 4 for m in self.mains
-                                   if m.model_param.dtype != torch.float32),
-                "adam": adam}
+        return {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "main_grads": sum(buf.grad_data.numel() * 4 for buf in self.reducer.buffers),
+            "main_params": sum(m.main_param.numel() * 4 for m in self.mains if m.model_param.dtype != torch.float32),
+            "adam": adam,
+        }
 
     @property
     def param_groups(self) -> list[dict]:
@@ -164,11 +181,15 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 self.skipped_iterations += 1
                 if self.log_overflow:
-                    log.warning("found inf/nan in gradients: skipped the step, loss scale %g -> %g",
-                                scale, float(self.grad_scaler.scale))
+                    log.warning(
+                        "found inf/nan in gradients: skipped the step, loss scale %g -> %g",
+                        scale,
+                        float(self.grad_scaler.scale),
+                    )
                 return StepResult(False, None, scale)
-        norm, per_tensor = compute_grad_norms([m.main_param.grad for m in self.mains if m.count_in_norm],
-                                              self._norm_groups, self.device)
+        norm, per_tensor = compute_grad_norms(
+            [m.main_param.grad for m in self.mains if m.count_in_norm], self._norm_groups, self.device
+        )
         skip = first_bad = None
         if check_nonfinite:
             skip, first_bad = _nonfinite_flags(norm, per_tensor, loss_nonfinite)
@@ -218,7 +239,7 @@ class MixedPrecisionOptimizer:
     @staticmethod
     def _model_view(m: MainParam) -> torch.Tensor:
         p = m.model_param.detach()
-        return p if m.shard is None else p.view(-1)[m.shard.start:m.shard.end]
+        return p if m.shard is None else p.view(-1)[m.shard.start : m.shard.end]
 
     # -- checkpoints: layout-independent state per model parameter --------------------------
     def finish_param_sync(self) -> None:
@@ -304,28 +325,35 @@ class MixedPrecisionOptimizer:
             self.optimizer.state[m.main_param] = {
                 "exp_avg": self._slice(m, st["exp_avg"]).clone(),
                 "exp_avg_sq": self._slice(m, st["exp_avg_sq"]).clone(),
-                "step": torch.tensor(float(st["step"]), dtype=torch.float32,
-                                     device=self.device if self.device.type == "cuda" else "cpu")}
+                "step": torch.tensor(
+                    float(st["step"]), dtype=torch.float32, device=self.device if self.device.type == "cuda" else "cpu"
+                ),
+            }
 
     def _slice(self, m: MainParam, full: torch.Tensor) -> torch.Tensor:
         full = full.to(device=self.device, dtype=torch.float32).reshape(m.model_param.shape)
-        return full if m.shard is None else full.reshape(-1)[m.shard.start:m.shard.end]
+        return full if m.shard is None else full.reshape(-1)[m.shard.start : m.shard.end]
 
 
-def _nonfinite_flags(norm: torch.Tensor, per_tensor: torch.Tensor, loss_nonfinite: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def _nonfinite_flags(
+    norm: torch.Tensor, per_tensor: torch.Tensor, loss_nonfinite: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(skip flag, index of this rank's first non-finite per-tensor norm or len(per_tensor)), on the device."""
     skip = (~torch.isfinite(norm)).float()
     if loss_nonfinite is not None:
         skip = torch.maximum(skip, loss_nonfinite)
     index = torch.arange(per_tensor.numel(), device=per_tensor.device)
-    first_bad = torch.where(torch.isfinite(per_tensor), per_tensor.numel(), index).min() if per_tensor.numel() \
+    first_bad = (
+        torch.where(torch.isfinite(per_tensor), per_tensor.numel(), index).min()
+        if per_tensor.numel()
         else torch.zeros((), dtype=torch.int64, device=per_tensor.device)
+    )
     return skip, first_bad
 
 
-def build_grads_and_optimizer(chunks: list[nn.Module], job: JobConfig, groups, device: torch.device
-                              ) -> tuple[GradReducer, MixedPrecisionOptimizer]:
+def build_grads_and_optimizer(
+    chunks: list[nn.Module], job: JobConfig, groups, device: torch.device
+) -> tuple[GradReducer, MixedPrecisionOptimizer]:
     """Cast the model to its params dtype, build its main-grad buffers and the optimizer."""
     t, opt, prec = job.train, job.optimizer, job.precision
     dtype = params_dtype(prec)
@@ -333,9 +361,15 @@ def build_grads_and_optimizer(chunks: list[nn.Module], job: JobConfig, groups, d
         for c in chunks:
             c.to(dtype)
     lay = groups.layout
-    reducer = GradReducer(chunks, groups.dp, lay.dp_size, dp_rank=groups.dp_rank,
-                          overlap=t.overlap_grad_reduce, bucket_mb=t.grad_bucket_mb,
-                          distributed_optimizer=opt.use_distributed_optimizer)
+    reducer = GradReducer(
+        chunks,
+        groups.dp,
+        lay.dp_size,
+        dp_rank=groups.dp_rank,
+        overlap=t.overlap_grad_reduce,
+        bucket_mb=t.grad_bucket_mb,
+        distributed_optimizer=opt.use_distributed_optimizer,
+    )
     if opt.overlap_param_gather:
         for i, c in enumerate(chunks):  # a chunk's first forward waits for its params' all-gather
             c.register_forward_pre_hook(lambda *_, i=i: reducer.wait_param_gather(i))

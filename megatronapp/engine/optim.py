@@ -18,8 +18,13 @@ def build_adamw(params: list[tuple[torch.Tensor, bool]], cfg: OptimizerConfig, *
     decay = [t for t, d in params if d]
     no_decay = [t for t, d in params if not d]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]] or [{"params": []}], lr=cfg.lr,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused or None)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]] or [{"params": []}],
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        fused=fused or None,
+    )
 
 
 def compute_lr(iteration: int, cfg: OptimizerConfig, train_iters: int) -> float:

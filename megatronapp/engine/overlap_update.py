@@ -31,8 +31,8 @@ update overlaps with the forward of the chunks before it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -74,16 +74,23 @@ class OverlappedUpdate:
     """The master-AdamW update of `chunk_mains` (MainParams per chunk), launched unit by unit on
     a side stream; forward hooks on `chunks` make the compute stream wait where it must."""
 
-    def __init__(self, optimizer: torch.optim.AdamW, model_view_of: dict[int, torch.Tensor],
-                 chunks: list[nn.Module], chunk_mains: list[list], device: torch.device):
+    def __init__(
+        self,
+        optimizer: torch.optim.AdamW,
+        model_view_of: dict[int, torch.Tensor],
+        chunks: list[nn.Module],
+        chunk_mains: list[list],
+        device: torch.device,
+    ):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.units: list[_Unit] = []
         self.chunk_events = [torch.cuda.Event() for _ in chunks]
         for c, (chunk, mains) in enumerate(zip(chunks, chunk_mains)):
             units = chunk_units(chunk)
-            owned = partition_by_unit([[id(p) for p in params] for _, params in units],
-                                      [id(m.model_param) for m in mains])
+            owned = partition_by_unit(
+                [[id(p) for p in params] for _, params in units], [id(m.model_param) for m in mains]
+            )
             for (module, _), idx in zip(units, owned):
                 if not idx:
                     continue
@@ -101,8 +108,9 @@ class OverlappedUpdate:
             unit.kernel.invalidate()
 
     @torch.no_grad()
-    def launch(self, grad_scale: torch.Tensor | None, zero_chunk_grads: Callable[[int], None],
-               skip: torch.Tensor | None = None) -> None:
+    def launch(
+        self, grad_scale: torch.Tensor | None, zero_chunk_grads: Callable[[int], None], skip: torch.Tensor | None = None
+    ) -> None:
         """Queue the update (grads divided by `grad_scale`, a device scalar, or None; none at
         all where the device flag `skip` is 1) and then `zero_chunk_grads(c)` for every chunk
         on the side stream; returns at once."""

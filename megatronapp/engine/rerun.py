@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.config import IntegrityConfig
-from megatronapp.engine.integrity import (StepHistory, compute_differing_ranks, compute_rerun_verdict,
-                                          compute_step_flags)
+from megatronapp.engine.integrity import StepHistory, compute_differing_ranks, compute_rerun_verdict, compute_step_flags
 
 
 @dataclass
@@ -55,16 +54,33 @@ def _all_params(trainer) -> list[torch.Tensor]:
 def capture_state(trainer) -> StepSnapshot:
     opt = trainer.optimizer
     opt.finish_param_sync()
-    separate = [m.main_param if m.main_param is not m.model_param and m.model_param.dtype != torch.float32
-                else None for m in opt.mains]
-    adam = {id(m.main_param): {k: v.clone() if torch.is_tensor(v) else v
-                               for k, v in opt.optimizer.state.get(m.main_param, {}).items()} for m in opt.mains}
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "tracker": trainer.rng_tracker.get_states(),
-           "cuda": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None}
+    separate = [
+        m.main_param if m.main_param is not m.model_param and m.model_param.dtype != torch.float32 else None
+        for m in opt.mains
+    ]
+    adam = {
+        id(m.main_param): {
+            k: v.clone() if torch.is_tensor(v) else v for k, v in opt.optimizer.state.get(m.main_param, {}).items()
+        }
+        for m in opt.mains
+    }
+    rng = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "tracker": trainer.rng_tracker.get_states(),
+        "cuda": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None,
+    }
     fp8 = {name: (st.history.clone(), st.scale.clone(), st.ready) for name, st in trainer.fp8_states.items()}
-    return StepSnapshot(trainer.iteration, [p.detach().clone() for p in _all_params(trainer)],
-                        [None if s is None else s.detach().clone() for s in separate], adam,
-                        copy.deepcopy(opt.state_dict()), fp8, rng, copy.deepcopy(trainer.data.state_dict()))
+    return StepSnapshot(
+        trainer.iteration,
+        [p.detach().clone() for p in _all_params(trainer)],
+        [None if s is None else s.detach().clone() for s in separate],
+        adam,
+        copy.deepcopy(opt.state_dict()),
+        fp8,
+        rng,
+        copy.deepcopy(trainer.data.state_dict()),
+    )
 
 
 @torch.no_grad()
@@ -156,8 +172,12 @@ class StepValidator:
         second = trainer._execute_step(attempt=1)
         again = gather_step_values(trainer, second)
         (loss, norm), (loss2, norm2) = (compute_global_values(v, trainer.job.layout.dp_size) for v in (values, again))
-        report = {"mode": "report_stats", "ranks": compute_differing_ranks(values, again),
-                  "loss_delta": abs(loss2 - loss), "grad_norm_delta": abs(norm2 - norm)}
+        report = {
+            "mode": "report_stats",
+            "ranks": compute_differing_ranks(values, again),
+            "loss_delta": abs(loss2 - loss),
+            "grad_norm_delta": abs(norm2 - norm),
+        }
         return replace(second, flags=flags, rerun=report)
 
     def _validate(self, trainer, snap: StepSnapshot, values, flags):
@@ -175,8 +195,9 @@ class StepValidator:
         if observer is not None:
             observer.classified(snap.iteration, report)
         loss, norm = compute_global_values(again, trainer.job.layout.dp_size)
-        if verdict == "transient" and not compute_step_flags(loss, norm, self.history.losses, self.history.norms,
-                                                            self.cfg):
+        if verdict == "transient" and not compute_step_flags(
+            loss, norm, self.history.losses, self.history.norms, self.cfg
+        ):
             self.history.accept(loss, norm)
         if verdict == "reproducible" and self.cfg.skip_spiky_batches:
             consumed = copy.deepcopy(trainer.data.state_dict())
@@ -185,6 +206,12 @@ class StepValidator:
             trainer.iteration += 1
             trainer.optimizer.skipped_iterations += 1
             report["skipped"] = True
-            return replace(second, iteration=trainer.iteration, skipped_nonfinite=None, flags=flags, rerun=report,
-                           skipped_iterations=trainer.optimizer.skipped_iterations)
+            return replace(
+                second,
+                iteration=trainer.iteration,
+                skipped_nonfinite=None,
+                flags=flags,
+                rerun=report,
+                skipped_iterations=trainer.optimizer.skipped_iterations,
+            )
         return replace(second, flags=flags, rerun=report)

@@ -26,17 +26,17 @@ from megatronapp.config import JobConfig
 from megatronapp.engine.determinism import check_deterministic_mode, deterministic_attention_backend
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.integrity import StepHistory
-from megatronapp.engine.rerun import StepValidator
 from megatronapp.engine.mixed_precision import build_grads_and_optimizer
 from megatronapp.engine.optim import compute_lr, set_lr
+from megatronapp.engine.rerun import StepValidator
 from megatronapp.engine.throughput import compute_mfu, compute_tflops_per_device, peak_flops_for
 from megatronapp.model.gpt import ChunkOptions, TPContext, apply_compile, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
 from megatronapp.parallel.fp8 import delayed_states, enable_fp8, update_delayed_scaling
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.parallel.random import build_rng_tracker
-from megatronapp.pipeline.runtime import PipelineRuntime
 from megatronapp.parallel.wgrad_defer import apply_split_backward
+from megatronapp.pipeline.runtime import PipelineRuntime
 from megatronapp.pipeline.schedules import build_schedule, schedule_has_weight_tasks
 from megatronapp.pipeline.validate import validate_schedule
 
@@ -85,9 +85,20 @@ class _PendingStep:
 
 
 class Trainer:
-    def __init__(self, job: JobConfig, groups: ParallelGroups, device: torch.device, data, *,
-                 tracer=NULL_TRACER, injector=None, schedule=None, runtime_factory=None,
-                 clock=time.perf_counter, step_hook=None):
+    def __init__(
+        self,
+        job: JobConfig,
+        groups: ParallelGroups,
+        device: torch.device,
+        data,
+        *,
+        tracer=NULL_TRACER,
+        injector=None,
+        schedule=None,
+        runtime_factory=None,
+        clock=time.perf_counter,
+        step_hook=None,
+    ):
         self.job, self.groups, self.device, self.data = job, groups, device, data
         self.clock = clock  # seconds; a test passes a fake one
         # tests only: step_hook(iteration, attempt, loss, optimizer) -> loss, called between the
@@ -108,34 +119,59 @@ class Trainer:
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
         self.rng_tracker = build_rng_tracker(t.seed, groups.tp_rank, groups.pp_rank, device)
         options = ChunkOptions(recompute=t.recompute_config(), rng_tracker=self.rng_tracker)
-        self.chunks = build_model_chunks(job.model, pp_rank=groups.pp_rank, pp_size=lay.pp_size,
-                                         num_chunks=lay.virtual_pp_size, tp=tp, seed=t.seed, device=device,
-                                         options=options)
+        self.chunks = build_model_chunks(
+            job.model,
+            pp_rank=groups.pp_rank,
+            pp_size=lay.pp_size,
+            num_chunks=lay.virtual_pp_size,
+            tp=tp,
+            seed=t.seed,
+            device=device,
+            options=options,
+        )
         prec = job.precision
         if prec.fp8_format is not None:
             in_fp8 = prec.fp8_layers(job.model.num_layers)
-            enable_fp8([block for c in self.chunks for i, block in c.layers.items() if int(i) in in_fp8],
-                       prec.fp8_format, prec.fp8_recipe, prec.fp8_amax_history_len)
+            enable_fp8(
+                [block for c in self.chunks for i, block in c.layers.items() if int(i) in in_fp8],
+                prec.fp8_format,
+                prec.fp8_recipe,
+                prec.fp8_amax_history_len,
+            )
         # the delayed FP8 recipe's per-linear states, by layout-independent module name (checkpoints)
         self.fp8_states = delayed_states((name, m) for c in self.chunks for name, m in c.named_modules())
         if job.train.compile:
             apply_compile(self.chunks)
         self.reducer, self.optimizer = build_grads_and_optimizer(self.chunks, job, groups, device)
-        self.model = GPTPipelineModel(self.chunks, job.model, seed=t.seed, dp_rank=groups.dp_rank,
-                                      num_microbatches=job.num_microbatches, tp_size=lay.tp_size,
-                                      tp_rank=groups.tp_rank, sequence_parallel=t.sequence_parallel,
-                                      attention_backend=attention_backend)
+        self.model = GPTPipelineModel(
+            self.chunks,
+            job.model,
+            seed=t.seed,
+            dp_rank=groups.dp_rank,
+            num_microbatches=job.num_microbatches,
+            tp_size=lay.tp_size,
+            tp_rank=groups.tp_rank,
+            sequence_parallel=t.sequence_parallel,
+            attention_backend=attention_backend,
+        )
         # split backward: the linears' weight GEMMs wait for W tasks (parallel/wgrad_defer.py)
         split = t.uses_split_backward() or (schedule is not None and schedule_has_weight_tasks(schedule))
         if split:
             apply_split_backward(m for c in self.chunks for m in c.modules())
-        runtime_kw = dict(device=device, tracer=tracer, reducer=self.reducer, injector=injector,
-                          grad_scale_func=self.optimizer.scale_loss, split_backward=split)
+        runtime_kw = dict(
+            device=device,
+            tracer=tracer,
+            reducer=self.reducer,
+            injector=injector,
+            grad_scale_func=self.optimizer.scale_loss,
+            split_backward=split,
+        )
         if runtime_factory is not None:  # decisions at run time (e.g. megatronapp.dpp): no static schedule
             self.schedule, self.runtime = None, runtime_factory(self.model, groups, **runtime_kw)
         else:
-            self.schedule = schedule or build_schedule(job.train.schedule, lay.pp_size, lay.virtual_pp_size,
-                                                       job.num_microbatches)
+            self.schedule = schedule or build_schedule(
+                job.train.schedule, lay.pp_size, lay.virtual_pp_size, job.num_microbatches
+            )
             validate_schedule(self.schedule)
             self.runtime = PipelineRuntime(self.model, groups, self.schedule, **runtime_kw)
         self.iteration = 0  # optimizer steps completed
@@ -188,26 +224,43 @@ class Trainer:
         self.tracer.step_end(it)
         self.iteration += 1
         loss = loss.detach().float() if loss is not None and self.groups.tp_rank == 0 else None
-        norm = (torch.full((), float("nan"), device=self.device) if result.grad_norm is None
-                else result.grad_norm.detach())
-        return _PendingStep(self.iteration, lr, loss, norm, self.runtime.compute_timer.take(),
-                            result.loss_scale, self.optimizer.skipped_iterations, result.skipped_nonfinite,
-                            result.first_nonfinite)
+        norm = (
+            torch.full((), float("nan"), device=self.device) if result.grad_norm is None else result.grad_norm.detach()
+        )
+        return _PendingStep(
+            self.iteration,
+            lr,
+            loss,
+            norm,
+            self.runtime.compute_timer.take(),
+            result.loss_scale,
+            self.optimizer.skipped_iterations,
+            result.skipped_nonfinite,
+            result.first_nonfinite,
+        )
 
     def _loss_nonfinite(self, loss: torch.Tensor | None) -> torch.Tensor:
         """1.0 (a device flag, no host sync) where this rank's loss is not finite."""
-        return (torch.zeros((), device=self.device) if loss is None
-                else (~torch.isfinite(loss.detach().float())).float())
+        return torch.zeros((), device=self.device) if loss is None else (~torch.isfinite(loss.detach().float())).float()
 
     def _copy_to_host(self, steps: list[_PendingStep]) -> torch.Tensor:
         """(k, 4) host matrix of the steps' loss share, grad norm, non-finite skip flag and first
         non-finite parameter: the one device->host copy,
         which waits for the device to finish the steps (the end of an interval's time)."""
         zero = torch.zeros((), device=self.device)
-        return torch.stack([torch.stack([zero if st.loss is None else st.loss, st.grad_norm.float(),
-                                         zero if st.skipped_nonfinite is None else st.skipped_nonfinite,
-                                         zero if st.first_nonfinite is None else st.first_nonfinite.float()])
-                            for st in steps]).cpu()
+        return torch.stack(
+            [
+                torch.stack(
+                    [
+                        zero if st.loss is None else st.loss,
+                        st.grad_norm.float(),
+                        zero if st.skipped_nonfinite is None else st.skipped_nonfinite,
+                        zero if st.first_nonfinite is None else st.first_nonfinite.float(),
+                    ]
+                )
+                for st in steps
+            ]
+        ).cpu()
 
     def _resolve(self, steps: list[_PendingStep], on_host: torch.Tensor, elapsed_s: float) -> list[StepMetrics]:
         """Metrics of `steps` on every rank from their host copy (see _copy_to_host) and one all-reduce.
@@ -238,9 +291,24 @@ class Trainer:
         for i, (st, row, norm) in enumerate(zip(steps, rows, norms)):
             loss = row[0] / self.job.layout.dp_size
             flags = st.flags if st.flags is not None else self._judge(loss, norm, skipped_here=on_host[i, 2] > 0)
-            out.append(StepMetrics(st.iteration, loss, st.lr, norm, dt, tokens_per_s, tflops,
-                                   compute_mfu(tflops, self.peak_flops), tuple(row[1:]), st.loss_scale,
-                                   st.skipped_iterations + skipped[i], flags, nonfinite.get(i, ()), st.rerun))
+            out.append(
+                StepMetrics(
+                    st.iteration,
+                    loss,
+                    st.lr,
+                    norm,
+                    dt,
+                    tokens_per_s,
+                    tflops,
+                    compute_mfu(tflops, self.peak_flops),
+                    tuple(row[1:]),
+                    st.loss_scale,
+                    st.skipped_iterations + skipped[i],
+                    flags,
+                    nonfinite.get(i, ()),
+                    st.rerun,
+                )
+            )
         return out
 
     def _judge(self, loss: float, norm: float, skipped_here: bool) -> tuple[str, ...]:
@@ -266,8 +334,11 @@ class Trainer:
         named = {i: tuple(r[i] for r in everyone if i in r) for i in range(len(steps)) if on_host[i, 2] > 0}
         if self.groups.rank == 0:
             for i, found in named.items():
-                log.warning("iteration %d: non-finite loss or gradients, update skipped: %s", steps[i].iteration,
-                            "; ".join(f"rank {f['rank']} {f['param'] or 'loss'}" for f in found) or "unknown")
+                log.warning(
+                    "iteration %d: non-finite loss or gradients, update skipped: %s",
+                    steps[i].iteration,
+                    "; ".join(f"rank {f['rank']} {f['param'] or 'loss'}" for f in found) or "unknown",
+                )
         return named
 
     def train(self, num_steps: int | None = None, on_step=None) -> list[StepMetrics]:

@@ -29,5 +29,15 @@ from megatronapp.faultlab.cpu import Schedule
 from megatronapp.faultlab.plan import EngineJob, ExtraWork, LabPlan, Noise, ScriptJob, SlowLink, SlowRank
 from megatronapp.faultlab.runner import LabResult, run_lab
 
-__all__ = ["EngineJob", "ExtraWork", "LabPlan", "LabResult", "Noise", "Schedule", "ScriptJob", "SlowLink",
-           "SlowRank", "run_lab"]
+__all__ = [
+    "EngineJob",
+    "ExtraWork",
+    "LabPlan",
+    "LabResult",
+    "Noise",
+    "Schedule",
+    "ScriptJob",
+    "SlowLink",
+    "SlowRank",
+    "run_lab",
+]

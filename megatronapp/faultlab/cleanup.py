@@ -1,6 +1,6 @@
 """Remove what a killed fault-lab run left behind: namespaces and cgroups named `mapplab-*`.
 
-    python -m megatronapp.faultlab.cleanup
+python -m megatronapp.faultlab.cleanup
 """
 
 from megatronapp.faultlab.cpu import cleanup_cgroups

@@ -144,8 +144,12 @@ def remove_cgroup(path: Path) -> None:
 def start_busy_loop(core: int | None = None) -> subprocess.Popen:
     """A Python process spinning forever, pinned to `core` when given."""
     pin = ["taskset", "-c", str(core)] if core is not None else []
-    return subprocess.Popen([*pin, sys.executable, "-c", _BUSY_LOOP], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [*pin, sys.executable, "-c", _BUSY_LOOP],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def pin_process(pid: int, core: int) -> None:
@@ -164,8 +168,7 @@ class CompetingLoad:
     session would otherwise get half of its core whatever the number of loops in the lab's.
     Optionally on a schedule (SIGSTOP / SIGCONT)."""
 
-    def __init__(self, name: str, pids: list[int], core: int, schedule: Schedule | None = None,
-                 loops: int = 1) -> None:
+    def __init__(self, name: str, pids: list[int], core: int, schedule: Schedule | None = None, loops: int = 1) -> None:
         if loops < 1:
             raise ValueError(f"a competing load needs >= 1 busy loop, got {loops}")
         self.name, self.pids, self.core, self.schedule, self.loops = name, list(pids), core, schedule, loops

@@ -26,8 +26,9 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, check=check,
-                          timeout=30)
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, check=check, timeout=30
+    )
 
 
 def address(node: int) -> str:
@@ -62,12 +63,50 @@ def probe_qdiscs() -> QdiscSupport:
     _ip("netns", "add", ns)
     try:
         _ip("-n", ns, "link", "add", "q0", "type", "veth", "peer", "name", "q1")
-        tbf = _tc(ns, "qdisc", "add", "dev", "q0", "root", "tbf", "rate", "10mbit", "burst", "16kb", "latency",
-                  "100ms", check=False).returncode == 0
+        tbf = (
+            _tc(
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                "q0",
+                "root",
+                "tbf",
+                "rate",
+                "10mbit",
+                "burst",
+                "16kb",
+                "latency",
+                "100ms",
+                check=False,
+            ).returncode
+            == 0
+        )
         _tc(ns, "qdisc", "del", "dev", "q0", "root", check=False)
         htb = _tc(ns, "qdisc", "add", "dev", "q0", "root", "handle", "1:", "htb", check=False).returncode == 0
-        htb = htb and _tc(ns, "filter", "add", "dev", "q0", "parent", "1:", "protocol", "ip", "u32", "match", "ip",
-                          "dst", "10.0.0.1/32", "flowid", "1:10", check=False).returncode == 0
+        htb = (
+            htb
+            and _tc(
+                ns,
+                "filter",
+                "add",
+                "dev",
+                "q0",
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "u32",
+                "match",
+                "ip",
+                "dst",
+                "10.0.0.1/32",
+                "flowid",
+                "1:10",
+                check=False,
+            ).returncode
+            == 0
+        )
         return QdiscSupport(tbf, htb)
     finally:
         _ip("netns", "del", ns, check=False)
@@ -114,11 +153,43 @@ class LabNetwork:
         ns, rate = self.ns(src), f"{rate_mbit}mbit"
         if support.htb_u32:
             _tc(ns, "qdisc", "add", "dev", IFNAME, "root", "handle", "1:", "htb", "default", "20")
-            _tc(ns, "class", "add", "dev", IFNAME, "parent", "1:", "classid", "1:10", "htb", "rate", rate,
-                "ceil", rate, "burst", "4kb")
+            _tc(
+                ns,
+                "class",
+                "add",
+                "dev",
+                IFNAME,
+                "parent",
+                "1:",
+                "classid",
+                "1:10",
+                "htb",
+                "rate",
+                rate,
+                "ceil",
+                rate,
+                "burst",
+                "4kb",
+            )
             _tc(ns, "class", "add", "dev", IFNAME, "parent", "1:", "classid", "1:20", "htb", "rate", "10gbit")
-            _tc(ns, "filter", "add", "dev", IFNAME, "parent", "1:", "protocol", "ip", "u32", "match", "ip", "dst",
-                f"{address(dst)}/32", "flowid", "1:10")
+            _tc(
+                ns,
+                "filter",
+                "add",
+                "dev",
+                IFNAME,
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "u32",
+                "match",
+                "ip",
+                "dst",
+                f"{address(dst)}/32",
+                "flowid",
+                "1:10",
+            )
             return f"htb {rate} on {address(src)} -> {address(dst)} only"
         if support.tbf:
             _tc(ns, "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate, "burst", "4kb", "latency", "400ms")

@@ -44,10 +44,26 @@ class EngineJob:
         return self.tp * self.pp * self.dp
 
     def module_args(self, trace_dir: str) -> list[str]:
-        return ["megatronapp.cli.main", "train", "--tensor-model-parallel-size", str(self.tp),
-                "--pipeline-model-parallel-size", str(self.pp), "--train-iters", str(self.iters),
-                "--log-interval", str(self.iters), "--device", "cpu", "--seed", str(self.seed), *self.extra,
-                "--trace", "--trace-dir", trace_dir]
+        return [
+            "megatronapp.cli.main",
+            "train",
+            "--tensor-model-parallel-size",
+            str(self.tp),
+            "--pipeline-model-parallel-size",
+            str(self.pp),
+            "--train-iters",
+            str(self.iters),
+            "--log-interval",
+            str(self.iters),
+            "--device",
+            "cpu",
+            "--seed",
+            str(self.seed),
+            *self.extra,
+            "--trace",
+            "--trace-dir",
+            trace_dir,
+        ]
 
 
 @dataclass(frozen=True)
@@ -134,22 +150,64 @@ def local_command(plan: LabPlan, trace_dir: str) -> list[str]:
     """All ranks under one launcher: `megatronapp trace run` for a script, torchrun for the engine."""
     job = plan.job
     if isinstance(job, ScriptJob):
-        return [sys.executable, "-m", "megatronapp.cli.main", "trace", "run", "--nproc-per-node", str(job.nproc),
-                "--trace-dir", trace_dir, "--", job.script, *job.args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(job.nproc),
-            "--monitor-interval", "0.1", "--module", *job.module_args(trace_dir)]
+        return [
+            sys.executable,
+            "-m",
+            "megatronapp.cli.main",
+            "trace",
+            "run",
+            "--nproc-per-node",
+            str(job.nproc),
+            "--trace-dir",
+            trace_dir,
+            "--",
+            job.script,
+            *job.args,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(job.nproc),
+        "--monitor-interval",
+        "0.1",
+        "--module",
+        *job.module_args(trace_dir),
+    ]
 
 
 def node_command(plan: LabPlan, node: int, trace_dir: str) -> list[str]:
     """Node `node`'s torchrun, inside its namespace (net.py): rendezvous at node 0's address."""
     job, per_node = plan.job, plan.job.nproc // plan.nodes
     module = job.module_args() if isinstance(job, ScriptJob) else job.module_args(trace_dir)
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(plan.nodes), "--nproc-per-node",
-            str(per_node), "--node-rank", str(node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{address(0)}:{RDZV_PORT}", "--rdzv-id", plan.tag, "--local-addr", address(node),
-            # node 0 serves the rendezvous store: torch decides that by hostname, which all namespaces share
-            "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=60",
-            "--monitor-interval", "0.1", "--module", *module]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(plan.nodes),
+        "--nproc-per-node",
+        str(per_node),
+        "--node-rank",
+        str(node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{address(0)}:{RDZV_PORT}",
+        "--rdzv-id",
+        plan.tag,
+        "--local-addr",
+        address(node),
+        # node 0 serves the rendezvous store: torch decides that by hostname, which all namespaces share
+        "--rdzv-conf",
+        f"is_host={int(node == 0)},join_timeout=60",
+        "--monitor-interval",
+        "0.1",
+        "--module",
+        *module,
+    ]
 
 
 def node_env() -> dict[str, str]:

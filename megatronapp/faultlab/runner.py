@@ -96,8 +96,16 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
 
 def _job_env(plan: LabPlan) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _STRIP_ENV}
-    return {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "LOGLEVEL": "ERROR",
-            "MEGATRONAPP_RUN_ID": plan.tag, **fault_env(plan), **plan.env}
+    return {
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "LOGLEVEL": "ERROR",
+        "MEGATRONAPP_RUN_ID": plan.tag,
+        **fault_env(plan),
+        **plan.env,
+    }
 
 
 def _launch(plan: LabPlan, trace_dir: Path, lab_net: net.LabNetwork | None, log) -> list[subprocess.Popen]:
@@ -110,8 +118,9 @@ def _launch(plan: LabPlan, trace_dir: Path, lab_net: net.LabNetwork | None, log)
         node_dir.mkdir(parents=True, exist_ok=True)
         trace_env = AutoTraceConfig(trace_dir=str(node_dir)).to_env() if isinstance(plan.job, ScriptJob) else {}
         cmd = ["ip", "netns", "exec", lab_net.ns(node), *node_command(plan, node, str(node_dir))]
-        procs.append(subprocess.Popen(cmd, env={**env, **node_env(), **trace_env}, stdout=log,
-                                      stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(cmd, env={**env, **node_env(), **trace_env}, stdout=log, stderr=subprocess.STDOUT)
+        )
     return procs
 
 
@@ -139,13 +148,16 @@ def _link_faults(plan: LabPlan, lab_net: net.LabNetwork | None, pids: dict[int, 
         return []
     node_of = {r: _node_of(lab_net, pid) for r, pid in pids.items()}  # rendezvous order decides ranks
     support = net.probe_qdiscs()
-    return [f"link {f.src}->{f.dst}: " + lab_net.limit_link(node_of[f.src], node_of[f.dst], f.rate_mbit, support)
-            for f in links]
+    return [
+        f"link {f.src}->{f.dst}: " + lab_net.limit_link(node_of[f.src], node_of[f.dst], f.rate_mbit, support)
+        for f in links
+    ]
 
 
 def _node_of(lab_net: net.LabNetwork, pid: int) -> int:
-    name = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True,
-                          timeout=30).stdout.strip()
+    name = subprocess.run(
+        ["ip", "netns", "identify", str(pid)], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
     return next(i for i in range(lab_net.nodes) if lab_net.ns(i) == name)
 
 
@@ -188,4 +200,3 @@ def _wait(procs: list[subprocess.Popen], deadline: float) -> int:
         except subprocess.TimeoutExpired:
             return -1
     return max(codes, default=0)
-

@@ -59,10 +59,16 @@ class FaultPlan:
     link_delays: dict[tuple[int, int], LinkDelay] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "slowdowns", {r: s if isinstance(s, Slowdown) else Slowdown(float(s))
-                                               for r, s in self.slowdowns.items()})
-        object.__setattr__(self, "link_delays", {k: d if isinstance(d, LinkDelay) else LinkDelay(float(d))
-                                                 for k, d in self.link_delays.items()})
+        object.__setattr__(
+            self,
+            "slowdowns",
+            {r: s if isinstance(s, Slowdown) else Slowdown(float(s)) for r, s in self.slowdowns.items()},
+        )
+        object.__setattr__(
+            self,
+            "link_delays",
+            {k: d if isinstance(d, LinkDelay) else LinkDelay(float(d)) for k, d in self.link_delays.items()},
+        )
 
     @property
     def empty(self) -> bool:
@@ -106,8 +112,9 @@ def _parse_link_delay(spec: str) -> tuple[tuple[int, int], LinkDelay]:
 
 def parse_fault_plan(slowdowns: list[str], link_delays: list[str]) -> FaultPlan:
     """Parse 'RANK:FACTOR[:EVERY]' and 'SRC:DST:MS[:JITTER]' strings; one-line FaultSpecError on bad input."""
-    return FaultPlan(dict(_parse_slowdown(s) for s in slowdowns or []),
-                     dict(_parse_link_delay(s) for s in link_delays or []))
+    return FaultPlan(
+        dict(_parse_slowdown(s) for s in slowdowns or []), dict(_parse_link_delay(s) for s in link_delays or [])
+    )
 
 
 def split_env_specs(value: str | None) -> list[str]:

@@ -19,7 +19,8 @@ import queue
 import random
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -137,8 +138,9 @@ class LinkDelays:
             works = self._call(original, p2p_op_list)
             if self._passthrough():
                 return works
-            links = [self.links.get(op.peer) if getattr(op.op, "__name__", "") == "irecv" else None
-                     for op in p2p_op_list]
+            links = [
+                self.links.get(op.peer) if getattr(op.op, "__name__", "") == "irecv" else None for op in p2p_op_list
+            ]
             if len(works) == len(p2p_op_list):  # one Work per op (gloo)
                 return [w if link is None else link.late(w) for w, link in zip(works, links)]
             slow = [link for link in links if link is not None]  # coalesced: the batch waits for the slowest
@@ -146,7 +148,7 @@ class LinkDelays:
 
         return batch_isend_irecv
 
-    def install(self) -> "LinkDelays":
+    def install(self) -> LinkDelays:
         wrappers = {"irecv": self.wrap_irecv, "recv": self.wrap_recv, "batch_isend_irecv": self.wrap_batch}
         built = {name: wrappers[name](getattr(c10d, name)) for name in _WRAPPED}
         for module in _MODULES:

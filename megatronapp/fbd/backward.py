@@ -47,9 +47,23 @@ class BackwardRuntime:
     """Executes compute_backward_actions up to the trainer's collectives: the Trainer's runtime
     (built through Trainer(runtime_factory=...): the engine's runtime arguments plus FBD's settings)."""
 
-    def __init__(self, model, groups: ParallelGroups, *, device, tracer, reducer, injector,
-                 grad_scale_func=None, fbd: FbdConfig, roles: RoleGroups, links: LinkDevices,
-                 num_microbatches: int, injection: FbdInjection = FbdInjection(), split_backward: bool = False):
+    def __init__(
+        self,
+        model,
+        groups: ParallelGroups,
+        *,
+        device,
+        tracer,
+        reducer,
+        injector,
+        grad_scale_func=None,
+        fbd: FbdConfig,
+        roles: RoleGroups,
+        links: LinkDevices,
+        num_microbatches: int,
+        injection: FbdInjection = FbdInjection(),
+        split_backward: bool = False,
+    ):
         if split_backward:  # refused before launch (fbd.config.validate_fbd_job)
             raise ValueError("forward-backward disaggregation runs the whole backward, not I and W tasks")
         lay, c = roles.layout, roles.coords
@@ -59,14 +73,16 @@ class BackwardRuntime:
         (self.chunk,) = model.chunks
         self.num_microbatches = num_microbatches
         specs = full_param_specs(self.chunk, lay.tp_size)
-        self.weight_pieces = {dst: compute_weight_pieces(specs, lay.tp_size, c.tp, lay.forward_tp_size,
-                                                         lay.role_of(dst).tp)
-                              for dst in lay.weight_targets(c.tp, c.dp, c.pp)}
+        self.weight_pieces = {
+            dst: compute_weight_pieces(specs, lay.tp_size, c.tp, lay.forward_tp_size, lay.role_of(dst).tp)
+            for dst in lay.weight_targets(c.tp, c.dp, c.pp)
+        }
         self.compute_timer = ComputeTimer(device)
         self.injector = injector
         self.waits = RoleWaits()
-        self.faults = RoleFaults(roles.rank, "backward", injection.crash, injection.delay_ms("backward"),
-                                 injection.delay_seed)
+        self.faults = RoleFaults(
+            roles.rank, "backward", injection.crash, injection.delay_ms("backward"), injection.delay_seed
+        )
         self.loss_gap = 0.0  # max |forward loss - recomputed loss| seen (last stage, logging)
 
     def _compute(self):
@@ -79,8 +95,9 @@ class BackwardRuntime:
             self.injector.set_iteration(iteration)  # as PipelineRuntime.run: intermittent slowdowns
         self.faults.before_iteration(it.index)
         self.outbox = Outbox()
-        actions = compute_backward_actions(self.roles.layout, self.roles.rank, it.index, self.num_microbatches,
-                                           self.fbd.max_ahead)
+        actions = compute_backward_actions(
+            self.roles.layout, self.roles.rank, it.index, self.num_microbatches, self.fbd.max_ahead
+        )
         for a in actions:
             if a.op in _TRAINER_OPS:
                 break
@@ -91,8 +108,12 @@ class BackwardRuntime:
 
     def _send_weights(self, a: FbdAction, it: _Iteration) -> None:
         self.reducer.wait_param_gather()  # distributed optimizer: the step's all-gather may be in flight
-        self.outbox.post([Send(pack_weights(self.chunk, pieces, it.index, self.links(dst)), dst)
-                          for dst, pieces in self.weight_pieces.items()])
+        self.outbox.post(
+            [
+                Send(pack_weights(self.chunk, pieces, it.index, self.links(dst)), dst)
+                for dst, pieces in self.weight_pieces.items()
+            ]
+        )
 
     def _recv_input(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
@@ -147,14 +168,21 @@ class BackwardRuntime:
         posted = PostedRecv(empty_message((self.num_microbatches,), torch.float32, self.links(src)), src)
         with self.waits.on_other_role(self.tracer, spans.WAIT_FORWARD):
             message = posted.wait()
-        forward = unpack_expected(message, (self.num_microbatches,), torch.float32, (it.index,), "forward losses",
-                                  src).to(self.device)
+        forward = unpack_expected(
+            message, (self.num_microbatches,), torch.float32, (it.index,), "forward losses", src
+        ).to(self.device)
         recomputed = torch.stack(it.losses) * self.num_microbatches
         self.loss_gap = max(self.loss_gap, float((forward - recomputed).abs().max()))
 
-    _HANDLERS = {Op.SEND_WEIGHTS: _send_weights, Op.RECV_INPUT: _recv_input, Op.RECOMPUTE: _recompute,
-                 Op.RECV_GRAD: _recv_grad, Op.BACKWARD: _backward, Op.SEND_GRAD: _send_grad,
-                 Op.RECV_LOSSES: _recv_losses}
+    _HANDLERS = {
+        Op.SEND_WEIGHTS: _send_weights,
+        Op.RECV_INPUT: _recv_input,
+        Op.RECOMPUTE: _recompute,
+        Op.RECV_GRAD: _recv_grad,
+        Op.BACKWARD: _backward,
+        Op.SEND_GRAD: _send_grad,
+        Op.RECV_LOSSES: _recv_losses,
+    }
 
 
 class BackwardWorker:
@@ -162,12 +190,30 @@ class BackwardWorker:
 
     role = "backward"
 
-    def __init__(self, job, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
-                 links: LinkDevices, tracer=NULL_TRACER, injector=None, injection: FbdInjection = FbdInjection()):
-        factory = functools.partial(BackwardRuntime, fbd=fbd, roles=groups, links=links,
-                                    num_microbatches=job.num_microbatches, injection=injection)
-        self.trainer = Trainer(job, groups.parallel, device, data, tracer=tracer, injector=injector,
-                               runtime_factory=factory)
+    def __init__(
+        self,
+        job,
+        fbd: FbdConfig,
+        groups: RoleGroups,
+        device: torch.device,
+        data,
+        *,
+        links: LinkDevices,
+        tracer=NULL_TRACER,
+        injector=None,
+        injection: FbdInjection = FbdInjection(),
+    ):
+        factory = functools.partial(
+            BackwardRuntime,
+            fbd=fbd,
+            roles=groups,
+            links=links,
+            num_microbatches=job.num_microbatches,
+            injection=injection,
+        )
+        self.trainer = Trainer(
+            job, groups.parallel, device, data, tracer=tracer, injector=injector, runtime_factory=factory
+        )
         self.runtime = self.trainer.runtime
 
     @property

@@ -19,22 +19,46 @@ from megatronapp.parallel.placement import Placement, check_gpu_groups, resolve_
 
 def add_fbd_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("forward-backward disaggregation (MegaFBD)")
-    g.add_argument("--forward-backward-disaggregating", action="store_true",
-                   help="forward workers (no autograd) stream stage inputs to backward workers, which "
-                        "recompute, run backward and own the optimizer")
-    g.add_argument("--forward-tensor-model-parallel-size", type=int, default=None, metavar="TF",
-                   help="tensor-parallel size of forward workers (default: TP)")
-    g.add_argument("--forward-device", choices=("cpu", "cuda"), default=None,
-                   help="where forward workers compute (default: --device)")
-    g.add_argument("--fbd-max-ahead", type=int, default=FbdConfig.max_ahead, metavar="N",
-                   help="microbatches a forward worker may run ahead of its backward twin")
-    g.add_argument("--inject-crash", default=None, metavar="RANK:ITER",
-                   help="that global rank raises at the start of that iteration (failure-handling tests)")
+    g.add_argument(
+        "--forward-backward-disaggregating",
+        action="store_true",
+        help="forward workers (no autograd) stream stage inputs to backward workers, which "
+        "recompute, run backward and own the optimizer",
+    )
+    g.add_argument(
+        "--forward-tensor-model-parallel-size",
+        type=int,
+        default=None,
+        metavar="TF",
+        help="tensor-parallel size of forward workers (default: TP)",
+    )
+    g.add_argument(
+        "--forward-device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where forward workers compute (default: --device)",
+    )
+    g.add_argument(
+        "--fbd-max-ahead",
+        type=int,
+        default=FbdConfig.max_ahead,
+        metavar="N",
+        help="microbatches a forward worker may run ahead of its backward twin",
+    )
+    g.add_argument(
+        "--inject-crash",
+        default=None,
+        metavar="RANK:ITER",
+        help="that global rank raises at the start of that iteration (failure-handling tests)",
+    )
 
 
 def fbd_config_from_args(args: argparse.Namespace) -> FbdConfig:
-    return FbdConfig(forward_tp_size=args.forward_tensor_model_parallel_size or args.tensor_model_parallel_size,
-                     forward_device=args.forward_device, max_ahead=args.fbd_max_ahead)
+    return FbdConfig(
+        forward_tp_size=args.forward_tensor_model_parallel_size or args.tensor_model_parallel_size,
+        forward_device=args.forward_device,
+        max_ahead=args.fbd_max_ahead,
+    )
 
 
 def build_role_layout(world: int, tp_size: int, pp_size: int, cfg: FbdConfig) -> RoleLayout:
@@ -46,8 +70,9 @@ def build_role_layout(world: int, tp_size: int, pp_size: int, cfg: FbdConfig) ->
 
 
 def role_layout_from_args(args: argparse.Namespace, world: int) -> RoleLayout:
-    return build_role_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                             fbd_config_from_args(args))
+    return build_role_layout(
+        world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, fbd_config_from_args(args)
+    )
 
 
 def layout_world_size(args: argparse.Namespace, world: int) -> int:
@@ -68,8 +93,13 @@ def check_fbd_job(cfg: FbdConfig, job: JobConfig, world: int) -> None:
     validate_fbd_plan(plan)
 
 
-def compute_fbd_placements(device: str | None, forward_device: str | None, lay: RoleLayout, visible_gpus: int,
-                           ranks_per_node: int | None = None) -> tuple[Placement, ...]:
+def compute_fbd_placements(
+    device: str | None,
+    forward_device: str | None,
+    lay: RoleLayout,
+    visible_gpus: int,
+    ranks_per_node: int | None = None,
+) -> tuple[Placement, ...]:
     """Where every rank of the FBD job computes (--device, --forward-device); one-line ConfigError
     for a device that is not there or a layout NCCL cannot run (two ranks of a group on one GPU)."""
     try:

@@ -61,17 +61,24 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
     if job.layout.virtual_pp_size != 1:
         raise ConfigError("forward-backward disaggregation does not support virtual pipeline stages")
     if job.train.schedule == "dynamic":
-        raise ConfigError("forward-backward disaggregation runs its own action lists: "
-                          "--pipeline-schedule dynamic does not apply")
+        raise ConfigError(
+            "forward-backward disaggregation runs its own action lists: --pipeline-schedule dynamic does not apply"
+        )
     if job.train.uses_split_backward():
         raise ConfigError("forward-backward disaggregation runs the whole backward: --split-backward does not apply")
     if job.precision.fp8_format is not None:
-        raise ConfigError("forward-backward disaggregation's forward ranks do not run FP8 GEMMs: "
-                          "--fp8-format does not apply")
-    for what, size in (("num attention heads", m.num_attention_heads), ("ffn hidden size", m.ffn_size),
-                       ("padded vocab size", m.padded_vocab_size)):
+        raise ConfigError(
+            "forward-backward disaggregation's forward ranks do not run FP8 GEMMs: --fp8-format does not apply"
+        )
+    for what, size in (
+        ("num attention heads", m.num_attention_heads),
+        ("ffn hidden size", m.ffn_size),
+        ("padded vocab size", m.padded_vocab_size),
+    ):
         if size % tf:
             raise ConfigError(f"{what} {size} is not divisible by forward tensor-parallel size {tf}")
     if m.attention_dropout and tf != job.layout.tp_size:
-        raise ConfigError(f"attention dropout draws per-TP-rank streams: it needs forward TP size {tf} "
-                          f"= TP size {job.layout.tp_size} (hidden dropout works with any)")
+        raise ConfigError(
+            f"attention dropout draws per-TP-rank streams: it needs forward TP size {tf} "
+            f"= TP size {job.layout.tp_size} (hidden dropout works with any)"
+        )

@@ -17,8 +17,13 @@ from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.fbd.groups import RoleGroups
 from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
 from megatronapp.fbd.plan import FbdAction, Op, compute_forward_actions
-from megatronapp.fbd.reshard import (compute_weight_pieces, full_param_specs, unpack_weights, weight_message_dtype,
-                                     weight_message_shape)
+from megatronapp.fbd.reshard import (
+    compute_weight_pieces,
+    full_param_specs,
+    unpack_weights,
+    weight_message_dtype,
+    weight_message_shape,
+)
 from megatronapp.model.gpt import ChunkOptions, TPContext, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
 from megatronapp.p2p.message import empty_message, pack_message, unpack_expected
@@ -48,13 +53,22 @@ def build_forward_model(job: JobConfig, fbd: FbdConfig, groups: RoleGroups, devi
     sp = t.sequence_parallel and lay.forward_tp_size == lay.tp_size
     tp = TPContext(groups.parallel.tp, lay.forward_tp_size, c.tp, sp)
     options = ChunkOptions(rng_tracker=build_rng_tracker(t.seed, c.tp, c.pp, device))
-    chunks = build_model_chunks(job.model, pp_rank=c.pp, pp_size=lay.pp_size, num_chunks=1, tp=tp,
-                                seed=t.seed, device=device, options=options)
+    chunks = build_model_chunks(
+        job.model, pp_rank=c.pp, pp_size=lay.pp_size, num_chunks=1, tp=tp, seed=t.seed, device=device, options=options
+    )
     for chunk in chunks:  # the backward workers' params dtype (bf16/fp16 as Megatron, else fp32)
         chunk.requires_grad_(False).to(params_dtype(job.precision))
-    return GPTPipelineModel(chunks, job.model, seed=t.seed, dp_rank=c.dp, num_microbatches=job.num_microbatches,
-                            tp_size=lay.forward_tp_size, tp_rank=c.tp, sequence_parallel=sp,
-                            attention_backend=t.attention_backend)
+    return GPTPipelineModel(
+        chunks,
+        job.model,
+        seed=t.seed,
+        dp_rank=c.dp,
+        num_microbatches=job.num_microbatches,
+        tp_size=lay.forward_tp_size,
+        tp_rank=c.tp,
+        sequence_parallel=sp,
+        attention_backend=t.attention_backend,
+    )
 
 
 class ForwardWorker:
@@ -62,8 +76,18 @@ class ForwardWorker:
 
     role = "forward"
 
-    def __init__(self, job: JobConfig, fbd: FbdConfig, groups: RoleGroups, device: torch.device, data, *,
-                 links: LinkDevices, tracer=NULL_TRACER, injection: FbdInjection = FbdInjection()):
+    def __init__(
+        self,
+        job: JobConfig,
+        fbd: FbdConfig,
+        groups: RoleGroups,
+        device: torch.device,
+        data,
+        *,
+        links: LinkDevices,
+        tracer=NULL_TRACER,
+        injection: FbdInjection = FbdInjection(),
+    ):
         lay, c = groups.layout, groups.coords
         self.job, self.fbd, self.groups, self.device, self.data = job, fbd, groups, device, data
         self.links, self.tracer = links, tracer  # links(peer): device of that link's tensors
@@ -72,15 +96,17 @@ class ForwardWorker:
         self.rng_tracker = self.chunk.options.rng_tracker
         self.chunk.tracer = None if tracer is NULL_TRACER else tracer
         specs = full_param_specs(self.chunk, lay.forward_tp_size)
-        self.weight_pieces = {src: compute_weight_pieces(specs, lay.tp_size, lay.role_of(src).tp,
-                                                         lay.forward_tp_size, c.tp)
-                              for src in lay.weight_sources(c.tp, c.dp, c.pp)}
+        self.weight_pieces = {
+            src: compute_weight_pieces(specs, lay.tp_size, lay.role_of(src).tp, lay.forward_tp_size, c.tp)
+            for src in lay.weight_sources(c.tp, c.dp, c.pp)
+        }
         # backward TP ranks take sequence slices when they use sequence parallelism and we do not
         self.slice_for_targets = job.train.sequence_parallel and not self.model.seq_shards > 1
         self.waits = RoleWaits()
         self.injection = injection
-        self.faults = RoleFaults(groups.rank, self.role, injection.crash, injection.delay_ms(self.role),
-                                 injection.delay_seed)
+        self.faults = RoleFaults(
+            groups.rank, self.role, injection.crash, injection.delay_ms(self.role), injection.delay_seed
+        )
         self.hand_off = Outbox(window=fbd.max_ahead)  # stage inputs to backward workers
         self.downstream = Outbox(window=fbd.max_ahead)  # stage outputs to the next forward stage
         self.iteration = 0
@@ -120,8 +146,10 @@ class ForwardWorker:
 
     def _recv_weights(self, a: FbdAction, it: _Iteration) -> None:
         dtype = weight_message_dtype(self.chunk)
-        posted = {src: PostedRecv(empty_message(weight_message_shape(self.chunk, pcs), dtype, self.links(src)), src)
-                  for src, pcs in self.weight_pieces.items()}
+        posted = {
+            src: PostedRecv(empty_message(weight_message_shape(self.chunk, pcs), dtype, self.links(src)), src)
+            for src, pcs in self.weight_pieces.items()
+        }
         with self.waits.on_other_role(self.tracer, spans.WAIT_WEIGHTS):
             messages = {src: p.wait() for src, p in posted.items()}
         for src, message in messages.items():  # a forward worker never runs iteration i with other weights
@@ -136,15 +164,16 @@ class ForwardWorker:
 
     def _send_input(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs[a.microbatch]
-        waiting = lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD)  # noqa: E731
+        waiting = lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD)
         tags = (it.index, a.microbatch)
         if not self.slice_for_targets:
             self.hand_off.post(self._framed(tags, x, a.peers), waiting)
             return
         lay, shard = self.groups.layout, x.shape[1] // self.groups.layout.tp_size
-        pieces = [(x[:, t * shard:(t + 1) * shard], target) for target in a.peers for t in [lay.role_of(target).tp]]
-        self.hand_off.post([Send(pack_message(piece, tags, self.links(target)), target) for piece, target in pieces],
-                           waiting)
+        pieces = [(x[:, t * shard : (t + 1) * shard], target) for target in a.peers for t in [lay.role_of(target).tp]]
+        self.hand_off.post(
+            [Send(pack_message(piece, tags, self.links(target)), target) for piece, target in pieces], waiting
+        )
 
     def _forward(self, a: FbdAction, it: _Iteration) -> None:
         tokens = it.tokens[a.microbatch]
@@ -172,12 +201,19 @@ class ForwardWorker:
         self.downstream.post(self._framed((it.index, a.microbatch), it.outputs.pop(a.microbatch), a.peers))
 
     def _send_losses(self, a: FbdAction, it: _Iteration) -> None:
-        self.hand_off.post(self._framed((it.index,), torch.stack(it.losses), a.peers),
-                           lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD))
+        self.hand_off.post(
+            self._framed((it.index,), torch.stack(it.losses), a.peers),
+            lambda: self.waits.on_other_role(self.tracer, spans.WAIT_BACKWARD),
+        )
 
     def _framed(self, ids: tuple, x: torch.Tensor, peers) -> list[Send]:
         return self.links.packed_sends(x, ids, peers)
 
-    _HANDLERS = {Op.RECV_WEIGHTS: _recv_weights, Op.RECV_ACT: _recv_act, Op.SEND_INPUT: _send_input,
-                 Op.FORWARD: _forward, Op.SEND_ACT: _send_act, Op.SEND_LOSSES: _send_losses}
-
+    _HANDLERS = {
+        Op.RECV_WEIGHTS: _recv_weights,
+        Op.RECV_ACT: _recv_act,
+        Op.SEND_INPUT: _send_input,
+        Op.FORWARD: _forward,
+        Op.SEND_ACT: _send_act,
+        Op.SEND_LOSSES: _send_losses,
+    }

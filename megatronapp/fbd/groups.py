@@ -36,11 +36,19 @@ class RoleGroups:
 def build_role_groups(layout: RoleLayout, rank: int) -> RoleGroups:
     """Create both roles' groups; collective over the default group, same order on every rank."""
     if dist.get_world_size() != layout.world_size:
-        raise ValueError(f"role layout expects world size {layout.world_size}, "
-                         f"torch.distributed has {dist.get_world_size()}")
+        raise ValueError(
+            f"role layout expects world size {layout.world_size}, torch.distributed has {dist.get_world_size()}"
+        )
     bwd, coords = layout.backward, layout.role_of(rank)
-    groups = [new_member_group(ranks, rank) for ranks in (bwd.tp_group_ranks(), bwd.dp_group_ranks(),
-                                                     bwd.pp_group_ranks(), bwd.model_parallel_group_ranks())]
+    groups = [
+        new_member_group(ranks, rank)
+        for ranks in (
+            bwd.tp_group_ranks(),
+            bwd.dp_group_ranks(),
+            bwd.pp_group_ranks(),
+            bwd.model_parallel_group_ranks(),
+        )
+    ]
     world = new_member_group([list(range(layout.num_backward))], rank)
     ftp = new_member_group(layout.forward_tp_group_ranks(), rank)
     if coords.is_forward:

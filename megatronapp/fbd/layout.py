@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
-from megatronapp.parallel.placement import (DEVICE_KINDS, Placement, compute_plain_placements,
-                                            engine_group_ranks)
+from megatronapp.parallel.placement import DEVICE_KINDS, Placement, compute_plain_placements, engine_group_ranks
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,8 @@ class RoleLayout:
             raise LayoutError(
                 f"forward-backward disaggregation needs world size = (TP {self.tp_size} + forward TP "
                 f"{self.forward_tp_size}) x PP {self.pp_size} x DP, but world size {self.world_size} "
-                f"is not a multiple of {per_dp}")
+                f"is not a multiple of {per_dp}"
+            )
 
     @property
     def dp_size(self) -> int:
@@ -132,12 +132,15 @@ class RoleLayout:
         return [[self.num_backward + r for r in ranks] for ranks in self.forward.tp_group_ranks()]
 
     def describe(self) -> str:
-        return (f"world={self.world_size} backward TP={self.tp_size} PP={self.pp_size} DP={self.dp_size} "
-                f"+ forward TF={self.forward_tp_size} ({self.world_size - self.num_backward} ranks)")
+        return (
+            f"world={self.world_size} backward TP={self.tp_size} PP={self.pp_size} DP={self.dp_size} "
+            f"+ forward TF={self.forward_tp_size} ({self.world_size - self.num_backward} ranks)"
+        )
 
 
-def compute_role_placements(layout: RoleLayout, backward_kind: str, forward_kind: str, gpus_per_node: int = 0,
-                            ranks_per_node: int | None = None) -> tuple[Placement, ...]:
+def compute_role_placements(
+    layout: RoleLayout, backward_kind: str, forward_kind: str, gpus_per_node: int = 0, ranks_per_node: int | None = None
+) -> tuple[Placement, ...]:
     """Placement of every rank of an FBD job: backward ranks as a plain job; forward ranks on
     the CPU or on their backward twin's GPU (which must then be on the same node)."""
     per_node = ranks_per_node or layout.world_size
@@ -153,8 +156,10 @@ def compute_role_placements(layout: RoleLayout, backward_kind: str, forward_kind
         if not twin.is_cuda:
             raise LayoutError("--forward-device cuda shares the backward workers' GPUs: it needs --device cuda")
         if twin.node != rank // per_node:
-            raise LayoutError(f"forward worker rank {rank} is on node {rank // per_node} but its backward twin "
-                              f"{layout.twin_of(rank)} on node {twin.node}: it cannot share that GPU")
+            raise LayoutError(
+                f"forward worker rank {rank} is on node {rank // per_node} but its backward twin "
+                f"{layout.twin_of(rank)} on node {twin.node}: it cannot share that GPU"
+            )
         placements.append(twin)
     return tuple(placements)
 

@@ -38,8 +38,14 @@ class LinkDevices:
     def from_placements(cls, placements: tuple[Placement, ...], rank: int, device: torch.device) -> LinkDevices:
         """Both ends of every link compute the same choice from the same placements."""
         cpu = torch.device("cpu")
-        return cls({peer: device if compute_link_device_kind(placements[rank], p) == "cuda" else cpu
-                    for peer, p in enumerate(placements) if peer != rank}, cpu)
+        return cls(
+            {
+                peer: device if compute_link_device_kind(placements[rank], p) == "cuda" else cpu
+                for peer, p in enumerate(placements)
+                if peer != rank
+            },
+            cpu,
+        )
 
     def __call__(self, peer: int) -> torch.device:
         return self._by_peer.get(peer, self._default)
@@ -53,8 +59,12 @@ class LinkDevices:
 
     def packed_sends(self, x: torch.Tensor, ids: tuple[int, ...], peers) -> list[Send]:
         """x to every peer of `peers` as a packed message (p2p/message.py), packed once per link device."""
-        return [Send(message, p) for device, group in self.group_peers(peers)
-                for message in [pack_message(x, ids, device)] for p in group]
+        return [
+            Send(message, p)
+            for device, group in self.group_peers(peers)
+            for message in [pack_message(x, ids, device)]
+            for p in group
+        ]
 
 
 class RoleWaits:
@@ -92,8 +102,10 @@ class RoleFaults:
 
     def before_iteration(self, iteration: int) -> None:
         if self.crash == (self.rank, iteration):
-            raise RuntimeError(f"injected crash: {self.role} worker rank {self.rank} at iteration {iteration} "
-                               f"(unix time {time.time():.3f})")
+            raise RuntimeError(
+                f"injected crash: {self.role} worker rank {self.rank} at iteration {iteration} "
+                f"(unix time {time.time():.3f})"
+            )
 
     def before_compute(self) -> None:
         if self.max_delay_ms > 0:

@@ -59,8 +59,13 @@ class Op(str, Enum):
     METRICS = "MET"
 
 
-SEND_TO_RECV = {Op.SEND_WEIGHTS: Op.RECV_WEIGHTS, Op.SEND_ACT: Op.RECV_ACT, Op.SEND_INPUT: Op.RECV_INPUT,
-                Op.SEND_LOSSES: Op.RECV_LOSSES, Op.SEND_GRAD: Op.RECV_GRAD}
+SEND_TO_RECV = {
+    Op.SEND_WEIGHTS: Op.RECV_WEIGHTS,
+    Op.SEND_ACT: Op.RECV_ACT,
+    Op.SEND_INPUT: Op.RECV_INPUT,
+    Op.SEND_LOSSES: Op.RECV_LOSSES,
+    Op.SEND_GRAD: Op.RECV_GRAD,
+}
 RECV_OPS = frozenset(SEND_TO_RECV.values())
 SEND_OPS = frozenset(SEND_TO_RECV)
 COMPUTE_OPS = frozenset({Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD})
@@ -95,8 +100,7 @@ def _tp_members(layout: RoleLayout, rank: int) -> tuple[int, ...]:
     return tuple(layout.backward_rank(t, c.dp, c.pp) for t in range(layout.tp_size))
 
 
-def compute_forward_actions(layout: RoleLayout, rank: int, iteration: int,
-                            num_microbatches: int) -> list[FbdAction]:
+def compute_forward_actions(layout: RoleLayout, rank: int, iteration: int, num_microbatches: int) -> list[FbdAction]:
     """One iteration of forward worker `rank` (module docstring)."""
     c, last = layout.role_of(rank), layout.pp_size - 1
     tp = _tp_members(layout, rank)
@@ -115,8 +119,9 @@ def compute_forward_actions(layout: RoleLayout, rank: int, iteration: int,
     return acts
 
 
-def compute_backward_actions(layout: RoleLayout, rank: int, iteration: int, num_microbatches: int,
-                             max_ahead: int, metrics: bool = True) -> list[FbdAction]:
+def compute_backward_actions(
+    layout: RoleLayout, rank: int, iteration: int, num_microbatches: int, max_ahead: int, metrics: bool = True
+) -> list[FbdAction]:
     """One iteration of backward worker `rank` (module docstring)."""
     c, last, bwd = layout.role_of(rank), layout.pp_size - 1, layout.backward
     tp = _tp_members(layout, rank)
@@ -146,12 +151,15 @@ def compute_backward_actions(layout: RoleLayout, rank: int, iteration: int, num_
     return acts
 
 
-def build_fbd_plan(layout: RoleLayout, num_microbatches: int, max_ahead: int, iterations: range,
-                   log_interval: int = 1) -> dict[int, list[FbdAction]]:
+def build_fbd_plan(
+    layout: RoleLayout, num_microbatches: int, max_ahead: int, iterations: range, log_interval: int = 1
+) -> dict[int, list[FbdAction]]:
     """Every rank's actions over consecutive iterations (the input of validate_fbd_plan)."""
     if num_microbatches < 1 or max_ahead < 1 or log_interval < 1:
-        raise ValueError(f"num_microbatches, max_ahead and log_interval must be >= 1, "
-                         f"got {num_microbatches}, {max_ahead}, {log_interval}")
+        raise ValueError(
+            f"num_microbatches, max_ahead and log_interval must be >= 1, "
+            f"got {num_microbatches}, {max_ahead}, {log_interval}"
+        )
 
     def rank_actions(rank: int, i: int) -> list[FbdAction]:
         if layout.role_of(rank).is_forward:

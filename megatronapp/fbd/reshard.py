@@ -32,8 +32,9 @@ class WeightPiece:
     length: int  # along dim (full size when replicated)
 
 
-def compute_weight_pieces(params: dict[str, tuple[tuple[int, ...], int | None]], tp_size: int, tp_rank: int,
-                          ftp_size: int, ftp_rank: int) -> list[WeightPiece]:
+def compute_weight_pieces(
+    params: dict[str, tuple[tuple[int, ...], int | None]], tp_size: int, tp_rank: int, ftp_size: int, ftp_rank: int
+) -> list[WeightPiece]:
     """What backward TP rank tp_rank sends forward TP rank ftp_rank.
 
     params: name -> (full shape, split dim or None), in a fixed order both sides share.
@@ -47,8 +48,9 @@ def compute_weight_pieces(params: dict[str, tuple[tuple[int, ...], int | None]],
             continue
         n = shape[dim]
         if n % tp_size or n % ftp_size:
-            raise ValueError(f"{name}: dim {dim} of size {n} is not divisible by TP {tp_size} "
-                             f"and forward TP {ftp_size}")
+            raise ValueError(
+                f"{name}: dim {dim} of size {n} is not divisible by TP {tp_size} and forward TP {ftp_size}"
+            )
         src_lo, src_hi = tp_rank * n // tp_size, (tp_rank + 1) * n // tp_size
         dst_lo, dst_hi = ftp_rank * n // ftp_size, (ftp_rank + 1) * n // ftp_size
         lo, hi = max(src_lo, dst_lo), min(src_hi, dst_hi)
@@ -94,16 +96,19 @@ def weight_message_shape(module: nn.Module, pieces: list[WeightPiece]) -> tuple[
     return (sum(_view(params[pc.name], pc, pc.dst_start).numel() for pc in pieces),)
 
 
-def unpack_weights(module: nn.Module, pieces: list[WeightPiece], message: torch.Tensor, expected_version: int,
-                   source: int) -> None:
+def unpack_weights(
+    module: nn.Module, pieces: list[WeightPiece], message: torch.Tensor, expected_version: int, source: int
+) -> None:
     """Copy a weight message into the forward shard; RuntimeError if its version is not the expected one."""
     header, payload = split_message(message, "weights", source)
     if header.ids != (expected_version,):
-        raise RuntimeError(f"forward worker expected weights of version {expected_version} from rank {source}, "
-                           f"got version {header.ids[0] if header.ids else None}")
+        raise RuntimeError(
+            f"forward worker expected weights of version {expected_version} from rank {source}, "
+            f"got version {header.ids[0] if header.ids else None}"
+        )
     params, offset = dict(module.named_parameters()), 0
     with torch.no_grad():
         for pc in pieces:
             dst = _view(params[pc.name], pc, pc.dst_start)
-            dst.copy_(payload[offset:offset + dst.numel()].view(dst.shape))
+            dst.copy_(payload[offset : offset + dst.numel()].view(dst.shape))
             offset += dst.numel()

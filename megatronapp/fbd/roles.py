@@ -45,8 +45,9 @@ def place_rank(placements: tuple[Placement, ...], rank: int) -> RankPlacement:
     device = torch.device("cuda", p.index) if p.is_cuda else torch.device("cpu")
     if p.is_cuda:
         torch.cuda.set_device(device)
-    return RankPlacement(device, LinkDevices.from_placements(placements, rank, device),
-                         compute_default_backend(placements))
+    return RankPlacement(
+        device, LinkDevices.from_placements(placements, rank, device), compute_default_backend(placements)
+    )
 
 
 class _FbdRole:
@@ -54,8 +55,9 @@ class _FbdRole:
 
     role = ""
 
-    def __init__(self, fbd: FbdConfig, injection: FbdInjection, device: str | None, lay: RoleLayout, rank: int,
-                 local_world: int):
+    def __init__(
+        self, fbd: FbdConfig, injection: FbdInjection, device: str | None, lay: RoleLayout, rank: int, local_world: int
+    ):
         self.lay, self.rank, self.fbd, self.injection = lay, rank, fbd, injection
         placements = compute_fbd_placements(device, fbd.forward_device, lay, torch.cuda.device_count(), local_world)
         self.placed = place_rank(placements, rank)
@@ -69,8 +71,11 @@ class _FbdRole:
         return self.groups.parallel
 
     def _worker_kwargs(self, ctx: RankContext) -> dict:
-        return {"links": self.placed.links, "injection": self.injection,
-                **({"tracer": ctx.tracer} if ctx.tracer else {})}
+        return {
+            "links": self.placed.links,
+            "injection": self.injection,
+            **({"tracer": ctx.tracer} if ctx.tracer else {}),
+        }
 
     def finish(self, summary_file: str | None) -> None:
         stats = gather_role_waits(self.worker, self.lay, self.rank)
@@ -87,8 +92,9 @@ class BackwardRole(_FbdRole):
     role = "backward"
 
     def run(self, ctx: RankContext, train_loop: TrainLoop) -> list[dict]:
-        self.worker = BackwardWorker(ctx.job, self.fbd, self.groups, self.device, ctx.data,
-                                     injector=ctx.injector, **self._worker_kwargs(ctx))
+        self.worker = BackwardWorker(
+            ctx.job, self.fbd, self.groups, self.device, ctx.data, injector=ctx.injector, **self._worker_kwargs(ctx)
+        )
         return train_loop(self.worker.trainer)
 
 
@@ -106,8 +112,9 @@ class ForwardRole(_FbdRole):
         return []
 
 
-def pick_fbd_role(job, fbd: FbdConfig, injection: FbdInjection, device: str | None, world: int, rank: int,
-                  local_world: int) -> _FbdRole:
+def pick_fbd_role(
+    job, fbd: FbdConfig, injection: FbdInjection, device: str | None, world: int, rank: int, local_world: int
+) -> _FbdRole:
     """The role of global rank `rank` in an FBD job of `world` ranks (backward ranks first); `job`
     describes the backward workers' layout, `device` is --device (forward workers: fbd.forward_device)."""
     lay = build_role_layout(world, job.layout.tp_size, job.layout.pp_size, fbd)
@@ -128,8 +135,11 @@ def gather_role_waits(worker, lay: RoleLayout, rank: int) -> dict:
     dist.all_reduce(gaps, op=dist.ReduceOp.MAX)
     waits = values[:-1].tolist()
     b = lay.num_backward
-    return {"backward_waited_on_forward_s": max(waits[:b]), "forward_waited_on_backward_s": max(waits[b:]),
-            "forward_vs_recomputed_loss_max_abs": float(gaps[0])}
+    return {
+        "backward_waited_on_forward_s": max(waits[:b]),
+        "forward_waited_on_backward_s": max(waits[b:]),
+        "forward_vs_recomputed_loss_max_abs": float(gaps[0]),
+    }
 
 
 def _add_summary_rows(path: Path, stats: dict) -> None:
@@ -137,6 +147,7 @@ def _add_summary_rows(path: Path, stats: dict) -> None:
     summary["rows"] = summary.get("rows", []) + [
         ["backward waited on forward (max rank)", f"{stats['backward_waited_on_forward_s']:.3f} s"],
         ["forward waited on backward (max rank)", f"{stats['forward_waited_on_backward_s']:.3f} s"],
-        ["forward vs recomputed loss, max |diff|", f"{stats['forward_vs_recomputed_loss_max_abs']:.2e}"]]
+        ["forward vs recomputed loss, max |diff|", f"{stats['forward_vs_recomputed_loss_max_abs']:.2e}"],
+    ]
     summary["fbd"] = stats
     write_text_atomic(path, json.dumps(summary))

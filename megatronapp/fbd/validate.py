@@ -73,8 +73,9 @@ def _check_rank(rank: int, actions: list[FbdAction], num_microbatches: int) -> N
         for it in sorted({a.iteration for a in actions if a.op is op}):
             missing = [m for m in range(num_microbatches) if (op, it, m) not in index]
             if missing:
-                raise _fail(rank, len(actions), None,
-                            f"{op.value} of iteration {it} never runs microbatch {missing[0]}")
+                raise _fail(
+                    rank, len(actions), None, f"{op.value} of iteration {it} never runs microbatch {missing[0]}"
+                )
 
 
 def _match_p2p(plan: dict[int, list[FbdAction]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
@@ -121,8 +122,12 @@ def _match_collectives(plan: dict[int, list[FbdAction]]) -> dict[tuple[int, int]
             for k in range(max(len(mine), len(ref))):
                 if k >= len(mine) or k >= len(ref) or _key(plan[member][mine[k]]) != _key(plan[first][ref[k]]):
                     rank, i = (member, mine[k]) if k < len(mine) else (first, ref[k])
-                    raise _fail(rank, i, plan[rank][i], f"collective #{k} of group {list(group)} differs between "
-                                                        f"ranks {first} and {member}")
+                    raise _fail(
+                        rank,
+                        i,
+                        plan[rank][i],
+                        f"collective #{k} of group {list(group)} differs between ranks {first} and {member}",
+                    )
         for k in range(len(by_rank[first])):
             members = [(m, by_rank[m][k]) for m in group]
             for m, i in members:
@@ -131,7 +136,7 @@ def _match_collectives(plan: dict[int, list[FbdAction]]) -> dict[tuple[int, int]
 
 
 def _simulate(plan: dict[int, list[FbdAction]], partners: dict[tuple[int, int], list[tuple[int, int]]]) -> None:
-    pos = {r: 0 for r in plan}
+    pos = dict.fromkeys(plan, 0)
     progress = True
     while progress:
         progress = False
@@ -147,8 +152,13 @@ def _simulate(plan: dict[int, list[FbdAction]], partners: dict[tuple[int, int], 
         i = pos[rank]
         peer, pi = next((p, j) for p, j in partners[(rank, i)] if pos[p] < j)
         others = ", ".join(f"rank {r} at {plan[r][pos[r]]}" for r in stuck[1:])
-        raise _fail(rank, i, plan[rank][i], f"deadlock: waits for rank {peer} to reach action {pi} {plan[peer][pi]}"
-                    + (f"; also stuck: {others}" if others else ""))
+        raise _fail(
+            rank,
+            i,
+            plan[rank][i],
+            f"deadlock: waits for rank {peer} to reach action {pi} {plan[peer][pi]}"
+            + (f"; also stuck: {others}" if others else ""),
+        )
 
 
 def validate_fbd_plan(plan: dict[int, list[FbdAction]]) -> None:

@@ -55,9 +55,15 @@ def build_sampling_config(args: argparse.Namespace) -> SamplingConfig:
     sampled = args.temperature is not None or args.top_k or args.top_p < 1
     if args.greedy and sampled:
         raise ConfigError("--greedy cannot be combined with --temperature / --top-k / --top-p")
-    return SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=not sampled,
-                          temperature=args.temperature or SamplingConfig.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, stop_on_eod=args.stop_on_eod)
+    return SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        greedy=not sampled,
+        temperature=args.temperature or SamplingConfig.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_on_eod=args.stop_on_eod,
+    )
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -105,11 +111,20 @@ def build_inference_run(args: argparse.Namespace, with_prompts: bool = True, **e
     tokenizer = load_tokenizer(args.tokenizer_model)
     prompts = tuple(tuple(tokenizer.encode(p)) for p in read_prompts(args)) if with_prompts else ()
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
-    return InferenceRun(load=args.load, model=read_model_config(args.load), nproc_per_node=args.nproc_per_node,
-                        tp_size=args.tensor_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
-                        world_size=world, vocab_size=tokenizer.vocab_size, device=args.device, bf16=args.bf16,
-                        visible_gpus=None if under_launcher() else torch.cuda.device_count(), prompts=prompts,
-                        **extra)
+    return InferenceRun(
+        load=args.load,
+        model=read_model_config(args.load),
+        nproc_per_node=args.nproc_per_node,
+        tp_size=args.tensor_model_parallel_size,
+        pp_size=args.pipeline_model_parallel_size,
+        world_size=world,
+        vocab_size=tokenizer.vocab_size,
+        device=args.device,
+        bf16=args.bf16,
+        visible_gpus=None if under_launcher() else torch.cuda.device_count(),
+        prompts=prompts,
+        **extra,
+    )
 
 
 def check_inference_layout_run(run: InferenceRun) -> None:
@@ -119,8 +134,11 @@ def check_inference_layout_run(run: InferenceRun) -> None:
     from megatronapp.parallel.device import check_layout_devices
     from megatronapp.parallel.layout import LayoutError
 
-    for flag, value in (("nproc-per-node", run.nproc_per_node), ("tensor-model-parallel-size", run.tp_size),
-                        ("pipeline-model-parallel-size", run.pp_size)):
+    for flag, value in (
+        ("nproc-per-node", run.nproc_per_node),
+        ("tensor-model-parallel-size", run.tp_size),
+        ("pipeline-model-parallel-size", run.pp_size),
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} must be >= 1, got {value}")
     layout = build_layout(run.world_size, run.tp_size, run.pp_size)
@@ -156,8 +174,9 @@ def run_command(args: argparse.Namespace, argv: list[str], run: InferenceRun, wo
             print(render(args, result))
         return 0
     result_file = Path(tempfile.mkdtemp(prefix="megatronapp-")) / "result.json"
-    code = run_local_ranks("megatronapp.cli.main", rank_argv(argv, ["--result-file", str(result_file)]),
-                           args.nproc_per_node)
+    code = run_local_ranks(
+        "megatronapp.cli.main", rank_argv(argv, ["--result-file", str(result_file)]), args.nproc_per_node
+    )
     if code == 0:
         print(render(args, json.loads(result_file.read_text())))
     return code
@@ -173,12 +192,23 @@ def generate_worker(args: argparse.Namespace, run: InferenceRun) -> dict | None:
     model.cuda_graphs = args.cuda_graphs
     tokenizer = load_tokenizer(args.tokenizer_model)
     prompts = read_prompts(args)
-    res = generate(model, [tokenizer.encode(p) for p in prompts], run.sampling,
-                   eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
-    out = {"layout": model.groups.layout.describe(), "prompts": prompts,
-           "completions": [tokenizer.decode(t) for t in res.tokens], "tokens": res.tokens,
-           "finished": res.finished, "prefill_s": res.prefill_s, "decode_s": res.decode_s,
-           "decode_tokens_per_s": res.decode_tokens_per_s}
+    res = generate(
+        model,
+        [tokenizer.encode(p) for p in prompts],
+        run.sampling,
+        eod_id=tokenizer.eod_id,
+        vocab_size=tokenizer.vocab_size,
+    )
+    out = {
+        "layout": model.groups.layout.describe(),
+        "prompts": prompts,
+        "completions": [tokenizer.decode(t) for t in res.tokens],
+        "tokens": res.tokens,
+        "finished": res.finished,
+        "prefill_s": res.prefill_s,
+        "decode_s": res.decode_s,
+        "decode_tokens_per_s": res.decode_tokens_per_s,
+    }
     finish_worker()
     return out if model.is_serving_rank else None
 
@@ -196,5 +226,7 @@ def render_generation(args: argparse.Namespace, result: dict) -> str:
 def add_generate_subcommand(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint (any TP x PP layout)")
     add_generate_arguments(p)
-    p.set_defaults(build_run=build_generate_run,
-                   launch=lambda args, argv, run: run_command(args, argv, run, generate_worker, render_generation))
+    p.set_defaults(
+        build_run=build_generate_run,
+        launch=lambda args, argv, run: run_command(args, argv, run, generate_worker, render_generation),
+    )

@@ -55,8 +55,9 @@ class GenerationResult:
         return rows * self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def compute_next_tokens(logits: torch.Tensor, cfg: SamplingConfig, vocab_size: int,
-                        generator: torch.Generator | None) -> torch.Tensor:
+def compute_next_tokens(
+    logits: torch.Tensor, cfg: SamplingConfig, vocab_size: int, generator: torch.Generator | None
+) -> torch.Tensor:
     """Next token per row from logits (B, V_padded); ids >= vocab_size (padding) are never chosen."""
     logits = logits[:, :vocab_size].float()
     if cfg.greedy:
@@ -85,8 +86,10 @@ def check_prompts(prompts: list[list[int]], cfg: SamplingConfig, seq_length: int
             raise ConfigError(f"prompt {i} has token ids outside the vocabulary (0..{vocab_size - 1})")
     longest = max(len(p) for p in prompts)
     if longest + cfg.max_new_tokens > seq_length:
-        raise ConfigError(f"prompt length {longest} + max new tokens {cfg.max_new_tokens} exceeds the model's "
-                          f"sequence length {seq_length}")
+        raise ConfigError(
+            f"prompt length {longest} + max new tokens {cfg.max_new_tokens} exceeds the model's "
+            f"sequence length {seq_length}"
+        )
 
 
 def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
@@ -95,8 +98,9 @@ def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def generate(model: InferenceModel, prompts: list[list[int]], cfg: SamplingConfig, *, eod_id: int,
-             vocab_size: int) -> GenerationResult:
+def generate(
+    model: InferenceModel, prompts: list[list[int]], cfg: SamplingConfig, *, eod_id: int, vocab_size: int
+) -> GenerationResult:
     """Generate for every prompt (token ids) on every rank of the model; same result everywhere."""
     check_prompts(prompts, cfg, model.cfg.seq_length, vocab_size)
     dev = model.device
@@ -105,7 +109,7 @@ def generate(model: InferenceModel, prompts: list[list[int]], cfg: SamplingConfi
     pad_left = width - lengths
     tokens = torch.full((len(prompts), width), eod_id, dtype=torch.long)
     for i, p in enumerate(prompts):
-        tokens[i, width - len(p):] = torch.tensor(p)
+        tokens[i, width - len(p) :] = torch.tensor(p)
     model.start(len(prompts), width + cfg.max_new_tokens, pad_left)
     generator = torch.Generator().manual_seed(cfg.seed) if model.is_serving_rank and not cfg.greedy else None
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
@@ -129,9 +133,14 @@ def generate(model: InferenceModel, prompts: list[list[int]], cfg: SamplingConfi
     t_end = time.perf_counter()
     new = torch.stack(out, dim=1).cpu()  # (B, steps)
     rows = [_until_eod(row.tolist(), eod_id) if cfg.stop_on_eod else row.tolist() for row in new]
-    return GenerationResult(tokens=rows, prefill_s=t_prefill - t0, decode_s=t_end - t_prefill,
-                            decode_steps=len(out) - 1, finished=finished.cpu().tolist())
+    return GenerationResult(
+        tokens=rows,
+        prefill_s=t_prefill - t0,
+        decode_s=t_end - t_prefill,
+        decode_steps=len(out) - 1,
+        finished=finished.cpu().tolist(),
+    )
 
 
 def _until_eod(row: list[int], eod_id: int) -> list[int]:
-    return row[:row.index(eod_id)] if eod_id in row else row
+    return row[: row.index(eod_id)] if eod_id in row else row

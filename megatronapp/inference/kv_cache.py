@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 
 
-def compute_positions_and_mask(pad_left: torch.Tensor, start, num_new: int,
-                               key_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_positions_and_mask(
+    pad_left: torch.Tensor, start, num_new: int, key_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary positions (B, S) and boolean attention mask (B, 1, S, T) for one step; `start`
     is an int or a 0-d device tensor, T = key_len (default start + S)."""
     device = pad_left.device
@@ -42,7 +43,7 @@ def compute_positions_and_mask(pad_left: torch.Tensor, start, num_new: int,
 class LayerCache:
     """One layer's view: `update(k, v)` stores this step's keys/values and returns all so far."""
 
-    def __init__(self, cache: "KVCache", layer: int):
+    def __init__(self, cache: KVCache, layer: int):
         self.cache, self.layer = cache, layer
 
     @property
@@ -84,8 +85,19 @@ def compute_static_length(max_len: int, seq_length: int) -> int:
 class KVCache:
     """Keys and values of the layers one pipeline rank holds, for a batch of left-padded rows."""
 
-    def __init__(self, layers, *, batch: int, local_heads: int, head_dim: int, max_len: int,
-                 pad_left: torch.Tensor, dtype: torch.dtype, device, static: bool = False):
+    def __init__(
+        self,
+        layers,
+        *,
+        batch: int,
+        local_heads: int,
+        head_dim: int,
+        max_len: int,
+        pad_left: torch.Tensor,
+        dtype: torch.dtype,
+        device,
+        static: bool = False,
+    ):
         shape = (batch, local_heads, max_len, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
@@ -112,8 +124,9 @@ class KVCache:
     def begin_step(self, num_new: int) -> None:
         """Prepare positions and mask for `num_new` new columns (call before the forward)."""
         if self.start + self.num_new + num_new > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; step would need "
-                             f"{self.start + self.num_new + num_new}")
+            raise ValueError(
+                f"KV cache holds {self.max_len} positions; step would need {self.start + self.num_new + num_new}"
+            )
         self.start += self.num_new
         self.num_new = num_new
         if self.static:
@@ -125,8 +138,9 @@ class KVCache:
         """Static mode: positions and mask of the current step from device state (inside the
         forward, so a CUDA graph recomputes them on every replay)."""
         if self.static:
-            self.positions, self.attn_mask = compute_positions_and_mask(self.pad_left, self.start_t, self.num_new,
-                                                                        self.max_len)
+            self.positions, self.attn_mask = compute_positions_and_mask(
+                self.pad_left, self.start_t, self.num_new, self.max_len
+            )
 
     def layer(self, layer: int) -> LayerCache:
         return LayerCache(self, layer)

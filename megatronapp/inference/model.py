@@ -54,8 +54,10 @@ def read_model_config(load_dir) -> ModelConfig:
 def check_inference_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
     """One-line ConfigError when `cfg` cannot run on `layout` as one inference replica."""
     if layout.dp_size != 1 or layout.virtual_pp_size != 1:
-        raise ConfigError(f"generation runs one model replica: world size {layout.world_size} must equal "
-                          f"tensor-parallel x pipeline-parallel size ({layout.tp_size} x {layout.pp_size})")
+        raise ConfigError(
+            f"generation runs one model replica: world size {layout.world_size} must equal "
+            f"tensor-parallel x pipeline-parallel size ({layout.tp_size} x {layout.pp_size})"
+        )
     validate_job(JobConfig(model=cfg, train=TrainConfig(micro_batch_size=1, global_batch_size=1), layout=layout))
 
 
@@ -99,9 +101,17 @@ class InferenceModel:
             self.cache = self._static_cache
         else:
             tp = self.groups.layout.tp_size
-            self.cache = KVCache(self.layers, batch=batch, local_heads=self.cfg.num_attention_heads // tp,
-                                 head_dim=self.cfg.head_dim, max_len=length, pad_left=pad_left,
-                                 dtype=self.dtype, device=self.device, static=static)
+            self.cache = KVCache(
+                self.layers,
+                batch=batch,
+                local_heads=self.cfg.num_attention_heads // tp,
+                head_dim=self.cfg.head_dim,
+                max_len=length,
+                pad_left=pad_left,
+                dtype=self.dtype,
+                device=self.device,
+                static=static,
+            )
             if static:  # kept across eager generations, so interleaved eager runs keep the graphs
                 self._static_cache, self._graphs = self.cache, {}  # old graphs read the old cache
         self.step, self._graph = 0, None
@@ -214,15 +224,23 @@ def gather_last_dim(local: torch.Tensor, group, size: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def build_inference_model(cfg: ModelConfig, groups: ParallelGroups, device, *, load_dir=None, seed: int = 0,
-                          dtype: torch.dtype = torch.float32) -> InferenceModel:
+def build_inference_model(
+    cfg: ModelConfig,
+    groups: ParallelGroups,
+    device,
+    *,
+    load_dir=None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> InferenceModel:
     """This rank's chunk (weights from `load_dir`'s latest checkpoint, else initialised from
     `seed`), in eval mode (no dropout), cast to `dtype`."""
     check_inference_layout(cfg, groups.layout)
     lay = groups.layout
     tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank)
-    (chunk,) = build_model_chunks(cfg, pp_rank=groups.pp_rank, pp_size=lay.pp_size, num_chunks=1, tp=tp,
-                                  seed=seed, device=device)
+    (chunk,) = build_model_chunks(
+        cfg, pp_rank=groups.pp_rank, pp_size=lay.pp_size, num_chunks=1, tp=tp, seed=seed, device=device
+    )
     if load_dir is not None:
         load_model_params(load_dir, [chunk], lay.tp_size, groups.tp_rank)
     for p in chunk.parameters():  # rotary tables stay fp32, as under training's autocast

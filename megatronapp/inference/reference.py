@@ -16,11 +16,20 @@ from megatronapp.inference.model import build_inference_model, read_model_config
 from megatronapp.parallel.groups import single_process_groups
 
 
-def greedy_generate_from_checkpoint(load_dir, prompts: list[list[int]], max_new_tokens: int, *, eod_id: int,
-                                    vocab_size: int, device="cpu", dtype: torch.dtype = torch.float32,
-                                    stop_on_eod: bool = True) -> list[list[int]]:
+def greedy_generate_from_checkpoint(
+    load_dir,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    eod_id: int,
+    vocab_size: int,
+    device="cpu",
+    dtype: torch.dtype = torch.float32,
+    stop_on_eod: bool = True,
+) -> list[list[int]]:
     """Greedy new tokens per prompt from the latest checkpoint in `load_dir` (one process)."""
-    model = build_inference_model(read_model_config(load_dir), single_process_groups(), device, load_dir=load_dir,
-                                  dtype=dtype)
+    model = build_inference_model(
+        read_model_config(load_dir), single_process_groups(), device, load_dir=load_dir, dtype=dtype
+    )
     cfg = SamplingConfig(max_new_tokens=max_new_tokens, stop_on_eod=stop_on_eod)
     return generate(model, prompts, cfg, eod_id=eod_id, vocab_size=vocab_size).tokens

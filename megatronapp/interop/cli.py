@@ -18,10 +18,16 @@ from megatronapp.config import MODEL_PRESETS, ConfigError, ModelConfig
 
 # ModelConfig fields `megatronapp train` sets from flags (cli/args.py); the others come from
 # its defaults, so an imported checkpoint that differs there needs a warning.
-_TRAIN_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
-                "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
-                "seq_length": "--seq-length", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
-                "hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout"}
+_TRAIN_FLAGS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "seq_length": "--seq-length",
+    "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
+    "hidden_dropout": "--hidden-dropout",
+    "attention_dropout": "--attention-dropout",
+}
 
 
 def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -30,10 +36,14 @@ def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
     hf = formats.add_parser("hf", help="Hugging Face GPTNeoXForCausalLM folder (config.json, model.safetensors)")
     hf.add_argument("--load", required=True, help="checkpoint folder (with 'latest') or one iter_ folder")
     hf.add_argument("--out", required=True, help="output folder")
-    hf.add_argument("--tokenizer-model", default=None,
-                    help="tokenizer.json the run trained with (default: one next to the checkpoint, else bytes)")
-    hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                    help="weight dtype (default: as stored)")
+    hf.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="tokenizer.json the run trained with (default: one next to the checkpoint, else bytes)",
+    )
+    hf.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weight dtype (default: as stored)"
+    )
     hf.set_defaults(func=run_export_hf)
 
     imp = sub.add_parser("import", help="write an engine checkpoint from another framework's model")
@@ -65,8 +75,9 @@ def run_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def compute_train_hint(cfg: ModelConfig, save: str, has_tokenizer: bool, train_flags: set[str],
-                       train_preset: str | None) -> tuple[str, list[str]]:
+def compute_train_hint(
+    cfg: ModelConfig, save: str, has_tokenizer: bool, train_flags: set[str], train_preset: str | None
+) -> tuple[str, list[str]]:
     """(the `megatronapp train` command that rebuilds `cfg` with the flags it has, the fields
     no flag sets that differ from those of the preset `train` starts from)."""
     settable = {name: flag for name, flag in _TRAIN_FLAGS.items() if flag in train_flags and hasattr(cfg, name)}
@@ -74,9 +85,11 @@ def compute_train_hint(cfg: ModelConfig, save: str, has_tokenizer: bool, train_f
     if has_tokenizer:
         flags.append(f"--tokenizer-model {save}/tokenizer.json")
     default = MODEL_PRESETS.get(train_preset) or ModelConfig()
-    unsettable = [f"{f.name}={getattr(cfg, f.name)}" for f in fields(ModelConfig)
-                  if f.name not in settable and f.name != "vocab_size"
-                  and getattr(cfg, f.name) != getattr(default, f.name)]
+    unsettable = [
+        f"{f.name}={getattr(cfg, f.name)}"
+        for f in fields(ModelConfig)
+        if f.name not in settable and f.name != "vocab_size" and getattr(cfg, f.name) != getattr(default, f.name)
+    ]
     return f"megatronapp train --load {save} " + " ".join(flags), unsettable
 
 
@@ -89,10 +102,14 @@ def run_import_hf(args: argparse.Namespace) -> int:
         cfg = import_hf(args.src, args.save)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return _fail(exc)
-    hint, unsettable = compute_train_hint(cfg, args.save, (Path(args.save) / "tokenizer.json").is_file(),
-                                          args.train_flags, args.train_preset)
+    hint, unsettable = compute_train_hint(
+        cfg, args.save, (Path(args.save) / "tokenizer.json").is_file(), args.train_flags, args.train_preset
+    )
     if unsettable:
-        print(f"megatronapp: warning: {', '.join(unsettable)} differ from the train defaults and have no "
-              "`megatronapp train` flag", file=sys.stderr)
+        print(
+            f"megatronapp: warning: {', '.join(unsettable)} differ from the train defaults and have no "
+            "`megatronapp train` flag",
+            file=sys.stderr,
+        )
     print(f"wrote {args.save}/iter_0000000 ({cfg.num_parameters():,} parameters); continue training with:\n  {hint}")
     return 0

@@ -51,17 +51,30 @@ def _tokenizer_files(root: Path, tokenizer_model: str | None, cfg: ModelConfig) 
     if path is not None:
         text, eod_token, tok = describe_hf_tokenizer(path)
         if tok.vocab_size != cfg.vocab_size:
-            raise InteropError(f"tokenizer {tok.path} has {tok.vocab_size} ids but the checkpoint was trained "
-                               f"with vocab_size {cfg.vocab_size}")
+            raise InteropError(
+                f"tokenizer {tok.path} has {tok.vocab_size} ids but the checkpoint was trained "
+                f"with vocab_size {cfg.vocab_size}"
+            )
         return compute_tokenizer_files(text, eod_token, cfg.seq_length), tok.eod_id, []
     if cfg.vocab_size == ByteTokenizer().vocab_size:
         return compute_tokenizer_files(None, None, cfg.seq_length), ByteTokenizer.EOD_ID, []
-    return {}, None, [f"no tokenizer files written: vocab_size {cfg.vocab_size} is not the byte tokenizer's "
-                      "and no tokenizer.json was found; pass --tokenizer-model"]
+    return (
+        {},
+        None,
+        [
+            f"no tokenizer files written: vocab_size {cfg.vocab_size} is not the byte tokenizer's "
+            "and no tokenizer.json was found; pass --tokenizer-model"
+        ],
+    )
 
 
-def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, *, tokenizer_model: str | None = None,
-              dtype: torch.dtype | None = None) -> list[str]:
+def export_hf(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    tokenizer_model: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
     """Write `out`/config.json, model.safetensors and tokenizer files from a checkpoint of any
     layout (a SAVE folder or one iter_ folder). Returns warnings (e.g. no tokenizer)."""
     folder = resolve_checkpoint_folder(ckpt)

@@ -34,11 +34,22 @@ HF_ACTIVATION = "gelu_pytorch_tanh"
 # field equal to its default, so reading a config.json needs them; a test compares them with
 # the installed transformers.
 GPTNEOX_DEFAULTS = {
-    "vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
-    "intermediate_size": 24576, "hidden_act": "gelu", "rotary_pct": 0.25, "rotary_emb_base": 10000.0,
-    "attention_dropout": 0.0, "hidden_dropout": 0.0, "max_position_embeddings": 2048,
-    "initializer_range": 0.02, "layer_norm_eps": 1e-5, "tie_word_embeddings": False,
-    "use_parallel_residual": True, "attention_bias": True,
+    "vocab_size": 50432,
+    "hidden_size": 6144,
+    "num_hidden_layers": 44,
+    "num_attention_heads": 64,
+    "intermediate_size": 24576,
+    "hidden_act": "gelu",
+    "rotary_pct": 0.25,
+    "rotary_emb_base": 10000.0,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.02,
+    "layer_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "use_parallel_residual": True,
+    "attention_bias": True,
 }
 
 # engine name after "layers.{i}." -> GPT-NeoX name after "gpt_neox.layers.{i}."
@@ -61,10 +72,12 @@ class InteropError(ValueError):
 
 def compute_hf_names(num_layers: int) -> dict[str, str]:
     """Engine parameter name -> GPT-NeoX safetensors key, for every parameter of the model."""
-    names = {"embedding.weight": "gpt_neox.embed_in.weight",
-             "final_norm.weight": "gpt_neox.final_layer_norm.weight",
-             "final_norm.bias": "gpt_neox.final_layer_norm.bias",
-             "output.weight": "embed_out.weight"}  # the on-disk name; transformers 5 renames it lm_head
+    names = {
+        "embedding.weight": "gpt_neox.embed_in.weight",
+        "final_norm.weight": "gpt_neox.final_layer_norm.weight",
+        "final_norm.bias": "gpt_neox.final_layer_norm.bias",
+        "output.weight": "embed_out.weight",
+    }  # the on-disk name; transformers 5 renames it lm_head
     for i in range(num_layers):
         for ours, theirs in _LAYER_NAMES.items():
             for kind in ("weight", "bias"):
@@ -75,17 +88,27 @@ def compute_hf_names(num_layers: int) -> dict[str, str]:
 def compute_hf_config(cfg: ModelConfig, *, eos_id: int | None, dtype: torch.dtype) -> dict:
     """config.json of the GPTNeoXForCausalLM equal to `cfg` (eval mode; dropouts carried over)."""
     return {
-        "architectures": [HF_ARCHITECTURE], "model_type": "gpt_neox",
-        "vocab_size": cfg.padded_vocab_size, "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-        "intermediate_size": cfg.ffn_size, "hidden_act": HF_ACTIVATION,
-        "rotary_pct": 1.0, "rotary_emb_base": cfg.rotary_base,
-        "max_position_embeddings": cfg.seq_length, "initializer_range": cfg.init_method_std,
-        "layer_norm_eps": cfg.layernorm_epsilon, "use_parallel_residual": False,
-        "tie_word_embeddings": False, "attention_bias": True,
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": "gpt_neox",
+        "vocab_size": cfg.padded_vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "intermediate_size": cfg.ffn_size,
+        "hidden_act": HF_ACTIVATION,
+        "rotary_pct": 1.0,
+        "rotary_emb_base": cfg.rotary_base,
+        "max_position_embeddings": cfg.seq_length,
+        "initializer_range": cfg.init_method_std,
+        "layer_norm_eps": cfg.layernorm_epsilon,
+        "use_parallel_residual": False,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
         "hidden_dropout": getattr(cfg, "hidden_dropout", 0.0),
         "attention_dropout": getattr(cfg, "attention_dropout", 0.0),
-        "bos_token_id": eos_id, "eos_token_id": eos_id, "use_cache": True,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -101,7 +124,7 @@ def _rope_settings(hf: dict) -> tuple[float, float, str]:
 
 def check_expressible(hf: dict) -> None:
     """Raise InteropError naming the first GPT-NeoX setting the engine's GPT cannot express."""
-    get = lambda key: hf.get(key, GPTNEOX_DEFAULTS.get(key))  # noqa: E731
+    get = lambda key: hf.get(key, GPTNEOX_DEFAULTS.get(key))
     if hf.get("model_type") != "gpt_neox":
         raise InteropError(f"model_type: {hf.get('model_type')!r} (only GPT-NeoX, 'gpt_neox', can be imported)")
     _, fraction, kind = _rope_settings(hf)
@@ -110,8 +133,10 @@ def check_expressible(hf: dict) -> None:
         (fraction != 1.0, f"rotary_pct: {fraction} (the engine rotates the whole head dim; needs 1.0)"),
         (kind != "default", f"rope_type: {kind!r} (the engine has plain RoPE only)"),
         (get("tie_word_embeddings"), "tie_word_embeddings: true (the engine's embedding and output layer are untied)"),
-        (get("hidden_act") != HF_ACTIVATION,
-         f"hidden_act: {get('hidden_act')!r} (the engine's MLP is {HF_ACTIVATION!r}, F.gelu(approximate='tanh'))"),
+        (
+            get("hidden_act") != HF_ACTIVATION,
+            f"hidden_act: {get('hidden_act')!r} (the engine's MLP is {HF_ACTIVATION!r}, F.gelu(approximate='tanh'))",
+        ),
         (not get("attention_bias"), "attention_bias: false (the engine's attention has biases)"),
     ]
     for bad, message in problems:
@@ -134,19 +159,25 @@ def compute_vocab_divisor(padded: int, tokenizer_vocab: int) -> int:
 def compute_model_config(hf: dict, tokenizer_vocab: int | None = None) -> ModelConfig:
     """The engine's ModelConfig equal to a GPT-NeoX config.json; InteropError names what does not fit."""
     check_expressible(hf)
-    get = lambda key: hf.get(key, GPTNEOX_DEFAULTS[key])  # noqa: E731
+    get = lambda key: hf.get(key, GPTNEOX_DEFAULTS[key])
     padded = int(get("vocab_size"))
     vocab = padded if tokenizer_vocab is None else tokenizer_vocab
     if vocab > padded:
         raise InteropError(f"vocab_size: {padded} is smaller than the tokenizer's {vocab} ids")
     theta, _, _ = _rope_settings(hf)
     ffn = get("intermediate_size")
-    kwargs = dict(num_layers=get("num_hidden_layers"), hidden_size=get("hidden_size"),
-                  num_attention_heads=get("num_attention_heads"),
-                  ffn_hidden_size=0 if ffn == 4 * get("hidden_size") else ffn,  # 0: ModelConfig's "4 x hidden"
-                  vocab_size=vocab, make_vocab_size_divisible_by=compute_vocab_divisor(padded, vocab),
-                  seq_length=get("max_position_embeddings"), layernorm_epsilon=float(get("layer_norm_eps")),
-                  init_method_std=float(get("initializer_range")), rotary_base=theta)
+    kwargs = dict(
+        num_layers=get("num_hidden_layers"),
+        hidden_size=get("hidden_size"),
+        num_attention_heads=get("num_attention_heads"),
+        ffn_hidden_size=0 if ffn == 4 * get("hidden_size") else ffn,  # 0: ModelConfig's "4 x hidden"
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=compute_vocab_divisor(padded, vocab),
+        seq_length=get("max_position_embeddings"),
+        layernorm_epsilon=float(get("layer_norm_eps")),
+        init_method_std=float(get("initializer_range")),
+        rotary_base=theta,
+    )
     known = {f.name for f in fields(ModelConfig)}
     for name in ("hidden_dropout", "attention_dropout"):  # ModelConfig fields in newer engine versions
         if name in known:
@@ -157,8 +188,9 @@ def compute_model_config(hf: dict, tokenizer_vocab: int | None = None) -> ModelC
         raise InteropError(f"config.json: {exc}") from None
 
 
-def convert_to_hf_tensors(state: dict[str, torch.Tensor], num_layers: int,
-                          dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def convert_to_hf_tensors(
+    state: dict[str, torch.Tensor], num_layers: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Engine full tensors -> GPT-NeoX safetensors dict (same values; `dtype`)."""
     names = compute_hf_names(num_layers)
     if set(state) != set(names):

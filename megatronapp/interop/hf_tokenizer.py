@@ -54,10 +54,17 @@ def compute_tokenizer_files(tokenizer_json: str | None, eod_token: str | None, m
     if tokenizer_json is None:
         tokenizer_json, eod_token = build_byte_tokenizer().to_str(pretty=True), BYTE_EOD_TOKEN
     special = {"bos_token": eod_token, "eos_token": eod_token, "unk_token": eod_token} if eod_token else {}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "clean_up_tokenization_spaces": False, **special}
-    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": json.dumps(config, indent=2),
-            "special_tokens_map.json": json.dumps(special, indent=2)}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    return {
+        "tokenizer.json": tokenizer_json,
+        "tokenizer_config.json": json.dumps(config, indent=2),
+        "special_tokens_map.json": json.dumps(special, indent=2),
+    }
 
 
 def describe_hf_tokenizer(path: str | os.PathLike) -> tuple[str, str | None, HFTokenizer]:

@@ -11,8 +11,14 @@ import signal
 
 # What a rank reports when it fails only because a peer died or stopped answering (gloo / NCCL
 # wording; gloo adds "remote worker crashing" or "remote worker hanging" to its socket errors).
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-              "remote worker hanging", "communicator was aborted", "ncclRemoteError")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "remote worker hanging",
+    "communicator was aborted",
+    "ncclRemoteError",
+)
 
 
 def pick_root_failure(failures: dict) -> tuple[int, object, str]:
@@ -23,6 +29,7 @@ def pick_root_failure(failures: dict) -> tuple[int, object, str]:
     makes up the message, and the timestamp is when it collected the rank: often the crash's own
     second). The exit code alone does not decide: the crashed rank itself can be stopped by
     SIGTERM while it exits, after it recorded its error (seen in CI)."""
+
     def message(f) -> str:  # a dict with the traceback when the rank recorded its error
         m = f.message
         return str(m.get("message", m)) if isinstance(m, dict) else str(m)

@@ -16,8 +16,12 @@ import contextlib
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-_PREFERRED = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # ATTENTION_BACKENDS but auto
+_PREFERRED = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}  # ATTENTION_BACKENDS but auto
 
 
 _held = "auto"  # the --attention-backend name in force now (set with the SDPA state, below)

@@ -24,9 +24,9 @@ from torch import nn
 
 from megatronapp import spans
 from megatronapp.config import ModelConfig, RecomputeConfig
-from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.model.attention_kernels import specialise_on_preference
 from megatronapp.model.recompute import compute_full_recompute_groups, recompute
+from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 from megatronapp.parallel.random import DropoutKey, RNGStatesTracker, keyed_dropout
 
@@ -61,13 +61,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def _norm(cfg: ModelConfig, tp: TPContext, device) -> LayerNorm:
-    return LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, tp_group=tp.group,
-                     sequence_parallel=tp.sequence_parallel, device=device)
+    return LayerNorm(
+        cfg.hidden_size, cfg.layernorm_epsilon, tp_group=tp.group, sequence_parallel=tp.sequence_parallel, device=device
+    )
 
 
 def _tp_kwargs(tp: TPContext, seed: int, device) -> dict:
-    return dict(tp_group=tp.group, tp_size=tp.size, tp_rank=tp.rank, seed=seed, device=device,
-                sequence_parallel=tp.sequence_parallel)
+    return dict(
+        tp_group=tp.group,
+        tp_size=tp.size,
+        tp_rank=tp.rank,
+        seed=seed,
+        device=device,
+        sequence_parallel=tp.sequence_parallel,
+    )
 
 
 class Attention(nn.Module):
@@ -126,15 +133,17 @@ class MLP(nn.Module):
 class ResidualAttention(nn.Module):
     """x + dropout(Attn(LN(x))): the unit compiled as one region (norm and residual fused in)."""
 
-    def __init__(self, name: str, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device,
-                 options: ChunkOptions):
+    def __init__(
+        self, name: str, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device, options: ChunkOptions
+    ):
         super().__init__()
         self.layer, self.dropout_p = layer, cfg.hidden_dropout
         self.norm = _norm(cfg, tp, device)
         self.attn = Attention(name, cfg, tp, seed, device, options)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                dropout_key: DropoutKey | None = None, cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dropout_key: DropoutKey | None = None, cache=None
+    ) -> torch.Tensor:
         y = self.attn(self.norm(x), cos, sin, cache)
         if dropout_key is not None:  # never touch self.layer otherwise: compile would specialise per layer
             y = keyed_dropout(y, self.dropout_p, dropout_key, self.layer, "attention")
@@ -164,8 +173,15 @@ class Block(nn.Module):
         self.attention = ResidualAttention(f"layers.{layer}.attn", layer, cfg, tp, seed, device, options)
         self.mlp = ResidualMLP(f"layers.{layer}.mlp", layer, cfg, tp, seed, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tracer=None,
-                dropout_key: DropoutKey | None = None, cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        tracer=None,
+        dropout_key: DropoutKey | None = None,
+        cache=None,
+    ) -> torch.Tensor:
         if cache is not None:  # inference with a KV cache: this layer's view of it, no dropout
             return self.mlp(self.attention(x, cos, sin, None, cache.layer(self.layer)))
         # A key only when dropout is on: compiled regions then never see a per-step object.
@@ -190,8 +206,16 @@ class GPTChunk(nn.Module):
     layer's key/value store; without it the computation is unchanged.
     """
 
-    def __init__(self, cfg: ModelConfig, first_layer: int, last_layer: int, tp: TPContext,
-                 seed: int, device="cpu", options: ChunkOptions | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        first_layer: int,
+        last_layer: int,
+        tp: TPContext,
+        seed: int,
+        device="cpu",
+        options: ChunkOptions | None = None,
+    ):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.options = options or ChunkOptions()
@@ -200,21 +224,25 @@ class GPTChunk(nn.Module):
         self.has_head = last_layer == cfg.num_layers
         kw = _tp_kwargs(tp, seed, device)
         if self.has_embedding:
-            self.embedding = VocabParallelEmbedding("embedding", cfg.padded_vocab_size, cfg.hidden_size,
-                                                    std=cfg.init_method_std, **kw)
-        self.layers = nn.ModuleDict({str(i): Block(i, cfg, tp, seed, device, self.options)
-                                     for i in range(first_layer, last_layer)})
+            self.embedding = VocabParallelEmbedding(
+                "embedding", cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_method_std, **kw
+            )
+        self.layers = nn.ModuleDict(
+            {str(i): Block(i, cfg, tp, seed, device, self.options) for i in range(first_layer, last_layer)}
+        )
         if self.has_head:
             self.final_norm = _norm(cfg, tp, device)
-            self.output = ColumnParallelLinear("output", cfg.hidden_size, cfg.padded_vocab_size,
-                                               std=cfg.init_method_std, bias=False, **kw)
+            self.output = ColumnParallelLinear(
+                "output", cfg.hidden_size, cfg.padded_vocab_size, std=cfg.init_method_std, bias=False, **kw
+            )
         cos, sin = rotary_tables(cfg.seq_length, cfg.head_dim, cfg.rotary_base, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tracer = None  # set by the engine when per-layer spans are wanted
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                dropout_key: DropoutKey | None = None, cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None, dropout_key: DropoutKey | None = None, cache=None
+    ) -> torch.Tensor:
         if self.has_embedding:
             x = self.embedding(x)  # (B, S) -> (B, S, H)
             x = keyed_dropout(x, self.cfg.hidden_dropout, dropout_key, -1, "embedding")
@@ -303,12 +331,20 @@ def chunk_layer_ranges(num_layers: int, pp_size: int, num_chunks: int) -> list[l
     Virtual stage v = chunk * pp_size + pp_rank holds layers [v * L/(P*V), (v+1) * L/(P*V)).
     """
     per = num_layers // (pp_size * num_chunks)
-    return [[((c * pp_size + p) * per, (c * pp_size + p + 1) * per) for c in range(num_chunks)]
-            for p in range(pp_size)]
+    return [[((c * pp_size + p) * per, (c * pp_size + p + 1) * per) for c in range(num_chunks)] for p in range(pp_size)]
 
 
-def build_model_chunks(cfg: ModelConfig, *, pp_rank: int, pp_size: int, num_chunks: int, tp: TPContext,
-                       seed: int, device="cpu", options: ChunkOptions | None = None) -> list[GPTChunk]:
+def build_model_chunks(
+    cfg: ModelConfig,
+    *,
+    pp_rank: int,
+    pp_size: int,
+    num_chunks: int,
+    tp: TPContext,
+    seed: int,
+    device="cpu",
+    options: ChunkOptions | None = None,
+) -> list[GPTChunk]:
     """The model chunks a pipeline rank holds, initialised from the layout-independent full weights."""
     ranges = chunk_layer_ranges(cfg.num_layers, pp_size, num_chunks)[pp_rank]
     return [GPTChunk(cfg, first, last, tp, seed, device, options) for first, last in ranges]

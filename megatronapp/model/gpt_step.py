@@ -27,9 +27,20 @@ def _mean_loss(per_token: torch.Tensor) -> torch.Tensor:
 
 
 class GPTPipelineModel:
-    def __init__(self, chunks: list[GPTChunk], cfg: ModelConfig, *, seed: int, dp_rank: int,
-                 num_microbatches: int, tp_size: int = 1, tp_rank: int = 0, sequence_parallel: bool = False,
-                 autocast_dtype: torch.dtype | None = None, attention_backend: str = "auto"):
+    def __init__(
+        self,
+        chunks: list[GPTChunk],
+        cfg: ModelConfig,
+        *,
+        seed: int,
+        dp_rank: int,
+        num_microbatches: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        sequence_parallel: bool = False,
+        autocast_dtype: torch.dtype | None = None,
+        attention_backend: str = "auto",
+    ):
         self.chunks, self.cfg, self.seed = chunks, cfg, seed
         self.dp_rank, self.num_microbatches = dp_rank, num_microbatches
         self.seq_shards = tp_size if sequence_parallel else 1
@@ -46,13 +57,17 @@ class GPTPipelineModel:
         first = (self.dp_rank * self.num_microbatches + ctx.microbatch) * b
         return DropoutKey(self.seed, ctx.iteration, first, self.position_offset)
 
-    def forward_step(self, chunk_id: int, stage_input: torch.Tensor | None, tokens: torch.Tensor,
-                     ctx: MicrobatchContext):
+    def forward_step(
+        self, chunk_id: int, stage_input: torch.Tensor | None, tokens: torch.Tensor, ctx: MicrobatchContext
+    ):
         chunk = self.chunks[chunk_id]
         x = tokens[:, :-1] if ctx.is_first_stage else stage_input
         labels = tokens[:, 1:] if ctx.is_last_stage else None
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype
+            else contextlib.nullcontext()
+        )
         with autocast, attention_backend_context(self.attention_backend):
             out = chunk(x, labels, self.dropout_key(tokens, ctx))
         return out, (_mean_loss if ctx.is_last_stage else None)

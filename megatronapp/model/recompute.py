@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from megatronapp.config import RecomputeConfig
 from megatronapp.model.attention_kernels import replay_sdpa_preference
 
+
 def compute_full_recompute_groups(num_layers: int, cfg: RecomputeConfig) -> list[tuple[int, int, bool]]:
     """Split a chunk's `num_layers` layers into [start, end) runs and whether each is recomputed."""
     if cfg.granularity != "full":

@@ -46,8 +46,9 @@ class MessageHeader:
 def check_sendable(tensor: torch.Tensor, ids: Sequence[int] = ()) -> None:
     """ValueError (one line) unless a header can describe `tensor` with `ids`."""
     if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
-        raise ValueError(f"cannot send a {tensor.dim()}-dim {tensor.dtype} tensor (at most {MAX_DIMS} dims, "
-                         f"dtypes {DTYPES})")
+        raise ValueError(
+            f"cannot send a {tensor.dim()}-dim {tensor.dtype} tensor (at most {MAX_DIMS} dims, dtypes {DTYPES})"
+        )
     if len(ids) > MAX_IDS or any(i < 0 for i in ids):
         raise ValueError(f"message ids must be at most {MAX_IDS} non-negative integers, got {tuple(ids)}")
 
@@ -55,8 +56,15 @@ def check_sendable(tensor: torch.Tensor, ids: Sequence[int] = ()) -> None:
 def compute_header(shape: Sequence[int], dtype: torch.dtype, ids: Sequence[int] = ()) -> list[int]:
     """The header's values for a payload of `shape` and `dtype` (pure)."""
     shape, ids = list(shape), [int(i) for i in ids]
-    return [DTYPES.index(dtype), len(shape), len(ids), *shape, *[0] * (MAX_DIMS - len(shape)),
-            *ids, *[-1] * (MAX_IDS - len(ids))]
+    return [
+        DTYPES.index(dtype),
+        len(shape),
+        len(ids),
+        *shape,
+        *[0] * (MAX_DIMS - len(shape)),
+        *ids,
+        *[-1] * (MAX_IDS - len(ids)),
+    ]
 
 
 def encode_header(tensor: torch.Tensor, ids: Sequence[int] = ()) -> torch.Tensor:
@@ -71,9 +79,14 @@ def decode_header(header: torch.Tensor) -> MessageHeader:
     if len(values) != HEADER_LEN:
         raise ValueError(f"malformed message header of {len(values)} values (expected {HEADER_LEN})")
     code, ndim, nids = values[:3]
-    shape, ids = values[3:3 + MAX_DIMS], values[3 + MAX_DIMS:]
-    if not (0 <= code < len(DTYPES) and 0 <= ndim <= MAX_DIMS and 0 <= nids <= MAX_IDS
-            and min(shape[:ndim], default=0) >= 0 and min(ids[:nids], default=0) >= 0):
+    shape, ids = values[3 : 3 + MAX_DIMS], values[3 + MAX_DIMS :]
+    if not (
+        0 <= code < len(DTYPES)
+        and 0 <= ndim <= MAX_DIMS
+        and 0 <= nids <= MAX_IDS
+        and min(shape[:ndim], default=0) >= 0
+        and min(ids[:nids], default=0) >= 0
+    ):
         raise ValueError(f"malformed message header {values}")
     return MessageHeader(DTYPES[code], torch.Size(shape[:ndim]), tuple(ids[:nids]))
 
@@ -90,16 +103,18 @@ def pack_message(tensor: torch.Tensor, ids: Sequence[int] = (), device: torch.de
     return message if device is None else message.to(device)
 
 
-def pack_flat_message(parts: Sequence[torch.Tensor], ids: Sequence[int] = (),
-                      device: torch.device | None = None) -> torch.Tensor:
+def pack_flat_message(
+    parts: Sequence[torch.Tensor], ids: Sequence[int] = (), device: torch.device | None = None
+) -> torch.Tensor:
     """The parts (one dtype, one device) flattened into one 1-dim payload, packed as by
     pack_message without first concatenating them on their own (one copy, not two)."""
     first = parts[0]
     numel = sum(p.numel() for p in parts)
     check_sendable(first, ids)
     header = torch.tensor(compute_header((numel,), first.dtype, ids), dtype=torch.int64)
-    message = torch.cat([_as_bytes(header.to(first.device, non_blocking=True))]
-                        + [_as_bytes(p.detach()) for p in parts])
+    message = torch.cat(
+        [_as_bytes(header.to(first.device, non_blocking=True))] + [_as_bytes(p.detach()) for p in parts]
+    )
     return message if device is None else message.to(device)
 
 
@@ -118,8 +133,10 @@ def split_message(message: torch.Tensor, what: str, source: int) -> tuple[Messag
     host: on a GPU buffer that waits for the message to arrive."""
     header = decode_header(message[:HEADER_BYTES].view(torch.int64))
     if HEADER_BYTES + header.payload_bytes != message.numel():
-        raise RuntimeError(f"{what} from rank {source}: a {tuple(header.shape)} {header.dtype} payload does not "
-                           f"fill the {message.numel() - HEADER_BYTES} bytes expected")
+        raise RuntimeError(
+            f"{what} from rank {source}: a {tuple(header.shape)} {header.dtype} payload does not "
+            f"fill the {message.numel() - HEADER_BYTES} bytes expected"
+        )
     return header, message[HEADER_BYTES:].view(header.dtype).view(header.shape)
 
 
@@ -132,16 +149,19 @@ def unpack_message(message: torch.Tensor, expected_ids: Sequence[int], what: str
     return payload
 
 
-def unpack_expected(message: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, ids: Sequence[int],
-                    what: str, source: int) -> torch.Tensor:
+def unpack_expected(
+    message: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, ids: Sequence[int], what: str, source: int
+) -> torch.Tensor:
     """The payload of a packed message whose whole header the receiver knows in advance.
     On the CPU as unpack_message; on a GPU the header is compared on the device
     (torch._assert_async), so the host never waits for the message to arrive."""
     if not message.is_cuda:
         payload = unpack_message(message, ids, what, source)
         if (payload.shape, payload.dtype) != (torch.Size(shape), dtype):
-            raise RuntimeError(f"{what} from rank {source}: expected {tuple(shape)} {dtype}, "
-                               f"got {tuple(payload.shape)} {payload.dtype}")
+            raise RuntimeError(
+                f"{what} from rank {source}: expected {tuple(shape)} {dtype}, "
+                f"got {tuple(payload.shape)} {payload.dtype}"
+            )
         return payload
     expected = torch.tensor(compute_header(shape, dtype, ids), dtype=torch.int64).to(message.device, non_blocking=True)
     torch._assert_async((message[:HEADER_BYTES].view(torch.int64) == expected).all())

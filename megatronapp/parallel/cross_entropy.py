@@ -46,8 +46,7 @@ def _vocab_parallel_ce(logits, target, group, vocab_start):
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                 vocab_start: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int) -> torch.Tensor:
     """Per-token loss (N,) for logits (N, V/TP) sharded over `group`; plain CE when group is None."""
     if group is None:
         return F.cross_entropy(logits.float(), target, reduction="none")

@@ -12,8 +12,13 @@ import os
 import torch
 
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
-from megatronapp.parallel.placement import (check_gpu_groups, compute_plain_placements, engine_group_ranks,
-                                            local_gpu_index, resolve_device_kind)
+from megatronapp.parallel.placement import (
+    check_gpu_groups,
+    compute_plain_placements,
+    engine_group_ranks,
+    local_gpu_index,
+    resolve_device_kind,
+)
 
 
 def ranks_per_node() -> int | None:

@@ -80,8 +80,9 @@ class DelayedScaling:
     history they roll into. `ready` is False until a first step has filled the history."""
 
     def __init__(self, grad_dtype: torch.dtype, history_len: int, device):
-        self.fmax = torch.tensor([torch.finfo(E4M3).max, torch.finfo(E4M3).max, torch.finfo(grad_dtype).max],
-                                 device=device)
+        self.fmax = torch.tensor(
+            [torch.finfo(E4M3).max, torch.finfo(E4M3).max, torch.finfo(grad_dtype).max], device=device
+        )
         self.scale = torch.ones(3, device=device)
         self.amax_step = torch.zeros(3, device=device)
         self.history = torch.zeros(history_len, 3, device=device)
@@ -116,8 +117,9 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor) -> tuple[t
     return (t.float() * scale).to(dtype).contiguous(), scale.reciprocal()
 
 
-def quantize_saturating(t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,
-                        fmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_saturating(
+    t: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, fmax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(t * scale clamped to the format's range, cast, row-major; 1 / scale): the delayed cast,
     whose scale may be too large for a tensor that grew since (a plain cast would give NaN)."""
     return (t.float() * scale).clamp(-fmax, fmax).to(dtype).contiguous(), scale.reciprocal()
@@ -153,20 +155,32 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def _accumulate_fp8_weight_grad(main_grad: torch.Tensor, grad_t: torch.Tensor, input_cm: torch.Tensor,
-                                grad_inv_scale: torch.Tensor, input_inv_scale: torch.Tensor) -> None:
+def _accumulate_fp8_weight_grad(
+    main_grad: torch.Tensor,
+    grad_t: torch.Tensor,
+    input_cm: torch.Tensor,
+    grad_inv_scale: torch.Tensor,
+    input_inv_scale: torch.Tensor,
+) -> None:
     """main_grad (out, in) fp32 (+)= dequant(grad_t) (out, T) @ dequant(input_cm) (T, in)."""
     if consume_first_write(main_grad):
-        torch._scaled_mm(grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale,
-                         out_dtype=torch.float32, out=main_grad)
+        torch._scaled_mm(
+            grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale, out_dtype=torch.float32, out=main_grad
+        )
     else:
-        main_grad.add_(torch._scaled_mm(grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale,
-                                        out_dtype=torch.float32))
+        main_grad.add_(
+            torch._scaled_mm(grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale, out_dtype=torch.float32)
+        )
 
 
 @torch.library.custom_op("megatronapp::accumulate_fp8_weight_grad", mutates_args=("main_grad",))
-def _accumulate_fp8_weight_grad_op(main_grad: torch.Tensor, grad_t: torch.Tensor, input_cm: torch.Tensor,
-                                   grad_inv_scale: torch.Tensor, input_inv_scale: torch.Tensor) -> None:
+def _accumulate_fp8_weight_grad_op(
+    main_grad: torch.Tensor,
+    grad_t: torch.Tensor,
+    input_cm: torch.Tensor,
+    grad_inv_scale: torch.Tensor,
+    input_inv_scale: torch.Tensor,
+) -> None:
     _accumulate_fp8_weight_grad(main_grad, grad_t, input_cm, grad_inv_scale, input_inv_scale)
 
 
@@ -182,8 +196,7 @@ class _FP8Linear(torch.autograd.Function):
         qx, sx = _cast(x2, E4M3, spec.input_group, state, X)
         qw, sw = _cast(weight, E4M3, spec.weight_group, state, W)
         # fast accumulation in the forward only, as Transformer Engine and torchao do
-        y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=x.dtype,
-                             use_fast_accum=True)
+        y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=x.dtype, use_fast_accum=True)
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.spec, ctx.state, ctx.main_grad, ctx.has_bias = spec, state, main_grad, bias is not None
         ctx.dtype, ctx.weight_dtype = x.dtype, weight.dtype
@@ -226,9 +239,16 @@ class _DeferredFP8Gemm:
             main.add_(torch._scaled_mm(grad_t, input_cm, scale_a=sg, scale_b=sx, out_dtype=self.weight.dtype))
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: FP8Spec, *,
-               main_grad: torch.Tensor | None = None, state: DelayedScaling | None = None,
-               defer_weight_grad: bool = False) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: FP8Spec,
+    *,
+    main_grad: torch.Tensor | None = None,
+    state: DelayedScaling | None = None,
+    defer_weight_grad: bool = False,
+) -> torch.Tensor:
     """F.linear(x, weight, bias) with FP8 GEMMs; with `main_grad` the weight gradient is
     accumulated there (fp32) and autograd gets a placeholder, as wgrad_fusion does; with
     `state`, the delayed recipe's scales (else current scaling); with `defer_weight_grad` the
@@ -257,8 +277,9 @@ def delayed_states(modules) -> dict[str, DelayedScaling]:
     return {name: m.fp8_state for name, m in modules if getattr(m, "fp8_state", None) is not None}
 
 
-def compute_delayed_scales(history: torch.Tensor, old: torch.Tensor, fmax: torch.Tensor, algo: str,
-                           margin: int) -> torch.Tensor:
+def compute_delayed_scales(
+    history: torch.Tensor, old: torch.Tensor, fmax: torch.Tensor, algo: str, margin: int
+) -> torch.Tensor:
     """New per-slot scales from an amax history (steps x slots): power-of-two scales under
     fmax / 2^margin; a slot whose amax is not finite or not positive keeps its old scale."""
     amax = history[0] if algo == "most_recent" else history.max(dim=0).values
@@ -293,8 +314,9 @@ def update_delayed_scaling(states, groups, algo: str, margin: int) -> None:
 
 def delayed_state_dict(states: dict[str, DelayedScaling]) -> dict:
     """What a checkpoint keeps (equal on every TP and DP rank after the step's reduction)."""
-    return {name: {"history": st.history.cpu(), "scale": st.scale.cpu(), "ready": st.ready}
-            for name, st in states.items()}
+    return {
+        name: {"history": st.history.cpu(), "scale": st.scale.cpu(), "ready": st.ready} for name, st in states.items()
+    }
 
 
 def load_delayed_state_dict(states: dict[str, DelayedScaling], saved: dict) -> None:

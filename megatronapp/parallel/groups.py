@@ -81,8 +81,9 @@ def build_process_groups(layout: ParallelLayout, rank: int) -> ParallelGroups:
     if layout.world_size == 1:
         return single_process_groups(layout)
     if dist.get_world_size() != layout.world_size:
-        raise ValueError(f"layout expects world size {layout.world_size}, "
-                         f"torch.distributed has {dist.get_world_size()}")
+        raise ValueError(
+            f"layout expects world size {layout.world_size}, torch.distributed has {dist.get_world_size()}"
+        )
     coords = layout.coords(rank)
     tp = new_member_group(layout.tp_group_ranks(), rank)
     dp = new_member_group(layout.dp_group_ranks(), rank)

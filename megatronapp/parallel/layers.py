@@ -59,8 +59,21 @@ class _ParallelLinear(nn.Module):
     """Shared state of the TP linears: the weight's shard along `split_dim` (0: output rows,
     1: input columns) and the flags the forward reads."""
 
-    def __init__(self, name: str, in_features: int, out_features: int, split_dim: int, *, tp_group,
-                 tp_size: int, tp_rank: int, std: float, seed: int, device, sequence_parallel: bool):
+    def __init__(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        split_dim: int,
+        *,
+        tp_group,
+        tp_size: int,
+        tp_rank: int,
+        std: float,
+        seed: int,
+        device,
+        sequence_parallel: bool,
+    ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
@@ -72,9 +85,15 @@ class _ParallelLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8_spec is not None:
-            return fp8_linear(x, self.weight, bias, self.fp8_spec,
-                              main_grad=self.weight.main_grad if self.wgrad_fusion else None, state=self.fp8_state,
-                              defer_weight_grad=self.split_backward)
+            return fp8_linear(
+                x,
+                self.weight,
+                bias,
+                self.fp8_spec,
+                main_grad=self.weight.main_grad if self.wgrad_fusion else None,
+                state=self.fp8_state,
+                defer_weight_grad=self.split_backward,
+            )
         if self.split_backward:
             return linear_with_deferred_weight_grad(x, self.weight, bias, fused=self.wgrad_fusion)
         if self.wgrad_fusion:
@@ -86,32 +105,76 @@ class ColumnParallelLinear(_ParallelLinear):
     """y = x A^T with A split along its output dim; input replicated (or a sequence shard
     gathered here), output sharded."""
 
-    def __init__(self, name: str, in_features: int, out_features: int, *, tp_group, tp_size: int,
-                 tp_rank: int, std: float, seed: int, bias: bool = True, device="cpu",
-                 sequence_parallel: bool = False):
-        super().__init__(name, in_features, out_features, 0, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                         std=std, seed=seed, device=device, sequence_parallel=sequence_parallel)
-        self.bias = (mark_split(nn.Parameter(torch.zeros(out_features // tp_size, device=device)), 0)
-                     if bias else None)
+    def __init__(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group,
+        tp_size: int,
+        tp_rank: int,
+        std: float,
+        seed: int,
+        bias: bool = True,
+        device="cpu",
+        sequence_parallel: bool = False,
+    ):
+        super().__init__(
+            name,
+            in_features,
+            out_features,
+            0,
+            tp_group=tp_group,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            std=std,
+            seed=seed,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
+        self.bias = mark_split(nn.Parameter(torch.zeros(out_features // tp_size, device=device)), 0) if bias else None
 
     def fp8_spec_for(self, grad_dtype: torch.dtype) -> FP8Spec:
         # input whole (copied or gathered); weight rows and output-gradient columns sharded
         return FP8Spec(grad_dtype, input_group=None, weight_group=self.tp_group, grad_group=self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = (gather_from_sequence_parallel(x, self.tp_group) if self.sequence_parallel
-             else copy_to_tp(x, self.tp_group))
+        x = gather_from_sequence_parallel(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
         return self._matmul(x, self.bias)
 
 
 class RowParallelLinear(_ParallelLinear):
     """y = x A^T with A split along its input dim; input sharded, output summed over TP."""
 
-    def __init__(self, name: str, in_features: int, out_features: int, *, tp_group, tp_size: int,
-                 tp_rank: int, std: float, seed: int, bias: bool = True, device="cpu",
-                 sequence_parallel: bool = False):
-        super().__init__(name, in_features, out_features, 1, tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank,
-                         std=std, seed=seed, device=device, sequence_parallel=sequence_parallel)
+    def __init__(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group,
+        tp_size: int,
+        tp_rank: int,
+        std: float,
+        seed: int,
+        bias: bool = True,
+        device="cpu",
+        sequence_parallel: bool = False,
+    ):
+        super().__init__(
+            name,
+            in_features,
+            out_features,
+            1,
+            tp_group=tp_group,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            std=std,
+            seed=seed,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
         # The bias is replicated and added after the reduction, once.
         self.bias = mark_split(nn.Parameter(torch.zeros(out_features, device=device)), None) if bias else None
         if self.bias is not None:
@@ -124,16 +187,31 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, None)
-        y = (reduce_scatter_to_sequence_parallel(y, self.tp_group) if self.sequence_parallel
-             else reduce_from_tp(y, self.tp_group))
+        y = (
+            reduce_scatter_to_sequence_parallel(y, self.tp_group)
+            if self.sequence_parallel
+            else reduce_from_tp(y, self.tp_group)
+        )
         return y if self.bias is None else y + sp_replicated(self.bias, self.tp_group, self.sequence_parallel)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary; each rank looks up its own id range."""
 
-    def __init__(self, name: str, vocab_size: int, hidden: int, *, tp_group, tp_size: int,
-                 tp_rank: int, std: float, seed: int, device="cpu", sequence_parallel: bool = False):
+    def __init__(
+        self,
+        name: str,
+        vocab_size: int,
+        hidden: int,
+        *,
+        tp_group,
+        tp_size: int,
+        tp_rank: int,
+        std: float,
+        seed: int,
+        device="cpu",
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.vocab_start = tp_rank * (vocab_size // tp_size)

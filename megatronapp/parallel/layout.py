@@ -104,6 +104,5 @@ class ParallelLayout:
 
     def describe(self) -> str:
         return (
-            f"world={self.world_size} TP={self.tp_size} PP={self.pp_size} "
-            f"VPP={self.virtual_pp_size} DP={self.dp_size}"
+            f"world={self.world_size} TP={self.tp_size} PP={self.pp_size} VPP={self.virtual_pp_size} DP={self.dp_size}"
         )

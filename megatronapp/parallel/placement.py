@@ -76,14 +76,14 @@ def _gpu_of(rank: int, gpus_per_node: int, ranks_per_node: int) -> Placement:
     return Placement("cuda", local_gpu_index(rank % ranks_per_node, gpus_per_node), rank // ranks_per_node)
 
 
-def compute_plain_placements(world_size: int, kind: str, gpus_per_node: int = 0,
-                             ranks_per_node: int | None = None) -> tuple[Placement, ...]:
+def compute_plain_placements(
+    world_size: int, kind: str, gpus_per_node: int = 0, ranks_per_node: int | None = None
+) -> tuple[Placement, ...]:
     """Placement of every rank of a plain job whose ranks all compute on `kind`."""
     if kind not in DEVICE_KINDS:
         raise LayoutError(f"device must be one of {', '.join(DEVICE_KINDS)}, got {kind!r}")
     per_node = ranks_per_node or world_size
-    return tuple(Placement("cpu") if kind == "cpu" else _gpu_of(r, gpus_per_node, per_node)
-                 for r in range(world_size))
+    return tuple(Placement("cpu") if kind == "cpu" else _gpu_of(r, gpus_per_node, per_node) for r in range(world_size))
 
 
 def compute_group_backend(members: Sequence[Placement]) -> str:
@@ -105,14 +105,19 @@ def compute_default_backend(placements: Sequence[Placement]) -> str:
 
 def engine_group_ranks(layout: ParallelLayout, offset: int = 0) -> list[tuple[str, list[int]]]:
     """(name, global ranks) of every group the engine moves device tensors through."""
-    named = [("tensor-parallel", layout.tp_group_ranks()), ("data-parallel", layout.dp_group_ranks()),
-             ("pipeline-parallel", layout.pp_group_ranks()),
-             ("model-parallel", layout.model_parallel_group_ranks()), ("world", [list(range(layout.world_size))])]
+    named = [
+        ("tensor-parallel", layout.tp_group_ranks()),
+        ("data-parallel", layout.dp_group_ranks()),
+        ("pipeline-parallel", layout.pp_group_ranks()),
+        ("model-parallel", layout.model_parallel_group_ranks()),
+        ("world", [list(range(layout.world_size))]),
+    ]
     return [(name, [offset + r for r in ranks]) for name, groups in named for ranks in groups if len(ranks) > 1]
 
 
-def check_gpu_groups(groups: Sequence[tuple[str, Sequence[int]]], placements: Sequence[Placement],
-                     visible_gpus: int | None = None) -> None:
+def check_gpu_groups(
+    groups: Sequence[tuple[str, Sequence[int]]], placements: Sequence[Placement], visible_gpus: int | None = None
+) -> None:
     """Refuse (LayoutError, one line) a group of GPU ranks that shares a GPU: NCCL cannot run it."""
     for name, ranks in groups:
         members = [placements[r] for r in ranks]
@@ -126,5 +131,6 @@ def check_gpu_groups(groups: Sequence[tuple[str, Sequence[int]]], placements: Se
                 raise LayoutError(
                     f"{name} group {list(ranks)} would put ranks {seen[placements[r]]} and {r} on "
                     f"{placements[r].describe()}{visible}: NCCL needs one GPU per rank of a group; "
-                    f"use fewer ranks, more GPUs, or {flag} cpu")
+                    f"use fewer ranks, more GPUs, or {flag} cpu"
+                )
             seen[placements[r]] = r

@@ -65,8 +65,7 @@ class DropoutKey:
         return h
 
 
-def keyed_uniform(key: DropoutKey, layer: int, site: str, shape: tuple[int, int, int],
-                  device) -> torch.Tensor:
+def keyed_uniform(key: DropoutKey, layer: int, site: str, shape: tuple[int, int, int], device) -> torch.Tensor:
     """U[0, 1) float32 of shape (B, S, H), a pure function of the key and global coordinates."""
     b, s, h = shape
     base = key.base(layer, site)

@@ -152,8 +152,9 @@ class _LinearWithDeferredWeightGrad(torch.autograd.Function):
         return grad_out.matmul(weight), None, grad_bias, None
 
 
-def linear_with_deferred_weight_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                     fused: bool) -> torch.Tensor:
+def linear_with_deferred_weight_grad(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool
+) -> torch.Tensor:
     """F.linear whose weight gradient goes to `weight.main_grad` in W (module doc)."""
     return _LinearWithDeferredWeightGrad.apply(x, weight, bias, fused)
 

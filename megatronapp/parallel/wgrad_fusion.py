@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 # main grads whose next accumulation is the first of a step, by (address, size)
 _first_write: set[tuple[int, int]] = set()
 
@@ -103,8 +102,12 @@ def enable_grad_accumulation_fusion(modules) -> int:
     count = 0
     for m in modules:
         w = getattr(m, "weight", None)
-        if (hasattr(m, "wgrad_fusion") and w is not None and getattr(w, "main_grad", None) is not None
-                and w.dtype != torch.float32):
+        if (
+            hasattr(m, "wgrad_fusion")
+            and w is not None
+            and getattr(w, "main_grad", None) is not None
+            and w.dtype != torch.float32
+        ):
             m.wgrad_fusion = True
             w.grad_added_to_main_grad = True  # always, from now on: the main-grad hook only drops .grad
             count += 1

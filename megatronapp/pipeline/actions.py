@@ -45,8 +45,9 @@ class ActionKind(str, Enum):
         return self in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
 
 
-_COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
-                            ActionKind.BACKWARD_WEIGHT})
+_COMPUTE_KINDS = frozenset(
+    {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT}
+)
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,11 @@ class Action:
     peer: int | None = None  # pipeline rank of the other side, for communication actions
 
     def __str__(self) -> str:
-        peer = f"->{self.peer}" if self.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD) else (
-            f"<-{self.peer}" if self.peer is not None else "")
+        peer = (
+            f"->{self.peer}"
+            if self.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
+            else (f"<-{self.peer}" if self.peer is not None else "")
+        )
         return f"{self.kind.value}(c{self.chunk},m{self.microbatch}){peer}"
 
 

@@ -55,8 +55,7 @@ def compute_step_actions(step: ComputeStep) -> tuple[Action, ...]:
 _Segment = Action | list[_Op]
 
 
-def compute_outgoing_recv(action: Action, pp_rank: int, pp_size: int,
-                          num_chunks: int) -> tuple[int, Action] | None:
+def compute_outgoing_recv(action: Action, pp_rank: int, pp_size: int, num_chunks: int) -> tuple[int, Action] | None:
     """(peer rank, the RECV action it posts) for what this compute produces, or None if it stays local."""
     if action.kind is ActionKind.BACKWARD_WEIGHT:  # W only writes this rank's main grads
         return None
@@ -83,8 +82,9 @@ def compute_incoming_recv(action: Action, pp_rank: int, pp_size: int, num_chunks
     return Action(kind, action.chunk, action.microbatch, peer=stage_location(source, pp_size)[0])
 
 
-def _fifo_streams(pp_size: int, num_chunks: int,
-                  compute_orders: Sequence[Sequence[ComputeStep]]) -> dict[tuple[int, int], list[Action]]:
+def _fifo_streams(
+    pp_size: int, num_chunks: int, compute_orders: Sequence[Sequence[ComputeStep]]
+) -> dict[tuple[int, int], list[Action]]:
     """Per directed pair (src, dst): the recv actions dst must post, in src's send order."""
     streams: dict[tuple[int, int], list[Action]] = {}
     for rank, order in enumerate(compute_orders):
@@ -111,11 +111,11 @@ def _send_op(a: Action, rank: int, pp_size: int, num_chunks: int, sent: dict[int
     return _Op(Action(kind, a.chunk, a.microbatch, peer=dst), rank, dst, sent[dst] - 1)
 
 
-def _lazy_segments(rank: int, steps: Sequence[ComputeStep], pp_size: int, num_chunks: int,
-                   streams: dict[tuple[int, int], list[Action]]) -> list[_Segment]:
+def _lazy_segments(
+    rank: int, steps: Sequence[ComputeStep], pp_size: int, num_chunks: int, streams: dict[tuple[int, int], list[Action]]
+) -> list[_Segment]:
     """Rules 1 and 2 for one rank."""
-    position = {(src, recv): k for (src, dst), msgs in streams.items() if dst == rank
-                for k, recv in enumerate(msgs)}
+    position = {(src, recv): k for (src, dst), msgs in streams.items() if dst == rank for k, recv in enumerate(msgs)}
     received = {src: 0 for (src, dst) in streams if dst == rank}
     sent: dict[int, int] = {}
     segments: list[_Segment] = []
@@ -126,8 +126,9 @@ def _lazy_segments(rank: int, steps: Sequence[ComputeStep], pp_size: int, num_ch
                 continue
             k = position.get((needed.peer, needed))
             if k is None:
-                raise ValueError(f"pp rank {rank}, step {i} {a}: needs {needed} but rank "
-                                 f"{needed.peer} never computes its producer")
+                raise ValueError(
+                    f"pp rank {rank}, step {i} {a}: needs {needed} but rank {needed.peer} never computes its producer"
+                )
             while received[needed.peer] <= k:  # FIFO: earlier messages from this peer first
                 seq = received[needed.peer]
                 _batch_at_end(segments).append(_Op(streams[(needed.peer, rank)][seq], needed.peer, rank, seq))
@@ -139,8 +140,10 @@ def _lazy_segments(rank: int, steps: Sequence[ComputeStep], pp_size: int, num_ch
                 _batch_at_end(segments).append(op)
     for src, count in received.items():
         if count < len(streams[(src, rank)]):
-            raise ValueError(f"pp rank {rank}: rank {src} sends {streams[(src, rank)][count]} "
-                             f"but pp rank {rank} never computes its consumer")
+            raise ValueError(
+                f"pp rank {rank}: rank {src} sends {streams[(src, rank)][count]} "
+                f"but pp rank {rank} never computes its consumer"
+            )
     return segments
 
 
@@ -196,8 +199,9 @@ class _RendezvousPlanner:
         self._advance_all()
         while any(p < len(s) for p, s in zip(self.pos, self.segments)):
             if not self._hoist_one_recv():
-                stuck = [f"rank {r} at segment {p}" for r, (p, s) in enumerate(zip(self.pos, self.segments))
-                         if p < len(s)]
+                stuck = [
+                    f"rank {r} at segment {p}" for r, (p, s) in enumerate(zip(self.pos, self.segments)) if p < len(s)
+                ]
                 raise ValueError(f"compute orders have a dependency cycle; stuck: {', '.join(stuck)}")
             self._advance_all()
         return self.segments
@@ -213,8 +217,9 @@ def _flatten(segments: list[_Segment]) -> tuple[Action, ...]:
     return tuple(actions)
 
 
-def place_communication(pp_size: int, num_chunks: int,
-                        compute_orders: Sequence[Sequence[ComputeStep]]) -> tuple[tuple[Action, ...], ...]:
+def place_communication(
+    pp_size: int, num_chunks: int, compute_orders: Sequence[Sequence[ComputeStep]]
+) -> tuple[tuple[Action, ...], ...]:
     """Per-rank action lists: the compute orders (lists of steps) with sends/recvs placed by rules 1-3.
 
     Raises ValueError if a needed input is never produced, a produced message is never
@@ -223,6 +228,5 @@ def place_communication(pp_size: int, num_chunks: int,
     if pp_size == 1:  # every virtual stage is local: no communication at all
         return (tuple(a for step in compute_orders[0] for a in compute_step_actions(step)),)
     streams = _fifo_streams(pp_size, num_chunks, compute_orders)
-    segments = [_lazy_segments(rank, order, pp_size, num_chunks, streams)
-                for rank, order in enumerate(compute_orders)]
+    segments = [_lazy_segments(rank, order, pp_size, num_chunks, streams) for rank, order in enumerate(compute_orders)]
     return tuple(_flatten(rank_segments) for rank_segments in _RendezvousPlanner(segments).settle())

@@ -28,8 +28,11 @@ class ComputeTimer:
     @contextlib.contextmanager
     def measure(self):
         if self.cuda:
-            start, end = self._pool.pop() if self._pool else (
-                torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            start, end = (
+                self._pool.pop()
+                if self._pool
+                else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            )
             start.record()
             yield
             end.record()

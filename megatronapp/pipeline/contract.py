@@ -54,8 +54,9 @@ class MicrobatchContext:
 class PipelineModel(Protocol):
     chunks: Sequence[nn.Module]
 
-    def forward_step(self, chunk_id: int, stage_input: torch.Tensor | None, microbatch: Any,
-                     ctx: MicrobatchContext) -> tuple[torch.Tensor, LossFn | None]: ...
+    def forward_step(
+        self, chunk_id: int, stage_input: torch.Tensor | None, microbatch: Any, ctx: MicrobatchContext
+    ) -> tuple[torch.Tensor, LossFn | None]: ...
 
     def input_spec(self, chunk_id: int, microbatch: Any) -> TensorSpec: ...
 

@@ -23,10 +23,9 @@ from megatronapp import spans
 from megatronapp.p2p.message import empty_message, pack_message, unpack_expected
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.parallel.wgrad_defer import WeightGradQueue
-from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
+from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.contract import MicrobatchContext, PipelineModel
-
 
 _SPLIT_KINDS = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 
@@ -77,8 +76,18 @@ class StageCompute:
     """Forward and backward of one (chunk, microbatch) through the model contract: timed,
     traced and fault-injected. Shared by this runtime and MegaDPP's dynamic runtime."""
 
-    def __init__(self, model: PipelineModel, pp_rank: int, pp_size: int, num_chunks: int,
-                 num_microbatches: int, device, injector=None, grad_scale_func=None, split_backward: bool = False):
+    def __init__(
+        self,
+        model: PipelineModel,
+        pp_rank: int,
+        pp_size: int,
+        num_chunks: int,
+        num_microbatches: int,
+        device,
+        injector=None,
+        grad_scale_func=None,
+        split_backward: bool = False,
+    ):
         self.model, self.pp_rank, self.pp_size = model, pp_rank, pp_size
         # split backward: backward() is B and defers the weight GEMMs here; weight_grad() is W
         self.wgrad_queue = WeightGradQueue() if split_backward else None
@@ -101,14 +110,14 @@ class StageCompute:
                 out = loss_fn(out) / self.num_microbatches
         return out
 
-    def backward(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input, tracer, chunk: int = 0,
-                 microbatch: int = 0):
+    def backward(
+        self, output: torch.Tensor, grad: torch.Tensor | None, stage_input, tracer, chunk: int = 0, microbatch: int = 0
+    ):
         """Backward of `chunk` from `output` (grad None for the loss); the gradient of stage_input, if any.
         With split backward this is B: the weight GEMMs wait in `wgrad_queue` for weight_grad()."""
         if grad is None and self.grad_scale_func is not None:
             output = self.grad_scale_func(output)
-        capture = (contextlib.nullcontext() if self.wgrad_queue is None
-                   else self.wgrad_queue.capture(chunk, microbatch))
+        capture = contextlib.nullcontext() if self.wgrad_queue is None else self.wgrad_queue.capture(chunk, microbatch)
         with tracer.span(spans.BACKWARD), self.compute_timer.measure(), self.injector.compute((spans.BACKWARD, chunk)):
             with capture:
                 torch.autograd.backward(output, grad)
@@ -118,8 +127,11 @@ class StageCompute:
         """W of (chunk, microbatch): its deferred weight GEMMs into the main grads. When it is the
         chunk's last (no backward of the chunk left, no W of it pending), the reducer counts its
         weights, so their buckets' DP reduction may start (engine/grads.py)."""
-        with tracer.span(spans.WEIGHT_GRAD), self.compute_timer.measure(), \
-                self.injector.compute((spans.WEIGHT_GRAD, chunk)):
+        with (
+            tracer.span(spans.WEIGHT_GRAD),
+            self.compute_timer.measure(),
+            self.injector.compute((spans.WEIGHT_GRAD, chunk)),
+        ):
             weights = self.wgrad_queue.run(chunk, microbatch)
         last = backwards_left == 0 and not any(c == chunk for c, _ in self.wgrad_queue.pending_keys())
         if reducer is not None and last:
@@ -133,20 +145,42 @@ class PipelineRuntime:
     forward_step and allocates receive buffers from its tensor specs.
     """
 
-    def __init__(self, model: PipelineModel, groups: ParallelGroups, schedule: PipelineSchedule, *,
-                 device, tracer, reducer=None, injector=None, grad_scale_func=None, split_backward: bool = False):
+    def __init__(
+        self,
+        model: PipelineModel,
+        groups: ParallelGroups,
+        schedule: PipelineSchedule,
+        *,
+        device,
+        tracer,
+        reducer=None,
+        injector=None,
+        grad_scale_func=None,
+        split_backward: bool = False,
+    ):
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
-        self.batch_end = {start: end for start, end in comm_batches(self.actions)}
+        self.batch_end = dict(comm_batches(self.actions))
         self.device = device
         self.tracer, self.reducer = tracer, reducer
         self.num_vstages = schedule.pp_size * schedule.num_chunks
-        self.stage = StageCompute(model, groups.pp_rank, schedule.pp_size, schedule.num_chunks,
-                                  schedule.num_microbatches, device, injector, grad_scale_func, split_backward)
+        self.stage = StageCompute(
+            model,
+            groups.pp_rank,
+            schedule.pp_size,
+            schedule.num_chunks,
+            schedule.num_microbatches,
+            device,
+            injector,
+            grad_scale_func,
+            split_backward,
+        )
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         if not split_backward and any(a.kind in _SPLIT_KINDS for a in self.actions):
-            raise ValueError(f"schedule {schedule.name!r} has I/W actions but the model runs its backward "
-                             f"whole (split_backward is off)")
+            raise ValueError(
+                f"schedule {schedule.name!r} has I/W actions but the model runs its backward "
+                f"whole (split_backward is off)"
+            )
 
     def _vstage(self, chunk: int) -> int:
         return virtual_stage(chunk, self.groups.pp_rank, self.schedule.pp_size)
@@ -160,7 +194,7 @@ class PipelineRuntime:
         i = 0
         while i < len(self.actions):
             if i in self.batch_end:
-                self._post_batch(self.actions[i:self.batch_end[i]], st)
+                self._post_batch(self.actions[i : self.batch_end[i]], st)
                 i = self.batch_end[i]
                 continue
             action = self.actions[i]
@@ -244,8 +278,11 @@ class PipelineRuntime:
 
     def _recv_spec(self, a: Action, st: _StepState):
         mb = st.microbatches[a.microbatch]
-        return (self.model.input_spec(a.chunk, mb) if a.kind is ActionKind.RECV_FORWARD
-                else self.model.output_spec(a.chunk, mb))
+        return (
+            self.model.input_spec(a.chunk, mb)
+            if a.kind is ActionKind.RECV_FORWARD
+            else self.model.output_spec(a.chunk, mb)
+        )
 
     def _message_ids(self, a: Action) -> tuple[int, int, int]:
         """(direction, virtual stage that consumes it, microbatch): sender and receiver agree."""

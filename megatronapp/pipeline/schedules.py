@@ -27,8 +27,9 @@ def _check_sizes(pp_size: int, num_chunks: int, num_microbatches: int) -> None:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
 
 
-def _check_compute_orders(pp_size: int, num_chunks: int, num_microbatches: int,
-                          compute_orders: Sequence[Sequence[ComputeStep]]) -> None:
+def _check_compute_orders(
+    pp_size: int, num_chunks: int, num_microbatches: int, compute_orders: Sequence[Sequence[ComputeStep]]
+) -> None:
     if len(compute_orders) != pp_size:
         raise ValueError(f"compute_orders has {len(compute_orders)} rank lists, expected pp_size={pp_size}")
     for rank, order in enumerate(compute_orders):
@@ -36,13 +37,19 @@ def _check_compute_orders(pp_size: int, num_chunks: int, num_microbatches: int,
             if a.kind.is_comm:
                 raise ValueError(f"pp rank {rank}, action {i} {a}: compute_orders may only hold FORWARD/BACKWARD")
             if not (0 <= a.chunk < num_chunks and 0 <= a.microbatch < num_microbatches):
-                raise ValueError(f"pp rank {rank}, action {i} {a}: chunk must be in [0, {num_chunks}) "
-                                 f"and microbatch in [0, {num_microbatches})")
+                raise ValueError(
+                    f"pp rank {rank}, action {i} {a}: chunk must be in [0, {num_chunks}) "
+                    f"and microbatch in [0, {num_microbatches})"
+                )
 
 
-def build_schedule_from_compute_order(pp_size: int, num_chunks: int, num_microbatches: int,
-                                      compute_orders: Sequence[Sequence[ComputeStep]],
-                                      name: str = "custom") -> PipelineSchedule:
+def build_schedule_from_compute_order(
+    pp_size: int,
+    num_chunks: int,
+    num_microbatches: int,
+    compute_orders: Sequence[Sequence[ComputeStep]],
+    name: str = "custom",
+) -> PipelineSchedule:
     """Insert sends/recvs into per-rank FORWARD/BACKWARD orders (rules: comm_placement.py).
 
     compute_orders[p] lists rank p's compute actions (local chunk ids) in order; an element
@@ -54,8 +61,13 @@ def build_schedule_from_compute_order(pp_size: int, num_chunks: int, num_microba
     """
     _check_sizes(pp_size, num_chunks, num_microbatches)
     _check_compute_orders(pp_size, num_chunks, num_microbatches, compute_orders)
-    return PipelineSchedule(pp_size=pp_size, num_chunks=num_chunks, num_microbatches=num_microbatches,
-                            actions=place_communication(pp_size, num_chunks, compute_orders), name=name)
+    return PipelineSchedule(
+        pp_size=pp_size,
+        num_chunks=num_chunks,
+        num_microbatches=num_microbatches,
+        actions=place_communication(pp_size, num_chunks, compute_orders),
+        name=name,
+    )
 
 
 def _forward(chunk: int, microbatch: int) -> Action:
@@ -72,8 +84,7 @@ def build_gpipe_schedule(pp_size: int, num_microbatches: int) -> PipelineSchedul
     Peak activation memory is all M microbatches on every rank.
     """
     _check_sizes(pp_size, 1, num_microbatches)
-    order = [_forward(0, m) for m in range(num_microbatches)] + \
-            [_backward(0, m) for m in range(num_microbatches)]
+    order = [_forward(0, m) for m in range(num_microbatches)] + [_backward(0, m) for m in range(num_microbatches)]
     return build_schedule_from_compute_order(pp_size, 1, num_microbatches, [order] * pp_size, "gpipe")
 
 
@@ -99,8 +110,7 @@ def build_1f1b_schedule(pp_size: int, num_microbatches: int) -> PipelineSchedule
     return build_schedule_from_compute_order(pp_size, 1, num_microbatches, orders, "1f1b")
 
 
-def compute_interleaved_steps(pp_size: int, pp_rank: int, num_chunks: int,
-                              num_microbatches: int) -> list[ComputeStep]:
+def compute_interleaved_steps(pp_size: int, pp_rank: int, num_chunks: int, num_microbatches: int) -> list[ComputeStep]:
     """Megatron-Core's interleaved 1F1B compute order for one rank (M % P == 0 assumed).
 
     Virtual step k runs microbatches in groups of P per chunk: forward step k is chunk
@@ -125,16 +135,16 @@ def compute_interleaved_steps(pp_size: int, pp_rank: int, num_chunks: int,
     return order
 
 
-def build_interleaved_1f1b_schedule(pp_size: int, num_chunks: int,
-                                    num_microbatches: int) -> PipelineSchedule:
+def build_interleaved_1f1b_schedule(pp_size: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
     """Megatron-Core's interleaved 1F1B (virtual pipeline) schedule; see compute_interleaved_steps.
 
     Requires num_microbatches % pp_size == 0 (Megatron's microbatch groups are P wide).
     """
     _check_sizes(pp_size, num_chunks, num_microbatches)
     if num_microbatches % pp_size:
-        raise ValueError(f"interleaved schedule needs num_microbatches ({num_microbatches}) "
-                         f"divisible by pp_size ({pp_size})")
+        raise ValueError(
+            f"interleaved schedule needs num_microbatches ({num_microbatches}) divisible by pp_size ({pp_size})"
+        )
     orders = [compute_interleaved_steps(pp_size, p, num_chunks, num_microbatches) for p in range(pp_size)]
     return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, orders, "interleaved")
 
@@ -153,8 +163,7 @@ def build_breadth_first_schedule(pp_size: int, num_chunks: int, num_microbatches
     """Static looped BFS (see compute_breadth_first_order); any V >= 1 and M >= 1."""
     _check_sizes(pp_size, num_chunks, num_microbatches)
     order = compute_breadth_first_order(num_chunks, num_microbatches)
-    return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, [order] * pp_size,
-                                             "looped-bfs")
+    return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, [order] * pp_size, "looped-bfs")
 
 
 def build_zb_h1_schedule(pp_size: int, num_microbatches: int) -> PipelineSchedule:
@@ -166,14 +175,14 @@ def build_zb_h1_schedule(pp_size: int, num_microbatches: int) -> PipelineSchedul
     return build_schedule_from_compute_order(pp_size, 1, num_microbatches, orders, "zb-h1")
 
 
-def build_interleaved_zero_bubble_schedule(pp_size: int, num_chunks: int,
-                                           num_microbatches: int) -> PipelineSchedule:
+def build_interleaved_zero_bubble_schedule(pp_size: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
     """Interleaved 1F1B with I/W split and W in the bubbles, at interleaved 1F1B's memory
     (pipeline/zero_bubble.py). Requires num_microbatches % pp_size == 0, as interleaved."""
     _check_sizes(pp_size, num_chunks, num_microbatches)
     if num_microbatches % pp_size:
-        raise ValueError(f"interleaved-zb schedule needs num_microbatches ({num_microbatches}) "
-                         f"divisible by pp_size ({pp_size})")
+        raise ValueError(
+            f"interleaved-zb schedule needs num_microbatches ({num_microbatches}) divisible by pp_size ({pp_size})"
+        )
     base = [compute_interleaved_steps(pp_size, p, num_chunks, num_microbatches) for p in range(pp_size)]
     orders = compute_zero_bubble_orders(base, pp_size, num_chunks)
     return build_schedule_from_compute_order(pp_size, num_chunks, num_microbatches, orders, "interleaved-zb")
@@ -181,8 +190,11 @@ def build_interleaved_zero_bubble_schedule(pp_size: int, num_chunks: int,
 
 def schedule_has_weight_tasks(schedule: PipelineSchedule) -> bool:
     """Whether the schedule splits backward into I and W actions (the model must defer W)."""
-    return any(a.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
-               for actions in schedule.actions for a in actions)
+    return any(
+        a.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+        for actions in schedule.actions
+        for a in actions
+    )
 
 
 def build_schedule(name: str, pp_size: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
@@ -197,8 +209,10 @@ def build_schedule(name: str, pp_size: int, num_chunks: int, num_microbatches: i
     if name == "looped-bfs":
         return build_breadth_first_schedule(pp_size, num_chunks, num_microbatches)
     if num_chunks != 1:
-        raise ValueError(f"schedule {name!r} runs one model chunk per rank, got num_chunks={num_chunks}; "
-                         f"use 'interleaved' for virtual pipeline stages")
+        raise ValueError(
+            f"schedule {name!r} runs one model chunk per rank, got num_chunks={num_chunks}; "
+            f"use 'interleaved' for virtual pipeline stages"
+        )
     if name == "gpipe":
         return build_gpipe_schedule(pp_size, num_microbatches)
     if name == "zb-h1":

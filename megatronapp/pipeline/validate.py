@@ -135,8 +135,13 @@ def _check_completeness(schedule: PipelineSchedule, rank: int, seen: dict[Action
                 if Action(kind, c, m) not in seen:
                     raise _fail(rank, "end of list", None, f"{Action(kind, c, m)} never runs")
             if backward is _I and Action(_W, c, m) not in seen:
-                raise _fail(rank, "end of list", None, f"{Action(_W, c, m)} never runs before the optimizer step "
-                                                       f"(its weight gradients would miss the update)")
+                raise _fail(
+                    rank,
+                    "end of list",
+                    None,
+                    f"{Action(_W, c, m)} never runs before the optimizer step "
+                    f"(its weight gradients would miss the update)",
+                )
             if p == 1:
                 continue
             for kind, send, step in ((_F, _SF, +1), (backward, _SB, -1)):
@@ -177,20 +182,29 @@ def _match_fifo(schedule: PipelineSchedule) -> dict[tuple[int, int], tuple[int, 
         for k, (si, ri) in enumerate(zip(s_idx, r_idx)):
             send, recv = schedule.actions[src][si], schedule.actions[dst][ri]
             if _message(send, src, p) != _message(recv, dst, p):
-                raise _fail(src, si, send, f"FIFO mismatch: send #{k} to rank {dst} is matched by "
-                                           f"rank {dst}'s recv #{k} from rank {src}, action {ri} {recv}")
+                raise _fail(
+                    src,
+                    si,
+                    send,
+                    f"FIFO mismatch: send #{k} to rank {dst} is matched by "
+                    f"rank {dst}'s recv #{k} from rank {src}, action {ri} {recv}",
+                )
             partner[(src, si)], partner[(dst, ri)] = (dst, ri), (src, si)
         if len(s_idx) != len(r_idx):
             k = min(len(s_idx), len(r_idx))
             rank, i = (src, s_idx[k]) if len(s_idx) > k else (dst, r_idx[k])
-            raise _fail(rank, i, schedule.actions[rank][i], f"unmatched: it is message #{k} on pair "
-                                                             f"{src}->{dst} and the other side has only {k}")
+            raise _fail(
+                rank,
+                i,
+                schedule.actions[rank][i],
+                f"unmatched: it is message #{k} on pair {src}->{dst} and the other side has only {k}",
+            )
     return partner
 
 
 def _segments(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
     """[start, end) ranges in execution order: one per compute action, one per comm batch."""
-    batches = {start: end for start, end in comm_batches(actions)}
+    batches = dict(comm_batches(actions))
     segs, i = [], 0
     while i < len(actions):
         end = batches.get(i, i + 1)
@@ -199,26 +213,32 @@ def _segments(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
     return segs
 
 
-def _stuck_report(schedule: PipelineSchedule, segs: list[list[tuple[int, int]]], pos: list[int],
-                  partner: dict[tuple[int, int], tuple[int, int]], seg_of: list[dict[int, int]]) -> ScheduleError:
+def _stuck_report(
+    schedule: PipelineSchedule,
+    segs: list[list[tuple[int, int]]],
+    pos: list[int],
+    partner: dict[tuple[int, int], tuple[int, int]],
+    seg_of: list[dict[int, int]],
+) -> ScheduleError:
     """Name every stuck rank, the batch it waits at and one partner op not yet posted."""
     parts = []
     for rank in range(schedule.pp_size):
         if pos[rank] == len(segs[rank]):
             continue
         start, end = segs[rank][pos[rank]]
-        waits = [(peer, pi) for i in range(start, end) for peer, pi in [partner[(rank, i)]]
-                 if pos[peer] < seg_of[peer][pi]]
+        waits = [
+            (peer, pi) for i in range(start, end) for peer, pi in [partner[(rank, i)]] if pos[peer] < seg_of[peer][pi]
+        ]
         peer, pi = waits[0]
         parts.append((rank, start, f"waits for rank {peer} to reach action {pi} {schedule.actions[peer][pi]}"))
     rank, start, first = parts[0]
     others = "; ".join(f"pp rank {r} at action {s} {schedule.actions[r][s]} {w}" for r, s, w in parts[1:])
-    return _fail(rank, start, schedule.actions[rank][start],
-                 f"deadlock: {first}" + (f"; also stuck: {others}" if others else ""))
+    return _fail(
+        rank, start, schedule.actions[rank][start], f"deadlock: {first}" + (f"; also stuck: {others}" if others else "")
+    )
 
 
-def _run_rendezvous(schedule: PipelineSchedule,
-                    partner: dict[tuple[int, int], tuple[int, int]]) -> list[list[int]]:
+def _run_rendezvous(schedule: PipelineSchedule, partner: dict[tuple[int, int], tuple[int, int]]) -> list[list[int]]:
     """Simulate the rendezvous model (module docstring); return each action's start tick."""
     p = schedule.pp_size
     segs = [_segments(actions) for actions in schedule.actions]
@@ -275,8 +295,11 @@ def simulate_schedule(schedule: PipelineSchedule) -> list[list[int]]:
 def compute_bubble_fraction(schedule: PipelineSchedule) -> float:
     """Idle fraction of the unit-time timeline: 1 - busy ticks / (pp_size * makespan)."""
     ticks = simulate_schedule(schedule)
-    makespan = max(t + compute_action_ticks(a) for rank_ticks, actions in zip(ticks, schedule.actions)
-                   for t, a in zip(rank_ticks, actions))
+    makespan = max(
+        t + compute_action_ticks(a)
+        for rank_ticks, actions in zip(ticks, schedule.actions)
+        for t, a in zip(rank_ticks, actions)
+    )
     busy = sum(compute_action_ticks(a) for actions in schedule.actions for a in actions)
     return 1.0 - busy / (schedule.pp_size * makespan)
 
@@ -284,8 +307,11 @@ def compute_bubble_fraction(schedule: PipelineSchedule) -> float:
 def render_schedule(schedule: PipelineSchedule) -> str:
     """ASCII timeline, one row per rank, one cell per tick: F3 / B3 (chunk:mb with chunks > 1), '.' idle."""
     ticks = simulate_schedule(schedule)
-    label = (lambda a: f"{a.kind.value}{a.microbatch}") if schedule.num_chunks == 1 else \
-        (lambda a: f"{a.kind.value}{a.chunk}:{a.microbatch}")
+    label = (
+        (lambda a: f"{a.kind.value}{a.microbatch}")
+        if schedule.num_chunks == 1
+        else (lambda a: f"{a.kind.value}{a.chunk}:{a.microbatch}")
+    )
     rows = []
     for rank, actions in enumerate(schedule.actions):
         cells: dict[int, str] = {}
@@ -295,8 +321,12 @@ def render_schedule(schedule: PipelineSchedule) -> str:
         rows.append(cells)
     makespan = max((max(cells) + 1 for cells in rows if cells), default=0)
     width = max((len(s) for cells in rows for s in cells.values()), default=1)
-    header = (f"{schedule.name}: pp={schedule.pp_size} chunks={schedule.num_chunks} "
-              f"microbatches={schedule.num_microbatches} ticks={makespan}")
-    lines = [header] + [f"rank {r:>2} | " + " ".join(cells.get(t, ".").ljust(width) for t in range(makespan)).rstrip()
-                        for r, cells in enumerate(rows)]
+    header = (
+        f"{schedule.name}: pp={schedule.pp_size} chunks={schedule.num_chunks} "
+        f"microbatches={schedule.num_microbatches} ticks={makespan}"
+    )
+    lines = [header] + [
+        f"rank {r:>2} | " + " ".join(cells.get(t, ".").ljust(width) for t in range(makespan)).rstrip()
+        for r, cells in enumerate(rows)
+    ]
     return "\n".join(lines)

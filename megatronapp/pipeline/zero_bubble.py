@@ -107,8 +107,9 @@ class _RankFill:
         self.pos += 1
 
 
-def compute_zero_bubble_orders(base_orders: Sequence[Sequence[ComputeStep]], pp_size: int,
-                               num_chunks: int) -> list[list[ComputeStep]]:
+def compute_zero_bubble_orders(
+    base_orders: Sequence[Sequence[ComputeStep]], pp_size: int, num_chunks: int
+) -> list[list[ComputeStep]]:
     """Per-rank compute orders with I/W split and W placed by the module's rule, from a base
     F/B order per rank (e.g. 1F1B's). Raises ValueError if the base orders cannot run."""
     ranks = [_RankFill([_as_input_grad(s) for s in order], compute_peak_live(order)) for order in base_orders]

@@ -15,15 +15,15 @@ import sys
 from megatronapp.scan.analyze.analysis import analyze_trace_dir
 from megatronapp.scan.analyze.detect_config import DetectConfig
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
-from megatronapp.scan.record.format import TraceFormatError
 from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
+from megatronapp.scan.record.format import TraceFormatError
 from megatronapp.scan.trace_run import add_trace_run_arguments
 
 _NO_END = 2**31 - 1
 
 
 def parse_iteration_range(text: str) -> range:
-    """"A:B" -> iterations A..B-1 (half-open, like Python slices); "A:" and ":B" leave a
+    """ "A:B" -> iterations A..B-1 (half-open, like Python slices); "A:" and ":B" leave a
     side open; "A" is the single iteration A."""
     try:
         if ":" not in text:
@@ -39,7 +39,7 @@ def parse_iteration_range(text: str) -> range:
 
 
 def parse_rank_list(text: str) -> list[int]:
-    """"0,1,4-7" -> [0, 1, 4, 5, 6, 7] (ranges inclusive)."""
+    """ "0,1,4-7" -> [0, 1, 4, 5, 6, 7] (ranges inclusive)."""
     ranks: set[int] = set()
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -72,8 +72,10 @@ def run_merge(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = summary.report
-    print(f"wrote {summary.out}: {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows "
-          f"({summary.arrivals} p2p messages)")
+    print(
+        f"wrote {summary.out}: {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows "
+        f"({summary.arrivals} p2p messages)"
+    )
     print(f"merged in {summary.seconds:.2f} s ({summary.events_per_s:,.0f} events/s)")
     print(
         f"alignment (first {ALIGN_SAMPLE_ITERATIONS} traced iterations): {report.anchors} collective anchors, "
@@ -103,9 +105,13 @@ def _add_detect(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("detect", help="find slow ranks and slow links in a trace directory")
     parser.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--iterations", type=parse_iteration_range, default=None, metavar="A:B",
-                        help="analyse iterations A..B-1 only (also A:, :B, A); "
-                             "default: every complete iteration, warm-up skipped")
+    parser.add_argument(
+        "--iterations",
+        type=parse_iteration_range,
+        default=None,
+        metavar="A:B",
+        help="analyse iterations A..B-1 only (also A:, :B, A); default: every complete iteration, warm-up skipped",
+    )
     parser.set_defaults(func=run_detect)
 
 
@@ -117,13 +123,20 @@ def run_whatif(args: argparse.Namespace) -> int:
         print(f"megatronapp trace whatif: {exc}", file=sys.stderr)
         return 2
     doc = report_to_json(report)
-    rows = [{"fault": f"slow link {s['link'][0]}->{s['link'][1]}" if s["link"] else f"{s['cause']} rank {s['rank']}",
-             **s["what_if"]} for s in doc["suspects"]]
+    rows = [
+        {
+            "fault": f"slow link {s['link'][0]}->{s['link'][1]}" if s["link"] else f"{s['cause']} rank {s['rank']}",
+            **s["what_if"],
+        }
+        for s in doc["suspects"]
+    ]
     if args.json:
         print(json.dumps({**doc["what_if"], "faults": rows}, indent=2))
         return 0
-    print(f"iteration time now: {doc['what_if']['iteration_ms']} ms (median critical path; mean "
-          f"{doc['what_if']['iteration_mean_ms']} ms)")
+    print(
+        f"iteration time now: {doc['what_if']['iteration_ms']} ms (median critical path; mean "
+        f"{doc['what_if']['iteration_mean_ms']} ms)"
+    )
     for row in rows:
         basis = "" if row["over_iterations"] == "median" else f"; intermittent: mean of now {row['iteration_ms']} ms"
         print(f"without {row['fault']}: {row['iteration_if_fixed_ms']} ms (-{row['saving_ms']} ms{basis})")
@@ -170,11 +183,17 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.Ar
     merge = sub.add_parser("merge", help="merge rank*.mscan files into a Chrome/Perfetto trace JSON")
     merge.add_argument("dir", help="trace directory holding rank*.mscan files")
     merge.add_argument("-o", "--out", required=True, help="output JSON path (gzipped when it ends in .gz)")
-    merge.add_argument("--iterations", type=parse_iteration_range, default=None,
-                       help="A:B merges iterations A..B-1 (also A:, :B, A)")
+    merge.add_argument(
+        "--iterations", type=parse_iteration_range, default=None, help="A:B merges iterations A..B-1 (also A:, :B, A)"
+    )
     merge.add_argument("--ranks", type=parse_rank_list, default=None, help="ranks to merge, e.g. 0,1,4-7")
-    merge.add_argument("--split-iterations", type=int, default=None, metavar="N",
-                       help="one file per N traced iterations (OUT gets .iterA-B before its extension)")
+    merge.add_argument(
+        "--split-iterations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="one file per N traced iterations (OUT gets .iterA-B before its extension)",
+    )
     merge.set_defaults(func=run_merge)
     _add_detect(sub)
     _add_analysis_commands(sub)

@@ -41,8 +41,12 @@ class TraceRun:
 
 def build_trace_run(args: argparse.Namespace) -> TraceRun:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return TraceRun(tuple(command), args.nproc_per_node, AutoTraceConfig(**trace_fields_from_args(args)),
-                    parse_fault_plan(args.inject_slowdown, args.inject_link_delay))
+    return TraceRun(
+        tuple(command),
+        args.nproc_per_node,
+        AutoTraceConfig(**trace_fields_from_args(args)),
+        parse_fault_plan(args.inject_slowdown, args.inject_link_delay),
+    )
 
 
 def check_trace_run(run: TraceRun) -> None:
@@ -61,8 +65,9 @@ def run_trace_run(args: argparse.Namespace, argv: list[str], run: TraceRun) -> i
     remove_stale_rank_traces(run.config.trace_dir)
     os.environ.update(run.config.to_env())
     os.environ.update(fault_env(args.inject_slowdown, args.inject_link_delay))
-    code = run_local_ranks("megatronapp.scan.record.run", list(run.command), run.nproc_per_node,
-                           prog="megatronapp trace run")
+    code = run_local_ranks(
+        "megatronapp.scan.record.run", list(run.command), run.nproc_per_node, prog="megatronapp trace run"
+    )
     if code:
         return code
     return _report(run.config.trace_dir, args.json)
@@ -79,8 +84,17 @@ def _report(trace_dir: str, as_json: bool) -> int:
     summary = merge_traces(trace_dir, out)
     analysis = analyze_trace_dir(trace_dir)
     if as_json:
-        print(json.dumps({"timeline": str(out), "events": summary.events, "flows": summary.flows,
-                          **report_to_json(analysis.detection)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "timeline": str(out),
+                    "events": summary.events,
+                    "flows": summary.flows,
+                    **report_to_json(analysis.detection),
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"MegaScan: merged {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows -> {out}")
     print("  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing")

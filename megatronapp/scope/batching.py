@@ -24,11 +24,18 @@ import torch
 from megatronapp.scope.compress import CapturedItem, apply_pipeline, select_indices
 from megatronapp.scope.sites import HEAD_SITES, LAYER_SITES
 
-DIMS = {"q": ("batch", "head", "token", "dim"), "k": ("batch", "head", "token", "dim"),
-        "v": ("batch", "head", "token", "dim"), "attn_probs": ("batch", "head", "token", "key"),
-        "attn_out": ("batch", "token", "hidden"), "fc1": ("batch", "token", "ffn"),
-        "mlp_out": ("batch", "token", "hidden"), "residual": ("batch", "token", "hidden"),
-        "logit_lens": ("layer", "batch", "k"), "topk": ("batch", "k")}
+DIMS = {
+    "q": ("batch", "head", "token", "dim"),
+    "k": ("batch", "head", "token", "dim"),
+    "v": ("batch", "head", "token", "dim"),
+    "attn_probs": ("batch", "head", "token", "key"),
+    "attn_out": ("batch", "token", "hidden"),
+    "fc1": ("batch", "token", "ffn"),
+    "mlp_out": ("batch", "token", "hidden"),
+    "residual": ("batch", "token", "hidden"),
+    "logit_lens": ("layer", "batch", "k"),
+    "topk": ("batch", "k"),
+}
 
 
 @dataclass
@@ -37,8 +44,9 @@ class Block:
     tensors: dict[str, torch.Tensor]  # key -> (rows, *item shape)
 
 
-def compress_step(step: int, gathered, compress: tuple[dict, ...], heads, topk: int,
-                  lens_topk: int | None = None) -> tuple[list, list[Block]]:
+def compress_step(
+    step: int, gathered, compress: tuple[dict, ...], heads, topk: int, lens_topk: int | None = None
+) -> tuple[list, list[Block]]:
     """(items in `gathered` order, the blocks holding their tensors) of one step's gathered
     (name, layer, site, tensor) captures: per-layer sites compressed by `compress` (after
     keeping `heads` of head sites); topk data as given (its top `topk` already), logit_lens
@@ -98,7 +106,16 @@ def compress_rows(step: int, entries, compress: tuple[dict, ...], heads) -> Bloc
         data = select_indices(data, 2, heads)
     stacked = apply_pipeline(CapturedItem("", site, step, None, ("row", *DIMS[site]), {"data": data}), compress)
     ops = [{**op, "shape": op["shape"][1:]} for op in stacked.ops]
-    items = [CapturedItem(f"step{step}/{name}", s, step, layer, stacked.dims[1:],
-                          {k: v[i] for k, v in stacked.tensors.items()}, list(ops))
-             for i, (name, layer, s, _) in enumerate(entries)]
+    items = [
+        CapturedItem(
+            f"step{step}/{name}",
+            s,
+            step,
+            layer,
+            stacked.dims[1:],
+            {k: v[i] for k, v in stacked.tensors.items()},
+            list(ops),
+        )
+        for i, (name, layer, s, _) in enumerate(entries)
+    ]
     return Block(items, stacked.tensors)

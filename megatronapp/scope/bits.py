@@ -57,8 +57,9 @@ def format_of(name: str | None, dtype: torch.dtype) -> NumberFormat:
     return FORMATS[name]
 
 
-def apply_bit_op(x: torch.Tensor, fmt: NumberFormat, where: torch.Tensor, bit_masks: torch.Tensor,
-                 op: str) -> torch.Tensor:
+def apply_bit_op(
+    x: torch.Tensor, fmt: NumberFormat, where: torch.Tensor, bit_masks: torch.Tensor, op: str
+) -> torch.Tensor:
     """New tensor: at `where`, XOR ('flip'), clear ('stuck0') or set ('stuck1') the bits of
     `bit_masks` (integers of the format's width, broadcastable to x) in x's `fmt` encoding."""
     y = x.detach().to(fmt.dtype).contiguous()
@@ -92,8 +93,9 @@ def _to_signed(fmt: NumberFormat, value: torch.Tensor) -> torch.Tensor:
     return torch.where(value >= top, value - 2 * top, value).to(fmt.int_dtype)
 
 
-def random_bit_masks(fmt: NumberFormat, candidates: range, num_bits: int, shape: tuple[int, ...],
-                     gen: torch.Generator) -> torch.Tensor:
+def random_bit_masks(
+    fmt: NumberFormat, candidates: range, num_bits: int, shape: tuple[int, ...], gen: torch.Generator
+) -> torch.Tensor:
     """Per element, `num_bits` distinct random bits from `candidates`, as integer masks (shape)."""
     if not 1 <= num_bits <= len(candidates):
         raise ValueError(f"num_bits {num_bits} must be in 1..{len(candidates)} for this field")

@@ -75,8 +75,10 @@ def compute_replay_blocker(sites, compress) -> str | None:
     """Why a capture of `sites` compressed by `compress` cannot be recorded into a decode graph."""
     key_dim_ops = [op["name"] for op in compress if op["name"] in ("reduce", "topk")]
     if "attn_probs" in sites and key_dim_ops:
-        return (f"capture of attn_probs with {key_dim_ops[0]} (it acts on the key dim, which grows "
-                f"every step) runs on the hook path")
+        return (
+            f"capture of attn_probs with {key_dim_ops[0]} (it acts on the key dim, which grows "
+            f"every step) runs on the hook path"
+        )
     return None
 
 
@@ -88,14 +90,28 @@ def compute_raw_bytes(model_cfg, sites, num_layers: int) -> tuple[int, int]:
     return 4 * num_layers * (sum(per_layer) - per_key), 4 * num_layers * per_key
 
 
-def make_capture_config(sites=DEFAULT_SITES, *, layers=None, heads=None, compress=(), topk: int = 5,
-                        lens_topk: int | None = None, max_bytes_per_step: int = 1 << 30) -> CaptureConfig:
+def make_capture_config(
+    sites=DEFAULT_SITES,
+    *,
+    layers=None,
+    heads=None,
+    compress=(),
+    topk: int = 5,
+    lens_topk: int | None = None,
+    max_bytes_per_step: int = 1 << 30,
+) -> CaptureConfig:
     """CaptureConfig from loose arguments (`compress` may be the text form)."""
     if isinstance(compress, str):
         compress = parse_pipeline(compress)
-    return CaptureConfig(sites=tuple(sites), layers=None if layers is None else tuple(layers),
-                         heads=None if heads is None else tuple(heads), compress=tuple(compress), topk=topk,
-                         lens_topk=lens_topk, max_bytes_per_step=max_bytes_per_step)
+    return CaptureConfig(
+        sites=tuple(sites),
+        layers=None if layers is None else tuple(layers),
+        heads=None if heads is None else tuple(heads),
+        compress=tuple(compress),
+        topk=topk,
+        lens_topk=lens_topk,
+        max_bytes_per_step=max_bytes_per_step,
+    )
 
 
 class Capture:
@@ -115,7 +131,7 @@ class Capture:
         self.decode_key = None  # set on entry when this capture can be recorded (InferenceModel)
 
     # -- lifecycle ---------------------------------------------------------------------
-    def __enter__(self) -> "Capture":
+    def __enter__(self) -> Capture:
         self.hooks = CaptureHooks(self.target, self.layers, self.cfg.sites, self.want_lens)
         if self.target.model is not None:
             if self.graph_unsupported is None:
@@ -144,8 +160,10 @@ class Capture:
         per_column, per_column_key = self._raw_bytes
         raw = cache.pad_left.shape[0] * cache.num_new * (per_column + per_column_key * (cache.start + cache.num_new))
         if raw > self.cfg.max_bytes_per_step:
-            raise CaptureLimitError(f"capture would need {raw} bytes this step, over the limit of "
-                             f"{self.cfg.max_bytes_per_step}; capture fewer sites/layers or shorter prompts")
+            raise CaptureLimitError(
+                f"capture would need {raw} bytes this step, over the limit of "
+                f"{self.cfg.max_bytes_per_step}; capture fewer sites/layers or shorter prompts"
+            )
 
     def step_end(self, model, logits) -> None:
         record = model.step_records.get(self.decode_key) if self.decode_key is not None else None
@@ -158,8 +176,15 @@ class Capture:
             buffer, template, offsets = record
             if self._template_bytes[0] is not template:
                 self._template_bytes = (template, sum(it.nbytes for it in template))
-            self._start_transfer(model.step, (template, offsets), buffer, tokens, self._template_bytes[1],
-                                 template=True, key_columns=cache.start + cache.num_new)
+            self._start_transfer(
+                model.step,
+                (template, offsets),
+                buffer,
+                tokens,
+                self._template_bytes[1],
+                template=True,
+                key_columns=cache.start + cache.num_new,
+            )
             self.recorded_steps.append(model.step)
             return
         gathered = collect_step(model, self.target, self.layers, self.cfg.sites, self.hooks.stash, self.want_lens)
@@ -171,7 +196,7 @@ class Capture:
         self._finish_step(model.step, gathered, tokens)
 
     def _next_token_topk(self, model, logits: torch.Tensor):
-        return compute_top_probs(logits[:, :model.cfg.vocab_size], self.cfg.topk, log=False)
+        return compute_top_probs(logits[:, : model.cfg.vocab_size], self.cfg.topk, log=False)
 
     def record_decode(self, model, out: torch.Tensor) -> tuple[torch.Tensor, list[CapturedItem], list[dict]]:
         """Device work of a static decode step in one process, right after the forward (recorded
@@ -204,8 +229,16 @@ class Capture:
         buffer, offsets = pack_blocks(blocks, items, "cpu")
         self._start_transfer(step, (items, offsets), buffer, tokens, sum(it.nbytes for it in items))
 
-    def _start_transfer(self, step: int, layout, buffer: torch.Tensor, tokens: int, nbytes: int,
-                        template: bool = False, key_columns=None) -> None:
+    def _start_transfer(
+        self,
+        step: int,
+        layout,
+        buffer: torch.Tensor,
+        tokens: int,
+        nbytes: int,
+        template: bool = False,
+        key_columns=None,
+    ) -> None:
         """Queue the copy of this step's buffer. Its items (`layout` = (items, their offsets in the
         buffer); items are made from them for `step` when they are a `template`) are built when
         `items` is next read: per step nothing but the copy and an event, the views and Python
@@ -257,8 +290,13 @@ class Capture:
 
     def get(self, site: str | None, layer: int | None = None, step: int | None = None) -> list[CapturedItem]:
         """Items of `site` (None: any site), optionally one layer and/or step."""
-        return [it for it in self.items if (site is None or it.site == site) and (layer is None or it.layer == layer)
-                and (step is None or it.step == step)]
+        return [
+            it
+            for it in self.items
+            if (site is None or it.site == site)
+            and (layer is None or it.layer == layer)
+            and (step is None or it.step == step)
+        ]
 
     def pca(self, site: str = "residual", layer: int | None = None, k: int = 2):
         """(coords (tokens, k), explained variance ratio) of `site` at `layer` over every
@@ -269,20 +307,38 @@ class Capture:
         return compute_pca(token_rows(self.get(site, layer)), k)
 
     def _config_dict(self) -> dict:
-        return {"sites": list(self.cfg.sites), "layers": list(self.layers),
-                "heads": None if self.heads is None else list(self.heads), "compress": list(self.compress),
-                "topk": self.cfg.topk, "lens_topk": self.cfg.lens_topk or self.cfg.topk}
+        return {
+            "sites": list(self.cfg.sites),
+            "layers": list(self.layers),
+            "heads": None if self.heads is None else list(self.heads),
+            "compress": list(self.compress),
+            "topk": self.cfg.topk,
+            "lens_topk": self.cfg.lens_topk or self.cfg.topk,
+        }
 
     def manifest(self) -> dict:
-        return {"config": self._config_dict(), "steps": list(self.steps), "bytes_per_token": self.bytes_per_token,
-                "items": [it.manifest() for it in self.items]}
+        return {
+            "config": self._config_dict(),
+            "steps": list(self.steps),
+            "bytes_per_token": self.bytes_per_token,
+            "items": [it.manifest() for it in self.items],
+        }
 
 
 def _items_for_step(template: list[CapturedItem], step: int) -> list[CapturedItem]:
     """Fresh items of `step` with the template's layout (its tensors give shapes and dtypes)."""
-    return [CapturedItem(f"step{step}/{it.name.partition('/')[2]}", it.site, step, it.layer, it.dims,
-                         dict(it.tensors), [{**op, "shape": list(op["shape"])} for op in it.ops])
-            for it in template]
+    return [
+        CapturedItem(
+            f"step{step}/{it.name.partition('/')[2]}",
+            it.site,
+            step,
+            it.layer,
+            it.dims,
+            dict(it.tensors),
+            [{**op, "shape": list(op["shape"])} for op in it.ops],
+        )
+        for it in template
+    ]
 
 
 def _narrow_keys(item: CapturedItem, columns: int) -> None:

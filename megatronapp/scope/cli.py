@@ -61,9 +61,14 @@ def build_capture_request(args) -> CaptureRequest:
     """Parsed from the flags (and --perturb @FILE); the checks against the model are check_capture."""
     from megatronapp.scope.capture import make_capture_config
 
-    config = make_capture_config([s for s in args.sites.split(",") if s], layers=_int_list(args.layers),
-                                 heads=_int_list(args.heads), compress=args.compress or "", topk=args.topk,
-                                 max_bytes_per_step=int(args.max_capture_mb * 2**20))
+    config = make_capture_config(
+        [s for s in args.sites.split(",") if s],
+        layers=_int_list(args.layers),
+        heads=_int_list(args.heads),
+        compress=args.compress or "",
+        topk=args.topk,
+        max_bytes_per_step=int(args.max_capture_mb * 2**20),
+    )
     return CaptureRequest(config, tuple(_perturbation_specs(args)), args.bf16, args.out)
 
 
@@ -82,8 +87,9 @@ def check_capture(request: CaptureRequest, cfg) -> None:
 
 
 def build_capture_run(args):
-    return build_inference_run(args, sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
-                               capture=build_capture_request(args))
+    return build_inference_run(
+        args, sampling=SamplingConfig(max_new_tokens=args.max_new_tokens), capture=build_capture_request(args)
+    )
 
 
 def capture_worker(args, run) -> dict | None:
@@ -107,17 +113,35 @@ def capture_worker(args, run) -> dict | None:
         for spec in specs:
             stack.enter_context(perturb(model, spec))
         cap = stack.enter_context(Capture(model, capture_cfg))
-        res = generate(model, [tokenizer.encode(p) for p in prompts], run.sampling,
-                       eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
+        res = generate(
+            model,
+            [tokenizer.encode(p) for p in prompts],
+            run.sampling,
+            eod_id=tokenizer.eod_id,
+            vocab_size=tokenizer.vocab_size,
+        )
     out = None
     if model.is_serving_rank:
         completions = [tokenizer.decode(t) for t in res.tokens]
-        save_capture(args.out, cap.manifest(), cap.items,
-                     extra={"prompts": prompts, "completions": completions, "tokens": res.tokens,
-                            "layout": model.groups.layout.describe(),
-                            "perturbations": [json.loads(s.to_json()) for s in specs]})
-        out = {"out": args.out, "items": len(cap.items), "bytes_per_token": cap.bytes_per_token,
-               "completions": completions, "layout": model.groups.layout.describe()}
+        save_capture(
+            args.out,
+            cap.manifest(),
+            cap.items,
+            extra={
+                "prompts": prompts,
+                "completions": completions,
+                "tokens": res.tokens,
+                "layout": model.groups.layout.describe(),
+                "perturbations": [json.loads(s.to_json()) for s in specs],
+            },
+        )
+        out = {
+            "out": args.out,
+            "items": len(cap.items),
+            "bytes_per_token": cap.bytes_per_token,
+            "completions": completions,
+            "layout": model.groups.layout.describe(),
+        }
     finish_worker()
     return out
 
@@ -125,8 +149,10 @@ def capture_worker(args, run) -> dict | None:
 def render_capture(args, result: dict) -> str:
     if args.json:
         return json.dumps(result)
-    return (f"captured {result['items']} items ({result['bytes_per_token']:.0f} bytes/token) "
-            f"[{result['layout']}] -> {result['out']} (+ .json manifest)")
+    return (
+        f"captured {result['items']} items ({result['bytes_per_token']:.0f} bytes/token) "
+        f"[{result['layout']}] -> {result['out']} (+ .json manifest)"
+    )
 
 
 def _report(args) -> int:
@@ -152,8 +178,11 @@ def add_scope_subcommands(sub) -> None:
     cap.add_argument("--sites", default=",".join(DEFAULT_SITES), help="comma-separated; see megatronapp/scope/sites.py")
     cap.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
     cap.add_argument("--heads", default=None, help="comma-separated heads kept for q/k/v/attn_probs")
-    cap.add_argument("--compress", default=DEFAULT_COMPRESS,
-                     help=f"compression ops (default {DEFAULT_COMPRESS!r}; '' keeps full tensors)")
+    cap.add_argument(
+        "--compress",
+        default=DEFAULT_COMPRESS,
+        help=f"compression ops (default {DEFAULT_COMPRESS!r}; '' keeps full tensors)",
+    )
     cap.add_argument("--topk", type=int, default=5)
     cap.add_argument("--max-capture-mb", type=float, default=1024.0, help="refuse steps whose raw capture is larger")
     cap.add_argument("--perturb", action="append", default=[], help="perturbation spec JSON, or @FILE")
@@ -161,8 +190,10 @@ def add_scope_subcommands(sub) -> None:
     cap.add_argument("--json", action="store_true")
     cap.add_argument("--tokenizer-model", default=None)
     add_layout_arguments(cap)
-    cap.set_defaults(build_run=build_capture_run,
-                     launch=lambda args, argv, run: run_command(args, argv, run, capture_worker, render_capture))
+    cap.set_defaults(
+        build_run=build_capture_run,
+        launch=lambda args, argv, run: run_command(args, argv, run, capture_worker, render_capture),
+    )
     rep = cmds.add_parser("report", help="render PNG heatmaps, attention maps and PCA of a capture file")
     rep.add_argument("file")
     rep.add_argument("--out", required=True, help="output folder")

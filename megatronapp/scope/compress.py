@@ -44,10 +44,19 @@ class CapturedItem:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def manifest(self) -> dict:
-        return {"name": self.name, "site": self.site, "step": self.step, "layer": self.layer, "dims": list(self.dims),
-                "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                            for k, t in self.tensors.items()},
-                "ops": self.ops, "nbytes": self.nbytes}
+        return {
+            "name": self.name,
+            "site": self.site,
+            "step": self.step,
+            "layer": self.layer,
+            "dims": list(self.dims),
+            "tensors": {
+                k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                for k, t in self.tensors.items()
+            },
+            "ops": self.ops,
+            "nbytes": self.nbytes,
+        }
 
 
 def _slice(item: CapturedItem, layers=None, heads=None, tokens=None) -> CapturedItem | None:
@@ -218,7 +227,7 @@ def check_pipeline(ops) -> tuple[dict, ...]:
     names = [o["name"] for o in out]
     if "quantize" in names[:-1]:
         raise ValueError("quantize must be the last compression op")
-    if "topk" in names and any(n not in ("quantize",) for n in names[names.index("topk") + 1:]):
+    if "topk" in names and any(n not in ("quantize",) for n in names[names.index("topk") + 1 :]):
         raise ValueError("only quantize may follow topk")
     return tuple(out)
 

@@ -58,7 +58,7 @@ def compute_logit_lens(model, stash) -> torch.Tensor | None:
         parts.append(buf)
     residuals = torch.cat(parts + [mine]) if parts else mine  # (L, B, H); a cat of one would copy
     # over the real vocabulary, like the next-token probabilities (padding ids excluded)
-    return model.compute_logits(residuals)[..., :model.cfg.vocab_size]
+    return model.compute_logits(residuals)[..., : model.cfg.vocab_size]
 
 
 def pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,12 +74,12 @@ def unpack(header: torch.Tensor, data: torch.Tensor) -> list[torch.Tensor]:
     h, out, i, off = header.tolist(), [], 1, 0
     for _ in range(h[0]):
         ndim = h[i]
-        shape = h[i + 1:i + 1 + ndim]
+        shape = h[i + 1 : i + 1 + ndim]
         i += 1 + ndim
         n = 1
         for s in shape:
             n *= s
-        out.append(data[off:off + n].view(shape))
+        out.append(data[off : off + n].view(shape))
         off += n
     return out
 
@@ -103,7 +103,9 @@ def recv_from(src: int, device) -> list[torch.Tensor]:
     return unpack(header, data)
 
 
-def collect_step(model, target, layers, sites, stash, want_lens: bool) -> list[tuple[str, int | None, str, torch.Tensor]] | None:
+def collect_step(
+    model, target, layers, sites, stash, want_lens: bool
+) -> list[tuple[str, int | None, str, torch.Tensor]] | None:
     """Every rank: gather this step's captures; the serving rank returns all of them
     (name, layer, site, tensor) in layer order, the others None."""
     items = stage_items(target, layers, sites, stash)
@@ -126,8 +128,12 @@ def collect_step(model, target, layers, sites, stash, want_lens: bool) -> list[t
 def _stage_names(model, pp_rank: int, layers, sites, want_lens: bool) -> list[tuple[str, int | None, str]]:
     """Names the stage `pp_rank` sends, in order (mirrors stage_items + logit lens)."""
     first, last = chunk_layer_ranges(model.cfg.num_layers, model.groups.layout.pp_size, 1)[pp_rank][0]
-    names = [(f"layer{layer}/{site}", layer, site) for layer in sorted(set(layers) & set(range(first, last)))
-             for site in LAYER_SITES if site in sites]
+    names = [
+        (f"layer{layer}/{site}", layer, site)
+        for layer in sorted(set(layers) & set(range(first, last)))
+        for site in LAYER_SITES
+        if site in sites
+    ]
     if want_lens and pp_rank == model.groups.layout.pp_size - 1:
         names.append(("logit_lens", None, "logit_lens"))
     return names

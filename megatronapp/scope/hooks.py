@@ -19,8 +19,9 @@ from megatronapp.scope.sites import layer_modules
 LENS = "_lens"  # internal: residual of the newest column, for the logit lens
 
 
-def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
-                    hidden: torch.Tensor | None = None) -> torch.Tensor:
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, hidden: torch.Tensor | None = None
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) in fp32: q (B, h, S, D), k (B, h, T, D), bool mask (B, 1, S, T)
     or None for causal attention over the same columns (S == T); `hidden` = ~mask when the
     caller has it already (one per step, shared by the layers)."""
@@ -58,8 +59,9 @@ class CaptureHooks:
             if "mlp_out" in self.sites:
                 self.handles.append(m["mlp"].register_forward_hook(self._store(layer, "mlp_out")))
             if "residual" in self.sites or want_lens:
-                self.handles.append(m["block"].register_forward_hook(
-                    self._residual(layer, want_lens, "residual" in self.sites)))
+                self.handles.append(
+                    m["block"].register_forward_hook(self._residual(layer, want_lens, "residual" in self.sites))
+                )
 
     def remove(self) -> None:
         for h in self.handles:
@@ -70,6 +72,7 @@ class CaptureHooks:
     def _remember_attn_args(self, layer: int):
         def hook(module, args):
             self._attn_args[layer] = args[1:]  # (cos, sin[, cache])
+
         return hook
 
     def _qkv(self, layer: int):
@@ -85,6 +88,7 @@ class CaptureHooks:
             for site, t in (("q", q), ("k", k), ("v", v)):
                 if site in wanted:
                     self.stash[(layer, site)] = t if site == "v" else apply_rotary(t, cos, sin)
+
         return hook
 
     def _rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor, s: int, dtype) -> tuple:
@@ -112,6 +116,7 @@ class CaptureHooks:
                 else:
                     keys, mask = self.stash[(layer, "k")], None
                 self.stash[(layer, "attn_probs")] = attention_probs(self.stash[(layer, "q")], keys, mask, hidden)
+
         return hook
 
     def _hidden_mask(self, step_mask: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -124,11 +129,13 @@ class CaptureHooks:
     def _fc1(self, layer: int):
         def hook(module, args):
             self.stash[(layer, "fc1")] = args[0].detach()
+
         return hook
 
     def _store(self, layer: int, site: str):
         def hook(module, args, output):
             self.stash[(layer, site)] = output.detach()
+
         return hook
 
     def _residual(self, layer: int, want_lens: bool, want_residual: bool):
@@ -137,4 +144,5 @@ class CaptureHooks:
                 self.stash[(layer, "residual")] = output.detach()
             if want_lens:
                 self.stash[(layer, LENS)] = output.detach()[:, -1]
+
         return hook

@@ -42,8 +42,9 @@ def corrupt(x: torch.Tensor, spec: Perturbation, selected: torch.Tensor, shard, 
     return corrupt_with_mask(x, spec, selected, shard, gen)[0]
 
 
-def corrupt_with_mask(x: torch.Tensor, spec: Perturbation, selected: torch.Tensor, shard,
-                      gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def corrupt_with_mask(
+    x: torch.Tensor, spec: Perturbation, selected: torch.Tensor, shard, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(corrupted local tensor, local bool mask of the elements hit); see `corrupt`."""
     full_shape = tuple(selected.shape)
     hit = selected
@@ -103,7 +104,7 @@ class Perturber:
         else:
             self._install_hooks()
 
-    def __enter__(self) -> "Perturber":
+    def __enter__(self) -> Perturber:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -128,8 +129,9 @@ class Perturber:
         numel = 1
         for n in full_shape:
             numel *= n
-        sel = (_index_mask(numel, t.indices) if t.indices is not None
-               else torch.ones(numel, dtype=torch.bool)).reshape(full_shape)
+        sel = (_index_mask(numel, t.indices) if t.indices is not None else torch.ones(numel, dtype=torch.bool)).reshape(
+            full_shape
+        )
         shard = None if p.tp_split_dim is None else (p.tp_split_dim, self.target.tp_size, self.target.tp_rank)
         gen = keyed_generator(self.spec.seed, "param", name)
         with torch.no_grad():
@@ -173,6 +175,7 @@ class Perturber:
             if not self._active():
                 return None
             return self._apply(output, layer, tuple(output.shape), None)
+
         return hook
 
     def _fc1_hook(self, layer: int):
@@ -182,6 +185,7 @@ class Perturber:
             x = args[0]
             full = (*x.shape[:2], x.shape[2] * self.target.tp_size)
             return (self._apply(x, layer, full, self._tp_shard(2)),)
+
         return hook
 
     def _qkv_hook(self, layer: int, which: int):
@@ -195,6 +199,7 @@ class Perturber:
             out = view.clone()
             out[:, :, :, which] = self._apply(view[:, :, :, which], layer, full, self._tp_shard(2))
             return out.view(b, s, -1)
+
         return hook
 
 

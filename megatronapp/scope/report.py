@@ -18,12 +18,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 from megatronapp.files import atomic_path, write_text_atomic
-from megatronapp.scope.compress import CapturedItem  # noqa: E402
-from megatronapp.scope.pca import compute_pca, token_rows  # noqa: E402
-from megatronapp.scope.store import dequantized, load_capture  # noqa: E402
+from megatronapp.scope.compress import CapturedItem
+from megatronapp.scope.pca import compute_pca, token_rows
+from megatronapp.scope.store import dequantized, load_capture
 
 MAX_PANELS = 16
 
@@ -120,8 +120,12 @@ def render_report(capture_file, out_dir) -> list[Path]:
     written += [p for s in ("residual", "attn_out", "mlp_out") if s in sites for p in (draw_pca(items, s, out),) if p]
     topk = draw_topk(items, out)
     written += [topk] if topk else []
-    lines = [f"# MegaScope report: {capture_file}", "",
-             f"{len(items)} items, {manifest.get('bytes_per_token', 0):.0f} bytes/token", ""]
+    lines = [
+        f"# MegaScope report: {capture_file}",
+        "",
+        f"{len(items)} items, {manifest.get('bytes_per_token', 0):.0f} bytes/token",
+        "",
+    ]
     lines += [f"![{p.stem}]({p.name})" for p in written]
     index = out / "index.md"
     write_text_atomic(index, "\n".join(lines) + "\n")

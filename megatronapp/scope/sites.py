@@ -70,6 +70,14 @@ def layer_modules(block) -> dict:
 def site_numel(site: str, cfg, batch: int, new: int, total: int) -> int:
     """Elements of one layer's capture at `site` for a step of `new` columns (`total` keys)."""
     h, nh, d, f = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.ffn_size
-    per = {"q": nh * new * d, "k": nh * new * d, "v": nh * new * d, "attn_probs": nh * new * total,
-           "attn_out": new * h, "fc1": new * f, "mlp_out": new * h, "residual": new * h}
+    per = {
+        "q": nh * new * d,
+        "k": nh * new * d,
+        "v": nh * new * d,
+        "attn_probs": nh * new * total,
+        "attn_out": new * h,
+        "fc1": new * f,
+        "mlp_out": new * h,
+        "residual": new * h,
+    }
     return batch * per[site]

@@ -84,7 +84,7 @@ class Perturbation:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Perturbation":
+    def from_json(cls, text: str) -> Perturbation:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -113,8 +113,9 @@ def perturbation_from_dict(data: dict) -> Perturbation:
     return _from_dict(Perturbation, data, "perturbation")
 
 
-def validate_perturbation(spec: Perturbation, cfg, param_shapes: dict[str, tuple[int, ...]],
-                          dtype: torch.dtype = torch.float32) -> None:
+def validate_perturbation(
+    spec: Perturbation, cfg, param_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32
+) -> None:
     """One-line PerturbSpecError if `spec` cannot apply to a model of `cfg` with these full
     parameter shapes, running in `dtype` (the bit format when the spec names none). Called
     before anything is installed, so a bad spec leaves the model as is."""
@@ -167,8 +168,10 @@ def _validate_target(t: Target, cfg, param_shapes) -> None:
             if not 0 <= i < numel:
                 raise ValueError(f"index {i} is outside parameter {t.param} ({numel} elements)")
         if numel > MAX_TARGETED_ELEMENTS and t.indices is None:
-            raise ValueError(f"parameter {t.param} has {numel} elements; give indices (at most "
-                             f"{MAX_TARGETED_ELEMENTS} elements can be targeted at a rate)")
+            raise ValueError(
+                f"parameter {t.param} has {numel} elements; give indices (at most "
+                f"{MAX_TARGETED_ELEMENTS} elements can be targeted at a rate)"
+            )
         return
     if t.site not in PERTURB_SITES:
         raise ValueError(f"unknown perturbation site {t.site!r}; choose from {', '.join(PERTURB_SITES + ('param',))}")

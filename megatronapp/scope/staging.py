@@ -43,7 +43,7 @@ def view_items(host: torch.Tensor, items: list[CapturedItem], offsets: list[dict
     for it, at in zip(items, offsets, strict=True):
         for key, t in it.tensors.items():
             n = t.numel() * t.element_size()
-            it.tensors[key] = host[at[key]:at[key] + n].view(t.dtype).view(t.shape)
+            it.tensors[key] = host[at[key] : at[key] + n].view(t.dtype).view(t.shape)
 
 
 # Copies run on a side stream (see HostStaging); False: on the current stream, queued right
@@ -75,7 +75,7 @@ class HostStaging:
         if self.block is None or self.used + n > self.block.numel():
             self.block = torch.empty(max(n, self.block_bytes), dtype=torch.uint8, pin_memory=True)
             self.used = 0
-        host = self.block[self.used:self.used + n]
+        host = self.block[self.used : self.used + n]
         self.used += n + (-n % 8)
         if not SIDE_STREAM_COPIES:  # behind the step on the current stream: ordered by construction
             host.copy_(buffer, non_blocking=True)

@@ -47,8 +47,9 @@ class ScopeTarget:
         per_layer = {n.split(".", 2)[2]: s for n, s in local.items() if n.startswith("layers.")}
         shapes = {f"layers.{i}.{suffix}": s for i in range(self.cfg.num_layers) for suffix, s in per_layer.items()}
         v, h = self.cfg.padded_vocab_size, self.cfg.hidden_size
-        shapes.update({"embedding.weight": (v, h), "final_norm.weight": (h,), "final_norm.bias": (h,),
-                       "output.weight": (v, h)})
+        shapes.update(
+            {"embedding.weight": (v, h), "final_norm.weight": (h,), "final_norm.bias": (h,), "output.weight": (v, h)}
+        )
         shapes.update(local)
         return shapes
 

@@ -27,8 +27,20 @@ from megatronapp.launch.local import rank_argv, run_local_ranks, under_launcher
 
 DEMO_CHECKPOINTS = ("ckpt",)  # where the README's training example saves
 TINY_DEMO_DIR = Path.home() / ".cache" / "megatronapp" / "scope-demo"
-TINY_DEMO_TRAIN = ["--model", "tiny", "--train-iters", "80", "--global-batch-size", "4", "--micro-batch-size", "4",
-                   "--device", "cpu", "--log-interval", "20"]
+TINY_DEMO_TRAIN = [
+    "--model",
+    "tiny",
+    "--train-iters",
+    "80",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "4",
+    "--device",
+    "cpu",
+    "--log-interval",
+    "20",
+]
 
 
 def add_serve_subcommand(cmds) -> None:
@@ -68,8 +80,9 @@ def find_demo_checkpoint(train_if_missing: bool) -> str:
             return path
     if not os.path.isfile(TINY_DEMO_DIR / "latest") and train_if_missing:
         print(f"no --load given and no ./ckpt: training a tiny demo model into {TINY_DEMO_DIR} (~1 min)", flush=True)
-        code = subprocess.call([sys.executable, "-m", "megatronapp.cli.main", "train", *TINY_DEMO_TRAIN,
-                                "--save", str(TINY_DEMO_DIR)])
+        code = subprocess.call(
+            [sys.executable, "-m", "megatronapp.cli.main", "train", *TINY_DEMO_TRAIN, "--save", str(TINY_DEMO_DIR)]
+        )
         if code != 0:
             raise ConfigError("training the demo model failed; pass --load CKPT")
     return str(TINY_DEMO_DIR)
@@ -86,8 +99,13 @@ def build_generation_backend(load: str, tokenizer_model, device, bf16: bool, lim
 
     if model is None:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = build_inference_model(read_model_config(load), single_process_groups(), dev, load_dir=load,
-                                      dtype=torch.bfloat16 if bf16 else torch.float32)
+        model = build_inference_model(
+            read_model_config(load),
+            single_process_groups(),
+            dev,
+            load_dir=load,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
         # Decode steps replayed as a CUDA graph with the UI's capture recorded inside them; runs
         # with a perturbation that hooks activations fall back to eager (and say so in the log).
         model.cuda_graphs = dev.type == "cuda"

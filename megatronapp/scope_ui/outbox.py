@@ -115,14 +115,29 @@ def encode(item, decode) -> str | bytes:
         return P.Tokens(tokens=[_token(t, decode) for t in item]).model_dump_json()
     if isinstance(item, ViewOut):
         data = np.ascontiguousarray(item.data)
-        header = P.TensorHeader(run=item.run, step=item.step, site=item.site, layer=item.layer, start=item.start,
-                                dims=list(item.dims), dtype=str(data.dtype), shape=list(data.shape),
-                                compression=list(item.compression))
+        header = P.TensorHeader(
+            run=item.run,
+            step=item.step,
+            site=item.site,
+            layer=item.layer,
+            start=item.start,
+            dims=list(item.dims),
+            dtype=str(data.dtype),
+            shape=list(data.shape),
+            compression=list(item.compression),
+        )
         return P.encode_tensor_frame(header, data.tobytes())
     return item.model_dump_json()
 
 
 def _token(t: TokenOut, decode) -> P.Token:
     entries = lambda pairs: [P.TopEntry(id=i, text=decode(i), p=p) for i, p in pairs]
-    return P.Token(run=t.run, step=t.step, id=t.id, text=decode(t.id), topk=entries(t.topk), lens=entries(t.lens),
-                   t_server_ms=t.t_server_ms)
+    return P.Token(
+        run=t.run,
+        step=t.step,
+        id=t.id,
+        text=decode(t.id),
+        topk=entries(t.topk),
+        lens=entries(t.lens),
+        t_server_ms=t.t_server_ms,
+    )

@@ -20,8 +20,11 @@ class LayerNorms:
     ([weight norms], [grad norms])."""
 
     def __init__(self, named_params: dict, num_layers: int):
-        picked = [(int(m.group(1)), p) for name, p in named_params.items()
-                  if (m := _LAYER.search(name)) is not None and int(m.group(1)) < num_layers]
+        picked = [
+            (int(m.group(1)), p)
+            for name, p in named_params.items()
+            if (m := _LAYER.search(name)) is not None and int(m.group(1)) < num_layers
+        ]
         self.num_layers = num_layers
         self.params = [p for _, p in picked]
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -42,8 +45,11 @@ class LayerNorms:
             if self.params:
                 w = torch.stack(torch._foreach_norm([p.detach() for p in self.params])).float()
                 sq[0].index_add_(0, self.layer_of, w * w)
-                with_grad = [(i, g) for i, p in enumerate(self.params)
-                             if (g := p.grad if p.grad is not None else getattr(p, "main_grad", None)) is not None]
+                with_grad = [
+                    (i, g)
+                    for i, p in enumerate(self.params)
+                    if (g := p.grad if p.grad is not None else getattr(p, "main_grad", None)) is not None
+                ]
                 if with_grad:
                     g = torch.stack(torch._foreach_norm([g for _, g in with_grad])).float()
                     sq[1].index_add_(0, self._grad_layers(tuple(i for i, _ in with_grad)), g * g)
@@ -83,19 +89,43 @@ def run_probe(trainer, tokenizer, prompt: list[int], iteration: int, hub) -> Non
     chunk.eval()
     try:
         with torch.no_grad(), capture(model, sites=("attn_probs", "residual", "topk"), topk=5) as cap:
-            generate(model, [prompt], SamplingConfig(max_new_tokens=1, stop_on_eod=False),
-                     eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
+            generate(
+                model,
+                [prompt],
+                SamplingConfig(max_new_tokens=1, stop_on_eod=False),
+                eod_id=tokenizer.eod_id,
+                vocab_size=tokenizer.vocab_size,
+            )
     finally:
         chunk.train(was_training)
     decode = tokenizer.decode
-    records = [ViewOut(run="probe", step=iteration, site=it.site, layer=it.layer, start=0, dims=tuple(it.dims),
-                       compression=tuple(it.ops), data=it.tensors["data"].numpy().copy())
-               for it in cap.items if it.site in ("attn_probs", "residual")]
+    records = [
+        ViewOut(
+            run="probe",
+            step=iteration,
+            site=it.site,
+            layer=it.layer,
+            start=0,
+            dims=tuple(it.dims),
+            compression=tuple(it.ops),
+            data=it.tensors["data"].numpy().copy(),
+        )
+        for it in cap.items
+        if it.site in ("attn_probs", "residual")
+    ]
     resid = torch.stack([it.tensors["data"].float() for it in sorted(cap.get("residual"), key=lambda it: it.layer)])
     flat = resid.flatten(1)  # (layers, B*S*H)
     top = cap.get("topk")[0].tensors
-    records.append(P.Probe(iteration=iteration, prompt_text=[decode([t]) for t in prompt],
-                           topk=[P.TopEntry(id=int(i), text=decode([int(i)]), p=float(v))
-                                 for v, i in zip(top["data"][0].tolist(), top["indices"][0].tolist())],
-                           layer_act_mean=flat.mean(1).tolist(), layer_act_std=flat.std(1).tolist()))
+    records.append(
+        P.Probe(
+            iteration=iteration,
+            prompt_text=[decode([t]) for t in prompt],
+            topk=[
+                P.TopEntry(id=int(i), text=decode([int(i)]), p=float(v))
+                for v, i in zip(top["data"][0].tolist(), top["indices"][0].tolist())
+            ],
+            layer_act_mean=flat.mean(1).tolist(),
+            layer_act_std=flat.std(1).tolist(),
+        )
+    )
     hub.post(records)

@@ -63,7 +63,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -135,8 +135,9 @@ class TakeDrive(_Msg):
     type: Literal["take_drive"]
 
 
-ClientMessage = Annotated[Union[Hello, View, Generate, Perturb, ClearPerturbations, TrainControl, TakeDrive],
-                          Field(discriminator="type")]
+ClientMessage = Annotated[
+    Hello | View | Generate | Perturb | ClearPerturbations | TrainControl | TakeDrive, Field(discriminator="type")
+]
 _CLIENT = TypeAdapter(ClientMessage)
 
 
@@ -261,8 +262,19 @@ class Role(_Msg):
 
 class Error(_Msg):
     type: Literal["error"] = "error"
-    code: Literal["bad_json", "bad_message", "too_large", "rate_limited", "not_driver", "busy", "refused",
-                  "binary_not_accepted", "wrong_mode", "version", "internal"]
+    code: Literal[
+        "bad_json",
+        "bad_message",
+        "too_large",
+        "rate_limited",
+        "not_driver",
+        "busy",
+        "refused",
+        "binary_not_accepted",
+        "wrong_mode",
+        "version",
+        "internal",
+    ]
     message: str
 
 
@@ -288,7 +300,9 @@ def parse_client_text(text: str, limits: Limits) -> BaseModel:
         msg = _CLIENT.validate_python(data)
     except ValidationError as e:
         first = e.errors()[0]
-        raise ProtocolError("bad_message", f"{data['type']}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        raise ProtocolError(
+            "bad_message", f"{data['type']}: {'.'.join(map(str, first['loc']))}: {first['msg']}"
+        ) from None
     check_limits(msg, limits)
     return msg
 
@@ -311,7 +325,7 @@ def encode_tensor_frame(header: TensorHeader, payload: bytes) -> bytes:
 def decode_tensor_frame(frame: bytes) -> tuple[dict, bytes]:
     """(header dict, payload) of a server tensor frame (tests and tools)."""
     (n,) = struct.unpack_from("<I", frame)
-    return json.loads(frame[4:4 + n]), frame[4 + n:]
+    return json.loads(frame[4 : 4 + n]), frame[4 + n :]
 
 
 class RateLimiter:

@@ -56,8 +56,14 @@ class LeaderRunner:
 
     def run(self, msg: P.Generate, sink, layers) -> None:
         self.runner.check(msg)  # refuse here, before any rank starts work
-        self.channel.publish({"kind": "generate", "msg": msg.model_dump(), "layers": list(layers),
-                              "perturbations": self.runner.perturbations.as_dicts()})
+        self.channel.publish(
+            {
+                "kind": "generate",
+                "msg": msg.model_dump(),
+                "layers": list(layers),
+                "perturbations": self.runner.perturbations.as_dicts(),
+            }
+        )
         self.runner.run(msg, sink, layers)
 
     def refill(self, layer: int, sink) -> None:

@@ -47,6 +47,7 @@ class FlaggedStepReplay:
             out = output[0] if isinstance(output, tuple) else output
             self._act_sq[layer] += out.detach().float().pow(2).mean()  # summed over microbatches
             self._calls[layer] += 1
+
         return record
 
     def classified(self, iteration: int, report: dict) -> None:
@@ -55,8 +56,14 @@ class FlaggedStepReplay:
         rms = (self._act_sq / torch.tensor([max(1, n) for n in self._calls], device=self.device)).sqrt()
 
         def message() -> P.TrainRerun:  # on the reporter thread: the waits happen there
-            return P.TrainRerun(iteration=iteration, flags=list(flags), verdict=report["verdict"],
-                                ranks=report["ranks"], layer_grad_norms_flagged=self.norms.finish(flagged)[1],
-                                layer_grad_norms_rerun=self.norms.finish(rerun)[1],
-                                layer_act_rms_rerun=rms.tolist())
+            return P.TrainRerun(
+                iteration=iteration,
+                flags=list(flags),
+                verdict=report["verdict"],
+                ranks=report["ranks"],
+                layer_grad_norms_flagged=self.norms.finish(flagged)[1],
+                layer_grad_norms_rerun=self.norms.finish(rerun)[1],
+                layer_act_rms_rerun=rms.tolist(),
+            )
+
         self.post(message)

@@ -30,8 +30,8 @@ from megatronapp.config import ConfigError
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.scope import capture, perturb
 from megatronapp.scope.bits import FORMATS, format_of
-from megatronapp.scope.specs import BIT_KINDS, KINDS, PerturbSpecError, perturbation_from_dict, validate_perturbation
 from megatronapp.scope.sites import PERTURB_SITES
+from megatronapp.scope.specs import BIT_KINDS, KINDS, PerturbSpecError, perturbation_from_dict, validate_perturbation
 from megatronapp.scope.target import resolve_target
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.outbox import TokenOut, ViewOut
@@ -48,14 +48,25 @@ FLUSH_S = 0.010  # records leave the model thread at most this often: one wakeup
 
 def describe_model(cfg, param_shapes: dict) -> dict:
     """Model structure the perturbation panel builds its target pickers from."""
-    return {"num_layers": cfg.num_layers, "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size,
-            "head_dim": cfg.head_dim, "ffn_size": cfg.ffn_size, "seq_length": cfg.seq_length,
-            "params": {name: list(shape) for name, shape in sorted(param_shapes.items())}}
+    return {
+        "num_layers": cfg.num_layers,
+        "num_heads": cfg.num_attention_heads,
+        "hidden_size": cfg.hidden_size,
+        "head_dim": cfg.head_dim,
+        "ffn_size": cfg.ffn_size,
+        "seq_length": cfg.seq_length,
+        "params": {name: list(shape) for name, shape in sorted(param_shapes.items())},
+    }
 
 
 def welcome_fields(info: dict) -> dict:
-    return {"model": info, "sites": list(PERTURB_SITES) + ["param"], "perturbation_kinds": list(KINDS),
-            "bit_formats": list(FORMATS), "bit_fields": ["sign", "exponent", "mantissa"]}
+    return {
+        "model": info,
+        "sites": list(PERTURB_SITES) + ["param"],
+        "perturbation_kinds": list(KINDS),
+        "bit_formats": list(FORMATS),
+        "bit_fields": ["sign", "exponent", "mantissa"],
+    }
 
 
 def compute_perturbation_draws(spec, cfg, param_shapes: dict) -> int:
@@ -95,8 +106,11 @@ class PerturbationSet:
             raise P.ProtocolError("refused", f"perturbation: {e}") from None
         draws = compute_perturbation_draws(spec, self.cfg, self.shapes)
         if draws > self.max_draws:
-            raise P.ProtocolError("too_large", f"perturbation: {draws} random values per application, over "
-                                  f"{self.max_draws}; choose a smaller tensor, fixed 'bits' instead of a random 'field', or no 'rate'")
+            raise P.ProtocolError(
+                "too_large",
+                f"perturbation: {draws} random values per application, over "
+                f"{self.max_draws}; choose a smaller tensor, fixed 'bits' instead of a random 'field', or no 'rate'",
+            )
         self.specs.append(spec)
         return spec
 
@@ -188,17 +202,34 @@ class _RunStream:
         self.last_flush = time.monotonic()
         for i, cap in enumerate(self.caps):
             items = cap.items if final else cap.landed_items()
-            for item in items[self.seen[i]:]:
+            for item in items[self.seen[i] :]:
                 self._take(item)
             self.seen[i] = len(items)
         records, self.views = self.views, []
-        ready = len(self.tokens) if final or not self.with_tokens else next(
-            (i for i, (step, *_) in enumerate(self.tokens) if not self.step_info.get(step, {}).keys() >= TOKEN_INFO),
-            len(self.tokens))
+        ready = (
+            len(self.tokens)
+            if final or not self.with_tokens
+            else next(
+                (
+                    i
+                    for i, (step, *_) in enumerate(self.tokens)
+                    if not self.step_info.get(step, {}).keys() >= TOKEN_INFO
+                ),
+                len(self.tokens),
+            )
+        )
         for step, token_id, t_ms in self.tokens[:ready] if self.with_tokens else ():
             info = self.step_info.pop(step, {})
-            records.append(TokenOut(run=self.run, step=step, id=token_id, topk=info.get("topk", ()),
-                                    lens=info.get("lens", ()), t_server_ms=t_ms))
+            records.append(
+                TokenOut(
+                    run=self.run,
+                    step=step,
+                    id=token_id,
+                    topk=info.get("topk", ()),
+                    lens=info.get("lens", ()),
+                    t_server_ms=t_ms,
+                )
+            )
         del self.tokens[:ready]
         if records:
             self.sink.post(records)
@@ -206,16 +237,26 @@ class _RunStream:
     def _take(self, item) -> None:
         if item.site in STREAM_SITES:
             start = 0 if item.step == 0 else self.prompt_len + item.step - 1
-            self.views.append(ViewOut(run=self.run, step=item.step, site=item.site, layer=item.layer, start=start,
-                                      dims=tuple(item.dims), compression=tuple(item.ops),
-                                      data=item.tensors["data"].numpy().copy()))
+            self.views.append(
+                ViewOut(
+                    run=self.run,
+                    step=item.step,
+                    site=item.site,
+                    layer=item.layer,
+                    start=start,
+                    dims=tuple(item.dims),
+                    compression=tuple(item.ops),
+                    data=item.tensors["data"].numpy().copy(),
+                )
+            )
         elif item.site == "topk":
             t = item.tensors
             self.step_info.setdefault(item.step, {})["topk"] = _pairs(t["data"][0], t["indices"][0], exp=False)
         elif item.site == "logit_lens":  # (layers, batch, k): row 0, top entry per layer
             t = item.tensors
-            self.step_info.setdefault(item.step, {})["lens"] = _pairs(t["data"][:, 0, 0], t["indices"][:, 0, 0],
-                                                                      exp=True)
+            self.step_info.setdefault(item.step, {})["lens"] = _pairs(
+                t["data"][:, 0, 0], t["indices"][:, 0, 0], exp=True
+            )
 
 
 def _pairs(values, ids, exp: bool) -> tuple:
@@ -230,10 +271,18 @@ def stream_captures(model, layers, with_tokens: bool, max_bytes: int) -> tuple:
     because reduce may not touch attention's growing key dim; both are recordable into the
     decode graph, so CUDA graphs stay on."""
     finals = ("topk", "logit_lens") if with_tokens else ()
-    return (capture(model, sites=("attn_probs",) + finals, layers=layers, topk=TOPK, lens_topk=1,
-                    compress=ATTN_COMPRESS, max_bytes_per_step=max_bytes),
-            capture(model, sites=("residual",), layers=layers, compress=RESIDUAL_COMPRESS,
-                    max_bytes_per_step=max_bytes))
+    return (
+        capture(
+            model,
+            sites=("attn_probs",) + finals,
+            layers=layers,
+            topk=TOPK,
+            lens_topk=1,
+            compress=ATTN_COMPRESS,
+            max_bytes_per_step=max_bytes,
+        ),
+        capture(model, sites=("residual",), layers=layers, compress=RESIDUAL_COMPRESS, max_bytes_per_step=max_bytes),
+    )
 
 
 @dataclass(frozen=True)
@@ -269,8 +318,15 @@ class GenerationRunner:
         return self.tokenizer.decode([token_id])
 
     def sampling(self, msg: P.Generate) -> SamplingConfig:
-        return SamplingConfig(max_new_tokens=msg.max_new_tokens, greedy=msg.greedy, temperature=msg.temperature,
-                              top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed, stop_on_eod=msg.stop_on_eod)
+        return SamplingConfig(
+            max_new_tokens=msg.max_new_tokens,
+            greedy=msg.greedy,
+            temperature=msg.temperature,
+            top_k=msg.top_k,
+            top_p=msg.top_p,
+            seed=msg.seed,
+            stop_on_eod=msg.stop_on_eod,
+        )
 
     def check(self, msg: P.Generate) -> list[int]:
         """Prompt tokens, or ProtocolError before anything runs."""
@@ -294,8 +350,14 @@ class GenerationRunner:
         self.last = LastRequest(tuple(prompt), msg, runs, frozenset(layers))
         if specs:
             (clean, clean_cap), (bad, bad_cap) = results
-            sink.post([P.Compare(first_divergence=first_divergence(clean, bad),
-                                 layer_diff_norms=layer_diff_norms(clean_cap, bad_cap, self.model.cfg.num_layers))])
+            sink.post(
+                [
+                    P.Compare(
+                        first_divergence=first_divergence(clean, bad),
+                        layer_diff_norms=layer_diff_norms(clean_cap, bad_cap, self.model.cfg.num_layers),
+                    )
+                ]
+            )
 
     def needs_refill(self, layer: int) -> bool:
         last = self.last
@@ -311,19 +373,27 @@ class GenerationRunner:
             self._run_one(name, list(last.prompt), last.msg, specs, sink, (layer,), compare=False, quiet=True)
         self.last = LastRequest(last.prompt, last.msg, last.runs, last.layers | {layer})
 
-    def _run_one(self, run: str, prompt: list[int], msg: P.Generate, specs, sink, layers, compare: bool,
-                 quiet: bool = False):
+    def _run_one(
+        self, run: str, prompt: list[int], msg: P.Generate, specs, sink, layers, compare: bool, quiet: bool = False
+    ):
         decode = self.tokenizer.decode
         if not quiet:
             sink.post([P.RunStart(run=run, prompt_tokens=prompt, prompt_text=[decode([t]) for t in prompt])])
         with ExitStack() as stack:
             for spec in specs:
                 stack.enter_context(perturb(self.model, spec))
-            caps = [stack.enter_context(c) for c in stream_captures(self.model, layers, not quiet,
-                                                                     self.limits.max_capture_bytes)]
+            caps = [
+                stack.enter_context(c)
+                for c in stream_captures(self.model, layers, not quiet, self.limits.max_capture_bytes)
+            ]
             # every layer's full residual, only for the clean-vs-perturbed difference norms
-            diff = stack.enter_context(capture(self.model, sites=("residual",),
-                                               max_bytes_per_step=self.limits.max_capture_bytes)) if compare else None
+            diff = (
+                stack.enter_context(
+                    capture(self.model, sites=("residual",), max_bytes_per_step=self.limits.max_capture_bytes)
+                )
+                if compare
+                else None
+            )
             stream = _RunStream(caps, run, len(prompt), sink, with_tokens=not quiet)
             sent = []
 
@@ -332,16 +402,22 @@ class GenerationRunner:
                 stream.token(step, sent[-1])
 
             t0 = time.perf_counter()
-            res = generate(_TokenTap(self.model, on_tokens), [prompt], self.sampling(msg),
-                           eod_id=self.tokenizer.eod_id, vocab_size=self.tokenizer.vocab_size)
+            res = generate(
+                _TokenTap(self.model, on_tokens),
+                [prompt],
+                self.sampling(msg),
+                eod_id=self.tokenizer.eod_id,
+                vocab_size=self.tokenizer.vocab_size,
+            )
             elapsed = time.perf_counter() - t0
             tokens = res.tokens[0]
             for step in range(len(sent), len(tokens)):  # the last step has no next forward
                 stream.token(step, tokens[step])
             stream.flush(final=True)
         if not quiet:
-            sink.post([P.RunEnd(run=run, tokens=tokens, text=decode(tokens),
-                                tokens_per_s=len(tokens) / max(elapsed, 1e-9))])
+            sink.post(
+                [P.RunEnd(run=run, tokens=tokens, text=decode(tokens), tokens_per_s=len(tokens) / max(elapsed, 1e-9))]
+            )
         return tokens, diff
 
 

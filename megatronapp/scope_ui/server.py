@@ -93,7 +93,7 @@ class _Client:
 class ClientSink:
     """Posts records to one tab only (a refill's frames)."""
 
-    def __init__(self, hub: "Hub", client: _Client):
+    def __init__(self, hub: Hub, client: _Client):
         self.hub, self.client = hub, client
 
     def post(self, items: list) -> None:
@@ -134,7 +134,7 @@ class Hub:
         return sorted({c.layer for c in list(self.clients)}) or [0]
 
     def _enqueue(self, client, items: list) -> None:
-        for c in ([client] if client is not None else list(self.clients)):
+        for c in [client] if client is not None else list(self.clients):
             c.pending.extend(items)
             if len(c.pending) > MAX_PENDING:
                 c.pending = coalesce(c.pending, c.layer)
@@ -163,8 +163,13 @@ class Hub:
         return "driver" if client is self.driver else "watcher"
 
     def welcome(self, client: _Client) -> P.Welcome:
-        return P.Welcome(mode=self.backend.mode, role=self.role(client), limits=self.limits.__dict__,
-                         perturbations=self.backend.perturbations.as_dicts(), **self.backend.welcome_fields())
+        return P.Welcome(
+            mode=self.backend.mode,
+            role=self.role(client),
+            limits=self.limits.__dict__,
+            perturbations=self.backend.perturbations.as_dicts(),
+            **self.backend.welcome_fields(),
+        )
 
     # -- inbound ---------------------------------------------------------------------------
     def handle(self, client: _Client, msg) -> None:
@@ -261,8 +266,11 @@ def build_app(hub: Hub, cfg: ServerConfig):
     @app.websocket("/ws")
     async def ws_endpoint(ws: WebSocket):
         origin, host = ws.headers.get("origin"), ws.headers.get("host")
-        if (not host_ok(host) or not token_ok(ws.query_params.get("token"))
-                or (origin is not None and origin != f"http://{host}")):
+        if (
+            not host_ok(host)
+            or not token_ok(ws.query_params.get("token"))
+            or (origin is not None and origin != f"http://{host}")
+        ):
             await ws.close(code=1008)
             return
         await ws.accept()
@@ -339,15 +347,20 @@ class RunningServer:
         self.port = self.sock.getsockname()[1]
         shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.url = f"http://{shown}:{self.port}/" + (f"?token={cfg.token}" if cfg.token else "")
-        config = uvicorn.Config(build_app(hub, cfg), log_level="warning", ws_max_size=4 * cfg.limits.max_message_bytes,
-                                ws_ping_interval=None, lifespan="off")
+        config = uvicorn.Config(
+            build_app(hub, cfg),
+            log_level="warning",
+            ws_max_size=4 * cfg.limits.max_message_bytes,
+            ws_ping_interval=None,
+            lifespan="off",
+        )
         self.server, self.hub = uvicorn.Server(config), hub
         self.thread: threading.Thread | None = None
 
     def run(self) -> None:
         self.server.run(sockets=[self.sock])
 
-    def start(self) -> "RunningServer":
+    def start(self) -> RunningServer:
         self.thread = threading.Thread(target=self.run, name="scope-ui", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -43,8 +43,9 @@ def build_training_scope_config(args) -> TrainingScopeConfig | None:
     """From the --scope* flags; None without --scope."""
     if not getattr(args, "scope", False):
         return None
-    return TrainingScopeConfig(args.scope_host, args.scope_port, args.scope_token, args.scope_probe,
-                               args.scope_every, args.scope_start_paused)
+    return TrainingScopeConfig(
+        args.scope_host, args.scope_port, args.scope_token, args.scope_probe, args.scope_every, args.scope_start_paused
+    )
 
 
 @contextlib.contextmanager
@@ -58,8 +59,14 @@ def training_scope(scope: TrainingScopeConfig | None, tokenizer_model: str | Non
     from megatronapp.scope_ui.server import Hub, RunningServer
 
     cfg = server_config(scope.host, scope.port, scope.token)
-    backend = TrainingScope(trainer, load_tokenizer(tokenizer_model), scope.probe, scope.every,
-                            cfg.limits.max_perturbations, paused=scope.start_paused)
+    backend = TrainingScope(
+        trainer,
+        load_tokenizer(tokenizer_model),
+        scope.probe,
+        scope.every,
+        cfg.limits.max_perturbations,
+        paused=scope.start_paused,
+    )
     hub = Hub(backend, cfg.limits)
     backend.hub = hub
     server = RunningServer(hub, cfg).start()
@@ -163,8 +170,14 @@ class TrainingScope:
         from megatronapp.scope_ui import protocol as P
 
         weights, grads = self.norms.finish(pending)
-        step = P.TrainStep(iteration=metrics.iteration, loss=metrics.loss, lr=metrics.lr, grad_norm=metrics.grad_norm,
-                           layer_weight_norms=weights, layer_grad_norms=grads)
+        step = P.TrainStep(
+            iteration=metrics.iteration,
+            loss=metrics.loss,
+            lr=metrics.lr,
+            grad_norm=metrics.grad_norm,
+            layer_weight_norms=weights,
+            layer_grad_norms=grads,
+        )
         with self.history_lock:
             self.history.append(step)
         return step
@@ -174,6 +187,7 @@ class TrainingScope:
         def scoped_on_step(metrics) -> None:
             on_step(metrics)
             self.after_step(metrics)
+
         return scoped_on_step
 
     def after_step(self, metrics) -> None:

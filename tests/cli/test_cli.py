@@ -17,40 +17,61 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
     return subprocess.run(BASE + args, capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nproc-per-node", "3", "--tensor-model-parallel-size", "2"], "world size 3 is not divisible"),
-    (["--tensor-model-parallel-size", "3", "--nproc-per-node", "3"], "num attention heads 4 is not divisible"),
-    (["--pipeline-model-parallel-size", "3", "--nproc-per-node", "3"], "num layers 4 is not divisible"),
-    (["--global-batch-size", "10", "--micro-batch-size", "4"], "global batch size 10 is not divisible"),
-    (["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-      "1", "--global-batch-size", "6", "--micro-batch-size", "2"], "multiple of pipeline-parallel size"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"], "virtual pipeline stages need pipeline-parallel size"),
-    (["--inject-slowdown", "5:2", "--nproc-per-node", "2"], "outside world size 2"),
-    (["--inject-link-delay", "0-1-5"], "expects SRC:DST:MS"),
-    (["--lr", "-1"], "lr must be > 0"),
-    (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
-    (["--fp16", "--min-loss-scale", "0"], "need 0 < min_loss_scale"),
-    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--sequence-parallel"], "--sequence-parallel needs tensor-parallel size > 1"),
-    (["--overlap-param-update"], "--overlap-param-update needs --bf16 or --fp16"),
-    (["--attention-backend", "fastest"], "argument --attention-backend: invalid choice: 'fastest'"),
-    (["--overlap-param-update", "--bf16"], "--overlap-param-update needs CUDA"),
-    (["--overlap-param-update", "--bf16", "--use-distributed-optimizer", "--nproc-per-node", "2"],
-     "--overlap-param-update with --use-distributed-optimizer needs DP 1"),
-    (["--trace", "--trace-interval", "2", "--continuous-trace-iterations", "3"],
-     "--continuous-trace-iterations 3 is larger than --trace-interval 2"),
-    (["--recompute-method", "block"], "need --recompute-granularity full"),
-    (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "recompute num layers must be >= 1"),
-    (["--hidden-dropout", "1.5"], "hidden_dropout must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc-per-node", "3", "--tensor-model-parallel-size", "2"], "world size 3 is not divisible"),
+        (["--tensor-model-parallel-size", "3", "--nproc-per-node", "3"], "num attention heads 4 is not divisible"),
+        (["--pipeline-model-parallel-size", "3", "--nproc-per-node", "3"], "num layers 4 is not divisible"),
+        (["--global-batch-size", "10", "--micro-batch-size", "4"], "global batch size 10 is not divisible"),
+        (
+            [
+                "--nproc-per-node",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--global-batch-size",
+                "6",
+                "--micro-batch-size",
+                "2",
+            ],
+            "multiple of pipeline-parallel size",
+        ),
+        (["--num-layers-per-virtual-pipeline-stage", "1"], "virtual pipeline stages need pipeline-parallel size"),
+        (["--inject-slowdown", "5:2", "--nproc-per-node", "2"], "outside world size 2"),
+        (["--inject-link-delay", "0-1-5"], "expects SRC:DST:MS"),
+        (["--lr", "-1"], "lr must be > 0"),
+        (["--bf16", "--fp16"], "--bf16 and --fp16 are mutually exclusive"),
+        (["--fp16", "--min-loss-scale", "0"], "need 0 < min_loss_scale"),
+        (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+        (["--sequence-parallel"], "--sequence-parallel needs tensor-parallel size > 1"),
+        (["--overlap-param-update"], "--overlap-param-update needs --bf16 or --fp16"),
+        (["--attention-backend", "fastest"], "argument --attention-backend: invalid choice: 'fastest'"),
+        (["--overlap-param-update", "--bf16"], "--overlap-param-update needs CUDA"),
+        (
+            ["--overlap-param-update", "--bf16", "--use-distributed-optimizer", "--nproc-per-node", "2"],
+            "--overlap-param-update with --use-distributed-optimizer needs DP 1",
+        ),
+        (
+            ["--trace", "--trace-interval", "2", "--continuous-trace-iterations", "3"],
+            "--continuous-trace-iterations 3 is larger than --trace-interval 2",
+        ),
+        (["--recompute-method", "block"], "need --recompute-granularity full"),
+        (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "recompute num layers must be >= 1"),
+        (["--hidden-dropout", "1.5"], "hidden_dropout must be in [0, 1)"),
+    ],
+)
 def test_bad_input_fails_before_launch(args, message, train_before_launch):
     code, lines = train_before_launch(args)
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
 def test_a_subcommand_usage_error_is_one_line():
-    res = subprocess.run([sys.executable, "-m", "megatronapp.cli.main", "trace", "merge"], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "megatronapp.cli.main", "trace", "merge"], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line]
     assert lines == ["megatronapp trace merge: error: the following arguments are required: dir, -o/--out"], lines
@@ -78,13 +99,26 @@ def test_load_empty_dir_warns_and_mismatch_is_named(tmp_path):
     res = run_cli(["--train-iters", "2", "--global-batch-size", "2", "--load", str(ckpt), "--hidden-size", "64"])
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
-        f"megatronapp: error: --load {ckpt}: checkpoint model differs: hidden_size 32 -> 64"]
+        f"megatronapp: error: --load {ckpt}: checkpoint model differs: hidden_size 32 -> 64"
+    ]
 
 
 def test_metrics_file_and_summary(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    res = run_cli(["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "3",
-                   "--global-batch-size", "4", "--metrics-file", str(metrics)])
+    res = run_cli(
+        [
+            "--nproc-per-node",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--train-iters",
+            "3",
+            "--global-batch-size",
+            "4",
+            "--metrics-file",
+            str(metrics),
+        ]
+    )
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
@@ -102,8 +136,9 @@ def test_failing_rank_stops_the_job_with_its_error(tmp_path):
     (ckpt / "iter_0000001" / "rank00001.pt").write_bytes(b"not a checkpoint")  # only rank 1 reads it
     # rank 0 loads its shard and waits for rank 1 in the first collective: a job that did not
     # stop on rank 1's error would hang there (the subprocess timeout fails the test then)
-    res = run_cli(["--nproc-per-node", "2", "--train-iters", "50", "--global-batch-size", "4",
-                   "--load", str(ckpt)], timeout=90)
+    res = run_cli(
+        ["--nproc-per-node", "2", "--train-iters", "50", "--global-batch-size", "4", "--load", str(ckpt)], timeout=90
+    )
     assert res.returncode == 1
     assert "rank 1 failed" in res.stderr
 
@@ -115,15 +150,41 @@ def test_trains_on_jsonl_with_hf_tokenizer(tmp_path):
     data = tmp_path / "corpus.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"the cat {i} sat on the mat {i * 7}."}) for i in range(400)))
     metrics = tmp_path / "m.jsonl"
-    res = run_cli(["--nproc-per-node", "2", "--train-iters", "2", "--global-batch-size", "4",
-                   "--data-path", str(data), "--tokenizer-model", str(tok), "--metrics-file", str(metrics)])
+    res = run_cli(
+        [
+            "--nproc-per-node",
+            "2",
+            "--train-iters",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--data-path",
+            str(data),
+            "--tokenizer-model",
+            str(tok),
+            "--metrics-file",
+            str(metrics),
+        ]
+    )
     assert res.returncode == 0, res.stderr
     assert len(metrics.read_text().splitlines()) == 2
 
 
 def test_online_detection_warns_about_injected_slow_rank():
-    res = run_cli(["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--train-iters", "8",
-                   "--global-batch-size", "16", "--inject-slowdown", "1:2.5"])
+    res = run_cli(
+        [
+            "--nproc-per-node",
+            "4",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--train-iters",
+            "8",
+            "--global-batch-size",
+            "16",
+            "--inject-slowdown",
+            "1:2.5",
+        ]
+    )
     assert res.returncode == 0, res.stderr
     warnings = [line for line in res.stdout.splitlines() if line.startswith("MegaScan online:")]
     assert warnings and "rank 1 " in warnings[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_cli_help import walk_parsers
 
 from megatronapp.cli.args import build_job_config
 from megatronapp.cli.main import build_parser
@@ -15,7 +16,6 @@ from megatronapp.fbd.config import FbdConfig
 from megatronapp.inference.generate import SamplingConfig
 from megatronapp.job import FIELD_COMPONENTS, component_of
 from megatronapp.scan.record.trace_config import TRACE_FLAGS, TraceConfig
-from test_cli_help import walk_parsers
 
 SAMPLING_FLAGS = {"max_new_tokens", "top_k", "top_p", "seed"}  # --temperature None: set means sampled
 GENERATING_COMMANDS = ("generate", "scope capture")
@@ -54,25 +54,36 @@ FLAGS = list(flags_with_config_fields())
 
 def test_the_table_covers_every_config():
     covered = {(cmd, cls.__name__, name) for cmd, _, cls, name in FLAGS}
-    assert {("train", "TraceConfig", "interval"), ("trace run", "TraceConfig", "interval"),
-            ("train", "DppConfig", "traversal"), ("schedule simulate", "DppConfig", "traversal"),
-            ("generate", "SamplingConfig", "max_new_tokens"), ("scope capture", "SamplingConfig", "max_new_tokens"),
-            ("train", "FbdConfig", "max_ahead"), ("train", "TrainConfig", "micro_batch_size"),
-            ("train", "OptimizerConfig", "lr"), ("train", "PrecisionConfig", "fp8_recipe"),
-            ("train", "CheckpointConfig", "save_interval"), ("train", "LoggingConfig", "log_interval"),
-            ("train", "IntegrityConfig", "check_window")} <= covered
+    assert {
+        ("train", "TraceConfig", "interval"),
+        ("trace run", "TraceConfig", "interval"),
+        ("train", "DppConfig", "traversal"),
+        ("schedule simulate", "DppConfig", "traversal"),
+        ("generate", "SamplingConfig", "max_new_tokens"),
+        ("scope capture", "SamplingConfig", "max_new_tokens"),
+        ("train", "FbdConfig", "max_ahead"),
+        ("train", "TrainConfig", "micro_batch_size"),
+        ("train", "OptimizerConfig", "lr"),
+        ("train", "PrecisionConfig", "fp8_recipe"),
+        ("train", "CheckpointConfig", "save_interval"),
+        ("train", "LoggingConfig", "log_interval"),
+        ("train", "IntegrityConfig", "check_window"),
+    } <= covered
 
 
-@pytest.mark.parametrize("command, action, cls, name", FLAGS,
-                         ids=[f"{c}:{a.option_strings[-1]}" for c, a, _, _ in FLAGS])
+@pytest.mark.parametrize(
+    "command, action, cls, name", FLAGS, ids=[f"{c}:{a.option_strings[-1]}" for c, a, _, _ in FLAGS]
+)
 def test_flag_default_is_the_config_default(command, action, cls, name):
     expected = field_defaults(cls)[name]
     if action.default is None and expected is not None:  # the config supplies it: see the built one
         assert cls in FIELD_COMPONENTS.values(), (
-            f"{command} {action.option_strings[-1]}: None, but {cls.__name__}.{name} = {expected!r}")
+            f"{command} {action.option_strings[-1]}: None, but {cls.__name__}.{name} = {expected!r}"
+        )
         return
     assert action.default == expected, (
-        f"{command} {action.option_strings[-1]} defaults to {action.default!r}, {cls.__name__}.{name} to {expected!r}")
+        f"{command} {action.option_strings[-1]} defaults to {action.default!r}, {cls.__name__}.{name} to {expected!r}"
+    )
 
 
 def test_train_without_flags_builds_the_dataclass_defaults():
@@ -85,7 +96,6 @@ def test_train_without_flags_builds_the_dataclass_defaults():
             if name != "schedule":
                 assert getattr(getattr(job, component), name) == default, (component, name)
     assert job.train.schedule == "1f1b"
-
 
 
 def test_ui_generate_message_defaults_are_the_sampling_defaults():

@@ -34,16 +34,20 @@ def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 
 def render_helps() -> dict[str, str]:
     """Snapshot file name -> help text of that command."""
-    return {"_".join(("megatronapp",) + path) + ".txt": parser.format_help()
-            for path, parser in walk_parsers(build_parser())}
+    return {
+        "_".join(("megatronapp",) + path) + ".txt": parser.format_help()
+        for path, parser in walk_parsers(build_parser())
+    }
 
 
 @pytest.fixture(scope="module")
 def helps():
     rendered_by = PYTHON_FILE.read_text().strip() if PYTHON_FILE.exists() else None
     if os.environ.get("UPDATE_CLI_HELP") != "1" and rendered_by != PYTHON:
-        pytest.skip(f"help snapshots were rendered by Python {rendered_by}, this is {PYTHON}; "
-                    f"regenerate with {REGENERATE} to compare here")
+        pytest.skip(
+            f"help snapshots were rendered by Python {rendered_by}, this is {PYTHON}; "
+            f"regenerate with {REGENERATE} to compare here"
+        )
     saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = COLUMNS
     try:
@@ -58,7 +62,7 @@ def helps():
 def test_every_command_has_a_snapshot_and_no_snapshot_is_stale(helps):
     if os.environ.get("UPDATE_CLI_HELP") == "1":
         HELP_DIR.mkdir(parents=True, exist_ok=True)
-        for stale in set(p.name for p in HELP_DIR.glob("*.txt")) - set(helps):
+        for stale in {p.name for p in HELP_DIR.glob("*.txt")} - set(helps):
             (HELP_DIR / stale).unlink()
         for name, text in helps.items():
             (HELP_DIR / name).write_text(text)
@@ -68,8 +72,9 @@ def test_every_command_has_a_snapshot_and_no_snapshot_is_stale(helps):
 
 
 def test_help_matches_snapshot(helps):
-    changed = [name for name, text in helps.items()
-               if not (HELP_DIR / name).exists() or (HELP_DIR / name).read_text() != text]
+    changed = [
+        name for name, text in helps.items() if not (HELP_DIR / name).exists() or (HELP_DIR / name).read_text() != text
+    ]
     assert not changed, f"help text changed for {', '.join(changed)}; if deliberate: {REGENERATE}"
 
 

@@ -22,13 +22,21 @@ def test_rank_argv_drops_only_the_launch_flag():
     argv = ["train", "--nproc-per-node", "4", "--tensor-model-parallel-size", "2", "--nproc-per-node=8", "--bf16"]
     assert rank_argv(argv) == ["train", "--tensor-model-parallel-size", "2", "--bf16"]
     assert rank_argv(["generate", "--nproc-per-node", "2"], ["--result-file", "r.json"]) == [
-        "generate", "--result-file", "r.json"]
+        "generate",
+        "--result-file",
+        "r.json",
+    ]
 
 
 def test_torchrun_reads_the_launch_command_as_meant():
-    parsed = torchrun.get_args_parser().parse_args(torchrun_argv("megatronapp.scan.record.run", ["s.py", "--x", "1"], 3))
+    parsed = torchrun.get_args_parser().parse_args(
+        torchrun_argv("megatronapp.scan.record.run", ["s.py", "--x", "1"], 3)
+    )
     assert (parsed.standalone, parsed.nproc_per_node, parsed.module) == (True, "3", True)
-    assert (parsed.training_script, parsed.training_script_args) == ("megatronapp.scan.record.run", ["s.py", "--x", "1"])
+    assert (parsed.training_script, parsed.training_script_args) == (
+        "megatronapp.scan.record.run",
+        ["s.py", "--x", "1"],
+    )
 
 
 def test_stale_rank_traces_are_removed_and_others_kept(tmp_path):
@@ -43,8 +51,7 @@ def _failure(tmp_path, rank: int, message: str | None, timestamp: int, exitcode:
     """A rank's failure as torchrun collects it: from the error file its @record wrote, if any."""
     error_file = tmp_path / f"error{rank}.json"
     if message is not None:
-        error_file.write_text(json.dumps({"message": {"message": message,
-                                                      "extraInfo": {"timestamp": str(timestamp)}}}))
+        error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": str(timestamp)}}}))
     failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
     failure.timestamp = timestamp  # ranks without an error file get the collection time
     return failure
@@ -62,14 +69,17 @@ def _launch_failing(monkeypatch, failures: dict) -> list:
 
 
 def test_the_report_names_the_crashed_rank_not_its_victims(tmp_path, monkeypatch, capsys):
-    failures = {0: _failure(tmp_path, 0, "RuntimeError: [gloo/pair.cc:553] Connection closed by peer", 100),
-                1: _failure(tmp_path, 1, "RuntimeError: injected crash", 100),
-                2: _failure(tmp_path, 2, None, 100, exitcode=-15)}  # stopped by the agent, no error of its own
+    failures = {
+        0: _failure(tmp_path, 0, "RuntimeError: [gloo/pair.cc:553] Connection closed by peer", 100),
+        1: _failure(tmp_path, 1, "RuntimeError: injected crash", 100),
+        2: _failure(tmp_path, 2, None, 100, exitcode=-15),
+    }  # stopped by the agent, no error of its own
     calls = _launch_failing(monkeypatch, failures)
     assert run_local_ranks("megatronapp.scan.record.run", ["s.py"], 3, prog="megatronapp trace run") == 1
     assert calls[0].nproc_per_node == "3"
     assert capsys.readouterr().err.strip() == (
-        "megatronapp trace run: rank 1 failed (exit code 1): RuntimeError: injected crash")
+        "megatronapp trace run: rank 1 failed (exit code 1): RuntimeError: injected crash"
+    )
 
 
 def test_a_launch_without_ranks_is_refused_before_torchrun(monkeypatch):
@@ -82,9 +92,11 @@ def test_a_launch_without_ranks_is_refused_before_torchrun(monkeypatch):
 def test_the_launcher_names_the_rank_that_caused_the_failure():
     """Error files carry whole-second timestamps: a victim of the crash may tie with it."""
     lost = {"message": "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:45743"}
-    failures = {0: SimpleNamespace(message=lost, timestamp=100, exitcode=1),
-                1: SimpleNamespace(message={"message": "RuntimeError: injected crash"}, timestamp=100, exitcode=1),
-                2: SimpleNamespace(message="<N/A>", timestamp=101, exitcode=-9)}
+    failures = {
+        0: SimpleNamespace(message=lost, timestamp=100, exitcode=1),
+        1: SimpleNamespace(message={"message": "RuntimeError: injected crash"}, timestamp=100, exitcode=1),
+        2: SimpleNamespace(message="<N/A>", timestamp=101, exitcode=-9),
+    }
     rank, _, message = pick_root_failure(failures)
     assert (rank, message) == (1, "RuntimeError: injected crash")
     assert pick_root_failure({0: failures[0], 3: failures[0]})[0] == 0  # only victims: the earliest, lowest
@@ -93,7 +105,11 @@ def test_the_launcher_names_the_rank_that_caused_the_failure():
     assert pick_root_failure({0: stopped, 2: stopped, 3: failures[1]})[0] == 3
     # The crashed rank may itself be stopped by SIGTERM while it exits, after recording its error.
     crashed_then_stopped = SimpleNamespace(message=failures[1].message, timestamp=100, exitcode=-15)
-    hung = {"message": "RuntimeError: [gloo/pair.cc:534] Read error [127.0.0.1]:5173: Connection timed out"
-                       ". This is typically caused by a remote worker hanging or bugs in the application."}
-    assert pick_root_failure({0: SimpleNamespace(message=hung, timestamp=100, exitcode=-15),
-                              1: crashed_then_stopped})[0] == 1
+    hung = {
+        "message": "RuntimeError: [gloo/pair.cc:534] Read error [127.0.0.1]:5173: Connection timed out"
+        ". This is typically caused by a remote worker hanging or bugs in the application."
+    }
+    assert (
+        pick_root_failure({0: SimpleNamespace(message=hung, timestamp=100, exitcode=-15), 1: crashed_then_stopped})[0]
+        == 1
+    )

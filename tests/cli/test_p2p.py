@@ -12,9 +12,21 @@ import pytest
 import torch
 
 from megatronapp.p2p import outbox as outbox_module
-from megatronapp.p2p.message import (HEADER_BYTES, HEADER_LEN, MessageHeader, compute_header, decode_header,
-                                     empty_message, encode_header, message_nbytes, pack_flat_message, pack_message,
-                                     split_message, unpack_expected, unpack_message)
+from megatronapp.p2p.message import (
+    HEADER_BYTES,
+    HEADER_LEN,
+    MessageHeader,
+    compute_header,
+    decode_header,
+    empty_message,
+    encode_header,
+    message_nbytes,
+    pack_flat_message,
+    pack_message,
+    split_message,
+    unpack_expected,
+    unpack_message,
+)
 from megatronapp.p2p.outbox import Outbox, Send, sends_to
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
@@ -25,7 +37,7 @@ def _sample(shape, dtype) -> torch.Tensor:
     gen = torch.Generator().manual_seed(len(shape))
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(dtype)
-    return torch.randint(-2**40, 2**40, shape, generator=gen, dtype=dtype)
+    return torch.randint(-(2**40), 2**40, shape, generator=gen, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -83,7 +95,7 @@ def test_a_message_with_other_ids_is_an_error_naming_the_sender_and_both_sides()
 def test_a_message_of_another_size_or_dtype_is_an_error():
     message = pack_message(torch.zeros(2, 3), ids=(0,))
     buffer = empty_message((3, 3), torch.float32, "cpu")
-    buffer[:message.numel()] = message
+    buffer[: message.numel()] = message
     with pytest.raises(RuntimeError, match=r"a \(2, 3\) torch.float32 payload does not fill the 36 bytes"):
         unpack_message(buffer, (0,), "output grad", 1)
     half = pack_message(torch.zeros(4, 3, dtype=torch.float16), ids=(0,))  # the same bytes as (2, 3) fp32
@@ -91,19 +103,29 @@ def test_a_message_of_another_size_or_dtype_is_an_error():
         unpack_expected(half, (2, 3), torch.float32, (0,), "activation", 1)
 
 
-@pytest.mark.parametrize("tensor, ids, message", [
-    (torch.zeros(1, 1, 1, 1, 1), (), "cannot send a 5-dim"),
-    (torch.zeros(2, dtype=torch.bool), (), "cannot send a 1-dim torch.bool"),
-    (torch.zeros(2), (1, 2, 3, 4, 5), "at most 4 non-negative"),
-    (torch.zeros(2), (-1,), "at most 4 non-negative"),
-])
+@pytest.mark.parametrize(
+    "tensor, ids, message",
+    [
+        (torch.zeros(1, 1, 1, 1, 1), (), "cannot send a 5-dim"),
+        (torch.zeros(2, dtype=torch.bool), (), "cannot send a 1-dim torch.bool"),
+        (torch.zeros(2), (1, 2, 3, 4, 5), "at most 4 non-negative"),
+        (torch.zeros(2), (-1,), "at most 4 non-negative"),
+    ],
+)
 def test_what_a_header_cannot_describe_is_refused_at_once(tensor, ids, message):
     with pytest.raises(ValueError, match=message):
         encode_header(tensor, ids)
 
 
-@pytest.mark.parametrize("values", [[9] + [0] * (HEADER_LEN - 1), [0, 5] + [0] * (HEADER_LEN - 2),
-                                    [0, 1, 0, -2] + [0] * (HEADER_LEN - 4), [0] * (HEADER_LEN - 1)])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [9] + [0] * (HEADER_LEN - 1),
+        [0, 5] + [0] * (HEADER_LEN - 2),
+        [0, 1, 0, -2] + [0] * (HEADER_LEN - 4),
+        [0] * (HEADER_LEN - 1),
+    ],
+)
 def test_a_malformed_header_is_refused(values):
     with pytest.raises(ValueError, match="malformed message header"):
         decode_header(torch.tensor(values, dtype=torch.int64))
@@ -121,6 +143,7 @@ def _recording_isend(monkeypatch, log: list):
     def isend(tensor, dst, tag=0, group=None):
         log.append(("isend", dst, tag, threading.current_thread().name))
         return _Work(log, (dst, tag))
+
     monkeypatch.setattr(outbox_module.dist, "isend", isend)
 
 
@@ -132,8 +155,16 @@ def test_a_window_waits_for_the_oldest_entry_beyond_it(monkeypatch):
     for m in range(3):
         outbox.post(sends_to(torch.zeros(2), (m, m + 10)), waiting=lambda: _Noted(waited))
     # the third post waited for both sends of the first entry, and only then issued its own
-    assert [e[:2] for e in log] == [("isend", 0), ("isend", 10), ("isend", 1), ("isend", 11),
-                                    ("wait", (0, 0)), ("wait", (10, 0)), ("isend", 2), ("isend", 12)]
+    assert [e[:2] for e in log] == [
+        ("isend", 0),
+        ("isend", 10),
+        ("isend", 1),
+        ("isend", 11),
+        ("wait", (0, 0)),
+        ("wait", (10, 0)),
+        ("isend", 2),
+        ("isend", 12),
+    ]
     assert waited == ["entered"]
     outbox.drain()
     assert log[-4:] == [("wait", (1, 0)), ("wait", (11, 0)), ("wait", (2, 0)), ("wait", (12, 0))]

@@ -26,14 +26,24 @@ from megatronapp.scope.cli import CaptureRequest
 from megatronapp.scope_ui.training import TrainingScopeConfig
 
 SCOPE = TrainingScopeConfig(host="127.0.0.1", port=0, token=None, probe="The", every=10)
-MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
-                    hidden_dropout=0.0, attention_dropout=0.0)
+MODEL = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=100,
+    seq_length=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 def train_run(world=2, pp=2, schedule="1f1b", vpp=1, layout_world=None, **kw) -> TrainRun:
     """A run of `world` ranks; layout_world: the engine's (FBD: the backward ranks)."""
-    job = JobConfig(model=MODEL, train=TrainConfig(micro_batch_size=1, global_batch_size=4, schedule=schedule),
-                    layout=ParallelLayout(layout_world or world, 1, pp, vpp))
+    job = JobConfig(
+        model=MODEL,
+        train=TrainConfig(micro_batch_size=1, global_batch_size=4, schedule=schedule),
+        layout=ParallelLayout(layout_world or world, 1, pp, vpp),
+    )
     return TrainRun(job=job, world_size=world, **{"device": "cpu", **kw})
 
 
@@ -55,27 +65,45 @@ def test_the_base_runs_pass():
 
 
 TRAIN_RULES = [
-    ("job", dict(schedule="interleaved", vpp=3), "num layers 4 is not divisible by pipeline-parallel size 2 x "
-     "virtual stages 3"),
-    ("fbd split backward", dict(world=4, layout_world=2, schedule="zb-h1", fbd=FbdConfig()),
-     "runs the whole backward"),
-    ("fbd crash rank", dict(world=4, layout_world=2, fbd=FbdConfig(),
-                            injection=InjectionConfig(fbd=FbdInjection(crash=(4, 1)))),
-     "--inject-crash rank 4 is outside world size 4"),
+    (
+        "job",
+        dict(schedule="interleaved", vpp=3),
+        "num layers 4 is not divisible by pipeline-parallel size 2 x virtual stages 3",
+    ),
+    ("fbd split backward", dict(world=4, layout_world=2, schedule="zb-h1", fbd=FbdConfig()), "runs the whole backward"),
+    (
+        "fbd crash rank",
+        dict(world=4, layout_world=2, fbd=FbdConfig(), injection=InjectionConfig(fbd=FbdInjection(crash=(4, 1)))),
+        "--inject-crash rank 4 is outside world size 4",
+    ),
     ("fbd layout", dict(world=5, layout_world=2, fbd=FbdConfig()), "world size 5"),
-    ("jitter rank", dict(injection=InjectionConfig(jitter=(JitterSpec(2, 1.5),))),
-     "--inject-jitter rank 2 is outside world size 2"),
-    ("jitter on a forward worker", dict(world=4, layout_world=2, fbd=FbdConfig(),
-                                        injection=InjectionConfig(jitter=(JitterSpec(2, 1.5),))),
-     "--inject-jitter rank 2 is outside world size 2"),
-    ("dynamic cap", dict(schedule="dynamic", vpp=2, dpp=DppConfig(max_inflight=1)),
-     "--dpp-max-inflight 1 is below the 2 activation sets"),
+    (
+        "jitter rank",
+        dict(injection=InjectionConfig(jitter=(JitterSpec(2, 1.5),))),
+        "--inject-jitter rank 2 is outside world size 2",
+    ),
+    (
+        "jitter on a forward worker",
+        dict(world=4, layout_world=2, fbd=FbdConfig(), injection=InjectionConfig(jitter=(JitterSpec(2, 1.5),))),
+        "--inject-jitter rank 2 is outside world size 2",
+    ),
+    (
+        "dynamic cap",
+        dict(schedule="dynamic", vpp=2, dpp=DppConfig(max_inflight=1)),
+        "--dpp-max-inflight 1 is below the 2 activation sets",
+    ),
     ("no gpu", dict(device="cuda", visible_gpus=0), "--device cuda requested but no GPU is visible"),
     ("two ranks on a gpu", dict(device="cuda", visible_gpus=1), "would put ranks 0 and 1 on GPU 0"),
-    ("slowdown rank", dict(injection=InjectionConfig(FaultPlan({2: 2.0}))),
-     "--inject-slowdown rank 2 is outside world size 2"),
-    ("link", dict(injection=InjectionConfig(FaultPlan(link_delays={(0, 0): 5.0}))),
-     "--inject-link-delay 0:0 is not a link"),
+    (
+        "slowdown rank",
+        dict(injection=InjectionConfig(FaultPlan({2: 2.0}))),
+        "--inject-slowdown rank 2 is outside world size 2",
+    ),
+    (
+        "link",
+        dict(injection=InjectionConfig(FaultPlan(link_delays={(0, 0): 5.0}))),
+        "--inject-link-delay 0:0 is not a link",
+    ),
     ("scope world", dict(scope=SCOPE), "--scope serves one training process"),
     ("checkpoint", dict(saved_model={"hidden_size": 64}), "checkpoint model differs: hidden_size 64 -> 32"),
     ("data", dict(data_paths=("/nonexistent/corpus.txt",)), "--data-path /nonexistent/corpus.txt does not exist"),
@@ -94,8 +122,19 @@ def test_scope_needs_a_positive_period_and_a_port_on_one_process():
     _refused(replace(run, scope=replace(SCOPE, port=-1)), "port must be in 0..65535, got -1")
 
 
-INFERENCE = InferenceRun(load="ckpt", model=MODEL, nproc_per_node=2, tp_size=2, pp_size=1, world_size=2, vocab_size=100,
-                         device="cpu", visible_gpus=0, prompts=((1, 2, 3),), sampling=SamplingConfig(max_new_tokens=4))
+INFERENCE = InferenceRun(
+    load="ckpt",
+    model=MODEL,
+    nproc_per_node=2,
+    tp_size=2,
+    pp_size=1,
+    world_size=2,
+    vocab_size=100,
+    device="cpu",
+    visible_gpus=0,
+    prompts=((1, 2, 3),),
+    sampling=SamplingConfig(max_new_tokens=4),
+)
 CAPTURE = CaptureRequest(make_capture_config(["residual"], layers=[0, 3]), out="cap.safetensors")
 
 INFERENCE_RULES = [
@@ -105,8 +144,11 @@ INFERENCE_RULES = [
     ("vocab", dict(vocab_size=200), "tokenizer vocabulary 200 exceeds the model's 128"),
     ("prompt ids", dict(prompts=((1, 150),)), "prompt 0 has token ids outside the vocabulary"),
     ("length", dict(sampling=SamplingConfig(max_new_tokens=14)), "prompt length 3 + max new tokens 14 exceeds"),
-    ("capture layer", dict(capture=replace(CAPTURE, config=make_capture_config(["residual"], layers=[4]))),
-     "layer 4 is out of range"),
+    (
+        "capture layer",
+        dict(capture=replace(CAPTURE, config=make_capture_config(["residual"], layers=[4]))),
+        "layer 4 is out of range",
+    ),
     ("capture out", dict(capture=replace(CAPTURE, out=None)), "--out FILE is required"),
     ("port", dict(port=70000), "port must be in 0..65535, got 70000"),
 ]
@@ -135,9 +177,19 @@ def test_trace_run_rule(name, change, message):
     _refused(replace(TRACE, **change), message)
 
 
-SCHEDULE = ScheduleRun(pp=4, vpp=2, microbatches=8, schedule=None, dpp=DppConfig(max_inflight=4),
-                       weight_grad_share=0.5, forward_ms="1", backward_ms="2,2,2,3", link=(None, 0.0, 0, 0.0),
-                       jitter=("2:1.5",), from_trace=None)
+SCHEDULE = ScheduleRun(
+    pp=4,
+    vpp=2,
+    microbatches=8,
+    schedule=None,
+    dpp=DppConfig(max_inflight=4),
+    weight_grad_share=0.5,
+    forward_ms="1",
+    backward_ms="2,2,2,3",
+    link=(None, 0.0, 0, 0.0),
+    jitter=("2:1.5",),
+    from_trace=None,
+)
 SCHEDULE_RULES = [
     ("link", dict(link=(-1.0, 0.0, 0, 0.0)), "latency, bandwidth, message bytes and decision cost must be >= 0"),
     ("w share", dict(weight_grad_share=1.0), "--weight-grad-share must be in (0, 1), got 1.0"),
@@ -158,8 +210,18 @@ def test_a_static_schedule_takes_no_dynamic_cap():
     validate(replace(SCHEDULE, schedule="interleaved", dpp=DppConfig(max_inflight=1)))
 
 
-@pytest.mark.parametrize("argv", [["train"], ["generate", "--load", "ckpt"], ["scope", "capture", "--load", "ckpt"],
-                                  ["scope", "serve"], ["trace", "run"], ["schedule", "simulate"], ["schedule", "show"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train"],
+        ["generate", "--load", "ckpt"],
+        ["scope", "capture", "--load", "ckpt"],
+        ["scope", "serve"],
+        ["trace", "run"],
+        ["schedule", "simulate"],
+        ["schedule", "show"],
+    ],
+)
 def test_every_launching_command_is_validated_by_main(argv):
     """cli.main runs build_run + validate before `launch` for every command that sets them."""
     from megatronapp.cli.main import build_parser
@@ -177,8 +239,20 @@ def test_injections_come_only_from_the_inject_flags_or_the_fault_environment(mon
     parse = build_parser().parse_args
     none = build_injection_config(parse(["train"]))
     assert none.faults.empty and none.jitter == () and none.fbd == FbdInjection()
-    inj = build_injection_config(parse(["train", "--inject-slowdown", "1:2", "--inject-jitter", "3:1.5:7",
-                                        "--forward-backward-disaggregating", "--inject-crash", "2:5"]))
+    inj = build_injection_config(
+        parse(
+            [
+                "train",
+                "--inject-slowdown",
+                "1:2",
+                "--inject-jitter",
+                "3:1.5:7",
+                "--forward-backward-disaggregating",
+                "--inject-crash",
+                "2:5",
+            ]
+        )
+    )
     assert inj.faults.slowdowns[1].factor == 2.0 and inj.jitter == (JitterSpec(3, 1.5, 7),)
     assert inj.fbd.crash == (2, 5) and inj.fbd.random_delay_ms == 0.0
     assert inj.spec_dict == {"inject_slowdown": ["1:2"], "inject_link_delay": [], "inject_jitter": ["3:1.5:7"]}

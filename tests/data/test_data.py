@@ -261,22 +261,26 @@ def test_synthetic_grammar_agrees_in_number():
 
 
 def test_synthetic_lexicon_size_is_about_two_hundred_words():
-    lexicon = Counter(w.lower().rstrip(".") for words in _story_sentences(generate_synthetic_corpus(500, 4))
-                      for w in words)
+    lexicon = Counter(
+        w.lower().rstrip(".") for words in _story_sentences(generate_synthetic_corpus(500, 4)) for w in words
+    )
     assert 150 <= len(lexicon) <= 450  # inflected forms included
     assert lexicon.most_common(1)[0][0] == "the"
 
 
 def _order2_byte_entropy_bits(train, test):
     """Held-out cross-entropy of an add-alpha byte model conditioned on the two previous ids."""
+
     def contexts(x):
         return (x[:-2] * 257 + x[1:-1]).tolist()
 
     pairs = Counter(zip(contexts(train), train[2:].tolist()))
     ctx_counts = Counter(contexts(train))
     alpha = 0.01
-    total = sum(-math.log2((pairs.get((c, t), 0) + alpha) / (ctx_counts.get(c, 0) + alpha * 257))
-                for c, t in zip(contexts(test), test[2:].tolist()))
+    total = sum(
+        -math.log2((pairs.get((c, t), 0) + alpha) / (ctx_counts.get(c, 0) + alpha * 257))
+        for c, t in zip(contexts(test), test[2:].tolist())
+    )
     return total / (len(test) - 2)
 
 
@@ -389,7 +393,11 @@ def _dataset(num_samples=13, seq_length=4):
 
 def _iterator(ds, dp_rank=0, dp_size=1, micro=2, global_batch=8, seed=3):
     return DistributedBatchIterator(
-        ds, micro_batch_size=micro, global_batch_size=global_batch, dp_rank=dp_rank, dp_size=dp_size,
+        ds,
+        micro_batch_size=micro,
+        global_batch_size=global_batch,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
         seed=seed,
     )
 

@@ -17,8 +17,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "dpp_bench.py"
 SCENARIOS = ("balanced", "jitter1", "jitter2", "link")
 VARIANTS = ("interleaved", "breadth-first", "dynamic-df", "dynamic-inorder", "dynamic-w")
-GRID = B.CellGrid(nproc=8, pp=4, vpp=2, microbatches=8, num_layers=8, hidden_size=256, heads=4, seq_length=128,
-                  iters=10, scenario_flags={s: [] for s in SCENARIOS})
+GRID = B.CellGrid(
+    nproc=8,
+    pp=4,
+    vpp=2,
+    microbatches=8,
+    num_layers=8,
+    hidden_size=256,
+    heads=4,
+    seq_length=128,
+    iters=10,
+    scenario_flags={s: [] for s in SCENARIOS},
+)
 
 
 class FakeClock:
@@ -76,19 +86,34 @@ def test_plan_shuffles_each_repeat_and_puts_the_traced_pass_last():
 
 
 def test_paired_speeds_divide_within_a_repeat_and_skip_unpaired_repeats():
-    rec = lambda v, rep, t: {"scenario": "jitter1", "variant": v, "repeat": rep, "median_s": t}  # noqa: E731
-    records = [rec("interleaved", 0, 0.6), rec("dynamic-inorder", 0, 0.5),  # 1.2
-               rec("interleaved", 1, 0.9), rec("dynamic-inorder", 1, 1.0),  # 0.9: a slow repeat for both
-               rec("dynamic-inorder", 2, 0.1),  # its interleaved cell failed: no pair
-               {"scenario": "link", "variant": "interleaved", "repeat": 2, "median_s": 0.05}]
+    rec = lambda v, rep, t: {"scenario": "jitter1", "variant": v, "repeat": rep, "median_s": t}
+    records = [
+        rec("interleaved", 0, 0.6),
+        rec("dynamic-inorder", 0, 0.5),  # 1.2
+        rec("interleaved", 1, 0.9),
+        rec("dynamic-inorder", 1, 1.0),  # 0.9: a slow repeat for both
+        rec("dynamic-inorder", 2, 0.1),  # its interleaved cell failed: no pair
+        {"scenario": "link", "variant": "interleaved", "repeat": 2, "median_s": 0.05},
+    ]
     assert B.paired_speeds(records, "jitter1", "dynamic-inorder") == [1.2, 0.9]
     summary = B.paired_summary(records, "jitter1", "dynamic-inorder")
     assert summary["n"] == 2 and summary["median"] == 1.05
 
 
 def test_a_cells_train_flags_carry_its_device_schedule_and_injection():
-    grid = B.CellGrid(nproc=2, pp=2, vpp=2, microbatches=4, num_layers=4, hidden_size=64, heads=4, seq_length=32,
-                      iters=5, device="cuda", scenario_flags={"jitter1": ["--inject-jitter", "1:1.5"]})
+    grid = B.CellGrid(
+        nproc=2,
+        pp=2,
+        vpp=2,
+        microbatches=4,
+        num_layers=4,
+        hidden_size=64,
+        heads=4,
+        seq_length=32,
+        iters=5,
+        device="cuda",
+        scenario_flags={"jitter1": ["--inject-jitter", "1:1.5"]},
+    )
     argv = B.compute_train_argv(grid, "dynamic-inorder", "jitter1", "m.jsonl", trace_dir="t")
     assert argv[argv.index("--device") + 1] == "cuda"
     assert argv[argv.index("--pipeline-schedule") + 1] == "dynamic"
@@ -100,8 +125,9 @@ def test_a_cells_train_flags_carry_its_device_schedule_and_injection():
 
 def _run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def test_gpu_cells_need_a_gpu_per_rank():
@@ -114,12 +140,28 @@ def test_persistent_ranks_run_every_cell_one_after_the_other(tmp_path):
     """The default mode: one launched set of ranks runs all cells (static and dynamic schedules,
     with and without jitter) with fresh groups per cell; every cell's record reaches the JSONL.
     --trace-cells adds a traced pass that the statistics leave out and the trace-gap analysis reads."""
-    res = _run_script(["--smoke", "--out", str(tmp_path), "--variants", "interleaved", "dynamic-df",
-                       "--timeout", "240", "--trace-cells"], timeout=600)
+    res = _run_script(
+        [
+            "--smoke",
+            "--out",
+            str(tmp_path),
+            "--variants",
+            "interleaved",
+            "dynamic-df",
+            "--timeout",
+            "240",
+            "--trace-cells",
+        ],
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     lines = [json.loads(x) for x in (tmp_path / "dpp_bench.jsonl").read_text().splitlines()]
-    cells = [("balanced", "dynamic-df"), ("balanced", "interleaved"), ("jitter1", "dynamic-df"),
-             ("jitter1", "interleaved")]
+    cells = [
+        ("balanced", "dynamic-df"),
+        ("balanced", "interleaved"),
+        ("jitter1", "dynamic-df"),
+        ("jitter1", "interleaved"),
+    ]
     measured = [r for r in lines if r["repeat"] == 0]
     assert sorted((r["scenario"], r["variant"]) for r in measured) == cells
     assert sorted((r["scenario"], r["variant"]) for r in lines if r["repeat"] == B.TRACED_REPEAT) == cells
@@ -151,8 +193,12 @@ def test_trace_gap_takes_the_jitter_out_of_a_jittered_ranks_task_times():
     from megatronapp.dpp.sim.trace_costs import TracedRun
     from megatronapp.dpp.tasks import backward_task, forward_task
 
-    spans = [Span(0, forward_task(0, 0), 0.0, 0.010), Span(1, forward_task(0, 0), 0.011, 0.036),
-             Span(1, backward_task(0, 0), 0.036, 0.086), Span(0, backward_task(0, 0), 0.087, 0.107)]
+    spans = [
+        Span(0, forward_task(0, 0), 0.0, 0.010),
+        Span(1, forward_task(0, 0), 0.011, 0.036),
+        Span(1, backward_task(0, 0), 0.036, 0.086),
+        Span(0, backward_task(0, 0), 0.087, 0.107),
+    ]
     run = TracedRun(2, 1, 1, "1f1b", {0: spans}, {"inject_jitter": ["1:1.5:3"]}, 1)
     cost = trace_gap.dejittered_costs(run)
     assert [round(x[0], 6) for x in cost.forward_s] == [0.010, 0.020]

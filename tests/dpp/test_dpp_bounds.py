@@ -8,21 +8,27 @@ import random
 
 import pytest
 
-from megatronapp.dpp.sim.bounds import compute_least_work_s, compute_step_bound_s
 from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.policies import _OrderPolicy
 from megatronapp.dpp.scheduler import RankScheduler, compute_default_caps
+from megatronapp.dpp.sim.bounds import compute_least_work_s, compute_step_bound_s
 from megatronapp.dpp.sim.simulator import CostModel, simulate, simulate_agents
 from megatronapp.dpp.tasks import compute_rank_tasks
 from megatronapp.pipeline.schedules import build_schedule
 
 
 def _random_cost(rng: random.Random, pp: int, vpp: int) -> CostModel:
-    table = lambda lo, hi: tuple(tuple(rng.uniform(lo, hi) for _ in range(vpp)) for _ in range(pp))  # noqa: E731
+    table = lambda lo, hi: tuple(tuple(rng.uniform(lo, hi) for _ in range(vpp)) for _ in range(pp))
     jitter = tuple(JitterSpec(r, rng.uniform(1.0, 2.0), rng.randrange(1000)) for r in range(pp) if rng.random() < 0.4)
     links = tuple((s, (s + 1) % pp, rng.uniform(0, 0.5)) for s in range(pp) if rng.random() < 0.3)
-    return CostModel(table(0.5, 1.5), table(1.0, 3.0), p2p_latency_s=rng.uniform(0, 0.3), jitter=jitter,
-                     link_delay_s=links, task_overhead_s=rng.choice([0.0, 0.05]))
+    return CostModel(
+        table(0.5, 1.5),
+        table(1.0, 3.0),
+        p2p_latency_s=rng.uniform(0, 0.3),
+        jitter=jitter,
+        link_delay_s=links,
+        task_overhead_s=rng.choice([0.0, 0.05]),
+    )
 
 
 def _random_order_agents(rng: random.Random, pp: int, vpp: int, m: int, caps: list[int]) -> list:
@@ -58,8 +64,9 @@ def test_bound_is_below_every_schedule_on_random_instances():
         static = ["interleaved", "looped-bfs"] if vpp > 1 else ["1f1b", "gpipe"]
         for name in static:
             for comm in ("eager", "rendezvous"):
-                runs[f"{name}/{comm}"] = simulate(pp, vpp, m, cost, schedule=build_schedule(name, pp, vpp, m),
-                                                  static_comm=comm)
+                runs[f"{name}/{comm}"] = simulate(
+                    pp, vpp, m, cost, schedule=build_schedule(name, pp, vpp, m), static_comm=comm
+                )
         for traversal in ("depth-first", "breadth-first", "adaptive", "in-order"):
             runs[traversal] = simulate(pp, vpp, m, cost, traversal=traversal, caps=caps)
         for k in range(3):

@@ -25,12 +25,40 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def traced_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("dpp")
-    res = _run(["train", "--device", "cpu", "--model", "tiny", "--nproc-per-node", "2",
-                "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                "--pipeline-schedule", "dynamic", "--dpp-traversal", "adaptive", "--dpp-max-inflight", "3",
-                "--inject-jitter", "1:2.0:5", "--global-batch-size", "8", "--micro-batch-size", "2",
-                "--train-iters", "3", "--trace", "--trace-dir", str(d / "t"),
-                "--metrics-file", str(d / "m.jsonl")])
+    res = _run(
+        [
+            "train",
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--nproc-per-node",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--pipeline-schedule",
+            "dynamic",
+            "--dpp-traversal",
+            "adaptive",
+            "--dpp-max-inflight",
+            "3",
+            "--inject-jitter",
+            "1:2.0:5",
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "3",
+            "--trace",
+            "--trace-dir",
+            str(d / "t"),
+            "--metrics-file",
+            str(d / "m.jsonl"),
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return d
 
@@ -40,8 +68,13 @@ def test_merged_trace_shows_decisions_within_the_cap(traced_run):
     res = _run(["trace", "merge", str(traced_run / "t"), "-o", str(out)])
     assert res.returncode == 0, res.stderr
     events = json.loads(out.read_text())["traceEvents"]
-    decided = [e for e in events if e.get("ph") == "X" and e["name"] in ("forward", "backward")
-               and "inflight=" in e.get("args", {}).get("op", "")]
+    decided = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e["name"] in ("forward", "backward")
+        and "inflight=" in e.get("args", {}).get("op", "")
+    ]
     assert len(decided) >= 2 * 2 * 4  # every task of a traced iteration, on both ranks
     for e in decided:
         op = e["args"]["op"]
@@ -69,44 +102,71 @@ _NO_FAULT_HANDLER = pytest.mark.filterwarnings("ignore:Unable to enable fault ha
 
 
 @_NO_FAULT_HANDLER
-@pytest.mark.parametrize("args,message", [
-    (["--dpp-max-inflight", "1"], "below the 2 activation sets"),
-    (["--inject-jitter", "1:0.5"], "MAXFACTOR must be >= 1"),
-    (["--inject-jitter", "9:1.5"], "outside world size"),
-    (["--dpp-traversal", "in-order", "--dpp-max-inflight", "2"], "in-order traversal holds on pipeline rank 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dpp-max-inflight", "1"], "below the 2 activation sets"),
+        (["--inject-jitter", "1:0.5"], "MAXFACTOR must be >= 1"),
+        (["--inject-jitter", "9:1.5"], "outside world size"),
+        (["--dpp-traversal", "in-order", "--dpp-max-inflight", "2"], "in-order traversal holds on pipeline rank 0"),
+    ],
+)
 def test_bad_dpp_flags_fail_in_one_line_before_launch(args, message, capsys):
-    code = main(["train", "--device", "cpu", "--model", "tiny", "--nproc-per-node", "2",
-                 "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                 "--pipeline-schedule", "dynamic", "--global-batch-size", "8", *args])
+    code = main(
+        [
+            "train",
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--nproc-per-node",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--pipeline-schedule",
+            "dynamic",
+            "--global-batch-size",
+            "8",
+            *args,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
 @_NO_FAULT_HANDLER
-@pytest.mark.parametrize("args", [["--pipeline-model-parallel-size", "0"], ["--forward-ms", "a"],
-                                  ["--dpp-max-inflight", "1", "--num-virtual-stages-per-pipeline-rank", "2"],
-                                  ["--inject-jitter", "7:1.5", "--pipeline-model-parallel-size", "2"],
-                                  ["--from-trace", "/nonexistent/dir"],
-                                  ["--dpp-traversal", "in-order", "--dpp-max-inflight", "2"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--pipeline-model-parallel-size", "0"],
+        ["--forward-ms", "a"],
+        ["--dpp-max-inflight", "1", "--num-virtual-stages-per-pipeline-rank", "2"],
+        ["--inject-jitter", "7:1.5", "--pipeline-model-parallel-size", "2"],
+        ["--from-trace", "/nonexistent/dir"],
+        ["--dpp-traversal", "in-order", "--dpp-max-inflight", "2"],
+    ],
+)
 def test_schedule_simulate_refuses_bad_input_in_one_line(args, capsys):
     code = main(["schedule", "simulate", *args])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("megatronapp: error:"), err
 
 
-
 def test_dynamic_and_jitter_are_accepted_for_gpus():
     """Both used to be refused on CUDA; the checks before launch now let them through."""
     from engine_jobs import make_job
+
     from megatronapp.cli.injection import build_injection_config, check_injection
     from megatronapp.cli.main import build_parser
     from megatronapp.dpp.config import build_dpp_config
     from megatronapp.dpp.setup import check_dpp_job
 
     job = make_job(2, 1, 2, 2, "dynamic", global_batch=8)
-    args = build_parser().parse_args(["train", "--model", "tiny", "--pipeline-schedule", "dynamic", "--device", "cuda",
-                                      "--inject-jitter", "1:1.5"])
+    args = build_parser().parse_args(
+        ["train", "--model", "tiny", "--pipeline-schedule", "dynamic", "--device", "cuda", "--inject-jitter", "1:1.5"]
+    )
     check_dpp_job(build_dpp_config(args), job)
     injection = build_injection_config(args)
     check_injection(injection, 2, job.layout.world_size)

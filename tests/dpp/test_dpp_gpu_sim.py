@@ -20,9 +20,28 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_cpu_tiny_run_writes_costs_memory_and_ratios(tmp_path):
-    proc = _run("--device", "cpu", "--preset", "tiny", "--num-layers", "8", "-m", "4", "--iters", "3",
-                "--seeds", "2", "--scenarios", "balanced", "jitter1", "--traversals", "in-order",
-                "--out", str(tmp_path), "--keep-trace")
+    proc = _run(
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--num-layers",
+        "8",
+        "-m",
+        "4",
+        "--iters",
+        "3",
+        "--seeds",
+        "2",
+        "--scenarios",
+        "balanced",
+        "jitter1",
+        "--traversals",
+        "in-order",
+        "--out",
+        str(tmp_path),
+        "--keep-trace",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "dpp_gpu_sim.json").read_text())
     assert len(doc["forward_s"]) == 4 and all(len(r) == 2 and min(r) > 0 for r in doc["forward_s"] + doc["backward_s"])
@@ -47,8 +66,26 @@ def test_bad_setup_is_one_line_exit_2():
 @pytest.mark.gpu
 def test_cuda_run_times_chunks_with_cuda_events(tmp_path):
     """The same pipeline on CUDA (bf16, the tracer's CUDA-event clock): every task timed > 0."""
-    proc = _run("--device", "cuda", "--preset", "tiny", "--num-layers", "8", "-m", "4", "--iters", "3",
-                "--seeds", "1", "--scenarios", "balanced", "--traversals", "in-order", "--out", str(tmp_path))
+    proc = _run(
+        "--device",
+        "cuda",
+        "--preset",
+        "tiny",
+        "--num-layers",
+        "8",
+        "-m",
+        "4",
+        "--iters",
+        "3",
+        "--seeds",
+        "1",
+        "--scenarios",
+        "balanced",
+        "--traversals",
+        "in-order",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "dpp_gpu_sim.json").read_text())
     assert doc["args"]["dtype"] == "bf16" and doc["device"] != "cpu"

@@ -36,7 +36,8 @@ def _random_case(seed: int):
         tuple(tuple(rng.uniform(0.5, 2.0) for _ in range(v)) for _ in range(pp)),
         tuple(tuple(rng.uniform(1.0, 4.0) for _ in range(v)) for _ in range(pp)),
         p2p_latency_s=rng.choice([0.0, 0.1, 1.5]),
-        jitter=tuple(JitterSpec(r, rng.uniform(1.0, 3.0), seed) for r in range(pp) if rng.random() < 0.5))
+        jitter=tuple(JitterSpec(r, rng.uniform(1.0, 3.0), seed) for r in range(pp) if rng.random() < 0.5),
+    )
     cap = rng.randint(v, max(v, max(compute_default_caps(pp, v, m))))
     return pp, v, m, cost, cap
 
@@ -195,8 +196,14 @@ def test_message_pairs_are_the_directed_neighbours_of_each_pipeline():
     assert compute_message_pairs(ParallelLayout(world_size=2, pp_size=2), 1) == [(0, 1), (1, 0)]
     # PP3, one chunk: neighbours only; two chunks: the last stage also feeds the first, and back
     assert compute_message_pairs(ParallelLayout(world_size=3, pp_size=3), 1) == [(0, 1), (1, 0), (1, 2), (2, 1)]
-    assert compute_message_pairs(ParallelLayout(world_size=3, pp_size=3, virtual_pp_size=2), 2) == \
-        [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]
+    assert compute_message_pairs(ParallelLayout(world_size=3, pp_size=3, virtual_pp_size=2), 2) == [
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 2),
+        (2, 0),
+        (2, 1),
+    ]
     # TP2 x DP2 x PP2: one pipeline per (tp, dp), stage stride tp * dp = 4
     lay = ParallelLayout(world_size=8, tp_size=2, pp_size=2)
     assert compute_message_pairs(lay, 1) == sorted([(r, r + 4) for r in range(4)] + [(r + 4, r) for r in range(4)])

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, assemble_full_grads, full_grads, make_job
+
 from megatronapp.dpp.config import DppConfig
 from megatronapp.dpp.policies import TRAVERSALS
 from megatronapp.dpp.scheduler import compute_default_caps
@@ -20,6 +20,7 @@ from megatronapp.dpp.setup import build_dynamic_runtime_factory
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.pipeline.runtime import NullInjector
+
 
 class RandomDelays(NullInjector):
     """Injector: every compute and every receive waits a random 0..max_ms first (seeded per rank)."""
@@ -36,8 +37,9 @@ class RandomDelays(NullInjector):
         time.sleep(random.uniform(0.0, self.max_s))  # receiver threads: any draw is fine
 
 
-def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: int = 2,
-                   delay_ms: float = 0.0) -> list[dict]:
+def train_variants(
+    rank: int, world: int, layout: tuple, variants: list, iters: int = 2, delay_ms: float = 0.0
+) -> list[dict]:
     """Train each variant (schedule, traversal, cap) `iters` steps; losses, first-step grads, counters.
 
     layout = (TP, PP, V, M, layers); a variant's options: "off" (sends on the compute thread),
@@ -53,8 +55,14 @@ def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: 
             cfg = DppConfig(traversal, cap, send_thread="off" if "off" in opts else "on")
             factory = functools.partial(build_dynamic_runtime_factory(cfg, job), separate_channels="separate" in opts)
         injector = RandomDelays(1000 * k + rank, delay_ms) if delay_ms else None
-        trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank),
-                          injector=injector, runtime_factory=factory)
+        trainer = Trainer(
+            job,
+            groups,
+            torch.device("cpu"),
+            RandomTokenBatches(job, groups.dp_rank),
+            injector=injector,
+            runtime_factory=factory,
+        )
         losses, grads = [], None
         for step in range(iters):
             losses.append(trainer.train_step().loss)
@@ -62,10 +70,16 @@ def train_variants(rank: int, world: int, layout: tuple, variants: list, iters: 
                 grads = full_grads(trainer) if groups.dp_rank == 0 else {}
         counters = getattr(trainer.runtime, "counters", None)
         channels = getattr(trainer.runtime, "channels", None)
-        out.append({"losses": losses, "grads": grads, "cap": getattr(trainer.runtime, "cap", None),
-                    "peak": counters.peak_activations if counters else None,
-                    "decision_ns": counters.decision_ns if counters else [],
-                    "payload_pairs": sorted(channels.payload_groups) if channels else None})
+        out.append(
+            {
+                "losses": losses,
+                "grads": grads,
+                "cap": getattr(trainer.runtime, "cap", None),
+                "peak": counters.peak_activations if counters else None,
+                "decision_ns": counters.decision_ns if counters else [],
+                "payload_pairs": sorted(channels.payload_groups) if channels else None,
+            }
+        )
         if channels is not None:
             trainer.runtime.close()
             assert not channels.owned
@@ -81,23 +95,31 @@ def _check_against(results: list[dict], variants: list, ref: dict) -> None:
     ref_grads = {name: g for name, (g, _, _) in ref["grads"].items()}
     for i, variant in enumerate(variants):
         for rank_results in results:
-            torch.testing.assert_close(rank_results[i]["losses"], ref["losses"], rtol=1e-5, atol=1e-6,
-                                       msg=lambda msg: f"{variant} losses: {msg}")
+            torch.testing.assert_close(
+                rank_results[i]["losses"],
+                ref["losses"],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda msg: f"{variant} losses: {msg}",
+            )
             if rank_results[i]["cap"] is not None:  # dynamic: activation sets and pending W together
                 assert rank_results[i]["peak"] <= rank_results[i]["cap"], variant
         grads = assemble_full_grads([rank_results[i] for rank_results in results])
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6,
-                                       msg=lambda msg: f"{variant} {name}: {msg}")
+            torch.testing.assert_close(
+                g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda msg: f"{variant} {name}: {msg}"
+            )
 
 
 def test_dynamic_and_breadth_first_match_interleaved_and_one_process(cluster):
     pp, vpp, m = 2, 3, 4
     caps = [vpp, None, vpp * m]  # the minimum, interleaved's default, unbounded
-    variants = [("interleaved", None, None), ("looped-bfs", None, None)] + \
-        [("dynamic", t, c) for t in TRAVERSALS for c in caps if t != "in-order" or c != vpp] + \
-        [("dynamic", "in-order", None, "off")]  # in-order: >= its peak; last: sends on the compute thread
+    variants = (
+        [("interleaved", None, None), ("looped-bfs", None, None)]
+        + [("dynamic", t, c) for t in TRAVERSALS for c in caps if t != "in-order" or c != vpp]
+        + [("dynamic", "in-order", None, "off")]
+    )  # in-order: >= its peak; last: sends on the compute thread
     results = cluster.run(train_variants, pp, (1, pp, vpp, m, 6), variants)
     _check_against(results, variants, _reference(m, 6))
     for i, (schedule, _, cap, *_) in enumerate(variants):
@@ -163,9 +185,9 @@ def _receive_over_slow_link(rank: int, world: int, delay_ms: float, known_spec: 
 
     from megatronapp.dpp.tasks import forward_task
     from megatronapp.dpp.transport import RECV_AHEAD, PeerReceiver, send_task_message
-    from megatronapp.p2p.outbox import Outbox
     from megatronapp.faults.inject import FaultPlan
     from megatronapp.faults.link_delay import install_link_delays
+    from megatronapp.p2p.outbox import Outbox
 
     delays = install_link_delays(FaultPlan(link_delays={(0, 1): delay_ms}), rank)
     shape = torch.Size((3, 5))
@@ -180,8 +202,9 @@ def _receive_over_slow_link(rank: int, world: int, delay_ms: float, known_spec: 
             return None
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         began = time.monotonic()
-        receiver = PeerReceiver(0, RECV_AHEAD, inbox, torch.device("cpu"),
-                                spec=(shape, torch.float32) if known_spec else None)
+        receiver = PeerReceiver(
+            0, RECV_AHEAD, inbox, torch.device("cpu"), spec=(shape, torch.float32) if known_spec else None
+        )
         receiver.start()
         got = [inbox.get(timeout=60) for _ in range(RECV_AHEAD)]
         elapsed = time.monotonic() - began
@@ -234,8 +257,9 @@ def _receive_with_wrong_spec(rank: int, world: int) -> str | None:
 
 def test_a_message_that_breaks_the_model_spec_is_an_error_naming_both(cluster):
     message = cluster.run(_receive_with_wrong_spec, 2)[1]
-    assert message == ("rank 0 sent (3, 5) torch.float32 for F(c1,m0), but the model's spec for its messages "
-                       "is (5, 3) torch.float32")
+    assert message == (
+        "rank 0 sent (3, 5) torch.float32 for F(c1,m0), but the model's spec for its messages is (5, 3) torch.float32"
+    )
 
 
 class _SlowWork:
@@ -266,8 +290,11 @@ def test_the_sender_thread_keeps_isends_off_the_compute_thread_in_order(monkeypa
     assert issued == []  # all four sends returned, none of their isends has gone out
     release.set()
     outbox.drain()
-    assert [i[:3] for i in issued] == [(1 + m % 2, tag, dtype) for m in range(4) for tag, dtype in
-                                      ((transport.HEADER_TAG, torch.int64), (transport.PAYLOAD_TAG, torch.float32))]
+    assert [i[:3] for i in issued] == [
+        (1 + m % 2, tag, dtype)
+        for m in range(4)
+        for tag, dtype in ((transport.HEADER_TAG, torch.int64), (transport.PAYLOAD_TAG, torch.float32))
+    ]
     assert threading.get_ident() not in {i[3] for i in issued}
     assert not outbox._thread.is_alive()
 
@@ -308,8 +335,9 @@ def test_the_outbox_sends_headers_and_payloads_on_their_channels(monkeypatch):
     from megatronapp.dpp.tasks import backward_task
 
     issued = []
-    monkeypatch.setattr(transport.dist, "isend",
-                        lambda tensor, dst, tag, group=None: issued.append((dst, tag, group)) or _SlowWork())
+    monkeypatch.setattr(
+        transport.dist, "isend", lambda tensor, dst, tag, group=None: issued.append((dst, tag, group)) or _SlowWork()
+    )
     channels = Channels(decision_group=None, header_group="hosts", payload_groups={(3, 5): "3->5", (5, 3): "5->3"})
     for threaded in (False, True):
         issued.clear()
@@ -392,6 +420,7 @@ def test_one_process_builds_no_channels_even_where_cuda_would():
 
     job = make_job(1, 1, 1, 1, "dynamic", global_batch=4)
     factory = functools.partial(build_dynamic_runtime_factory(DppConfig(), job), separate_channels=True)
-    trainer = Trainer(job, single_process_groups(job.layout), torch.device("cpu"), RandomTokenBatches(job, 0),
-                      runtime_factory=factory)
+    trainer = Trainer(
+        job, single_process_groups(job.layout), torch.device("cpu"), RandomTokenBatches(job, 0), runtime_factory=factory
+    )
     assert trainer.runtime.channels.owned == [] and len(trainer.train(2)) == 2

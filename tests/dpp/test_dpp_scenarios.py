@@ -35,8 +35,9 @@ def test_flags_and_simulation_perturb_the_same_stages(name, pp, dp):
     real = sorted((layout.coords(j.rank).pp, j.max_factor, j.seed) for j in map(parse_jitter, jitter))
     assert real == sorted((j.rank, j.max_factor, j.seed) for j in sim["jitter"])
     plan = parse_fault_plan([], links)
-    real_links = sorted((layout.coords(s).pp, layout.coords(d).pp, delay.ms / 1e3)
-                        for (s, d), delay in plan.link_delays.items())
+    real_links = sorted(
+        (layout.coords(s).pp, layout.coords(d).pp, delay.ms / 1e3) for (s, d), delay in plan.link_delays.items()
+    )
     assert real_links == sorted(sim["link_delay_s"])
     for s, d, _ in real_links:  # a delayed link must carry pipeline messages: adjacent stages, replica 0
         assert abs(s - d) == 1

@@ -12,8 +12,8 @@ import pytest
 
 from megatronapp.dpp import study
 from megatronapp.dpp.config import JitterSpec
-from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_sim
 from megatronapp.dpp.scheduler import compute_default_caps
+from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_sim
 from megatronapp.dpp.sim.simulator import CostModel, Span, simulate
 from megatronapp.dpp.tasks import backward_task, forward_task
 from megatronapp.pipeline.schedules import build_schedule
@@ -53,8 +53,12 @@ def test_rows_compare_with_the_static_runtime_and_bracket_the_mean_ratio():
 
 def test_sweep_covers_the_goal_and_the_script_refuses_a_bad_config():
     assert {(pp, m) for pp, _, m in study.SWEEP} == {(4, 8), (4, 12), (4, 16), (8, 8), (8, 16)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dpp_sim_study.py"), "--pp", "4", "-m", "6"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "dpp_sim_study.py"), "--pp", "4", "-m", "6"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "divisible" in proc.stderr
 
 
@@ -78,14 +82,22 @@ def test_peak_bytes_with_unit_sets_equal_the_in_flight_counters_peak(how):
     schedulers' own counters (sets), under jitter; with 1 byte per set they must agree."""
     pp, v, m = 4, 2, 8
     cost = CostModel.uniform(pp, v, p2p_latency_s=0.3, jitter=(JitterSpec(2, 1.5, 7),))
-    kw = (dict(traversal="depth-first", caps=compute_default_caps(pp, v, m)) if how == "dynamic"
-          else dict(schedule=build_schedule(how, pp, v, m)))
+    kw = (
+        dict(traversal="depth-first", caps=compute_default_caps(pp, v, m))
+        if how == "dynamic"
+        else dict(schedule=build_schedule(how, pp, v, m))
+    )
     res = simulate(pp, v, m, cost, **kw)
     assert study.compute_peak_activation_bytes(res.spans, [[1] * v] * pp, pp) == res.peak_activations
 
 
 def test_peak_bytes_weigh_sets_by_their_chunk():
-    spans = [Span(0, forward_task(0, 0), 0.0, 1.0), Span(0, forward_task(1, 0), 1.0, 2.0),
-             Span(0, backward_task(1, 0), 2.0, 3.0), Span(0, forward_task(0, 1), 3.0, 4.0),
-             Span(0, backward_task(0, 0), 4.0, 5.0), Span(0, backward_task(0, 1), 5.0, 6.0)]
+    spans = [
+        Span(0, forward_task(0, 0), 0.0, 1.0),
+        Span(0, forward_task(1, 0), 1.0, 2.0),
+        Span(0, backward_task(1, 0), 2.0, 3.0),
+        Span(0, forward_task(0, 1), 3.0, 4.0),
+        Span(0, backward_task(0, 0), 4.0, 5.0),
+        Span(0, backward_task(0, 1), 5.0, 6.0),
+    ]
     assert study.compute_peak_activation_bytes(spans, [[10, 100]], 1) == [110]

@@ -25,8 +25,10 @@ def _random_case(seed: int):
     cost = CostModel(
         tuple(tuple(rng.uniform(0.5, 2.0) for _ in range(v)) for _ in range(pp)),
         tuple(tuple(rng.uniform(1.0, 4.0) for _ in range(v)) for _ in range(pp)),
-        p2p_latency_s=rng.choice([0.0, 0.1, 1.5]), weight_grad_share=rng.uniform(0.2, 0.7),
-        jitter=tuple(JitterSpec(r, rng.uniform(1.0, 3.0), seed) for r in range(pp) if rng.random() < 0.5))
+        p2p_latency_s=rng.choice([0.0, 0.1, 1.5]),
+        weight_grad_share=rng.uniform(0.2, 0.7),
+        jitter=tuple(JitterSpec(r, rng.uniform(1.0, 3.0), seed) for r in range(pp) if rng.random() < 0.5),
+    )
     caps = compute_default_caps(pp, v, m)
     return pp, v, m, cost, caps, rng
 
@@ -107,18 +109,63 @@ def test_schedule_show_draws_i_and_w_apart_and_simulate_can_turn_w_filling_off(t
     from megatronapp.cli.main import main
 
     chrome = tmp_path / "s.json"
-    assert main(["schedule", "show", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
-                 "--num-microbatches", "4", "--out", str(tmp_path / "s.png"),
-                 "--chrome", str(chrome)]) == 0
+    assert (
+        main(
+            [
+                "schedule",
+                "show",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--num-microbatches",
+                "4",
+                "--out",
+                str(tmp_path / "s.png"),
+                "--chrome",
+                str(chrome),
+            ]
+        )
+        == 0
+    )
     import json
 
     cats = [e["cat"] for e in json.loads(chrome.read_text())["traceEvents"] if e["ph"] == "X"]
     assert cats.count("forward") == cats.count("backward_input") == cats.count("weight_grad") == 2 * 2 * 4
-    assert main(["schedule", "simulate", "--pipeline-model-parallel-size", "2",
-                 "--num-virtual-stages-per-pipeline-rank", "2", "--num-microbatches", "4", "--json", "--no-split-backward"]) == 0
+    assert (
+        main(
+            [
+                "schedule",
+                "simulate",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--num-microbatches",
+                "4",
+                "--json",
+                "--no-split-backward",
+            ]
+        )
+        == 0
+    )
     whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main(["schedule", "simulate", "--pipeline-model-parallel-size", "2",
-                 "--num-virtual-stages-per-pipeline-rank", "2", "--num-microbatches", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "schedule",
+                "simulate",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--num-microbatches",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     split = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert whole["schedule"] == "dynamic/in-order" and split["schedule"] == "dynamic/in-order+W"
     assert split["iteration_s"] < whole["iteration_s"]

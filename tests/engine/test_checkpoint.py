@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job
+
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
@@ -29,8 +29,11 @@ def train_save_resume(rank: int, world: int, job, save_dir: str) -> dict:
     resumed, data2 = _trainer(job, rank)
     load_checkpoint(save_dir, resumed, data2)
     tail = [m.loss for m in resumed.train(2)]
-    params_equal = all(torch.equal(p, q) for c1, c2 in zip(ref.chunks, resumed.chunks)
-                       for p, q in zip(c1.parameters(), c2.parameters()))
+    params_equal = all(
+        torch.equal(p, q)
+        for c1, c2 in zip(ref.chunks, resumed.chunks)
+        for p, q in zip(c1.parameters(), c2.parameters())
+    )
     return {"straight": straight, "resumed": head + tail, "params_equal": params_equal}
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, assemble_full_grads, make_job, train_and_report
+
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges
 from megatronapp.engine.grads import BucketSpan, compute_bucket_layout
@@ -47,8 +47,11 @@ def test_shard_ranges_docstring_example():
     assert compute_shard_ranges(offsets, numels, [bucket], 2, 1) == [ShardRange(0, 1, 5)]
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 1, False), (2, 1, 1, True), (4, 2, 1, False), (4, 1, 2, True)],
-                         ids=["dp2", "dp2_overlap_param_gather", "tp2_dp2", "pp2_dp2_overlap_param_gather"])
+@pytest.mark.parametrize(
+    "layout",
+    [(2, 1, 1, False), (2, 1, 1, True), (4, 2, 1, False), (4, 1, 2, True)],
+    ids=["dp2", "dp2_overlap_param_gather", "tp2_dp2", "pp2_dp2_overlap_param_gather"],
+)
 def test_distributed_optimizer_matches_single_process(cluster, reference, layout):
     world, tp, pp, overlap = layout
     reports = cluster.run(train_and_report, world, make_job(world, tp, pp, overlap_param_gather=overlap, **DISTOPT))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_jobs import assemble_full_grads, make_job, train_and_report
 from test_checkpoint import train_save_resume
 
@@ -48,11 +47,15 @@ def test_hidden_dropout_changes_training():
     assert abs(on["losses"][0] - off["losses"][0]) > 1e-4
 
 
-@pytest.mark.parametrize("recompute", [
-    {"recompute_granularity": "selective"},
-    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
-    {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
-], ids=["selective", "full_uniform2", "full_block1"])
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        {"recompute_granularity": "selective"},
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    ],
+    ids=["selective", "full_uniform2", "full_block1"],
+)
 def test_recompute_is_bit_identical_with_both_dropouts(recompute):
     torch.set_num_threads(1)
     plain = train_and_report(0, 1, make_job(1, model_kw=BOTH_DROPOUTS))

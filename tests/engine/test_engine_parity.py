@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_jobs import assemble_full_grads, make_job, train_and_report
 
 LAYOUTS = {

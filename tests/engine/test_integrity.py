@@ -7,18 +7,23 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job
 from integrity_jobs import Corruption, integrity_job, train_deterministic, train_with_hook
+from test_cli import run_cli
+
 from megatronapp.config import ConfigError, IntegrityConfig
 from megatronapp.engine.determinism import compute_deterministic_env, deterministic_attention_backend
-from megatronapp.engine.integrity import (StepHistory, compute_band_upper, compute_differing_ranks,
-                                          compute_rerun_verdict, compute_step_flags)
+from megatronapp.engine.integrity import (
+    StepHistory,
+    compute_band_upper,
+    compute_differing_ranks,
+    compute_rerun_verdict,
+    compute_step_flags,
+)
 from megatronapp.engine.throughput import compute_run_throughput
 from megatronapp.engine.trainer import Trainer
 from megatronapp.job import validate_job
 from megatronapp.parallel.groups import single_process_groups
-from test_cli import run_cli
 
 
 class FakeDevice:
@@ -41,8 +46,7 @@ class FakeDevice:
 
 def _device_bound_trainer(fake: FakeDevice, log_interval: int, iters: int) -> Trainer:
     job = make_job(1, iters=iters, global_batch=2, num_layers=1, log_interval=log_interval)
-    trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0),
-                      clock=fake.clock)
+    trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0), clock=fake.clock)
     run_step, copy_to_host = trainer._run_step, trainer._copy_to_host
 
     def enqueued_step():
@@ -70,8 +74,10 @@ def test_step_time_is_the_devices_time_when_the_host_runs_ahead(log_interval):
 
 
 def test_run_throughput_leaves_out_the_first_interval_and_weighs_by_time():
-    rows = [{"iteration": i, "step_time_s": s, "tokens_per_s": 100 / s}
-            for i, s in ((1, 5.0), (2, 5.0), (3, 1.0), (4, 1.0), (5, 3.0), (6, 3.0))]
+    rows = [
+        {"iteration": i, "step_time_s": s, "tokens_per_s": 100 / s}
+        for i, s in ((1, 5.0), (2, 5.0), (3, 1.0), (4, 1.0), (5, 3.0), (6, 3.0))
+    ]
     step_s, tokens_per_s = compute_run_throughput(rows, log_interval=2)
     assert step_s == pytest.approx(2.0)
     assert tokens_per_s == pytest.approx(400 / 8.0)  # not the mean of 100 and 33.3
@@ -79,6 +85,7 @@ def test_run_throughput_leaves_out_the_first_interval_and_weighs_by_time():
 
 
 # -- checks: pure decisions -----------------------------------------------------------------
+
 
 def test_band_upper_is_median_plus_factor_scaled_mad():
     assert compute_band_upper([1.0, 2.0, 3.0, 4.0, 100.0], factor=2.0) == pytest.approx(3.0 + 2 * 1.4826 * 1.0)
@@ -120,6 +127,7 @@ def test_integrity_config_refuses_bad_values_in_one_line():
 
 
 # -- checks and reruns in training ----------------------------------------------------------
+
 
 def _clean_losses(iters: int = 10, world: int = 1, cluster=None, **layout) -> list[float]:
     job = integrity_job(world, iters=iters, **layout)
@@ -193,8 +201,9 @@ def test_transient_fault_on_one_data_parallel_rank_names_that_rank(cluster):
 def test_report_stats_reruns_every_nth_step_and_finds_no_difference_on_the_cpu():
     out = train_with_hook(0, 1, integrity_job(iters=6, rerun_mode="report_stats", rerun_stats_interval=3), None)
     reruns = [(r["iteration"], r["rerun"]) for r in out["rows"] if r["rerun"]]
-    assert reruns == [(i, {"mode": "report_stats", "ranks": [], "loss_delta": 0.0, "grad_norm_delta": 0.0})
-                      for i in (3, 6)]
+    assert reruns == [
+        (i, {"mode": "report_stats", "ranks": [], "loss_delta": 0.0, "grad_norm_delta": 0.0}) for i in (3, 6)
+    ]
     assert [r["loss"] for r in out["rows"]] == _clean_losses(6)
 
 
@@ -207,11 +216,15 @@ def test_band_checks_without_rerun_flag_at_the_log_interval():
 
 # -- command line -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, message", [
-    (["--rerun-mode", "always"], "argument --rerun-mode: invalid choice: 'always'"),
-    (["--skip-spiky-batches"], "--skip-spiky-batches needs --rerun-mode validate_results"),
-    (["--check-window", "3", "--check-min-history", "5"], "need 2 <= check_min_history (5) <= check_window (3)"),
-])
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rerun-mode", "always"], "argument --rerun-mode: invalid choice: 'always'"),
+        (["--skip-spiky-batches"], "--skip-spiky-batches needs --rerun-mode validate_results"),
+        (["--check-window", "3", "--check-min-history", "5"], "need 2 <= check_min_history (5) <= check_window (3)"),
+    ],
+)
 def test_bad_integrity_flags_fail_in_one_line(args, message):
     res = run_cli(args, timeout=60)
     assert res.returncode == 2, res.stderr
@@ -220,19 +233,46 @@ def test_bad_integrity_flags_fail_in_one_line(args, message):
 
 
 def test_integrity_flags_reach_the_config_and_defaults_come_from_the_dataclass():
-    res = run_cli(["--print-config", "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss",
-                   "--rerun-mode", "report_stats", "--deterministic-mode"], timeout=60)
+    res = run_cli(
+        [
+            "--print-config",
+            "--no-check-for-nan-in-loss-and-grad",
+            "--check-for-spiky-loss",
+            "--rerun-mode",
+            "report_stats",
+            "--deterministic-mode",
+        ],
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     cfg = json.loads(res.stdout)["integrity"]
-    assert cfg == {**asdict(IntegrityConfig()), "check_for_nan_in_loss_and_grad": False,
-                   "check_for_spiky_loss": True, "rerun_mode": "report_stats", "deterministic": True}
+    assert cfg == {
+        **asdict(IntegrityConfig()),
+        "check_for_nan_in_loss_and_grad": False,
+        "check_for_spiky_loss": True,
+        "rerun_mode": "report_stats",
+        "deterministic": True,
+    }
 
 
 def test_cli_run_with_checks_and_rerun_writes_the_fields(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    res = run_cli(["--train-iters", "3", "--global-batch-size", "2", "--check-for-spiky-loss",
-                   "--check-for-large-grads", "--rerun-mode", "report_stats", "--rerun-stats-interval", "2",
-                   "--metrics-file", str(metrics)])
+    res = run_cli(
+        [
+            "--train-iters",
+            "3",
+            "--global-batch-size",
+            "2",
+            "--check-for-spiky-loss",
+            "--check-for-large-grads",
+            "--rerun-mode",
+            "report_stats",
+            "--rerun-stats-interval",
+            "2",
+            "--metrics-file",
+            str(metrics),
+        ]
+    )
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["flags"] for r in rows] == [[], [], []]
@@ -243,12 +283,23 @@ def test_rerun_step_is_marked_on_the_megascan_timeline(tmp_path):
     from megatronapp.scan.record.format import load_rank_trace
     from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
-    meta = {"rank": 0, "world_size": 1, "coords": {"tp": 0, "dp": 0, "pp": 0},
-            "layout": {"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1}, "run_id": "t"}
+    meta = {
+        "rank": 0,
+        "world_size": 1,
+        "coords": {"tp": 0, "dp": 0, "pp": 0},
+        "layout": {"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
+        "run_id": "t",
+    }
     tracer = Tracer(TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1), meta)
     job = integrity_job(iters=9, **CHECKS)
-    trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0), tracer=tracer,
-                      step_hook=Corruption(iteration=7, ranks=[0], loss_add=100.0))
+    trainer = Trainer(
+        job,
+        single_process_groups(),
+        torch.device("cpu"),
+        RandomTokenBatches(job, 0),
+        tracer=tracer,
+        step_hook=Corruption(iteration=7, ranks=[0], loss_add=100.0),
+    )
     trainer.train()
     tracer.close()
     rows = load_rank_trace(tracer.path).events.to_pylist()
@@ -260,13 +311,22 @@ def test_rerun_step_is_marked_on_the_megascan_timeline(tmp_path):
 
 # -- --deterministic --------------------------------------------------------------------------
 
+
 def test_deterministic_env_sets_only_what_is_missing_or_not_accepted():
-    assert compute_deterministic_env({}) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring",
-                                             "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
-    assert compute_deterministic_env({"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NCCL_ALGO": "Tree",
-                                      "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}) == {}
-    assert compute_deterministic_env({"NCCL_ALGO": "NVLS", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-                                      "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}) == {"NCCL_ALGO": "Ring"}
+    assert compute_deterministic_env({}) == {
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "NCCL_ALGO": "Ring",
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+    }
+    assert (
+        compute_deterministic_env(
+            {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NCCL_ALGO": "Tree", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+        )
+        == {}
+    )
+    assert compute_deterministic_env(
+        {"NCCL_ALGO": "NVLS", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    ) == {"NCCL_ALGO": "Ring"}
 
 
 def test_deterministic_attention_and_unprepared_process_are_refused():
@@ -274,8 +334,13 @@ def test_deterministic_attention_and_unprepared_process_are_refused():
     with pytest.raises(ConfigError, match="not cudnn"):
         deterministic_attention_backend("cudnn")
     with pytest.raises(ConfigError, match="not cudnn"):
-        validate_job(replace(integrity_job(), integrity=IntegrityConfig(deterministic=True),
-                             train=replace(integrity_job().train, attention_backend="cudnn")))
+        validate_job(
+            replace(
+                integrity_job(),
+                integrity=IntegrityConfig(deterministic=True),
+                train=replace(integrity_job().train, attention_backend="cudnn"),
+            )
+        )
     job = replace(integrity_job(), integrity=IntegrityConfig(deterministic=True))
     with pytest.raises(ConfigError, match="enable_deterministic_mode"):
         Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0))
@@ -283,8 +348,10 @@ def test_deterministic_attention_and_unprepared_process_are_refused():
 
 @pytest.mark.parametrize("world, tp, pp", [(4, 2, 2), (2, 1, 1)])
 def test_deterministic_runs_are_bit_identical(cluster, world, tp, pp):
-    job = replace(make_job(world, tp, pp, iters=3, model_kw={"hidden_dropout": 0.1}),
-                  integrity=IntegrityConfig(deterministic=True))
+    job = replace(
+        make_job(world, tp, pp, iters=3, model_kw={"hidden_dropout": 0.1}),
+        integrity=IntegrityConfig(deterministic=True),
+    )
     first, second = (cluster.run(train_deterministic, world, job) for _ in range(2))
     for a, b in zip(first, second):
         assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
@@ -295,6 +362,7 @@ def test_deterministic_runs_are_bit_identical(cluster, world, tp, pp):
 
 # -- comparing runs' metrics: bit-for-bit, and the flagged steps ---------------------------------
 
+
 def test_runs_compare_bit_for_bit_and_flagged_steps_are_tabulated():
     from megatronapp.engine.integrity import compare_runs, tabulate_flagged
 
@@ -302,21 +370,35 @@ def test_runs_compare_bit_for_bit_and_flagged_steps_are_tabulated():
     assert compare_runs(rows, [dict(r) for r in rows])["identical"]
     other = [dict(r) for r in rows]
     other[1]["grad_norm"] = 2.0000000000000004  # one ulp
-    assert compare_runs(rows, other) == {"steps": 3, "identical": False, "first_differing_iteration": 2,
-                                         "differing_steps": 1}
+    assert compare_runs(rows, other) == {
+        "steps": 3,
+        "identical": False,
+        "first_differing_iteration": 2,
+        "differing_steps": 1,
+    }
     other[2].update(flags=["spiky_loss"], rerun={"flag": ["spiky_loss"], "verdict": "transient", "ranks": [0]})
     assert tabulate_flagged({"a": rows, "b": other}) == [
-        {"run": "b", "iteration": 3, "flags": ["spiky_loss"], "loss": rows[2]["loss"], "grad_norm": 2.0,
-         "verdict": "transient", "ranks": [0]}]
+        {
+            "run": "b",
+            "iteration": 3,
+            "flags": ["spiky_loss"],
+            "loss": rows[2]["loss"],
+            "grad_norm": 2.0,
+            "verdict": "transient",
+            "ranks": [0],
+        }
+    ]
 
 
 # -- MegaScope's training view: a flagged step, layer by layer ------------------------------
 
+
 def test_scope_view_compares_a_flagged_step_with_its_rerun_layer_by_layer():
+    from test_scope_ui_training import _RecordingHub
+
     from megatronapp.data.tokenizer import load_tokenizer
     from megatronapp.scope_ui import protocol as P
     from megatronapp.scope_ui.training import TrainingScope
-    from test_scope_ui_training import _RecordingHub
 
     job = integrity_job(iters=9, **CHECKS)
     hook = Corruption(iteration=7, ranks=[0], grad_scale=1e3)
@@ -329,7 +411,7 @@ def test_scope_view_compares_a_flagged_step_with_its_rerun_layer_by_layer():
     finally:
         scope.close()
     assert trainer.replay_observer is None
-    rerun, = [m for m in hub.messages if isinstance(m, P.TrainRerun)]
+    (rerun,) = [m for m in hub.messages if isinstance(m, P.TrainRerun)]
     assert (rerun.iteration, rerun.flags, rerun.verdict, rerun.ranks) == (7, ["large_grads"], "transient", [0])
     ratios = [f / r for f, r in zip(rerun.layer_grad_norms_flagged, rerun.layer_grad_norms_rerun)]
     # the unfused (CPU) update clips the grads in place: both layers share one factor, layer 1 stands out
@@ -346,8 +428,9 @@ def test_training_page_shows_the_flagged_step_against_its_rerun():
     torch.set_num_threads(1)
     job = integrity_job(iters=10**6, **CHECKS)
     hook = Corruption(iteration=7, ranks=[0], grad_scale=1e3)
-    training = TrainingServer(Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0),
-                                      step_hook=hook))
+    training = TrainingServer(
+        Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0), step_hook=hook)
+    )
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
@@ -366,8 +449,19 @@ def test_cli_deterministic_runs_write_identical_metrics(tmp_path):
     rows = []
     for k in (1, 2):
         metrics = tmp_path / f"m{k}.jsonl"
-        res = run_cli(["--deterministic", "--train-iters", "3", "--global-batch-size", "4",
-                       "--hidden-dropout", "0.1", "--metrics-file", str(metrics)])
+        res = run_cli(
+            [
+                "--deterministic",
+                "--train-iters",
+                "3",
+                "--global-batch-size",
+                "4",
+                "--hidden-dropout",
+                "0.1",
+                "--metrics-file",
+                str(metrics),
+            ]
+        )
         assert res.returncode == 0, res.stderr
         rows.append([(r["loss"], r["grad_norm"]) for r in map(json.loads, metrics.read_text().splitlines())])
     assert rows[0] == rows[1] and len(rows[0]) == 3

@@ -26,10 +26,19 @@ def test_master_adamw_kernel_equals_torch_adamw_in_the_interpreter():
     path = _triton_path()
     if path is None:
         pytest.skip("triton is not installed (.ci/run puts it in .ci/triton)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "master_adam_interpreted.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "support" / "master_adam_interpreted.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.count("max |kernel - torch|") == 4, done.stdout
     assert "skip flag: nothing written" in done.stdout, done.stdout

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job, train_and_report
+
 from megatronapp.config import ConfigError, PrecisionConfig
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.grad_scaler import DynamicGradScaler
@@ -57,8 +57,9 @@ def test_bf16_trains_and_follows_fp32():
     torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("layout", [(2, 1, {}), (1, 2, {}), (1, 1, {"use_distributed_optimizer": True})],
-                         ids=["tp2", "pp2", "dp2_distopt"])
+@pytest.mark.parametrize(
+    "layout", [(2, 1, {}), (1, 2, {}), (1, 1, {"use_distributed_optimizer": True})], ids=["tp2", "pp2", "dp2_distopt"]
+)
 def test_bf16_layouts_follow_single_process(cluster, layout):
     """bf16 activations cross TP collectives and PP sends; reduction orders differ, so bf16 tolerance."""
     tp, pp, kw = layout
@@ -118,15 +119,30 @@ def fp16_with_injected_overflow(rank: int, world: int, job, bad_step: int) -> li
         before = {n: p.detach().clone() for n, p in _params(trainer).items()}
         m = trainer.train_step()
         changed = any(not torch.equal(before[n], p) for n, p in _params(trainer).items())
-        records.append({"iteration": m.iteration, "scale": m.loss_scale, "skipped": m.skipped_iterations,
-                        "changed": changed, "lr": m.lr, "loss": m.loss})
+        records.append(
+            {
+                "iteration": m.iteration,
+                "scale": m.loss_scale,
+                "skipped": m.skipped_iterations,
+                "changed": changed,
+                "lr": m.lr,
+                "loss": m.loss,
+            }
+        )
     return records
 
 
 @pytest.mark.parametrize("distopt", [False, True], ids=["dp2", "dp2_distopt"])
 def test_fp16_overflow_skips_exactly_one_step_and_lowers_the_scale(cluster, distopt):
-    job = make_job(2, iters=5, fp16=True, initial_loss_scale=2.0**12, hysteresis=1, lr_warmup_iters=10,
-                   use_distributed_optimizer=distopt)
+    job = make_job(
+        2,
+        iters=5,
+        fp16=True,
+        initial_loss_scale=2.0**12,
+        hysteresis=1,
+        lr_warmup_iters=10,
+        use_distributed_optimizer=distopt,
+    )
     for records in cluster.run(fp16_with_injected_overflow, 2, job, 2):
         assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5]  # the skipped step counts
         assert [r["changed"] for r in records] == [True, True, False, True, True]
@@ -145,15 +161,25 @@ def test_fp16_without_overflow_follows_fp32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [{"bf16": True}, {"bf16": True, "use_distributed_optimizer": True},
-                                {"fp16": True, "initial_loss_scale": 2.0**16}], ids=["bf16", "bf16_distopt", "fp16"])
+@pytest.mark.parametrize(
+    "kw",
+    [{"bf16": True}, {"bf16": True, "use_distributed_optimizer": True}, {"fp16": True, "initial_loss_scale": 2.0**16}],
+    ids=["bf16", "bf16_distopt", "fp16"],
+)
 def test_low_precision_on_cuda_is_close_to_fp32(kw):
     from megatronapp.config import build_layout, model_preset
     from megatronapp.job import build_job
 
     def losses(**train_kw):
-        job = build_job(model_preset("small", num_layers=4, seq_length=128), build_layout(1, 1, 1),
-                        micro_batch_size=2, global_batch_size=8, train_iters=6, lr=1e-3, **train_kw)
+        job = build_job(
+            model_preset("small", num_layers=4, seq_length=128),
+            build_layout(1, 1, 1),
+            micro_batch_size=2,
+            global_batch_size=8,
+            train_iters=6,
+            lr=1e-3,
+            **train_kw,
+        )
         torch.manual_seed(0)
         trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
         return [m.loss for m in trainer.train(6)]
@@ -168,12 +194,14 @@ def test_fused_adamw_folds_clipping_into_its_grad_scale(bf16):
     """The GPU path (fused AdamW, clip factor passed as grad_scale) against explicit clipping
     then unfused AdamW, with a clip that binds: same params, same (clipped) main grads."""
     from megatronapp.engine.mixed_precision import MixedPrecisionOptimizer
+
     torch.set_num_threads(1)
     runs = []
     for fused in (False, True):
         trainer, _ = _trainer(make_job(1, bf16=bf16, clip_grad=0.05))
-        trainer.optimizer = MixedPrecisionOptimizer(trainer.reducer, trainer.job.optimizer, trainer.job.precision,
-                                                    trainer.groups, CPU, fused=fused)
+        trainer.optimizer = MixedPrecisionOptimizer(
+            trainer.reducer, trainer.job.optimizer, trainer.job.precision, trainer.groups, CPU, fused=fused
+        )
         trainer.runtime.grad_scale_func = trainer.optimizer.scale_loss
         norms = [trainer.train_step().grad_norm for _ in range(3)]
         runs.append((norms, _params(trainer)))
@@ -186,13 +214,17 @@ def test_fused_adamw_folds_clipping_into_its_grad_scale(bf16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_dtype,shapes,block", [
-    (torch.bfloat16, [(513, 77), (4097,), (3,), (8192,)], 4096),  # odd sizes: the scalar path
-    (torch.float16, [(513, 77), (4097,), (3,), (8192,)], 4096),
-    (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 4096),  # aligned: the vector path
-    (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 8192),
-    (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 1024)], ids=["bf16", "fp16", "aligned",
-                                                                      "aligned-8192", "aligned-1024"])
+@pytest.mark.parametrize(
+    "model_dtype,shapes,block",
+    [
+        (torch.bfloat16, [(513, 77), (4097,), (3,), (8192,)], 4096),  # odd sizes: the scalar path
+        (torch.float16, [(513, 77), (4097,), (3,), (8192,)], 4096),
+        (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 4096),  # aligned: the vector path
+        (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 8192),
+        (torch.bfloat16, [(640, 48), (12288,), (16,), (8192,)], 1024),
+    ],
+    ids=["bf16", "fp16", "aligned", "aligned-8192", "aligned-1024"],
+)
 def test_master_adamw_kernel_equals_torch_adamw_then_copy(model_dtype, shapes, block):
     """The Triton kernel on fixed inputs against torch's AdamW on pre-divided grads, 3 steps,
     two param groups (with and without weight decay), masked tails; one launch per group over
@@ -209,8 +241,13 @@ def test_master_adamw_kernel_equals_torch_adamw_then_copy(model_dtype, shapes, b
         m.grad = torch.zeros_like(m)
 
     def adamw(ps):
-        return torch.optim.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
-                                 lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+        return torch.optim.AdamW(
+            [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        )
+
     torch_opt, kernel_opt = adamw(ref), adamw(mains)
     kernel = master_adam.MasterAdamW(kernel_opt, {id(m): v for m, v in zip(mains, models)}, block=block)
     before = [m.clone() for m in mains]
@@ -227,8 +264,9 @@ def test_master_adamw_kernel_equals_torch_adamw_then_copy(model_dtype, shapes, b
     for r, m, v, b in zip(ref, mains, models, before):
         assert bool((m != b).all())  # no element skipped
         torch.testing.assert_close(m, r, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(kernel_opt.state[m]["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"],
-                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            kernel_opt.state[m]["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"], rtol=1e-6, atol=0
+        )
         assert torch.equal(v, m.to(model_dtype))  # rounded to nearest even, as .to() does
         assert float(kernel_opt.state[m]["step"]) == 3.0
 
@@ -240,15 +278,24 @@ def test_fused_master_adamw_matches_torch_adamw_then_copy(distopt):
     torch's fused AdamW + clip + master->bf16 copy: the kernel is used, trains the same, and the
     model weights are exactly the rounded masters."""
     from megatronapp.config import build_layout, model_preset
-    from megatronapp.job import build_job
     from megatronapp.engine import master_adam
+    from megatronapp.job import build_job
 
     assert master_adam.available(torch.device("cuda"))
     runs = []
     for kernel in (False, True):
-        job = build_job(model_preset("small", num_layers=2, seq_length=128), build_layout(1, 1, 1),
-                        micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3, clip_grad=0.05, bf16=True,
-                        use_distributed_optimizer=distopt, fused_master_adamw=kernel)
+        job = build_job(
+            model_preset("small", num_layers=2, seq_length=128),
+            build_layout(1, 1, 1),
+            micro_batch_size=2,
+            global_batch_size=4,
+            train_iters=3,
+            lr=1e-3,
+            clip_grad=0.05,
+            bf16=True,
+            use_distributed_optimizer=distopt,
+            fused_master_adamw=kernel,
+        )
         torch.manual_seed(0)
         trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
         assert trainer.optimizer.master_kernel == kernel
@@ -272,14 +319,22 @@ def test_master_adamw_kernel_resumes_into_a_trainer_that_already_stepped(tmp_pat
     from megatronapp.config import build_layout, model_preset
     from megatronapp.job import build_job
 
-    job = build_job(model_preset("small", num_layers=2, seq_length=128), build_layout(1, 1, 1),
-                    micro_batch_size=2, global_batch_size=4, train_iters=3, lr=1e-3, bf16=True)
+    job = build_job(
+        model_preset("small", num_layers=2, seq_length=128),
+        build_layout(1, 1, 1),
+        micro_batch_size=2,
+        global_batch_size=4,
+        train_iters=3,
+        lr=1e-3,
+        bf16=True,
+    )
 
     def trainer():
         torch.manual_seed(0)
         t = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
         assert t.optimizer.master_kernel
         return t
+
     source = trainer()
     source.train(2)
     save_checkpoint(tmp_path, source, source.data)

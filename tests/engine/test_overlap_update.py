@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches
+
 from megatronapp.config import build_layout, model_preset
 from megatronapp.engine.overlap_update import chunk_units, partition_by_unit
 from megatronapp.engine.trainer import Trainer
@@ -37,9 +37,17 @@ def test_gpt_units_cover_every_parameter_once_in_forward_order(first, last):
 
 
 def _train_bf16(overlap: bool) -> tuple[list[float], list[float], bool]:
-    job = build_job(model_preset("small", num_layers=4, seq_length=128), build_layout(1, 1, 1),
-                    micro_batch_size=2, global_batch_size=4, train_iters=6, lr=3e-3, clip_grad=1.0, bf16=True,
-                    overlap_param_update=overlap)
+    job = build_job(
+        model_preset("small", num_layers=4, seq_length=128),
+        build_layout(1, 1, 1),
+        micro_batch_size=2,
+        global_batch_size=4,
+        train_iters=6,
+        lr=3e-3,
+        clip_grad=1.0,
+        bf16=True,
+        overlap_param_update=overlap,
+    )
     torch.manual_seed(0)
     trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
     assert (trainer.optimizer.overlapped_update is not None) == overlap

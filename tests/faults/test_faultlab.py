@@ -52,8 +52,9 @@ def _verdicts(report) -> list[tuple]:
 
 def test_a_ddp_scripts_extra_work_straggler_is_named_first(tmp_path):
     rank = random.Random().randrange(4)
-    result, report = _run(LabPlan(ScriptJob(DDP_SCRIPT, DDP_ARGS, nproc=4), (ExtraWork(rank, 40),), tag="ddpx"),
-                          tmp_path)
+    result, report = _run(
+        LabPlan(ScriptJob(DDP_SCRIPT, DDP_ARGS, nproc=4), (ExtraWork(rank, 40),), tag="ddpx"), tmp_path
+    )
     assert _verdicts(report)[:1] == [("slow_compute", rank)], (rank, _verdicts(report), result.log)
 
 
@@ -82,8 +83,13 @@ def test_a_rate_limited_link_between_namespaces_is_named_with_its_direction(tmp_
     support = probe_qdiscs()
     if not (support.htb_u32 or support.tbf):
         pytest.skip("neither htb+u32 nor tbf qdiscs are available here")
-    job = EngineJob(1, 2, 1, iters=14, extra=("--model", "tiny", "--hidden-size", "128", "--global-batch-size", "8",
-                                             "--micro-batch-size", "2"))
+    job = EngineJob(
+        1,
+        2,
+        1,
+        iters=14,
+        extra=("--model", "tiny", "--hidden-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2"),
+    )
     result, report = _run(LabPlan(job, (SlowLink(1, 0, 20),), nodes=2, tag="link"), tmp_path)
     assert ("slow_link", (1, 0)) in _verdicts(report), (_verdicts(report), result.applied)
     assert ("slow_link", (0, 1)) not in _verdicts(report)
@@ -98,8 +104,7 @@ def test_a_two_node_job_merges_into_one_timeline(tmp_path, source):
 
     from megatronapp.scan.merge.merge import merge_traces
 
-    job = (EngineJob(1, 2, 2, iters=6) if source == "engine" else
-           ScriptJob(DDP_SCRIPT, ("--steps", "6"), nproc=4))
+    job = EngineJob(1, 2, 2, iters=6) if source == "engine" else ScriptJob(DDP_SCRIPT, ("--steps", "6"), nproc=4)
     result, report = _run(LabPlan(job, (), nodes=2, tag=f"two{source[0]}"), tmp_path)
     for node in (0, 1):
         assert len(list((result.trace_dir / f"node{node}").glob("rank*.mscan"))) == 2

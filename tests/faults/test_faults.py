@@ -33,24 +33,30 @@ def test_specs_parse_with_optional_fields_and_from_the_environment():
     assert FaultPlan({0: 2.0}, {(0, 1): 5}).slowdowns[0] == Slowdown(2.0)
 
 
-@pytest.mark.parametrize("slow, links, message", [
-    (["1"], [], "RANK:FACTOR[:EVERY]"),
-    (["1:2:3:4"], [], "RANK:FACTOR[:EVERY]"),
-    ([], ["0:1"], "SRC:DST:MS[:JITTER]"),
-    ([], ["0:1:x"], "SRC:DST:MS[:JITTER]"),
-])
+@pytest.mark.parametrize(
+    "slow, links, message",
+    [
+        (["1"], [], "RANK:FACTOR[:EVERY]"),
+        (["1:2:3:4"], [], "RANK:FACTOR[:EVERY]"),
+        ([], ["0:1"], "SRC:DST:MS[:JITTER]"),
+        ([], ["0:1:x"], "SRC:DST:MS[:JITTER]"),
+    ],
+)
 def test_bad_specs_are_one_line_errors(slow, links, message):
     with pytest.raises(FaultSpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_fault_plan(slow, links)
 
 
-@pytest.mark.parametrize("slow, links, message", [
-    (["4:2"], [], "outside world size 4"),
-    (["1:0.5"], [], "factor must be >= 1"),
-    (["1:2:0"], [], "EVERY must be >= 1"),
-    ([], ["1:1:5"], "not a link"),
-    ([], ["0:1:5:9"], "0 <= JITTER <= MS"),
-])
+@pytest.mark.parametrize(
+    "slow, links, message",
+    [
+        (["4:2"], [], "outside world size 4"),
+        (["1:0.5"], [], "factor must be >= 1"),
+        (["1:2:0"], [], "EVERY must be >= 1"),
+        ([], ["1:1:5"], "not a link"),
+        ([], ["0:1:5:9"], "0 <= JITTER <= MS"),
+    ],
+)
 def test_plans_are_checked_against_the_world(slow, links, message):
     with pytest.raises(FaultSpecError, match=message):
         parse_fault_plan(slow, links).check(4)
@@ -97,13 +103,15 @@ def test_the_runtime_tells_the_injector_each_iteration_even_between_log_steps():
     """An intermittent slowdown must know the iteration at every step, not only when metrics
     reach on_step (every log_interval steps): otherwise '1 in 3' slows every iteration."""
     from engine_jobs import RandomTokenBatches, make_job
+
     from megatronapp.engine.trainer import Trainer
     from megatronapp.parallel.groups import build_process_groups
 
     job = make_job(1, global_batch=2, micro_batch=1, iters=4, num_layers=2, log_interval=4)
     recorder = _IterationRecorder()
-    trainer = Trainer(job, build_process_groups(job.layout, 0), torch.device("cpu"),
-                      RandomTokenBatches(job, 0), injector=recorder)
+    trainer = Trainer(
+        job, build_process_groups(job.layout, 0), torch.device("cpu"), RandomTokenBatches(job, 0), injector=recorder
+    )
     trainer.train()
     assert recorder.seen == [it for it in range(4) for _ in range(4)]  # 2 microbatches x (forward, backward)
 
@@ -137,8 +145,13 @@ def slow_link_job(rank: int, world_size: int, traced: bool, trace_dir: str) -> d
     from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
     delays = install_link_delays(parse_fault_plan([], [f"0:1:{DELAY_MS}"]), rank)  # before tracing
-    meta = {"rank": rank, "world_size": 2, "coords": {"tp": 0, "dp": 0, "pp": rank},
-            "layout": {"tp_size": 1, "pp_size": 2, "dp_size": 1}, "run_id": "t"}
+    meta = {
+        "rank": rank,
+        "world_size": 2,
+        "coords": {"tp": 0, "dp": 0, "pp": rank},
+        "layout": {"tp_size": 1, "pp_size": 2, "dp_size": 1},
+        "run_id": "t",
+    }
     tracer = Tracer(TraceConfig(enabled=traced, trace_dir=trace_dir, interval=1), meta)
     instrumentation = install_distributed_instrumentation(tracer)
     out = {"send_s": [], "sent_at": [], "done_at": []}

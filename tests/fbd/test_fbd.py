@@ -12,9 +12,9 @@ import dataclasses
 
 import pytest
 import torch
-
 from engine_jobs import assemble_full_grads, make_job, train_and_report
 from fbd_jobs import fbd_losses, fbd_train_and_report, plain_losses
+
 from megatronapp.fbd.config import FbdConfig, FbdInjection
 
 CASES = {
@@ -36,8 +36,9 @@ def _job(backward_world, tp, pp, dropout, iters=3, **train_kw):
     job = make_job(backward_world, tp, pp, iters=iters, **train_kw)
     if dropout:
         attention = 0.1 if dropout == "both" else 0.0
-        job = dataclasses.replace(job, model=dataclasses.replace(job.model, hidden_dropout=0.2,
-                                                                 attention_dropout=attention))
+        job = dataclasses.replace(
+            job, model=dataclasses.replace(job.model, hidden_dropout=0.2, attention_dropout=attention)
+        )
     return job
 
 
@@ -49,8 +50,15 @@ def _world(job, tf):
 @pytest.mark.parametrize("name", list(CASES))
 def test_fbd_trains_the_same_numbers_as_the_plain_engine(cluster, name):
     backward_world, tp, pp, tf, dropout = CASES[name]
-    job = _job(backward_world, tp, pp, dropout, use_distributed_optimizer="distributed_optimizer" in name,
-               sequence_parallel="_sp" in name, bf16="bf16" in name)
+    job = _job(
+        backward_world,
+        tp,
+        pp,
+        dropout,
+        use_distributed_optimizer="distributed_optimizer" in name,
+        sequence_parallel="_sp" in name,
+        bf16="bf16" in name,
+    )
     plain = cluster.run(train_and_report, backward_world, job)
     reports = cluster.run(fbd_train_and_report, _world(job, tf), job, FbdConfig(forward_tp_size=tf, max_ahead=2))
     backward = [r for r in reports if r["role"] == "backward"]
@@ -83,10 +91,18 @@ def test_dropout_masks_are_really_on(cluster):
     assert hidden != without and both != hidden  # each kind of mask changes the numbers
 
 
-@pytest.mark.parametrize("seed, ahead, roles", [
-    (1, 1, ("forward", "backward")), (2, 2, ("forward", "backward")), (3, 3, ("forward", "backward")),
-    (4, 1, ("forward",)), (5, 2, ("forward",)), (6, 1, ("backward",)), (7, 4, ("backward",)),
-])
+@pytest.mark.parametrize(
+    "seed, ahead, roles",
+    [
+        (1, 1, ("forward", "backward")),
+        (2, 2, ("forward", "backward")),
+        (3, 3, ("forward", "backward")),
+        (4, 1, ("forward",)),
+        (5, 2, ("forward",)),
+        (6, 1, ("backward",)),
+        (7, 4, ("backward",)),
+    ],
+)
 def test_random_delays_in_either_role_never_deadlock(cluster, seed, ahead, roles):
     """Seeded random sleeps before the compute actions of one or both roles shuffle the
     arrival order of messages; the job must finish (hard timeout) with the undisturbed numbers."""

@@ -55,8 +55,28 @@ def test_jobs_past_the_budget_are_skipped_and_reported(tmp_path):
 def test_one_device_layout_runs_plain_and_fbd(tmp_path):
     """Backward PP1 + one forward worker on the same device, and the plain engine at PP1."""
     out = tmp_path / "r.json"
-    proc = _run("--device", "cpu", "--pp", "1", "--dp", "1", "--variants", "plain", "fbd", "--rounds", "1",
-                "--steps", "1", "--warmup", "0", "--timeout", "240", "--out", str(out), timeout=600)
+    proc = _run(
+        "--device",
+        "cpu",
+        "--pp",
+        "1",
+        "--dp",
+        "1",
+        "--variants",
+        "plain",
+        "fbd",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--timeout",
+        "240",
+        "--out",
+        str(out),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     for variant in ("plain", "fbd"):

@@ -9,25 +9,29 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from test_cli import run_cli
 
 FBD = ["--forward-backward-disaggregating"]
 PP2 = ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (FBD + ["--nproc-per-node", "5", "--pipeline-model-parallel-size", "2"], "world size 5 is not a multiple of 4"),
-    (["--forward-tensor-model-parallel-size", "2"], "needs --forward-backward-disaggregating"),
-    (["--inject-crash", "1:1"], "needs --forward-backward-disaggregating"),
-    (FBD + PP2 + ["--inject-crash", "one"], "--inject-crash expects RANK:ITER"),
-    (FBD + PP2 + ["--inject-crash", "4:1"], "--inject-crash rank 4 is outside world size 4"),
-    (FBD + PP2 + ["--fbd-max-ahead", "0"], "--fbd-max-ahead must be >= 1"),
-    (FBD + ["--nproc-per-node", "4", "--forward-tensor-model-parallel-size", "3"],
-     "num attention heads 4 is not divisible by forward tensor-parallel size 3"),
-    (FBD + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], "does not support virtual pipeline stages"),
-    (FBD + PP2 + ["--split-backward"], "runs the whole backward: --split-backward does not apply"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (FBD + ["--nproc-per-node", "5", "--pipeline-model-parallel-size", "2"], "world size 5 is not a multiple of 4"),
+        (["--forward-tensor-model-parallel-size", "2"], "needs --forward-backward-disaggregating"),
+        (["--inject-crash", "1:1"], "needs --forward-backward-disaggregating"),
+        (FBD + PP2 + ["--inject-crash", "one"], "--inject-crash expects RANK:ITER"),
+        (FBD + PP2 + ["--inject-crash", "4:1"], "--inject-crash rank 4 is outside world size 4"),
+        (FBD + PP2 + ["--fbd-max-ahead", "0"], "--fbd-max-ahead must be >= 1"),
+        (
+            FBD + ["--nproc-per-node", "4", "--forward-tensor-model-parallel-size", "3"],
+            "num attention heads 4 is not divisible by forward tensor-parallel size 3",
+        ),
+        (FBD + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], "does not support virtual pipeline stages"),
+        (FBD + PP2 + ["--split-backward"], "runs the whole backward: --split-backward does not apply"),
+    ],
+)
 def test_bad_fbd_input_fails_before_launch(args, message, train_before_launch):
     code, lines = train_before_launch(args)
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
@@ -54,23 +58,32 @@ def test_a_crashed_rank_of_either_role_ends_the_job_promptly(monkeypatch, rank, 
     res = run_cli(FBD + PP2 + ["--train-iters", "500", "--inject-crash", f"{rank}:2"], timeout=240)
     assert res.returncode == 1, res.stderr[-2000:]
     line = next(x for x in res.stderr.splitlines() if x.startswith("megatronapp: rank"))
-    assert f"megatronapp: rank {rank} failed" in line and f"{role} worker rank {rank} at iteration 2" in line, \
-        res.stderr[-4000:]  # every rank's error, to tell a misnamed root cause from a wrong crash
+    assert f"megatronapp: rank {rank} failed" in line and f"{role} worker rank {rank} at iteration 2" in line, (
+        res.stderr[-4000:]
+    )  # every rank's error, to tell a misnamed root cause from a wrong crash
     assert _processes_with(f"MEGATRONAPP_TEST_TAG={tag}") == []
 
 
 def test_fbd_run_traces_both_roles_and_reports_waits(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    res = run_cli(FBD + PP2 + ["--train-iters", "3", "--metrics-file", str(metrics), "--trace",
-                               "--trace-dir", str(tmp_path / "t")], timeout=240)
+    res = run_cli(
+        FBD
+        + PP2
+        + ["--train-iters", "3", "--metrics-file", str(metrics), "--trace", "--trace-dir", str(tmp_path / "t")],
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "backward waited on forward" in res.stdout and "forward waited on backward" in res.stdout
     assert [json.loads(x)["iteration"] for x in metrics.read_text().splitlines()] == [1, 2, 3]
     timeline = json.loads((tmp_path / "t" / "timeline.json").read_text())
     events = timeline["traceEvents"] if isinstance(timeline, dict) else timeline
     names = sorted(e["args"]["name"] for e in events if e.get("name") == "process_name")
-    assert names == ["rank 0 backward (pp0 dp0 tp0)", "rank 1 backward (pp1 dp0 tp0)",
-                     "rank 2 forward (pp0 dp0 tp0)", "rank 3 forward (pp1 dp0 tp0)"]
+    assert names == [
+        "rank 0 backward (pp0 dp0 tp0)",
+        "rank 1 backward (pp1 dp0 tp0)",
+        "rank 2 forward (pp0 dp0 tp0)",
+        "rank 3 forward (pp1 dp0 tp0)",
+    ]
     assert any(e.get("name") == "wait_forward" for e in events)
     assert any(e.get("cat") == "flow" for e in events)  # send -> recv arrows, including the hand-offs
 

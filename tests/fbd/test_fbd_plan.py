@@ -15,8 +15,17 @@ from megatronapp.p2p.message import HEADER_BYTES, split_message
 from megatronapp.parallel.layout import LayoutError
 
 SHAPES = [  # (tp, pp, tf, dp)
-    (1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (2, 2, 2, 1), (1, 2, 1, 2), (2, 2, 1, 2),
-    (1, 2, 2, 1), (4, 2, 2, 2), (2, 4, 4, 1), (4, 3, 1, 2), (8, 2, 4, 2),
+    (1, 1, 1, 1),
+    (1, 2, 1, 1),
+    (2, 2, 1, 1),
+    (2, 2, 2, 1),
+    (1, 2, 1, 2),
+    (2, 2, 1, 2),
+    (1, 2, 2, 1),
+    (4, 2, 2, 2),
+    (2, 4, 4, 1),
+    (4, 3, 1, 2),
+    (8, 2, 4, 2),
 ]
 
 
@@ -55,10 +64,13 @@ def test_role_layout_is_a_bijection_with_consistent_links(shape):
     assert lay.num_backward == shape[0] * shape[1] * shape[3]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=5, tp_size=1, pp_size=2, forward_tp_size=1), "world size 5 is not a multiple of 4"),
-    (dict(world_size=6, tp_size=2, pp_size=2, forward_tp_size=0), "forward_tp_size must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=5, tp_size=1, pp_size=2, forward_tp_size=1), "world size 5 is not a multiple of 4"),
+        (dict(world_size=6, tp_size=2, pp_size=2, forward_tp_size=0), "forward_tp_size must be >= 1"),
+    ],
+)
 def test_role_layout_errors_are_one_line(kwargs, message):
     with pytest.raises(LayoutError, match=message) as e:
         RoleLayout(**kwargs)
@@ -93,12 +105,14 @@ def test_validator_rejects_broken_plans():
     # a forward that runs before the weights it needs arrive
     with pytest.raises(PlanError, match="runs before RW"):
         validate_fbd_plan(_mutate(plan, 4, lambda a: [a[1], a[0]] + a[2:]))  # rank 4: RW, F(m0), ...
+
     # publishing weights after waiting for the stage inputs they produce: a real deadlock
     def publish_late(actions):
         sw = next(a for a in actions if a.op is Op.SEND_WEIGHTS and a.iteration == 0)
         rest = [a for a in actions if a is not sw]
         k = next(i for i, a in enumerate(rest) if a.op is Op.RECOMPUTE)
-        return rest[:k + 1] + [sw] + rest[k + 1:]
+        return rest[: k + 1] + [sw] + rest[k + 1 :]
+
     with pytest.raises(PlanError, match="deadlock"):
         validate_fbd_plan(_mutate(plan, 2, publish_late))
     # one member skips a collective of its group

@@ -13,14 +13,14 @@ import time
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job
+
 from megatronapp.dpp.config import DppConfig, JitterSpec
 from megatronapp.dpp.jitter import JitterInjector
 from megatronapp.dpp.setup import build_dynamic_runtime_factory
 from megatronapp.dpp.streams import CudaOrder
-from megatronapp.faults.inject import calibrate_spin
 from megatronapp.engine.trainer import Trainer
+from megatronapp.faults.inject import calibrate_spin
 from megatronapp.parallel.groups import single_process_groups
 
 pytestmark = pytest.mark.gpu
@@ -125,11 +125,17 @@ def test_jitter_on_the_gpu_stretches_each_kind_of_task_by_its_own_factor():
 
 def test_dynamic_runtime_on_one_gpu_trains_as_1f1b():
     """PP1 on CUDA: the pacer and the CUDA order inside the runtime, the same losses as 1F1B."""
+
     def losses(schedule: str) -> list[float]:
         job = make_job(1, 1, 1, 1, schedule, global_batch=4)
         factory = build_dynamic_runtime_factory(DppConfig(), job) if schedule == "dynamic" else None
-        trainer = Trainer(job, single_process_groups(job.layout), torch.device("cuda"), RandomTokenBatches(job, 0),
-                          runtime_factory=factory)
+        trainer = Trainer(
+            job,
+            single_process_groups(job.layout),
+            torch.device("cuda"),
+            RandomTokenBatches(job, 0),
+            runtime_factory=factory,
+        )
         return [m.loss for m in trainer.train(3)]
 
     torch.testing.assert_close(losses("dynamic"), losses("1f1b"), rtol=1e-5, atol=1e-6)
@@ -139,14 +145,40 @@ def test_dynamic_runtime_on_one_gpu_trains_as_1f1b():
 def test_dynamic_pp2_over_nccl_matches_interleaved(tmp_path):
     """PP2 V2 over NCCL, payloads on a group per direction (dpp/channels.py): the same losses
     as static interleaved 1F1B, for in-order and depth-first under the tightest cap."""
+
     def run(schedule: str, *extra: str) -> list[float]:
         metrics = tmp_path / f"{schedule}{len(extra)}.jsonl"
-        args = ["train", "--device", "cuda", "--model", "tiny", "--nproc-per-node", "2",
-                "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                "--pipeline-schedule", schedule, *extra, "--global-batch-size", "8", "--micro-batch-size", "1",
-                "--train-iters", "3", "--metrics-file", str(metrics)]
-        res = subprocess.run([sys.executable, "-m", "megatronapp.cli.main", *args], capture_output=True, text=True,
-                             timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        args = [
+            "train",
+            "--device",
+            "cuda",
+            "--model",
+            "tiny",
+            "--nproc-per-node",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--pipeline-schedule",
+            schedule,
+            *extra,
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "1",
+            "--train-iters",
+            "3",
+            "--metrics-file",
+            str(metrics),
+        ]
+        res = subprocess.run(
+            [sys.executable, "-m", "megatronapp.cli.main", *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from test_cli import run_cli
 
 pytestmark = pytest.mark.gpu

@@ -5,14 +5,13 @@ Skipped on CPU (see conftest); run on the GPU machine with `pytest -m gpu`.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, compiled_frames
+
 from megatronapp.config import JobConfig, build_layout, model_preset
-from megatronapp.faults.inject import FaultInjector, FaultPlan
 from megatronapp.engine.trainer import Trainer
+from megatronapp.faults.inject import FaultInjector, FaultPlan
 from megatronapp.job import build_job
 from megatronapp.parallel.groups import single_process_groups
 
@@ -21,8 +20,16 @@ pytestmark = pytest.mark.gpu
 
 def _job(model_kw=None, **train_kw) -> JobConfig:
     model = model_preset("small", **{"num_layers": 4, "seq_length": 128, **(model_kw or {})})
-    return build_job(model, build_layout(1, 1, 1), micro_batch_size=2, global_batch_size=8, train_iters=4, lr=1e-3,
-                     lr_warmup_iters=0, **train_kw)
+    return build_job(
+        model,
+        build_layout(1, 1, 1),
+        micro_batch_size=2,
+        global_batch_size=8,
+        train_iters=4,
+        lr=1e-3,
+        lr_warmup_iters=0,
+        **train_kw,
+    )
 
 
 def _losses(job: JobConfig) -> list[float]:
@@ -85,8 +92,9 @@ def test_fp8_training_on_cuda_follows_cpu_and_compiles(recipe):
     job = _job(_TINY, bf16=True, fp8_format="hybrid", fp8_recipe=recipe)
     eager = _losses(job)
     compiled = _losses(_job(_TINY, bf16=True, fp8_format="hybrid", fp8_recipe=recipe, compile=True))
-    cpu = [m.loss for m in Trainer(job, single_process_groups(), torch.device("cpu"),
-                                   RandomTokenBatches(job, 0)).train(4)]
+    cpu = [
+        m.loss for m in Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0)).train(4)
+    ]
     torch.testing.assert_close(eager, cpu, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
     assert eager[-1] < eager[0]
@@ -97,8 +105,13 @@ def test_fp8_delayed_engine_compiles_once_per_block_kind_not_per_layer():
     """tests/parallel/test_fp8.py's CPU test on the device's torch: five frames for ten layers. A torch
     that compiled per layer would, past dynamo's limit of 8, run the other blocks eager (it passes
     on torch 2.11, so that is not why the delayed recipe runs slow there)."""
-    job = _job({"num_layers": 10, "hidden_size": 64, "num_attention_heads": 2, "seq_length": 32},
-               bf16=True, fp8_format="hybrid", fp8_recipe="delayed", compile=True)
+    job = _job(
+        {"num_layers": 10, "hidden_size": 64, "num_attention_heads": 2, "seq_length": 32},
+        bf16=True,
+        fp8_format="hybrid",
+        fp8_recipe="delayed",
+        compile=True,
+    )
     assert compiled_frames(job, "cuda") == {"frames": 5, "graph_breaks": 0}
 
 
@@ -120,6 +133,7 @@ def test_injected_slowdown_scales_gpu_compute():
         return s.elapsed_time(e)
 
     import contextlib
+
     base = min(time_it(contextlib.nullcontext) for _ in range(5))
     for _ in range(5):  # let the injector's running estimate settle
         time_it(inj.compute)
@@ -133,9 +147,16 @@ def test_tracer_cuda_spans_are_ordered(tmp_path):
 
     job = _job(bf16=True)
     trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
-    meta = build_rank_meta(rank=0, world_size=1, coords={"tp": 0, "dp": 0, "pp": 0},
-                           layout={"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
-                           host="gpu", device="cuda", run_id="t", clock="cuda")
+    meta = build_rank_meta(
+        rank=0,
+        world_size=1,
+        coords={"tp": 0, "dp": 0, "pp": 0},
+        layout={"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
+        host="gpu",
+        device="cuda",
+        run_id="t",
+        clock="cuda",
+    )
     tracer = Tracer(TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, granularity="full"), meta, "cuda")
     trainer.set_tracer(tracer)
     trainer.train(3)

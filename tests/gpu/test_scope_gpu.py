@@ -22,8 +22,12 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [10, 11, 12, 13, 14, 15, 16]]
 SAMPLING = SamplingConfig(max_new_tokens=12, stop_on_eod=False)
 CONFIGS = {
     "default": dict(sites=DEFAULT_SITES, compress=DEFAULT_COMPRESS),
-    "rich": dict(sites=("q", "attn_probs", "fc1", "residual", "topk", "logit_lens"), heads=(0, 3),
-                 compress="slice:heads=1;quantize:dtype=int8", topk=4),
+    "rich": dict(
+        sites=("q", "attn_probs", "fc1", "residual", "topk", "logit_lens"),
+        heads=(0, 3),
+        compress="slice:heads=1;quantize:dtype=int8",
+        topk=4,
+    ),
 }
 
 
@@ -113,9 +117,8 @@ def test_reconfiguration_recaptures_and_reuses_graphs(caplog):
             assert_same_captures(cap, refs[name])
     assert len(model._graphs) == 3
     spec = Perturbation("offset", Target("residual", layers=(0,)), value=1.0)
-    with caplog.at_level("WARNING", logger="megatronapp.inference"):
-        with scope.perturb(model, spec):
-            _, _, cap = run(model, CONFIGS["default"], graphs=True)
+    with caplog.at_level("WARNING", logger="megatronapp.inference"), scope.perturb(model, spec):
+        _, _, cap = run(model, CONFIGS["default"], graphs=True)
     assert model._graph is None and cap.recorded_steps  # eager (recorded without a graph)
     assert model.cache is model._static_cache and len(model._graphs) == 3  # kept for the next graph run
     assert any("perturbation" in r.getMessage() for r in caplog.records)

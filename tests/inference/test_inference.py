@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from inference_jobs import PROMPTS, load_model
+
 from megatronapp.config import ConfigError
 from megatronapp.inference.generate import SamplingConfig, compute_next_tokens, generate
 
@@ -54,8 +54,10 @@ def test_kv_cache_batched_equals_full_recompute(ckpt):
 @pytest.mark.parametrize("layout", [(2, 2, 1), (2, 1, 2), (4, 2, 2)], ids=["tp2", "pp2", "tp2_pp2"])
 def test_greedy_and_seeded_sampling_identical_across_layouts(cluster, ckpt, layout):
     torch.set_num_threads(1)
-    samplings = (SamplingConfig(max_new_tokens=9),
-                 SamplingConfig(max_new_tokens=9, greedy=False, temperature=1.5, top_k=40, top_p=0.95, seed=7))
+    samplings = (
+        SamplingConfig(max_new_tokens=9),
+        SamplingConfig(max_new_tokens=9, greedy=False, temperature=1.5, top_k=40, top_p=0.95, seed=7),
+    )
     reference = generate_job(0, 1, 1, 1, ckpt, samplings)
     assert reference[0] != reference[1]  # sampling really samples
     results = cluster.run(generate_job, layout[0], *layout[1:], ckpt, samplings)
@@ -92,17 +94,25 @@ def test_bad_generation_requests_rejected(ckpt):
 
 def _cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "megatronapp.cli.main", "generate", "--device", "cpu", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "megatronapp.cli.main", "generate", "--device", "cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prompt", "hi", "--nproc-per-node", "2", "--tensor-model-parallel-size", "3"], "not divisible"),
-    (["--prompt", "hi", "--nproc-per-node", "4", "--tensor-model-parallel-size", "2"], "one model replica"),
-    (["--prompt", "hi", "--greedy", "--temperature", "0.5"], "--greedy cannot be combined"),
-    (["--max-new-tokens", "3"], "at least one --prompt"),
-    (["--prompt", "a long prompt that does not fit"], "exceeds the model's sequence length"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "hi", "--nproc-per-node", "2", "--tensor-model-parallel-size", "3"], "not divisible"),
+        (["--prompt", "hi", "--nproc-per-node", "4", "--tensor-model-parallel-size", "2"], "one model replica"),
+        (["--prompt", "hi", "--greedy", "--temperature", "0.5"], "--greedy cannot be combined"),
+        (["--max-new-tokens", "3"], "at least one --prompt"),
+        (["--prompt", "a long prompt that does not fit"], "exceeds the model's sequence length"),
+    ],
+)
 def test_cli_bad_input_one_line(ckpt, args, message, capsys):
     from megatronapp.cli.main import main
 
@@ -112,34 +122,62 @@ def test_cli_bad_input_one_line(ckpt, args, message, capsys):
     assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
-@pytest.mark.parametrize("command, gpus, extra, message", [
-    ("generate", 1, ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
-     "tensor-parallel group [0, 1] would put ranks 0 and 1 on GPU 0 (1 visible)"),
-    ("generate", 0, [], "--device cuda requested but no GPU is visible"),
-    ("scope", 1, ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"],
-     "pipeline-parallel group [0, 1] would put ranks 0 and 1 on GPU 0 (1 visible)"),
-])
+@pytest.mark.parametrize(
+    "command, gpus, extra, message",
+    [
+        (
+            "generate",
+            1,
+            ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2"],
+            "tensor-parallel group [0, 1] would put ranks 0 and 1 on GPU 0 (1 visible)",
+        ),
+        ("generate", 0, [], "--device cuda requested but no GPU is visible"),
+        (
+            "scope",
+            1,
+            ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"],
+            "pipeline-parallel group [0, 1] would put ranks 0 and 1 on GPU 0 (1 visible)",
+        ),
+    ],
+)
 def test_cli_refuses_ranks_sharing_a_gpu_before_launch(ckpt, monkeypatch, capsys, command, gpus, extra, message):
     """Inference commands place ranks by the training rule and refuse what NCCL would refuse later."""
     from megatronapp.cli.main import main
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    argv = (["generate", "--prompt", "hi"] if command == "generate"
-            else ["scope", "capture", "--prompt", "hi", "--out", "unused.safetensors"])
+    argv = (
+        ["generate", "--prompt", "hi"]
+        if command == "generate"
+        else ["scope", "capture", "--prompt", "hi", "--out", "unused.safetensors"]
+    )
     code = main([*argv, "--device", "cuda", "--load", ckpt, *extra])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
 def test_cli_json_tp2_matches_library(ckpt):
-    res = _cli(["--load", ckpt, "--prompt", "Hello", "--max-new-tokens", "6", "--json", "--nproc-per-node", "2",
-                "--tensor-model-parallel-size", "2"])
+    res = _cli(
+        [
+            "--load",
+            ckpt,
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--nproc-per-node",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+        ]
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     torch.set_num_threads(1)
-    expected = generate(load_model(0, 1, 1, 1, ckpt), [list(b"Hello")], SamplingConfig(max_new_tokens=6),
-                        eod_id=EOD, vocab_size=VOCAB)
+    expected = generate(
+        load_model(0, 1, 1, 1, ckpt), [list(b"Hello")], SamplingConfig(max_new_tokens=6), eod_id=EOD, vocab_size=VOCAB
+    )
     assert out["tokens"] == expected.tokens and out["layout"].startswith("world=2 TP=2")
 
 
@@ -170,9 +208,9 @@ def test_greedy_equals_transformers_on_hf_export(ckpt, tmp_path):
     ids = torch.full((len(PROMPTS), width), EOD)
     mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
     for i, p in enumerate(PROMPTS):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=EOD)
-    theirs = [row[:row.index(EOD)] if EOD in row else row for row in out[:, width:].tolist()]
+    theirs = [row[: row.index(EOD)] if EOD in row else row for row in out[:, width:].tolist()]
     ours = greedy_generate_from_checkpoint(ckpt, PROMPTS, 9, eod_id=EOD, vocab_size=VOCAB)
     assert ours == theirs

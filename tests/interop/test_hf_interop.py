@@ -15,8 +15,8 @@ from dataclasses import fields, replace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from engine_jobs import RandomTokenBatches, make_job
+
 from megatronapp.cli.main import main
 from megatronapp.data.tokenizer import ByteTokenizer, HFTokenizer
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -145,10 +145,20 @@ def test_import_then_export_round_trip_is_identical(checkpoints, tmp_path):
 
 def _random_gptneox(path, **overrides):
     """A randomly initialised GPTNeoXForCausalLM the engine can express, saved with save_pretrained."""
-    settings = dict(vocab_size=200, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
-                    intermediate_size=100, hidden_act="gelu_pytorch_tanh", rotary_pct=1.0, rotary_emb_base=5000.0,
-                    use_parallel_residual=False, max_position_embeddings=24, layer_norm_eps=1e-6,
-                    tie_word_embeddings=False)
+    settings = dict(
+        vocab_size=200,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=100,
+        hidden_act="gelu_pytorch_tanh",
+        rotary_pct=1.0,
+        rotary_emb_base=5000.0,
+        use_parallel_residual=False,
+        max_position_embeddings=24,
+        layer_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     settings.update(overrides)
     torch.manual_seed(3)
     model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**settings)).eval()
@@ -205,23 +215,55 @@ def test_train_cli_resumes_from_an_import(checkpoints, tmp_path, capsys):
     hint = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert hint[:4] == ["megatronapp", "train", "--load", str(tmp_path / "ck")]
     metrics = tmp_path / "metrics.jsonl"
-    assert main([*hint[1:], "--device", "cpu", "--train-iters", "1", "--micro-batch-size", "2",
-                 "--global-batch-size", "4", "--lr-warmup-iters", "0", "--metrics-file", str(metrics)]) == 0
+    assert (
+        main(
+            [
+                *hint[1:],
+                "--device",
+                "cpu",
+                "--train-iters",
+                "1",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "4",
+                "--lr-warmup-iters",
+                "0",
+                "--metrics-file",
+                str(metrics),
+            ]
+        )
+        == 0
+    )
     first_loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
-    data = DistributedBatchIterator(build_default_dataset(ByteTokenizer(), 16, 1234), micro_batch_size=2,
-                                    global_batch_size=4, dp_rank=0, dp_size=1, seed=1234)
+    data = DistributedBatchIterator(
+        build_default_dataset(ByteTokenizer(), 16, 1234),
+        micro_batch_size=2,
+        global_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+        seed=1234,
+    )
     batch = torch.cat(data.next_microbatches())
     with torch.no_grad():
-        hf_loss = F.cross_entropy(_hf_model(tmp_path / "hf")(batch[:, :-1]).logits.flatten(0, 1),
-                                  batch[:, 1:].flatten()).item()
+        hf_loss = F.cross_entropy(
+            _hf_model(tmp_path / "hf")(batch[:, :-1]).logits.flatten(0, 1), batch[:, 1:].flatten()
+        ).item()
     assert first_loss == pytest.approx(hf_loss, rel=1e-5)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("use_parallel_residual", True), ("rotary_pct", 0.25), ("tie_word_embeddings", True),
-    ("hidden_act", "gelu"), ("attention_bias", False), ("rope_scaling", {"type": "linear", "factor": 2.0}),
-    ("model_type", "llama"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("use_parallel_residual", True),
+        ("rotary_pct", 0.25),
+        ("tie_word_embeddings", True),
+        ("hidden_act", "gelu"),
+        ("attention_bias", False),
+        ("rope_scaling", {"type": "linear", "factor": 2.0}),
+        ("model_type", "llama"),
+    ],
+)
 def test_unexpressible_config_is_refused_in_one_line(checkpoints, tmp_path, capsys, field, value):
     _export(checkpoints["tp2"][0], tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -231,7 +273,7 @@ def test_unexpressible_config_is_refused_in_one_line(checkpoints, tmp_path, caps
     assert main(["import", "hf", "--from", str(tmp_path / "hf"), "--save", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("megatronapp: error: ")
-    assert f"{ {'rope_scaling': 'rope_type'}.get(field, field)}: " in err  # names the field
+    assert f"{ {'rope_scaling': 'rope_type'}.get(field, field) }: " in err  # names the field
     assert not (tmp_path / "ck").exists()
 
 
@@ -241,9 +283,11 @@ def test_missing_weight_and_bad_paths_are_one_line_errors(checkpoints, tmp_path,
     del tensors["gpt_neox.layers.1.mlp.dense_4h_to_h.bias"]
     save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
-    cases = [(["import", "hf", "--from", str(tmp_path / "hf"), "--save", ck], "dense_4h_to_h.bias"),
-             (["import", "hf", "--from", str(tmp_path / "nowhere"), "--save", ck], "not found"),
-             (["export", "hf", "--load", str(tmp_path / "hf"), "--out", out], "no complete checkpoint")]
+    cases = [
+        (["import", "hf", "--from", str(tmp_path / "hf"), "--save", ck], "dense_4h_to_h.bias"),
+        (["import", "hf", "--from", str(tmp_path / "nowhere"), "--save", ck], "not found"),
+        (["export", "hf", "--load", str(tmp_path / "hf"), "--out", out], "no complete checkpoint"),
+    ]
     for argv, words in cases:
         capsys.readouterr()
         assert main(argv) == 2
@@ -267,16 +311,26 @@ def test_gptneox_defaults_match_transformers():
     default = transformers.GPTNeoXConfig()
     rope = default.rope_parameters
     for key, value in GPTNEOX_DEFAULTS.items():
-        theirs = {"rotary_pct": rope["partial_rotary_factor"], "rotary_emb_base": rope["rope_theta"]}.get(key) \
-            if key in ("rotary_pct", "rotary_emb_base") else getattr(default, key)
+        theirs = (
+            {"rotary_pct": rope["partial_rotary_factor"], "rotary_emb_base": rope["rope_theta"]}.get(key)
+            if key in ("rotary_pct", "rotary_emb_base")
+            else getattr(default, key)
+        )
         assert theirs == value, key
 
 
 def test_vocab_divisor_pads_the_tokenizer_vocab_exactly_to_the_model_vocab():
     from megatronapp.interop.hf_gptneox import compute_vocab_divisor
 
-    for padded, vocab, expected in [(384, 257, 128), (384, 384, 128), (200, 200, 8), (200, 193, 8),
-                                    (200, 150, 200), (50304, 50277, 128), (7, 7, 1)]:
+    for padded, vocab, expected in [
+        (384, 257, 128),
+        (384, 384, 128),
+        (200, 200, 8),
+        (200, 193, 8),
+        (200, 150, 200),
+        (50304, 50277, 128),
+        (7, 7, 1),
+    ]:
         m = compute_vocab_divisor(padded, vocab)
         assert m == expected and -(-vocab // m) * m == padded
 
@@ -286,11 +340,14 @@ def test_expressibility_reads_both_config_styles_and_the_defaults():
 
     good = {"model_type": "gpt_neox", "use_parallel_residual": False, "hidden_act": "gelu_pytorch_tanh"}
     check_expressible({**good, "rotary_pct": 1.0})  # transformers 4.x keys
-    check_expressible({**good, "rope_parameters": {"partial_rotary_factor": 1.0, "rope_theta": 1e4,
-                                                   "rope_type": "default"}})  # 5.x
-    for config, field in [({**good}, "rotary_pct"),  # default 0.25
-                          ({**good, "rope_parameters": {"partial_rotary_factor": 0.5}}, "rotary_pct"),
-                          ({"model_type": "gpt_neox", "rotary_pct": 1.0}, "use_parallel_residual")]:
+    check_expressible(
+        {**good, "rope_parameters": {"partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "default"}}
+    )  # 5.x
+    for config, field in [
+        ({**good}, "rotary_pct"),  # default 0.25
+        ({**good, "rope_parameters": {"partial_rotary_factor": 0.5}}, "rotary_pct"),
+        ({"model_type": "gpt_neox", "rotary_pct": 1.0}, "use_parallel_residual"),
+    ]:
         with pytest.raises(InteropError, match=f"^{field}: "):
             check_expressible(config)
 
@@ -305,8 +362,10 @@ def test_bf16_checkpoint_exports_its_fp32_main_params(tmp_path):
     save_checkpoint(tmp_path / "ck", trainer, data)
     bf16_params = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
     assert main(["export", "hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "fp32")]) == 0
-    assert main(["export", "hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "bf16"),
-                 "--dtype", "bfloat16"]) == 0
+    assert (
+        main(["export", "hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+        == 0
+    )
     fp32, bf16 = load_file(tmp_path / "fp32" / "model.safetensors"), load_file(tmp_path / "bf16" / "model.safetensors")
     qkv = "gpt_neox.layers.0.attention.query_key_value.weight"
     assert fp32[qkv].dtype == torch.float32 and not torch.equal(fp32[qkv], fp32[qkv].bfloat16().float())

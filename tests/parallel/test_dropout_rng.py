@@ -19,10 +19,12 @@ def test_keyed_mask_slices_match_the_full_mask():
 
 def test_keyed_mask_depends_on_every_key_field():
     base = keyed_uniform(DropoutKey(7, 3, 0), 2, "mlp", (2, 8, 16), "cpu")
-    for other in (keyed_uniform(DropoutKey(8, 3, 0), 2, "mlp", (2, 8, 16), "cpu"),
-                  keyed_uniform(DropoutKey(7, 4, 0), 2, "mlp", (2, 8, 16), "cpu"),
-                  keyed_uniform(DropoutKey(7, 3, 0), 3, "mlp", (2, 8, 16), "cpu"),
-                  keyed_uniform(DropoutKey(7, 3, 0), 2, "attention", (2, 8, 16), "cpu")):
+    for other in (
+        keyed_uniform(DropoutKey(8, 3, 0), 2, "mlp", (2, 8, 16), "cpu"),
+        keyed_uniform(DropoutKey(7, 4, 0), 2, "mlp", (2, 8, 16), "cpu"),
+        keyed_uniform(DropoutKey(7, 3, 0), 3, "mlp", (2, 8, 16), "cpu"),
+        keyed_uniform(DropoutKey(7, 3, 0), 2, "attention", (2, 8, 16), "cpu"),
+    ):
         assert (other != base).float().mean() > 0.9
 
 

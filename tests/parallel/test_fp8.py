@@ -126,8 +126,13 @@ def _mlp_outputs(rank: int, world: int, sequence_parallel: bool) -> dict:
         dist.all_gather(parts, p.grad.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 
-    return {"y": y.detach(), "x": x.grad,  # x.grad is whole: copy_to_tp / the scatter's backward
-            "fc1": full(fc1.weight, 0), "fc2": full(fc2.weight, 1), "fc1_bias": full(fc1.bias, 0)}
+    return {
+        "y": y.detach(),
+        "x": x.grad,  # x.grad is whole: copy_to_tp / the scatter's backward
+        "fc1": full(fc1.weight, 0),
+        "fc2": full(fc2.weight, 1),
+        "fc1_bias": full(fc1.bias, 0),
+    }
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
@@ -141,9 +146,11 @@ def test_fp8_tp2_computes_what_one_process_computes(cluster, sequence_parallel):
             torch.testing.assert_close(rep[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("layout", [(2, 1, {}), (2, 1, {"sequence_parallel": True}), (1, 2, {}),
-                                    (1, 1, {"use_distributed_optimizer": True})],
-                         ids=["tp2", "tp2_sp", "pp2", "dp2_distopt"])
+@pytest.mark.parametrize(
+    "layout",
+    [(2, 1, {}), (2, 1, {"sequence_parallel": True}), (1, 2, {}), (1, 1, {"use_distributed_optimizer": True})],
+    ids=["tp2", "tp2_sp", "pp2", "dp2_distopt"],
+)
 def test_fp8_training_layouts_follow_single_process(cluster, layout):
     """bf16 + FP8 training at TP2 / TP2+SP / PP2 against one process with the same flags
     (bf16 reduction orders differ, so bf16 tolerance, as test_mixed_precision's layouts)."""
@@ -185,8 +192,9 @@ def test_bad_fp8_configs_are_refused():
         PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_compute_algo="mean")
     with pytest.raises(ConfigError, match="need fp8_amax_history_len >= 1"):
         PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=0)
-    odd_tokens = build_job(model_preset("tiny", seq_length=24), build_layout(1, 1, 1), bf16=True,
-                           fp8_format="hybrid", micro_batch_size=1)
+    odd_tokens = build_job(
+        model_preset("tiny", seq_length=24), build_layout(1, 1, 1), bf16=True, fp8_format="hybrid", micro_batch_size=1
+    )
     with pytest.raises(ConfigError, match=r"tokens per microbatch .* \(24\) to be a multiple of 16"):
         validate_job(odd_tokens)
     with pytest.raises(ConfigError, match=r"hidden size / tensor-parallel size \(8\)"):
@@ -212,20 +220,31 @@ def test_first_and_last_layers_can_stay_bf16():
     torch.set_num_threads(1)
     job = make_job(1, bf16=True, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_end_in_bf16=2)
     trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0))
-    in_fp8 = {i for i, block in trainer.chunks[0].layers.items()
-              if all(m.fp8_spec is not None for m in block.modules() if hasattr(m, "fp8_spec"))}
+    in_fp8 = {
+        i
+        for i, block in trainer.chunks[0].layers.items()
+        if all(m.fp8_spec is not None for m in block.modules() if hasattr(m, "fp8_spec"))
+    }
     assert in_fp8 == {"1"}  # 4 layers: the first and the last two stay bf16
     assert trainer.chunks[0].output.fp8_spec is None
     with pytest.raises(ConfigError, match="leave none of the 4 layers in FP8"):
-        make_job(1, bf16=True, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
-                 num_layers_at_end_in_bf16=2)
+        make_job(
+            1,
+            bf16=True,
+            fp8_format="hybrid",
+            first_last_layers_bf16=True,
+            num_layers_at_start_in_bf16=2,
+            num_layers_at_end_in_bf16=2,
+        )
     with pytest.raises(ConfigError, match="--first-last-layers-bf16 needs --fp8-format"):
         PrecisionConfig(bf16=True, first_last_layers_bf16=True)
 
 
-@pytest.mark.parametrize("recompute", [{"recompute_granularity": "selective"},
-                                       {"recompute_granularity": "full", "recompute_num_layers": 2}],
-                         ids=["selective", "full"])
+@pytest.mark.parametrize(
+    "recompute",
+    [{"recompute_granularity": "selective"}, {"recompute_granularity": "full", "recompute_num_layers": 2}],
+    ids=["selective", "full"],
+)
 def test_fp8_recompute_is_bit_identical(recompute):
     """A recomputed forward casts the same values with the same scales: the same FP8 operands."""
     torch.set_num_threads(1)
@@ -246,6 +265,7 @@ def test_fp8_resume_is_bit_identical(tmp_path):
 
 
 # -- the delayed recipe -------------------------------------------------------------------------
+
 
 def test_delayed_scales_come_from_the_history_and_keep_the_old_one_on_bad_amaxes():
     fmax = torch.tensor([448.0, 448.0, 57344.0])
@@ -269,7 +289,11 @@ def test_delayed_linear_starts_in_current_scaling_then_casts_with_the_recorded_a
     integers. A grown operand is clamped to the format's range (a plain cast would give NaN)."""
     from megatronapp.parallel.groups import single_process_groups
 
-    x, w, g = _small_ints((16, 32), 4, 1).float(), _small_ints((48, 32), 3, 2).float(), _small_ints((16, 48), 2, 3).float()
+    x, w, g = (
+        _small_ints((16, 32), 4, 1).float(),
+        _small_ints((48, 32), 3, 2).float(),
+        _small_ints((16, 48), 2, 3).float(),
+    )
     state = DelayedScaling(E5M2, history_len=2, device="cpu")
     current = _linear_step(x, w, g, None)
     first = _linear_step(x, w, g, state)
@@ -327,8 +351,12 @@ def _reduce_delayed_amaxes(rank: int, world: int) -> list[float]:
 def test_delayed_amaxes_are_reduced_over_tp_and_dp(cluster):
     """Every rank of TP2 x DP2 ends with the scales of the max over all four ranks' amaxes."""
     fmax = torch.tensor([448.0, 448.0, 448.0])
-    want = [compute_delayed_scales(torch.tensor([[4.0, 8.0, 2.0]]) * (k + 1), torch.ones(3), fmax, "most_recent",
-                                   0).tolist() for k in range(2)]
+    want = [
+        compute_delayed_scales(
+            torch.tensor([[4.0, 8.0, 2.0]]) * (k + 1), torch.ones(3), fmax, "most_recent", 0
+        ).tolist()
+        for k in range(2)
+    ]
     for scales in cluster.run(_reduce_delayed_amaxes, 4):
         assert scales == want
 
@@ -336,7 +364,9 @@ def test_delayed_amaxes_are_reduced_over_tp_and_dp(cluster):
 DELAYED = {"bf16": True, "fp8_format": "hybrid", "fp8_recipe": "delayed"}
 
 
-@pytest.mark.parametrize("layout", [(2, 1, {}), (1, 1, {"use_distributed_optimizer": True})], ids=["tp2", "dp2_distopt"])
+@pytest.mark.parametrize(
+    "layout", [(2, 1, {}), (1, 1, {"use_distributed_optimizer": True})], ids=["tp2", "dp2_distopt"]
+)
 def test_delayed_training_layouts_follow_single_process(cluster, layout):
     tp, pp, kw = layout
     single = train_and_report(0, 1, make_job(1, iters=4, **DELAYED))
@@ -348,8 +378,9 @@ def test_delayed_training_layouts_follow_single_process(cluster, layout):
 def test_delayed_follows_current_scaling():
     """Same first step (current scaling), then other scales: close, not equal."""
     torch.set_num_threads(1)
-    delayed = train_and_report(0, 1, make_job(1, iters=8, fp8_amax_history_len=4, fp8_amax_compute_algo="max",
-                                              **DELAYED))["losses"]
+    delayed = train_and_report(
+        0, 1, make_job(1, iters=8, fp8_amax_history_len=4, fp8_amax_compute_algo="max", **DELAYED)
+    )["losses"]
     current = train_and_report(0, 1, make_job(1, iters=8, bf16=True, fp8_format="hybrid"))["losses"]
     assert delayed[0] == current[0] and delayed != current
     torch.testing.assert_close(delayed, current, rtol=1e-2, atol=1e-2)
@@ -381,7 +412,7 @@ def test_delayed_linear_compiles_into_one_graph():
         st = DelayedScaling(E5M2, 1, "cpu")
         st.scale.copy_(torch.tensor([64.0, 1024.0, 4096.0]))
         st.ready = True
-        fn = lambda a, b: fp8_linear(a, b, None, FP8Spec(E5M2), state=st)  # noqa: E731
+        fn = lambda a, b: fp8_linear(a, b, None, FP8Spec(E5M2), state=st)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = (torch.compile(fn, fullgraph=True) if compiled else fn)(xx, ww)
         y.backward(g)

@@ -63,8 +63,11 @@ def test_rank_arithmetic_invariants(layout: ParallelLayout):
 
     # each family of groups partitions the world; members agree on the other two coordinates
     # and list their own coordinate 0, 1, 2, ... in order
-    for groups, size, axis in ((layout.tp_group_ranks(), tp, "tp"), (layout.dp_group_ranks(), dp, "dp"),
-                               (layout.pp_group_ranks(), pp, "pp")):
+    for groups, size, axis in (
+        (layout.tp_group_ranks(), tp, "tp"),
+        (layout.dp_group_ranks(), dp, "dp"),
+        (layout.pp_group_ranks(), pp, "pp"),
+    ):
         assert sorted(r for g in groups for r in g) == list(range(world))
         assert len(groups) == world // size and all(len(g) == size for g in groups)
         for g in groups:
@@ -78,13 +81,16 @@ def test_rank_arithmetic_invariants(layout: ParallelLayout):
         assert len(g) == tp * pp and {coords[r].dp for r in g} == {d}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=0), "world_size must be >= 1"),
-    (dict(world_size=8, tp_size=3), "not divisible by tensor-parallel size 3 x pipeline-parallel size 1"),
-    (dict(world_size=8, tp_size=2, pp_size=8), "not divisible"),
-    (dict(world_size=4, virtual_pp_size=2), "virtual pipeline stages need pipeline-parallel size >= 2"),
-    (dict(world_size=4, pp_size=0), "pp_size must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=0), "world_size must be >= 1"),
+        (dict(world_size=8, tp_size=3), "not divisible by tensor-parallel size 3 x pipeline-parallel size 1"),
+        (dict(world_size=8, tp_size=2, pp_size=8), "not divisible"),
+        (dict(world_size=4, virtual_pp_size=2), "virtual pipeline stages need pipeline-parallel size >= 2"),
+        (dict(world_size=4, pp_size=0), "pp_size must be >= 1"),
+    ],
+)
 def test_impossible_layouts_are_refused_in_one_line(kwargs, message):
     with pytest.raises(LayoutError, match=message) as refused:
         ParallelLayout(**kwargs)

@@ -12,12 +12,19 @@ import pytest
 import torch
 
 from megatronapp.cli import main as cli_main
-from megatronapp.fbd.links import LinkDevices
 from megatronapp.fbd.layout import RoleLayout, compute_role_placements, role_group_ranks
+from megatronapp.fbd.links import LinkDevices
 from megatronapp.parallel.layout import LayoutError, ParallelLayout
-from megatronapp.parallel.placement import (Placement, check_gpu_groups, compute_default_backend,
-                                            compute_group_backend, compute_link_device_kind,
-                                            compute_plain_placements, engine_group_ranks, resolve_device_kind)
+from megatronapp.parallel.placement import (
+    Placement,
+    check_gpu_groups,
+    compute_default_backend,
+    compute_group_backend,
+    compute_link_device_kind,
+    compute_plain_placements,
+    engine_group_ranks,
+    resolve_device_kind,
+)
 
 GPU0, GPU1, CPU = Placement("cuda", 0), Placement("cuda", 1), Placement("cpu")
 
@@ -28,8 +35,11 @@ def test_backend_follows_where_members_compute():
     assert compute_group_backend([GPU0, CPU]) == "gloo"
     assert compute_group_backend([CPU, CPU]) == "gloo"
     assert compute_group_backend([GPU0, Placement("cuda", 0, node=1)]) == "nccl"  # same index, other node
-    assert [compute_link_device_kind(a, b) for a, b in ((GPU0, GPU1), (GPU0, GPU0), (CPU, GPU1))] == \
-        ["cuda", "cpu", "cpu"]
+    assert [compute_link_device_kind(a, b) for a, b in ((GPU0, GPU1), (GPU0, GPU0), (CPU, GPU1))] == [
+        "cuda",
+        "cpu",
+        "cpu",
+    ]
     assert compute_default_backend([CPU, CPU]) == "gloo"
     assert compute_default_backend([GPU0, CPU]) == compute_default_backend([GPU0, GPU1]) == "cpu:gloo,cuda:nccl"
 
@@ -74,8 +84,9 @@ def test_one_gpu_fbd_puts_both_roles_on_it_and_hands_off_through_host_memory():
     cpu_forward = compute_role_placements(lay, "cuda", "cpu", 1)
     assert cpu_forward == (GPU0, CPU) and compute_link_device_kind(*cpu_forward) == "cpu"
     # backward PP2 on one GPU is a plain PP2 on it: refused
-    msg = _refusal(role_group_ranks(RoleLayout(4, 1, 2, 1)), compute_role_placements(RoleLayout(4, 1, 2, 1),
-                                                                                       "cuda", "cuda", 1), 1)
+    msg = _refusal(
+        role_group_ranks(RoleLayout(4, 1, 2, 1)), compute_role_placements(RoleLayout(4, 1, 2, 1), "cuda", "cuda", 1), 1
+    )
     assert msg.startswith("backward pipeline-parallel group [0, 1]") and msg.endswith("--device cpu")
 
 
@@ -102,10 +113,17 @@ def test_forward_on_cuda_needs_cuda_backward_and_twin_on_its_node():
         compute_role_placements(RoleLayout(4, 1, 2), "cuda", "cuda", 2, ranks_per_node=2)
 
 
-@pytest.mark.parametrize("tp, pp, tf, dp, gpus, fwd", [
-    (1, 1, 1, 1, 1, "cuda"), (1, 2, 1, 2, 4, "cuda"), (2, 2, 1, 1, 4, "cuda"), (2, 2, 2, 2, 8, "cpu"),
-    (4, 1, 2, 2, 8, "cuda"), (1, 4, 1, 1, 2, "cuda"),
-])
+@pytest.mark.parametrize(
+    "tp, pp, tf, dp, gpus, fwd",
+    [
+        (1, 1, 1, 1, 1, "cuda"),
+        (1, 2, 1, 2, 4, "cuda"),
+        (2, 2, 1, 1, 4, "cuda"),
+        (2, 2, 2, 2, 8, "cpu"),
+        (4, 1, 2, 2, 8, "cuda"),
+        (1, 4, 1, 1, 2, "cuda"),
+    ],
+)
 def test_both_ends_of_every_link_choose_the_same_device(tp, pp, tf, dp, gpus, fwd):
     """A link's transport is picked by its tensors' device on a cpu:gloo,cuda:nccl group: a
     mismatch would pair a gloo send with an NCCL recv (a hang), so both ends must agree."""
@@ -127,24 +145,34 @@ def _train(monkeypatch, capsys, gpus: int, extra: list[str]):
     return rc, capsys.readouterr()
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"],
-     "pipeline-parallel group [0, 1] would put ranks 0 and 1 on GPU 0 (1 visible)"),
-    (["--nproc-per-node", "2"], "data-parallel group [0, 1] would put ranks 0 and 1 on GPU 0"),
-    (["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating"],
-     "backward pipeline-parallel group [0, 1] would put ranks 0 and 1 on GPU 0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"],
+            "pipeline-parallel group [0, 1] would put ranks 0 and 1 on GPU 0 (1 visible)",
+        ),
+        (["--nproc-per-node", "2"], "data-parallel group [0, 1] would put ranks 0 and 1 on GPU 0"),
+        (
+            ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--forward-backward-disaggregating"],
+            "backward pipeline-parallel group [0, 1] would put ranks 0 and 1 on GPU 0",
+        ),
+    ],
+)
 def test_train_refuses_two_ranks_of_a_group_on_one_gpu_before_launch(monkeypatch, capsys, extra, message):
     rc, out = _train(monkeypatch, capsys, 1, extra)
     lines = out.err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and message in lines[0], out.err
 
 
-@pytest.mark.parametrize("extra", [
-    ["--nproc-per-node", "2", "--forward-backward-disaggregating"],  # backward + forward on GPU 0
-    ["--nproc-per-node", "2", "--forward-backward-disaggregating", "--forward-device", "cpu"],
-    ["--nproc-per-node", "1"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--nproc-per-node", "2", "--forward-backward-disaggregating"],  # backward + forward on GPU 0
+        ["--nproc-per-node", "2", "--forward-backward-disaggregating", "--forward-device", "cpu"],
+        ["--nproc-per-node", "1"],
+    ],
+)
 def test_train_accepts_one_gpu_layouts(monkeypatch, capsys, extra):
     rc, out = _train(monkeypatch, capsys, 1, extra)
     assert rc == 0, out.err

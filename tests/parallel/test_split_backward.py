@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job
+
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel import wgrad_defer
@@ -25,10 +25,13 @@ def _train(rank: int, job, steps: int) -> dict:
 def _report(trainer: Trainer, steps: int) -> dict:
     metrics = [trainer.train_step() for _ in range(steps)]
     queue = trainer.runtime.stage.wgrad_queue
-    return {"losses": [m.loss for m in metrics], "norms": [m.grad_norm for m in metrics],
-            "main_grads": {n: p.main_grad.clone() for c in trainer.chunks for n, p in c.named_parameters()},
-            "params": {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()},
-            "peak_w_bytes": None if queue is None else queue.peak_bytes}
+    return {
+        "losses": [m.loss for m in metrics],
+        "norms": [m.grad_norm for m in metrics],
+        "main_grads": {n: p.main_grad.clone() for c in trainer.chunks for n, p in c.named_parameters()},
+        "params": {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()},
+        "peak_w_bytes": None if queue is None else queue.peak_bytes,
+    }
 
 
 def train_pair(rank: int, world: int, whole, split, steps: int = 2) -> tuple[dict, dict]:
@@ -37,8 +40,11 @@ def train_pair(rank: int, world: int, whole, split, steps: int = 2) -> tuple[dic
 
 def _assert_same(whole: dict, split: dict, exact: bool = True) -> None:
     assert whole["main_grads"].keys() == split["main_grads"].keys()
-    check = (lambda a, b, msg: torch.testing.assert_close(a, b, rtol=0, atol=0, msg=msg)) if exact else \
-        (lambda a, b, msg: torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=msg))
+    check = (
+        (lambda a, b, msg: torch.testing.assert_close(a, b, rtol=0, atol=0, msg=msg))
+        if exact
+        else (lambda a, b, msg: torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=msg))
+    )
     for kind in ("main_grads", "params"):
         for name, g in whole[kind].items():
             check(split[kind][name], g, f"{kind} {name}")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job
+
 from megatronapp.engine.trainer import Trainer
+from megatronapp.parallel.groups import single_process_groups
 from megatronapp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
-from megatronapp.parallel.groups import single_process_groups
 
 
 def _layer(cls, dtype):
@@ -31,8 +31,7 @@ def test_fused_layer_accumulates_fp32_weight_grads_over_microbatches(cls):
         layer(x).backward(gy)
         want += gy.float().reshape(-1, 8).t() @ x.detach().float().reshape(-1, 16)
         # the input gradient is the plain linear's
-        torch.testing.assert_close(x.grad, (gy.float() @ layer.weight.float()).to(torch.bfloat16),
-                                   rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(x.grad, (gy.float() @ layer.weight.float()).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
         x.grad = None
         layer.weight.grad = None  # what the main-grad hook does with the placeholder
         assert layer.weight.grad_added_to_main_grad
@@ -82,8 +81,12 @@ def test_first_write_replaces_zeroing_and_a_weight_without_gradient_reads_zero(d
     from megatronapp.engine.grads import GradReducer
 
     torch.manual_seed(0)
-    layers = nn.ModuleList([ColumnParallelLinear(n, 16, 8, tp_group=None, tp_size=1, tp_rank=0, std=0.5, seed=3)
-                            for n in ("used", "unused")]).to(device=device, dtype=torch.bfloat16)
+    layers = nn.ModuleList(
+        [
+            ColumnParallelLinear(n, 16, 8, tp_group=None, tp_size=1, tp_rank=0, std=0.5, seed=3)
+            for n in ("used", "unused")
+        ]
+    ).to(device=device, dtype=torch.bfloat16)
     reducer = GradReducer([layers], None, 1, overlap=False, bucket_mb=1.0)
     assert enable_grad_accumulation_fusion(layers.modules()) == 2
     used, unused = layers

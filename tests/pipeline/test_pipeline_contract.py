@@ -28,8 +28,10 @@ class MLPStack:
 
     def __init__(self, pp_rank: int, pp_size: int, num_chunks: int):
         per = NUM_BLOCKS // (pp_size * num_chunks)
-        self.chunks = [nn.Sequential(*[_block(virtual_stage(c, pp_rank, pp_size) * per + j) for j in range(per)])
-                       for c in range(num_chunks)]
+        self.chunks = [
+            nn.Sequential(*[_block(virtual_stage(c, pp_rank, pp_size) * per + j) for j in range(per)])
+            for c in range(num_chunks)
+        ]
 
     def forward_step(self, chunk_id, stage_input, microbatch, ctx: MicrobatchContext):
         x, y = microbatch
@@ -44,8 +46,7 @@ class MLPStack:
 
 def _microbatches():
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randn(3, WIDTH, generator=gen), torch.randn(3, WIDTH, generator=gen))
-            for _ in range(MICROBATCHES)]
+    return [(torch.randn(3, WIDTH, generator=gen), torch.randn(3, WIDTH, generator=gen)) for _ in range(MICROBATCHES)]
 
 
 def pipeline_grads(rank: int, world: int, schedule: str, num_chunks: int) -> dict:

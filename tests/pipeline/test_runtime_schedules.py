@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job
+
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
 
@@ -50,5 +50,6 @@ def assert_schedules_match_single_process(cluster, pp: int, combos) -> None:
             full.update(rank_grads[i])
         assert full.keys() == refs[m].keys()
         for name, g in full.items():
-            torch.testing.assert_close(g, refs[m][name], rtol=1e-4, atol=1e-6,
-                                       msg=lambda msg: f"{schedule} V={vpp} M={m} {name}: {msg}")
+            torch.testing.assert_close(
+                g, refs[m][name], rtol=1e-4, atol=1e-6, msg=lambda msg: f"{schedule} V={vpp} M={m} {name}: {msg}"
+            )

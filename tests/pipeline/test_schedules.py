@@ -63,6 +63,7 @@ def _assert_points_at(err: ScheduleError, schedule: PipelineSchedule, rank: int,
 
 # ---------------------------------------------------------------- builders
 
+
 def test_every_builder_validates_over_many_shapes():
     count = 0
     for name, pp, v, m in _legal_shapes():
@@ -80,19 +81,22 @@ def test_pp1_has_no_communication(name, v):
     assert len(schedule.actions[0]) == 2 * v * 4
 
 
-@pytest.mark.parametrize("call", [
-    lambda: build_gpipe_schedule(0, 4),
-    lambda: build_1f1b_schedule(2, 0),
-    lambda: build_interleaved_1f1b_schedule(2, 0, 4),
-    lambda: build_interleaved_1f1b_schedule(4, 2, 6),  # M not a multiple of P
-    lambda: build_schedule("zero-bubble", 2, 1, 4),
-    lambda: build_schedule("1f1b", 2, 2, 4),  # 1F1B has one chunk per rank
-    lambda: build_schedule_from_compute_order(2, 1, 1, [[Action(F, 0, 0)]], "short"),  # one rank list
-    lambda: build_schedule_from_compute_order(1, 1, 1, [[Action(SF, 0, 0, peer=0)]]),
-    lambda: build_schedule_from_compute_order(1, 1, 1, [[Action(F, 0, 5)]]),
-    # rank 1 consumes microbatch 0 that rank 0 never produces
-    lambda: build_schedule_from_compute_order(2, 1, 2, [[Action(F, 0, 1)], [Action(F, 0, 0)]]),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: build_gpipe_schedule(0, 4),
+        lambda: build_1f1b_schedule(2, 0),
+        lambda: build_interleaved_1f1b_schedule(2, 0, 4),
+        lambda: build_interleaved_1f1b_schedule(4, 2, 6),  # M not a multiple of P
+        lambda: build_schedule("zero-bubble", 2, 1, 4),
+        lambda: build_schedule("1f1b", 2, 2, 4),  # 1F1B has one chunk per rank
+        lambda: build_schedule_from_compute_order(2, 1, 1, [[Action(F, 0, 0)]], "short"),  # one rank list
+        lambda: build_schedule_from_compute_order(1, 1, 1, [[Action(SF, 0, 0, peer=0)]]),
+        lambda: build_schedule_from_compute_order(1, 1, 1, [[Action(F, 0, 5)]]),
+        # rank 1 consumes microbatch 0 that rank 0 never produces
+        lambda: build_schedule_from_compute_order(2, 1, 2, [[Action(F, 0, 1)], [Action(F, 0, 0)]]),
+    ],
+)
 def test_impossible_inputs_raise_one_line_value_error(call):
     with pytest.raises(ValueError) as info:
         call()
@@ -119,10 +123,17 @@ def test_1f1b_middle_rank_steady_state_is_megatrons_pattern():
     schedule = build_1f1b_schedule(4, 8)
     actions = schedule.actions[1]  # warmup is 4-1-1 = 2, so steady state pairs F(i+2) with B(i)
     i, j = 1, 3
-    expected = [Action(F, 0, j), Action(SF, 0, j, peer=2), Action(RB, 0, i, peer=2), Action(B, 0, i),
-                Action(SB, 0, i, peer=0), Action(RF, 0, j + 1, peer=0), Action(F, 0, j + 1)]
+    expected = [
+        Action(F, 0, j),
+        Action(SF, 0, j, peer=2),
+        Action(RB, 0, i, peer=2),
+        Action(B, 0, i),
+        Action(SB, 0, i, peer=0),
+        Action(RF, 0, j + 1, peer=0),
+        Action(F, 0, j + 1),
+    ]
     start = actions.index(expected[0])
-    assert list(actions[start:start + len(expected)]) == expected
+    assert list(actions[start : start + len(expected)]) == expected
     assert (start + 1, start + 3) in comm_batches(actions)
     assert (start + 4, start + 6) in comm_batches(actions)
 
@@ -137,13 +148,29 @@ def test_interleaved_order_matches_hand_derivation():
     f_steps = [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
     b_steps = [(1, 0), (1, 1), (0, 0), (0, 1), (1, 2), (1, 3), (0, 2), (0, 3)]
     assert f_steps == [((k // 2) % 2, (k // 4) * 2 + k % 2) for k in range(8)]
-    rank0 = ([_c(F, 0, 0), _c(F, 0, 1), _c(F, 1, 0), _c(F, 1, 1)]
-             + [_c(F, 0, 2), _c(B, 1, 0), _c(F, 0, 3), _c(B, 1, 1), _c(F, 1, 2), _c(B, 0, 0), _c(F, 1, 3), _c(B, 0, 1)]
-             + [_c(B, 1, 2), _c(B, 1, 3), _c(B, 0, 2), _c(B, 0, 3)])
-    rank1 = ([_c(F, 0, 0), _c(F, 0, 1)]
-             + [_c(F, 1, 0), _c(B, 1, 0), _c(F, 1, 1), _c(B, 1, 1), _c(F, 0, 2), _c(B, 0, 0),
-                _c(F, 0, 3), _c(B, 0, 1), _c(F, 1, 2), _c(B, 1, 2), _c(F, 1, 3), _c(B, 1, 3)]
-             + [_c(B, 0, 2), _c(B, 0, 3)])
+    rank0 = (
+        [_c(F, 0, 0), _c(F, 0, 1), _c(F, 1, 0), _c(F, 1, 1)]
+        + [_c(F, 0, 2), _c(B, 1, 0), _c(F, 0, 3), _c(B, 1, 1), _c(F, 1, 2), _c(B, 0, 0), _c(F, 1, 3), _c(B, 0, 1)]
+        + [_c(B, 1, 2), _c(B, 1, 3), _c(B, 0, 2), _c(B, 0, 3)]
+    )
+    rank1 = (
+        [_c(F, 0, 0), _c(F, 0, 1)]
+        + [
+            _c(F, 1, 0),
+            _c(B, 1, 0),
+            _c(F, 1, 1),
+            _c(B, 1, 1),
+            _c(F, 0, 2),
+            _c(B, 0, 0),
+            _c(F, 0, 3),
+            _c(B, 0, 1),
+            _c(F, 1, 2),
+            _c(B, 1, 2),
+            _c(F, 1, 3),
+            _c(B, 1, 3),
+        ]
+        + [_c(B, 0, 2), _c(B, 0, 3)]
+    )
     assert [(a.chunk, a.microbatch) for a in rank1 if a.kind is B] == b_steps
     schedule = build_interleaved_1f1b_schedule(2, 2, 4)
     assert _computes(schedule.actions[0]) == rank0
@@ -171,9 +198,13 @@ def test_interleaved_steady_state_batches_like_megatron_core():
         at = actions.index(b)
         assert actions[at - 1] == f  # F and B back to back, no comm between them
         end = next(e for s, e in comm_batches(actions) if s == at + 1)
-        got = {(a.kind, a.chunk, a.microbatch) for a in actions[at + 1:end]}
-        assert got == {(SF, f.chunk, f.microbatch), (SB, b.chunk, b.microbatch),
-                       (RF, next_f.chunk, next_f.microbatch), (RB, next_b.chunk, next_b.microbatch)}
+        got = {(a.kind, a.chunk, a.microbatch) for a in actions[at + 1 : end]}
+        assert got == {
+            (SF, f.chunk, f.microbatch),
+            (SB, b.chunk, b.microbatch),
+            (RF, next_f.chunk, next_f.microbatch),
+            (RB, next_b.chunk, next_b.microbatch),
+        }
 
 
 def test_bubble_fractions_match_theory():
@@ -216,7 +247,8 @@ def test_timeline_ticks_by_hand():
     schedule = build_gpipe_schedule(2, 1)
     assert [list(map(str, a)) for a in schedule.actions] == [
         ["F(c0,m0)", "SF(c0,m0)->1", "RB(c0,m0)<-1", "B(c0,m0)"],
-        ["RF(c0,m0)<-0", "F(c0,m0)", "B(c0,m0)", "SB(c0,m0)->0"]]
+        ["RF(c0,m0)<-0", "F(c0,m0)", "B(c0,m0)", "SB(c0,m0)->0"],
+    ]
     # Rank 0's SF and RB are one batch: it completes only when rank 1 posts SB at tick 4.
     assert simulate_schedule(schedule) == [[0, 4, 4, 4], [1, 1, 2, 4]]
 
@@ -231,12 +263,15 @@ def test_render_schedule_has_one_row_per_rank():
 
 # ------------------------------------------------- custom orders and hoisting
 
+
 def test_one_compute_steps_for_interleaved_are_made_deadlock_free():
     # Flattened into single-compute steps, lazy recvs would deadlock (see comm_placement.py);
     # the placement must hoist recvs until it runs.
     pp, v, m = 2, 2, 4
-    orders = [[a for s in compute_interleaved_steps(pp, r, v, m) for a in (s if isinstance(s, tuple) else (s,))]
-              for r in range(pp)]
+    orders = [
+        [a for s in compute_interleaved_steps(pp, r, v, m) for a in (s if isinstance(s, tuple) else (s,))]
+        for r in range(pp)
+    ]
     validate_schedule(build_schedule_from_compute_order(pp, v, m, orders))
 
 
@@ -279,6 +314,7 @@ def test_cyclic_compute_orders_are_rejected():
 
 
 # ------------------------------------------------------- validator rejects
+
 
 def test_rejects_dropped_recv():
     good = build_1f1b_schedule(4, 8)
@@ -357,8 +393,16 @@ def test_rejects_out_of_range_ids():
 def test_rejects_deadlocking_reorder():
     # Both ranks post a recv, in its own batch, before the send the other one waits for.
     good = build_1f1b_schedule(2, 2)
-    rank0 = [Action(F, 0, 0), Action(RB, 0, 0, peer=1), Action(F, 0, 1), Action(SF, 0, 0, peer=1),
-             Action(SF, 0, 1, peer=1), Action(B, 0, 0), Action(RB, 0, 1, peer=1), Action(B, 0, 1)]
+    rank0 = [
+        Action(F, 0, 0),
+        Action(RB, 0, 0, peer=1),
+        Action(F, 0, 1),
+        Action(SF, 0, 0, peer=1),
+        Action(SF, 0, 1, peer=1),
+        Action(B, 0, 0),
+        Action(RB, 0, 1, peer=1),
+        Action(B, 0, 1),
+    ]
     assert sorted(map(str, rank0)) == sorted(map(str, good.actions[0]))
     bad = _with_rank(good, 0, rank0)
     with pytest.raises(ScheduleError, match="deadlock") as info:

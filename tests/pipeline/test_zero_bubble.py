@@ -4,15 +4,14 @@ shapes, at 1F1B's memory, mutations rejected in one line, and the same gradients
 from __future__ import annotations
 
 import pytest
+from test_runtime_schedules import NUM_LAYERS, assert_schedules_match_single_process
 
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule
 from megatronapp.pipeline.schedules import build_schedule
 from megatronapp.pipeline.validate import ScheduleError, validate_schedule
 from megatronapp.pipeline.zero_bubble import compute_peak_live
-from test_runtime_schedules import NUM_LAYERS, assert_schedules_match_single_process
 
-F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
-              ActionKind.BACKWARD_WEIGHT)
+F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 
 
 def _shapes():
@@ -36,8 +35,9 @@ def test_zero_bubble_schedules_validate_at_their_base_memory():
             base_computes = [a for a in base.actions[rank] if not a.kind.is_comm]
             assert compute_peak_live(computes) <= compute_peak_live(base_computes), (name, pp, v, m, rank)
             # the forwards and input gradients keep the base order
-            assert [(a.kind is F, a.chunk, a.microbatch) for a in computes if a.kind is not W] == \
-                [(a.kind is F, a.chunk, a.microbatch) for a in base_computes]
+            assert [(a.kind is F, a.chunk, a.microbatch) for a in computes if a.kind is not W] == [
+                (a.kind is F, a.chunk, a.microbatch) for a in base_computes
+            ]
         count += 1
     assert count > 150
 
@@ -63,7 +63,7 @@ def test_rejects_w_before_its_input_gradient():
     good = build_schedule("zb-h1", 2, 1, 4)
     actions = list(good.actions[1])
     w = actions.index(Action(W, 0, 0))
-    moved = actions[:w] + actions[w + 1:]
+    moved = actions[:w] + actions[w + 1 :]
     moved.insert(moved.index(Action(I, 0, 0)), Action(W, 0, 0))
     with pytest.raises(ScheduleError, match="W before its I") as info:
         validate_schedule(_with_rank(good, 1, moved))

@@ -64,7 +64,7 @@ def program_and_args(argv: list[str]) -> tuple[str, list[str]] | None:
     if argv[0] == "megatronapp":
         return "megatronapp", argv[1:]
     if "megatronapp.cli.main" in argv:  # python -m / torchrun ... -m megatronapp.cli.main
-        return "megatronapp", argv[argv.index("megatronapp.cli.main") + 1:]
+        return "megatronapp", argv[argv.index("megatronapp.cli.main") + 1 :]
     if argv[0] in ("python", "python3") and len(argv) > 1 and argv[1].endswith(".py"):
         return argv[1], argv[2:]
     return None
@@ -119,8 +119,7 @@ def test_the_documents_publish_commands_of_every_kind():
     assert "megatronapp" in programs and len([p for p in programs if p.startswith("benchmarks/")]) >= 8
 
 
-@pytest.mark.parametrize("where,program,args", COMMANDS,
-                         ids=[f"{w}:{p}:{' '.join(a)[:60]}" for w, p, a in COMMANDS])
+@pytest.mark.parametrize("where,program,args", COMMANDS, ids=[f"{w}:{p}:{' '.join(a)[:60]}" for w, p, a in COMMANDS])
 def test_a_documented_command_parses(where, program, args):
     parser = build_cli_parser() if program == "megatronapp" else load_parser(program)
     error = parse_error(parser, args)
@@ -133,7 +132,11 @@ def test_a_renamed_flag_or_script_is_caught(tmp_path):
     assert parse_error(load_parser("benchmarks/scan_scale.py"), ["--repeats", "three"]) is not None
     with pytest.raises(AssertionError, match="no such script"):
         load_parser("benchmarks/removed_probe.py")
-    assert split_commands("PYTHONPATH=. python benchmarks/a.py --x 1 [--y 2] && megatronapp train ... # c") == \
-        [["PYTHONPATH=.", "python", "benchmarks/a.py", "--x", "1", "--y", "2"], ["megatronapp", "train"]]
-    assert extract_shell_lines("```bash\nmegatronapp train \\\n  --seed 1 \\   # why\n  --bf16\n```\n") == \
-        ["megatronapp train --seed 1 \\   # why", "--bf16"]
+    assert split_commands("PYTHONPATH=. python benchmarks/a.py --x 1 [--y 2] && megatronapp train ... # c") == [
+        ["PYTHONPATH=.", "python", "benchmarks/a.py", "--x", "1", "--y", "2"],
+        ["megatronapp", "train"],
+    ]
+    assert extract_shell_lines("```bash\nmegatronapp train \\\n  --seed 1 \\   # why\n  --bf16\n```\n") == [
+        "megatronapp train --seed 1 \\   # why",
+        "--bf16",
+    ]

@@ -30,10 +30,9 @@ def test_written_files_get_the_umask_permissions_not_mkstemps_0600(tmp_path):
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     target = tmp_path / "summary.json"
     write_text_atomic(target, "old")
-    with pytest.raises(RuntimeError):
-        with atomic_path(target) as tmp:
-            tmp.write_text("half")
-            raise RuntimeError("interrupted")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("interrupted")
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 

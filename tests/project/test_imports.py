@@ -62,6 +62,7 @@ def build_import_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
 
 def collapse_to_packages(graph: dict[str, dict[str, int]], depth: int = 2) -> dict[str, dict[str, str]]:
     """The graph over names cut to `depth` parts; each edge keeps one module edge as evidence."""
+
     def cut(name: str) -> str:
         return ".".join(name.split(".")[:depth])
 
@@ -167,29 +168,36 @@ def _write_package(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_finds_a_cycle_through_a_function_level_import(tmp_path):
-    pkg = _write_package(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from pkg import b\n",
-        "pkg/b.py": "def f():\n    from pkg.c import g\n",
-        "pkg/c.py": "from . import a\n",
-        "pkg/d.py": "import pkg.a\n",  # into the cycle, not part of it
-    })
+    pkg = _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg import b\n",
+            "pkg/b.py": "def f():\n    from pkg.c import g\n",
+            "pkg/c.py": "from . import a\n",
+            "pkg/d.py": "import pkg.a\n",  # into the cycle, not part of it
+        },
+    )
     graph = build_import_graph(list_modules(pkg))
     assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
     assert describe(find_cycles(graph)[0], graph) == (
-        "import cycle: pkg.a -> pkg.b (1); pkg.b -> pkg.c (2); pkg.c -> pkg.a (1)")
+        "import cycle: pkg.a -> pkg.b (1); pkg.b -> pkg.c (2); pkg.c -> pkg.a (1)"
+    )
 
 
 def test_finds_a_package_cycle_without_a_module_cycle(tmp_path):
     """config imports model.recompute and model.gpt imports config: no module loops, the
     packages do."""
-    pkg = _write_package(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/config.py": "from pkg.model.recompute import X\n",
-        "pkg/model/__init__.py": "",
-        "pkg/model/recompute.py": "X = 1\n",
-        "pkg/model/gpt.py": "from pkg.config import Y\n",
-    })
+    pkg = _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/config.py": "from pkg.model.recompute import X\n",
+            "pkg/model/__init__.py": "",
+            "pkg/model/recompute.py": "X = 1\n",
+            "pkg/model/gpt.py": "from pkg.config import Y\n",
+        },
+    )
     graph = build_import_graph(list_modules(pkg))
     assert find_cycles(graph) == []
     assert find_cycles(collapse_to_packages(graph)) == [["pkg.config", "pkg.model", "pkg.config"]]

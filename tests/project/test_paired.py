@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from megatronapp.paired import (bootstrap_median_ci, compute_position_effect, pair_plan, run_rounds,
-                                summarize_rounds)
+from megatronapp.paired import bootstrap_median_ci, compute_position_effect, pair_plan, run_rounds, summarize_rounds
 
 VARIANTS = ("off", "base", "full")
 
@@ -48,7 +47,7 @@ def test_paired_rounds_resolve_one_percent_under_twenty_percent_drift():
 def test_round_order_is_random_but_seeded():
     seen = []
     run_rounds(lambda v: seen.append(v) or {"steps_s": 1.0}, VARIANTS, 12, seed=3)
-    rounds = [tuple(seen[k:k + 3]) for k in range(0, len(seen), 3)]
+    rounds = [tuple(seen[k : k + 3]) for k in range(0, len(seen), 3)]
     assert all(sorted(r) == sorted(VARIANTS) for r in rounds) and len(set(rounds)) > 1
     again = []
     run_rounds(lambda v: again.append(v) or {"steps_s": 1.0}, VARIANTS, 12, seed=3)

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from megatronapp.scan.analyze.detect_config import DetectConfig, is_late_by_own_work
 from megatronapp.scan.analyze.detect_arrival import compare_arrivals, compute_arrival_samples, min_wait_share
+from megatronapp.scan.analyze.detect_config import DetectConfig, is_late_by_own_work
 from megatronapp.scan.analyze.detect_links import P2PMessage
 from megatronapp.scan.analyze.detect_rules import CollectiveInstance
 
@@ -17,8 +17,9 @@ MS = 1_000_000
 GROUP = "0:[0, 1, 2, 3]"
 
 
-def _dp_job(world: int, work_ms: dict[int, float], waits_ms: dict[int, float], iterations: int = 12,
-            seed: int = 0) -> tuple[list[CollectiveInstance], list[P2PMessage]]:
+def _dp_job(
+    world: int, work_ms: dict[int, float], waits_ms: dict[int, float], iterations: int = 12, seed: int = 0
+) -> tuple[list[CollectiveInstance], list[P2PMessage]]:
     """One all-reduce per iteration among `world` DP ranks. Each rank works work_ms[r] (default 10)
     after the previous all-reduce ends, with 5% jitter, plus waits_ms[r] spent in a receive from
     rank `world` (outside the group) before it arrives."""
@@ -34,8 +35,9 @@ def _dp_job(world: int, work_ms: dict[int, float], waits_ms: dict[int, float], i
             spans[r] = int(t + wait + work)
         last = max(spans, key=lambda r: (spans[r], r))
         end = spans[last] + MS
-        instances.append(CollectiveInstance(GROUP, "dp", it, it, {r: (s, end) for r, s in spans.items()},
-                                            last, spans[last]))
+        instances.append(
+            CollectiveInstance(GROUP, "dp", it, it, {r: (s, end) for r, s in spans.items()}, last, spans[last])
+        )
         t = end
     return instances, messages
 
@@ -49,8 +51,11 @@ def _ten_collectives_an_iteration(iterations: int, work_ns) -> list[CollectiveIn
             spans = {r: int(t + work_ns(r, k)) for r in range(4)}
             last = max(spans, key=lambda r: (spans[r], r))
             end = spans[last] + MS // 10
-            instances.append(CollectiveInstance(GROUP, "dp", it * 10 + k, it, {r: (s, end) for r, s in spans.items()},
-                                                last, spans[last]))
+            instances.append(
+                CollectiveInstance(
+                    GROUP, "dp", it * 10 + k, it, {r: (s, end) for r, s in spans.items()}, last, spans[last]
+                )
+            )
             t = end
     return instances
 
@@ -95,7 +100,8 @@ def test_a_straggler_late_only_at_the_first_of_many_collectives_per_iteration_is
     only; afterwards it is in lockstep with the others (last about as often as they)."""
     rng = random.Random(3)
     instances = _ten_collectives_an_iteration(
-        12, lambda r, k: (8.0 if (r == 1 and k == 0) else 2.0) * MS * rng.uniform(0.97, 1.03))
+        12, lambda r, k: (8.0 if (r == 1 and k == 0) else 2.0) * MS * rng.uniform(0.97, 1.03)
+    )
     assert _named(instances, []) == [1]
     stats = compare_arrivals(compute_arrival_samples(instances, []), instances, 1.2)[1]
     assert stats.last_share < 0.5 < 0.9 < stats.wait_share  # last at a few, but the cause of nearly all waiting
@@ -115,11 +121,25 @@ def test_a_rank_late_because_its_send_waited_for_a_blocked_receiver_is_not_named
     messages = []
     for prev, inst in zip(instances, instances[1:]):  # to rank 4 (outside the group), posted 4 ms late
         start = prev.spans[2][1] + MS
-        messages.append(P2PMessage(2, 4, inst.iteration, inst.seq, 1024, start, start + 4 * MS, start + 4 * MS,
-                                   start + 4 * MS + MS // 10, send_end=start + 4 * MS + MS // 10))
+        messages.append(
+            P2PMessage(
+                2,
+                4,
+                inst.iteration,
+                inst.seq,
+                1024,
+                start,
+                start + 4 * MS,
+                start + 4 * MS,
+                start + 4 * MS + MS // 10,
+                send_end=start + 4 * MS + MS // 10,
+            )
+        )
     assert _named(instances, messages) == []
-    blind = [P2PMessage(m.src, m.dst, m.iteration, m.seq, m.bytes, m.send_start, m.recv_start, m.wait_start,
-                        m.recv_end) for m in messages]  # the send's end unknown: its wait is not seen
+    blind = [
+        P2PMessage(m.src, m.dst, m.iteration, m.seq, m.bytes, m.send_start, m.recv_start, m.wait_start, m.recv_end)
+        for m in messages
+    ]  # the send's end unknown: its wait is not seen
     assert _named(instances, blind) == [2]
 
 
@@ -129,7 +149,8 @@ def _jittery_fsdp_job(extra_ms: float, seed: int) -> list[CollectiveInstance]:
     before the first one only (its data step)."""
     rng = random.Random(seed)
     return _ten_collectives_an_iteration(
-        16, lambda r, k: (2.0 + (extra_ms if (r == 1 and k == 0) else 0.0) + rng.expovariate(1.0)) * MS)
+        16, lambda r, k: (2.0 + (extra_ms if (r == 1 and k == 0) else 0.0) + rng.expovariate(1.0)) * MS
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -150,7 +171,6 @@ def test_the_wait_share_bar_is_measured_from_a_fair_share():
     assert min_wait_share(0.25, 1.0) == pytest.approx(1.0)
 
 
-
 def _job_with_stretched_receives(stretched: set[int], send_end_known: bool) -> tuple[list, list]:
     """4 DP ranks working 10 ms an iteration; before its work rank 2 receives from rank 4 (outside the
     group), sent 1 ms into the iteration. In `stretched` iterations the sender was frozen inside that
@@ -158,9 +178,10 @@ def _job_with_stretched_receives(stretched: set[int], send_end_known: bool) -> t
     instances, messages, t = [], [], 0
     for it in range(12):
         landed = t + (21 if it in stretched else 1) * MS
-        messages.append(P2PMessage(4, 2, it, it, 1024, t + MS, t, t, landed,
-                                   send_end=landed - MS // 10 if send_end_known else -1))
-        spans = {r: t + 10 * MS for r in (0, 1, 3)} | {2: landed + 10 * MS}
+        messages.append(
+            P2PMessage(4, 2, it, it, 1024, t + MS, t, t, landed, send_end=landed - MS // 10 if send_end_known else -1)
+        )
+        spans = dict.fromkeys((0, 1, 3), t + 10 * MS) | {2: landed + 10 * MS}
         end = spans[2] + MS
         instances.append(CollectiveInstance(GROUP, "dp", it, it, {r: (s, end) for r, s in spans.items()}, 2, spans[2]))
         t = end
@@ -173,11 +194,16 @@ def test_a_receive_stretched_by_a_sender_frozen_mid_send_is_waiting_not_own_work
     the send's return, the stretch is the receiver's own work in those iterations (a pipeline
     neighbour of a quota-throttled stage was named intermittently slow this way)."""
     stretched = {3, 7, 10}
-    own = {it: s for s in compute_arrival_samples(*_job_with_stretched_receives(stretched, True)) if s.rank == 2
-           for it in [s.iteration]}
+    own = {
+        it: s
+        for s in compute_arrival_samples(*_job_with_stretched_receives(stretched, True))
+        if s.rank == 2
+        for it in [s.iteration]
+    }
     assert own and all(s.own_ns < 1.2 * s.peer_own_ns for s in own.values())
-    blind = {s.iteration: s for s in compute_arrival_samples(*_job_with_stretched_receives(stretched, False))
-             if s.rank == 2}
+    blind = {
+        s.iteration: s for s in compute_arrival_samples(*_job_with_stretched_receives(stretched, False)) if s.rank == 2
+    }
     assert all(blind[it].own_ns > 2 * blind[it].peer_own_ns for it in stretched)
 
 
@@ -191,7 +217,7 @@ def test_a_send_blocked_by_a_receiver_frozen_mid_receive_is_waiting_not_own_work
     for it in range(12):
         drained = t + (21 if it in stretched else 1) * MS
         messages.append(P2PMessage(2, 4, it, it, 1024, t, t, t, drained, send_end=drained - MS // 10))
-        spans = {r: t + 10 * MS for r in (0, 1, 3)} | {2: drained + 10 * MS}
+        spans = dict.fromkeys((0, 1, 3), t + 10 * MS) | {2: drained + 10 * MS}
         end = spans[2] + MS
         instances.append(CollectiveInstance(GROUP, "dp", it, it, {r: (s, end) for r, s in spans.items()}, 2, spans[2]))
         t = end
@@ -212,9 +238,10 @@ def test_time_in_another_groups_slow_collective_is_not_own_work():
             instances.append(CollectiveInstance(f"emb:[{peer},{r}]", "pp", it, it, {peer: (t, end), r: (t, end)}, r, t))
             spans[r] = end + 10 * MS
         end = max(spans.values()) + MS
-        instances.append(CollectiveInstance("2:[2,3]", "dp", it, it, {r: (s, end) for r, s in spans.items()}, 2, spans[2]))
+        instances.append(
+            CollectiveInstance("2:[2,3]", "dp", it, it, {r: (s, end) for r, s in spans.items()}, 2, spans[2])
+        )
         t = end
     samples = [s for s in compute_arrival_samples(instances, []) if s.family == "dp" and s.rank == 2]
     assert samples and all(s.lateness_ns > 15 * MS and s.own_ns < 1.2 * s.peer_own_ns for s in samples)
     assert _named(instances, []) == []
-

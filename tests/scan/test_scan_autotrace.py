@@ -11,9 +11,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 from megatronapp.scan.record.format import load_trace_dir
-from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -21,8 +21,14 @@ STEPS = 8
 
 def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "megatronapp.cli.main", "trace", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "megatronapp.cli.main", "trace", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 # Clean runs use a real step's worth of compute. With the scripts' default toy sizes a traced CPU
@@ -32,10 +38,24 @@ WORK = ("--hidden", "1024", "--batch", "128")
 
 
 def _trace_run(trace_dir: Path, script: str, *extra: str, steps: int = STEPS, script_args: tuple = ()) -> dict:
-    res = _cli(["run", "--nproc-per-node", "2", "--trace-dir", str(trace_dir), "--json", *extra,
-                "--", f"examples/{script}", "--steps", str(steps), *script_args])
+    res = _cli(
+        [
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--trace-dir",
+            str(trace_dir),
+            "--json",
+            *extra,
+            "--",
+            f"examples/{script}",
+            "--steps",
+            str(steps),
+            *script_args,
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout[res.stdout.index("{"):])
+    return json.loads(res.stdout[res.stdout.index("{") :])
 
 
 def _comm_by_rank(trace_dir: Path) -> dict[int, list[dict]]:
@@ -54,8 +74,9 @@ def test_ddp_buckets_are_traced_on_every_rank_and_nobody_is_named(ddp_clean):
     assert sorted(comm) == [0, 1]
     iterations = {r["iteration"] for rows in comm.values() for r in rows}
     assert iterations == set(range(1, STEPS))  # iteration 0 untraced, the tail after the last step dropped
-    per_rank = {rank: Counter((r["group"], r["seq"]) for r in rows if r["op"] == "all_reduce")
-                for rank, rows in comm.items()}
+    per_rank = {
+        rank: Counter((r["group"], r["seq"]) for r in rows if r["op"] == "all_reduce") for rank, rows in comm.items()
+    }
     assert per_rank[0] == per_rank[1] and len(per_rank[0]) >= STEPS - 1  # >= 1 bucket per iteration, all matched
     assert report["suspects"] == []
     doc = json.loads((trace_dir / "timeline.json").read_text())
@@ -91,8 +112,12 @@ def test_fsdp2_gathers_and_scatters_are_traced_with_module_spans(fsdp_clean):
             members[r["group"], r["seq"]].add(rank)
     assert all(m == {0, 1} for m in members.values())
     assert report["suspects"] == []
-    modules = Counter((r["name"], r["op"]) for t in load_trace_dir(trace_dir) for r in t.events.to_pylist()
-                      if r["op"] in ("module_forward", "module_backward") and t.rank == 0)
+    modules = Counter(
+        (r["name"], r["op"])
+        for t in load_trace_dir(trace_dir)
+        for r in t.events.to_pylist()
+        if r["op"] in ("module_forward", "module_backward") and t.rank == 0
+    )
     assert modules[("Linear", "module_forward")] == 7 * (STEPS - 1)  # 2 per block + head
     assert modules[("Linear", "module_backward")] == 7 * (STEPS - 1)
     assert_perfetto_reads_flows(trace_dir / "timeline.json", report["flows"])
@@ -113,22 +138,39 @@ def test_explicit_step_marker_sets_iterations(tmp_path):
         "    m(torch.ones(2, 4)).sum().backward()\n"
         "    for o in opts:\n"
         "        o.step()\n"
-        "    megatronapp.scan.step()\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MEGATRONAPP_TRACE_DIR": str(tmp_path / "t"),
-           "RANK": "0", "WORLD_SIZE": "1"}
-    res = subprocess.run([sys.executable, "-m", "megatronapp.scan.record.run", str(script)], capture_output=True,
-                         text=True, timeout=120, env=env)
+        "    megatronapp.scan.step()\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MEGATRONAPP_TRACE_DIR": str(tmp_path / "t"),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    res = subprocess.run(
+        [sys.executable, "-m", "megatronapp.scan.record.run", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     rows = load_trace_dir(tmp_path / "t")[0].events.to_pylist()
     assert sorted(r["iteration"] for r in rows if r["name"] == "iteration") == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "--nproc-per-node", "2"], "no program given"),
-    (["run", "--", "missing.py"], "is not a Python script file"),
-    (["run", "--nproc-per-node", "2", "--inject-slowdown", "2:2", "--", "examples/ddp_train.py"], "outside world size 2"),
-    (["run", "--trace-interval", "0", "--", "examples/ddp_train.py"], "interval must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--nproc-per-node", "2"], "no program given"),
+        (["run", "--", "missing.py"], "is not a Python script file"),
+        (
+            ["run", "--nproc-per-node", "2", "--inject-slowdown", "2:2", "--", "examples/ddp_train.py"],
+            "outside world size 2",
+        ),
+        (["run", "--trace-interval", "0", "--", "examples/ddp_train.py"], "interval must be >= 1"),
+    ],
+)
 def test_trace_run_bad_input_is_one_line_exit_2(args, message):
     res = _cli(args, timeout=60)
     lines = [line for line in res.stderr.splitlines() if line.strip()]

@@ -13,19 +13,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from scan_simulation import SimulatedJob, simulate_job_traces
 
 from megatronapp.parallel.layout import ParallelLayout
-from megatronapp.scan.analyze import detect_path as paths
 from megatronapp.scan.analyze import detect_links as p2p
+from megatronapp.scan.analyze import detect_path as paths
 from megatronapp.scan.analyze import detect_rules as rules
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectInputError
+from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.cli import add_trace_subcommands
-from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
-from megatronapp.scan.record.format import TraceWriter, trace_file_name
 from megatronapp.scan.merge.matching import index_comm_events
-from scan_simulation import SimulatedJob, simulate_job_traces
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
 
 LAYOUTS = {
     "PP2xDP2": dict(pp_size=2, dp_size=2),
@@ -47,12 +47,22 @@ def _run(job: SimulatedJob, config: DetectConfig = DetectConfig()):
 # -- slow compute ----------------------------------------------------------------------------
 
 
-_SLOW_RANKS = [("PP2xDP2", 2), ("PP2xDP2", 1), ("TP2xPP2xDP2", 5), ("TP2xPP2xDP2", 0), ("DP4", 3),
-               ("PP4", 2), ("PP4", 1), ("TP2xPP2", 3)]
+_SLOW_RANKS = [
+    ("PP2xDP2", 2),
+    ("PP2xDP2", 1),
+    ("TP2xPP2xDP2", 5),
+    ("TP2xPP2xDP2", 0),
+    ("DP4", 3),
+    ("PP4", 2),
+    ("PP4", 1),
+    ("TP2xPP2", 3),
+]
 
 
-@pytest.mark.parametrize("layout,rank,factor", [(lay, r, f) for lay, r in _SLOW_RANKS for f in (1.3, 2.0)]
-                         + [("PP4", 0, 2.0), ("PP4", 3, 2.0)])  # PP-only edge stages: see the next test
+@pytest.mark.parametrize(
+    "layout,rank,factor",
+    [(lay, r, f) for lay, r in _SLOW_RANKS for f in (1.3, 2.0)] + [("PP4", 0, 2.0), ("PP4", 3, 2.0)],
+)  # PP-only edge stages: see the next test
 def test_slow_compute_rank_is_named_not_its_victims(layout, rank, factor):
     job = _job(layout, slow_rank=rank, slow_factor=factor, seed=rank)
     report = _run(job)
@@ -107,8 +117,10 @@ def test_slow_compute_does_not_make_its_links_look_slow():
 # -- slow link -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout,link,delay_ms", [("TP2xPP2xDP2", (0, 4), 3), ("TP2xPP2xDP2", (7, 3), 4),
-                                                  ("PP4", (1, 2), 3), ("PP2xDP2", (3, 1), 5)])
+@pytest.mark.parametrize(
+    "layout,link,delay_ms",
+    [("TP2xPP2xDP2", (0, 4), 3), ("TP2xPP2xDP2", (7, 3), 4), ("PP4", (1, 2), 3), ("PP2xDP2", (3, 1), 5)],
+)
 def test_slow_link_is_named_with_its_source(layout, link, delay_ms):
     report = _run(_job(layout, slow_link=link, link_delay_ns=delay_ms * 1_000_000, seed=1))
     assert [(s.cause, s.link, s.rank) for s in report.suspects] == [("slow_link", link, link[0])]
@@ -136,8 +148,17 @@ def test_critical_path_follows_the_wait_to_the_sender():
     # 12 ms (2 ms on the wire), computes until 20 ms. The path is rank 1's tail, the wire,
     # then rank 0's compute: rank 1's idle 1..10 ms is not on it.
     ms = 1_000_000
-    msg = p2p.P2PMessage(src=0, dst=1, iteration=0, seq=0, bytes=8, send_start=10 * ms, recv_start=1 * ms,
-                           wait_start=1 * ms, recv_end=12 * ms)
+    msg = p2p.P2PMessage(
+        src=0,
+        dst=1,
+        iteration=0,
+        seq=0,
+        bytes=8,
+        send_start=10 * ms,
+        recv_start=1 * ms,
+        wait_start=1 * ms,
+        recv_end=12 * ms,
+    )
     spans = {0: (0, 11 * ms), 1: (1 * ms, 20 * ms)}
     path = paths.compute_critical_path(0, spans, paths.build_blocking_events(0, [msg], []))
     assert path.duration_ns == 20 * ms
@@ -162,8 +183,14 @@ def test_clean_noisy_runs_name_nobody(layout, seed):
 
 def test_a_lower_threshold_would_flag_noise_so_the_margin_matters():
     # Guard against a vacuous clean-run test: the same traces do trip an over-eager rule.
-    eager = DetectConfig(compute_min_ratio=1.0, compute_min_consistency=0.0, compute_min_z=0.0,
-                         link_min_ratio=1.0, link_min_excess_ns=0, link_min_consistency=0.0)
+    eager = DetectConfig(
+        compute_min_ratio=1.0,
+        compute_min_consistency=0.0,
+        compute_min_z=0.0,
+        link_min_ratio=1.0,
+        link_min_excess_ns=0,
+        link_min_consistency=0.0,
+    )
     report = _run(_job("TP2xPP2xDP2", seed=100, noise=0.15, hiccup_prob=0.05), eager)
     assert report.suspects
 
@@ -172,8 +199,7 @@ def test_a_lower_threshold_would_flag_noise_so_the_margin_matters():
 
 
 def test_suspects_are_ordered_most_likely_first():
-    report = _run(_job("TP2xPP2xDP2", slow_rank=2, slow_factor=2.0, slow_link=(5, 1),
-                       link_delay_ns=3_000_000, seed=4))
+    report = _run(_job("TP2xPP2xDP2", slow_rank=2, slow_factor=2.0, slow_link=(5, 1), link_delay_ns=3_000_000, seed=4))
     assert {(s.cause, s.rank) for s in report.suspects} == {("slow_compute", 2), ("slow_link", 5)}
     conf = [s.confidence for s in report.suspects]
     assert conf == sorted(conf, reverse=True)
@@ -237,8 +263,9 @@ def test_unkeyed_grad_reduce_spans_still_count_as_dp_collectives():
     assert report.suspects[0].evidence["last_arrival_share"]["dp"] > 0.6
 
 
-@pytest.mark.parametrize("bad", [dict(compute_min_ratio=0.9), dict(link_min_consistency=1.5),
-                                 dict(min_samples=0), dict(iterations=(4, 2))])
+@pytest.mark.parametrize(
+    "bad", [dict(compute_min_ratio=0.9), dict(link_min_consistency=1.5), dict(min_samples=0), dict(iterations=(4, 2))]
+)
 def test_config_validation(bad):
     with pytest.raises(ValueError):
         DetectConfig(**bad)
@@ -270,8 +297,11 @@ def _cli(argv):
 def test_cli_aligns_skewed_clocks_and_reports(tmp_path, capsys):
     faulty, clean = tmp_path / "faulty", tmp_path / "clean"
     faulty.mkdir(), clean.mkdir()
-    _write_trace_dir(faulty, simulate_job_traces(_job("TP2xPP2xDP2", slow_link=(2, 6), link_delay_ns=4_000_000)),
-                     {6: 30_000_000, 3: -20_000_000})
+    _write_trace_dir(
+        faulty,
+        simulate_job_traces(_job("TP2xPP2xDP2", slow_link=(2, 6), link_delay_ns=4_000_000)),
+        {6: 30_000_000, 3: -20_000_000},
+    )
     _write_trace_dir(clean, simulate_job_traces(_job("TP2xPP2xDP2")), {5: 50_000_000})
     assert _cli([str(faulty), "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
@@ -341,8 +371,9 @@ COLD = dict(iterations=16, forward_ns=1_000_000, cold_factor=1.5, noise=0.05)  #
 def test_a_slow_links_receiver_computing_cold_after_each_wait_is_not_named(seed):
     """PP2xDP2, link 0->2 30 ms late: rank 2 waits before every forward and then computes 1.5x
     slower for 3 ms, as the 2-core VM's design runs did; the link is named, rank 2 is not."""
-    traces = simulate_job_traces(SimulatedJob(pp_size=2, dp_size=2, slow_link=(0, 2), link_delay_ns=30_000_000,
-                                              seed=seed, **COLD))
+    traces = simulate_job_traces(
+        SimulatedJob(pp_size=2, dp_size=2, slow_link=(0, 2), link_delay_ns=30_000_000, seed=seed, **COLD)
+    )
     report = detect(traces)
     assert [(s.cause, s.rank) for s in report.suspects] == [("slow_link", 0)]
     assert any(n.startswith("rank 2:") and "not judged" in n for n in report.notes)
@@ -364,30 +395,47 @@ def test_a_slow_rank_is_named_although_its_replica_receives_a_slow_link(link, sl
     run cold and its forwards mostly warm. Against all of the replica's spans the culprit read
     ~1.0x (heldout4 run 4: 1.09x, missed); warm against warm it reads its real 1.4x."""
     for seed in range(4):
-        job = SimulatedJob(pp_size=2, dp_size=2, slow_link=link, link_delay_ns=30_000_000, slow_rank=slow_rank,
-                           slow_factor=1.4, seed=seed, **COLD)
+        job = SimulatedJob(
+            pp_size=2,
+            dp_size=2,
+            slow_link=link,
+            link_delay_ns=30_000_000,
+            slow_rank=slow_rank,
+            slow_factor=1.4,
+            seed=seed,
+            **COLD,
+        )
         found = sorted((s.cause, s.rank) for s in detect(simulate_job_traces(job)).suspects)
         assert found == sorted([("slow_compute", slow_rank), ("slow_link", link[0])]), seed
 
 
 def _rank_events(rows: list[tuple[str, str, int, int]]) -> rules.RankEvents:
     """(cat, name, start ms, end ms) rows of iteration 1 as a rank's event columns."""
-    cols = {"cat": np.array([r[0] for r in rows], dtype=object), "name": np.array([r[1] for r in rows], dtype=object),
-            "start_ns": np.array([r[2] * 1_000_000 for r in rows]), "end_ns": np.array([r[3] * 1_000_000 for r in rows]),
-            "iteration": np.ones(len(rows), dtype=np.int64), "chunk": np.zeros(len(rows), dtype=np.int64),
-            "microbatch": np.arange(len(rows), dtype=np.int64)}
+    cols = {
+        "cat": np.array([r[0] for r in rows], dtype=object),
+        "name": np.array([r[1] for r in rows], dtype=object),
+        "start_ns": np.array([r[2] * 1_000_000 for r in rows]),
+        "end_ns": np.array([r[3] * 1_000_000 for r in rows]),
+        "iteration": np.ones(len(rows), dtype=np.int64),
+        "chunk": np.zeros(len(rows), dtype=np.int64),
+        "microbatch": np.arange(len(rows), dtype=np.int64),
+    }
     return rules.RankEvents(0, {"tp": 0, "pp": 0, "dp": 0}, "rank0", cols)
 
 
 def test_only_a_wait_in_comm_makes_the_next_spans_cold():
-    ev = _rank_events([
-        ("compute", "forward", 0, 1),
-        ("comm", "recv", 1, 11), ("compute", "forward", 11, 12),  # waited 10 ms in a recv: cold
-        ("compute", "backward", 13, 15),  # 2 ms after waking: still cold
-        ("compute", "backward", 15, 17),  # 4 ms after: warm
-        ("compute", "forward", 27, 28),  # 10 ms gap without comm (untraced optimizer, data): warm
-        ("comm", "recv", 28, 40), ("compute", "forward", 29, 41),  # a receive posted ahead, overlapped: warm
-    ])
+    ev = _rank_events(
+        [
+            ("compute", "forward", 0, 1),
+            ("comm", "recv", 1, 11),
+            ("compute", "forward", 11, 12),  # waited 10 ms in a recv: cold
+            ("compute", "backward", 13, 15),  # 2 ms after waking: still cold
+            ("compute", "backward", 15, 17),  # 4 ms after: warm
+            ("compute", "forward", 27, 28),  # 10 ms gap without comm (untraced optimizer, data): warm
+            ("comm", "recv", 28, 40),
+            ("compute", "forward", 29, 41),  # a receive posted ahead, overlapped: warm
+        ]
+    )
     spans = sorted(rules.compute_pure_spans(ev, {1}, 3_000_000, 3_000_000), key=lambda s: s.start)
     assert [s.cold for s in spans] == [False, True, True, False, False, False]
     assert not any(s.cold for s in rules.compute_pure_spans(ev, {1}))  # idle_ns 0: the rule is off

@@ -13,15 +13,26 @@ import subprocess
 import sys
 
 import pytest
-
-from megatronapp.scan.merge.align import align_traces
-from megatronapp.scan.record.format import load_trace_dir
-from megatronapp.scan.merge.matching import index_comm_events
-
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
-TRAIN = [sys.executable, "-m", "megatronapp.cli.main", "train", "--device", "cpu", "--model", "tiny",
-         "--seq-length", "64", "--hidden-size", "64"]
+from megatronapp.scan.merge.align import align_traces
+from megatronapp.scan.merge.matching import index_comm_events
+from megatronapp.scan.record.format import load_trace_dir
+
+TRAIN = [
+    sys.executable,
+    "-m",
+    "megatronapp.cli.main",
+    "train",
+    "--device",
+    "cpu",
+    "--model",
+    "tiny",
+    "--seq-length",
+    "64",
+    "--hidden-size",
+    "64",
+]
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -31,10 +42,27 @@ def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 
 def _train_traced(trace_dir, *extra: str, layout=("2", "2"), nproc="8", iters="6") -> None:
     tp, pp = layout
-    res = _run(TRAIN + ["--nproc-per-node", nproc, "--tensor-model-parallel-size", tp,
-                        "--pipeline-model-parallel-size", pp, "--train-iters", iters,
-                        "--global-batch-size", "16", "--micro-batch-size", "2",
-                        "--trace", "--trace-dir", str(trace_dir), *extra])
+    res = _run(
+        TRAIN
+        + [
+            "--nproc-per-node",
+            nproc,
+            "--tensor-model-parallel-size",
+            tp,
+            "--pipeline-model-parallel-size",
+            pp,
+            "--train-iters",
+            iters,
+            "--global-batch-size",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--trace",
+            "--trace-dir",
+            str(trace_dir),
+            *extra,
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 
@@ -44,8 +43,14 @@ def test_scenarios_are_reproducible_disjoint_between_splits_and_in_range():
     assert [sc.kind for sc in design[:5]] == list(KINDS)  # interleaved: a partial run covers every kind
     assert sum(sc.kind == "none" for sc in design) == 50 and len(design) == 50 + 4 * 30
     assert len({sc.name for sc in design}) == len(design)
-    assert {sc.layout for sc in heldout} == {"engine tp1 pp2 dp2", "engine tp2 pp1 dp2", "engine tp2 pp2 dp1",
-                                             "engine tp1 pp4 dp1", "ddp dp4", "ddp dp2"}
+    assert {sc.layout for sc in heldout} == {
+        "engine tp1 pp2 dp2",
+        "engine tp2 pp1 dp2",
+        "engine tp2 pp2 dp1",
+        "engine tp1 pp4 dp1",
+        "ddp dp4",
+        "ddp dp2",
+    }
     for sc in design + heldout:
         f = sc.fault
         assert sc.nproc <= 4 and sc.nproc % (sc.tp * sc.pp) == 0
@@ -86,8 +91,12 @@ def test_wilson_interval_matches_reference_values():
 
 
 def _suspect(cause, where):
-    return {"cause": cause, "rank": where if cause == "slow_compute" else where[0],
-            "link": list(where) if cause == "slow_link" else None, "confidence": 0.9}
+    return {
+        "cause": cause,
+        "rank": where if cause == "slow_compute" else where[0],
+        "link": list(where) if cause == "slow_link" else None,
+        "confidence": 0.9,
+    }
 
 
 def test_scores_separate_recall_precision_root_cause_false_alarms_and_causes():
@@ -95,10 +104,12 @@ def test_scores_separate_recall_precision_root_cause_false_alarms_and_causes():
     comp = Scenario("design", 1, "compute", "engine", 1, 2, 4, Fault(rank=3, factor=1.5))
     link = Scenario("design", 2, "link", "engine", 2, 2, 4, Fault(link=(0, 2), delay_ms=9))
     clean = Scenario("design", 3, "none", "ddp", 1, 1, 2)
-    results = [(two, [_suspect("slow_compute", 1), _suspect("slow_link", (0, 2))]),
-               (comp, [_suspect("slow_compute", 3), _suspect("slow_compute", 2)]),  # a victim named too
-               (link, []),  # missed
-               (clean, [_suspect("slow_compute", 0)])]
+    results = [
+        (two, [_suspect("slow_compute", 1), _suspect("slow_link", (0, 2))]),
+        (comp, [_suspect("slow_compute", 3), _suspect("slow_compute", 2)]),  # a victim named too
+        (link, []),  # missed
+        (clean, [_suspect("slow_compute", 0)]),
+    ]
     s = compute_scores(results)
     assert s["two_faults"]["recall"]["k"] == 1 and s["two_faults"]["root_cause_accuracy"]["k"] == 1
     assert (s["compute"]["recall"]["k"], s["compute"]["precision"]["k"], s["compute"]["precision"]["n"]) == (1, 1, 2)
@@ -117,11 +128,16 @@ def test_scores_separate_recall_precision_root_cause_false_alarms_and_causes():
 
 def test_tuning_prefers_no_false_alarms_then_root_cause_accuracy():
     def scores(alarms, accuracy):
-        return {"none": {"false_alarm_rate": {"k": alarms}},
-                **{k: {m: {"value": accuracy, "n": 1} for m in ("recall", "root_cause_accuracy")} for k in KINDS[1:]}}
+        return {
+            "none": {"false_alarm_rate": {"k": alarms}},
+            **{k: {m: {"value": accuracy, "n": 1} for m in ("recall", "root_cause_accuracy")} for k in KINDS[1:]},
+        }
 
-    grid = [({"compute_min_ratio": 1.1}, scores(2, 1.0)), ({"compute_min_ratio": 1.2}, scores(0, 0.8)),
-            ({"compute_min_ratio": 1.3}, scores(0, 0.8))]
+    grid = [
+        ({"compute_min_ratio": 1.1}, scores(2, 1.0)),
+        ({"compute_min_ratio": 1.2}, scores(0, 0.8)),
+        ({"compute_min_ratio": 1.3}, scores(0, 0.8)),
+    ]
     assert select_thresholds(grid) == {"compute_min_ratio": 1.3}
 
 
@@ -131,9 +147,11 @@ def test_tuning_combines_compute_and_link_points_and_only_on_design():
     link = Scenario("design", 1, "link", "engine", 1, 2, 4, Fault(link=(1, 3), delay_ms=4))
     clean = Scenario("design", 2, "none", "engine", 1, 2, 4)
     # rank 2 found only at compute point 3; clean run alarmed at points < 3; link found at link points 0-2
-    runs = [(comp, [[2] if i == 3 else [] for i in range(nc)], [[] for _ in range(nl)]),
-            (link, [[] for _ in range(nc)], [[[1, 3]] if j < 3 else [] for j in range(nl)]),
-            (clean, [[0] if i < 3 else [] for i in range(nc)], [[] for _ in range(nl)])]
+    runs = [
+        (comp, [[2] if i == 3 else [] for i in range(nc)], [[] for _ in range(nl)]),
+        (link, [[] for _ in range(nc)], [[[1, 3]] if j < 3 else [] for j in range(nl)]),
+        (clean, [[0] if i < 3 else [] for i in range(nc)], [[] for _ in range(nl)]),
+    ]
     best, scores = tune_on_design(runs)
     assert best == {**core.COMPUTE_GRID[3], **core.LINK_GRID[2]}  # most conservative link point that finds it
     assert scores["none"]["false_alarm_rate"]["k"] == 0 and scores["compute"]["recall"]["k"] == 1
@@ -164,11 +182,13 @@ def test_results_file_survives_a_kill_mid_line(tmp_path):
 def test_bad_invocations_are_one_line_errors(tmp_path, capsys):
     bogus = tmp_path / "t.json"
     bogus.write_text('{"overrides": {}}')
-    cases = [["run", "--split", "heldout", "--results", str(tmp_path / "h.jsonl")],
-             ["run", "--split", "heldout2", "--results", str(tmp_path / "h.jsonl")],
-             ["run", "--split", "heldout", "--results", str(tmp_path / "h.jsonl"), "--thresholds", str(bogus)],
-             ["run", "--split", "design", "--results", str(tmp_path / "d.jsonl"), "--jobs", "0"],
-             ["summarize", str(tmp_path / "missing.jsonl")]]
+    cases = [
+        ["run", "--split", "heldout", "--results", str(tmp_path / "h.jsonl")],
+        ["run", "--split", "heldout2", "--results", str(tmp_path / "h.jsonl")],
+        ["run", "--split", "heldout", "--results", str(tmp_path / "h.jsonl"), "--thresholds", str(bogus)],
+        ["run", "--split", "design", "--results", str(tmp_path / "d.jsonl"), "--jobs", "0"],
+        ["summarize", str(tmp_path / "missing.jsonl")],
+    ]
     for argv in cases:
         assert scan_eval.main(argv) == 2
         err = capsys.readouterr().err
@@ -186,10 +206,28 @@ def test_synthetic_design_tune_heldout_summarize(tmp_path, capsys, monkeypatch):
     assert scan_eval.main(["tune", str(design), "--out", str(thresholds)]) == 0
     tuned = json.loads(thresholds.read_text())
     assert tuned["design_runs"] == 5 and tuned["tuned_on_split"] == "design"
-    assert scan_eval.main(["run", "--split", "heldout", "--results", str(heldout), "--thresholds", str(thresholds),
-                           *common]) == 0
-    assert scan_eval.main(["run", "--split", "heldout", "--results", str(heldout), "--thresholds", str(thresholds),
-                           "--resume", *common]) == 0
+    assert (
+        scan_eval.main(
+            ["run", "--split", "heldout", "--results", str(heldout), "--thresholds", str(thresholds), *common]
+        )
+        == 0
+    )
+    assert (
+        scan_eval.main(
+            [
+                "run",
+                "--split",
+                "heldout",
+                "--results",
+                str(heldout),
+                "--thresholds",
+                str(thresholds),
+                "--resume",
+                *common,
+            ]
+        )
+        == 0
+    )
     assert "5 done already" in capsys.readouterr().out
     records = runner.load_records(heldout)
     assert len(records) == 5 and all(r["thresholds"] == tuned["overrides"] for r in records)
@@ -204,9 +242,26 @@ def test_synthetic_design_tune_heldout_summarize(tmp_path, capsys, monkeypatch):
 
 def test_rejudge_compares_recorded_and_current_verdicts_on_kept_traces(tmp_path, capsys):
     results, work = tmp_path / "r.jsonl", tmp_path / "work"
-    argv = ["run", "--split", "heldout2", "--kinds", "intermittent,none", "--runs-per-kind", "1", "--clean-runs", "1",
-            "--jobs", "1", "--synthetic", "--default-thresholds", "--keep-traces", "--work-dir", str(work),
-            "--results", str(results)]
+    argv = [
+        "run",
+        "--split",
+        "heldout2",
+        "--kinds",
+        "intermittent,none",
+        "--runs-per-kind",
+        "1",
+        "--clean-runs",
+        "1",
+        "--jobs",
+        "1",
+        "--synthetic",
+        "--default-thresholds",
+        "--keep-traces",
+        "--work-dir",
+        str(work),
+        "--results",
+        str(results),
+    ]
     assert scan_eval.main(argv) == 0
     assert {r["kind"] for r in runner.load_records(results)} == {"intermittent", "none"}
     capsys.readouterr()
@@ -218,8 +273,12 @@ def test_rejudge_compares_recorded_and_current_verdicts_on_kept_traces(tmp_path,
     # --out: today's verdicts as a results file that summarize scores (the recorded ones tampered with first)
     records = runner.load_records(results)
     tampered = tmp_path / "t.jsonl"
-    tampered.write_text("".join(json.dumps({**r, "default_suspects": [{"cause": "slow_link", "rank": 0, "link": [0, 1]}]})
-                                + "\n" for r in records))
+    tampered.write_text(
+        "".join(
+            json.dumps({**r, "default_suspects": [{"cause": "slow_link", "rank": 0, "link": [0, 1]}]}) + "\n"
+            for r in records
+        )
+    )
     out_file = tmp_path / "now.jsonl"
     assert scan_eval.main(["rejudge", str(tampered), "--work-dir", str(work), "--out", str(out_file)]) == 0
     now = runner.load_records(out_file)
@@ -232,6 +291,20 @@ def test_a_skipped_layout_is_left_out_of_the_plan_and_a_bad_one_refused(tmp_path
     plan = core.plan_scenarios("heldout4", 10, 10, sources=core.sources_without(("ddp dp4",)))
     layouts = {sc.layout for sc in plan}
     assert "ddp dp4" not in layouts and "ddp dp2" in layouts
-    assert scan_eval.main(["run", "--split", "heldout4", "--skip-layout", "ddp dp8", "--default-thresholds",
-                           "--synthetic", "--results", str(tmp_path / "r.jsonl")]) == 2
+    assert (
+        scan_eval.main(
+            [
+                "run",
+                "--split",
+                "heldout4",
+                "--skip-layout",
+                "ddp dp8",
+                "--default-thresholds",
+                "--synthetic",
+                "--results",
+                str(tmp_path / "r.jsonl"),
+            ]
+        )
+        == 2
+    )
     assert "unknown layouts ['ddp dp8']" in capsys.readouterr().err

@@ -18,8 +18,15 @@ from megatronapp.faultlab.evaluation.injected_runner import append_record
 def _frozen_split(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     thresholds = tmp_path / "thresholds.json"
     frozen.write_default_thresholds(thresholds)
-    monkeypatch.setattr(frozen, "detector_version", lambda path: {
-        "commit": "a" * 40, "dirty": False, "thresholds_sha256": frozen.hashlib.sha256(Path(path).read_bytes()).hexdigest()})
+    monkeypatch.setattr(
+        frozen,
+        "detector_version",
+        lambda path: {
+            "commit": "a" * 40,
+            "dirty": False,
+            "thresholds_sha256": frozen.hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+        },
+    )
     split = tmp_path / "split"
     frozen.freeze_split(split, thresholds, runs_per_kind=2, clean_runs=4)
     return split, thresholds
@@ -41,8 +48,15 @@ def test_a_split_records_the_detector_and_draws_every_kind_and_layout_family(tmp
     doc = json.loads((split / "split.json").read_text())
     assert doc["detector"]["commit"] == "a" * 40 and len(doc["detector"]["thresholds_sha256"]) == 64
     kinds = [s["kind"] for s in doc["scenarios"]]
-    assert {k: kinds.count(k) for k in frozen.KINDS} == {"none": 2, "noise": 2, "slow_rank": 2, "intermittent": 2,
-                                                         "user_straggler": 2, "slow_link": 2, "two_faults": 2}
+    assert {k: kinds.count(k) for k in frozen.KINDS} == {
+        "none": 2,
+        "noise": 2,
+        "slow_rank": 2,
+        "intermittent": 2,
+        "user_straggler": 2,
+        "slow_link": 2,
+        "two_faults": 2,
+    }
     for sc in doc["scenarios"]:
         if sc["kind"] in ("slow_link", "two_faults"):
             link = next(t[1] for t in sc["truth"] if t[0] == "slow_link")
@@ -53,8 +67,10 @@ def test_a_split_records_the_detector_and_draws_every_kind_and_layout_family(tmp
 
 def test_rescoring_a_split_with_a_different_detector_is_refused(tmp_path, monkeypatch):
     split, thresholds = _frozen_split(tmp_path, monkeypatch)
-    append_record(split / "results.jsonl", {"index": 0, "kind": "none", "layout": "engine TP1 PP2 DP2", "truth": [],
-                                            "error": "", "suspects": []})
+    append_record(
+        split / "results.jsonl",
+        {"index": 0, "kind": "none", "layout": "engine TP1 PP2 DP2", "truth": [], "error": "", "suspects": []},
+    )
     scores = frozen_run.score_split(split)
     assert scores["detector"]["commit"] == "a" * 40 and scores["kind"]["none"]["false_alarm"]["n"] == 1
     values = json.loads(thresholds.read_text())
@@ -73,14 +89,31 @@ def test_a_split_runs_once(tmp_path, monkeypatch):
 
 
 def test_scores_per_kind_and_layout_with_intervals():
-    recs = [{"kind": "slow_rank", "layout": "L1", "truth": [["slow_compute", 1]], "error": "",
-             "suspects": [{"cause": "slow_compute", "rank": 1, "link": None}]},
-            {"kind": "slow_rank", "layout": "L2", "truth": [["slow_compute", 2]], "error": "",
-             "suspects": [{"cause": "slow_compute", "rank": 0, "link": None}]},
-            {"kind": "slow_link", "layout": "L1", "truth": [["slow_link", [0, 2]]], "error": "",
-             "suspects": [{"cause": "slow_link", "rank": 0, "link": [0, 2]}]},
-            {"kind": "noise", "layout": "L2", "truth": [], "error": "", "suspects": []},
-            {"kind": "none", "layout": "L1", "truth": [], "error": "job exit 1", "suspects": []}]
+    recs = [
+        {
+            "kind": "slow_rank",
+            "layout": "L1",
+            "truth": [["slow_compute", 1]],
+            "error": "",
+            "suspects": [{"cause": "slow_compute", "rank": 1, "link": None}],
+        },
+        {
+            "kind": "slow_rank",
+            "layout": "L2",
+            "truth": [["slow_compute", 2]],
+            "error": "",
+            "suspects": [{"cause": "slow_compute", "rank": 0, "link": None}],
+        },
+        {
+            "kind": "slow_link",
+            "layout": "L1",
+            "truth": [["slow_link", [0, 2]]],
+            "error": "",
+            "suspects": [{"cause": "slow_link", "rank": 0, "link": [0, 2]}],
+        },
+        {"kind": "noise", "layout": "L2", "truth": [], "error": "", "suspects": []},
+        {"kind": "none", "layout": "L1", "truth": [], "error": "job exit 1", "suspects": []},
+    ]
     s = frozen_run.score_records(recs)
     assert s["kind"]["slow_rank"]["recall"]["k"] == 1 and s["kind"]["slow_rank"]["recall"]["n"] == 2
     assert s["kind"]["slow_link"]["top1"]["value"] == 1.0
@@ -105,10 +138,22 @@ def test_intermittent_scenarios_run_long_enough_to_meet_several_bursts_and_clean
 def test_a_split_can_hold_fewer_runs_of_one_fault_kind(tmp_path, monkeypatch):
     thresholds = tmp_path / "thresholds.json"
     frozen.write_default_thresholds(thresholds)
-    monkeypatch.setattr(frozen, "detector_version", lambda path: {"commit": "a" * 40, "dirty": False,
-                                                                  "thresholds_sha256": "b" * 64})
-    argv = ["frozen", "freeze", str(tmp_path / "s"), "--thresholds", str(thresholds), "--runs-per-kind", "3",
-            "--clean-runs", "4", "--kind-runs", "two_faults=1"]
+    monkeypatch.setattr(
+        frozen, "detector_version", lambda path: {"commit": "a" * 40, "dirty": False, "thresholds_sha256": "b" * 64}
+    )
+    argv = [
+        "frozen",
+        "freeze",
+        str(tmp_path / "s"),
+        "--thresholds",
+        str(thresholds),
+        "--runs-per-kind",
+        "3",
+        "--clean-runs",
+        "4",
+        "--kind-runs",
+        "two_faults=1",
+    ]
     assert scan_eval.main(argv) == 0
     kinds = [s["kind"] for s in json.loads((tmp_path / "s" / "split.json").read_text())["scenarios"]]
     assert kinds.count("two_faults") == 1 and kinds.count("slow_link") == 3 and kinds.count("none") == 2

@@ -23,18 +23,32 @@ from megatronapp.scan.record.format import (
 
 def make_meta(rank: int = 0, world_size: int = 4) -> dict:
     return build_rank_meta(
-        rank=rank, world_size=world_size, coords={"tp": rank % 2, "dp": 0, "pp": rank // 2},
+        rank=rank,
+        world_size=world_size,
+        coords={"tp": rank % 2, "dp": 0, "pp": rank // 2},
         layout={"tp_size": 2, "pp_size": 2, "dp_size": 1, "virtual_pp_size": 1},
-        host="node0", device="cpu", run_id="run-x", clock="monotonic", run={"lr": 0.1},
+        host="node0",
+        device="cpu",
+        run_id="run-x",
+        clock="monotonic",
+        run={"lr": 0.1},
     )
 
 
 def rows_for(iteration: int, names: list[str]) -> list[dict]:
     return [
-        {"name": n, "cat": "comm" if n == "all_reduce" else "compute", "start_ns": 1000 * k + iteration,
-         "end_ns": 1000 * k + 500 + iteration, "iteration": iteration, "microbatch": k,
-         "op": "all_reduce" if n == "all_reduce" else "", "group": "1:[0,1]" if n == "all_reduce" else "",
-         "seq": k if n == "all_reduce" else -1, "bytes": 64 if n == "all_reduce" else -1}
+        {
+            "name": n,
+            "cat": "comm" if n == "all_reduce" else "compute",
+            "start_ns": 1000 * k + iteration,
+            "end_ns": 1000 * k + 500 + iteration,
+            "iteration": iteration,
+            "microbatch": k,
+            "op": "all_reduce" if n == "all_reduce" else "",
+            "group": "1:[0,1]" if n == "all_reduce" else "",
+            "seq": k if n == "all_reduce" else -1,
+            "bytes": 64 if n == "all_reduce" else -1,
+        }
         for k, n in enumerate(names)
     ]
 
@@ -219,6 +233,15 @@ def test_short_base_trace_takes_at_most_40_bytes_per_event(tmp_path, steps):
     assert spans_.num_rows == 9 * steps
     assert path.stat().st_size / spans_.num_rows <= 40
     assert events.num_rows - spans_.num_rows == 2  # start and end calibration pairs, both kept
-    assert spans_.column("name").to_pylist()[:9] == ["loss", "forward", "loss", "forward", "backward", "backward",
-                                                      "grad_reduce", "optimizer", "iteration"]
+    assert spans_.column("name").to_pylist()[:9] == [
+        "loss",
+        "forward",
+        "loss",
+        "forward",
+        "backward",
+        "backward",
+        "grad_reduce",
+        "optimizer",
+        "iteration",
+    ]
     assert spans_.column("microbatch").to_pylist()[:6] == [0, 0, 1, 1, 0, 1]

@@ -13,12 +13,17 @@ import json
 import math
 
 import pytest
+from scan_simulation import SimulatedJob, simulate_job_traces
 
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import DetectConfig
+from megatronapp.scan.analyze.detect_intermittent import (
+    _is_periodic,
+    binomial_tail,
+    count_episodes,
+    evenly_spaced_chance,
+)
 from megatronapp.scan.analyze.detect_output import report_to_json
-from megatronapp.scan.analyze.detect_intermittent import _is_periodic, binomial_tail, count_episodes, evenly_spaced_chance
-from scan_simulation import SimulatedJob, simulate_job_traces
 
 LAYOUTS = {
     "DP2": dict(dp_size=2),  # each rank the other's only reference: the mirror case
@@ -67,7 +72,7 @@ def test_evenly_spaced_chance_counts_every_subset(k, n):
     periodic = [c for c in subsets if _periodic_by_definition(c, n)]
     assert evenly_spaced_chance(k, n) == pytest.approx(len(periodic) / len(subsets))
     assert all(_is_periodic(c, n) for c in periodic)
-    assert sum(map(lambda c: _is_periodic(c, n), subsets)) == len(periodic)
+    assert sum(_is_periodic(c, n) for c in subsets) == len(periodic)
     assert evenly_spaced_chance(2, n) == 1.0
 
 
@@ -97,8 +102,21 @@ def test_faint_intermittent_straggler_is_named_and_nobody_else(name):
     the default config drops such a faint suspect as not worth naming) is set low so as not to mask it."""
     layout = LAYOUTS[name]
     sensitive = DetectConfig(intermittent_min_saving=0.001)
-    runs = [(seed % _world(layout), _named(layout, sensitive, seed=3000 + seed, slow_rank=seed % _world(layout),
-                                           slow_factor=1.2, slow_every=4, **QUIET)) for seed in SEEDS]
+    runs = [
+        (
+            seed % _world(layout),
+            _named(
+                layout,
+                sensitive,
+                seed=3000 + seed,
+                slow_rank=seed % _world(layout),
+                slow_factor=1.2,
+                slow_every=4,
+                **QUIET,
+            ),
+        )
+        for seed in SEEDS
+    ]
     assert all(named <= {slow} for slow, named in runs), runs
     assert sum(named == {slow} for slow, named in runs) >= 7, runs
 
@@ -108,14 +126,32 @@ def test_every_other_iteration_names_the_rank_not_its_mirror_image(name):
     """With two peers, a rank slow in the even iterations makes its partner look slow, relative to
     its own median, in the odd ones; only the rank whose own compute grew is named."""
     layout = LAYOUTS[name]
-    runs = [(seed % _world(layout), _named(layout, seed=3000 + seed, slow_rank=seed % _world(layout),
-                                           slow_factor=1.3, slow_every=2, **QUIET)) for seed in SEEDS]
+    runs = [
+        (
+            seed % _world(layout),
+            _named(layout, seed=3000 + seed, slow_rank=seed % _world(layout), slow_factor=1.3, slow_every=2, **QUIET),
+        )
+        for seed in SEEDS
+    ]
     assert all(named == {slow} for slow, named in runs), runs
 
 
 def test_ddp_like_iterations_of_one_forward_and_one_backward():
-    runs = [(seed % 2, _named(dict(dp_size=2), num_microbatches=1, seed=3000 + seed, slow_rank=seed % 2,
-                              slow_factor=1.5, slow_every=3, **QUIET)) for seed in SEEDS]
+    runs = [
+        (
+            seed % 2,
+            _named(
+                dict(dp_size=2),
+                num_microbatches=1,
+                seed=3000 + seed,
+                slow_rank=seed % 2,
+                slow_factor=1.5,
+                slow_every=3,
+                **QUIET,
+            ),
+        )
+        for seed in SEEDS
+    ]
     assert all(named == {slow} for slow, named in runs), runs
 
 
@@ -128,18 +164,27 @@ def test_clean_runs_on_a_loaded_host_name_nobody(name):
 def test_the_clean_run_test_is_not_vacuous():
     # The same traces do trip the rule once its significance and effect bars are dropped.
     eager = DetectConfig(intermittent_alpha=0.45, intermittent_min_ratio=1.0)
-    flagged = [seed for name in sorted(LAYOUTS) for seed in range(6)
-               if detect(simulate_job_traces(SimulatedJob(**LAYOUTS[name], seed=4000 + seed, **LOADED)),
-                         config=eager).suspects]
+    flagged = [
+        seed
+        for name in sorted(LAYOUTS)
+        for seed in range(6)
+        if detect(simulate_job_traces(SimulatedJob(**LAYOUTS[name], seed=4000 + seed, **LOADED)), config=eager).suspects
+    ]
     assert flagged
 
 
 def test_the_verdict_names_the_slow_iterations_and_the_period():
-    report = detect(simulate_job_traces(SimulatedJob(dp_size=4, seed=7, slow_rank=2, slow_factor=1.5,
-                                                     slow_every=4, **QUIET)))
+    report = detect(
+        simulate_job_traces(SimulatedJob(dp_size=4, seed=7, slow_rank=2, slow_factor=1.5, slow_every=4, **QUIET))
+    )
     (s,) = json.loads(json.dumps(report_to_json(report)))["suspects"]  # what `trace detect --json` prints
     ev = s["evidence"]
-    assert (s["rank"], ev["intermittent"], ev["slow_iterations"], ev["periodic"]) == (2, True, list(range(4, 32, 4)), True)
+    assert (s["rank"], ev["intermittent"], ev["slow_iterations"], ev["periodic"]) == (
+        2,
+        True,
+        list(range(4, 32, 4)),
+        True,
+    )
     assert 1.3 < ev["slow_iteration_ratio"] < 1.8 and ev["intermittent_p"] < DetectConfig().intermittent_alpha
     assert "every 4" in ev["summary"] and "iterations [4, 8, 12, 16, 20, 24, 28]" in ev["summary"]
 
@@ -164,7 +209,6 @@ def test_an_intermittent_suspect_whose_fix_saves_too_little_is_a_note_not_a_susp
     share = named.saving_ns / named.iteration_ns
     assert named.rank == 2 and share > DetectConfig().intermittent_min_saving
     strict = detect(traces, config=DetectConfig(intermittent_min_saving=min(1.0, 1.5 * share)))
-    assert strict.suspects == () and any(n.startswith("rank 2 is ") and "not named" in n
-                                         for n in strict.notes)
+    assert strict.suspects == () and any(n.startswith("rank 2 is ") and "not named" in n for n in strict.notes)
     with pytest.raises(ValueError, match="intermittent_min_saving"):
         DetectConfig(intermittent_min_saving=1.5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scan_simulation import SimulatedJob, simulate_job_traces
 
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_arrival import ArrivalSample
@@ -19,12 +20,15 @@ from megatronapp.scan.analyze.detect_intermittent_arrival import (
     compare_own_work_intermittent,
     compute_slow_iteration_excess,
 )
-from scan_simulation import SimulatedJob, simulate_job_traces
 
 LOADED = dict(noise=0.15, hiccup_prob=0.05, rank_bias=0.05, iterations=80)
 BURSTS = dict(slow_rank=1, stall_ns=20_000_000, slow_every=10, slow_burst=2)  # ~0.7 of a clean iteration
-LAYOUTS = {"TP2xDP2": dict(tp_size=2, dp_size=2), "PP2xDP2": dict(pp_size=2, dp_size=2),
-           "TP2xPP2": dict(tp_size=2, pp_size=2), "PP4": dict(pp_size=4)}
+LAYOUTS = {
+    "TP2xDP2": dict(tp_size=2, dp_size=2),
+    "PP2xDP2": dict(pp_size=2, dp_size=2),
+    "TP2xPP2": dict(tp_size=2, pp_size=2),
+    "PP4": dict(pp_size=4),
+}
 
 
 def _sample(rank: int, it: int, own_ms: float, peer_ms: float, family: str = "dp", group: str = "g") -> ArrivalSample:
@@ -32,8 +36,13 @@ def _sample(rank: int, it: int, own_ms: float, peer_ms: float, family: str = "dp
 
 
 def test_own_work_streams_sum_an_iteration_and_prefer_groups_of_identical_work():
-    samples = [_sample(0, 1, 3, 4), _sample(0, 1, 2, 4), _sample(1, 1, 4, 5), _sample(0, 1, 9, 9, "pp", "p"),
-               _sample(2, 1, 7, 7, "pp", "p")]
+    samples = [
+        _sample(0, 1, 3, 4),
+        _sample(0, 1, 2, 4),
+        _sample(1, 1, 4, 5),
+        _sample(0, 1, 9, 9, "pp", "p"),
+        _sample(2, 1, 7, 7, "pp", "p"),
+    ]
     spans, peers = build_own_work_streams(samples)
     assert [(s.key, s.pure_ns) for s in spans[0]] == [((1, -1, 0, "own_work:dp"), 5_000_000)]  # pp left out
     assert [s.key[3] for s in spans[2]] == ["own_work:pp"]  # a rank with no DP/TP group keeps what it has
@@ -57,8 +66,10 @@ def test_a_rank_whose_own_work_rises_in_bursts_has_a_small_p_value_and_its_peers
 def test_a_rank_frozen_between_its_spans_in_bursts_is_named(name):
     """Its spans are untouched, so span evidence alone names nobody (the detector before own-work
     evidence): the rank must be named in >= 2 of 3 runs, intermittent, and nobody else."""
-    runs = [detect(simulate_job_traces(SimulatedJob(**LAYOUTS[name], **LOADED, **BURSTS, seed=5000 + seed)))
-            for seed in range(3)]
+    runs = [
+        detect(simulate_job_traces(SimulatedJob(**LAYOUTS[name], **LOADED, **BURSTS, seed=5000 + seed)))
+        for seed in range(3)
+    ]
     named = [[s.rank for s in r.suspects] for r in runs]
     assert all(n in ([], [1]) for n in named), named
     assert sum(n == [1] for n in named) >= 2, named

@@ -12,10 +12,13 @@ from collections import defaultdict
 import numpy as np
 import pyarrow as pa
 import pytest
+from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 from megatronapp.parallel.layout import ParallelLayout
-from megatronapp.scan.merge.align import align_traces
 from megatronapp.scan.cli import add_trace_subcommands, parse_iteration_range, parse_rank_list
+from megatronapp.scan.merge.align import align_traces
+from megatronapp.scan.merge.chrome import assign_lanes, compute_lanes
+from megatronapp.scan.merge.merge import merge_traces
 from megatronapp.scan.record.format import (
     RankTrace,
     TraceWriter,
@@ -24,9 +27,6 @@ from megatronapp.scan.record.format import (
     load_trace_dir,
     trace_file_name,
 )
-from megatronapp.scan.merge.chrome import assign_lanes, compute_lanes
-from megatronapp.scan.merge.merge import merge_traces
-from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
 EPOCH_NS = 1_700_000_000_000_000_000  # wall clock of the synthetic hosts at true time 0
 MS = 1_000_000
@@ -35,9 +35,16 @@ MS = 1_000_000
 # ----------------------------------------------------------------------------- synthetic jobs
 def rank_meta(layout: ParallelLayout, rank: int) -> dict:
     layout_dict = {"tp_size": layout.tp_size, "pp_size": layout.pp_size, "dp_size": layout.dp_size}
-    return build_rank_meta(rank=rank, world_size=layout.world_size, coords=layout.coords(rank).as_dict(),
-                           layout=layout_dict, host=f"node{rank // 8}", device="cpu", run_id="synthetic",
-                           clock="monotonic")
+    return build_rank_meta(
+        rank=rank,
+        world_size=layout.world_size,
+        coords=layout.coords(rank).as_dict(),
+        layout=layout_dict,
+        host=f"node{rank // 8}",
+        device="cpu",
+        run_id="synthetic",
+        clock="monotonic",
+    )
 
 
 class SyntheticJob:
@@ -62,26 +69,52 @@ class SyntheticJob:
             delay = int(self.rng.integers(0, self.noise))
             if self.rng.random() < late:  # a rank descheduled before it read the clock
                 delay += 5 * MS
-            self.rows[r].append({"name": "all_reduce", "cat": "comm", "op": "all_reduce", "group": key, "seq": seq,
-                                 "start_ns": end - int(self.rng.integers(100_000, 900_000)), "end_ns": end + delay,
-                                 "iteration": iteration, "bytes": 4096})
+            self.rows[r].append(
+                {
+                    "name": "all_reduce",
+                    "cat": "comm",
+                    "op": "all_reduce",
+                    "group": key,
+                    "seq": seq,
+                    "start_ns": end - int(self.rng.integers(100_000, 900_000)),
+                    "end_ns": end + delay,
+                    "iteration": iteration,
+                    "bytes": 4096,
+                }
+            )
 
     def p2p(self, src: int, dst: int, iteration: int) -> None:
         seq = self.seq[src, dst]
         self.seq[src, dst] += 1
         send = self.t + int(self.rng.integers(0, 100_000))
         common = {"cat": "comm", "seq": seq, "iteration": iteration, "bytes": 8192, "group": "0:[all]"}
-        self.rows[src].append({**common, "name": "send", "op": "send", "peer": dst, "start_ns": send,
-                               "end_ns": send + 30_000})
-        self.rows[dst].append({**common, "name": "recv", "op": "recv", "peer": src, "start_ns": self.t - 200_000,
-                               "end_ns": send + int(self.rng.integers(50_000, 300_000))})
+        self.rows[src].append(
+            {**common, "name": "send", "op": "send", "peer": dst, "start_ns": send, "end_ns": send + 30_000}
+        )
+        self.rows[dst].append(
+            {
+                **common,
+                "name": "recv",
+                "op": "recv",
+                "peer": src,
+                "start_ns": self.t - 200_000,
+                "end_ns": send + int(self.rng.integers(50_000, 300_000)),
+            }
+        )
 
-    def run(self, iterations: int, late: float = 0.0) -> "SyntheticJob":
+    def run(self, iterations: int, late: float = 0.0) -> SyntheticJob:
         lay = self.layout
         for it in range(1, iterations + 1):
             for r in range(lay.world_size):
-                self.rows[r].append({"name": "forward", "cat": "compute", "start_ns": self.t,
-                                     "end_ns": self.t + 5 * MS, "iteration": it})
+                self.rows[r].append(
+                    {
+                        "name": "forward",
+                        "cat": "compute",
+                        "start_ns": self.t,
+                        "end_ns": self.t + 5 * MS,
+                        "iteration": it,
+                    }
+                )
             for group in self.groups:
                 self.collective(group, it, late)
                 self.t += 2 * MS
@@ -92,8 +125,9 @@ class SyntheticJob:
             self.t += 3 * MS
         return self
 
-    def traces(self, skew_ns: dict[int, int], drift_ppm: dict[int, float] | None = None,
-               calib_span_ns: int = 0) -> list[RankTrace]:
+    def traces(
+        self, skew_ns: dict[int, int], drift_ppm: dict[int, float] | None = None, calib_span_ns: int = 0
+    ) -> list[RankTrace]:
         """Each rank's view: device = true + skew (+ drift); calibration pairs read a
         host wall clock carrying the same skew, so only the trace itself reveals it."""
         out = []
@@ -106,8 +140,9 @@ class SyntheticJob:
 
             shifted = [{**row, "start_ns": device(row["start_ns"]), "end_ns": device(row["end_ns"])} for row in rows]
             for t in np.linspace(0, last, 5).astype(np.int64).tolist():
-                shifted.append({"name": "clock", "cat": "calib", "start_ns": device(t),
-                                "end_ns": EPOCH_NS + t + skew_ns.get(r, 0)})
+                shifted.append(
+                    {"name": "clock", "cat": "calib", "start_ns": device(t), "end_ns": EPOCH_NS + t + skew_ns.get(r, 0)}
+                )
             table = pa.Table.from_batches([build_event_batch(shifted)])
             out.append(RankTrace(meta=rank_meta(self.layout, r), events=table))
         return out
@@ -141,7 +176,7 @@ def test_align_recovers_random_offsets_through_collectives(tp, pp, world):
         assert abs(got - (skews[r] - skews[0])) < 40_000, (r, got, skews[r] - skews[0])
     assert report.violations == 0 and report.median_residual_ns < 40_000
     assert report.anchors == 5 * len(job.groups)
-    assert report.method == {r: "collectives" for r in range(world)}
+    assert report.method == dict.fromkeys(range(world), "collectives")
     assert all(gap >= 0 for gap in p2p_gaps(aligned)) and len(p2p_gaps(aligned)) == report.p2p_messages
 
 
@@ -171,7 +206,7 @@ def test_stages_linked_only_by_p2p_are_shifted_minimally_to_causality():
     job = SyntheticJob(layout, seed=5, model_parallel=False).run(iterations=4)
     stage1 = [r for r in range(8) if layout.coords(r).pp == 1]
     # Stage 1 reads 40 ms early: its recvs end before the sends started.
-    traces = job.traces({r: -40 * MS for r in stage1})
+    traces = job.traces(dict.fromkeys(stage1, -40 * MS))
     assert min(p2p_gaps(traces)) < 0
     aligned, report = align_traces(traces)
     gaps = p2p_gaps(aligned)
@@ -183,7 +218,7 @@ def test_stages_linked_only_by_p2p_are_shifted_minimally_to_causality():
     assert {report.method[r] for r in stage1} == {"wall-clock+causality"}
     assert report.median_residual_ns < 40_000
     # A stage that reads late breaks nothing, so the wall clock is kept.
-    _, untouched = align_traces(job.traces({r: 40 * MS for r in stage1}))
+    _, untouched = align_traces(job.traces(dict.fromkeys(stage1, 40 * MS)))
     assert untouched.violations_before == 0
     assert {untouched.offset_ns[r] - untouched.offset_ns[0] for r in range(8)} == {0}
 
@@ -203,14 +238,26 @@ def test_contradictory_p2p_is_reported_not_looped_on():
     layout = ParallelLayout(world_size=2, pp_size=2)
 
     def message(peer: int, op: str, start: int, end: int) -> dict:
-        return {"name": op, "cat": "comm", "op": op, "peer": peer, "seq": 0, "start_ns": start, "end_ns": end,
-                "iteration": 1, "group": "0:[0,1]"}
+        return {
+            "name": op,
+            "cat": "comm",
+            "op": op,
+            "peer": peer,
+            "seq": 0,
+            "start_ns": start,
+            "end_ns": end,
+            "iteration": 1,
+            "group": "0:[0,1]",
+        }
 
     # Each recv ends well before its send starts, in both directions: no offset fixes both.
-    rows = {0: [message(1, "send", 1000, 1100), message(1, "recv", 0, 400)],
-            1: [message(0, "send", 1000, 1100), message(0, "recv", 0, 500)]}
-    traces = [RankTrace(meta=rank_meta(layout, r), events=pa.Table.from_batches([build_event_batch(rows[r])]))
-              for r in (0, 1)]
+    rows = {
+        0: [message(1, "send", 1000, 1100), message(1, "recv", 0, 400)],
+        1: [message(0, "send", 1000, 1100), message(0, "recv", 0, 500)],
+    }
+    traces = [
+        RankTrace(meta=rank_meta(layout, r), events=pa.Table.from_batches([build_event_batch(rows[r])])) for r in (0, 1)
+    ]
     began = time.process_time()  # CPU time, not wall: a loaded CI machine must not fail this
     _, report = align_traces(traces)
     assert time.process_time() - began < 10
@@ -290,9 +337,10 @@ def check_chrome_trace(doc: dict, ranks: list[int]) -> dict:
         assert phases.count("s") == 1 and phases.count("f") == 1, (fid, phases)
         for e in chain:  # every flow point sits inside a slice of its own thread
             # ts/dur are µs with ns decimals: compare within half a ns of float rounding
-            assert any(x["pid"] == e["pid"] and x["tid"] == e["tid"]
-                       and x["ts"] - 5e-4 <= e["ts"] <= x["ts"] + x["dur"] + 5e-4
-                       for x in by_ph["X"]), e
+            assert any(
+                x["pid"] == e["pid"] and x["tid"] == e["tid"] and x["ts"] - 5e-4 <= e["ts"] <= x["ts"] + x["dur"] + 5e-4
+                for x in by_ph["X"]
+            ), e
     assert_flows_forward(doc)
     return {"by_ph": by_ph, "flows": flows}
 
@@ -380,8 +428,14 @@ def traced_gloo_job(rank: int, world_size: int, trace_dir: str) -> dict:
     layout = ParallelLayout(world_size=world_size, tp_size=2, pp_size=2)
     tp_groups = [dist.new_group(g) for g in layout.tp_group_ranks()]
     pp_groups = [dist.new_group(g) for g in layout.pp_group_ranks()]
-    config = TraceConfig(enabled=True, trace_dir=trace_dir, interval=3, continuous_iterations=2,
-                         clock_skew_ns=SKEWS[rank], flush_seconds=0.0)
+    config = TraceConfig(
+        enabled=True,
+        trace_dir=trace_dir,
+        interval=3,
+        continuous_iterations=2,
+        clock_skew_ns=SKEWS[rank],
+        flush_seconds=0.0,
+    )
     tracer = Tracer(config, rank_meta(layout, rank))
     instrumentation = install_distributed_instrumentation(tracer)
     c = layout.coords(rank)
@@ -398,8 +452,10 @@ def traced_gloo_job(rank: int, world_size: int, trace_dir: str) -> dict:
             else:
                 dist.irecv(torch.empty(256), layout.rank_of(c.tp, c.dp, 0)).wait()
         with tracer.span("backward"):
-            ring = [dist.P2POp(dist.isend, x, (rank + 1) % world_size),
-                    dist.P2POp(dist.irecv, torch.empty(256), (rank - 1) % world_size)]
+            ring = [
+                dist.P2POp(dist.isend, x, (rank + 1) % world_size),
+                dist.P2POp(dist.irecv, torch.empty(256), (rank - 1) % world_size),
+            ]
             for work in dist.batch_isend_irecv(ring):
                 work.wait()
             dist.all_reduce(x, group=my_pp)
@@ -449,8 +505,9 @@ def test_four_ranks_traced_merged_and_aligned(tmp_path, cluster):
 def test_1024_ranks_align_and_detect():
     """TP8 x PP4 x DP32 = 1,024 simulated ranks, clocks skewed by up to +-50 ms: alignment
     restores causality and detection names the one slowed rank."""
-    from megatronapp.scan.analyze.analysis import analyze_traces
     from scan_simulation import SimulatedJob, simulate_job_traces
+
+    from megatronapp.scan.analyze.analysis import analyze_traces
 
     job = SimulatedJob(tp_size=8, pp_size=4, dp_size=32, iterations=3, seed=11, slow_rank=517, slow_factor=1.6)
     traces = simulate_job_traces(job)

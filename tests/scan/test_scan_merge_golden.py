@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from scan_simulation import SimulatedJob, simulate_job_traces
 
 import megatronapp.scan.merge.merge as merge
 from megatronapp.scan.record.format import TraceWriter, trace_file_name
-from scan_simulation import SimulatedJob, simulate_job_traces
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "scan_merge_golden.json.gz"
 WINDOW_EVENTS = 150
@@ -30,8 +30,9 @@ _TIMING = ("seconds", "events_per_s")
 
 
 def _write_skewed_job(path: Path) -> Path:
-    job = SimulatedJob(tp_size=2, pp_size=2, dp_size=2, iterations=4, num_microbatches=3, seed=11, slow_rank=5,
-                       slow_factor=1.4)
+    job = SimulatedJob(
+        tp_size=2, pp_size=2, dp_size=2, iterations=4, num_microbatches=3, seed=11, slow_rank=5, slow_factor=1.4
+    )
     skew = np.random.default_rng(3).integers(-20_000_000, 20_000_000, job.world_size)
     path.mkdir(parents=True, exist_ok=True)
     for t in simulate_job_traces(job):

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+import scan_merge_reference as reference
+from scan_simulation import SimulatedJob, simulate_job_traces, write_repeated_job
 
 import megatronapp.scan.merge.merge as merge
-import scan_merge_reference as reference
 from megatronapp.scan.record.format import TraceWriter, trace_file_name
-from scan_simulation import SimulatedJob, simulate_job_traces, write_repeated_job
 
 
 def _write(traces, path: Path) -> Path:
@@ -44,14 +44,14 @@ def _canonical(path: Path) -> tuple[list, list, dict]:
 
 @pytest.fixture(scope="module")
 def trace_dir(tmp_path_factory) -> Path:
-    job = SimulatedJob(tp_size=2, pp_size=2, dp_size=2, iterations=5, num_microbatches=4, seed=7, slow_rank=3,
-                       slow_factor=1.5)
+    job = SimulatedJob(
+        tp_size=2, pp_size=2, dp_size=2, iterations=5, num_microbatches=4, seed=7, slow_rank=3, slow_factor=1.5
+    )
     return _write(simulate_job_traces(job), tmp_path_factory.mktemp("trace"))
 
 
 @pytest.mark.parametrize("window_events", [150, 1 << 16])  # many small windows; one window
-@pytest.mark.parametrize("options", [{}, {"iterations": range(1, 4), "ranks": [0, 2, 3, 5, 6]}],
-                         ids=["all", "subset"])
+@pytest.mark.parametrize("options", [{}, {"iterations": range(1, 4), "ranks": [0, 2, 3, 5, 6]}], ids=["all", "subset"])
 def test_streamed_merge_equals_in_memory_merge(trace_dir, tmp_path, monkeypatch, window_events, options):
     monkeypatch.setattr(merge, "WINDOW_EVENTS", window_events)
     streamed = merge.merge_traces(trace_dir, tmp_path / "s.json.gz", **options)
@@ -114,7 +114,8 @@ def test_fixed_width_numbers_are_the_exact_decimals():
     values = np.concatenate([[0, 1, 9, 10, 999, 1000, 10**18], rng.integers(0, 10**12, 500), rng.integers(0, 100, 50)])
     assert [bytes(r).decode().lstrip(" ") for r in format_uints(values)] == [str(v) for v in values.tolist()]
     assert [bytes(r).decode().lstrip(" ") for r in format_micros(values[:-1])] == [
-        f"{v // 1000}.{v % 1000:03d}" for v in values[:-1].tolist()]
+        f"{v // 1000}.{v % 1000:03d}" for v in values[:-1].tolist()
+    ]
     for dtype in (np.uint8, np.int16, np.int32):  # narrow columns (chunk, layer are int16)
         narrow = np.array([0, 7, 100, min(9999, np.iinfo(dtype).max)], dtype)
         assert [bytes(r).decode().lstrip(" ") for r in format_uints(narrow)] == [str(v) for v in narrow.tolist()]
@@ -217,14 +218,17 @@ def test_alignment_sample_holds_the_keyed_comm_rows_of_the_first_iterations(tmp_
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from megatronapp.scan.record.format import load_rank_trace
     from megatronapp.scan.merge.stream import survey_rank
+    from megatronapp.scan.record.format import load_rank_trace
 
     job = SimulatedJob(tp_size=2, pp_size=2, dp_size=1, iterations=14, num_microbatches=2, seed=4)
     trace = simulate_job_traces(job)[1]
     events = trace.events
-    keyed = np.flatnonzero(pc.and_(pc.equal(events.column("cat").cast(pa.string()), "comm"),
-                                   pc.equal(events.column("iteration"), 1)).to_numpy(zero_copy_only=False))[:2]
+    keyed = np.flatnonzero(
+        pc.and_(
+            pc.equal(events.column("cat").cast(pa.string()), "comm"), pc.equal(events.column("iteration"), 1)
+        ).to_numpy(zero_copy_only=False)
+    )[:2]
     late = np.concatenate([np.setdiff1d(np.arange(events.num_rows), keyed), keyed])  # two rows of iteration 1 come last
     path = _write([type(trace)(trace.meta, events.take(pa.array(late)), trace.path)], tmp_path)
     survey = survey_rank(path / trace_file_name(1), None, merge.ALIGN_SAMPLE_ITERATIONS)
@@ -232,7 +236,7 @@ def test_alignment_sample_holds_the_keyed_comm_rows_of_the_first_iterations(tmp_
     full = load_rank_trace(path / trace_file_name(1)).events
     cat = full.column("cat").cast(pa.string()).to_numpy(zero_copy_only=False)
     its, seq = full.column("iteration").to_numpy(), full.column("seq").to_numpy()
-    first = list(dict.fromkeys(its[cat != "calib"].tolist()))[:merge.ALIGN_SAMPLE_ITERATIONS]
+    first = list(dict.fromkeys(its[cat != "calib"].tolist()))[: merge.ALIGN_SAMPLE_ITERATIONS]
     want = full.filter(pa.array((cat == "comm") & (seq >= 0) & np.isin(its, first)))
     got = survey.trace.events
     got_cat = got.column("cat").cast(pa.string()).to_numpy(zero_copy_only=False)

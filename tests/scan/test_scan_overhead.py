@@ -13,15 +13,33 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--device", "cpu", "--preset", "tiny", "--micro-batch", "1", "--num-micro", "1", "--steps", "1",
-        "--warmup", "1", "--no-compile"]
+TINY = [
+    "--device",
+    "cpu",
+    "--preset",
+    "tiny",
+    "--micro-batch",
+    "1",
+    "--num-micro",
+    "1",
+    "--steps",
+    "1",
+    "--warmup",
+    "1",
+    "--no-compile",
+]
 
 
 def _run(tmp_path: Path, *argv: str) -> dict:
     out = tmp_path / "overhead.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scan_overhead.py"), *TINY, *argv,
-                           "--out", str(out)], capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scan_overhead.py"), *TINY, *argv, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text())
 
@@ -51,8 +69,11 @@ def test_alternating_on_cpu_measures_a_control_and_both_granularities(alternatin
     assert summary["full"]["events_per_traced_step"] > summary["base"]["events_per_traced_step"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="base records a fractional number of events per traced step on the CPU "
-                                       "(6.5 for the tiny model): some traced steps carry an extra event")
+@pytest.mark.xfail(
+    strict=True,
+    reason="base records a fractional number of events per traced step on the CPU "
+    "(6.5 for the tiny model): some traced steps carry an extra event",
+)
 def test_alternating_traces_the_same_whole_number_of_layer_spans_per_pair(alternating):
     """One traced step per pair: full adds the same whole number of layer spans to each."""
     extra = alternating["full"]["events_per_traced_step"] - alternating["base"]["events_per_traced_step"]

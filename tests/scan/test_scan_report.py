@@ -7,12 +7,12 @@ import json
 import re
 
 import pytest
-
-from megatronapp.scan.cli import add_trace_subcommands
-from megatronapp.scan.record.format import TraceWriter, trace_file_name
-from megatronapp.scan.merge.merge import merge_traces_split, split_output_name
 from scan_simulation import SimulatedJob, simulate_job_traces
 from timeline_checks import assert_flows_forward
+
+from megatronapp.scan.cli import add_trace_subcommands
+from megatronapp.scan.merge.merge import merge_traces_split, split_output_name
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
 
 JOB = dict(tp_size=1, pp_size=2, dp_size=2, iterations=6, seed=7)
 
@@ -33,8 +33,7 @@ def _cli(argv: list[str]) -> int:
     return args.func(args)
 
 
-@pytest.mark.parametrize("fault", [dict(slow_rank=3, slow_factor=1.8),
-                                   dict(slow_link=(0, 2), link_delay_ns=6_000_000)])
+@pytest.mark.parametrize("fault", [dict(slow_rank=3, slow_factor=1.8), dict(slow_link=(0, 2), link_delay_ns=6_000_000)])
 def test_whatif_predicts_the_clean_runs_iteration_time(tmp_path, capsys, fault):
     _write(tmp_path / "faulty", SimulatedJob(**JOB, **fault))
     _write(tmp_path / "clean", SimulatedJob(**JOB))
@@ -91,7 +90,9 @@ def test_a_slow_links_report_shows_each_links_effective_bandwidth(tmp_path):
 def test_split_merge_writes_one_file_per_chunk_of_iterations(tmp_path):
     traces = _write(tmp_path / "t", SimulatedJob(**JOB))
     summaries = merge_traces_split(tmp_path / "t", tmp_path / "tl.json.gz", per_file=4)
-    assert [s.out for s in summaries] == [str(split_output_name(tmp_path / "tl.json.gz", a, b)) for a, b in ((0, 3), (4, 5))]
+    assert [s.out for s in summaries] == [
+        str(split_output_name(tmp_path / "tl.json.gz", a, b)) for a, b in ((0, 3), (4, 5))
+    ]
     assert str(split_output_name("x/tl.json.gz", 4, 5)).endswith("tl.iter00004-00005.json.gz")
     recorded = sum(1 for t in traces for c in t.events.column("cat").to_pylist() if c != "calib")
     assert sum(s.events for s in summaries) == recorded

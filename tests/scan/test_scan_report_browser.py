@@ -5,10 +5,9 @@ verdict with its evidence, and logs no script error. Traces from tests/scan_simu
 from __future__ import annotations
 
 import pytest
-
+from scan_simulation import SimulatedJob
 from scope_ui_jobs import CHROMIUM_ARGS, chromium_or_skip
 from test_scan_report import JOB, _cli, _write
-from scan_simulation import SimulatedJob
 
 
 @pytest.fixture(scope="module")

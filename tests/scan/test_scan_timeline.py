@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from megatronapp.scan.record.format import TraceWriter, trace_file_name
-from megatronapp.scan.merge.matching import CommEnd, index_comm_events
-from megatronapp.scan.merge.merge import ARRIVAL_NS, merge_traces, place_arrival
 from scan_simulation import SimulatedJob, simulate_job_traces
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
+
+from megatronapp.scan.merge.matching import CommEnd, index_comm_events
+from megatronapp.scan.merge.merge import ARRIVAL_NS, merge_traces, place_arrival
+from megatronapp.scan.record.format import TraceWriter, trace_file_name
 
 
 def _write(traces, trace_dir) -> None:
@@ -49,8 +49,11 @@ def test_every_arrow_runs_forward_and_messages_end_on_arrivals(merged):
     expected_collective = sum(len(m) - 1 for m in index.collectives.values() if len(m) > 1)
     assert len(arrows) - len(p2p) == expected_collective
     # each arrival sits at the end of its recv: same thread, ends when the recv ended
-    recvs = {(e["pid"], e["args"]["peer"], e["args"]["seq"]): e for e in doc["traceEvents"]
-             if e["ph"] == "X" and e["name"] == "recv"}
+    recvs = {
+        (e["pid"], e["args"]["peer"], e["args"]["seq"]): e
+        for e in doc["traceEvents"]
+        if e["ph"] == "X" and e["name"] == "recv"
+    }
     for e in (e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] == "arrival"):
         recv = recvs[e["pid"], e["args"]["peer"], e["args"]["seq"]]
         assert recv["ts"] - 5e-4 <= e["ts"] and abs(e["ts"] + e["dur"] - recv["ts"] - recv["dur"]) < 1e-3

@@ -21,8 +21,13 @@ from megatronapp.scan.record.instrument import (
 )
 from megatronapp.scan.record.tracer import NOOP_SPAN, TraceConfig, Tracer
 
-META = {"rank": 0, "world_size": 1, "coords": {"tp": 0, "dp": 0, "pp": 0},
-        "layout": {"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1}, "run_id": "t"}
+META = {
+    "rank": 0,
+    "world_size": 1,
+    "coords": {"tp": 0, "dp": 0, "pp": 0},
+    "layout": {"tp_size": 1, "pp_size": 1, "dp_size": 1, "virtual_pp_size": 1},
+    "run_id": "t",
+}
 
 
 def rows_of(tracer: Tracer) -> list[dict]:
@@ -121,8 +126,9 @@ def nested_body(tracer: Tracer, it: int) -> None:
 
 @pytest.mark.parametrize("granularity", ["base", "full"])
 def test_spans_nest_inherit_context_and_follow_granularity(tmp_path, granularity):
-    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=4, continuous_iterations=2,
-                         granularity=granularity)
+    config = TraceConfig(
+        enabled=True, trace_dir=str(tmp_path), interval=4, continuous_iterations=2, granularity=granularity
+    )
     with Tracer(config, META) as tracer:
         run_iterations(tracer, range(1, 7), nested_body)
     rows = [r for r in rows_of(tracer) if r["cat"] != "calib"]
@@ -163,10 +169,15 @@ def test_adjacent_layer_spans_share_a_mark_and_keep_their_attributes(tmp_path):
         run_iterations(tracer, range(1, 3), body)
     rows = [r for r in rows_of(tracer) if r["cat"] == "compute"]
     assert [(r["name"], r["layer"], r["chunk"], r["microbatch"], r["op"]) for r in rows] == [
-        ("attention", 3, 1, 1, ""), ("mlp", 3, 1, 1, ""), ("mlp", 4, 1, 1, "x"),
-        ("attention", 3, 1, 2, ""), ("mlp", 3, 1, 2, ""), ("mlp", 4, 1, 2, "x")]
+        ("attention", 3, 1, 1, ""),
+        ("mlp", 3, 1, 1, ""),
+        ("mlp", 4, 1, 1, "x"),
+        ("attention", 3, 1, 2, ""),
+        ("mlp", 3, 1, 2, ""),
+        ("mlp", 4, 1, 2, "x"),
+    ]
     for it in (0, 3):
-        attention, mlp, other = rows[it:it + 3]
+        attention, mlp, other = rows[it : it + 3]
         assert mlp["start_ns"] == attention["end_ns"]  # the shared mark
         assert mlp["end_ns"] - mlp["start_ns"] >= 1_000_000
         # `after` from another iteration (iteration 2's layer 4) or none: a mark of its own
@@ -216,6 +227,7 @@ def test_wait_writer_idle_returns_once_handed_windows_are_on_disk(tmp_path, monk
     def build_slowly(*args):  # a writer well behind the training thread
         time.sleep(0.3)
         return slow_build(*args)
+
     monkeypatch.setattr(trace_writer, "build_window_batch", build_slowly)
     run_iterations(tracer, range(1, 3), nested_body)  # two windows handed over
     tracer.wait_writer_idle()
@@ -226,6 +238,7 @@ def test_wait_writer_idle_returns_once_handed_windows_are_on_disk(tmp_path, monk
 
     def fail(*args):
         raise OSError("disk full")
+
     monkeypatch.setattr(trace_writer, "build_window_batch", fail)
     run_iterations(tracer, [3], nested_body)
     with pytest.warns(UserWarning, match="disk full"):
@@ -236,8 +249,14 @@ def test_wait_writer_idle_returns_once_handed_windows_are_on_disk(tmp_path, monk
 
 def test_window_is_written_before_close_with_calibration(tmp_path):
     skew = 1_000_000_000_000  # 1000 s, far beyond any real gap between the clocks read
-    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=2, continuous_iterations=1,
-                         clock_skew_ns=skew, flush_seconds=0.0)
+    config = TraceConfig(
+        enabled=True,
+        trace_dir=str(tmp_path),
+        interval=2,
+        continuous_iterations=1,
+        clock_skew_ns=skew,
+        flush_seconds=0.0,
+    )
     tracer = Tracer(config, META)
     run_iterations(tracer, range(1, 3), nested_body)  # window [2] ends at step_end(2)
     with pytest.warns(UserWarning, match="end-of-stream"):
@@ -365,8 +384,7 @@ def test_windows_are_batched_until_flush_seconds(tmp_path):
 
 
 def test_writer_accounts_each_batch_it_writes(tmp_path):
-    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=2, continuous_iterations=1,
-                         flush_seconds=0.0)
+    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=2, continuous_iterations=1, flush_seconds=0.0)
     tracer = Tracer(config, META)
     run_iterations(tracer, range(1, 7), nested_body)  # windows [2], [4], [6]
     tracer.close()
@@ -408,8 +426,7 @@ def test_writer_queue_is_bounded_drops_and_counts_without_blocking(tmp_path, mon
         appended.append(len(rows))
 
     monkeypatch.setattr(TraceWriter, "append", stalled_append)
-    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, flush_seconds=0.0,
-                         max_pending_windows=2)
+    config = TraceConfig(enabled=True, trace_dir=str(tmp_path), interval=1, flush_seconds=0.0, max_pending_windows=2)
     tracer = Tracer(config, META)
     run_iterations(tracer, range(1, 9), nested_body)  # 8 windows; the writer holds 1, the queue 2
     assert appended == [], "a full writer queue blocked the training thread until the writer moved"

@@ -4,11 +4,11 @@ the reverse of a rate-limited link. Both are dropped in favour of the stronger s
 from __future__ import annotations
 
 import pytest
+from scan_simulation import SimulatedJob, simulate_job_traces
 
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import Suspect
 from megatronapp.scan.analyze.verdict_filters import drop_echoes, root_causes_first
-from scan_simulation import SimulatedJob, simulate_job_traces
 
 
 def _rank(rank: int, tp: int, dp: int, pp: int, confidence: float) -> Suspect:
@@ -16,14 +16,23 @@ def _rank(rank: int, tp: int, dp: int, pp: int, confidence: float) -> Suspect:
 
 
 def _link(src: int, dst: int, excess_ms: float, confidence: float = 0.9, ratio: float | None = None) -> Suspect:
-    return Suspect(src, {}, "slow_link", confidence, {"summary": "", "excess_ms": excess_ms,
-                                                      "ratio": excess_ms if ratio is None else ratio,
-                                                      "excess_ms_per_iteration": excess_ms}, link=(src, dst))
+    return Suspect(
+        src,
+        {},
+        "slow_link",
+        confidence,
+        {
+            "summary": "",
+            "excess_ms": excess_ms,
+            "ratio": excess_ms if ratio is None else ratio,
+            "excess_ms_per_iteration": excess_ms,
+        },
+        link=(src, dst),
+    )
 
 
 PP4 = {r: {"tp": 0, "dp": 0, "pp": r} for r in range(4)}
 PP4_SENDERS = {0: {1}, 1: {0, 2}, 2: {1, 3}, 3: {2}}
-
 
 
 def test_a_slow_rank_comes_before_the_links_it_is_an_endpoint_of():
@@ -45,7 +54,10 @@ def test_slow_ranks_in_different_tp_groups_or_without_tp_are_all_kept():
 
 
 def test_the_reverse_of_a_slower_link_is_dropped_whatever_the_confidence_order():
-    for first, second in ((_link(2, 3, 11.0, 0.8), _link(3, 2, 4.0, 0.9)), (_link(3, 2, 4.0, 0.9), _link(2, 3, 11.0, 0.8))):
+    for first, second in (
+        (_link(2, 3, 11.0, 0.8), _link(3, 2, 4.0, 0.9)),
+        (_link(3, 2, 4.0, 0.9), _link(2, 3, 11.0, 0.8)),
+    ):
         kept, notes = drop_echoes([first, second], tp_size=1)
         assert [s.link for s in kept] == [(2, 3)] and "reverse of the slower link 2->3" in notes[0]
 
@@ -55,28 +67,45 @@ def test_unrelated_links_and_a_rank_with_a_link_are_kept():
     assert len(kept) == 3
 
 
-@pytest.mark.parametrize("layout,rank,link", [
-    (dict(tp_size=2, pp_size=2), 1, (0, 2)),  # the slow rank is the link source's TP peer
-    (dict(tp_size=2, pp_size=2), 2, (0, 2)),  # ... the link's receiver, which waits and runs cold
-    (dict(pp_size=2, dp_size=2), 0, (0, 2)),  # ... the link's source
-    (dict(pp_size=2, dp_size=2), 0, (2, 0)),  # ... the receiver of the reverse direction
-    (dict(pp_size=4), 2, (1, 2)),
-])
+@pytest.mark.parametrize(
+    "layout,rank,link",
+    [
+        (dict(tp_size=2, pp_size=2), 1, (0, 2)),  # the slow rank is the link source's TP peer
+        (dict(tp_size=2, pp_size=2), 2, (0, 2)),  # ... the link's receiver, which waits and runs cold
+        (dict(pp_size=2, dp_size=2), 0, (0, 2)),  # ... the link's source
+        (dict(pp_size=2, dp_size=2), 0, (2, 0)),  # ... the receiver of the reverse direction
+        (dict(pp_size=4), 2, (1, 2)),
+    ],
+)
 def test_a_slow_rank_and_a_slow_link_at_once_are_both_named(layout, rank, link):
     """Neither filter may take one fault for the echo of the other."""
     assert _two_faults_named(layout, rank, link, cold_factor=1.0) == {("slow_compute", rank), ("slow_link", link)}
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: where work after a wait runs 1.5x slower, the TP peer of the "
-                                       "slow link's receiver (rank 3) reads 1.25x its peer and is named too")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: where work after a wait runs 1.5x slower, the TP peer of the "
+    "slow link's receiver (rank 3) reads 1.25x its peer and is named too",
+)
 def test_two_faults_with_cold_work_after_waits_name_only_the_two():
     named = _two_faults_named(dict(tp_size=2, pp_size=2), 1, (0, 2), cold_factor=1.5)
     assert named == {("slow_compute", 1), ("slow_link", (0, 2))}
 
 
 def _two_faults_named(layout: dict, rank: int, link: tuple, cold_factor: float) -> set:
-    job = SimulatedJob(**layout, noise=0.05, hiccup_prob=0.02, rank_bias=0.03, iterations=20, seed=0, slow_rank=rank,
-                       slow_factor=2.0, slow_link=link, link_delay_ns=8_000_000, cold_factor=cold_factor)
+    job = SimulatedJob(
+        **layout,
+        noise=0.05,
+        hiccup_prob=0.02,
+        rank_bias=0.03,
+        iterations=20,
+        seed=0,
+        slow_rank=rank,
+        slow_factor=2.0,
+        slow_link=link,
+        link_delay_ns=8_000_000,
+        cold_factor=cold_factor,
+    )
     return {(s.cause, s.link or s.rank) for s in detect(simulate_job_traces(job)).suspects}
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from engine_jobs import RandomTokenBatches, make_job
 from inference_jobs import PROMPTS, load_model
+
 from megatronapp import scope
 from megatronapp.engine.trainer import Trainer
 from megatronapp.inference.generate import SamplingConfig, generate
@@ -71,34 +71,55 @@ def _rotary(x: torch.Tensor, base: float) -> torch.Tensor:
     d, s = x.shape[-1], x.shape[-2]
     freqs = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     ang = torch.arange(s, dtype=torch.float32)[:, None] * freqs[None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], dim=-1)
 
 
 def test_layer_captures_equal_values_from_weights(model):
     layer, prompt = 2, PROMPTS[2]
-    with scope.capture(model, sites=("q", "k", "v", "attn_probs", "attn_out", "fc1", "mlp_out", "residual"),
-                       layers=(layer - 1, layer)) as cap:
+    with scope.capture(
+        model, sites=("q", "k", "v", "attn_probs", "attn_out", "fc1", "mlp_out", "residual"), layers=(layer - 1, layer)
+    ) as cap:
         generate(model, [prompt], SamplingConfig(max_new_tokens=1), eod_id=EOD, vocab_size=VOCAB)
     got = {it.site: it.tensors["data"][0] for it in cap.get(None, layer, 0)}
     x = cap.get("residual", layer - 1, 0)[0].tensors["data"][0]  # (S, H) input of the layer
-    w = {n.removeprefix(f"layers.{layer}."): p for n, p in model.chunk.named_parameters() if n.startswith(f"layers.{layer}.")}
+    w = {
+        n.removeprefix(f"layers.{layer}."): p
+        for n, p in model.chunk.named_parameters()
+        if n.startswith(f"layers.{layer}.")
+    }
     cfg = model.cfg
     nh, d = cfg.num_attention_heads, cfg.head_dim
-    qkv = F.layer_norm(x, (cfg.hidden_size,), w["attention.norm.weight"], w["attention.norm.bias"], cfg.layernorm_epsilon)
+    qkv = F.layer_norm(
+        x, (cfg.hidden_size,), w["attention.norm.weight"], w["attention.norm.bias"], cfg.layernorm_epsilon
+    )
     qkv = (qkv @ w["attention.attn.qkv.weight"].T + w["attention.attn.qkv.bias"]).view(-1, nh, 3, d)
     q, k, v = (qkv[:, :, i].transpose(0, 1) for i in range(3))  # (h, S, D)
     q, k = _rotary(q[None], cfg.rotary_base)[0], _rotary(k[None], cfg.rotary_base)[0]
     s = x.shape[0]
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(d) + torch.full((s, s), float("-inf")).triu(1)
     probs = scores.softmax(-1)
-    attn_out = (probs @ v).transpose(0, 1).reshape(s, -1) @ w["attention.attn.proj.weight"].T + w["attention.attn.proj.bias"]
+    attn_out = (probs @ v).transpose(0, 1).reshape(s, -1) @ w["attention.attn.proj.weight"].T + w[
+        "attention.attn.proj.bias"
+    ]
     h = x + attn_out
-    fc1 = F.gelu(F.layer_norm(h, (cfg.hidden_size,), w["mlp.norm.weight"], w["mlp.norm.bias"], cfg.layernorm_epsilon)
-                 @ w["mlp.mlp.fc1.weight"].T + w["mlp.mlp.fc1.bias"], approximate="tanh")
+    fc1 = F.gelu(
+        F.layer_norm(h, (cfg.hidden_size,), w["mlp.norm.weight"], w["mlp.norm.bias"], cfg.layernorm_epsilon)
+        @ w["mlp.mlp.fc1.weight"].T
+        + w["mlp.mlp.fc1.bias"],
+        approximate="tanh",
+    )
     mlp_out = fc1 @ w["mlp.mlp.fc2.weight"].T + w["mlp.mlp.fc2.bias"]
-    expected = {"q": q, "k": k, "v": v, "attn_probs": probs, "attn_out": attn_out, "fc1": fc1,
-                "mlp_out": mlp_out, "residual": h + mlp_out}
+    expected = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "attn_probs": probs,
+        "attn_out": attn_out,
+        "fc1": fc1,
+        "mlp_out": mlp_out,
+        "residual": h + mlp_out,
+    }
     for site, value in expected.items():
         torch.testing.assert_close(got[site], value, rtol=1e-5, atol=1e-5, msg=site)
 
@@ -159,8 +180,9 @@ def _expected_flip(value: float, fmt: str, bit: int) -> float:
     return float((bits32 ^ np.uint32(1 << (bit + 16))).view(np.float32)[0])
 
 
-@pytest.mark.parametrize("fmt, bits", [("fp32", (0, 22, 23, 30, 31)), ("bf16", (0, 6, 7, 14, 15)),
-                                       ("fp16", (0, 9, 10, 14, 15))])
+@pytest.mark.parametrize(
+    "fmt, bits", [("fp32", (0, 22, 23, 30, 31)), ("bf16", (0, 6, 7, 14, 15)), ("fp16", (0, 9, 10, 14, 15))]
+)
 def test_bit_flip_changes_exactly_that_element(fmt, bits):
     dtype = FORMATS[fmt].dtype
     x = (torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
@@ -195,8 +217,9 @@ def test_stuck_at_and_special_values():
     y = corrupt(x, nan, sel, None, keyed_generator(0))
     assert math.isnan(y[0]) and math.isnan(y[1]) and y[2] == 3.0
     # fp16 exponent MSB (bit 14): clear in 1.0 (0x3C00) already; -2.0 (0xC000) becomes -0.0 (0x8000)
-    z = corrupt(x.half(), Perturbation("stuck_at", Target("residual"), bits=(14,), stuck=0), sel, None,
-                keyed_generator(0))
+    z = corrupt(
+        x.half(), Perturbation("stuck_at", Target("residual"), bits=(14,), stuck=0), sel, None, keyed_generator(0)
+    )
     assert z.view(torch.int16).tolist() == [0x3C00, -0x8000, x.half().view(torch.int16)[2].item()]
 
 
@@ -209,8 +232,9 @@ def test_parameter_fault_restored_bit_exactly_and_training_step(ckpt):
 
     hit = fresh()
     before = {n: p.detach().clone() for c in hit.chunks for n, p in c.named_parameters()}
-    param_spec = Perturbation("bitflip", Target("param", param="layers.1.mlp.mlp.fc2.weight"), field="exponent",
-                              rate=0.05, seed=4)
+    param_spec = Perturbation(
+        "bitflip", Target("param", param="layers.1.mlp.mlp.fc2.weight"), field="exponent", rate=0.05, seed=4
+    )
     with scope.perturb(hit.chunks, param_spec):
         changed = sum(int((p != before[n]).sum()) for c in hit.chunks for n, p in c.named_parameters())
         mb = RandomTokenBatches(job, 0).next_microbatches()[0]
@@ -242,28 +266,43 @@ def test_parameter_fault_restored_bit_exactly_and_training_step(ckpt):
 
 # -- specs: JSON, validation ---------------------------------------------------------------
 def test_specs_round_trip_through_json():
-    specs = [Perturbation("bitflip", Target("q", layers=(1,), heads=(0, 2), positions=(3,), steps=(0,)),
-                          field="sign", seed=3, format="bf16"),
-             Perturbation("gaussian", Target("param", param="output.weight", indices=(5, 9)), sigma=0.1),
-             Perturbation("special", Target("fc1"), value="-inf", rate=0.01)]
+    specs = [
+        Perturbation(
+            "bitflip",
+            Target("q", layers=(1,), heads=(0, 2), positions=(3,), steps=(0,)),
+            field="sign",
+            seed=3,
+            format="bf16",
+        ),
+        Perturbation("gaussian", Target("param", param="output.weight", indices=(5, 9)), sigma=0.1),
+        Perturbation("special", Target("fc1"), value="-inf", rate=0.01),
+    ]
     for spec in specs:
         assert Perturbation.from_json(spec.to_json()) == spec
         assert Perturbation.from_json(json.dumps(json.loads(spec.to_json()))) == spec
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"kind": "gaussian", "sigma": 1, "target": {"site": "attention"}}, "unknown perturbation site"),
-    ({"kind": "gaussian", "sigma": 1, "target": {"site": "residual", "layers": [4]}}, "layer 4 is out of range"),
-    ({"kind": "bitflip", "bits": [16], "format": "bf16", "target": {"site": "residual"}}, "bit 16 is outside"),
-    ({"kind": "bitflip", "bits": [3], "format": "fp8", "target": {"site": "residual"}}, "unknown number format"),
-    ({"kind": "bitflip", "target": {"site": "residual"}}, "exactly one of 'bits'"),
-    ({"kind": "gaussian", "sigma": 1, "target": {"site": "param", "param": "nope"}}, "unknown parameter"),
-    ({"kind": "gaussian", "sigma": 1, "target": {"site": "param", "param": "output.weight", "indices": [10**9]}},
-     "outside parameter"),
-    ({"kind": "gaussian", "sigma": 1, "target": {"site": "residual", "heads": [0]}}, "heads can only"),
-    ({"kind": "gaussian", "sigma": 1, "target": {"site": "residual"}, "evil": "os.system"}, "unknown perturbation field"),
-    ({"kind": "melt", "target": {"site": "residual"}}, "unknown perturbation kind"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"kind": "gaussian", "sigma": 1, "target": {"site": "attention"}}, "unknown perturbation site"),
+        ({"kind": "gaussian", "sigma": 1, "target": {"site": "residual", "layers": [4]}}, "layer 4 is out of range"),
+        ({"kind": "bitflip", "bits": [16], "format": "bf16", "target": {"site": "residual"}}, "bit 16 is outside"),
+        ({"kind": "bitflip", "bits": [3], "format": "fp8", "target": {"site": "residual"}}, "unknown number format"),
+        ({"kind": "bitflip", "target": {"site": "residual"}}, "exactly one of 'bits'"),
+        ({"kind": "gaussian", "sigma": 1, "target": {"site": "param", "param": "nope"}}, "unknown parameter"),
+        (
+            {"kind": "gaussian", "sigma": 1, "target": {"site": "param", "param": "output.weight", "indices": [10**9]}},
+            "outside parameter",
+        ),
+        ({"kind": "gaussian", "sigma": 1, "target": {"site": "residual", "heads": [0]}}, "heads can only"),
+        (
+            {"kind": "gaussian", "sigma": 1, "target": {"site": "residual"}, "evil": "os.system"},
+            "unknown perturbation field",
+        ),
+        ({"kind": "melt", "target": {"site": "residual"}}, "unknown perturbation kind"),
+    ],
+)
 def test_bad_perturbation_specs_rejected_model_untouched(model, spec, message):
     baseline = first_logits(model)
     with pytest.raises(PerturbSpecError, match=message) as err:
@@ -272,12 +311,15 @@ def test_bad_perturbation_specs_rejected_model_untouched(model, spec, message):
     assert hook_count(model) == 0 and torch.equal(first_logits(model), baseline)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"sites": ("resid",)}, "unknown capture site"),
-    ({"sites": ("q",), "layers": (9,)}, "layer 9 is out of range"),
-    ({"sites": ("q",), "heads": (4,)}, "head 4 is out of range"),
-    ({"sites": ("q",), "compress": "zip:level=9"}, "unknown compression"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sites": ("resid",)}, "unknown capture site"),
+        ({"sites": ("q",), "layers": (9,)}, "layer 9 is out of range"),
+        ({"sites": ("q",), "heads": (4,)}, "head 4 is out of range"),
+        ({"sites": ("q",), "compress": "zip:level=9"}, "unknown compression"),
+    ],
+)
 def test_bad_capture_requests_rejected(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         scope.capture(model, **kwargs)
@@ -317,8 +359,9 @@ def test_pca_of_rank_one_data():
     x = torch.linspace(-1, 1, 40)[:, None] * direction[None, :] + 3.0
     coords, ratio = compute_pca(x, 2)
     assert float(ratio[0]) == pytest.approx(1.0, abs=1e-4)
-    torch.testing.assert_close(coords[:, 0].abs(), (torch.linspace(-1, 1, 40) * direction.norm()).abs(),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        coords[:, 0].abs(), (torch.linspace(-1, 1, 40) * direction.norm()).abs(), rtol=1e-4, atol=1e-4
+    )
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str]:
@@ -331,10 +374,28 @@ def _cli(args: list[str], capsys) -> tuple[int, str]:
 
 def test_cli_capture_and_report(ckpt, tmp_path, capsys):
     out = tmp_path / "cap.safetensors"
-    code, err = _cli(["capture", "--load", ckpt, "--prompt", "Hi", "--max-new-tokens", "3", "--device", "cpu",
-                      "--sites", "q,attn_probs,residual,topk,logit_lens", "--compress", "quantize:dtype=fp16",
-                      "--perturb", '{"kind": "offset", "value": 0.5, "target": {"site": "residual", "layers": [0]}}',
-                      "--out", str(out)], capsys)
+    code, err = _cli(
+        [
+            "capture",
+            "--load",
+            ckpt,
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "3",
+            "--device",
+            "cpu",
+            "--sites",
+            "q,attn_probs,residual,topk,logit_lens",
+            "--compress",
+            "quantize:dtype=fp16",
+            "--perturb",
+            '{"kind": "offset", "value": 0.5, "target": {"site": "residual", "layers": [0]}}',
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, err
     manifest = json.loads((tmp_path / "cap.safetensors.json").read_text())
     assert manifest["perturbations"][0]["kind"] == "offset" and manifest["bytes_per_token"] > 0
@@ -345,14 +406,17 @@ def test_cli_capture_and_report(ckpt, tmp_path, capsys):
     assert {"attention_0.png", "heatmap_residual.png", "pca_residual.png", "topk.png"} <= set(pngs)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sites", "q,nope"], "unknown capture site"),
-    (["--layers", "7"], "layer 7 is out of range"),
-    (["--compress", "reduce:op=mean"], "reduce width must be >= 1"),
-    (["--perturb", '{"kind": "bitflip", "bits": [40], "target": {"site": "residual"}}'], "bit 40 is outside"),
-    (["--perturb", "{not json"], "not valid JSON"),
-    (["--nproc-per-node", "2", "--pipeline-model-parallel-size", "3"], "not divisible"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sites", "q,nope"], "unknown capture site"),
+        (["--layers", "7"], "layer 7 is out of range"),
+        (["--compress", "reduce:op=mean"], "reduce width must be >= 1"),
+        (["--perturb", '{"kind": "bitflip", "bits": [40], "target": {"site": "residual"}}'], "bit 40 is outside"),
+        (["--perturb", "{not json"], "not valid JSON"),
+        (["--nproc-per-node", "2", "--pipeline-model-parallel-size", "3"], "not divisible"),
+    ],
+)
 def test_cli_capture_bad_input_one_line(ckpt, tmp_path, args, message, capsys):
     code, err = _cli(["capture", "--load", ckpt, "--prompt", "Hi", "--out", str(tmp_path / "x"), *args], capsys)
     lines = [line for line in err.splitlines() if line.strip()]
@@ -370,14 +434,43 @@ def test_cli_report_rejects_foreign_file(tmp_path, capsys):
 def test_cli_capture_launched_on_pp2_equals_one_process(ckpt, tmp_path, capsys):
     """`scope capture --nproc-per-node 2` (PP2 ranks through torch.distributed.run) writes the
     same file contents as the in-process run."""
-    args = ["capture", "--load", ckpt, "--prompt", "Hello", "--prompt", "abc", "--max-new-tokens", "3",
-            "--device", "cpu", "--sites", "q,attn_probs,fc1,residual,topk,logit_lens"]
+    args = [
+        "capture",
+        "--load",
+        ckpt,
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "abc",
+        "--max-new-tokens",
+        "3",
+        "--device",
+        "cpu",
+        "--sites",
+        "q,attn_probs,fc1,residual,topk,logit_lens",
+    ]
     code, err = _cli([*args, "--out", str(tmp_path / "one.safetensors")], capsys)
     assert code == 0, err
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "megatronapp.cli.main", "scope", *args, "--out",
-                          str(tmp_path / "pp2.safetensors"), "--nproc-per-node", "2",
-                          "--pipeline-model-parallel-size", "2"], capture_output=True, text=True, timeout=240, env=env)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatronapp.cli.main",
+            "scope",
+            *args,
+            "--out",
+            str(tmp_path / "pp2.safetensors"),
+            "--nproc-per-node",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     _, one = load_capture(tmp_path / "one.safetensors")
     manifest, pp2 = load_capture(tmp_path / "pp2.safetensors")

@@ -4,25 +4,34 @@ step does not grow with the number of layers."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from op_count import count_decode_step
 
 from megatronapp.config import model_preset
 from megatronapp.inference.model import build_inference_model
 from megatronapp.parallel.groups import single_process_groups
 from megatronapp.scope import compress
 from megatronapp.scope.batching import compress_step, compute_top_probs
-from megatronapp.scope.compress import (DEFAULT_COMPRESS, CapturedItem, apply_pipeline, parse_pipeline,
-                                         reduce_equal_buckets)
+from megatronapp.scope.compress import (
+    DEFAULT_COMPRESS,
+    CapturedItem,
+    apply_pipeline,
+    parse_pipeline,
+    reduce_equal_buckets,
+)
 from megatronapp.scope.sites import DEFAULT_SITES
 from megatronapp.scope.staging import pack_blocks, view_items
 
-from op_count import count_decode_step
-
-PIPELINES = ["", "reduce:op=absmax,width=64;quantize:dtype=fp16", "reduce:op=max,width=8",
-             "reduce:op=mean,width=7;quantize:dtype=int8", "reduce:op=l2,width=5;topk:k=3;quantize:dtype=fp16",
-             "slice:tokens=-2:,heads=1;reduce:op=absmax,width=3", "topk:k=4;quantize:dtype=int8"]
+PIPELINES = [
+    "",
+    "reduce:op=absmax,width=64;quantize:dtype=fp16",
+    "reduce:op=max,width=8",
+    "reduce:op=mean,width=7;quantize:dtype=int8",
+    "reduce:op=l2,width=5;topk:k=3;quantize:dtype=fp16",
+    "slice:tokens=-2:,heads=1;reduce:op=absmax,width=3",
+    "topk:k=4;quantize:dtype=int8",
+]
 
 
 def special_values(shape, dtype, seed: int) -> torch.Tensor:
@@ -65,10 +74,13 @@ def per_item(step: int, gathered, ops) -> list[CapturedItem]:
 @pytest.mark.parametrize("text", PIPELINES)
 def test_a_block_compresses_as_its_items_one_by_one(dtype, text):
     ops = parse_pipeline(text)
-    gathered = [(f"layer{layer}/{site}", layer, site, special_values(shape, dtype, seed=10 * layer + i))
-                for layer in range(3)
-                for i, (site, shape) in enumerate([("q", (2, 4, 3, 8)), ("attn_out", (2, 3, 16)),
-                                                   ("mlp_out", (2, 3, 16)), ("residual", (2, 3, 16))])]
+    gathered = [
+        (f"layer{layer}/{site}", layer, site, special_values(shape, dtype, seed=10 * layer + i))
+        for layer in range(3)
+        for i, (site, shape) in enumerate(
+            [("q", (2, 4, 3, 8)), ("attn_out", (2, 3, 16)), ("mlp_out", (2, 3, 16)), ("residual", (2, 3, 16))]
+        )
+    ]
     items, blocks = compress_step(5, gathered, ops, None, topk=3)
     assert len(blocks) == 2  # q alone; attn_out, mlp_out and residual of every layer together
     assert [it.name for it in items] == [f"step5/{n}" for n, *_ in gathered]
@@ -80,12 +92,16 @@ def test_a_block_compresses_as_its_items_one_by_one(dtype, text):
 
 
 def test_packed_buffer_views_back_every_item_exactly():
-    gathered = [(f"layer{layer}/{site}", layer, site, torch.randn(1, 3, 16)) for layer in range(2)
-                for site in ("attn_out", "residual")]
+    gathered = [
+        (f"layer{layer}/{site}", layer, site, torch.randn(1, 3, 16))
+        for layer in range(2)
+        for site in ("attn_out", "residual")
+    ]
     values, indices = torch.randn(2, 3), torch.randint(0, 9, (2, 3))
     gathered.append(("topk", None, "topk", torch.return_types.topk((values, indices))))
-    items, blocks = compress_step(0, gathered, parse_pipeline("reduce:op=absmax,width=5;quantize:dtype=int8"),
-                                  None, topk=3)
+    items, blocks = compress_step(
+        0, gathered, parse_pipeline("reduce:op=absmax,width=5;quantize:dtype=int8"), None, topk=3
+    )
     buffer, offsets = pack_blocks(blocks, items, "cpu")
     assert buffer.dtype == torch.uint8 and buffer.numel() == sum(it.nbytes for it in items)  # no padding
     host = buffer.clone()
@@ -143,7 +159,8 @@ def test_equal_bucket_mean_is_the_fp32_scatter_mean(dtype, width):
     x = special_values((3, 2, 128), dtype, seed=width)
     fast = reduce_equal_buckets(x, "mean", width)
     bucket = torch.arange(128) // (128 // width)
-    scatter = torch.zeros(3, 2, width).scatter_reduce(-1, bucket.expand(3, 2, 128), x.float(), "mean",
-                                                      include_self=False)
+    scatter = torch.zeros(3, 2, width).scatter_reduce(
+        -1, bucket.expand(3, 2, 128), x.float(), "mean", include_self=False
+    )
     assert fast.dtype == torch.float32
     torch.testing.assert_close(fast, scatter, rtol=1e-6, atol=1e-7, equal_nan=True)

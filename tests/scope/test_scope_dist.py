@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scope_jobs import capture_job
 
 from megatronapp.scope.specs import Perturbation, Target
-from scope_jobs import capture_job
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,9 @@ def test_captures_equal_across_layouts(cluster, ckpt, layout):
 SPECS = (
     Perturbation("gaussian", Target("fc1", layers=(1,)), seed=11, sigma=0.5, rate=0.3),  # TP-sharded columns
     Perturbation("bitflip", Target("q", layers=(2,), heads=(1, 3)), seed=5, field="mantissa", num_bits=2, rate=0.2),
-    Perturbation("bitflip", Target("param", param="layers.0.attention.attn.qkv.weight"), seed=3,
-                 field="exponent", rate=0.002),
+    Perturbation(
+        "bitflip", Target("param", param="layers.0.attention.attn.qkv.weight"), seed=3, field="exponent", rate=0.002
+    ),
     Perturbation("uniform", Target("residual", layers=(3,), positions=(2, 3), steps=(0, 1)), seed=9, low=0.5, high=1.5),
 )
 

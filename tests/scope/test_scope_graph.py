@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inference_jobs import PROMPTS, load_model, save_tiny_checkpoint
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import megatronapp.inference.model as inference_model
-from inference_jobs import PROMPTS, load_model, save_tiny_checkpoint
 from megatronapp import scope
 from megatronapp.inference.generate import SamplingConfig, generate
 from megatronapp.scope.compress import DEFAULT_COMPRESS
@@ -22,14 +22,20 @@ STEPS = 5
 SAMPLING = SamplingConfig(max_new_tokens=STEPS, stop_on_eod=False)
 CONFIGS = {
     "default": dict(sites=DEFAULT_SITES, compress=DEFAULT_COMPRESS),
-    "heads_attn_int8": dict(sites=("q", "k", "v", "attn_probs", "attn_out", "fc1"), heads=(0, 2),
-                            compress="slice:heads=1;quantize:dtype=int8"),
-    "l2_topk": dict(sites=("residual", "fc1", "topk"), topk=3,
-                    compress="reduce:op=l2,width=5;topk:k=3;quantize:dtype=fp16"),
-    "layers_mean": dict(sites=("mlp_out", "q", "logit_lens"), layers=(1, 3),
-                        compress="slice:tokens=-1:,layers=1;reduce:op=mean,width=8"),
-    "ui_lens_top1": dict(sites=("attn_probs", "topk", "logit_lens"), layers=(1,), topk=5, lens_topk=1,
-                         compress="quantize:dtype=fp16"),
+    "heads_attn_int8": dict(
+        sites=("q", "k", "v", "attn_probs", "attn_out", "fc1"),
+        heads=(0, 2),
+        compress="slice:heads=1;quantize:dtype=int8",
+    ),
+    "l2_topk": dict(
+        sites=("residual", "fc1", "topk"), topk=3, compress="reduce:op=l2,width=5;topk:k=3;quantize:dtype=fp16"
+    ),
+    "layers_mean": dict(
+        sites=("mlp_out", "q", "logit_lens"), layers=(1, 3), compress="slice:tokens=-1:,layers=1;reduce:op=mean,width=8"
+    ),
+    "ui_lens_top1": dict(
+        sites=("attn_probs", "topk", "logit_lens"), layers=(1,), topk=5, lens_topk=1, compress="quantize:dtype=fp16"
+    ),
 }
 
 
@@ -61,15 +67,17 @@ def assert_same_items(got, want, rtol: float, atol: float) -> None:
     assert [it.name for it in got.items] == [it.name for it in want.items]
     for a, b in zip(got.items, want.items):
         assert (a.site, a.step, a.layer, a.dims, a.ops) == (b.site, b.step, b.layer, b.dims, b.ops), a.name
-        assert {k: (t.shape, t.dtype) for k, t in a.tensors.items()} == \
-            {k: (t.shape, t.dtype) for k, t in b.tensors.items()}, a.name
+        assert {k: (t.shape, t.dtype) for k, t in a.tensors.items()} == {
+            k: (t.shape, t.dtype) for k, t in b.tensors.items()
+        }, a.name
         if "indices" in a.tensors and a.site in ("topk", "logit_lens"):
             assert torch.equal(a.tensors["indices"], b.tensors["indices"]), a.name
         quantum = float(b.tensors["scale"].max()) if "scale" in b.tensors else 0.0  # int8: one step apart at most
         # fp16 storage rounds to 11 significant bits: inputs 1e-6 apart can land one fp16 step apart
-        fp16_step = 2.0 ** -10 if any(op.get("dtype") == "fp16" for op in a.ops) else 0.0
-        torch.testing.assert_close(dequantized(a), dequantized(b), rtol=rtol + fp16_step, atol=atol + quantum,
-                                   msg=a.name)
+        fp16_step = 2.0**-10 if any(op.get("dtype") == "fp16" for op in a.ops) else 0.0
+        torch.testing.assert_close(
+            dequantized(a), dequantized(b), rtol=rtol + fp16_step, atol=atol + quantum, msg=a.name
+        )
     assert [s["bytes"] for s in got.steps] == [s["bytes"] for s in want.steps]
 
 
@@ -95,7 +103,7 @@ def test_recorded_attention_maps_cover_the_keys_so_far(model):
         assert p.shape[-1] == width + it.step and it.ops == []
         torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[:-1]))
         for b, prompt in enumerate(PROMPTS):  # decoded tokens never attend to left padding
-            assert it.step not in cap.recorded_steps or float(p[b, ..., :width - len(prompt)].abs().sum()) == 0.0
+            assert it.step not in cap.recorded_steps or float(p[b, ..., : width - len(prompt)].abs().sum()) == 0.0
     assert cap.recorded_steps == list(range(1, STEPS))
 
 
@@ -172,12 +180,18 @@ def test_graphs_requested_without_cuda_log_one_line(model, caplog):
     assert not model.cache.static  # eager, dynamic cache
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"sites": ("resid",)}, "unknown capture site"),
-    ({"sites": ("attn_probs",), "layers": (9,)}, "layer 9 is out of range"),
-    ({"sites": ("residual",), "compress": "reduce:op=median,width=4"}, "reduce op must be"),
-    ({"sites": ("residual",), "compress": "quantize:dtype=fp16;reduce:op=max,width=4"}, "quantize must be the last"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sites": ("resid",)}, "unknown capture site"),
+        ({"sites": ("attn_probs",), "layers": (9,)}, "layer 9 is out of range"),
+        ({"sites": ("residual",), "compress": "reduce:op=median,width=4"}, "reduce op must be"),
+        (
+            {"sites": ("residual",), "compress": "quantize:dtype=fp16;reduce:op=max,width=4"},
+            "quantize must be the last",
+        ),
+    ],
+)
 def test_bad_configurations_rejected_in_one_line_before_anything_is_installed(model, kwargs, message):
     with pytest.raises(ValueError, match=message) as err:
         scope.capture(model, **kwargs)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from scope_ui_jobs import CHROMIUM_ARGS, TrainingServer, chromium_or_skip, save_ui_checkpoint, start_generation_server
 
 TIMEOUT_MS = 60_000

@@ -104,14 +104,17 @@ def test_a_refused_request_keeps_its_code_and_message():
 CFG = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
 
 
-@pytest.mark.parametrize("fields", [
-    {"kind": "gaussian", "sigma": 0.1, "rate": 0.5},
-    {"kind": "uniform", "low": 0.5, "high": 2.0},
-    {"kind": "bitflip", "field": "mantissa", "num_bits": 2, "rate": 0.25},
-    {"kind": "bitflip", "field": "exponent"},
-    {"kind": "stuck_at", "bits": [3], "stuck": 1},
-    {"kind": "offset", "value": 1.0, "rate": 0.5},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"kind": "gaussian", "sigma": 0.1, "rate": 0.5},
+        {"kind": "uniform", "low": 0.5, "high": 2.0},
+        {"kind": "bitflip", "field": "mantissa", "num_bits": 2, "rate": 0.25},
+        {"kind": "bitflip", "field": "exponent"},
+        {"kind": "stuck_at", "bits": [3], "stuck": 1},
+        {"kind": "offset", "value": 1.0, "rate": 0.5},
+    ],
+)
 def test_draw_count_is_what_applying_the_perturbation_draws(fields, monkeypatch):
     """The bound is checked on the count the code actually draws: torch.rand/randn outputs
     counted while one (6, 5) parameter is corrupted."""
@@ -120,8 +123,9 @@ def test_draw_count_is_what_applying_the_perturbation_draws(fields, monkeypatch)
     drawn = []
     for name in ("rand", "randn"):
         real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _real=real, **k: drawn.append(_real(*a, **k).numel()) or
-                            _real(*a, **k))
+        monkeypatch.setattr(
+            torch, name, lambda *a, _real=real, **k: drawn.append(_real(*a, **k).numel()) or _real(*a, **k)
+        )
     corrupt_with_mask(torch.ones(6, 5), spec, torch.ones(6, 5, dtype=torch.bool), None, torch.Generator())
     assert compute_perturbation_draws(spec, CFG, shapes) == sum(drawn)
 

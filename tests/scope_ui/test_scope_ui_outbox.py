@@ -11,11 +11,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from scope_ui_jobs import save_ui_checkpoint
 
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.outbox import TokenOut, ViewOut, coalesce, encode, merge_views
 from megatronapp.scope_ui.server import Hub, _send_loop
-from scope_ui_jobs import save_ui_checkpoint
 
 
 def _tok(step: int, run: str = "clean") -> TokenOut:
@@ -27,10 +27,18 @@ def _attn(step: int, layer: int = 0, prompt: int = 3, run: str = "clean") -> Vie
     s = prompt if step == 0 else 1
     start = 0 if step == 0 else prompt + step - 1
     t = start + s
-    data = np.array([[[[1000 * step + 10 * (start + i) + j for j in range(t)] for i in range(s)]] * 2],
-                    dtype=np.float32)
-    return ViewOut(run=run, step=step, site="attn_probs", layer=layer, start=start,
-                   dims=("batch", "head", "token", "key"), data=data)
+    data = np.array(
+        [[[[1000 * step + 10 * (start + i) + j for j in range(t)] for i in range(s)]] * 2], dtype=np.float32
+    )
+    return ViewOut(
+        run=run,
+        step=step,
+        site="attn_probs",
+        layer=layer,
+        start=start,
+        dims=("batch", "head", "token", "key"),
+        data=data,
+    )
 
 
 def test_coalesce_keeps_every_token_in_order_and_merges_view_rows():
@@ -48,13 +56,18 @@ def test_coalesce_keeps_every_token_in_order_and_merges_view_rows():
     for row in range(8):  # every row is the one its own step sent, keys past it zero-padded
         step = 0 if row < 3 else row - 2
         want = _attn(step).data[0, 0, row - _attn(step).start]
-        assert np.array_equal(view.data[0, 1, row, :len(want)], want)
-        assert not view.data[0, 1, row, len(want):].any()
+        assert np.array_equal(view.data[0, 1, row, : len(want)], want)
+        assert not view.data[0, 1, row, len(want) :].any()
 
 
 def test_coalesce_never_moves_anything_across_a_barrier():
-    items = [_tok(0), _attn(0), P.RunEnd(run="clean", tokens=[], text="", tokens_per_s=1.0), _tok(0, "perturbed"),
-             _attn(0, run="perturbed")]
+    items = [
+        _tok(0),
+        _attn(0),
+        P.RunEnd(run="clean", tokens=[], text="", tokens_per_s=1.0),
+        _tok(0, "perturbed"),
+        _attn(0, run="perturbed"),
+    ]
     out = coalesce(items)
     kinds = [type(o).__name__ for o in out]
     assert kinds == ["ViewOut", "list", "RunEnd", "ViewOut", "list"]
@@ -68,8 +81,18 @@ def test_merge_refill_probe_and_gap():
     assert merge_views(_attn(1), _attn(3)) is None  # step 2 missing: never bridged
     out = coalesce([_attn(1), _attn(3)])
     assert [v.start for v in out] == [3, 5]  # both kept, in order
-    probes = [ViewOut(run="probe", step=i, site="residual", layer=0, start=0, dims=("batch", "token", "hidden"),
-                      data=np.full((1, 4, 8), i, dtype=np.float16)) for i in range(3)]
+    probes = [
+        ViewOut(
+            run="probe",
+            step=i,
+            site="residual",
+            layer=0,
+            start=0,
+            dims=("batch", "token", "hidden"),
+            data=np.full((1, 4, 8), i, dtype=np.float16),
+        )
+        for i in range(3)
+    ]
     (last,) = coalesce(probes, layer=3)  # probe frames replace each other, whatever the shown layer
     assert last.step == 2
 
@@ -115,7 +138,7 @@ def _rows(frames, site: str, layer: int) -> np.ndarray:
         if isinstance(f, tuple) and f[0]["site"] == site and f[0]["layer"] == layer and f[0]["run"] == "clean":
             header, data = f
             axis = 2 if site == "attn_probs" else 1
-            rows = rows[:header["start"]] + [np.take(data, i, axis=axis) for i in range(data.shape[axis])]
+            rows = rows[: header["start"]] + [np.take(data, i, axis=axis) for i in range(data.shape[axis])]
     width = max(r.shape[-1] for r in rows)
     return np.stack([np.pad(r, [(0, 0)] * (r.ndim - 1) + [(0, width - r.shape[-1])]) for r in rows])
 
@@ -165,7 +188,9 @@ def test_stalled_tab_gets_every_token_and_the_same_rows_in_few_frames(runner, mo
     for site in ("attn_probs", "residual"):
         assert np.array_equal(_rows(slow, site, 1), _rows(fast, site, 1))
         assert len(_rows(slow, site, 1)) == len(runner.tokenizer.encode("Once upon")) + n - 1
-    assert _rows(other, "attn_probs", 2).shape[2] == runner.model.cfg.num_attention_heads  # (rows, B, heads, T): its own layer
+    assert (
+        _rows(other, "attn_probs", 2).shape[2] == runner.model.cfg.num_attention_heads
+    )  # (rows, B, heads, T): its own layer
 
 
 def test_model_thread_posts_at_most_once_per_flush_interval(runner, monkeypatch):
@@ -184,7 +209,8 @@ def test_model_thread_posts_at_most_once_per_flush_interval(runner, monkeypatch)
     assert [t.id for t in body if isinstance(t, TokenOut)] == posts[2][0].tokens
     assert all(len(t.topk) == 5 and len(t.lens) == runner.model.cfg.num_layers for t in body if isinstance(t, TokenOut))
     assert sorted({(v.site, v.step) for v in body if isinstance(v, ViewOut)}) == sorted(
-        (site, s) for site in ("attn_probs", "residual") for s in range(n))  # a forward step per token
+        (site, s) for site in ("attn_probs", "residual") for s in range(n)
+    )  # a forward step per token
 
 
 def test_ui_captures_are_recordable_into_the_decode_graph(runner):
@@ -218,8 +244,13 @@ def test_ui_generation_on_cuda_keeps_graphs_and_tokens(caplog):
     with caplog.at_level("WARNING"):
         runner.run(msg, Sink(), [1])
     assert not [r for r in caplog.records if "eagerly" in r.getMessage()]
-    plain = generate(model, [tok.encode(msg.prompt)], SamplingConfig(max_new_tokens=12, stop_on_eod=False),
-                     eod_id=tok.eod_id, vocab_size=tok.vocab_size).tokens[0]
+    plain = generate(
+        model,
+        [tok.encode(msg.prompt)],
+        SamplingConfig(max_new_tokens=12, stop_on_eod=False),
+        eod_id=tok.eod_id,
+        vocab_size=tok.vocab_size,
+    ).tokens[0]
     assert [t.id for t in got if isinstance(t, TokenOut)] == plain
     assert {v.layer for v in got if isinstance(v, ViewOut)} == {1}
 
@@ -272,7 +303,7 @@ class _LaggingCapture:
         self.all, self.landed = items, 0
 
     def landed_items(self):
-        return self.all[:self.landed]
+        return self.all[: self.landed]
 
     @property
     def items(self):
@@ -284,10 +315,22 @@ def test_a_token_waits_for_its_top_k_and_lens_to_land():
     from megatronapp.scope_ui.runner import _RunStream
 
     def finals(step):
-        top = CapturedItem(f"step{step}/topk", "topk", step, None, ("batch", "k"),
-                           {"data": torch.tensor([[0.5, 0.25]]), "indices": torch.tensor([[7 + step, 9]])})
-        lens = CapturedItem(f"step{step}/logit_lens", "logit_lens", step, None, ("layer", "batch", "k"),
-                            {"data": torch.full((3, 1, 1), -1.0), "indices": torch.full((3, 1, 1), step)})
+        top = CapturedItem(
+            f"step{step}/topk",
+            "topk",
+            step,
+            None,
+            ("batch", "k"),
+            {"data": torch.tensor([[0.5, 0.25]]), "indices": torch.tensor([[7 + step, 9]])},
+        )
+        lens = CapturedItem(
+            f"step{step}/logit_lens",
+            "logit_lens",
+            step,
+            None,
+            ("layer", "batch", "k"),
+            {"data": torch.full((3, 1, 1), -1.0), "indices": torch.full((3, 1, 1), step)},
+        )
         return [top, lens]
 
     cap, posts = _LaggingCapture(finals(0) + finals(1)), []

@@ -96,10 +96,30 @@ def test_two_rank_serving_equals_one_process(cluster, ckpt, tp, pp):
 
 def test_serve_cli_on_two_ranks_over_websocket(ckpt):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatronapp.cli.main", "scope", "serve", "--load", ckpt,
-                             "--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--device", "cpu",
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatronapp.cli.main",
+            "scope",
+            "serve",
+            "--load",
+            ckpt,
+            "--nproc-per-node",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         url = _wait_for_url(proc, timeout=180)
         with connect(url.replace("http://", "ws://").rstrip("/") + "/ws", max_size=None) as ws:

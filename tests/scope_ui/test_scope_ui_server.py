@@ -10,13 +10,13 @@ import socket
 
 import pytest
 import torch
+from scope_ui_jobs import TrainingServer, start_generation_server, weights_digest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from megatronapp.cli.main import main
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.server import ServerConfig, resolve_token
-from scope_ui_jobs import TrainingServer, start_generation_server, weights_digest
 
 DIRECT_REPLIES = {"error", "welcome", "perturbations", "role", "run_start"}
 RUN_BROADCASTS = ("run_start", "tokens", "run_end", "compare")
@@ -65,8 +65,24 @@ def generate_over_ws(srv, **settings) -> list[int]:
 def test_ui_generation_equals_cli_generate(server, ckpt, capsys, sampling):
     prompt, n = "Once upon a", 10
     flags = ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"] if sampling else []
-    assert main(["generate", "--load", ckpt, "--prompt", prompt, "--max-new-tokens", str(n), "--device", "cpu",
-                 "--json", *flags]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--load",
+                ckpt,
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                str(n),
+                "--device",
+                "cpu",
+                "--json",
+                *flags,
+            ]
+        )
+        == 0
+    )
     cli_tokens = json.loads(capsys.readouterr().out)["tokens"][0]
     ui_tokens = generate_over_ws(server, prompt=prompt, max_new_tokens=n, **sampling)
     assert ui_tokens == cli_tokens and len(ui_tokens) > 0
@@ -97,16 +113,17 @@ def test_bit_flip_diverges_and_second_tab_watches(server):
 
 def test_limits_refuse_and_change_nothing(server):
     digest = weights_digest(server.hub.backend.model)
-    cases = [({"type": "generate", "prompt": "x" * 5000}, "too_large"),
-             ({"type": "generate", "prompt": "hi", "max_new_tokens": 10_000}, "too_large"),
-             ({"type": "generate", "prompt": "hi", "max_new_tokens": 200}, "refused"),  # over seq_length
-             ({"type": "perturb", "spec": {"kind": "bitflip", "target": {"site": "residual", "layers": [99]}}},
-              "refused"),
-             ({"type": "perturb", "spec": {"kind": "evil", "target": {"site": "residual"}}}, "refused"),
-             ({"type": "train_control", "action": "pause"}, "wrong_mode"),
-             ({"type": "hello", "version": 1}, "version"),
-             ({"type": "view", "layer": 4}, "refused"),  # the model has 4 layers
-             ({"type": "__import__('os').system('true')"}, "bad_message")]
+    cases = [
+        ({"type": "generate", "prompt": "x" * 5000}, "too_large"),
+        ({"type": "generate", "prompt": "hi", "max_new_tokens": 10_000}, "too_large"),
+        ({"type": "generate", "prompt": "hi", "max_new_tokens": 200}, "refused"),  # over seq_length
+        ({"type": "perturb", "spec": {"kind": "bitflip", "target": {"site": "residual", "layers": [99]}}}, "refused"),
+        ({"type": "perturb", "spec": {"kind": "evil", "target": {"site": "residual"}}}, "refused"),
+        ({"type": "train_control", "action": "pause"}, "wrong_mode"),
+        ({"type": "hello", "version": 1}, "version"),
+        ({"type": "view", "layer": 4}, "refused"),  # the model has 4 layers
+        ({"type": "__import__('os').system('true')"}, "bad_message"),
+    ]
     with connect(ws_url(server), max_size=None) as ws:
         recv_json(ws)
         ws.send(json.dumps({"type": "take_drive"}))
@@ -170,8 +187,16 @@ def test_loopback_server_refuses_foreign_host_header(server):
 
 
 def test_tensor_frame_round_trip_and_rate_limiter():
-    header = P.TensorHeader(run="clean", step=2, site="residual", layer=1, dims=["batch", "token", "hidden"],
-                            dtype="float32", shape=[1, 2, 3], compression=[{"name": "quantize"}])
+    header = P.TensorHeader(
+        run="clean",
+        step=2,
+        site="residual",
+        layer=1,
+        dims=["batch", "token", "hidden"],
+        dtype="float32",
+        shape=[1, 2, 3],
+        compression=[{"name": "quantize"}],
+    )
     data = torch.arange(6, dtype=torch.float32)
     got, payload = P.decode_tensor_frame(P.encode_tensor_frame(header, data.numpy().tobytes()))
     assert got == json.loads(header.model_dump_json())
@@ -196,24 +221,37 @@ def _fuzz_message(rng: random.Random) -> str | bytes:
     if kind == 4:
         return json.dumps({"type": "generate", "prompt": "a" * rng.randrange(4097, 60_000)})  # over the limit
     if kind == 5:
-        spec = {"kind": rng.choice(["bitflip", "gaussian", "nope", 1]), "target": rng.choice(
-            [{"site": "residual", "layers": [rng.randrange(-3, 9)]}, {"site": "param", "param": "x"}, [], "t"])}
+        spec = {
+            "kind": rng.choice(["bitflip", "gaussian", "nope", 1]),
+            "target": rng.choice(
+                [{"site": "residual", "layers": [rng.randrange(-3, 9)]}, {"site": "param", "param": "x"}, [], "t"]
+            ),
+        }
         return json.dumps({"type": "perturb", "spec": spec, **({"extra": 1} if rng.random() < 0.3 else {})})
     if kind == 6:
         return json.dumps(rng.choice([[], 1, "s", None, {"no": "type"}]))
     if kind == 7:
         return "[" * rng.randrange(1, 5000)  # deep nesting
     if kind == 8:  # (a valid view gets no reply; these are all refused)
-        return json.dumps({"type": "view", "layer": rng.choice([-1, 4, 99, "0", None, 1.5]), "head": rng.choice([0, 9])})
-    return json.dumps({"type": rng.choice(["hello", "train_control", "take_drive", "clear_perturbations"]),
-                       "version": rng.choice([1, 2, "1"]), "action": rng.choice(["pause", "stop", 1])})
+        return json.dumps(
+            {"type": "view", "layer": rng.choice([-1, 4, 99, "0", None, 1.5]), "head": rng.choice([0, 9])}
+        )
+    return json.dumps(
+        {
+            "type": rng.choice(["hello", "train_control", "take_drive", "clear_perturbations"]),
+            "version": rng.choice([1, 2, "1"]),
+            "action": rng.choice(["pause", "stop", 1]),
+        }
+    )
 
 
 def _abrupt_disconnect(port: int, rng: random.Random) -> None:
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    head = (f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
-    s.sendall(head[:rng.randrange(len(head))] if rng.random() < 0.5 else head + rng.randbytes(rng.randrange(1, 50)))
+    head = (
+        f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
+    s.sendall(head[: rng.randrange(len(head))] if rng.random() < 0.5 else head + rng.randbytes(rng.randrange(1, 50)))
     s.close()
 
 
@@ -256,8 +294,21 @@ def test_fuzz_ten_thousand_malformed_messages(server):
 
 
 def test_train_scope_flag_runs_and_refuses_multi_process(tmp_path, capsys):
-    base = ["train", "--model", "tiny", "--train-iters", "2", "--device", "cpu", "--log-interval", "1",
-            "--global-batch-size", "2", "--micro-batch-size", "1"]
+    base = [
+        "train",
+        "--model",
+        "tiny",
+        "--train-iters",
+        "2",
+        "--device",
+        "cpu",
+        "--log-interval",
+        "1",
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+    ]
     assert main(base + ["--scope", "--scope-port", "0", "--scope-every", "1"]) == 0
     assert "MegaScope training view: http://127.0.0.1:" in capsys.readouterr().out
     assert main(base + ["--scope", "--nproc-per-node", "2"]) == 2
@@ -326,8 +377,8 @@ def _layer_rows(frames, site: str, layer: int) -> list:
     for f in frames:
         if isinstance(f, tuple) and (f[0]["site"], f[0]["layer"], f[0]["run"]) == (site, layer, "clean"):
             axis = 2 if site == "attn_probs" else 1
-            rows = rows[:f[0]["start"]] + [f[1].take(i, axis=axis) for i in range(f[1].shape[axis])]
-    return [(r[..., :i + 1] if site == "attn_probs" else r).tolist() for i, r in enumerate(rows)]
+            rows = rows[: f[0]["start"]] + [f[1].take(i, axis=axis) for i in range(f[1].shape[axis])]
+    return [(r[..., : i + 1] if site == "attn_probs" else r).tolist() for i, r in enumerate(rows)]
 
 
 def test_layer_switch_after_a_run_refills_that_layer_exactly(server):
@@ -341,11 +392,16 @@ def test_layer_switch_after_a_run_refills_that_layer_exactly(server):
         first = _frames_until(ws, ended)
         positions = len(_layer_rows(first, "residual", 0))
         assert positions == len(first[-1]["tokens"]) - 1 + len(
-            next(f for f in first if isinstance(f, dict) and f["type"] == "run_start")["prompt_tokens"])
+            next(f for f in first if isinstance(f, dict) and f["type"] == "run_start")["prompt_tokens"]
+        )
         assert not _layer_rows(first, "residual", 2)  # only the shown layer was captured
         ws.send(json.dumps({"type": "view", "layer": 2, "head": 0}))  # refilled: same request, layer 2 only
-        refill = _frames_until(ws, lambda fs: len(_layer_rows(fs, "residual", 2)) == positions
-                               and len(_layer_rows(fs, "attn_probs", 2)) == positions)
+        refill = _frames_until(
+            ws,
+            lambda fs: (
+                len(_layer_rows(fs, "residual", 2)) == positions and len(_layer_rows(fs, "attn_probs", 2)) == positions
+            ),
+        )
         assert all(isinstance(f, tuple) for f in refill)  # views only: no tokens, no run messages
         ws.send(json.dumps(request))  # now streamed live with layer 2 shown from the start
         live = _frames_until(ws, ended)

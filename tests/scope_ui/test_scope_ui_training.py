@@ -9,12 +9,12 @@ import threading
 import time
 
 import torch
+from scope_ui_jobs import build_trainer
 
 from megatronapp.data.tokenizer import load_tokenizer
 from megatronapp.scope_ui import protocol as P
 from megatronapp.scope_ui.probe import LayerNorms
 from megatronapp.scope_ui.training import TrainingScope
-from scope_ui_jobs import build_trainer
 
 
 class _RecordingHub:
@@ -51,7 +51,7 @@ def test_layer_norms_match_per_parameter_reference():
     norms = LayerNorms(resolve_target(trainer.chunks).named_params(), trainer.job.model.num_layers)
     seen = []  # at on_step time, as the training view measures
     trainer.train(num_steps=1, on_step=lambda m: seen.append((norms.finish(norms.start()), _reference_norms(trainer))))
-    ((weights, grads), (want_w, want_g)), = seen
+    (((weights, grads), (want_w, want_g)),) = seen
     assert all(v > 0 for v in want_g)
     assert torch.allclose(torch.tensor(weights), torch.tensor(want_w), rtol=1e-5)
     assert torch.allclose(torch.tensor(grads), torch.tensor(want_g), rtol=1e-5)

@@ -29,8 +29,12 @@ def run_case(shapes, block: int) -> float:
 
     def adamw(ps):
         half = (len(ps) + 1) // 2
-        return torch.optim.AdamW([{"params": ps[:half], "weight_decay": 0.1},
-                                  {"params": ps[half:], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
+        return torch.optim.AdamW(
+            [{"params": ps[:half], "weight_decay": 0.1}, {"params": ps[half:], "weight_decay": 0.0}],
+            lr=1e-2,
+            betas=(0.9, 0.95),
+        )
+
     torch_opt, kernel_opt = adamw(ref), adamw(mains)
     kernel = MasterAdamW(kernel_opt, models, block=block, num_warps=4)
     for _ in range(3):  # tables built once, grads written in place
@@ -44,8 +48,9 @@ def run_case(shapes, block: int) -> float:
     worst = 0.0
     for r, m in zip(ref, mains):
         torch.testing.assert_close(m, r, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(kernel_opt.state[m]["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"],
-                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            kernel_opt.state[m]["exp_avg_sq"], torch_opt.state[r]["exp_avg_sq"], rtol=1e-6, atol=0
+        )
         # the interpreter truncates to bf16 (the GPU rounds to nearest even: tests/engine/test_mixed_precision.py)
         torch.testing.assert_close(models[id(m)].float(), m, rtol=2**-7, atol=0)
         worst = max(worst, float((m - r).abs().max()))

@@ -22,8 +22,9 @@ ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_s
 
 
 def _storages(tree) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree)
-            if isinstance(t, torch.Tensor) and t.numel()}
+    return {
+        t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.numel()
+    }
 
 
 class OpCounter(TorchDispatchMode):

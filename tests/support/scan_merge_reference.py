@@ -37,10 +37,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatronapp.spans import ARRIVAL
 from megatronapp.scan.merge.align import AlignmentReport, align_traces
-from megatronapp.scan.record.format import RankTrace, build_event_batch, filter_iterations, load_trace_dir
 from megatronapp.scan.merge.matching import CommEnd, CommIndex, MessageKey, add_rank_comm, comm_rows
+from megatronapp.scan.record.format import RankTrace, build_event_batch, filter_iterations, load_trace_dir
+from megatronapp.spans import ARRIVAL
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
 _ARG_COLUMNS = ("iteration", "chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")
@@ -104,12 +104,20 @@ def _metadata_events(meta: dict, sort_index: int, threads: dict[int, str]) -> li
     out = [
         json.dumps({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": format_rank_label(meta)}}),
         json.dumps({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}}),
-        json.dumps({"ph": "M", "name": "process_labels", "pid": pid,
-                    "args": {"labels": f"{meta.get('host', '')} {meta.get('device', '')}".strip()}}),
+        json.dumps(
+            {
+                "ph": "M",
+                "name": "process_labels",
+                "pid": pid,
+                "args": {"labels": f"{meta.get('host', '')} {meta.get('device', '')}".strip()},
+            }
+        ),
     ]
     for tid, name in sorted(threads.items()):
         out.append(json.dumps({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}))
-        out.append(json.dumps({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}))
+        out.append(
+            json.dumps({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        )
     return out
 
 
@@ -154,8 +162,10 @@ def _span_table(trace: RankTrace) -> pa.Table:
 def _track_lanes(events: pa.Table, origin: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
     """Per event: start and end in ns since origin and its tid; plus tid -> thread name."""
     cat = events.column("cat").chunk(0)
-    track_of_value = np.array([TRACKS.index(v) if v in TRACKS else TRACKS.index("user")
-                               for v in cat.dictionary.to_pylist()] or [0], dtype=np.int64)
+    track_of_value = np.array(
+        [TRACKS.index(v) if v in TRACKS else TRACKS.index("user") for v in cat.dictionary.to_pylist()] or [0],
+        dtype=np.int64,
+    )
     track = track_of_value[cat.indices.to_numpy(zero_copy_only=False)]
     starts = events.column("start_ns").to_numpy() - origin
     ends = np.maximum(events.column("end_ns").to_numpy() - origin, starts)
@@ -177,10 +187,19 @@ def _rank_span_events(rank: int, events: pa.Table, origin: int) -> tuple[list[st
     starts, ends, tids, threads = _track_lanes(events, origin)
     track_names = pa.array(TRACKS, pa.string()).take(pa.array(tids // _LANES_PER_TRACK))
     lines = _join(
-        '{"ph":"X","name":', _json_strings(events.column("name").chunk(0)),
-        ',"cat":"', track_names, f'","pid":{rank},"tid":', pc.cast(pa.array(tids), pa.string()),
-        ',"ts":', _us_strings(starts), ',"dur":', _us_strings(ends - starts),
-        ',"args":{', _args_strings(events), "}}",
+        '{"ph":"X","name":',
+        _json_strings(events.column("name").chunk(0)),
+        ',"cat":"',
+        track_names,
+        f'","pid":{rank},"tid":',
+        pc.cast(pa.array(tids), pa.string()),
+        ',"ts":',
+        _us_strings(starts),
+        ',"dur":',
+        _us_strings(ends - starts),
+        ',"args":{',
+        _args_strings(events),
+        "}}",
     )
     comm = np.flatnonzero(tids // _LANES_PER_TRACK == TRACKS.index("comm"))
     placed = dict(zip(comm.tolist(), zip(tids[comm].tolist(), starts[comm].tolist())))
@@ -204,8 +223,16 @@ def build_arrival_rows(index: CommIndex) -> dict[int, list[tuple[MessageKey, dic
     out: dict[int, list] = defaultdict(list)
     for key, send, recv in index.messages():
         start, end = place_arrival(send, recv)
-        row = {"name": ARRIVAL, "cat": "comm", "start_ns": start, "end_ns": end, "iteration": recv.iteration,
-               "peer": key[0], "seq": key[2], "bytes": recv.bytes}
+        row = {
+            "name": ARRIVAL,
+            "cat": "comm",
+            "start_ns": start,
+            "end_ns": end,
+            "iteration": recv.iteration,
+            "peer": key[0],
+            "seq": key[2],
+            "bytes": recv.bytes,
+        }
         out[recv.rank].append((key, row))
     return out
 
@@ -227,8 +254,10 @@ def build_flow_events(index: CommIndex, placed: dict, arrival_rows: dict) -> tup
     for key, send, _ in index.messages():
         fid += 1
         arrive_rank, arrive_row = arrival_rows[key]
-        lines += [_flow("s", fid, "p2p", send.rank, placed[send.rank, send.row]),
-                  _flow("f", fid, "p2p", arrive_rank, placed[arrive_rank, arrive_row])]
+        lines += [
+            _flow("s", fid, "p2p", send.rank, placed[send.rank, send.row]),
+            _flow("f", fid, "p2p", arrive_rank, placed[arrive_rank, arrive_row]),
+        ]
         arrows += 1
     for _, members in sorted(index.collectives.items()):
         if len(members) < 2:
@@ -340,8 +369,9 @@ def merge_traces(
     return write_merged(traces, report, out, began)
 
 
-def write_merged(traces: list[RankTrace], report: AlignmentReport, out: str | os.PathLike,
-                 began: float | None = None) -> MergeSummary:
+def write_merged(
+    traces: list[RankTrace], report: AlignmentReport, out: str | os.PathLike, began: float | None = None
+) -> MergeSummary:
     """Write aligned `traces` as one Chrome trace JSON at `out`, atomically (gzip if .gz)."""
     began = time.perf_counter() if began is None else began
     origin = compute_time_origin(traces)
@@ -354,16 +384,28 @@ def write_merged(traces: list[RankTrace], report: AlignmentReport, out: str | os
             written = _write_events(stream, traces, origin)
             seconds = time.perf_counter() - began
             spans = written.spans
-            stats = {"events": spans, "arrivals": written.arrivals, "flows": written.flows,
-                     "seconds": round(seconds, 6), "events_per_s": round(spans / seconds, 1) if seconds > 0 else None}
+            stats = {
+                "events": spans,
+                "arrivals": written.arrivals,
+                "flows": written.flows,
+                "seconds": round(seconds, 6),
+                "events_per_s": round(spans / seconds, 1) if seconds > 0 else None,
+            }
             other = json.dumps(_other_data(traces, report, origin, stats))
             stream.write(f'\n], "displayTimeUnit": "ms", "otherData": {other}}}\n')
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return MergeSummary(out=str(path), ranks=[t.rank for t in traces], events=spans, arrivals=written.arrivals,
-                        flows=written.flows, seconds=seconds, report=report)
+    return MergeSummary(
+        out=str(path),
+        ranks=[t.rank for t in traces],
+        events=spans,
+        arrivals=written.arrivals,
+        flows=written.flows,
+        seconds=seconds,
+        report=report,
+    )
 
 
 def split_output_name(out: str | os.PathLike, first: int, last: int) -> Path:
@@ -373,8 +415,9 @@ def split_output_name(out: str | os.PathLike, first: int, last: int) -> Path:
     return path.with_name(f"{name}.iter{first:05d}-{last:05d}{dot}{rest}")
 
 
-def merge_traces_split(trace_dir: str | os.PathLike, out: str | os.PathLike, per_file: int,
-                       ranks: Sequence[int] | None = None) -> list[MergeSummary]:
+def merge_traces_split(
+    trace_dir: str | os.PathLike, out: str | os.PathLike, per_file: int, ranks: Sequence[int] | None = None
+) -> list[MergeSummary]:
     """Like merge_traces, but one file per `per_file` consecutive traced iterations (named by
     split_output_name), so each stays small enough for the Perfetto UI. Clocks are aligned
     once, on the whole trace. Messages and collectives crossing a file boundary get no arrow."""
@@ -384,7 +427,7 @@ def merge_traces_split(trace_dir: str | os.PathLike, out: str | os.PathLike, per
     present = sorted(set().union(*(set(pc.unique(t.events.column("iteration")).to_pylist()) for t in traces)) - {-1})
     summaries = []
     for k in range(0, len(present), per_file):
-        chunk = present[k:k + per_file]
+        chunk = present[k : k + per_file]
         part = [replace(t, events=filter_iterations(t.events, set(chunk))) for t in traces]
         summaries.append(write_merged(part, report, split_output_name(out, chunk[0], chunk[-1])))
     return summaries

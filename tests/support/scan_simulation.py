@@ -83,8 +83,10 @@ class SimulatedJob:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.slow_every < 1 or not 1 <= self.slow_burst <= self.slow_every or self.stall_ns < 0:
-            raise ValueError(f"need slow_every >= 1, 1 <= slow_burst <= slow_every, stall_ns >= 0; got "
-                             f"{self.slow_every}, {self.slow_burst}, {self.stall_ns}")
+            raise ValueError(
+                f"need slow_every >= 1, 1 <= slow_burst <= slow_every, stall_ns >= 0; got "
+                f"{self.slow_every}, {self.slow_burst}, {self.stall_ns}"
+            )
         if self.slow_factor < 1.0:
             raise ValueError(f"slow_factor must be >= 1.0, got {self.slow_factor}")
         if self.slow_rank is not None and not 0 <= self.slow_rank < self.world_size:
@@ -92,8 +94,9 @@ class SimulatedJob:
         if self.slow_link is not None:
             src, dst = self.slow_link
             if not (0 <= src < self.world_size and 0 <= dst < self.world_size) or src == dst:
-                raise ValueError(f"slow_link {self.slow_link} must name two distinct ranks "
-                                 f"of a world of size {self.world_size}")
+                raise ValueError(
+                    f"slow_link {self.slow_link} must name two distinct ranks of a world of size {self.world_size}"
+                )
         if self.link_delay_mode not in ("transfer", "before_wait"):
             raise ValueError(f"link_delay_mode must be 'transfer' or 'before_wait', got {self.link_delay_mode!r}")
         if self.link_delay_ns < 0 or not all(0 <= v < 1 for v in (self.noise, self.hiccup_prob, self.rank_bias)):
@@ -147,8 +150,11 @@ def _group_key(gid: int, members: list[int]) -> str:
 def _groups_of(layout: ParallelLayout) -> dict[str, dict[int, tuple[str, int]]]:
     """Per kind ("tp", "dp", "mp"): rank -> (group key, group size), for groups larger than one."""
     gid, out = 0, {}
-    for kind, groups in (("tp", layout.tp_group_ranks()), ("dp", layout.dp_group_ranks()),
-                         ("mp", layout.model_parallel_group_ranks())):
+    for kind, groups in (
+        ("tp", layout.tp_group_ranks()),
+        ("dp", layout.dp_group_ranks()),
+        ("mp", layout.model_parallel_group_ranks()),
+    ):
         out[kind] = {}
         for members in groups:
             if len(members) > 1:
@@ -177,15 +183,17 @@ class _ProgramBuilder:
             factor *= self.rng.uniform(1.5, 3.0)
         return max(1, int(ns * factor))
 
-    def collective(self, kind: str, rank: int, name: str, cost: int, it: int, chunk: int = -1,
-                   mb: int = -1) -> list[tuple]:
+    def collective(
+        self, kind: str, rank: int, name: str, cost: int, it: int, chunk: int = -1, mb: int = -1
+    ) -> list[tuple]:
         if rank not in self.groups[kind]:
             return []
         key, size = self.groups[kind][rank]
         seq = self.coll_seq.get(f"{key}@{rank}", 0)
         self.coll_seq[f"{key}@{rank}"] = seq + 1
-        ev = _Event(name, "comm", 0, iteration=it, chunk=chunk, microbatch=mb, op="all_reduce", group=key,
-                    seq=seq, bytes=4096)
+        ev = _Event(
+            name, "comm", 0, iteration=it, chunk=chunk, microbatch=mb, op="all_reduce", group=key, seq=seq, bytes=4096
+        )
         return [("coll", ev, size, self.noisy(cost))]
 
     def slowed(self, rank: int, it: int) -> bool:
@@ -204,8 +212,11 @@ class _ProgramBuilder:
             ops.append(("work", self.noisy(work / segments)))
             ops += self.collective("tp", rank, "all_reduce", job.tp_allreduce_ns, it, chunk, mb)
         if forward and pp == job.pp_size - 1:
-            ops += [("begin", _Event("loss", "compute", 0, iteration=it, chunk=chunk, microbatch=mb)),
-                    ("work", self.noisy(job.loss_ns)), ("end",)]
+            ops += [
+                ("begin", _Event("loss", "compute", 0, iteration=it, chunk=chunk, microbatch=mb)),
+                ("work", self.noisy(job.loss_ns)),
+                ("end",),
+            ]
         return ops + [("end",)]
 
     def comm_batch(self, rank: int, actions, it: int) -> tuple:
@@ -216,9 +227,18 @@ class _ProgramBuilder:
             pair = (rank, peer) if is_send else (peer, rank)
             k = self.p2p_seq.get((pair, is_send), 0)
             self.p2p_seq[(pair, is_send)] = k + 1
-            ev = _Event("send" if is_send else "recv", "comm", 0, iteration=it, chunk=a.chunk,
-                        microbatch=a.microbatch, op="send" if is_send else "recv", seq=k, peer=peer,
-                        bytes=self.job.activation_bytes)
+            ev = _Event(
+                "send" if is_send else "recv",
+                "comm",
+                0,
+                iteration=it,
+                chunk=a.chunk,
+                microbatch=a.microbatch,
+                op="send" if is_send else "recv",
+                seq=k,
+                peer=peer,
+                bytes=self.job.activation_bytes,
+            )
             (sends if is_send else recvs).append(ev)
         costs = []  # (transfer after the send is posted, minimum wait after the recv is posted)
         for ev in recvs:
@@ -325,19 +345,41 @@ def simulate_job_traces(job: SimulatedJob, start_ns: int = 1_000_000_000) -> lis
     for it in range(job.iterations):
         for r in range(job.world_size):
             programs[r] += builder.iteration(r, it)
-    states = [_RankState(rank=r, program=programs[r], t=start_ns, cold_factor=job.cold_factor,
-                         cold_after_ns=job.cold_after_ns, cold_recovery_ns=job.cold_recovery_ns)
-              for r in range(job.world_size)]
+    states = [
+        _RankState(
+            rank=r,
+            program=programs[r],
+            t=start_ns,
+            cold_factor=job.cold_factor,
+            cold_after_ns=job.cold_after_ns,
+            cold_recovery_ns=job.cold_recovery_ns,
+        )
+        for r in range(job.world_size)
+    ]
     _run(states)
     lay = job.layout
     layout = {"tp_size": lay.tp_size, "pp_size": lay.pp_size, "dp_size": lay.dp_size, "virtual_pp_size": 1}
     traces = []
     for st in states:
-        meta = build_rank_meta(rank=st.rank, world_size=job.world_size, coords=lay.coords(st.rank).as_dict(),
-                               layout=layout, host="simulated", device="cpu", run_id=f"sim-{job.seed}",
-                               clock="monotonic", run={"simulated": True})
-        traces.append(RankTrace(meta=meta, events=build_events_table(st.events, start_ns),
-                                path=f"<simulated rank {st.rank}>", partial=False))
+        meta = build_rank_meta(
+            rank=st.rank,
+            world_size=job.world_size,
+            coords=lay.coords(st.rank).as_dict(),
+            layout=layout,
+            host="simulated",
+            device="cpu",
+            run_id=f"sim-{job.seed}",
+            clock="monotonic",
+            run={"simulated": True},
+        )
+        traces.append(
+            RankTrace(
+                meta=meta,
+                events=build_events_table(st.events, start_ns),
+                path=f"<simulated rank {st.rank}>",
+                partial=False,
+            )
+        )
     return traces
 
 
@@ -355,8 +397,9 @@ def _seq_steps(events: pa.Table) -> np.ndarray:
     return np.array([counts[st] if s >= 0 else 0 for st, s in zip(streams, seq)], dtype=np.int64)
 
 
-def write_repeated_job(job: SimulatedJob, trace_dir, iterations: int, iterations_per_batch: int = 10,
-                       gap_ns: int = 1_000_000) -> int:
+def write_repeated_job(
+    job: SimulatedJob, trace_dir, iterations: int, iterations_per_batch: int = 10, gap_ns: int = 1_000_000
+) -> int:
     """Write a long trace fast: `job`'s first simulated iteration repeated `iterations` times
     (times shifted by one iteration period + gap_ns, seq numbers continued, so messages and
     collectives still match), one record batch plus one calibration row per
@@ -366,8 +409,10 @@ def write_repeated_job(job: SimulatedJob, trace_dir, iterations: int, iterations
     from megatronapp.scan.record.format import TraceWriter, build_event_batch, trace_file_name
 
     traces = simulate_job_traces(SimulatedJob(**{**job.__dict__, "iterations": 1}))
-    spans = [t.events.filter(pa.compute.not_equal(t.events.column("cat").cast(pa.string()), "calib")).combine_chunks()
-             for t in traces]
+    spans = [
+        t.events.filter(pa.compute.not_equal(t.events.column("cat").cast(pa.string()), "calib")).combine_chunks()
+        for t in traces
+    ]
     first = min(s.column("start_ns").to_numpy().min() for s in spans)
     period = max(s.column("end_ns").to_numpy().max() for s in spans) - first + gap_ns
     total = 0
@@ -381,13 +426,22 @@ def write_repeated_job(job: SimulatedJob, trace_dir, iterations: int, iterations
                 batch = template.take(pa.array(np.tile(np.arange(n), len(its) // n)))
                 shift = its * period
                 columns = dict(zip(batch.schema.names, batch.columns))
-                columns.update(start_ns=pa.array(np.tile(start, len(its) // n) + shift),
-                               end_ns=pa.array(np.tile(end, len(its) // n) + shift),
-                               iteration=pa.array(its.astype(np.int32)),
-                               seq=pa.array(np.where(np.tile(seq, len(its) // n) >= 0,
-                                                     np.tile(seq, len(its) // n) + its * np.tile(steps, len(its) // n), -1)))
+                columns.update(
+                    start_ns=pa.array(np.tile(start, len(its) // n) + shift),
+                    end_ns=pa.array(np.tile(end, len(its) // n) + shift),
+                    iteration=pa.array(its.astype(np.int32)),
+                    seq=pa.array(
+                        np.where(
+                            np.tile(seq, len(its) // n) >= 0,
+                            np.tile(seq, len(its) // n) + its * np.tile(steps, len(its) // n),
+                            -1,
+                        )
+                    ),
+                )
                 writer.append(pa.RecordBatch.from_arrays([columns[c] for c in batch.schema.names], schema=batch.schema))
                 device = int(start.min() + lo * period)
-                writer.append(build_event_batch([{"name": "clock", "cat": "calib", "start_ns": device, "end_ns": device}]))
+                writer.append(
+                    build_event_batch([{"name": "clock", "cat": "calib", "start_ns": device, "end_ns": device}])
+                )
                 total += len(its)
     return total

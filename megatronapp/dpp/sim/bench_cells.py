@@ -33,8 +33,11 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "dynamic-inorder": ("dynamic", True, ["--dpp-traversal", "in-order", "--no-split-backward"]),
     # sends on the compute thread (no sender thread, p2p.outbox.Outbox); dynamic-inorder's
     # default (auto) uses the thread where each rank has a spare core
-    "dynamic-inorder-inline": ("dynamic", True, ["--dpp-traversal", "in-order", "--dpp-send-thread", "off",
-                                                 "--no-split-backward"]),
+    "dynamic-inorder-inline": (
+        "dynamic",
+        True,
+        ["--dpp-traversal", "in-order", "--dpp-send-thread", "off", "--no-split-backward"],
+    ),
     # the default dynamic schedule: in-order with W filling (split backward)
     "dynamic-w": ("dynamic", True, ["--dpp-traversal", "in-order"]),
     # PyTorch's ScheduleInterleavedZeroBubble on the same chunks (benchmarks/torch_zb_cell.py; the
@@ -64,16 +67,40 @@ class CellGrid:
     scenario_flags: dict = field(default_factory=dict)  # scenario -> its injection flags for `train`
 
 
-def compute_train_argv(grid: CellGrid, variant: str, scenario: str, metrics: str,
-                       trace_dir: str | None = None) -> list[str]:
+def compute_train_argv(
+    grid: CellGrid, variant: str, scenario: str, metrics: str, trace_dir: str | None = None
+) -> list[str]:
     """`megatronapp train` arguments of a cell, without the launch flags."""
     schedule, virtual, extra = VARIANTS[variant]
-    argv = ["train", "--device", grid.device, "--model", "demo", "--pipeline-model-parallel-size", str(grid.pp),
-            "--num-layers", str(grid.num_layers), "--hidden-size", str(grid.hidden_size),
-            "--seq-length", str(grid.seq_length), "--micro-batch-size", "1",
-            "--global-batch-size", str(grid.microbatches * (grid.nproc // grid.pp)), "--train-iters", str(grid.iters),
-            "--log-interval", "1", "--pipeline-schedule", schedule, "--metrics-file", metrics, *extra,
-            *grid.scenario_flags[scenario]]
+    argv = [
+        "train",
+        "--device",
+        grid.device,
+        "--model",
+        "demo",
+        "--pipeline-model-parallel-size",
+        str(grid.pp),
+        "--num-layers",
+        str(grid.num_layers),
+        "--hidden-size",
+        str(grid.hidden_size),
+        "--seq-length",
+        str(grid.seq_length),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(grid.microbatches * (grid.nproc // grid.pp)),
+        "--train-iters",
+        str(grid.iters),
+        "--log-interval",
+        "1",
+        "--pipeline-schedule",
+        schedule,
+        "--metrics-file",
+        metrics,
+        *extra,
+        *grid.scenario_flags[scenario],
+    ]
     if virtual:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(grid.num_layers // (grid.pp * grid.vpp))]
     if trace_dir is not None:  # every iteration, base spans: what the trace-gap analysis reads
@@ -129,8 +156,15 @@ def predicted_step_s(grid: CellGrid, scenario: str, variant: str) -> float:
         built = build_schedule(schedule, pp, v, m)
         return simulate(pp, v, m, cost, schedule=built, static_comm="rendezvous").makespan_s
     traversal = extra[extra.index("--dpp-traversal") + 1]
-    return simulate(pp, v, m, cost, traversal=traversal, caps=compute_default_caps(pp, v, m),
-                    split_backward="--no-split-backward" not in extra).makespan_s
+    return simulate(
+        pp,
+        v,
+        m,
+        cost,
+        traversal=traversal,
+        caps=compute_default_caps(pp, v, m),
+        split_backward="--no-split-backward" not in extra,
+    ).makespan_s
 
 
 def memory_fields(grid: CellGrid, variant: str) -> dict:
@@ -140,14 +174,24 @@ def memory_fields(grid: CellGrid, variant: str) -> dict:
     peaks = schedule_peaks(grid, variant)
     s, h = grid.seq_length, grid.hidden_size
     per_layer = 2 * s * h * (34 + 5 * grid.heads * s / h)
-    return {"peak_inflight_sets": peaks, "layers_per_set": layers,
-            "layer_input_MiB": [round(p * layers * s * h * 4 / 2**20, 2) for p in peaks],
-            "activation_MiB_est": [round(p * layers * per_layer / 2**20, 1) for p in peaks]}
+    return {
+        "peak_inflight_sets": peaks,
+        "layers_per_set": layers,
+        "layer_input_MiB": [round(p * layers * s * h * 4 / 2**20, 2) for p in peaks],
+        "activation_MiB_est": [round(p * layers * per_layer / 2**20, 1) for p in peaks],
+    }
 
 
 def make_record(grid: CellGrid, scenario: str, variant: str, repeat: int, steps: list[float], wall_s: float) -> dict:
-    return {"scenario": scenario, "variant": variant, "repeat": repeat, "median_s": statistics.median(steps),
-            "steps_s": steps, "wall_s": round(wall_s, 1), **memory_fields(grid, variant)}
+    return {
+        "scenario": scenario,
+        "variant": variant,
+        "repeat": repeat,
+        "median_s": statistics.median(steps),
+        "steps_s": steps,
+        "wall_s": round(wall_s, 1),
+        **memory_fields(grid, variant),
+    }
 
 
 def measured(records: list[dict]) -> list[dict]:
@@ -159,8 +203,11 @@ def paired_speeds(records: list[dict], scenario: str, variant: str) -> list[floa
     """Per repeat that measured both: interleaved's time over `variant`'s (cells of one repeat run
     close together, so a slow phase of the host hits both: the ratio cancels it)."""
     by = {(r["variant"], r["repeat"]): r["median_s"] for r in measured(records) if r["scenario"] == scenario}
-    return [by[("interleaved", rep)] / by[(variant, rep)] for (v, rep) in sorted(by)
-            if v == variant and ("interleaved", rep) in by]
+    return [
+        by[("interleaved", rep)] / by[(variant, rep)]
+        for (v, rep) in sorted(by)
+        if v == variant and ("interleaved", rep) in by
+    ]
 
 
 def paired_summary(records: list[dict], scenario: str, variant: str) -> dict | None:
@@ -173,7 +220,7 @@ def paired_summary(records: list[dict], scenario: str, variant: str) -> dict | N
 
 
 def compute_summary(grid: CellGrid, scenarios, variants, records: list[dict]) -> dict:
-    """"scenario/variant" -> median over repeats, the runs, speed vs interleaved (ratio of the
+    """ "scenario/variant" -> median over repeats, the runs, speed vs interleaved (ratio of the
     medians; the simulator's; the paired per-repeat median) and memory; unmeasured cells left out."""
     times: dict = {}
     for r in measured(records):
@@ -188,10 +235,14 @@ def compute_summary(grid: CellGrid, scenarios, variants, records: list[dict]) ->
             med = statistics.median(runs)
             predicted = predicted_step_s(grid, scenario, "interleaved") / predicted_step_s(grid, scenario, variant)
             paired = paired_summary(records, scenario, variant) if variant != "interleaved" else None
-            out[f"{scenario}/{variant}"] = {"median_s": med, "runs_s": runs,
-                                            "speed_vs_interleaved": base / med if base else float("nan"),
-                                            "simulated_speed_vs_interleaved": predicted,
-                                            "paired_speed_vs_interleaved": paired, **memory_fields(grid, variant)}
+            out[f"{scenario}/{variant}"] = {
+                "median_s": med,
+                "runs_s": runs,
+                "speed_vs_interleaved": base / med if base else float("nan"),
+                "simulated_speed_vs_interleaved": predicted,
+                "paired_speed_vs_interleaved": paired,
+                **memory_fields(grid, variant),
+            }
     return out
 
 
@@ -202,9 +253,15 @@ def append_record(log, rec: dict) -> None:
     os.fsync(log.fileno())
 
 
-def run_cells(plan: list[tuple[int, str, str]], measure: Callable[[int, str, str], dict], log, *,
-              budget_s: float | None, clock: Callable[[], float],
-              on_record: Callable[[int, dict], None] = lambda done, rec: None) -> list[dict]:
+def run_cells(
+    plan: list[tuple[int, str, str]],
+    measure: Callable[[int, str, str], dict],
+    log,
+    *,
+    budget_s: float | None,
+    clock: Callable[[], float],
+    on_record: Callable[[int, dict], None] = lambda done, rec: None,
+) -> list[dict]:
     """Measure every (repeat, scenario, variant) of `plan` in order with `measure`, appending each
     record to `log` at once; a cell whose job fails or times out is kept as an error record.
     With `budget_s`, no cell starts that would end after it, judged by the slowest cell so far."""
@@ -216,8 +273,13 @@ def run_cells(plan: list[tuple[int, str, str]], measure: Callable[[int, str, str
         try:
             rec = measure(rep, scenario, variant)
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-            rec = {"scenario": scenario, "variant": variant, "repeat": rep, "error": str(exc)[-500:],
-                   "wall_s": round(clock() - start, 1)}
+            rec = {
+                "scenario": scenario,
+                "variant": variant,
+                "repeat": rep,
+                "error": str(exc)[-500:],
+                "wall_s": round(clock() - start, 1),
+            }
         append_record(log, rec)
         records.append(rec)
         slowest = max(slowest, clock() - start)

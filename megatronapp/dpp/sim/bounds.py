@@ -92,8 +92,9 @@ def compute_task_classes(cost: CostModel, pp: int, vpp: int, pp_rank: int) -> li
     for (start, tail), (kind, vs) in zip(times, steps):
         rank, chunk = stage_location(vs, pp)
         if rank == pp_rank:
-            out.append(TaskClass(kind, chunk, _stage_cost(cost, vs, kind, pp) - cost.task_overhead_of(rank), start,
-                                 tail))
+            out.append(
+                TaskClass(kind, chunk, _stage_cost(cost, vs, kind, pp) - cost.task_overhead_of(rank), start, tail)
+            )
     return out
 
 
@@ -107,8 +108,9 @@ def compute_rank_draws(cost: CostModel, pp_rank: int, num_tasks: int) -> tuple[l
     return [rng.uniform(1.0, spec.max_factor) for _ in range(num_tasks)], (1.0 + spec.max_factor) / 2
 
 
-def compute_least_work_s(costs: list[float], draws: list[float], mean_factor: float, mode: str,
-                         overhead_s: float = 0.0) -> float:
+def compute_least_work_s(
+    costs: list[float], draws: list[float], mean_factor: float, mode: str, overhead_s: float = 0.0
+) -> float:
     """Least time `costs` (one task each) take on a rank with jitter `draws` (module docstring):
     clairvoyant pairs the costs, largest first, with the smallest draws; expected scales them by
     `mean_factor`; none by 1. Plus `overhead_s` per task."""
@@ -121,7 +123,7 @@ def compute_least_work_s(costs: list[float], draws: list[float], mean_factor: fl
     elif mode == "expected":
         factored = sum(costs) * mean_factor
     else:
-        smallest = sorted(draws)[:len(costs)]
+        smallest = sorted(draws)[: len(costs)]
         factored = sum(c * f for c, f in zip(sorted(costs, reverse=True), smallest))
     return factored + overhead_s * len(costs)
 
@@ -139,26 +141,28 @@ def _threshold_bound(classes: list[TaskClass], m: int, work) -> float:
 def _cap_bound(classes: list[TaskClass], m: int, cap: int, work) -> float:
     backwards = [c for c in classes if c.kind is BACKWARD]
     forward_costs = sorted(c.cost_s for c in classes if c.kind is FORWARD for _ in range(m))
-    late_forwards = forward_costs[:max(0, len(forward_costs) - cap)]  # the cheapest that must wait
+    late_forwards = forward_costs[: max(0, len(forward_costs) - cap)]  # the cheapest that must wait
     chosen = [c.cost_s for c in backwards for _ in range(m)] + late_forwards
-    return (min(c.release_s for c in backwards) + work(chosen) + min(c.tail_s for c in backwards))
+    return min(c.release_s for c in backwards) + work(chosen) + min(c.tail_s for c in backwards)
 
 
-def compute_rank_bound_s(cost: CostModel, pp: int, vpp: int, m: int, pp_rank: int,
-                         cap: int | None = None, mode: str = "clairvoyant") -> float:
+def compute_rank_bound_s(
+    cost: CostModel, pp: int, vpp: int, m: int, pp_rank: int, cap: int | None = None, mode: str = "clairvoyant"
+) -> float:
     """Lower bound (*) for `pp_rank` alone: max over the threshold sets and, with `cap`, the cap set."""
     classes = compute_task_classes(cost, pp, vpp, pp_rank)
     draws, mean_factor = compute_rank_draws(cost, pp_rank, 2 * vpp * m)
     overhead = cost.task_overhead_of(pp_rank)
-    work = lambda costs: compute_least_work_s(costs, draws, mean_factor, mode, overhead)  # noqa: E731
+    work = lambda costs: compute_least_work_s(costs, draws, mean_factor, mode, overhead)
     bound = _threshold_bound(classes, m, work)
     if cap is not None:
         bound = max(bound, _cap_bound(classes, m, cap, work))
     return bound
 
 
-def compute_step_bound_s(cost: CostModel, pp: int, vpp: int, m: int, caps: list[int] | None = None,
-                         mode: str = "clairvoyant") -> float:
+def compute_step_bound_s(
+    cost: CostModel, pp: int, vpp: int, m: int, caps: list[int] | None = None, mode: str = "clairvoyant"
+) -> float:
     """Lower bound on the step time of any schedule of (pp, vpp, m) under `cost` (its jitter seeds),
     holding at most caps[r] activation sets on rank r (None: any memory). `mode`: clairvoyant
     (per seed, any order, even one knowing every draw), expected (bounds the mean over seeds
@@ -166,5 +170,4 @@ def compute_step_bound_s(cost: CostModel, pp: int, vpp: int, m: int, caps: list[
     always, exact without jitter)."""
     if caps is not None and len(caps) != pp:
         raise ValueError(f"caps has {len(caps)} entries for {pp} pipeline ranks")
-    return max(compute_rank_bound_s(cost, pp, vpp, m, r, None if caps is None else caps[r], mode)
-               for r in range(pp))
+    return max(compute_rank_bound_s(cost, pp, vpp, m, r, None if caps is None else caps[r], mode) for r in range(pp))

@@ -11,11 +11,15 @@ from collections.abc import Sequence
 
 from megatronapp.dpp.sim.simulator import Span
 from megatronapp.dpp.tasks import FORWARD, WEIGHT_GRAD
+from megatronapp.files import atomic_path, write_bytes_atomic
 from megatronapp.pipeline.actions import ActionKind
 
-_CATEGORY = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward",
-             ActionKind.BACKWARD_INPUT: "backward_input", ActionKind.BACKWARD_WEIGHT: "weight_grad"}
-from megatronapp.files import atomic_path, write_bytes_atomic
+_CATEGORY = {
+    ActionKind.FORWARD: "forward",
+    ActionKind.BACKWARD: "backward",
+    ActionKind.BACKWARD_INPUT: "backward_input",
+    ActionKind.BACKWARD_WEIGHT: "weight_grad",
+}
 
 
 def _label(span: Span) -> str:
@@ -24,16 +28,30 @@ def _label(span: Span) -> str:
 
 def build_chrome_trace(spans: Sequence[Span], title: str) -> dict:
     """Chrome trace events: one process per pipeline rank, one complete event per task (times in us)."""
-    events = [{"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"pp rank {r}"}}
-              for r in sorted({s.pp_rank for s in spans})]
+    events = [
+        {"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"pp rank {r}"}}
+        for r in sorted({s.pp_rank for s in spans})
+    ]
     for s in spans:
         args = {"chunk": s.task.chunk, "microbatch": s.task.microbatch}
         if s.decision is not None:
-            args.update(policy=s.decision.policy, in_flight=s.decision.in_flight,
-                        ready=" ".join(f"{t.kind.value}{t.chunk}.{t.microbatch}" for t in s.decision.ready))
-        events.append({"ph": "X", "name": _label(s), "cat": _CATEGORY[s.task.kind],
-                       "pid": s.pp_rank, "tid": 0, "ts": s.start_s * 1e6, "dur": (s.end_s - s.start_s) * 1e6,
-                       "args": args})
+            args.update(
+                policy=s.decision.policy,
+                in_flight=s.decision.in_flight,
+                ready=" ".join(f"{t.kind.value}{t.chunk}.{t.microbatch}" for t in s.decision.ready),
+            )
+        events.append(
+            {
+                "ph": "X",
+                "name": _label(s),
+                "cat": _CATEGORY[s.task.kind],
+                "pid": s.pp_rank,
+                "tid": 0,
+                "ts": s.start_s * 1e6,
+                "dur": (s.end_s - s.start_s) * 1e6,
+                "args": args,
+            }
+        )
     return {"traceEvents": events, "otherData": {"title": title}}
 
 
@@ -58,9 +76,17 @@ def save_gantt_png(spans: Sequence[Span], path: str, title: str = "schedule") ->
         colour = palette(s.task.chunk % 10)
         forward = s.task.kind is FORWARD
         weight = s.task.kind is WEIGHT_GRAD
-        ax.barh(s.pp_rank, s.end_s - s.start_s, left=s.start_s, height=0.8, color=colour,
-                alpha=0.45 if forward else 0.7 if weight else 0.95, edgecolor="black", linewidth=0.3,
-                hatch="//" if weight else None)
+        ax.barh(
+            s.pp_rank,
+            s.end_s - s.start_s,
+            left=s.start_s,
+            height=0.8,
+            color=colour,
+            alpha=0.45 if forward else 0.7 if weight else 0.95,
+            edgecolor="black",
+            linewidth=0.3,
+            hatch="//" if weight else None,
+        )
         if (s.end_s - s.start_s) / end > 0.012:
             ax.text((s.start_s + s.end_s) / 2, s.pp_rank, _label(s), ha="center", va="center", fontsize=6)
     ax.set_yticks(ranks, [f"pp {r}" for r in ranks])

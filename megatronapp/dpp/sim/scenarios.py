@@ -48,7 +48,7 @@ def compute_scenario_flags(name: str, pp_size: int, dp_size: int) -> list[str]:
     """`megatronapp train` flags of scenario `name` on a TP1 x PP x DP layout (replica 0)."""
     scen = _check(name, pp_size)
     layout = ParallelLayout(pp_size * dp_size, 1, pp_size)
-    rank = lambda pp: layout.rank_of(tp=0, dp=0, pp=pp)  # noqa: E731
+    rank = lambda pp: layout.rank_of(tp=0, dp=0, pp=pp)
     flags = []
     for pp, factor, seed in scen.jitter:
         flags += ["--inject-jitter", f"{rank(pp)}:{factor:g}" + (f":{seed}" if seed else "")]

@@ -51,8 +51,7 @@ class CostModel:
     weight_grad_share: float = 0.5
 
     @classmethod
-    def uniform(cls, pp_size: int, num_chunks: int, forward_s: float = 1.0, backward_s: float = 2.0,
-                **kw) -> "CostModel":
+    def uniform(cls, pp_size: int, num_chunks: int, forward_s: float = 1.0, backward_s: float = 2.0, **kw) -> CostModel:
         return cls(((forward_s,) * num_chunks,) * pp_size, ((backward_s,) * num_chunks,) * pp_size, **kw)
 
     def task_overhead_of(self, pp_rank: int) -> float:
@@ -159,10 +158,18 @@ class _Simulation:
         return now
 
 
-def simulate(pp_size: int, num_chunks: int, num_microbatches: int, cost: CostModel, *,
-             schedule: PipelineSchedule | None = None, traversal: str | None = None,
-             caps: list[int] | None = None, static_comm: str = "eager",
-             split_backward: bool = False) -> SimResult:
+def simulate(
+    pp_size: int,
+    num_chunks: int,
+    num_microbatches: int,
+    cost: CostModel,
+    *,
+    schedule: PipelineSchedule | None = None,
+    traversal: str | None = None,
+    caps: list[int] | None = None,
+    static_comm: str = "eager",
+    split_backward: bool = False,
+) -> SimResult:
     """Simulate one step of a static `schedule` (its comm modelled as `static_comm`, see
     static_agents.py) or of the dynamic `traversal` under `caps` (per rank), with W filling
     when `split_backward` (scheduler.py)."""
@@ -172,9 +179,18 @@ def simulate(pp_size: int, num_chunks: int, num_microbatches: int, cost: CostMod
         agents, hub = build_static_agents(schedule, static_comm, cost.transfer_s)
         return simulate_agents(agents, cost, hub=hub)
     caps = caps or [num_chunks * num_microbatches] * pp_size  # no cap
-    agents = [RankScheduler(p, pp_size, num_chunks, num_microbatches, caps[p],
-                            build_policy(traversal, p, pp_size, num_chunks, num_microbatches), split_backward)
-              for p in range(pp_size)]
+    agents = [
+        RankScheduler(
+            p,
+            pp_size,
+            num_chunks,
+            num_microbatches,
+            caps[p],
+            build_policy(traversal, p, pp_size, num_chunks, num_microbatches),
+            split_backward,
+        )
+        for p in range(pp_size)
+    ]
     return simulate_agents(agents, cost, cost.decision_s)
 
 
@@ -189,6 +205,10 @@ def simulate_agents(agents: list, cost: CostModel, decision_s: float = 0.0, hub=
     if hub is not None and hub.posted:
         raise RuntimeError(f"simulation ended with {len(hub.posted)} unmatched sends/recvs")
     busy = sum(s.end_s - s.start_s for s in sim.spans)
-    return SimResult(makespan, 1.0 - busy / (len(agents) * makespan) if makespan else 0.0,
-                     [a.counter.peak_microbatches for a in agents], [a.counter.peak_activations for a in agents],
-                     sim.spans)
+    return SimResult(
+        makespan,
+        1.0 - busy / (len(agents) * makespan) if makespan else 0.0,
+        [a.counter.peak_microbatches for a in agents],
+        [a.counter.peak_activations for a in agents],
+        sim.spans,
+    )

@@ -95,8 +95,11 @@ class RendezvousStaticAgent:
         sent, received, recv_batch = {}, {}, {}
         for a in actions:
             if not a.kind.is_comm:
-                key = (ActionKind.RECV_FORWARD if a.kind is ActionKind.FORWARD else ActionKind.RECV_BACKWARD,
-                       a.chunk, a.microbatch)
+                key = (
+                    ActionKind.RECV_FORWARD if a.kind is ActionKind.FORWARD else ActionKind.RECV_BACKWARD,
+                    a.chunk,
+                    a.microbatch,
+                )
                 if key in recv_batch:
                     self.waits[len(self.items)] = recv_batch.pop(key)
                 self.items.append(a)

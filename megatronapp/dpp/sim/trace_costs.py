@@ -54,13 +54,22 @@ def load_traced_run(trace_dir: str) -> TracedRun:
     spans = {}
     for it, rows in by_iter.items():
         t0 = min(r[2] for r in rows)
-        spans[it] = sorted((Span(pp, task, (s - t0) / 1e9, (e - t0) / 1e9) for pp, task, s, e in rows),
-                           key=lambda s: s.start_s)
+        spans[it] = sorted(
+            (Span(pp, task, (s - t0) / 1e9, (e - t0) / 1e9) for pp, task, s, e in rows), key=lambda s: s.start_s
+        )
     if len(spans) >= 3:
         del spans[min(spans)]
     run_meta = traces[0].meta.get("run", {})
-    return TracedRun(layout["pp_size"], layout["virtual_pp_size"], num_mb, run_meta.get("schedule", "custom"), spans,
-                     run_meta, layout.get("dp_size", 1), layout.get("tp_size", 1))
+    return TracedRun(
+        layout["pp_size"],
+        layout["virtual_pp_size"],
+        num_mb,
+        run_meta.get("schedule", "custom"),
+        spans,
+        run_meta,
+        layout.get("dp_size", 1),
+        layout.get("tp_size", 1),
+    )
 
 
 def compute_trace_costs(run: TracedRun, **link) -> CostModel:
@@ -71,8 +80,10 @@ def compute_trace_costs(run: TracedRun, **link) -> CostModel:
             samples.setdefault((s.pp_rank, s.task.kind, s.task.chunk), []).append(s.end_s - s.start_s)
 
     def table(kind) -> tuple:
-        return tuple(tuple(statistics.fmean(samples.get((p, kind, c), [0.0])) for c in range(run.num_chunks))
-                     for p in range(run.pp_size))
+        return tuple(
+            tuple(statistics.fmean(samples.get((p, kind, c), [0.0])) for c in range(run.num_chunks))
+            for p in range(run.pp_size)
+        )
 
     return CostModel(table(forward_task(0, 0).kind), table(backward_task(0, 0).kind), **link)
 

@@ -34,9 +34,13 @@ from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.pipeline.actions import ActionKind
 
 # dpp_bench variant -> the simulator's (megatronapp.dpp.study.variants) name for it
-SIM_NAME = {"interleaved": "interleaved/eager", "breadth-first": "looped-bfs/eager",
-            "dynamic-df": "dynamic-depth-first", "dynamic-adaptive": "dynamic-adaptive",
-            "dynamic-inorder": "dynamic-in-order"}
+SIM_NAME = {
+    "interleaved": "interleaved/eager",
+    "breadth-first": "looped-bfs/eager",
+    "dynamic-df": "dynamic-depth-first",
+    "dynamic-adaptive": "dynamic-adaptive",
+    "dynamic-inorder": "dynamic-in-order",
+}
 TRAVERSALS = ("depth-first", "adaptive", "in-order")
 
 
@@ -69,8 +73,9 @@ def injections(run: TracedRun, seed: int) -> dict:
     width = max(1, len(specs))
     jitter = tuple(JitterSpec(to_pp[j.rank], j.max_factor, width * seed + j.seed) for j in specs if j.rank in to_pp)
     plan = parse_fault_plan([], run.run_meta.get("inject_link_delay", []))
-    links = tuple((to_pp[s], to_pp[d], delay.ms / 1e3) for (s, d), delay in plan.link_delays.items()
-                  if s in to_pp and d in to_pp)
+    links = tuple(
+        (to_pp[s], to_pp[d], delay.ms / 1e3) for (s, d), delay in plan.link_delays.items() if s in to_pp and d in to_pp
+    )
     return {"jitter": jitter, "link_delay_s": links}
 
 
@@ -85,11 +90,15 @@ def cell_stats(run: TracedRun) -> dict:
             busy[s.pp_rank] += s.end_s - s.start_s
             task_ms.setdefault((s.pp_rank, s.task.kind), []).append((s.end_s - s.start_s) * 1e3)
     latency = estimate_p2p_latency_s(run)
-    return {"iterations": len(iterations), "measured_ms": measured * 1e3,
-            "busy": [b / (measured * len(iterations)) for b in busy],
-            "fwd_ms": [statistics.fmean(task_ms.get((p, ActionKind.FORWARD), [0.0])) for p in range(run.pp_size)],
-            "bwd_ms": [statistics.fmean(task_ms.get((p, ActionKind.BACKWARD), [0.0])) for p in range(run.pp_size)],
-            "host_gap_ms": [g * 1e3 for g in estimate_task_overheads_s(run, latency)], "p2p_ms": latency * 1e3}
+    return {
+        "iterations": len(iterations),
+        "measured_ms": measured * 1e3,
+        "busy": [b / (measured * len(iterations)) for b in busy],
+        "fwd_ms": [statistics.fmean(task_ms.get((p, ActionKind.FORWARD), [0.0])) for p in range(run.pp_size)],
+        "bwd_ms": [statistics.fmean(task_ms.get((p, ActionKind.BACKWARD), [0.0])) for p in range(run.pp_size)],
+        "host_gap_ms": [g * 1e3 for g in estimate_task_overheads_s(run, latency)],
+        "p2p_ms": latency * 1e3,
+    }
 
 
 def dejittered_costs(run: TracedRun, **link) -> CostModel:
@@ -114,9 +123,15 @@ def predict_ms(run: TracedRun, balanced: TracedRun, variant: str, seeds: int) ->
     latency = estimate_p2p_latency_s(balanced)
     base = dejittered_costs(run, p2p_latency_s=latency, task_overhead_s=estimate_task_overheads_s(run, latency))
     kw = sim_variants(run.pp_size, run.num_chunks, run.num_microbatches, TRAVERSALS)[SIM_NAME[variant]]
-    return statistics.fmean(
-        simulate(run.pp_size, run.num_chunks, run.num_microbatches, replace(base, **injections(run, seed)), **kw
-                 ).makespan_s for seed in range(seeds)) * 1e3
+    return (
+        statistics.fmean(
+            simulate(
+                run.pp_size, run.num_chunks, run.num_microbatches, replace(base, **injections(run, seed)), **kw
+            ).makespan_s
+            for seed in range(seeds)
+        )
+        * 1e3
+    )
 
 
 def analyse(cells: dict[tuple[str, str], TracedRun], seeds: int) -> dict:

@@ -46,7 +46,6 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
 
-
 from megatronapp.faultlab.evaluation.injected import (
     COMPUTE_GRID,
     KINDS,
@@ -60,8 +59,8 @@ from megatronapp.faultlab.evaluation.injected import (
     sources_without,
     tune_on_design,
 )
-from megatronapp.faultlab.evaluation.report import plot_scores, render_markdown
 from megatronapp.faultlab.evaluation.injected_runner import append_record, detect_run, execute_run, load_records
+from megatronapp.faultlab.evaluation.report import plot_scores, render_markdown
 
 
 class UsageError(ValueError):
@@ -104,16 +103,30 @@ def _prepare_results(path: Path, resume: bool, overrides: dict) -> set[str]:
 
 
 def _tasks(args, overrides: dict, done: set[str]) -> list[dict]:
-    plan = plan_scenarios(args.split, args.runs_per_kind, args.clean_runs, sources=sources_without(args.skip_layout),
-                          kinds=args.kinds)
+    plan = plan_scenarios(
+        args.split, args.runs_per_kind, args.clean_runs, sources=sources_without(args.skip_layout), kinds=args.kinds
+    )
     deadline = time.time() + args.budget_s if args.budget_s else None
     work = args.work_dir or tempfile.mkdtemp(prefix="scan-eval-")
-    print(f"{len(plan)} scenarios in {args.split} (seed {SPLIT_SEEDS[args.split]}), {len(done)} done already, "
-          f"running {len(plan) - len(done & {s.name for s in plan})} with {args.jobs} at once; work dir {work}",
-          flush=True)
-    return [{"scenario": asdict(sc), "work_dir": work, "timeout_s": args.timeout, "deadline": deadline,
-             "overrides": overrides, "thresholds_file": args.thresholds, "synthetic": args.synthetic,
-             "keep_traces": args.keep_traces} for sc in plan if sc.name not in done]
+    print(
+        f"{len(plan)} scenarios in {args.split} (seed {SPLIT_SEEDS[args.split]}), {len(done)} done already, "
+        f"running {len(plan) - len(done & {s.name for s in plan})} with {args.jobs} at once; work dir {work}",
+        flush=True,
+    )
+    return [
+        {
+            "scenario": asdict(sc),
+            "work_dir": work,
+            "timeout_s": args.timeout,
+            "deadline": deadline,
+            "overrides": overrides,
+            "thresholds_file": args.thresholds,
+            "synthetic": args.synthetic,
+            "keep_traces": args.keep_traces,
+        }
+        for sc in plan
+        if sc.name not in done
+    ]
 
 
 def _verdict(r: dict) -> str:
@@ -122,8 +135,9 @@ def _verdict(r: dict) -> str:
 
 def cmd_run(args) -> int:
     if args.split != "design" and not (args.thresholds or args.default_thresholds):
-        raise UsageError(f"--split {args.split} needs --thresholds FILE (from `tune`) or, explicitly, "
-                         "--default-thresholds")
+        raise UsageError(
+            f"--split {args.split} needs --thresholds FILE (from `tune`) or, explicitly, --default-thresholds"
+        )
     if args.split == "design" and args.thresholds:
         raise UsageError("design runs use the default thresholds (tuning happens after them): drop --thresholds")
     overrides = load_thresholds(args.thresholds) if args.thresholds else {}
@@ -141,14 +155,19 @@ def cmd_run(args) -> int:
             append_record(results, r)
             recorded.append(r)
             sc = scenario_from_dict(r["scenario"])
-            print(f"[{len(recorded)}/{len(tasks)} {time.perf_counter() - t0:6.0f}s] {sc.name:26s} {sc.layout:20s} "
-                  f"{sc.fault} -> {_verdict(r)} ({r['seconds']}s)", flush=True)
+            print(
+                f"[{len(recorded)}/{len(tasks)} {time.perf_counter() - t0:6.0f}s] {sc.name:26s} {sc.layout:20s} "
+                f"{sc.fault} -> {_verdict(r)} ({r['seconds']}s)",
+                flush=True,
+            )
     wall = time.perf_counter() - t0
     per_run = sorted(r["seconds"] for r in recorded)
     median = per_run[len(per_run) // 2] if per_run else 0.0
-    print(f"recorded {len(recorded)} runs ({sum(bool(r['error']) for r in recorded)} failed) in {wall:.0f} s "
-          f"({wall / max(len(recorded), 1):.1f} s per run with {args.jobs} at once; median run {median:.1f} s); "
-          f"{cut} not started or cut by --budget-s (--resume continues) -> {results}")
+    print(
+        f"recorded {len(recorded)} runs ({sum(bool(r['error']) for r in recorded)} failed) in {wall:.0f} s "
+        f"({wall / max(len(recorded), 1):.1f} s per run with {args.jobs} at once; median run {median:.1f} s); "
+        f"{cut} not started or cut by --budget-s (--resume continues) -> {results}"
+    )
     return 0
 
 
@@ -162,10 +181,18 @@ def cmd_tune(args) -> int:
     if not runs:
         raise UsageError(f"{args.results}: no successful design runs to tune on")
     best, scores = tune_on_design(runs)
-    save_json_atomic(Path(args.out), {"tuned_on_split": "design", "design_seed": SPLIT_SEEDS["design"],
-                                      "design_results": str(args.results), "design_runs": len(runs),
-                                      "overrides": best, "grid": {"compute": COMPUTE_GRID, "link": LINK_GRID},
-                                      "design_scores": scores})
+    save_json_atomic(
+        Path(args.out),
+        {
+            "tuned_on_split": "design",
+            "design_seed": SPLIT_SEEDS["design"],
+            "design_results": str(args.results),
+            "design_runs": len(runs),
+            "overrides": best,
+            "grid": {"compute": COMPUTE_GRID, "link": LINK_GRID},
+            "design_scores": scores,
+        },
+    )
     print(f"tuned on {len(runs)} design runs: {best} -> {args.out}")
     return 0
 
@@ -173,11 +200,15 @@ def cmd_tune(args) -> int:
 def _summary_header(path: Path, ok: list[dict], failed: list[dict], default_thresholds: bool) -> dict:
     """Provenance lines of a summary: split and seed, thresholds and their file, run counts."""
     errors = "; ".join(sorted({f["error"][:80] for f in failed})[:3])
-    return {"file": path.name, "split": f"{ok[0]['split']} (seed {SPLIT_SEEDS.get(ok[0]['split'])})",
-            "thresholds": "defaults" if default_thresholds else (ok[0]["thresholds"] or "defaults"),
-            "thresholds file": ok[0].get("thresholds_file") or "-", "runs scored": len(ok),
-            "runs failed (not scored)": f"{len(failed)}: {errors}" if failed else "0",
-            "median seconds per run": sorted(r["seconds"] for r in ok)[len(ok) // 2]}
+    return {
+        "file": path.name,
+        "split": f"{ok[0]['split']} (seed {SPLIT_SEEDS.get(ok[0]['split'])})",
+        "thresholds": "defaults" if default_thresholds else (ok[0]["thresholds"] or "defaults"),
+        "thresholds file": ok[0].get("thresholds_file") or "-",
+        "runs scored": len(ok),
+        "runs failed (not scored)": f"{len(failed)}: {errors}" if failed else "0",
+        "median seconds per run": sorted(r["seconds"] for r in ok)[len(ok) // 2],
+    }
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -200,15 +231,18 @@ def cmd_rejudge(args) -> int:
             continue
         sc = scenario_from_dict(r["scenario"])
         verdicts = detect_run(trace, r.get("thresholds") or {}, grid=False)
-        rejudged.append({**r, "suspects": verdicts["suspects"], "default_suspects": verdicts["default_suspects"],
-                         "rejudged": True})
+        rejudged.append(
+            {**r, "suspects": verdicts["suspects"], "default_suspects": verdicts["default_suspects"], "rejudged": True}
+        )
         now = named_causes(verdicts["default_suspects"])
         then = named_causes(r["default_suspects"])
         key = f"{sc.kind} {sc.source}"
         c = counts.setdefault(key, [0, 0, 0])
         c[0], c[1], c[2] = c[0] + 1, c[1] + (then == sc.truth()), c[2] + (now == sc.truth())
-        rows.append(f"{sc.name:28s} {sc.layout:20s} {sc.fault.factor}x/{sc.fault.every} truth {sorted(sc.truth())} "
-                    f"recorded {sorted(then)} now {sorted(now)}")
+        rows.append(
+            f"{sc.name:28s} {sc.layout:20s} {sc.fault.factor}x/{sc.fault.every} truth {sorted(sc.truth())} "
+            f"recorded {sorted(then)} now {sorted(now)}"
+        )
     if not rows:
         raise UsageError(f"no kept trace of {args.results} under {args.work_dir} (run with --keep-traces)")
     print("\n".join(rows))
@@ -266,10 +300,13 @@ def cmd_frozen(args) -> int:
         frozen.write_default_thresholds(Path(args.out))
         print(f"wrote {args.out}: every detector threshold at its default")
     elif args.action == "freeze":
-        split = frozen.freeze_split(Path(args.split), Path(args.thresholds), args.runs_per_kind, args.clean_runs,
-                                    kind_runs=dict(args.kind_runs))
-        print(f"froze {args.split}: {len(split['scenarios'])} scenarios, detector {split['detector']['commit'][:12]} "
-              f"thresholds {split['detector']['thresholds_sha256'][:16]}")
+        split = frozen.freeze_split(
+            Path(args.split), Path(args.thresholds), args.runs_per_kind, args.clean_runs, kind_runs=dict(args.kind_runs)
+        )
+        print(
+            f"froze {args.split}: {len(split['scenarios'])} scenarios, detector {split['detector']['commit'][:12]} "
+            f"thresholds {split['detector']['thresholds_sha256'][:16]}"
+        )
     elif args.action == "run":
         # a SIGTERM must unwind through the lab's finally blocks (cgroups, namespaces, busy loops)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -287,8 +324,14 @@ def _add_frozen_parser(sub) -> None:
     fz.add_argument("--thresholds", help="freeze: the thresholds file of the detector under test")
     fz.add_argument("--runs-per-kind", type=int, default=30)
     fz.add_argument("--clean-runs", type=int, default=50, help="half of them under background noise")
-    fz.add_argument("--kind-runs", type=_kind_count, action="append", default=[], metavar="KIND=N",
-                    help="freeze: N runs of this fault kind instead of --runs-per-kind (repeatable)")
+    fz.add_argument(
+        "--kind-runs",
+        type=_kind_count,
+        action="append",
+        default=[],
+        metavar="KIND=N",
+        help="freeze: N runs of this fault kind instead of --runs-per-kind (repeatable)",
+    )
     fz.add_argument("--work-dir", help="run: where traces go while detected")
     fz.set_defaults(func=cmd_frozen)
 
@@ -299,24 +342,42 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="execute a split's scenarios, one JSON line per run (resumable)")
     run.add_argument("--split", choices=tuple(SPLIT_SEEDS), required=True)
     run.add_argument("--runs-per-kind", type=int, default=30, help="runs of each fault kind")
-    run.add_argument("--skip-layout", action="append", default=[], metavar="LAYOUT",
-                     help="leave this layout out of the plan, e.g. 'ddp dp4' on a host with fewer cores than its ranks")
-    run.add_argument("--kinds", type=_kinds, default=KINDS,
-                     help=f"comma-separated subset of {','.join(KINDS)} (default all; scenarios are the same)")
+    run.add_argument(
+        "--skip-layout",
+        action="append",
+        default=[],
+        metavar="LAYOUT",
+        help="leave this layout out of the plan, e.g. 'ddp dp4' on a host with fewer cores than its ranks",
+    )
+    run.add_argument(
+        "--kinds",
+        type=_kinds,
+        default=KINDS,
+        help=f"comma-separated subset of {','.join(KINDS)} (default all; scenarios are the same)",
+    )
     run.add_argument("--clean-runs", type=int, default=50)
     run.add_argument("--results", required=True, help="JSONL file the runs are appended to")
     run.add_argument("--resume", action="store_true", help="continue --results, skipping the runs it holds")
     run.add_argument("--thresholds", help="held-out splits: the file `tune` wrote")
-    run.add_argument("--default-thresholds", action="store_true",
-                     help="a held-out split without tuning (say so when quoting)")
-    run.add_argument("--jobs", type=int, default=max(1, len(os.sched_getaffinity(0)) // 4),
-                     help="runs at once (<= 4 ranks each; default: cores / 4)")
-    run.add_argument("--timeout", type=float, default=120.0,
-                     help="hard limit per run, seconds (the whole process tree is killed)")
+    run.add_argument(
+        "--default-thresholds", action="store_true", help="a held-out split without tuning (say so when quoting)"
+    )
+    run.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, len(os.sched_getaffinity(0)) // 4),
+        help="runs at once (<= 4 ranks each; default: cores / 4)",
+    )
+    run.add_argument(
+        "--timeout", type=float, default=120.0, help="hard limit per run, seconds (the whole process tree is killed)"
+    )
     run.add_argument("--budget-s", type=float, default=0.0, help="stop starting/finish runs after this many seconds")
     run.add_argument("--work-dir", help="where traces go while a run is detected (default: a temp dir)")
-    run.add_argument("--keep-traces", action="store_true",
-                     help="keep every run's trace in --work-dir (default: failed runs' and wrong verdicts' only)")
+    run.add_argument(
+        "--keep-traces",
+        action="store_true",
+        help="keep every run's trace in --work-dir (default: failed runs' and wrong verdicts' only)",
+    )
     run.add_argument("--synthetic", action="store_true", help="simulate the jobs (plumbing smoke, not an evaluation)")
     tune = sub.add_parser("tune", help="choose thresholds on design results")
     tune.add_argument("results", help="design JSONL")
@@ -341,12 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "run" and (args.runs_per_kind < 0 or args.clean_runs < 0 or args.jobs < 1
-                                      or args.timeout <= 0 or args.budget_s < 0):
+        if args.command == "run" and (
+            args.runs_per_kind < 0 or args.clean_runs < 0 or args.jobs < 1 or args.timeout <= 0 or args.budget_s < 0
+        ):
             raise UsageError("--runs-per-kind/--clean-runs/--budget-s must be >= 0, --jobs >= 1, --timeout > 0")
-        if args.command == "frozen" and ((args.action == "thresholds") != (args.split is None)
-                                         or (args.action == "thresholds" and not args.out)
-                                         or (args.action == "freeze" and not args.thresholds)):
+        if args.command == "frozen" and (
+            (args.action == "thresholds") != (args.split is None)
+            or (args.action == "thresholds" and not args.out)
+            or (args.action == "freeze" and not args.thresholds)
+        ):
             raise UsageError("frozen thresholds --out FILE | freeze SPLIT --thresholds FILE | run SPLIT | score SPLIT")
         return args.func(args)
     except (UsageError, ValueError, OSError) as exc:

@@ -43,8 +43,10 @@ KINDS = ("none", "noise", "slow_rank", "intermittent", "user_straggler", "slow_l
 CLEAN_KINDS = ("none", "noise")
 ENGINE_LAYOUTS = ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1), (1, 1, 4))  # (tp, pp, dp), 4 ranks
 SCRIPT_LAYOUTS = (("ddp", 2), ("ddp", 4), ("fsdp2", 2), ("fsdp2", 4))
-SCRIPTS = {"ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768", "--batch", "96")),
-           "fsdp2": ("examples/fsdp2_train.py", ("--steps", "16", "--hidden", "256", "--batch", "64"))}
+SCRIPTS = {
+    "ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768", "--batch", "96")),
+    "fsdp2": ("examples/fsdp2_train.py", ("--steps", "16", "--hidden", "256", "--batch", "64")),
+}
 # A straggler's extra work is drawn as a factor of the traced step it slows, 0.3-2x (a step 1.3-3x as long,
 # the constant slow rank's range), and converted to the scripts' extra matmuls with the step's length in
 # them, measured under `trace run` on the 2-core CI machine: DDP 18.6 / 51 ms at dp 2 / 4 and 0.47 / 0.57 ms
@@ -66,8 +68,11 @@ def threshold_fields() -> dict:
     """Every plain threshold of DetectConfig with its default (rules and ranges excluded)."""
     from megatronapp.scan.analyze.detect_config import DetectConfig
 
-    return {f.name: f.default for f in dataclasses.fields(DetectConfig)
-            if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)}
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(DetectConfig)
+        if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)
+    }
 
 
 def load_thresholds(path: Path) -> dict:
@@ -76,25 +81,33 @@ def load_thresholds(path: Path) -> dict:
     expected = threshold_fields()
     missing, unknown = sorted(set(expected) - set(values)), sorted(set(values) - set(expected))
     if missing or unknown:
-        raise FrozenSplitError(f"{path}: thresholds file must hold every detector threshold "
-                               f"(missing {missing}, unknown {unknown})")
+        raise FrozenSplitError(
+            f"{path}: thresholds file must hold every detector threshold (missing {missing}, unknown {unknown})"
+        )
     return values
 
 
 def detector_version(thresholds_path: Path) -> dict:
     """{commit, thresholds_sha256, dirty}: what decides every verdict of a split."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     load_thresholds(thresholds_path)
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "thresholds_sha256": hashlib.sha256(Path(thresholds_path).read_bytes()).hexdigest()}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "thresholds_sha256": hashlib.sha256(Path(thresholds_path).read_bytes()).hexdigest(),
+    }
 
 
 def _same_detector(recorded: dict, current: dict) -> str | None:
     """None if the same; else what differs, in words."""
-    diffs = [f"{k} {recorded.get(k)} -> {current.get(k)}" for k in ("commit", "thresholds_sha256")
-             if recorded.get(k) != current.get(k)]
+    diffs = [
+        f"{k} {recorded.get(k)} -> {current.get(k)}"
+        for k in ("commit", "thresholds_sha256")
+        if recorded.get(k) != current.get(k)
+    ]
     return "; ".join(diffs) if diffs else None
 
 
@@ -123,21 +136,37 @@ def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     if kind == "user_straggler":
         script, dp = rng.choice(SCRIPT_LAYOUTS)
         rank = rng.randrange(dp)
-        return {"index": index, "kind": kind, "layout": f"{script} dp{dp}", "job": {"script": script, "nproc": dp},
-                "faults": [{"type": "extra_work", "rank": rank, "matmuls": extra_matmuls(rng, script, dp)}],
-                "truth": [["slow_compute", rank]]}
+        return {
+            "index": index,
+            "kind": kind,
+            "layout": f"{script} dp{dp}",
+            "job": {"script": script, "nproc": dp},
+            "faults": [{"type": "extra_work", "rank": rank, "matmuls": extra_matmuls(rng, script, dp)}],
+            "truth": [["slow_compute", rank]],
+        }
     pp_needed = kind in ("slow_link", "two_faults")
     layouts = [lay for lay in ENGINE_LAYOUTS if lay[1] > 1] if pp_needed else ENGINE_LAYOUTS
     tp, pp, dp = rng.choice(layouts)
     iters = engine_iterations(rng, kind)
-    sc = {"index": index, "kind": kind, "layout": f"engine TP{tp} PP{pp} DP{dp}",
-          "job": {"tp": tp, "pp": pp, "dp": dp, "iters": iters}, "faults": [], "truth": [], "nodes": 0}
+    sc = {
+        "index": index,
+        "kind": kind,
+        "layout": f"engine TP{tp} PP{pp} DP{dp}",
+        "job": {"tp": tp, "pp": pp, "dp": dp, "iters": iters},
+        "faults": [],
+        "truth": [],
+        "nodes": 0,
+    }
     if kind == "noise":
         sc["faults"].append({"type": "noise"})
     if kind in ("slow_rank", "intermittent", "two_faults"):
         rank = rng.randrange(4)
-        fault = {"type": "slow_rank", "rank": rank, "method": rng.choice(["quota", "compete"]),
-                 "factor": round(rng.uniform(2.5, 6.0), 2)}
+        fault = {
+            "type": "slow_rank",
+            "rank": rank,
+            "method": rng.choice(["quota", "compete"]),
+            "factor": round(rng.uniform(2.5, 6.0), 2),
+        }
         if kind == "intermittent":
             fault["schedule"] = [300, rng.choice([1000, 1500, 2000])]
         sc["faults"].append(fault)
@@ -156,11 +185,16 @@ def plan_split(seed: int, runs_per_kind: int, clean_runs: int, kind_runs: dict |
     (kind_runs: other counts for some fault kinds, e.g. fewer of the slow two_faults)."""
     unknown = sorted(set(kind_runs or {}) - (set(KINDS) - set(CLEAN_KINDS)))
     if unknown or any(n < 0 for n in (kind_runs or {}).values()):
-        raise FrozenSplitError(f"kind_runs takes fault kinds {sorted(set(KINDS) - set(CLEAN_KINDS))} and counts "
-                               f">= 0, got {kind_runs}")
+        raise FrozenSplitError(
+            f"kind_runs takes fault kinds {sorted(set(KINDS) - set(CLEAN_KINDS))} and counts >= 0, got {kind_runs}"
+        )
     rng, out = random.Random(seed), []
-    counts = {"none": clean_runs - clean_runs // 2, "noise": clean_runs // 2,
-              **{k: runs_per_kind for k in KINDS if k not in CLEAN_KINDS}, **(kind_runs or {})}
+    counts = {
+        "none": clean_runs - clean_runs // 2,
+        "noise": clean_runs // 2,
+        **{k: runs_per_kind for k in KINDS if k not in CLEAN_KINDS},
+        **(kind_runs or {}),
+    }
     for kind in KINDS:
         for _ in range(counts[kind]):
             out.append(draw_scenario(rng, len(out), kind))
@@ -168,8 +202,14 @@ def plan_split(seed: int, runs_per_kind: int, clean_runs: int, kind_runs: dict |
     return out
 
 
-def freeze_split(split_dir: Path, thresholds_path: Path, runs_per_kind: int, clean_runs: int,
-                 allow_dirty: bool = False, kind_runs: dict | None = None) -> dict:
+def freeze_split(
+    split_dir: Path,
+    thresholds_path: Path,
+    runs_per_kind: int,
+    clean_runs: int,
+    allow_dirty: bool = False,
+    kind_runs: dict | None = None,
+) -> dict:
     """Record the detector version, then draw a fresh seed and the scenarios; write split.json once."""
     split_dir = Path(split_dir)
     if (split_dir / "split.json").exists():
@@ -179,9 +219,14 @@ def freeze_split(split_dir: Path, thresholds_path: Path, runs_per_kind: int, cle
         raise FrozenSplitError("the working tree has uncommitted changes: commit the detector before freezing")
     thresholds = load_thresholds(thresholds_path)
     seed = secrets.randbits(62)
-    split = {"detector": version, "thresholds": thresholds, "thresholds_file": str(Path(thresholds_path).resolve()),
-             "seed": seed, "frozen_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             "scenarios": plan_split(seed, runs_per_kind, clean_runs, kind_runs)}
+    split = {
+        "detector": version,
+        "thresholds": thresholds,
+        "thresholds_file": str(Path(thresholds_path).resolve()),
+        "seed": seed,
+        "frozen_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "scenarios": plan_split(seed, runs_per_kind, clean_runs, kind_runs),
+    }
     split_dir.mkdir(parents=True, exist_ok=True)
     _write_json_once(split_dir / "split.json", split)
     return split
@@ -199,8 +244,10 @@ def load_split(split_dir: Path, thresholds_path: Path | None = None) -> dict:
     current = detector_version(Path(thresholds_path or split["thresholds_file"]))
     diff = _same_detector(split["detector"], current)
     if diff:
-        raise FrozenSplitError(f"{split_dir} was frozen with another detector ({diff}): "
-                               "a changed detector gets a new split, it never re-scores an old one")
+        raise FrozenSplitError(
+            f"{split_dir} was frozen with another detector ({diff}): "
+            "a changed detector gets a new split, it never re-scores an old one"
+        )
     return split
 
 

@@ -13,11 +13,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from megatronapp.faultlab.evaluation.injected import named_causes, rate
 import megatronapp.faultlab.evaluation.frozen as frozen
 from megatronapp.faultlab.evaluation.frozen import CLEAN_KINDS, ROOT, SCRIPTS, FrozenSplitError, load_split
+from megatronapp.faultlab.evaluation.injected import named_causes, rate
 from megatronapp.faultlab.evaluation.injected_runner import append_record, load_records
-
 
 # The tiny preset's 8 KiB activations fit in a rate limiter's burst: a 20 Mbit/s link delayed them
 # 0.5 ms (design split 2: both slow links missed under the 2 ms excess bar). 32 KiB messages take
@@ -27,8 +26,7 @@ ENGINE_MODEL = ("--model", "tiny", "--hidden-size", "128", "--global-batch-size"
 
 def build_plan(sc: dict):
     """The LabPlan of a scenario (frozen.draw_scenario)."""
-    from megatronapp.faultlab import (EngineJob, ExtraWork, LabPlan, Noise, Schedule, ScriptJob, SlowLink,
-                                        SlowRank)
+    from megatronapp.faultlab import EngineJob, ExtraWork, LabPlan, Noise, Schedule, ScriptJob, SlowLink, SlowRank
 
     job = sc["job"]
     if "script" in job:
@@ -59,8 +57,16 @@ def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -
     run_dir = work_dir / f"run{sc['index']}"
     shutil.rmtree(run_dir, ignore_errors=True)
     result = run_lab(build_plan(sc), run_dir / "trace", timeout_s=timeout_s)
-    record = {"index": sc["index"], "kind": sc["kind"], "layout": sc["layout"], "truth": sc["truth"],
-              "applied": list(result.applied), "seconds": round(result.seconds, 1), "error": "", "suspects": []}
+    record = {
+        "index": sc["index"],
+        "kind": sc["kind"],
+        "layout": sc["layout"],
+        "truth": sc["truth"],
+        "applied": list(result.applied),
+        "seconds": round(result.seconds, 1),
+        "error": "",
+        "suspects": [],
+    }
     if result.returncode != 0:
         record["error"] = f"job exit {result.returncode}"
         return record
@@ -70,8 +76,9 @@ def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -
     except (OSError, ValueError) as exc:
         record["error"] = f"detect: {str(exc).splitlines()[0]}"
         return record
-    record["suspects"] = [{"cause": s.cause, "rank": s.rank, "link": list(s.link) if s.link else None}
-                          for s in report.suspects]
+    record["suspects"] = [
+        {"cause": s.cause, "rank": s.rank, "link": list(s.link) if s.link else None} for s in report.suspects
+    ]
     if named_causes(record["suspects"]) == _truth(record):  # a wrong verdict keeps its trace, for diagnosis
         shutil.rmtree(run_dir, ignore_errors=True)
     return record
@@ -93,8 +100,10 @@ def run_split(split_dir: Path, work_dir: Path, timeout_s: float = 150.0, log=pri
         t0 = time.monotonic()
         record = run_scenario(sc, split["thresholds"], Path(work_dir), timeout_s)
         append_record(results, record)
-        log(f"run {sc['index']} {sc['kind']} {sc['layout']}: {record['error'] or record['suspects']} "
-            f"({time.monotonic() - t0:.0f} s)")
+        log(
+            f"run {sc['index']} {sc['kind']} {sc['layout']}: {record['error'] or record['suspects']} "
+            f"({time.monotonic() - t0:.0f} s)"
+        )
     return results
 
 
@@ -119,10 +128,12 @@ def _scores(rs: list[dict]) -> dict:
     faulty = [r for r in rs if r["kind"] not in CLEAN_KINDS]
     named = [(named_causes(r["suspects"]), _truth(r)) for r in faulty]
     first = [bool(r["suspects"]) and named_causes(r["suspects"][:1]) <= _truth(r) for r in faulty]
-    return {"recall": rate(sum(t <= n for n, t in named), len(named)),
-            "top1": rate(sum(first), len(first)),
-            "precision": rate(sum(len(n & t) for n, t in named), sum(len(n) for n, _ in named)),
-            "false_alarm": rate(sum(bool(r["suspects"]) for r in clean), len(clean))}
+    return {
+        "recall": rate(sum(t <= n for n, t in named), len(named)),
+        "top1": rate(sum(first), len(first)),
+        "precision": rate(sum(len(n & t) for n, t in named), sum(len(n) for n, _ in named)),
+        "false_alarm": rate(sum(bool(r["suspects"]) for r in clean), len(clean)),
+    }
 
 
 def score_split(split_dir: Path) -> dict:
@@ -130,15 +141,24 @@ def score_split(split_dir: Path) -> dict:
     split = load_split(split_dir)
     records = load_records(Path(split_dir) / "results.jsonl")
     errors = [r for r in records if r["error"]]
-    return {"detector": split["detector"], "seed": split["seed"], "runs": len(records), "failed_runs": len(errors),
-            "scenarios": len(split["scenarios"]), **score_records(records)}
+    return {
+        "detector": split["detector"],
+        "seed": split["seed"],
+        "runs": len(records),
+        "failed_runs": len(errors),
+        "scenarios": len(split["scenarios"]),
+        **score_records(records),
+    }
 
 
 def render_scores(scores: dict) -> str:
     """Markdown: one table per axis (fault kind, layout), n and 95% Wilson intervals."""
     d = scores["detector"]
-    lines = [f"Detector: commit {d['commit'][:12]}, thresholds sha256 {d['thresholds_sha256'][:16]}; "
-             f"{scores['runs']} of {scores['scenarios']} runs ({scores['failed_runs']} failed, not scored).", ""]
+    lines = [
+        f"Detector: commit {d['commit'][:12]}, thresholds sha256 {d['thresholds_sha256'][:16]}; "
+        f"{scores['runs']} of {scores['scenarios']} runs ({scores['failed_runs']} failed, not scored).",
+        "",
+    ]
     for axis in ("kind", "layout"):
         lines += [f"| {axis} | recall | top-1 | precision | false alarms (clean) |", "|---|---|---|---|---|"]
         for key, s in scores[axis].items():

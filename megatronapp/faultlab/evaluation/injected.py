@@ -21,14 +21,27 @@ FAULT_KINDS = KINDS[1:]
 # intermittent noise model arrived with heldout2), "heldout3" to "heldout5" the cold-span and
 # warm-against-warm rules, "heldout6" (drawn with random.SystemRandom) the current periodic-spans-the-run
 # rule (BENCHMARKS.md, detection).
-SPLIT_SEEDS = {"design": 20261203, "heldout": 917_450_311, "heldout2": 604_218_977, "heldout3": 802_045_250,
-               "heldout4": 371_904_586, "heldout5": 269_905_560, "heldout6": 390_283_025}
+SPLIT_SEEDS = {
+    "design": 20261203,
+    "heldout": 917_450_311,
+    "heldout2": 604_218_977,
+    "heldout3": 802_045_250,
+    "heldout4": 371_904_586,
+    "heldout5": 269_905_560,
+    "heldout6": 390_283_025,
+}
 HELDOUT_SPLITS = ("heldout", "heldout2", "heldout3", "heldout4", "heldout5", "heldout6")
 SPLITS = tuple(SPLIT_SEEDS)
 # (source, tp, pp, nproc), at most 4 ranks each so 4 runs share a 16-core host one core per rank:
 # engine layouts (TP/PP/DP mixes of `megatronapp train`) and the plain DDP example under `trace run`.
-SOURCES = (("engine", 1, 2, 4), ("engine", 2, 1, 4), ("engine", 2, 2, 4), ("engine", 1, 4, 4),
-           ("ddp", 1, 1, 4), ("ddp", 1, 1, 2))
+SOURCES = (
+    ("engine", 1, 2, 4),
+    ("engine", 2, 1, 4),
+    ("engine", 2, 2, 4),
+    ("engine", 1, 4, 4),
+    ("ddp", 1, 1, 4),
+    ("ddp", 1, 1, 2),
+)
 COMPUTE_RANGE = (1.2, 2.0)  # slowdown factor
 LINK_MS_RANGE = (2.0, 50.0)  # arrival delay
 EVERY_RANGE = (2, 4)  # an intermittent slowdown hits iterations i % every == 0
@@ -102,7 +115,7 @@ def _neighbour_link(rng: random.Random, tp: int, pp: int, nproc: int) -> tuple[i
     dp = nproc // (tp * pp)
     t, d, p = rng.randrange(tp), rng.randrange(dp), rng.randrange(pp)
     q = p + rng.choice([s for s in (-1, 1) if 0 <= p + s < pp])
-    rank = lambda stage: t + d * tp + stage * tp * dp  # noqa: E731
+    rank = lambda stage: t + d * tp + stage * tp * dp
     return rank(p), rank(q)
 
 
@@ -120,16 +133,19 @@ def draw_scenario(split: str, index: int, kind: str, sources=SOURCES) -> Scenari
     slow = rng.randrange(nproc)
     link = _neighbour_link(rng, tp, pp, nproc) if pp > 1 else None
     delay = round(rng.uniform(*LINK_MS_RANGE), 1)
-    fault = {"none": Fault(),
-             "compute": Fault(rank=slow, factor=factor),
-             "intermittent": Fault(rank=slow, factor=factor, every=rng.randint(*EVERY_RANGE)),
-             "link": Fault(link=link, delay_ms=delay),
-             "two_faults": Fault(rank=slow, factor=factor, link=link, delay_ms=delay)}[kind]
+    fault = {
+        "none": Fault(),
+        "compute": Fault(rank=slow, factor=factor),
+        "intermittent": Fault(rank=slow, factor=factor, every=rng.randint(*EVERY_RANGE)),
+        "link": Fault(link=link, delay_ms=delay),
+        "two_faults": Fault(rank=slow, factor=factor, link=link, delay_ms=delay),
+    }[kind]
     return Scenario(split, index, kind, source, tp, pp, nproc, fault, seed=rng.randrange(2**31))
 
 
-def plan_scenarios(split: str, runs_per_kind: int, clean_runs: int, sources=SOURCES,
-                   kinds: tuple[str, ...] = KINDS) -> list[Scenario]:
+def plan_scenarios(
+    split: str, runs_per_kind: int, clean_runs: int, sources=SOURCES, kinds: tuple[str, ...] = KINDS
+) -> list[Scenario]:
     """Interleaved kinds (so a partial run still covers every kind), indices unique in the split.
     A larger plan extends a smaller one, and a plan of fewer `kinds` is part of the full one:
     a scenario's index and draw do not depend on the counts."""
@@ -158,8 +174,7 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float] | Non
 
 def named_causes(suspects: list[dict]) -> set[tuple]:
     """{("slow_compute", rank), ("slow_link", (src, dst))} from suspects in JSON form."""
-    return {("slow_link", tuple(s["link"])) if s["cause"] == "slow_link" else (s["cause"], s["rank"])
-            for s in suspects}
+    return {("slow_link", tuple(s["link"])) if s["cause"] == "slow_link" else (s["cause"], s["rank"]) for s in suspects}
 
 
 def rate(k: int, n: int) -> dict:
@@ -182,10 +197,14 @@ def compute_scores(results: list[tuple[Scenario, list[dict]]]) -> dict:
             "root_cause_accuracy": rate(sum(t == n for t, n in runs), len(runs)),
         }
     for cause in ("slow_compute", "slow_link"):
-        pairs = [({c for c in sc.truth() if c[0] == cause}, {c for c in named_causes(s) if c[0] == cause})
-                 for sc, s in results]
-        scores[cause] = {"recall": rate(sum(len(t & n) for t, n in pairs), sum(len(t) for t, _ in pairs)),
-                         "precision": rate(sum(len(t & n) for t, n in pairs), sum(len(n) for _, n in pairs))}
+        pairs = [
+            ({c for c in sc.truth() if c[0] == cause}, {c for c in named_causes(s) if c[0] == cause})
+            for sc, s in results
+        ]
+        scores[cause] = {
+            "recall": rate(sum(len(t & n) for t, n in pairs), sum(len(t) for t, _ in pairs)),
+            "precision": rate(sum(len(t & n) for t, n in pairs), sum(len(n) for _, n in pairs)),
+        }
     return scores
 
 
@@ -196,8 +215,10 @@ def compute_layout_scores(results: list[tuple[Scenario, list[dict]]]) -> dict[st
         mine = [(sc, s) for sc, s in results if sc.layout == layout]
         faulty = [sc.truth() == named_causes(s) for sc, s in mine if sc.kind != "none"]
         clean = [bool(s) for sc, s in mine if sc.kind == "none"]
-        out[layout] = {"root_cause_accuracy": rate(sum(faulty), len(faulty)),
-                       "false_alarm_rate": rate(sum(clean), len(clean))}
+        out[layout] = {
+            "root_cause_accuracy": rate(sum(faulty), len(faulty)),
+            "false_alarm_rate": rate(sum(clean), len(clean)),
+        }
     return out
 
 
@@ -206,30 +227,40 @@ def compute_layout_scores(results: list[tuple[Scenario, list[dict]]]) -> dict[st
 # the link fields (detect.detect builds the two suspect lists separately), so each run is
 # detected once per compute point and once per link point, and any (compute, link) pair is the
 # union of the two: 16 + 9 detections per run cover a 144-point grid.
-COMPUTE_GRID = [{"compute_min_ratio": c, "compute_min_consistency": k, "intermittent_min_ratio": i}
-                for c, k, i in product((1.1, 1.15, 1.2, 1.3), (0.6, 0.7), (1.1, 1.2))]
-LINK_GRID = [{"link_min_ratio": r, "link_min_excess_ns": e}
-             for r, e in product((1.5, 2.0, 3.0), (1_000_000, 2_000_000, 4_000_000))]
+COMPUTE_GRID = [
+    {"compute_min_ratio": c, "compute_min_consistency": k, "intermittent_min_ratio": i}
+    for c, k, i in product((1.1, 1.15, 1.2, 1.3), (0.6, 0.7), (1.1, 1.2))
+]
+LINK_GRID = [
+    {"link_min_ratio": r, "link_min_excess_ns": e}
+    for r, e in product((1.5, 2.0, 3.0), (1_000_000, 2_000_000, 4_000_000))
+]
 
 
 def combine_grid_suspects(compute: list[int], links: list[list[int]]) -> list[dict]:
     """Suspects (JSON form) from a run's compute ranks at one compute point and links at one link point."""
-    return ([{"cause": "slow_compute", "rank": r, "link": None} for r in compute]
-            + [{"cause": "slow_link", "rank": link[0], "link": list(link)} for link in links])
+    return [{"cause": "slow_compute", "rank": r, "link": None} for r in compute] + [
+        {"cause": "slow_link", "rank": link[0], "link": list(link)} for link in links
+    ]
 
 
 def select_thresholds(scored: list[tuple[dict, dict]]) -> dict:
     """The grid point with no false alarm (if any has none), then the best mean root-cause
     accuracy over fault kinds (recall and no victim named), then the best mean recall; ties go
     to the higher (more conservative) thresholds."""
+
     def mean(scores: dict, metric: str) -> float:
         vals = [scores[k][metric]["value"] or 0.0 for k in FAULT_KINDS if scores[k][metric]["n"]]
         return sum(vals) / max(len(vals), 1)
 
     def key(item: tuple[dict, dict]) -> tuple:
         overrides, scores = item
-        return (scores["none"]["false_alarm_rate"]["k"] == 0, mean(scores, "root_cause_accuracy"),
-                mean(scores, "recall"), tuple(sorted(overrides.items())))
+        return (
+            scores["none"]["false_alarm_rate"]["k"] == 0,
+            mean(scores, "root_cause_accuracy"),
+            mean(scores, "recall"),
+            tuple(sorted(overrides.items())),
+        )
 
     return max(scored, key=key)[0]
 

@@ -24,8 +24,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from megatronapp.faultlab.evaluation.injected import (COMPUTE_GRID, LINK_GRID, Fault, Scenario, named_causes,
-                                                      scenario_from_dict)
+from megatronapp.faultlab.evaluation.injected import (
+    COMPUTE_GRID,
+    LINK_GRID,
+    Fault,
+    Scenario,
+    named_causes,
+    scenario_from_dict,
+)
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: examples/ and tests/ live there
 ITERS = 32  # analysed 1..31 (0 is warm-up): an intermittent 1-in-4 slowdown hits 7 of them. Was 16 up to
@@ -48,22 +54,71 @@ def _fault_flags(f: Fault) -> list[str]:
 def build_command(sc: Scenario, trace_dir: Path) -> list[str]:
     """The command line that produces the scenario's trace directory."""
     if sc.source == "ddp":
-        return [sys.executable, "-m", "megatronapp.cli.main", "trace", "run", "--nproc-per-node", str(sc.nproc),
-                "--trace-dir", str(trace_dir), *_fault_flags(sc.fault), "--",
-                str(ROOT / "examples" / "ddp_train.py"), "--steps", str(ITERS), *DDP_WORK]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sc.nproc),
-            "--monitor-interval", "0.1", "--module", "megatronapp.cli.main", "train",
-            "--tensor-model-parallel-size", str(sc.tp), "--pipeline-model-parallel-size", str(sc.pp),
-            "--model", "tiny", "--train-iters", str(ITERS), "--global-batch-size", "16", "--micro-batch-size", "2",
-            "--seed", str(sc.seed % 10_000), "--log-interval", str(ITERS), "--device", "cpu",
-            "--trace", "--trace-dir", str(trace_dir), *_fault_flags(sc.fault)]
+        return [
+            sys.executable,
+            "-m",
+            "megatronapp.cli.main",
+            "trace",
+            "run",
+            "--nproc-per-node",
+            str(sc.nproc),
+            "--trace-dir",
+            str(trace_dir),
+            *_fault_flags(sc.fault),
+            "--",
+            str(ROOT / "examples" / "ddp_train.py"),
+            "--steps",
+            str(ITERS),
+            *DDP_WORK,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(sc.nproc),
+        "--monitor-interval",
+        "0.1",
+        "--module",
+        "megatronapp.cli.main",
+        "train",
+        "--tensor-model-parallel-size",
+        str(sc.tp),
+        "--pipeline-model-parallel-size",
+        str(sc.pp),
+        "--model",
+        "tiny",
+        "--train-iters",
+        str(ITERS),
+        "--global-batch-size",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--seed",
+        str(sc.seed % 10_000),
+        "--log-interval",
+        str(ITERS),
+        "--device",
+        "cpu",
+        "--trace",
+        "--trace-dir",
+        str(trace_dir),
+        *_fault_flags(sc.fault),
+    ]
 
 
 def child_env(sc: Scenario) -> dict[str, str]:
     """One torch thread per rank, CPU only (the DDP example would take a GPU if it saw one)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-            "LOGLEVEL": "ERROR", "MEGATRONAPP_RUN_ID": sc.name,
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "LOGLEVEL": "ERROR",
+        "MEGATRONAPP_RUN_ID": sc.name,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
 
 
 def _descendants(pid: int) -> list[int]:
@@ -104,8 +159,9 @@ def run_job(sc: Scenario, trace_dir: Path, timeout_s: float) -> str:
     trace_dir.mkdir(parents=True, exist_ok=True)
     log = trace_dir.parent / "log.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen(build_command(sc, trace_dir), stdout=out, stderr=subprocess.STDOUT,
-                                env=child_env(sc), cwd=ROOT)
+        proc = subprocess.Popen(
+            build_command(sc, trace_dir), stdout=out, stderr=subprocess.STDOUT, env=child_env(sc), cwd=ROOT
+        )
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -118,8 +174,10 @@ def run_job(sc: Scenario, trace_dir: Path, timeout_s: float) -> str:
 
 
 def _suspects_json(report) -> list[dict]:
-    return [{"cause": s.cause, "rank": s.rank, "link": list(s.link) if s.link else None,
-             "confidence": s.confidence} for s in report.suspects]
+    return [
+        {"cause": s.cause, "rank": s.rank, "link": list(s.link) if s.link else None, "confidence": s.confidence}
+        for s in report.suspects
+    ]
 
 
 def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
@@ -130,13 +188,21 @@ def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
     from megatronapp.scan.analyze.detect_config import DetectConfig
 
     aligned, _ = load_aligned_traces(trace_dir)
-    out = {"suspects": _suspects_json(detect(aligned, config=DetectConfig(**overrides))),
-           "default_suspects": _suspects_json(detect(aligned, config=DetectConfig()))}
+    out = {
+        "suspects": _suspects_json(detect(aligned, config=DetectConfig(**overrides))),
+        "default_suspects": _suspects_json(detect(aligned, config=DetectConfig())),
+    }
     if grid:
-        out["grid_compute"] = [sorted(s.rank for s in detect(aligned, config=DetectConfig(**point)).suspects
-                                      if s.cause == "slow_compute") for point in COMPUTE_GRID]
-        out["grid_link"] = [sorted(list(s.link) for s in detect(aligned, config=DetectConfig(**point)).suspects
-                                   if s.cause == "slow_link") for point in LINK_GRID]
+        out["grid_compute"] = [
+            sorted(s.rank for s in detect(aligned, config=DetectConfig(**point)).suspects if s.cause == "slow_compute")
+            for point in COMPUTE_GRID
+        ]
+        out["grid_link"] = [
+            sorted(
+                list(s.link) for s in detect(aligned, config=DetectConfig(**point)).suspects if s.cause == "slow_link"
+            )
+            for point in LINK_GRID
+        ]
     return out
 
 
@@ -148,10 +214,21 @@ def simulate_run(sc: Scenario, trace_dir: Path) -> str:
     from megatronapp.scan.record.format import TraceWriter, trace_file_name
 
     f = sc.fault
-    job = SimulatedJob(tp_size=sc.tp, pp_size=sc.pp, dp_size=sc.nproc // (sc.tp * sc.pp), iterations=ITERS,
-                       noise=0.15, hiccup_prob=0.03, rank_bias=0.03, seed=sc.seed,
-                       slow_rank=f.rank if f.factor > 1 else None, slow_factor=f.factor, slow_every=f.every,
-                       slow_link=f.link, link_delay_ns=int(f.delay_ms * 1e6))
+    job = SimulatedJob(
+        tp_size=sc.tp,
+        pp_size=sc.pp,
+        dp_size=sc.nproc // (sc.tp * sc.pp),
+        iterations=ITERS,
+        noise=0.15,
+        hiccup_prob=0.03,
+        rank_bias=0.03,
+        seed=sc.seed,
+        slow_rank=f.rank if f.factor > 1 else None,
+        slow_factor=f.factor,
+        slow_every=f.every,
+        slow_link=f.link,
+        link_delay_ns=int(f.delay_ms * 1e6),
+    )
     trace_dir.mkdir(parents=True, exist_ok=True)
     for t in simulate_job_traces(job):
         with TraceWriter(trace_dir / trace_file_name(t.rank), t.meta) as w:
@@ -183,10 +260,20 @@ def execute_run(task: dict) -> dict:
     right = not error and named_causes(found["suspects"]) == sc.truth()
     if right and not task["keep_traces"]:  # wrong verdicts keep their trace, for diagnosis
         shutil.rmtree(run_dir, ignore_errors=True)
-    return {"name": sc.name, "split": sc.split, "kind": sc.kind, "layout": sc.layout, "scenario": asdict(sc),
-            "thresholds": task["overrides"], "thresholds_file": task["thresholds_file"], "error": error,
-            "job_seconds": round(t_job, 2), "seconds": round(time.perf_counter() - t0, 2),
-            "synthetic": task["synthetic"], **found}
+    return {
+        "name": sc.name,
+        "split": sc.split,
+        "kind": sc.kind,
+        "layout": sc.layout,
+        "scenario": asdict(sc),
+        "thresholds": task["overrides"],
+        "thresholds_file": task["thresholds_file"],
+        "error": error,
+        "job_seconds": round(t_job, 2),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "synthetic": task["synthetic"],
+        **found,
+    }
 
 
 def append_record(path: Path, record: dict) -> None:

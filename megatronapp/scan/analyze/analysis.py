@@ -14,9 +14,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatronapp.scan.merge.align import AlignmentReport, align_traces
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport
+from megatronapp.scan.merge.align import AlignmentReport, align_traces
 from megatronapp.scan.record.format import RankTrace, load_trace_dir
 
 
@@ -35,21 +35,24 @@ def analyze_traces(traces: list[RankTrace], config: DetectConfig = DetectConfig(
     return analyze_aligned(aligned, alignment, config)
 
 
-def analyze_aligned(aligned: list[RankTrace], alignment: AlignmentReport,
-                    config: DetectConfig = DetectConfig()) -> TraceAnalysis:
+def analyze_aligned(
+    aligned: list[RankTrace], alignment: AlignmentReport, config: DetectConfig = DetectConfig()
+) -> TraceAnalysis:
     """Detection on traces align_traces already put on one timeline."""
     return TraceAnalysis(aligned, alignment, detect(aligned, config=config))
 
 
-def load_aligned_traces(trace_dir: str | os.PathLike,
-                        ranks: Sequence[int] | None = None) -> tuple[list[RankTrace], AlignmentReport]:
+def load_aligned_traces(
+    trace_dir: str | os.PathLike, ranks: Sequence[int] | None = None
+) -> tuple[list[RankTrace], AlignmentReport]:
     """Load every rank file of `trace_dir` (or `ranks`) and align them: the first two steps of
     analyze_trace_dir, for callers that detect several times (threshold tuning)."""
     return align_traces(load_trace_dir(trace_dir, ranks=ranks))
 
 
-def analyze_trace_dir(trace_dir: str | os.PathLike, config: DetectConfig = DetectConfig(),
-                      ranks: Sequence[int] | None = None) -> TraceAnalysis:
+def analyze_trace_dir(
+    trace_dir: str | os.PathLike, config: DetectConfig = DetectConfig(), ranks: Sequence[int] | None = None
+) -> TraceAnalysis:
     """Load every rank file of `trace_dir` (or `ranks`), align and detect.
 
     Raises what load_trace_dir raises (FileNotFoundError, TraceFormatError) and

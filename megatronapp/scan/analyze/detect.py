@@ -57,13 +57,19 @@ from dataclasses import replace
 
 import numpy as np
 
-from megatronapp.scan.analyze import detect_path as paths
 from megatronapp.scan.analyze import detect_arrival as arrivals
 from megatronapp.scan.analyze import detect_intermittent_arrival as own_intermittent
 from megatronapp.scan.analyze import detect_links as p2p
+from megatronapp.scan.analyze import detect_path as paths
 from megatronapp.scan.analyze import detect_rules as rules
-from megatronapp.scan.analyze.detect_config import (DetectConfig, DetectInputError, DetectionReport, Suspect,
-                                                    is_constant, is_intermittent)
+from megatronapp.scan.analyze.detect_config import (
+    DetectConfig,
+    DetectInputError,
+    DetectionReport,
+    Suspect,
+    is_constant,
+    is_intermittent,
+)
 from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
 from megatronapp.scan.analyze.detect_rules import to_ms
 from megatronapp.scan.analyze.verdict_filters import drop_echoes, root_causes_first
@@ -115,17 +121,31 @@ def _compute_evidence(st: rules.ComputeStats, config: DetectConfig) -> tuple[boo
     peers = {"dp_replicas": "DP replicas", "tp_peers": "TP peers", "pipeline_stages": "other pipeline stages"}
     it = st.intermittent
     if is_constant(st, config) or not is_intermittent(st, config):
-        return False, st.ratio, (f"rank {st.rank} forward/backward compute is {st.ratio:.2f}x its {peers[st.basis]} "
-                                 f"{list(st.peers)} (median of {st.samples} microbatch samples; slower in "
-                                 f"{st.consistency:.0%} of {st.iterations} iterations)"), {"intermittent": False}
-    fields = {"intermittent": True, "slow_iterations": list(it.slow_iterations),
-              "slow_iteration_ratio": round(it.slow_ratio, 3), "other_iteration_ratio": round(it.base_ratio, 3),
-              "intermittent_p": float(f"{it.p_value:.3g}"), "periodic": it.periodic}
+        return (
+            False,
+            st.ratio,
+            (
+                f"rank {st.rank} forward/backward compute is {st.ratio:.2f}x its {peers[st.basis]} "
+                f"{list(st.peers)} (median of {st.samples} microbatch samples; slower in "
+                f"{st.consistency:.0%} of {st.iterations} iterations)"
+            ),
+            {"intermittent": False},
+        )
+    fields = {
+        "intermittent": True,
+        "slow_iterations": list(it.slow_iterations),
+        "slow_iteration_ratio": round(it.slow_ratio, 3),
+        "other_iteration_ratio": round(it.base_ratio, 3),
+        "intermittent_p": float(f"{it.p_value:.3g}"),
+        "periodic": it.periodic,
+    }
     period = f", every {it.slow_iterations[1] - it.slow_iterations[0]}" if it.periodic else ""
-    summary = (f"rank {st.rank} forward/backward compute is {it.slow_ratio:.2f}x its {peers[st.basis]} "
-               f"{list(st.peers)} in iterations {list(it.slow_iterations)} ({len(it.slow_iterations)} of "
-               f"{it.iterations}{period}; {it.base_ratio:.2f}x in the others): intermittent, "
-               f"p = {it.p_value:.2g} for a clean run")
+    summary = (
+        f"rank {st.rank} forward/backward compute is {it.slow_ratio:.2f}x its {peers[st.basis]} "
+        f"{list(st.peers)} in iterations {list(it.slow_iterations)} ({len(it.slow_iterations)} of "
+        f"{it.iterations}{period}; {it.base_ratio:.2f}x in the others): intermittent, "
+        f"p = {it.p_value:.2g} for a clean run"
+    )
     return True, it.slow_ratio, summary, fields
 
 
@@ -138,16 +158,28 @@ def _compute_suspect(st: rules.ComputeStats, stragglers: dict, coords: dict, con
     conf = round(min(1.0, conf + (0.1 if corroborated else 0.0)), 3)
     if corroborated:
         summary += f"; last to arrive at {max(shares.values()):.0%} of its collectives"
-    evidence = {"summary": summary, "basis": st.basis, "peers": list(st.peers), "ratio": round(st.ratio, 3),
-                **fields, "consistency": round(st.consistency, 3), "sample_share": round(st.sample_share, 3),
-                "z": round(min(st.z, 1e6), 2), "samples": st.samples, "iterations": st.iterations,
-                "rank_median_ms": to_ms(st.rank_median_ns), "peer_median_ms": to_ms(st.peer_median_ns),
-                "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration), "last_arrival_share": shares}
+    evidence = {
+        "summary": summary,
+        "basis": st.basis,
+        "peers": list(st.peers),
+        "ratio": round(st.ratio, 3),
+        **fields,
+        "consistency": round(st.consistency, 3),
+        "sample_share": round(st.sample_share, 3),
+        "z": round(min(st.z, 1e6), 2),
+        "samples": st.samples,
+        "iterations": st.iterations,
+        "rank_median_ms": to_ms(st.rank_median_ns),
+        "peer_median_ms": to_ms(st.peer_median_ns),
+        "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration),
+        "last_arrival_share": shares,
+    }
     return Suspect(st.rank, coords[st.rank], "slow_compute", conf, evidence)
 
 
-def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coords: dict,
-                      config: DetectConfig) -> list[Suspect]:
+def _arrival_suspects(
+    instances, messages, compute_suspects: list[Suspect], coords: dict, config: DetectConfig
+) -> list[Suspect]:
     """Ranks named by arrival order (module docstring, step 2) that compute did not name already;
     a compute suspect gets the arrival evidence added to its own."""
     samples = arrivals.compute_arrival_samples(instances, messages)
@@ -163,10 +195,19 @@ def _arrival_suspects(instances, messages, compute_suspects: list[Suspect], coor
             s.evidence.update({k: v for k, v in fields.items() if k != "last_arrival_share"})
             continue
         conf = _confidence(_BASIS_WEIGHT["dp_replicas"], st.ratio, config.strong_compute_ratio, st.consistency)
-        evidence = {"summary": summary, "basis": "arrival_order", "peers": [], "ratio": round(st.ratio, 3),
-                    "intermittent": False, "consistency": round(st.consistency, 3), "z": round(min(st.z, 1e6), 2),
-                    "samples": st.samples, "iterations": st.iterations,
-                    "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration), **fields}
+        evidence = {
+            "summary": summary,
+            "basis": "arrival_order",
+            "peers": [],
+            "ratio": round(st.ratio, 3),
+            "intermittent": False,
+            "consistency": round(st.consistency, 3),
+            "z": round(min(st.z, 1e6), 2),
+            "samples": st.samples,
+            "iterations": st.iterations,
+            "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration),
+            **fields,
+        }
         out.append(Suspect(rank, coords[rank], "slow_compute", conf, evidence))
     named.update({s.rank: s for s in out})
     return out + _own_work_intermittent_suspects(samples, named, coords, config)
@@ -176,22 +217,37 @@ def _own_work_intermittent_suspects(samples, named: dict, coords: dict, config: 
     """Ranks not named yet whose own work before arrivals is inflated in a few iterations
     (detect_intermittent_arrival.py): a CPU taken away now and then, outside the compute spans."""
     out = []
-    for rank, it in sorted(own_intermittent.compare_own_work_intermittent(
-            samples, config.intermittent_min_iterations, config.intermittent_max_share).items()):
-        stats = rules.ComputeStats(rank, "arrival_order", (), it.iterations, it.iterations, 1.0, 0.0, 0.0, 0.0,
-                                   0.0, 0.0, 0.0, False, it)
+    for rank, it in sorted(
+        own_intermittent.compare_own_work_intermittent(
+            samples, config.intermittent_min_iterations, config.intermittent_max_share
+        ).items()
+    ):
+        stats = rules.ComputeStats(
+            rank, "arrival_order", (), it.iterations, it.iterations, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False, it
+        )
         if rank in named or not is_intermittent(stats, config):
             continue
         excess = own_intermittent.compute_slow_iteration_excess(samples, rank, it.slow_iterations)
-        summary = (f"rank {rank}'s own work before its collectives (waits subtracted) is {it.slow_ratio:.2f}x "
-                   f"its peers' in iterations {list(it.slow_iterations)} ({len(it.slow_iterations)} of "
-                   f"{it.iterations}; {it.base_ratio:.2f}x in the others): intermittent, p = {it.p_value:.2g} "
-                   f"for a clean run; its compute spans do not show it (frozen between or around them)")
-        evidence = {"summary": summary, "basis": "arrival_order", "peers": [], "ratio": round(it.slow_ratio, 3),
-                    "intermittent": True, "slow_iterations": list(it.slow_iterations),
-                    "slow_iteration_ratio": round(it.slow_ratio, 3), "other_iteration_ratio": round(it.base_ratio, 3),
-                    "intermittent_p": float(f"{it.p_value:.3g}"), "periodic": it.periodic,
-                    "iterations": it.iterations, "slow_iteration_excess_ms": {i: to_ms(v) for i, v in excess.items()}}
+        summary = (
+            f"rank {rank}'s own work before its collectives (waits subtracted) is {it.slow_ratio:.2f}x "
+            f"its peers' in iterations {list(it.slow_iterations)} ({len(it.slow_iterations)} of "
+            f"{it.iterations}; {it.base_ratio:.2f}x in the others): intermittent, p = {it.p_value:.2g} "
+            f"for a clean run; its compute spans do not show it (frozen between or around them)"
+        )
+        evidence = {
+            "summary": summary,
+            "basis": "arrival_order",
+            "peers": [],
+            "ratio": round(it.slow_ratio, 3),
+            "intermittent": True,
+            "slow_iterations": list(it.slow_iterations),
+            "slow_iteration_ratio": round(it.slow_ratio, 3),
+            "other_iteration_ratio": round(it.base_ratio, 3),
+            "intermittent_p": float(f"{it.p_value:.3g}"),
+            "periodic": it.periodic,
+            "iterations": it.iterations,
+            "slow_iteration_excess_ms": {i: to_ms(v) for i, v in excess.items()},
+        }
         conf = _confidence(_BASIS_WEIGHT["dp_replicas"], it.slow_ratio, config.strong_compute_ratio, 0.5)
         out.append(Suspect(rank, coords[rank], "slow_compute", conf, evidence))
     return out
@@ -201,21 +257,41 @@ def _judge_links(messages, coords: dict, config: DetectConfig) -> dict[tuple, p2
     """Per link, its stats over the messages whose time is the link's own (p2p.select_timed_messages)
     if they pass the link rule, else over all of its messages: a real rate limit shows in the former,
     a delay added at the receiver after arrival (the in-process injector) only in the latter."""
-    views = [p2p.compare_links(messages, coords, config.link_min_ratio, config.link_min_excess_ns,
-                                 config.link_peer_quantile, timed_only=timed) for timed in (True, False)]
-    return {link: st if config.link_rule(st, config) or link not in views[1] else views[1][link]
-            for link, st in views[0].items()}
+    views = [
+        p2p.compare_links(
+            messages,
+            coords,
+            config.link_min_ratio,
+            config.link_min_excess_ns,
+            config.link_peer_quantile,
+            timed_only=timed,
+        )
+        for timed in (True, False)
+    ]
+    return {
+        link: st if config.link_rule(st, config) or link not in views[1] else views[1][link]
+        for link, st in views[0].items()
+    }
 
 
 def _link_suspect(st: p2p.LinkStats, coords: dict, config: DetectConfig) -> Suspect:
     conf = _confidence(_LINK_WEIGHT, st.ratio, config.strong_link_ratio, st.consistency)
-    summary = (f"link {st.src}->{st.dst} takes {to_ms(st.median_ns)} ms per message vs {to_ms(st.peer_median_ns)} ms "
-               f"on {st.peer_links} comparable links ({st.ratio:.1f}x) in {st.consistency:.0%} of {st.samples} "
-               f"messages; rank {st.src} is the link's source (convention), its compute is not implicated")
-    evidence = {"summary": summary, "transfer_median_ms": to_ms(st.median_ns), "peer_median_ms": to_ms(st.peer_median_ns),
-                "ratio": round(st.ratio, 3), "excess_ms": to_ms(st.excess_ns), "consistency": round(st.consistency, 3),
-                "samples": st.samples, "peer_links": st.peer_links,
-                "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration)}
+    summary = (
+        f"link {st.src}->{st.dst} takes {to_ms(st.median_ns)} ms per message vs {to_ms(st.peer_median_ns)} ms "
+        f"on {st.peer_links} comparable links ({st.ratio:.1f}x) in {st.consistency:.0%} of {st.samples} "
+        f"messages; rank {st.src} is the link's source (convention), its compute is not implicated"
+    )
+    evidence = {
+        "summary": summary,
+        "transfer_median_ms": to_ms(st.median_ns),
+        "peer_median_ms": to_ms(st.peer_median_ns),
+        "ratio": round(st.ratio, 3),
+        "excess_ms": to_ms(st.excess_ns),
+        "consistency": round(st.consistency, 3),
+        "samples": st.samples,
+        "peer_links": st.peer_links,
+        "excess_ms_per_iteration": to_ms(st.excess_ns_per_iteration),
+    }
     return Suspect(st.src, coords.get(st.src, {}), "slow_link", conf, evidence, link=(st.src, st.dst))
 
 
@@ -236,8 +312,12 @@ def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], busy: list[dict], 
     elif s.cause == "slow_compute":
         ratio = s.evidence["slow_iteration_ratio"] if intermittent else s.evidence["ratio"]
         slow = set(s.evidence["slow_iterations"]) if intermittent else None
-        savings = [paths.estimate_compute_saving(p, s.rank, spans.get(s.rank, []), ratio)
-                   if slow is None or p.iteration in slow else 0.0 for p in crit]
+        savings = [
+            paths.estimate_compute_saving(p, s.rank, spans.get(s.rank, []), ratio)
+            if slow is None or p.iteration in slow
+            else 0.0
+            for p in crit
+        ]
         floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
     else:
         savings = [paths.estimate_link_saving(p, s.link, links[s.link].peer_median_ns) for p in crit]
@@ -276,17 +356,26 @@ def _coverage_notes(layout: dict, world: int, events: dict, basis: str, instance
     return notes
 
 
-def _judge_compute(spans: dict, peers: dict, basis: str, pp_size: int, coords: dict, slow_its: dict,
-                   config: DetectConfig) -> dict[int, rules.ComputeStats]:
+def _judge_compute(
+    spans: dict, peers: dict, basis: str, pp_size: int, coords: dict, slow_its: dict, config: DetectConfig
+) -> dict[int, rules.ComputeStats]:
     """Per rank, its compute against the peers' warm spans if that comparison passes the compute
     rule, else against all of their spans (detect_rules: cold span)."""
-    judged = {ref: {r: replace(st, intermittent=slow_its.get(r)) for r, st in
-                    rules.compare_compute(spans, peers, basis, pp_size, coords, config.compute_min_ratio, ref).items()}
-              for ref in ("warm", "all")}
+    judged = {
+        ref: {
+            r: replace(st, intermittent=slow_its.get(r))
+            for r, st in rules.compare_compute(
+                spans, peers, basis, pp_size, coords, config.compute_min_ratio, ref
+            ).items()
+        }
+        for ref in ("warm", "all")
+    }
     out = {}
     for rank in sorted(judged["warm"].keys() | judged["all"].keys()):
         warm, everything = judged["warm"].get(rank), judged["all"].get(rank)
-        out[rank] = warm if warm is not None and (everything is None or config.compute_rule(warm, config)) else everything
+        out[rank] = (
+            warm if warm is not None and (everything is None or config.compute_rule(warm, config)) else everything
+        )
     return out
 
 
@@ -298,17 +387,21 @@ def _cold_notes(spans: dict, compute: dict, config: DetectConfig) -> list[str]:
         cold = sum(s.cold for s in rank_spans)
         judged = compute[rank].samples if rank in compute else 0
         if cold and judged < config.min_samples:
-            notes.append(f"rank {rank}: {cold} of {len(rank_spans)} compute spans start within "
-                         f"{to_ms(config.cold_recovery_ns)} ms of a wait >= {to_ms(config.cold_idle_ns)} ms, "
-                         f"so its constant slowness is not judged (work after a long wait runs slower)")
+            notes.append(
+                f"rank {rank}: {cold} of {len(rank_spans)} compute spans start within "
+                f"{to_ms(config.cold_recovery_ns)} ms of a wait >= {to_ms(config.cold_idle_ns)} ms, "
+                f"so its constant slowness is not judged (work after a long wait runs slower)"
+            )
     return notes
 
 
 def _negligible_note(s: Suspect) -> str:
     ev = s.evidence
-    return (f"rank {s.rank} is {ev['slow_iteration_ratio']}x its peers in {len(ev['slow_iterations'])} of "
-            f"{ev['iterations']} iterations, but fixing it would save {to_ms(s.saving_ns)} of {to_ms(s.iteration_ns)} "
-            f"ms per iteration ({s.saving_ns / max(s.iteration_ns, 1):.2%}): not named")
+    return (
+        f"rank {s.rank} is {ev['slow_iteration_ratio']}x its peers in {len(ev['slow_iterations'])} of "
+        f"{ev['iterations']} iterations, but fixing it would save {to_ms(s.saving_ns)} of {to_ms(s.iteration_ns)} "
+        f"ms per iteration ({s.saving_ns / max(s.iteration_ns, 1):.2%}): not named"
+    )
 
 
 def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionReport:
@@ -323,12 +416,15 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
         held = sorted(set().union(*(set(s) for s in iter_spans.values())))
         wanted = "" if config.iterations is None else f" in [{config.iterations[0]}, {config.iterations[1]})"
         where = os.path.dirname(str(traces[0].path)) or str(traces[0].path)
-        raise DetectInputError(f"{where}: no iteration{wanted} is complete on all {len(events)} ranks "
-                               f"(iterations present on some rank: {held[:10]}); nothing to analyse")
+        raise DetectInputError(
+            f"{where}: no iteration{wanted} is complete on all {len(events)} ranks "
+            f"(iterations present on some rank: {held[:10]}); nothing to analyse"
+        )
     its = set(iterations)
     coords = {r: ev.coords for r, ev in events.items()}
-    spans = {r: rules.compute_pure_spans(ev, its, config.cold_idle_ns, config.cold_recovery_ns)
-             for r, ev in events.items()}
+    spans = {
+        r: rules.compute_pure_spans(ev, its, config.cold_idle_ns, config.cold_recovery_ns) for r, ev in events.items()
+    }
     basis, peers = rules.build_compute_peers(coords, layout)
     slow_its = compare_intermittent(spans, peers, config.intermittent_min_iterations, config.intermittent_max_share)
     compute = _judge_compute(spans, peers, basis, layout.get("pp_size", 1), coords, slow_its, config)
@@ -337,22 +433,29 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     stragglers = rules.compute_straggler_stats(instances)
     messages = p2p.collect_p2p_messages(index, events, its)
     links = _judge_links(messages, coords, config)
-    suspects = [_compute_suspect(st, stragglers, coords, config) for st in compute.values()
-                if config.compute_rule(st, config)]
+    suspects = [
+        _compute_suspect(st, stragglers, coords, config) for st in compute.values() if config.compute_rule(st, config)
+    ]
     suspects += _arrival_suspects(instances, messages, suspects, coords, config)
     suspects += [_link_suspect(st, coords, config) for st in links.values() if config.link_rule(st, config)]
-    crit = [paths.compute_critical_path(i, {r: s[i] for r, s in iter_spans.items()},
-                                        paths.build_blocking_events(i, messages, instances)) for i in iterations]
-    busy = [paths.compute_busy_ns(i, {r: s[i] for r, s in iter_spans.items()}, messages, instances)
-            for i in iterations]
+    crit = [
+        paths.compute_critical_path(
+            i, {r: s[i] for r, s in iter_spans.items()}, paths.build_blocking_events(i, messages, instances)
+        )
+        for i in iterations
+    ]
+    busy = [paths.compute_busy_ns(i, {r: s[i] for r, s in iter_spans.items()}, messages, instances) for i in iterations]
     incoming = defaultdict(set)
     for m in messages:
         incoming[m.dst].add(m.src)
     suspects, echoes = drop_echoes(suspects, layout.get("tp_size", 1), coords, incoming)
     notes += echoes
     suspects = [_with_what_if(s, crit, busy, spans, links) for s in suspects]
-    negligible = [s for s in suspects if s.evidence.get("intermittent")
-                  and s.saving_ns < config.intermittent_min_saving * s.iteration_ns]
+    negligible = [
+        s
+        for s in suspects
+        if s.evidence.get("intermittent") and s.saving_ns < config.intermittent_min_saving * s.iteration_ns
+    ]
     suspects = [s for s in suspects if s not in negligible]
     notes += [_negligible_note(s) for s in negligible]
     suspects = root_causes_first(suspects)
@@ -362,4 +465,6 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     # Pipeline bubbles make every clean run "wait": victims only mean something next to a culprit.
     victims = _victims(instances, messages, len(iterations), t, {s.rank for s in suspects}) if suspects else ()
     notes += _coverage_notes(layout, world, events, basis, instances, messages) + _cold_notes(spans, compute, config)
-    return DetectionReport(tuple(suspects), iterations, t, float(np.mean(durations)), max(fixed, 0.0), world, layout, victims, tuple(notes))
+    return DetectionReport(
+        tuple(suspects), iterations, t, float(np.mean(durations)), max(fixed, 0.0), world, layout, victims, tuple(notes)
+    )

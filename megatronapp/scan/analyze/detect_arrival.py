@@ -43,7 +43,6 @@ import numpy as np
 from megatronapp.scan.analyze.detect_links import P2PMessage, group_by_link
 from megatronapp.scan.analyze.detect_rules import CollectiveInstance, robust_z, union_length
 
-
 ALIKE_FAMILIES = ("dp", "tp")  # group families whose members do identical work
 
 
@@ -170,33 +169,57 @@ def compute_arrival_samples(instances: list[CollectiveInstance], messages: list[
                 continue
             lateness = start - float(np.median([s for p, (s, _) in inst.spans.items() if p != r]))
             extra_wait = mine[1] - float(np.median([w for _, w in others]))
-            samples.append(ArrivalSample(r, inst.family, inst.group, inst.seq, inst.iteration, mine[0],
-                                         float(np.median([o for o, _ in others])), lateness, inst.last_rank == r,
-                                         extra_wait))
+            samples.append(
+                ArrivalSample(
+                    r,
+                    inst.family,
+                    inst.group,
+                    inst.seq,
+                    inst.iteration,
+                    mine[0],
+                    float(np.median([o for o, _ in others])),
+                    lateness,
+                    inst.last_rank == r,
+                    extra_wait,
+                )
+            )
     return samples
 
 
-def _family_stats(rank: int, family: str, rows: list[ArrivalSample], members: float, min_ratio: float,
-                  wait_share: float) -> ArrivalStats:
+def _family_stats(
+    rank: int, family: str, rows: list[ArrivalSample], members: float, min_ratio: float, wait_share: float
+) -> ArrivalStats:
     by_it: dict[int, list[ArrivalSample]] = defaultdict(list)
     for s in rows:
         by_it[s.iteration].append(s)
     # Per iteration: own work summed over its instances (only the first collective after a data step
     # sees that step: FSDP2 meets ~10 times an iteration), and its latest arrival.
-    logs = np.log(np.array([max(1, sum(s.own_ns for s in v)) / max(1.0, sum(s.peer_own_ns for s in v))
-                            for v in by_it.values()]))
+    logs = np.log(
+        np.array([max(1, sum(s.own_ns for s in v)) / max(1.0, sum(s.peer_own_ns for s in v)) for v in by_it.values()])
+    )
     latest = [max(v, key=lambda s: s.lateness_ns) for v in by_it.values()]
     worst = sorted(rows, key=lambda s: -s.lateness_ns)[:5]
-    return ArrivalStats(rank, family, len(rows), len(by_it), sum(s.last for s in rows) / len(rows), wait_share,
-                        1.0 / members, float(np.exp(np.median(logs))), float(np.mean(np.exp(logs) >= min_ratio)),
-                        robust_z(logs), float(np.median([s.lateness_ns for s in latest])),
-                        float(np.median([s.extra_wait_ns for s in latest])),
-                        float(np.median([max(0.0, s.own_ns - s.peer_own_ns) for s in latest])),
-                        tuple((s.group, s.seq, s.iteration, s.lateness_ns) for s in worst))
+    return ArrivalStats(
+        rank,
+        family,
+        len(rows),
+        len(by_it),
+        sum(s.last for s in rows) / len(rows),
+        wait_share,
+        1.0 / members,
+        float(np.exp(np.median(logs))),
+        float(np.mean(np.exp(logs) >= min_ratio)),
+        robust_z(logs),
+        float(np.median([s.lateness_ns for s in latest])),
+        float(np.median([s.extra_wait_ns for s in latest])),
+        float(np.median([max(0.0, s.own_ns - s.peer_own_ns) for s in latest])),
+        tuple((s.group, s.seq, s.iteration, s.lateness_ns) for s in worst),
+    )
 
 
-def compare_arrivals(samples: list[ArrivalSample], instances: list[CollectiveInstance],
-                     min_ratio: float) -> dict[int, ArrivalStats]:
+def compare_arrivals(
+    samples: list[ArrivalSample], instances: list[CollectiveInstance], min_ratio: float
+) -> dict[int, ArrivalStats]:
     """Per rank, step 3 for the family of groups where its own-work ratio is highest (with the
     most samples on a tie): a rank slowed everywhere shows it in every family. Groups whose
     members do identical work (DP, TP) are used where the rank has any: a group spanning
@@ -229,29 +252,49 @@ def min_wait_share(fair: float, min_excess_share: float) -> float:
     return max(fair + min_excess_share * (1.0 - fair), 1.5 * fair)
 
 
-def is_arrival_straggler(st: ArrivalStats, *, min_samples: int, min_excess_share: float, min_ratio: float,
-                         min_consistency: float, min_z: float, min_lateness_ns: int) -> bool:
+def is_arrival_straggler(
+    st: ArrivalStats,
+    *,
+    min_samples: int,
+    min_excess_share: float,
+    min_ratio: float,
+    min_consistency: float,
+    min_z: float,
+    min_lateness_ns: int,
+) -> bool:
     """The cause of most of the waiting at its collectives, late by a margin, *and* by its own work
     (not by waiting)."""
     # evidence is per iteration, and a short run's first iterations run cold (a 6-iteration clean
     # job read 2.3x on 4 iterations): twice min_samples iterations are wanted
-    return (st.iterations >= 2 * min_samples and st.wait_share >= min_wait_share(st.expected_share, min_excess_share)
-            and st.median_lateness_ns >= min_lateness_ns and st.ratio >= min_ratio
-            and st.consistency >= min_consistency and st.z >= min_z
-            and st.median_extra_wait_ns < 0.5 * st.median_lateness_ns)
+    return (
+        st.iterations >= 2 * min_samples
+        and st.wait_share >= min_wait_share(st.expected_share, min_excess_share)
+        and st.median_lateness_ns >= min_lateness_ns
+        and st.ratio >= min_ratio
+        and st.consistency >= min_consistency
+        and st.z >= min_z
+        and st.median_extra_wait_ns < 0.5 * st.median_lateness_ns
+    )
 
 
 def describe_arrivals(st: ArrivalStats) -> tuple[str, dict]:
     """(one-line summary, evidence fields) of an arrival-order verdict."""
-    summary = (f"rank {st.rank} arrived last at {st.last_share:.0%} of its {st.samples} {st.family.upper()} "
-               f"collectives and caused {st.wait_share:.0%} of its peers' waiting there (a fair share is "
-               f"{st.expected_share:.0%}), {st.median_lateness_ns / 1e6:.1f} ms after "
-               f"its peers (median), with {st.ratio:.2f}x their own work since the group last synchronised "
-               f"(waits subtracted) in {st.consistency:.0%} of {st.iterations} iterations")
-    fields = {"arrival_family": st.family, "last_arrival_share": {st.family: round(st.last_share, 3)},
-              "wait_share": round(st.wait_share, 3),
-              "expected_share": round(st.expected_share, 3), "arrival_ratio": round(st.ratio, 3),
-              "median_lateness_ms": round(st.median_lateness_ns / 1e6, 3),
-              "latest_arrivals": [{"group": g, "seq": q, "iteration": i, "lateness_ms": round(x / 1e6, 3)}
-                                  for g, q, i, x in st.worst]}
+    summary = (
+        f"rank {st.rank} arrived last at {st.last_share:.0%} of its {st.samples} {st.family.upper()} "
+        f"collectives and caused {st.wait_share:.0%} of its peers' waiting there (a fair share is "
+        f"{st.expected_share:.0%}), {st.median_lateness_ns / 1e6:.1f} ms after "
+        f"its peers (median), with {st.ratio:.2f}x their own work since the group last synchronised "
+        f"(waits subtracted) in {st.consistency:.0%} of {st.iterations} iterations"
+    )
+    fields = {
+        "arrival_family": st.family,
+        "last_arrival_share": {st.family: round(st.last_share, 3)},
+        "wait_share": round(st.wait_share, 3),
+        "expected_share": round(st.expected_share, 3),
+        "arrival_ratio": round(st.ratio, 3),
+        "median_lateness_ms": round(st.median_lateness_ns / 1e6, 3),
+        "latest_arrivals": [
+            {"group": g, "seq": q, "iteration": i, "lateness_ms": round(x / 1e6, 3)} for g, q, i, x in st.worst
+        ],
+    }
     return summary, fields

@@ -22,8 +22,11 @@ def is_constant(stats: rules.ComputeStats, config: DetectConfig) -> bool:
     """Slow in most iterations: median ratio, consistency and robust z above their bars."""
     edge = stats.basis == "pipeline_stages" and stats.edge_stage
     threshold = config.compute_min_ratio * (config.edge_stage_allowance if edge else 1.0)
-    return (stats.ratio >= threshold and stats.consistency >= config.compute_min_consistency
-            and stats.z >= config.compute_min_z)
+    return (
+        stats.ratio >= threshold
+        and stats.consistency >= config.compute_min_consistency
+        and stats.z >= config.compute_min_z
+    )
 
 
 def is_intermittent(stats: rules.ComputeStats, config: DetectConfig) -> bool:
@@ -33,10 +36,13 @@ def is_intermittent(stats: rules.ComputeStats, config: DetectConfig) -> bool:
     naming (>= intermittent_min_ratio) both against its peers and against its own compute in the
     other iterations (a victim's ratio moves only because its peers' compute did)."""
     it = stats.intermittent
-    return (it is not None and len(it.slow_iterations) >= config.intermittent_min_iterations
-            and it.p_value <= config.intermittent_alpha
-            and it.slow_z >= NormalDist().inv_cdf(1.0 - config.intermittent_alpha)
-            and min(it.slow_ratio, it.self_ratio) >= config.intermittent_min_ratio)
+    return (
+        it is not None
+        and len(it.slow_iterations) >= config.intermittent_min_iterations
+        and it.p_value <= config.intermittent_alpha
+        and it.slow_z >= NormalDist().inv_cdf(1.0 - config.intermittent_alpha)
+        and min(it.slow_ratio, it.self_ratio) >= config.intermittent_min_ratio
+    )
 
 
 def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
@@ -47,15 +53,24 @@ def is_slow_compute(stats: rules.ComputeStats, config: DetectConfig) -> bool:
 def is_late_by_own_work(stats: arrivals.ArrivalStats, config: DetectConfig) -> bool:
     """Default arrival rule (module docstring, step 2): the compute bars on own work before arrival."""
     return arrivals.is_arrival_straggler(
-        stats, min_samples=config.min_samples, min_excess_share=config.arrival_min_excess_share, min_ratio=config.compute_min_ratio,
-        min_consistency=config.compute_min_consistency, min_z=config.compute_min_z,
-        min_lateness_ns=config.arrival_min_lateness_ns)
+        stats,
+        min_samples=config.min_samples,
+        min_excess_share=config.arrival_min_excess_share,
+        min_ratio=config.compute_min_ratio,
+        min_consistency=config.compute_min_consistency,
+        min_z=config.compute_min_z,
+        min_lateness_ns=config.arrival_min_lateness_ns,
+    )
 
 
 def is_slow_link(stats: p2p.LinkStats, config: DetectConfig) -> bool:
     """Default link rule (see the module docstring, step 3)."""
-    return (stats.samples >= config.min_samples and stats.ratio >= config.link_min_ratio
-            and stats.excess_ns >= config.link_min_excess_ns and stats.consistency >= config.link_min_consistency)
+    return (
+        stats.samples >= config.min_samples
+        and stats.ratio >= config.link_min_ratio
+        and stats.excess_ns >= config.link_min_excess_ns
+        and stats.consistency >= config.link_min_consistency
+    )
 
 
 @dataclass(frozen=True)
@@ -107,18 +122,36 @@ class DetectConfig:
     arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
 
     def __post_init__(self) -> None:
-        for name in ("compute_min_ratio", "strong_compute_ratio", "link_min_ratio", "strong_link_ratio",
-                     "edge_stage_allowance", "intermittent_min_ratio"):
+        for name in (
+            "compute_min_ratio",
+            "strong_compute_ratio",
+            "link_min_ratio",
+            "strong_link_ratio",
+            "edge_stage_allowance",
+            "intermittent_min_ratio",
+        ):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
-        for name in ("compute_min_consistency", "link_min_consistency", "link_peer_quantile", "straggler_min_share",
-                     "intermittent_max_share", "intermittent_min_saving", "arrival_min_excess_share"):
+        for name in (
+            "compute_min_consistency",
+            "link_min_consistency",
+            "link_peer_quantile",
+            "straggler_min_share",
+            "intermittent_max_share",
+            "intermittent_min_saving",
+            "arrival_min_excess_share",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
         if not 0.0 < self.intermittent_alpha < 0.5:
             raise ValueError(f"intermittent_alpha must be a probability in (0, 0.5), got {self.intermittent_alpha}")
-        if (self.min_samples < 1 or self.warmup_iterations < 0 or self.link_min_excess_ns < 0
-                or self.cold_idle_ns < 0 or self.cold_recovery_ns < 0):
+        if (
+            self.min_samples < 1
+            or self.warmup_iterations < 0
+            or self.link_min_excess_ns < 0
+            or self.cold_idle_ns < 0
+            or self.cold_recovery_ns < 0
+        ):
             raise ValueError("min_samples must be >= 1; warmup_iterations, link_min_excess_ns and cold_* >= 0")
         if self.iterations is not None and self.iterations[1] <= self.iterations[0]:
             raise ValueError(f"iteration range {self.iterations[0]}:{self.iterations[1]} is empty; give A:B with B > A")

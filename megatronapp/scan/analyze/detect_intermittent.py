@@ -50,8 +50,9 @@ _MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
 _MIN_SCALE = 1e-3  # log-ratio units: a stream with no spread at all (identical simulated spans)
 
 
-def compute_log_ratios(spans_by_rank: dict[int, list[ComputeSpan]],
-                       peers: dict[int, tuple[int, ...]]) -> dict[int, dict[tuple, dict[int, float]]]:
+def compute_log_ratios(
+    spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int, tuple[int, ...]]
+) -> dict[int, dict[tuple, dict[int, float]]]:
     """rank -> stream (chunk, microbatch, kind) -> iteration -> log(pure compute / peers' median)."""
     values = {r: {s.key: s.pure_ns for s in spans} for r, spans in spans_by_rank.items()}
     out: dict[int, dict[tuple, dict[int, float]]] = {}
@@ -107,8 +108,10 @@ def binomial_tail(k: int, n: int, p: float) -> float:
     if p >= 1.0:
         return 1.0
     log_p, log_q = math.log(p), math.log1p(-p)
-    terms = [math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * log_p + (n - j) * log_q
-             for j in range(k, n + 1)]
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * log_p + (n - j) * log_q
+        for j in range(k, n + 1)
+    ]
     top = max(terms)
     return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
 
@@ -127,8 +130,12 @@ def evenly_spaced_chance(k: int, n: int) -> float:
     lasting a while), not a period."""
     if k < 3:
         return 1.0
-    progressions = sum(1 for gap in range(2, (n - 1) // (k - 1) + 1) for first in range(n - (k - 1) * gap)
-                       if _spans_the_run(first, gap, k, n))
+    progressions = sum(
+        1
+        for gap in range(2, (n - 1) // (k - 1) + 1)
+        for first in range(n - (k - 1) * gap)
+        if _spans_the_run(first, gap, k, n)
+    )
     return min(1.0, progressions / math.comb(n, k))
 
 
@@ -168,8 +175,12 @@ def _best_subset(e: np.ndarray, pooled: np.ndarray, sigma: float, sizes: range) 
     return best
 
 
-def compare_intermittent(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int, tuple[int, ...]],
-                         min_iterations: int = 2, max_share: float = 0.5) -> dict[int, IntermittentStats]:
+def compare_intermittent(
+    spans_by_rank: dict[int, list[ComputeSpan]],
+    peers: dict[int, tuple[int, ...]],
+    min_iterations: int = 2,
+    max_share: float = 0.5,
+) -> dict[int, IntermittentStats]:
     """Per rank with peers: its most significant subset of min_iterations .. max_share x n slow
     iterations and the effect sizes there (module docstring)."""
     log_ratios = compute_log_ratios(spans_by_rank, peers)
@@ -186,8 +197,16 @@ def compare_intermittent(spans_by_rank: dict[int, list[ComputeSpan]], peers: dic
         family = max(len(sizes), 1) * len(evidence)
         sigmas = float(np.median(e[subset])) / sigma if len(subset) else 0.0
         own = _iteration_levels(_own_log_durations(spans_by_rank[rank]), centre=True)
-        out[rank] = _stats(rank, levels[rank], level_sigma, own, sorted(its[i] for i in subset),
-                           min(1.0, p * family), sigmas, _is_periodic(subset, len(e)))
+        out[rank] = _stats(
+            rank,
+            levels[rank],
+            level_sigma,
+            own,
+            sorted(its[i] for i in subset),
+            min(1.0, p * family),
+            sigmas,
+            _is_periodic(subset, len(e)),
+        )
     return out
 
 
@@ -211,8 +230,16 @@ def _own_log_durations(spans: list[ComputeSpan]) -> dict[tuple, dict[int, float]
     return out
 
 
-def _stats(rank: int, level: dict[int, float], level_sigma: float, own: dict[int, float], slow: list[int],
-           p: float, sigmas: float, periodic: bool) -> IntermittentStats:
+def _stats(
+    rank: int,
+    level: dict[int, float],
+    level_sigma: float,
+    own: dict[int, float],
+    slow: list[int],
+    p: float,
+    sigmas: float,
+    periodic: bool,
+) -> IntermittentStats:
     """Effect sizes: how much slower than its peers the rank is in its slow iterations (level:
     log-ratio to them), how significantly, how fast in the others, and how much longer its own
     compute took there than in the others (own: its log durations, per stream centred)."""
@@ -221,5 +248,15 @@ def _stats(rank: int, level: dict[int, float], level_sigma: float, own: dict[int
     z = slow_level / (_MEDIAN_SE * level_sigma / math.sqrt(len(slow))) if slow else 0.0
     rest = [v for it, v in own.items() if it not in set(slow)]
     rise = float(np.median([own[it] for it in slow if it in own]) - np.median(rest)) if slow and rest else 0.0
-    return IntermittentStats(rank, len(level), tuple(slow), p, periodic, math.exp(slow_level), z,
-                             math.exp(float(np.median(base))), math.exp(rise), sigmas)
+    return IntermittentStats(
+        rank,
+        len(level),
+        tuple(slow),
+        p,
+        periodic,
+        math.exp(slow_level),
+        z,
+        math.exp(float(np.median(base))),
+        math.exp(rise),
+        sigmas,
+    )

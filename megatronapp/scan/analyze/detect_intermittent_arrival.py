@@ -43,8 +43,9 @@ def _families(samples: list[ArrivalSample]) -> dict[int, set[str]]:
     return {r: (fams & set(ALIKE_FAMILIES)) or fams for r, fams in have.items()}
 
 
-def build_own_work_streams(samples: list[ArrivalSample]) -> tuple[dict[int, list[ComputeSpan]],
-                                                                   dict[int, tuple[int, ...]]]:
+def build_own_work_streams(
+    samples: list[ArrivalSample],
+) -> tuple[dict[int, list[ComputeSpan]], dict[int, tuple[int, ...]]]:
     """(rank -> pseudo spans of own work per family and iteration, rank -> peers): steps 1-2."""
     families = _families(samples)
     own: dict[tuple[int, str, int], int] = defaultdict(int)
@@ -63,8 +64,9 @@ def build_own_work_streams(samples: list[ArrivalSample]) -> tuple[dict[int, list
     return dict(spans), {r: tuple(sorted(p)) for r, p in peers.items()}
 
 
-def compare_own_work_intermittent(samples: list[ArrivalSample], min_iterations: int = 2,
-                                  max_share: float = 0.5) -> dict[int, IntermittentStats]:
+def compare_own_work_intermittent(
+    samples: list[ArrivalSample], min_iterations: int = 2, max_share: float = 0.5
+) -> dict[int, IntermittentStats]:
     """Per rank: its most significant subset of iterations with inflated own work (step 3)."""
     spans, peers = build_own_work_streams(samples)
     stats = compare_intermittent(spans, peers, min_iterations, max_share)

@@ -54,8 +54,9 @@ def collect_p2p_messages(index: CommIndex, events: dict[int, RankEvents], iterat
         if recv.iteration not in iterations or dst not in compute_ends:
             continue
         wait = _recv_wait_start(compute_ends[dst], recv.start, recv.end)
-        out.append(P2PMessage(src, dst, recv.iteration, seq, recv.bytes, send.start, recv.start, wait, recv.end,
-                              send.end))
+        out.append(
+            P2PMessage(src, dst, recv.iteration, seq, recv.bytes, send.start, recv.start, wait, recv.end, send.end)
+        )
     return out
 
 
@@ -80,8 +81,9 @@ def _link_classes(by_link: dict, coords: dict[int, dict]) -> dict[tuple, tuple]:
     """Comparable links: same message size (power of two) and, when that leaves each link a
     peer, the same pipeline direction (downstream activations vs upstream gradients: on a
     busy CPU the two directions jitter differently)."""
-    size = {link: int(np.round(np.log2(max(1.0, float(np.median([m.bytes for m in ms]))))))
-            for link, ms in by_link.items()}
+    size = {
+        link: int(np.round(np.log2(max(1.0, float(np.median([m.bytes for m in ms])))))) for link, ms in by_link.items()
+    }
     direction = {(s, d): (coords.get(d, {}).get("pp", 0) > coords.get(s, {}).get("pp", 0)) for s, d in by_link}
     fine = {link: (size[link], direction[link]) for link in by_link}
     counts = defaultdict(int)
@@ -112,8 +114,14 @@ def select_timed_messages(messages: list[P2PMessage]) -> dict[tuple, list[P2PMes
     return out
 
 
-def compare_links(messages: list[P2PMessage], coords: dict[int, dict], min_ratio: float, min_excess_ns: int,
-                  peer_quantile: float = 0.9, timed_only: bool = False) -> dict[tuple, LinkStats]:
+def compare_links(
+    messages: list[P2PMessage],
+    coords: dict[int, dict],
+    min_ratio: float,
+    min_excess_ns: int,
+    peer_quantile: float = 0.9,
+    timed_only: bool = False,
+) -> dict[tuple, LinkStats]:
     """Per directed link with at least one comparable link (_link_classes): its transfers against theirs.
 
     The reference is the median of the other links' medians (robust to one bad link); a
@@ -131,8 +139,10 @@ def compare_links(messages: list[P2PMessage], coords: dict[int, dict], min_ratio
     pooled = {}  # large classes: one link barely moves the class's reference, so include it (linear time)
     for key, links in members.items():
         if len(links) > _EXACT_PEER_LINKS:
-            pooled[key] = (float(np.median([medians[o] for o in links])),
-                           float(np.quantile(np.concatenate([transfers[o] for o in links]), peer_quantile)))
+            pooled[key] = (
+                float(np.median([medians[o] for o in links])),
+                float(np.quantile(np.concatenate([transfers[o] for o in links]), peer_quantile)),
+            )
     out = {}
     for link, ms in by_link.items():
         others = [o for o in members[cls[link]] if o != link]
@@ -149,7 +159,17 @@ def compare_links(messages: list[P2PMessage], coords: dict[int, dict], min_ratio
         per_it = defaultdict(float)
         for m, x in zip(ms, t):
             per_it[m.iteration] += max(0.0, x - ref)
-        out[link] = LinkStats(link[0], link[1], len(ms), medians[link], ref, high, medians[link] / ref,
-                              medians[link] - ref, float(slow.mean()), float(np.median(list(per_it.values()))),
-                              len(others))
+        out[link] = LinkStats(
+            link[0],
+            link[1],
+            len(ms),
+            medians[link],
+            ref,
+            high,
+            medians[link] / ref,
+            medians[link] - ref,
+            float(slow.mean()),
+            float(np.median(list(per_it.values()))),
+            len(others),
+        )
     return out

@@ -61,7 +61,9 @@ class OnlineDetector:
             elif self._streak[r] >= self.config.patience and not self._warned[r]:
                 self._warned[r] = True
                 c = self.layout.coords(r)
-                lines.append(f"iteration {iteration}: rank {r} (tp={c.tp} dp={c.dp} pp={c.pp}) compute "
-                             f"{values[r]:.3f}s is {ratio:.2f}x its peers' median for {self._streak[r]} "
-                             f"iterations in a row; run `megatronapp trace detect` on a trace to confirm")
+                lines.append(
+                    f"iteration {iteration}: rank {r} (tp={c.tp} dp={c.dp} pp={c.pp}) compute "
+                    f"{values[r]:.3f}s is {ratio:.2f}x its peers' median for {self._streak[r]} "
+                    f"iterations in a row; run `megatronapp trace detect` on a trace to confirm"
+                )
         return "\n".join(lines) if lines else None

@@ -14,18 +14,31 @@ from megatronapp.scan.analyze.detect_rules import to_ms
 
 def report_to_json(report: DetectionReport) -> dict:
     """JSON-ready dict: suspects (most likely first), iterations_analyzed, what_if, victims, notes."""
-    suspects = [{"rank": s.rank, "coords": dict(s.coords), "cause": s.cause,
-                 "link": list(s.link) if s.link else None, "confidence": s.confidence,
-                 "evidence": dict(s.evidence),
-                 "what_if": {"iteration_ms": to_ms(s.iteration_ns), "iteration_if_fixed_ms": to_ms(s.what_if_iteration_ns),
-                             "saving_ms": to_ms(s.saving_ns),
-                             "over_iterations": "mean" if s.evidence.get("intermittent") else "median"}}
-                for s in report.suspects]
+    suspects = [
+        {
+            "rank": s.rank,
+            "coords": dict(s.coords),
+            "cause": s.cause,
+            "link": list(s.link) if s.link else None,
+            "confidence": s.confidence,
+            "evidence": dict(s.evidence),
+            "what_if": {
+                "iteration_ms": to_ms(s.iteration_ns),
+                "iteration_if_fixed_ms": to_ms(s.what_if_iteration_ns),
+                "saving_ms": to_ms(s.saving_ns),
+                "over_iterations": "mean" if s.evidence.get("intermittent") else "median",
+            },
+        }
+        for s in report.suspects
+    ]
     return {
         "suspects": suspects,
         "iterations_analyzed": list(report.iterations_analyzed),
-        "what_if": {"iteration_ms": to_ms(report.iteration_ns), "iteration_mean_ms": to_ms(report.iteration_mean_ns),
-                    "iteration_if_all_fixed_ms": to_ms(report.what_if_all_fixed_ns)},
+        "what_if": {
+            "iteration_ms": to_ms(report.iteration_ns),
+            "iteration_mean_ms": to_ms(report.iteration_mean_ns),
+            "iteration_if_all_fixed_ms": to_ms(report.what_if_all_fixed_ns),
+        },
         "victims": [{"rank": r, "wait_ms_per_iteration": to_ms(w)} for r, w in report.victims],
         "world_size": report.world_size,
         "layout": dict(report.layout),
@@ -42,9 +55,12 @@ def render_report(report: DetectionReport, width: int | None = None) -> str:
     console = Console(file=io.StringIO(), width=width, record=True, force_terminal=False)
     lay = report.layout
     its = report.iterations_analyzed
-    console.print(f"MegaScan detect: {report.world_size} ranks (TP={lay.get('tp_size')} PP={lay.get('pp_size')} "
-                  f"DP={lay.get('dp_size')}), iterations {its[0]}..{its[-1]} ({len(its)}), "
-                  f"iteration time {to_ms(report.iteration_ns)} ms", markup=False)
+    console.print(
+        f"MegaScan detect: {report.world_size} ranks (TP={lay.get('tp_size')} PP={lay.get('pp_size')} "
+        f"DP={lay.get('dp_size')}), iterations {its[0]}..{its[-1]} ({len(its)}), "
+        f"iteration time {to_ms(report.iteration_ns)} ms",
+        markup=False,
+    )
     if not report.suspects:
         console.print("No slow rank or slow link found.")
     else:
@@ -54,14 +70,23 @@ def render_report(report: DetectionReport, width: int | None = None) -> str:
         for i, s in enumerate(report.suspects, 1):
             c = s.coords
             cause = f"slow_link {s.link[0]}->{s.link[1]}" if s.link else s.cause
-            table.add_row(str(i), str(s.rank), f"{c.get('tp')},{c.get('dp')},{c.get('pp')}", cause,
-                          f"{s.confidence:.2f}", f"{to_ms(s.what_if_iteration_ns)} ms (-{to_ms(s.saving_ns)})")
+            table.add_row(
+                str(i),
+                str(s.rank),
+                f"{c.get('tp')},{c.get('dp')},{c.get('pp')}",
+                cause,
+                f"{s.confidence:.2f}",
+                f"{to_ms(s.what_if_iteration_ns)} ms (-{to_ms(s.saving_ns)})",
+            )
         console.print(table)
         for i, s in enumerate(report.suspects, 1):  # evidence below the table: it is a sentence
             console.print(f"#{i}: {s.evidence['summary']}", markup=False)
         if report.victims:
-            console.print("Waiting on them (victims, ms/iteration): "
-                          + ", ".join(f"rank {r} {to_ms(w)}" for r, w in report.victims), markup=False)
+            console.print(
+                "Waiting on them (victims, ms/iteration): "
+                + ", ".join(f"rank {r} {to_ms(w)}" for r, w in report.victims),
+                markup=False,
+            )
     for note in report.notes:
         console.print(f"note: {note}", markup=False)
     return console.export_text()

@@ -53,8 +53,9 @@ class CriticalPath:
         return self.end_ns - self.begin_ns
 
 
-def build_blocking_events(iteration: int, messages: list[P2PMessage],
-                          instances: list[CollectiveInstance]) -> dict[int, list[_Leaf]]:
+def build_blocking_events(
+    iteration: int, messages: list[P2PMessage], instances: list[CollectiveInstance]
+) -> dict[int, list[_Leaf]]:
     """Per rank, the blocking events of `iteration` sorted by end (step 2 of the algorithm)."""
     leaves: dict[int, list[_Leaf]] = defaultdict(list)
     for m in messages:
@@ -72,8 +73,9 @@ def build_blocking_events(iteration: int, messages: list[P2PMessage],
     return dict(leaves)
 
 
-def compute_critical_path(iteration: int, iteration_spans: dict[int, tuple[int, int]],
-                          leaves: dict[int, list[_Leaf]]) -> CriticalPath:
+def compute_critical_path(
+    iteration: int, iteration_spans: dict[int, tuple[int, int]], leaves: dict[int, list[_Leaf]]
+) -> CriticalPath:
     """Walk back from the last iteration end to the first iteration start (module docstring)."""
     begin = min(s for s, _ in iteration_spans.values())
     rank = max(iteration_spans, key=lambda r: (iteration_spans[r][1], -r))
@@ -102,8 +104,12 @@ def compute_critical_path(iteration: int, iteration_spans: dict[int, tuple[int, 
     return CriticalPath(iteration, begin, end, tuple(s for s in segments if s[2] > s[1]), tuple(links))
 
 
-def compute_busy_ns(iteration: int, iteration_spans: dict[int, tuple[int, int]], messages: list[P2PMessage],
-                    instances: list[CollectiveInstance]) -> dict[int, int]:
+def compute_busy_ns(
+    iteration: int,
+    iteration_spans: dict[int, tuple[int, int]],
+    messages: list[P2PMessage],
+    instances: list[CollectiveInstance],
+) -> dict[int, int]:
     """Per rank: its iteration span minus the time it waited on other ranks and on incoming
     transfers. No schedule can finish the iteration faster than the busiest rank, so the
     what-if estimate is never allowed below that of the ranks it does not speed up."""

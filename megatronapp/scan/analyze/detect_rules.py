@@ -51,7 +51,6 @@ import numpy as np
 from megatronapp.scan.merge.matching import CommIndex
 from megatronapp.spans import COMPUTE_KINDS, ITERATION, NESTED_NON_COMPUTE, UNKEYED_DP_COLLECTIVES
 
-
 _MAD_TO_SIGMA = 1.4826
 _MEDIAN_SE = 1.2533  # standard error of a median, in units of sigma / sqrt(n)
 
@@ -81,15 +80,13 @@ def build_rank_events(trace) -> RankEvents:
             cols[name] = np.array(col.to_pylist(), dtype=object)
         else:
             cols[name] = col.to_numpy().astype(np.int64)
-    return RankEvents(rank=int(trace.meta["rank"]), coords=dict(trace.meta["coords"]),
-                      path=str(trace.path), cols=cols)
+    return RankEvents(rank=int(trace.meta["rank"]), coords=dict(trace.meta["coords"]), path=str(trace.path), cols=cols)
 
 
 def compute_iteration_spans(ev: RankEvents) -> dict[int, tuple[int, int]]:
     """iteration -> (start, end) of this rank's "iteration" step span."""
     c, m = ev.cols, ev.mask(cat="step", name=ITERATION)
-    return {int(i): (int(s), int(e)) for i, s, e in zip(c["iteration"][m], c["start_ns"][m], c["end_ns"][m])
-            if e >= s}
+    return {int(i): (int(s), int(e)) for i, s, e in zip(c["iteration"][m], c["start_ns"][m], c["end_ns"][m]) if e >= s}
 
 
 # -- compute ---------------------------------------------------------------------------------
@@ -141,8 +138,9 @@ def _wake_times(c: dict, idle_ns: int) -> np.ndarray:
     return np.asarray(wakes, dtype=np.int64)
 
 
-def compute_pure_spans(ev: RankEvents, iterations: set[int], idle_ns: int = 0,
-                       recovery_ns: int = 0) -> list[ComputeSpan]:
+def compute_pure_spans(
+    ev: RankEvents, iterations: set[int], idle_ns: int = 0, recovery_ns: int = 0
+) -> list[ComputeSpan]:
     """Forward/backward spans of `iterations` with their pure compute time and whether they are
     cold (module docstring; idle_ns 0: none is)."""
     c = ev.cols
@@ -228,9 +226,15 @@ def _paired_samples(mine: dict, refs: dict, peer_ranks) -> dict:
     return pairs
 
 
-def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int, tuple[int, ...]],
-                    basis: str, pp_size: int, coords: dict[int, dict], threshold: float,
-                    reference: str = "warm") -> dict[int, ComputeStats]:
+def compare_compute(
+    spans_by_rank: dict[int, list[ComputeSpan]],
+    peers: dict[int, tuple[int, ...]],
+    basis: str,
+    pp_size: int,
+    coords: dict[int, dict],
+    threshold: float,
+    reference: str = "warm",
+) -> dict[int, ComputeStats]:
     """Per rank: its warm pure compute per (iteration, chunk, microbatch, kind) over the peers'
     median, against the peers' warm spans (reference "warm") or all of their spans ("all"; module
     docstring).
@@ -255,14 +259,20 @@ def compare_compute(spans_by_rank: dict[int, list[ComputeSpan]], peers: dict[int
         ratios = np.concatenate([np.asarray(r) for r in per_it.values()])
         pp = coords[rank]["pp"]
         out[rank] = ComputeStats(
-            rank=rank, basis=basis, peers=tuple(peers.get(rank, ())), samples=len(ratios), iterations=len(per_it),
+            rank=rank,
+            basis=basis,
+            peers=tuple(peers.get(rank, ())),
+            samples=len(ratios),
+            iterations=len(per_it),
             ratio=float(np.exp(np.median(np.log(ratios)))),
             consistency=float(np.mean([np.median(r) >= threshold for r in per_it.values()])),
-            sample_share=float(np.mean(ratios >= threshold)), z=float(robust_z(np.log(ratios))),
+            sample_share=float(np.mean(ratios >= threshold)),
+            z=float(robust_z(np.log(ratios))),
             rank_median_ns=float(np.median([v for v, _ in pairs.values()])),
             peer_median_ns=float(np.median([ref for _, ref in pairs.values()])),
             excess_ns_per_iteration=float(np.median(list(excess.values()))),
-            edge_stage=pp_size > 1 and pp in (0, pp_size - 1))
+            edge_stage=pp_size > 1 and pp in (0, pp_size - 1),
+        )
     return out
 
 
@@ -326,8 +336,9 @@ def _unkeyed_dp_spans(events: dict[int, RankEvents], iterations: set[int]):
             yield f"{c['name'][i]}:{dp_peers}", it, r, int(c["start_ns"][i]), int(c["end_ns"][i]), it
 
 
-def collect_collectives(index: CommIndex, events: dict[int, RankEvents],
-                        iterations: set[int]) -> list[CollectiveInstance]:
+def collect_collectives(
+    index: CommIndex, events: dict[int, RankEvents], iterations: set[int]
+) -> list[CollectiveInstance]:
     """Complete collective instances of `iterations` (every member of the group present).
 
     Keyed instances come from `index` (matching.py); unkeyed DP spans (UNKEYED_DP_COLLECTIVES)
@@ -336,8 +347,12 @@ def collect_collectives(index: CommIndex, events: dict[int, RankEvents],
     raw: dict[tuple, dict] = defaultdict(dict)
     members: dict[str, set] = defaultdict(set)
     iteration_of: dict[tuple, int] = {}
-    keyed = ((g, seq, m.rank, m.start, m.end, m.iteration)
-             for (g, seq), ms in index.collectives.items() for m in ms if m.iteration in iterations)
+    keyed = (
+        (g, seq, m.rank, m.start, m.end, m.iteration)
+        for (g, seq), ms in index.collectives.items()
+        for m in ms
+        if m.iteration in iterations
+    )
     for group, seq, r, start, end, it in itertools.chain(keyed, _unkeyed_dp_spans(events, iterations)):
         raw[(group, seq)][r] = (start, end)
         members[group].add(r)
@@ -347,8 +362,17 @@ def collect_collectives(index: CommIndex, events: dict[int, RankEvents],
         if len(spans) < 2 or len(spans) < len(members[group]):
             continue  # a member's span is missing (partial trace): no honest split possible
         last_rank = max(spans, key=lambda r: (spans[r][0], r))
-        out.append(CollectiveInstance(group, _group_family(members[group], coords), seq,
-                                      iteration_of[(group, seq)], spans, last_rank, spans[last_rank][0]))
+        out.append(
+            CollectiveInstance(
+                group,
+                _group_family(members[group], coords),
+                seq,
+                iteration_of[(group, seq)],
+                spans,
+                last_rank,
+                spans[last_rank][0],
+            )
+        )
     return out
 
 

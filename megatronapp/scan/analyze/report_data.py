@@ -48,8 +48,10 @@ class ReportData:
 
 def describe_layout(layout: dict, world: int) -> str:
     """'TP1 x PP2 x DP2 (4 ranks)'."""
-    return (f"TP{layout.get('tp_size', 1)} \u00d7 PP{layout.get('pp_size', 1)} \u00d7 DP{layout.get('dp_size', 1)} "
-            f"({world} ranks)")
+    return (
+        f"TP{layout.get('tp_size', 1)} \u00d7 PP{layout.get('pp_size', 1)} \u00d7 DP{layout.get('dp_size', 1)} "
+        f"({world} ranks)"
+    )
 
 
 def format_duration_ns(ns: float | None) -> str:
@@ -78,8 +80,16 @@ def compute_link_bandwidth(messages: list[p2p.P2PMessage]) -> tuple[LinkBandwidt
     for (src, dst), ms in sorted(p2p.select_timed_messages(messages).items()):
         transfers = np.array([max(m.transfer_ns, 1) for m in ms], dtype=float)
         sizes = np.array([m.bytes for m in ms], dtype=float)
-        out.append(LinkBandwidth(src, dst, len(ms), float(np.median(sizes)),
-                                 float(np.median(sizes * 8 / transfers * 1e3)), float(np.median(transfers)) / 1e6))
+        out.append(
+            LinkBandwidth(
+                src,
+                dst,
+                len(ms),
+                float(np.median(sizes)),
+                float(np.median(sizes * 8 / transfers * 1e3)),
+                float(np.median(transfers)) / 1e6,
+            )
+        )
     return tuple(out)
 
 
@@ -87,18 +97,31 @@ def compute_report_data(analysis: TraceAnalysis, config: DetectConfig = DetectCo
     """Everything the page shows (module docstring)."""
     events = {t.rank: rules.build_rank_events(t) for t in analysis.traces}
     its = analysis.detection.iterations_analyzed
-    step = {r: {i: (e - s) / 1e6 for i, (s, e) in rules.compute_iteration_spans(ev).items() if i in its}
-            for r, ev in events.items()}
+    step = {
+        r: {i: (e - s) / 1e6 for i, (s, e) in rules.compute_iteration_spans(ev).items() if i in its}
+        for r, ev in events.items()
+    }
     index = index_comm_events(analysis.traces)
     instances = rules.collect_collectives(index, events, set(its))
     messages = p2p.collect_p2p_messages(index, events, set(its))
     wait = _waits(instances, messages, set(its))
-    arrival = arrivals.compare_arrivals(arrivals.compute_arrival_samples(instances, messages), instances,
-                                        config.compute_min_ratio)
-    thresholds = {f.name: getattr(config, f.name) for f in fields(config)
-                  if isinstance(getattr(config, f.name), (int, float))}
-    return ReportData(tuple(its), tuple(sorted(events)), step,
-                      {r: {i: min(w.get(i, 0.0), step[r].get(i, 0.0)) for i in its} for r, w in
-                       ((r, wait.get(r, {})) for r in events)},
-                      compute_link_bandwidth(messages), arrival, report_to_json(analysis.detection), thresholds,
-                      analysis.alignment.to_dict())
+    arrival = arrivals.compare_arrivals(
+        arrivals.compute_arrival_samples(instances, messages), instances, config.compute_min_ratio
+    )
+    thresholds = {
+        f.name: getattr(config, f.name) for f in fields(config) if isinstance(getattr(config, f.name), (int, float))
+    }
+    return ReportData(
+        tuple(its),
+        tuple(sorted(events)),
+        step,
+        {
+            r: {i: min(w.get(i, 0.0), step[r].get(i, 0.0)) for i in its}
+            for r, w in ((r, wait.get(r, {})) for r in events)
+        },
+        compute_link_bandwidth(messages),
+        arrival,
+        report_to_json(analysis.detection),
+        thresholds,
+        analysis.alignment.to_dict(),
+    )

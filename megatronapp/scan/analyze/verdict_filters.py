@@ -43,13 +43,21 @@ def merge_starved_receivers(suspects: list, coords: dict, incoming: dict) -> tup
         kept = [s for s in kept if s not in links]
         strongest = max(links, key=lambda s: s.confidence)
         names = ", ".join(f"{s.link[0]}->{dst}" for s in links)
-        summary = (f"rank {dst} completes its receives late from every sender ({names}): the receiver is slow, "
-                   f"not its links (a rate-limited link slows one sender's messages)")
-        evidence = {**strongest.evidence, "summary": summary, "basis": "incoming_links", "intermittent": False,
-                    "links": [list(s.link) for s in links],
-                    "excess_ms_per_iteration": max(s.evidence.get("excess_ms_per_iteration", 0.0) for s in links)}
-        kept.append(replace(strongest, rank=dst, coords=coords.get(dst, {}), cause="slow_compute", link=None,
-                            evidence=evidence))
+        summary = (
+            f"rank {dst} completes its receives late from every sender ({names}): the receiver is slow, "
+            f"not its links (a rate-limited link slows one sender's messages)"
+        )
+        evidence = {
+            **strongest.evidence,
+            "summary": summary,
+            "basis": "incoming_links",
+            "intermittent": False,
+            "links": [list(s.link) for s in links],
+            "excess_ms_per_iteration": max(s.evidence.get("excess_ms_per_iteration", 0.0) for s in links),
+        }
+        kept.append(
+            replace(strongest, rank=dst, coords=coords.get(dst, {}), cause="slow_compute", link=None, evidence=evidence)
+        )
         notes.append(f"links {names} all read slow: taken for their receiver, rank {dst}")
     return kept, notes
 
@@ -74,8 +82,9 @@ def _slowness(link) -> tuple:
     return link.evidence.get("ratio", 0.0), link.evidence.get("excess_ms", 0.0)
 
 
-def drop_echoes(suspects: list, tp_size: int, coords: dict | None = None,
-                incoming: dict | None = None) -> tuple[list, list[str]]:
+def drop_echoes(
+    suspects: list, tp_size: int, coords: dict | None = None, incoming: dict | None = None
+) -> tuple[list, list[str]]:
     """(suspects kept, notes on the ones dropped or merged); `suspects` are detect_config.Suspect, any
     order; `coords` and `incoming` (rank -> senders of its links) enable the starved-receiver rule."""
     suspects, notes = merge_starved_receivers(suspects, coords or {}, incoming or {})
@@ -84,18 +93,23 @@ def drop_echoes(suspects: list, tp_size: int, coords: dict | None = None,
     slow_ranks = {s.rank for s in suspects if s.cause == "slow_compute"}
     for s in by_conf:
         if s.cause == "slow_compute" and tp_size > 1:
-            peer = next((k for k in kept if k.cause == "slow_compute" and _tp_group(k.coords) == _tp_group(s.coords)),
-                        None)
+            peer = next(
+                (k for k in kept if k.cause == "slow_compute" and _tp_group(k.coords) == _tp_group(s.coords)), None
+            )
             if peer is not None:
-                notes.append(f"rank {s.rank} is slower than its peers too, but its TP peer rank {peer.rank} is the "
-                             f"stronger suspect and TP peers run in lockstep: taken for its victim")
+                notes.append(
+                    f"rank {s.rank} is slower than its peers too, but its TP peer rank {peer.rank} is the "
+                    f"stronger suspect and TP peers run in lockstep: taken for its victim"
+                )
                 continue
         if s.cause == "slow_link":
             reverse = _is_echo_of_reverse(s, kept, by_conf, slow_ranks)
             if reverse is not None:
-                notes.append(f"link {s.link[0]}->{s.link[1]} is slow too, but it is the reverse of the slower link "
-                             f"{reverse.link[0]}->{reverse.link[1]}, whose delay it shares through batched "
-                             f"sends and receives (or its receiver is slow itself): not named")
+                notes.append(
+                    f"link {s.link[0]}->{s.link[1]} is slow too, but it is the reverse of the slower link "
+                    f"{reverse.link[0]}->{reverse.link[1]}, whose delay it shares through batched "
+                    f"sends and receives (or its receiver is slow itself): not named"
+                )
                 continue
         kept.append(s)
     return kept, notes
@@ -105,6 +119,7 @@ def root_causes_first(suspects: list) -> list:
     """Most likely first, a slow rank ahead of any link it is an endpoint of: a rank descheduled
     by a competing process wakes late from its receives and stalls mid-send, so its own links read
     slow too, often more consistently than its compute; the rank explains them, not the reverse."""
+
     def likelihood(s) -> float:
         if s.cause != "slow_compute":
             return s.confidence

@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatronapp.scan.record.format import RankTrace
 from megatronapp.scan.merge.matching import CommEnd, CommIndex, index_comm_events
+from megatronapp.scan.record.format import RankTrace
 
 DEFAULT_MIN_DRIFT_SPAN_NS = 30_000_000_000  # shorter calibration spans cannot see ppm drift
 _MAX_PROJECTION_ROUNDS = 2000
@@ -85,6 +85,7 @@ class AlignmentReport:
 
     def to_dict(self) -> dict:
         """JSON-ready dict (NaN becomes None, rank keys become strings)."""
+
         def clean(v: float) -> float | None:
             return None if isinstance(v, float) and math.isnan(v) else v
 
@@ -246,11 +247,12 @@ def keep_wall_clock(fit: CollectiveFit, diffs: dict, bounds: dict) -> dict[int, 
     each edge's median, x1.2533 for a median's efficiency): per-edge MADs of a handful
     of instances are too unstable to judge by."""
     if not diffs:
-        return {r: None for r in fit.x}
+        return dict.fromkeys(fit.x)
     spread = np.concatenate([np.abs(np.asarray(v, dtype=np.float64) - np.median(v)) for v in diffs.values()])
     sigma = 1.2533 * 1.4826 * float(np.median(spread))
     rejected = {
-        fit.comp[r] for r, v in fit.x.items()
+        fit.comp[r]
+        for r, v in fit.x.items()
         if abs(v) > _WALL_CLOCK_Z * max(sigma * math.sqrt(fit.var_units[r]), _MIN_EDGE_SE_NS)
     }
     rejected |= {fit.comp[a] for (a, b), lower in bounds.items() if fit.comp[a] == fit.comp[b] and lower > 0}
@@ -279,7 +281,7 @@ def _project(values: dict, bounds: dict[tuple, int], node_of) -> None:
 def enforce_causality(x: dict[int, int], comp: dict[int, int], bounds: dict[tuple[int, int], int]) -> dict[int, int]:
     """Shift x minimally so x_b - x_a >= bound for every bound (a, b): whole collective
     components first (keeping their internal agreement), then single ranks."""
-    shifts = {root: 0 for root in set(comp.values())}
+    shifts = dict.fromkeys(set(comp.values()), 0)
     comp_bounds = {
         (src, dst): lower - (x[dst] - x[src]) for (src, dst), lower in bounds.items() if comp[src] != comp[dst]
     }
@@ -291,8 +293,9 @@ def enforce_causality(x: dict[int, int], comp: dict[int, int], bounds: dict[tupl
 
 def count_p2p_violations(comm: CommIndex, x: dict[int, int]) -> int:
     """Matched messages whose recv ends before the send starts after adding x."""
-    return sum(1 for (src, dst, _), send, recv in comm.messages()
-               if recv.end + x.get(dst, 0) < send.start + x.get(src, 0))
+    return sum(
+        1 for (src, dst, _), send, recv in comm.messages() if recv.end + x.get(dst, 0) < send.start + x.get(src, 0)
+    )
 
 
 def compute_collective_residuals(collectives: dict, x: dict[int, int]) -> tuple[dict[int, float], float]:
@@ -318,8 +321,13 @@ def apply_alignment(trace: RankTrace, mapping: ClockMapping, correction_ns: int)
     for name in ("start_ns", "end_ns"):
         raw = events.column(name).to_numpy()
         aligned = np.where(is_calib, raw, mapping.apply(raw) + np.int64(correction_ns))
-        events = events.set_column(events.schema.get_field_index(name), events.schema.field(name), pa.array(aligned, pa.int64()))
-    meta = {**trace.meta, "alignment": {"offset_ns": mapping.offset_ns + correction_ns, "drift": mapping.drift, "ref_ns": mapping.ref_ns}}
+        events = events.set_column(
+            events.schema.get_field_index(name), events.schema.field(name), pa.array(aligned, pa.int64())
+        )
+    meta = {
+        **trace.meta,
+        "alignment": {"offset_ns": mapping.offset_ns + correction_ns, "drift": mapping.drift, "ref_ns": mapping.ref_ns},
+    }
     return replace(trace, meta=meta, events=events)
 
 
@@ -359,7 +367,9 @@ def align_traces(
     return [apply_alignment(t, mappings[t.rank], x[t.rank]) for t in traces], report
 
 
-def _describe_methods(x_float: dict[int, float | None], estimated: dict[int, int], final: dict[int, int]) -> dict[int, str]:
+def _describe_methods(
+    x_float: dict[int, float | None], estimated: dict[int, int], final: dict[int, int]
+) -> dict[int, str]:
     """How each rank's offset was set: "wall-clock" or "collectives", "+causality" if
     a causality bound then moved it (relative to rank 0)."""
     base = {r: "wall-clock" if v is None else "collectives" for r, v in x_float.items()}

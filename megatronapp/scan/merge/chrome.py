@@ -97,8 +97,9 @@ def _dense_ids(values: np.ndarray) -> np.ndarray:
     return (np.cumsum(present) - 1)[values]
 
 
-def _small_clusters_not_nesting(first: np.ndarray, cluster: np.ndarray, size: np.ndarray, s: np.ndarray,
-                                e: np.ndarray) -> np.ndarray:
+def _small_clusters_not_nesting(
+    first: np.ndarray, cluster: np.ndarray, size: np.ndarray, s: np.ndarray, e: np.ndarray
+) -> np.ndarray:
     """Per cluster, whether the greedy rule puts one of its spans off lane 0; answered for the
     clusters of two and three spans, False for the others. `first`: mask of each cluster's
     first span; spans sorted by (start, -end). In a cluster every span starts before the earlier
@@ -157,9 +158,17 @@ _STRING_ARGS = ("op", "group")
 _TRACK_JSON = TextTable([json.dumps(t) for t in TRACKS])
 
 
-def span_lines(cols: dict[str, np.ndarray], track: np.ndarray, tids: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-               vocab_json: TextTable, empty_id: int, arena: OutputArena | None = None) -> list[memoryview]:
-    """",\n" + one Chrome "X" line per row (times in ns since the timeline origin; starts >= 0).
+def span_lines(
+    cols: dict[str, np.ndarray],
+    track: np.ndarray,
+    tids: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    vocab_json: TextTable,
+    empty_id: int,
+    arena: OutputArena | None = None,
+) -> list[memoryview]:
+    """ ",\n" + one Chrome "X" line per row (times in ns since the timeline origin; starts >= 0).
 
     Rows are laid out in groups of the same args keys (ARG_COLUMNS that are not -1 / ""), so
     a line holds only its own args."""
@@ -172,10 +181,22 @@ def span_lines(cols: dict[str, np.ndarray], track: np.ndarray, tids: np.ndarray,
     for rows in np.split(order, bounds):
         if len(rows) == 0:
             continue
-        block = (LineBlock(len(rows), arena).text(',\n{"ph":"X","name":').field(vocab_json.take(cols["name"][rows]))
-                 .text(',"cat":').field(_TRACK_JSON.take(track[rows])).text(',"pid":').uint(cols["rank"][rows])
-                 .text(',"tid":').uint(tids[rows]).text(',"ts":').micros(starts[rows])
-                 .text(',"dur":').micros(ends[rows] - starts[rows]).text(',"args":{'))
+        block = (
+            LineBlock(len(rows), arena)
+            .text(',\n{"ph":"X","name":')
+            .field(vocab_json.take(cols["name"][rows]))
+            .text(',"cat":')
+            .field(_TRACK_JSON.take(track[rows]))
+            .text(',"pid":')
+            .uint(cols["rank"][rows])
+            .text(',"tid":')
+            .uint(tids[rows])
+            .text(',"ts":')
+            .micros(starts[rows])
+            .text(',"dur":')
+            .micros(ends[rows] - starts[rows])
+            .text(',"args":{')
+        )
         sep = ""
         for k, key in enumerate(ARG_COLUMNS):
             if present[rows[0], k]:
@@ -191,9 +212,16 @@ _PHASE_NAMES = ('"s"', '"t"', '"f"')
 _PHASES = TextTable(_PHASE_NAMES)
 
 
-def flow_lines(ph: np.ndarray, ids: np.ndarray, name: str, ranks: np.ndarray, tids: np.ndarray,
-               starts: np.ndarray, arena: OutputArena | None = None) -> list[memoryview]:
-    """",\n" + one v1 flow event per row; ph 0 "s", 1 "t", 2 "f" ("t"/"f" bind to the enclosing slice)."""
+def flow_lines(
+    ph: np.ndarray,
+    ids: np.ndarray,
+    name: str,
+    ranks: np.ndarray,
+    tids: np.ndarray,
+    starts: np.ndarray,
+    arena: OutputArena | None = None,
+) -> list[memoryview]:
+    """ ",\n" + one v1 flow event per row; ph 0 "s", 1 "t", 2 "f" ("t"/"f" bind to the enclosing slice)."""
     out = []
     binding = ph > 0
     for binds in (False, True):
@@ -207,9 +235,17 @@ def flow_lines(ph: np.ndarray, ids: np.ndarray, name: str, ranks: np.ndarray, ti
             block.text(_PHASE_NAMES[int(phases[0])])
         else:
             block.field(_PHASES.take(phases))
-        block = (block.text(',"id":').uint(pick(ids)).text(f',"name":"{name}","cat":"flow","pid":').uint(pick(ranks))
-                 .text(',"tid":').uint(pick(tids)).text(',"ts":').micros(np.maximum(pick(starts), 0))
-                 .text(',"bp":"e"}' if binds else "}"))
+        block = (
+            block.text(',"id":')
+            .uint(pick(ids))
+            .text(f',"name":"{name}","cat":"flow","pid":')
+            .uint(pick(ranks))
+            .text(',"tid":')
+            .uint(pick(tids))
+            .text(',"ts":')
+            .micros(np.maximum(pick(starts), 0))
+            .text(',"bp":"e"}' if binds else "}")
+        )
         out.append(block.to_bytes())
     return out
 
@@ -224,8 +260,14 @@ def process_lines(meta: dict, sort_index: int) -> list[str]:
     return [
         json.dumps({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": format_rank_label(meta)}}),
         json.dumps({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}}),
-        json.dumps({"ph": "M", "name": "process_labels", "pid": pid,
-                    "args": {"labels": f"{meta.get('host', '')} {meta.get('device', '')}".strip()}}),
+        json.dumps(
+            {
+                "ph": "M",
+                "name": "process_labels",
+                "pid": pid,
+                "args": {"labels": f"{meta.get('host', '')} {meta.get('device', '')}".strip()},
+            }
+        ),
     ]
 
 
@@ -233,5 +275,7 @@ def thread_lines(rank: int, tid: int) -> list[str]:
     """Name and sort index of thread `tid` of `rank` ("comm", "comm 2", ...)."""
     track, lane = divmod(tid - 1, LANES_PER_TRACK)
     name = TRACKS[track] if lane == 0 else f"{TRACKS[track]} {lane + 1}"
-    return [json.dumps({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}),
-            json.dumps({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})]
+    return [
+        json.dumps({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}),
+        json.dumps({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}}),
+    ]

@@ -31,9 +31,10 @@ class _DigitTable:
     spaces ("  7": a number's top chunk), 2*base all spaces (a chunk above the top digit)."""
 
     def __init__(self, chars: int) -> None:
-        self.chars, self.base = chars, 10 ** chars
-        texts = ([f"{v:0{chars}d}" for v in range(self.base)] + [f"{v:{chars}d}" for v in range(self.base)]
-                 + [" " * chars])
+        self.chars, self.base = chars, 10**chars
+        texts = (
+            [f"{v:0{chars}d}" for v in range(self.base)] + [f"{v:{chars}d}" for v in range(self.base)] + [" " * chars]
+        )
         self.words = np.array([int.from_bytes(t.encode(), "little") for t in texts], np.uint32)
         self.matrix = self.words.view(np.uint8).reshape(-1, 4)[:, :chars]  # (rows, chars)
         self._shifted: dict[tuple[int, int], np.ndarray] = {}
@@ -97,7 +98,7 @@ class TextTable:
         self.lengths = np.array([len(t) for t in encoded], np.int64)
         self.matrix = np.full((len(encoded), max(1, int(self.lengths.max()))), _SPACE, np.uint8)
         for k, t in enumerate(encoded):
-            self.matrix[k, :len(t)] = np.frombuffer(t, np.uint8)
+            self.matrix[k, : len(t)] = np.frombuffer(t, np.uint8)
         self._records: dict[int, np.ndarray] = {}  # width -> rows cut to it, one V<width> record each
 
     def take(self, ids: np.ndarray) -> np.ndarray:
@@ -133,7 +134,7 @@ class OutputArena:
             grown = 2 * len(self._chunks[-1]) if self._chunks else 0  # doubling: few chunks per round
             self._chunks.append(np.empty(max(nbytes, grown), np.uint8))
             self._used = 0
-        out = self._chunks[-1][self._used:self._used + nbytes]
+        out = self._chunks[-1][self._used : self._used + nbytes]
         self._used += nbytes
         self._round += nbytes
         return out
@@ -147,20 +148,20 @@ class LineBlock:
         self.n, self.arena = n, arena
         self._parts: list[tuple[int, object]] = []  # (width, constant bytes | matrix | ("uint"/"frac", values))
 
-    def text(self, constant: str) -> "LineBlock":
+    def text(self, constant: str) -> LineBlock:
         encoded = constant.encode()
         self._parts.append((len(encoded), encoded))
         return self
 
-    def field(self, matrix: np.ndarray) -> "LineBlock":
+    def field(self, matrix: np.ndarray) -> LineBlock:
         self._parts.append((matrix.shape[1], matrix))
         return self
 
-    def uint(self, values: np.ndarray) -> "LineBlock":
+    def uint(self, values: np.ndarray) -> LineBlock:
         self._parts.append((_digit_count(values), ("uint", values)))
         return self
 
-    def micros(self, ns: np.ndarray) -> "LineBlock":
+    def micros(self, ns: np.ndarray) -> LineBlock:
         ns = ns.astype(np.int64, copy=False)
         whole = ns // 1000
         self.uint(whole).text(".")
@@ -182,7 +183,7 @@ class LineBlock:
         flat = self.arena.take(size) if self.arena is not None else np.empty(size, np.uint8)
         _fill_rows(flat, np.frombuffer(bytes(template), np.uint8), self.n)
         # Overhang past a row's end lands on the next row's start, stored already unless constant.
-        wrap_ok = all(constant[:min(line, _SPARE)])
+        wrap_ok = all(constant[: min(line, _SPARE)])
         cyclic = bytes(template) * (2 + _SPARE // line)  # template bytes after a position, wrapping into the next row
         col = 0
         for width, part in self._parts:
@@ -194,7 +195,7 @@ class LineBlock:
             elif not isinstance(part, bytes):
                 _store_records(flat, line, col, np.ascontiguousarray(part))
             col += width
-        return memoryview(flat[:self.n * line]).cast("B")
+        return memoryview(flat[: self.n * line]).cast("B")
 
 
 def _fill_rows(flat: np.ndarray, row: np.ndarray, n: int) -> None:
@@ -204,7 +205,7 @@ def _fill_rows(flat: np.ndarray, row: np.ndarray, n: int) -> None:
     flat[:done] = row
     while done < total:
         step = min(done, total - done)
-        flat[done:done + step] = flat[:step]
+        flat[done : done + step] = flat[:step]
         done += step
 
 
@@ -215,8 +216,16 @@ def _store_records(flat: np.ndarray, line: int, col: int, matrix: np.ndarray) ->
     target[:] = matrix.view(f"V{width}").ravel()
 
 
-def _store_chunks(flat: np.ndarray, line: int, col: int, width: int, chunks: list[np.ndarray], digits: _DigitTable,
-                  cyclic: bytes, wrap_ok: bool) -> None:
+def _store_chunks(
+    flat: np.ndarray,
+    line: int,
+    col: int,
+    width: int,
+    chunks: list[np.ndarray],
+    digits: _DigitTable,
+    cyclic: bytes,
+    wrap_ok: bool,
+) -> None:
     """Store a `width`-char number, given as `digits` rows lowest chunk first, at column `col`
     of every row: one 4-byte word per chunk, left to right. A word holds the chunk's chars
     (the top one may be cut to its last chars) and then the template's bytes that follow,
@@ -229,9 +238,9 @@ def _store_chunks(flat: np.ndarray, line: int, col: int, width: int, chunks: lis
         lo = max(col, hi - size)
         kept = hi - lo  # chars of this chunk inside the field
         if not wrap_ok and lo + 4 > line:
-            rows = flat[:n * line].reshape(n, line)
-            rows[:, lo:hi] = digits.matrix[chunks[k]][:, size - kept:]
+            rows = flat[: n * line].reshape(n, line)
+            rows[:, lo:hi] = digits.matrix[chunks[k]][:, size - kept :]
             continue
-        after = int.from_bytes(cyclic[hi % line:hi % line + 4 - kept], "little") << (8 * kept)
+        after = int.from_bytes(cyclic[hi % line : hi % line + 4 - kept], "little") << (8 * kept)
         target = np.ndarray((n,), "<u4", buffer=flat, offset=lo, strides=(line,))
         target[:] = np.take(digits.table(kept, after), chunks[k])

@@ -90,15 +90,27 @@ def comm_rows(events: pa.Table) -> dict[str, np.ndarray]:
     return out
 
 
-def add_rank_comm(index: CommIndex, rank: int, cols: dict[str, np.ndarray],
-                  to_timeline: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+def add_rank_comm(
+    index: CommIndex,
+    rank: int,
+    cols: dict[str, np.ndarray],
+    to_timeline: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> None:
     """Add one rank's comm_rows to `index`, times mapped through `to_timeline` if given."""
     starts, ends = cols["start_ns"], cols["end_ns"]
     if to_timeline is not None:
         starts, ends = to_timeline(starts), to_timeline(ends)
-    fields = zip(cols["op"].tolist(), cols["group"].tolist(), cols["seq"].tolist(), cols["peer"].tolist(),
-                 starts.tolist(), ends.tolist(), cols["iteration"].tolist(), cols["bytes"].tolist(),
-                 cols["row"].tolist())
+    fields = zip(
+        cols["op"].tolist(),
+        cols["group"].tolist(),
+        cols["seq"].tolist(),
+        cols["peer"].tolist(),
+        starts.tolist(),
+        ends.tolist(),
+        cols["iteration"].tolist(),
+        cols["bytes"].tolist(),
+        cols["row"].tolist(),
+    )
     for op, group, seq, peer, start, end, iteration, nbytes, row in fields:
         end_ = CommEnd(rank, start, end, iteration, nbytes, op, row)
         if op == "send" and peer >= 0:
@@ -150,16 +162,20 @@ def _instance_order(group: np.ndarray, seq: np.ndarray, start: np.ndarray, rank:
         return np.zeros(0, np.int64)
     low = int(start.min())
     ranks = int(rank.max()) + 1
-    if (min(int(group.min()), int(seq.min()), int(rank.min())) < 0 or max(int(group.max()), int(seq.max())) >= 1 << 31
-            or (int(start.max()) - low + 1) * ranks >= 1 << 62):
+    if (
+        min(int(group.min()), int(seq.min()), int(rank.min())) < 0
+        or max(int(group.max()), int(seq.max())) >= 1 << 31
+        or (int(start.max()) - low + 1) * ranks >= 1 << 62
+    ):
         return np.lexsort((rank, start, seq, group))
     instance = (group.astype(np.int64) << 31) | seq
     arrival = (start - low) * ranks + rank
     return np.lexsort((arrival, instance))
 
 
-def order_collective_members(group: np.ndarray, seq: np.ndarray, start: np.ndarray,
-                             rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def order_collective_members(
+    group: np.ndarray, seq: np.ndarray, start: np.ndarray, rank: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Collective member rows ordered by instance (group id, seq), then arrival (start, rank);
     and the position of each row within its instance (0 = first to arrive)."""
     order = _instance_order(group, seq, start, rank)

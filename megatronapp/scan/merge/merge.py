@@ -45,9 +45,9 @@ import numpy as np
 from megatronapp.files import commit_temp, temp_path_beside
 from megatronapp.scan.merge.align import AlignmentReport, align_traces
 from megatronapp.scan.merge.chrome import process_lines
-from megatronapp.scan.record.format import check_file_rank, select_trace_files
 from megatronapp.scan.merge.merge_window import ARRIVAL_NS, RankClocks, WindowMerger, place_arrival
 from megatronapp.scan.merge.stream import RankSurvey, Vocabulary, WindowReader, survey_rank
+from megatronapp.scan.record.format import check_file_rank, select_trace_files
 
 __all__ = ["ARRIVAL_NS", "MergeSummary", "merge_traces", "merge_traces_split", "place_arrival", "split_output_name"]
 
@@ -88,8 +88,11 @@ class _Survey:
     def origin(self, iterations: Sequence[int]) -> int:
         """Earliest aligned start of any span of `iterations` (0 if there is none)."""
         wanted = np.asarray(iterations, np.int64)
-        firsts = [self.clocks.apply_one(s.trace.rank, first) for s in self.surveys
-                  if (first := s.first_start(wanted)) is not None]
+        firsts = [
+            self.clocks.apply_one(s.trace.rank, first)
+            for s in self.surveys
+            if (first := s.first_start(wanted)) is not None
+        ]
         return min(firsts) if firsts else 0
 
 
@@ -132,7 +135,7 @@ class _OutputFile:
                 except OSError:  # a file system without it: the drops only save work, skip them
                     self._next_drop = float("inf")
 
-    def __enter__(self) -> "_OutputFile":
+    def __enter__(self) -> _OutputFile:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -175,11 +178,18 @@ def _other_data(survey: _Survey, origin: int, stats: dict) -> dict:
 def plan_windows(iterations: list[int], events_per_iteration: float) -> list[list[int]]:
     """Consecutive groups of `iterations` of about WINDOW_EVENTS rows each (at least one iteration)."""
     per_window = max(1, int(WINDOW_EVENTS // max(events_per_iteration, 1.0)))
-    return [iterations[k:k + per_window] for k in range(0, len(iterations), per_window)]
+    return [iterations[k : k + per_window] for k in range(0, len(iterations), per_window)]
 
 
-def _write_part(out: str | os.PathLike, survey: _Survey, readers: dict, vocab: Vocabulary,
-                windows: list[list[int]], last: bool, began: float) -> MergeSummary:
+def _write_part(
+    out: str | os.PathLike,
+    survey: _Survey,
+    readers: dict,
+    vocab: Vocabulary,
+    windows: list[list[int]],
+    last: bool,
+    began: float,
+) -> MergeSummary:
     """Write the windows `windows` (the last one drains the readers if `last`) as one file."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,18 +208,29 @@ def _write_part(out: str | os.PathLike, survey: _Survey, readers: dict, vocab: V
                     stream.write(text)
             stream.write(merger.finish())
             seconds = time.perf_counter() - began
-            stats = {**merger.stats(), "seconds": round(seconds, 6),
-                     "events_per_s": round(merger.spans / seconds, 1) if seconds > 0 else None}
+            stats = {
+                **merger.stats(),
+                "seconds": round(seconds, 6),
+                "events_per_s": round(merger.spans / seconds, 1) if seconds > 0 else None,
+            }
             other = json.dumps(_other_data(survey, origin, stats))
             stream.write(f'\n], "displayTimeUnit": "ms", "otherData": {other}}}\n'.encode())
         commit_temp(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return MergeSummary(out=str(path), ranks=[s.trace.rank for s in survey.surveys], events=merger.spans,
-                        arrivals=merger.arrivals, flows=merger.flows, seconds=seconds, report=survey.report,
-                        unmatched=merger.unmatched, peak_window_rows=merger.peak_rows,
-                        peak_pending=merger.peak_pending)
+    return MergeSummary(
+        out=str(path),
+        ranks=[s.trace.rank for s in survey.surveys],
+        events=merger.spans,
+        arrivals=merger.arrivals,
+        flows=merger.flows,
+        seconds=seconds,
+        report=survey.report,
+        unmatched=merger.unmatched,
+        peak_window_rows=merger.peak_rows,
+        peak_pending=merger.peak_pending,
+    )
 
 
 def merge_traces(
@@ -239,8 +260,9 @@ def split_output_name(out: str | os.PathLike, first: int, last: int) -> Path:
     return path.with_name(f"{name}.iter{first:05d}-{last:05d}{dot}{rest}")
 
 
-def merge_traces_split(trace_dir: str | os.PathLike, out: str | os.PathLike, per_file: int,
-                       ranks: Sequence[int] | None = None) -> list[MergeSummary]:
+def merge_traces_split(
+    trace_dir: str | os.PathLike, out: str | os.PathLike, per_file: int, ranks: Sequence[int] | None = None
+) -> list[MergeSummary]:
     """Like merge_traces, but one file per `per_file` consecutive traced iterations (named by
     split_output_name), so each stays small enough for the Perfetto UI. Clocks are aligned
     once, on the whole trace. Messages and collectives crossing a file boundary get no arrow."""
@@ -254,10 +276,11 @@ def merge_traces_split(trace_dir: str | os.PathLike, out: str | os.PathLike, per
     readers = {s.trace.rank: WindowReader(s.trace.path, vocab, range(0, _ALL)) for s in survey.surveys}
     summaries = []
     for k in range(0, len(present), per_file):
-        chunk = present[k:k + per_file]
+        chunk = present[k : k + per_file]
         windows = plan_windows(chunk, events / max(len(present), 1))
         last = k + per_file >= len(present)
-        summaries.append(_write_part(split_output_name(out, chunk[0], chunk[-1]), survey, readers, vocab,
-                                     windows, last, began))
+        summaries.append(
+            _write_part(split_output_name(out, chunk[0], chunk[-1]), survey, readers, vocab, windows, last, began)
+        )
         began = time.perf_counter()
     return summaries

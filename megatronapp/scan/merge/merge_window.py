@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatronapp.spans import ARRIVAL, CAT_COMM, RECV, SEND
 from megatronapp.scan.merge.align import ClockMapping
 from megatronapp.scan.merge.chrome import (
     LANES_PER_TRACK,
@@ -25,7 +24,6 @@ from megatronapp.scan.merge.chrome import (
     thread_lines,
 )
 from megatronapp.scan.merge.fixed_lines import OutputArena
-from megatronapp.scan.record.format import RankTrace
 from megatronapp.scan.merge.matching import (
     CommEnd,
     match_message_keys,
@@ -34,6 +32,8 @@ from megatronapp.scan.merge.matching import (
     unpack_message_keys,
 )
 from megatronapp.scan.merge.stream import Vocabulary
+from megatronapp.scan.record.format import RankTrace
+from megatronapp.spans import ARRIVAL, CAT_COMM, RECV, SEND
 
 ARRIVAL_NS = 1_000  # length of a message's arrival slice (see place_arrival)
 _PENDING_FIELDS = ("key", "rank", "start", "end", "iteration", "bytes", "tid")
@@ -51,7 +51,9 @@ def place_arrival(send: CommEnd, recv: CommEnd) -> tuple[int, int]:
     return start, max(recv.end, start + 1)
 
 
-def place_arrivals(send_start: np.ndarray, recv_start: np.ndarray, recv_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def place_arrivals(
+    send_start: np.ndarray, recv_start: np.ndarray, recv_end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     start = np.maximum(np.maximum(send_start, recv_start), recv_end - ARRIVAL_NS)
     return start, np.maximum(recv_end, start + 1)
 
@@ -66,7 +68,7 @@ class RankClocks:
     ref: np.ndarray
 
     @classmethod
-    def from_aligned(cls, traces: list[RankTrace]) -> "RankClocks":
+    def from_aligned(cls, traces: list[RankTrace]) -> RankClocks:
         size = max((t.rank for t in traces), default=0) + 1
         offset, drift, ref = np.zeros(size, np.int64), np.zeros(size), np.zeros(size, np.int64)
         for t in traces:
@@ -81,7 +83,9 @@ class RankClocks:
         return out
 
     def apply_one(self, rank: int, t: int) -> int:
-        return int(ClockMapping(int(self.offset[rank]), float(self.drift[rank]), int(self.ref[rank])).apply(np.int64(t)))
+        return int(
+            ClockMapping(int(self.offset[rank]), float(self.drift[rank]), int(self.ref[rank])).apply(np.int64(t))
+        )
 
 
 def _distinct(keys: np.ndarray) -> np.ndarray:
@@ -114,7 +118,9 @@ class WindowMerger:
     def __init__(self, vocab: Vocabulary, clocks: RankClocks, origin: int) -> None:
         self.vocab, self.clocks, self.origin = vocab, clocks, origin
         ids = {name: vocab.id_of(name) for name in ("", CAT_COMM, SEND, RECV, ARRIVAL, *TRACKS)}
-        self._empty, self._comm, self._send, self._recv, self._arrival = (ids[k] for k in ("", CAT_COMM, SEND, RECV, ARRIVAL))
+        self._empty, self._comm, self._send, self._recv, self._arrival = (
+            ids[k] for k in ("", CAT_COMM, SEND, RECV, ARRIVAL)
+        )
         self._sends, self._recvs = _empty_pending(), _empty_pending()
         self._threads: set[int] = set()
         self._arena = OutputArena()  # the lines of one window; reused by the next
@@ -123,8 +129,14 @@ class WindowMerger:
         self.spans = self.arrivals = self.flows = self.unmatched = self.peak_rows = self.peak_pending = 0
 
     def stats(self) -> dict:
-        return {"events": self.spans, "arrivals": self.arrivals, "flows": self.flows, "unmatched": self.unmatched,
-                "peak_window_rows": self.peak_rows, "peak_pending": self.peak_pending}
+        return {
+            "events": self.spans,
+            "arrivals": self.arrivals,
+            "flows": self.flows,
+            "unmatched": self.unmatched,
+            "peak_window_rows": self.peak_rows,
+            "peak_pending": self.peak_pending,
+        }
 
     def finish(self) -> bytes:
         """Count the message ends still waiting: their other end never came."""
@@ -145,8 +157,9 @@ class WindowMerger:
         if not per_rank:
             return []
         cols = {k: np.concatenate([c[k] for c in per_rank.values()]) for k in next(iter(per_rank.values()))}
-        cols["rank"] = np.repeat(np.fromiter(per_rank, np.int64, len(per_rank)),
-                                 [len(c["iteration"]) for c in per_rank.values()])
+        cols["rank"] = np.repeat(
+            np.fromiter(per_rank, np.int64, len(per_rank)), [len(c["iteration"]) for c in per_rank.values()]
+        )
         self.spans += len(cols["rank"])
         cols["start_ns"] = self.clocks.apply(cols["rank"], cols["start_ns"]) - self.origin
         cols["end_ns"] = self.clocks.apply(cols["rank"], cols["end_ns"]) - self.origin
@@ -159,10 +172,12 @@ class WindowMerger:
         if len(self._vocab_json.lengths) != len(self.vocab.strings):  # the vocabulary only grows
             self._vocab_json = json_vocab(self.vocab.strings)
         vocab_json = self._vocab_json
-        parts = [self._new_threads(cols["rank"], tids),
-                 *span_lines(cols, track, tids, np.maximum(starts, 0), ends, vocab_json, self._empty, self._arena),
-                 *self._message_flows(cols, tids, send_rows, arrival_rows),
-                 *self._collective_flows(cols, tids)]
+        parts = [
+            self._new_threads(cols["rank"], tids),
+            *span_lines(cols, track, tids, np.maximum(starts, 0), ends, vocab_json, self._empty, self._arena),
+            *self._message_flows(cols, tids, send_rows, arrival_rows),
+            *self._collective_flows(cols, tids),
+        ]
         return parts
 
     def _message_ends(self, cols: dict) -> tuple[dict, dict]:
@@ -174,9 +189,15 @@ class WindowMerger:
             rows = np.flatnonzero(keyed & (cols["op"] == op))
             rank, peer, seq = cols["rank"][rows], cols["peer"][rows].astype(np.int64), cols["seq"][rows]
             key = pack_message_keys(rank, peer, seq) if op == self._send else pack_message_keys(peer, rank, seq)
-            now = {"key": key, "rank": rank, "start": cols["start_ns"][rows], "end": cols["end_ns"][rows],
-                   "iteration": cols["iteration"][rows].astype(np.int64), "bytes": cols["bytes"][rows],
-                   "tid": -1 - rows}  # < 0: a row of this window (-1 - row); >= 0: a carried send's tid
+            now = {
+                "key": key,
+                "rank": rank,
+                "start": cols["start_ns"][rows],
+                "end": cols["end_ns"][rows],
+                "iteration": cols["iteration"][rows].astype(np.int64),
+                "bytes": cols["bytes"][rows],
+                "tid": -1 - rows,
+            }  # < 0: a row of this window (-1 - row); >= 0: a carried send's tid
             out.append(_concat(pending, now))
         return out[0], out[1]
 
@@ -193,9 +214,19 @@ class WindowMerger:
         src, _, seq = unpack_message_keys(recv["key"])
         n, m = len(start), len(cols["rank"])
         extra = {k: np.full(n, -1, v.dtype) for k, v in cols.items()}
-        extra.update(rank=recv["rank"], start_ns=start, end_ns=end, iteration=recv["iteration"], peer=src, seq=seq,
-                     bytes=recv["bytes"], name=np.full(n, self._arrival), cat=np.full(n, self._comm),
-                     op=np.full(n, self._empty), group=np.full(n, self._empty))
+        extra.update(
+            rank=recv["rank"],
+            start_ns=start,
+            end_ns=end,
+            iteration=recv["iteration"],
+            peer=src,
+            seq=seq,
+            bytes=recv["bytes"],
+            name=np.full(n, self._arrival),
+            cat=np.full(n, self._comm),
+            op=np.full(n, self._empty),
+            group=np.full(n, self._empty),
+        )
         self.arrivals += n
         return _concat(cols, {k: extra[k].astype(cols[k].dtype) for k in cols}), send, np.arange(m, m + n)
 
@@ -231,9 +262,18 @@ class WindowMerger:
         ids = self._next_flow + 1 + np.arange(n)
         self._next_flow += n
         self.flows += n
-        return [*flow_lines(np.zeros(n, np.int64), ids, "p2p", send["rank"], send_tid, send_start, self._arena),
-                *flow_lines(np.full(n, 2), ids, "p2p", cols["rank"][arrival_rows], tids[arrival_rows],
-                            cols["start_ns"][arrival_rows], self._arena)]
+        return [
+            *flow_lines(np.zeros(n, np.int64), ids, "p2p", send["rank"], send_tid, send_start, self._arena),
+            *flow_lines(
+                np.full(n, 2),
+                ids,
+                "p2p",
+                cols["rank"][arrival_rows],
+                tids[arrival_rows],
+                cols["start_ns"][arrival_rows],
+                self._arena,
+            ),
+        ]
 
     def _remember_pending_tids(self, cols: dict, tids: np.ndarray) -> None:
         """Sends waiting for the next window: replace their row by their tid and placed start."""
@@ -244,10 +284,17 @@ class WindowMerger:
 
     def _collective_flows(self, cols: dict, tids: np.ndarray) -> list:
         """One chain per collective instance of >= 2 members, in arrival order (ties by rank)."""
-        rows = np.flatnonzero((cols["cat"] == self._comm) & (cols["seq"] >= 0) & (cols["group"] != self._empty)
-                              & (cols["op"] != self._empty) & (cols["op"] != self._send) & (cols["op"] != self._recv))
-        order, position = order_collective_members(cols["group"][rows], cols["seq"][rows],
-                                                   cols["start_ns"][rows], cols["rank"][rows])
+        rows = np.flatnonzero(
+            (cols["cat"] == self._comm)
+            & (cols["seq"] >= 0)
+            & (cols["group"] != self._empty)
+            & (cols["op"] != self._empty)
+            & (cols["op"] != self._send)
+            & (cols["op"] != self._recv)
+        )
+        order, position = order_collective_members(
+            cols["group"][rows], cols["seq"][rows], cols["start_ns"][rows], cols["rank"][rows]
+        )
         rows = rows[order]
         first = np.flatnonzero(position == 0)
         size = np.diff(np.append(first, len(rows)))

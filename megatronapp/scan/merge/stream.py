@@ -22,7 +22,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatronapp.spans import CAT_CALIB, CAT_COMM
 from megatronapp.scan.record.format import (
     COLUMN_DEFAULTS,
     END_OF_STREAM,
@@ -34,6 +33,7 @@ from megatronapp.scan.record.format import (
     iteration_mask,
     read_meta,
 )
+from megatronapp.spans import CAT_CALIB, CAT_COMM
 
 # One core: decompressing a batch's buffers on a thread pool costs more than it saves.
 _READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)
@@ -65,8 +65,9 @@ class Vocabulary:
         return np.array([self.id_of(v) for v in dictionary.to_pylist()] or [0], dtype=np.int32)
 
 
-def iter_rank_batches(path: str | os.PathLike, warn: bool = True,
-                      columns: Sequence[str] | None = None) -> Iterator[pa.RecordBatch | dict | str]:
+def iter_rank_batches(
+    path: str | os.PathLike, warn: bool = True, columns: Sequence[str] | None = None
+) -> Iterator[pa.RecordBatch | dict | str]:
     """The record batches of one rank file, in order. The first item is the file's meta dict;
     a stream that stops early ends with the item "partial". With `columns`, batches hold only
     those (the others are never decompressed).
@@ -150,8 +151,9 @@ def _earliest_per_iteration(iterations: np.ndarray, starts: np.ndarray) -> tuple
 def _note_first_starts(survey: RankSurvey, iterations: np.ndarray, starts: np.ndarray) -> None:
     its, sts = _earliest_per_iteration(iterations, starts)
     if len(survey.iterations) and len(its) and its[0] <= survey.iterations[-1]:  # overlaps what is known
-        its, sts = _earliest_per_iteration(np.concatenate([survey.iterations, its]),
-                                           np.concatenate([survey.first_starts, sts]))
+        its, sts = _earliest_per_iteration(
+            np.concatenate([survey.iterations, its]), np.concatenate([survey.first_starts, sts])
+        )
     elif len(survey.iterations):
         its, sts = np.concatenate([survey.iterations, its]), np.concatenate([survey.first_starts, sts])
     survey.iterations, survey.first_starts = its, sts
@@ -190,13 +192,20 @@ class _AlignSample:
         self.tables: list[pa.Table] = []
         self.calib: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def add(self, index: int, batch: pa.RecordBatch, whole: bool, calib: np.ndarray, spans: np.ndarray,
-            iterations: np.ndarray) -> None:
+    def add(
+        self,
+        index: int,
+        batch: pa.RecordBatch,
+        whole: bool,
+        calib: np.ndarray,
+        spans: np.ndarray,
+        iterations: np.ndarray,
+    ) -> None:
         """Batch number `index`: every column if `whole`, else its _SURVEY_COLUMNS; `spans`: its
         non-calib rows that pass the iteration filter."""
         if len(self.iterations) < self.size and spans.any():
             seen = np.unique(iterations[spans])
-            fresh = seen[~np.isin(seen, self.iterations)][:self.size - len(self.iterations)]
+            fresh = seen[~np.isin(seen, self.iterations)][: self.size - len(self.iterations)]
             self.iterations = np.concatenate([self.iterations, fresh])
         if calib.any():
             pair = batch.column("start_ns").to_numpy()[calib], batch.column("end_ns").to_numpy()[calib]
@@ -277,8 +286,8 @@ class _HeldRows:
         """Hand out the held rows with iteration < stop (None if none), in row order."""
         its = self.cols["iteration"]
         if self.ordered:
-            end = self.pos + int(np.searchsorted(its[self.pos:], stop, "left"))
-            out = {k: v[self.pos:end] for k, v in self.cols.items()} if end > self.pos else None
+            end = self.pos + int(np.searchsorted(its[self.pos :], stop, "left"))
+            out = {k: v[self.pos : end] for k, v in self.cols.items()} if end > self.pos else None
             self.pos = end
             return out
         early = its < stop

@@ -55,30 +55,51 @@ class AutoTraceConfig:
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"trace granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        TraceConfig(enabled=True, trace_dir=self.trace_dir, interval=self.interval,
-                    continuous_iterations=self.continuous_iterations)  # same checks as the engine's
+        TraceConfig(
+            enabled=True,
+            trace_dir=self.trace_dir,
+            interval=self.interval,
+            continuous_iterations=self.continuous_iterations,
+        )  # same checks as the engine's
 
     def to_env(self) -> dict[str, str]:
-        return {f"{ENV_PREFIX}DIR": self.trace_dir, f"{ENV_PREFIX}GRANULARITY": self.granularity,
-                f"{ENV_PREFIX}INTERVAL": str(self.interval), f"{ENV_PREFIX}CONTINUOUS": str(self.continuous_iterations)}
+        return {
+            f"{ENV_PREFIX}DIR": self.trace_dir,
+            f"{ENV_PREFIX}GRANULARITY": self.granularity,
+            f"{ENV_PREFIX}INTERVAL": str(self.interval),
+            f"{ENV_PREFIX}CONTINUOUS": str(self.continuous_iterations),
+        }
 
     @classmethod
-    def from_env(cls, environ: dict | None = None) -> "AutoTraceConfig":
+    def from_env(cls, environ: dict | None = None) -> AutoTraceConfig:
         env = os.environ if environ is None else environ
         try:
-            return cls(env.get(f"{ENV_PREFIX}DIR", cls.trace_dir), env.get(f"{ENV_PREFIX}GRANULARITY", cls.granularity),
-                       int(env.get(f"{ENV_PREFIX}INTERVAL", cls.interval)),
-                       int(env.get(f"{ENV_PREFIX}CONTINUOUS", cls.continuous_iterations)))
+            return cls(
+                env.get(f"{ENV_PREFIX}DIR", cls.trace_dir),
+                env.get(f"{ENV_PREFIX}GRANULARITY", cls.granularity),
+                int(env.get(f"{ENV_PREFIX}INTERVAL", cls.interval)),
+                int(env.get(f"{ENV_PREFIX}CONTINUOUS", cls.continuous_iterations)),
+            )
         except ValueError as exc:
             raise ValueError(f"bad {ENV_PREFIX}* setting: {exc}") from None
 
 
 def _rank_meta(rank: int, world: int, device: Any) -> dict:
-    return build_rank_meta(rank=rank, world_size=world, coords={"tp": 0, "dp": rank, "pp": 0},
-                           layout={"tp_size": 1, "pp_size": 1, "dp_size": world}, host=os.uname().nodename,
-                           device=str(device), run_id=os.environ.get("MEGATRONAPP_RUN_ID", "local"), clock="cuda" if str(device).startswith("cuda") else "monotonic",
-                           run={"zero_code": True, "inject_slowdown": os.environ.get("MEGATRONAPP_INJECT_SLOWDOWN", ""),
-                                "inject_link_delay": os.environ.get("MEGATRONAPP_INJECT_LINK_DELAY", "")})
+    return build_rank_meta(
+        rank=rank,
+        world_size=world,
+        coords={"tp": 0, "dp": rank, "pp": 0},
+        layout={"tp_size": 1, "pp_size": 1, "dp_size": world},
+        host=os.uname().nodename,
+        device=str(device),
+        run_id=os.environ.get("MEGATRONAPP_RUN_ID", "local"),
+        clock="cuda" if str(device).startswith("cuda") else "monotonic",
+        run={
+            "zero_code": True,
+            "inject_slowdown": os.environ.get("MEGATRONAPP_INJECT_SLOWDOWN", ""),
+            "inject_link_delay": os.environ.get("MEGATRONAPP_INJECT_LINK_DELAY", ""),
+        },
+    )
 
 
 class AutoTrace:
@@ -91,8 +112,13 @@ class AutoTrace:
         plan.check(world)
         self._link_delays = install_link_delays(plan, rank) if torch.device(device).type == "cpu" else None
         self.injector = FaultInjector(plan, rank, torch.device(device)) if rank in plan.slowdowns else None
-        trace = TraceConfig(enabled=True, trace_dir=config.trace_dir, interval=config.interval,
-                            continuous_iterations=config.continuous_iterations, granularity=config.granularity)
+        trace = TraceConfig(
+            enabled=True,
+            trace_dir=config.trace_dir,
+            interval=config.interval,
+            continuous_iterations=config.continuous_iterations,
+            granularity=config.granularity,
+        )
         self.tracer = Tracer(trace, _rank_meta(rank, world, device), device)
         self._instrumentation = install_distributed_instrumentation(self.tracer)
         self._depth, self._stack, self._backward_open = 0, [], {}
@@ -106,8 +132,10 @@ class AutoTrace:
             # A first module whose inputs need no grad (the usual data batch) triggers a torch
             # warning per hook; it is expected here, not something the program did.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            self._handles += [nn_module.register_module_full_backward_pre_hook(self._backward_pre),
-                              nn_module.register_module_full_backward_hook(self._backward_post)]
+            self._handles += [
+                nn_module.register_module_full_backward_pre_hook(self._backward_pre),
+                nn_module.register_module_full_backward_hook(self._backward_post),
+            ]
         self._original_backward = torch.autograd.backward
         torch.autograd.backward = self._traced_backward
         self._patch_ddp()
@@ -149,8 +177,9 @@ class AutoTrace:
             if slow is not None:
                 slow.__enter__()
         else:
-            self._stack.append((self.tracer.layer_span(type(module).__name__, self._depth - 1, op=S.MODULE_FORWARD)
-                                .__enter__(), None))
+            self._stack.append(
+                (self.tracer.layer_span(type(module).__name__, self._depth - 1, op=S.MODULE_FORWARD).__enter__(), None)
+            )
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         span, slow = self._stack.pop()
@@ -171,7 +200,8 @@ class AutoTrace:
 
     def _backward_pre(self, module: Any, grad_output: Any) -> None:
         self._backward_open.setdefault(id(module), []).append(
-            self.tracer.layer_span(type(module).__name__, 0, op=S.MODULE_BACKWARD).__enter__())
+            self.tracer.layer_span(type(module).__name__, 0, op=S.MODULE_BACKWARD).__enter__()
+        )
 
     def _backward_post(self, module: Any, grad_input: Any, grad_output: Any) -> None:
         opened = self._backward_open.get(id(module))
@@ -220,4 +250,3 @@ def start_from_env() -> AutoTrace:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     return AutoTrace(AutoTraceConfig.from_env(), rank, world, device)
-

@@ -86,7 +86,8 @@ class CudaClock:
         stream = self._streams.get(stream_id)
         if stream is None:
             stream = self._streams[stream_id] = self._torch.cuda.Stream(
-                stream_id=stream_id, device_index=device_index, device_type=device_type)
+                stream_id=stream_id, device_index=device_index, device_type=device_type
+            )
         self._record(event, stream)
         return event
 

@@ -42,8 +42,16 @@ SCHEMA_VERSION = 1
 META_FIELD = b"megascan"
 FILE_SUFFIX = ".mscan"
 META_KEYS = (
-    "schema_version", "rank", "world_size", "coords", "layout",
-    "host", "device", "run_id", "clock", "run",
+    "schema_version",
+    "rank",
+    "world_size",
+    "coords",
+    "layout",
+    "host",
+    "device",
+    "run_id",
+    "clock",
+    "run",
 )
 # Arrow IPC end-of-stream marker: continuation token 0xFFFFFFFF + zero length.
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
@@ -73,9 +81,19 @@ EVENT_SCHEMA = pa.schema(
 EVENT_COLUMNS = tuple(EVENT_SCHEMA.names)
 # Value used for a column a row does not set.
 COLUMN_DEFAULTS: dict[str, Any] = {
-    "name": "", "cat": "user", "start_ns": -1, "end_ns": -1, "iteration": -1,
-    "chunk": -1, "microbatch": -1, "layer": -1, "op": "", "group": "",
-    "seq": -1, "peer": -1, "bytes": -1,
+    "name": "",
+    "cat": "user",
+    "start_ns": -1,
+    "end_ns": -1,
+    "iteration": -1,
+    "chunk": -1,
+    "microbatch": -1,
+    "layer": -1,
+    "op": "",
+    "group": "",
+    "seq": -1,
+    "peer": -1,
+    "bytes": -1,
 }
 
 
@@ -121,10 +139,7 @@ def build_rank_meta(
         "rank": int(rank),
         "world_size": int(world_size),
         "coords": {k: int(coords[k]) for k in ("tp", "dp", "pp")},
-        "layout": {
-            k: int(layout.get(k, 1))
-            for k in ("tp_size", "pp_size", "dp_size", "virtual_pp_size")
-        },
+        "layout": {k: int(layout.get(k, 1)) for k in ("tp_size", "pp_size", "dp_size", "virtual_pp_size")},
         "host": str(host),
         "device": str(device),
         "run_id": str(run_id),
@@ -207,7 +222,9 @@ class _GrowingDictionaries:
             column = column if pa.types.is_dictionary(column.type) else column.dictionary_encode()
             local = np.array([ids.setdefault(w, len(ids)) for w in column.dictionary.to_pylist()] or [0], np.int32)
             indices = local[column.indices.to_numpy(zero_copy_only=False)]
-            arrays.append(pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()), pa.array(list(ids), pa.string())))
+            arrays.append(
+                pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()), pa.array(list(ids), pa.string()))
+            )
         return pa.RecordBatch.from_arrays(arrays, schema=batch.schema)
 
 
@@ -225,7 +242,7 @@ class _SchemaWrittenSink:
         skipped = self._position
         if skipped < len(self._message):
             n = min(len(self._message) - skipped, len(data))
-            if data[:n] != self._message[skipped:skipped + n]:  # not the message written: rewrite the file
+            if data[:n] != self._message[skipped : skipped + n]:  # not the message written: rewrite the file
                 self._handle.seek(0)
                 self._handle.truncate()
                 self._handle.write(self._message[:skipped])
@@ -293,7 +310,7 @@ class TraceWriter:
         self._sink.close()
         self._writer = None
 
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -25,8 +25,9 @@ import functools
 import inspect
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -229,7 +230,10 @@ class DistributedInstrumentation:
             seq = -1 if peer < 0 else self.counters.next_p2p(*self._pair(op, peer))
             active = self.tracer.active
             span = self.tracer.record_comm(
-                op, group=self.group_key(group) if active else "", seq=seq, peer=peer,
+                op,
+                group=self.group_key(group) if active else "",
+                seq=seq,
+                peer=peer,
                 bytes=_nbytes(_arg(params, args, kwargs, "tensor")) if active else 0,
             )
             result = self._call(original, *args, **kwargs)
@@ -253,10 +257,15 @@ class DistributedInstrumentation:
                 op = self._p2p_op_kind(p2p_op.op)
                 seq = self.counters.next_p2p(*self._pair(op, p2p_op.peer))
                 if self.tracer.active:
-                    spans.append(self.tracer.record_comm(
-                        op, group=self.group_key(p2p_op.group), seq=seq,
-                        peer=p2p_op.peer, bytes=_nbytes(p2p_op.tensor),
-                    ))
+                    spans.append(
+                        self.tracer.record_comm(
+                            op,
+                            group=self.group_key(p2p_op.group),
+                            seq=seq,
+                            peer=p2p_op.peer,
+                            bytes=_nbytes(p2p_op.tensor),
+                        )
+                    )
                 # torch tells sends from recvs by `op is isend` against the module global,
                 # which is our wrapper now; ops built before install hold the original.
                 current = getattr(c10d, "isend" if op == S.SEND else "irecv")
@@ -306,7 +315,7 @@ class DistributedInstrumentation:
             setattr(module, name, original)
         self._originals.clear()
 
-    def __enter__(self) -> "DistributedInstrumentation":
+    def __enter__(self) -> DistributedInstrumentation:
         return self
 
     def __exit__(self, *exc: object) -> None:

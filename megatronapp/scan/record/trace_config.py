@@ -40,8 +40,7 @@ class TraceConfig:
             raise ValueError(f"trace interval must be >= 1 iteration, got {self.interval}")
         if not 1 <= self.continuous_iterations <= self.interval:
             raise ValueError(
-                f"continuous_iterations must be in 1..interval ({self.interval}), "
-                f"got {self.continuous_iterations}"
+                f"continuous_iterations must be in 1..interval ({self.interval}), got {self.continuous_iterations}"
             )
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
@@ -50,11 +49,7 @@ class TraceConfig:
 
     def should_trace(self, iteration: int) -> bool:
         """True for iterations k*interval .. k*interval + continuous_iterations - 1, k >= 1."""
-        return (
-            self.enabled
-            and iteration >= self.interval
-            and iteration % self.interval < self.continuous_iterations
-        )
+        return self.enabled and iteration >= self.interval and iteration % self.interval < self.continuous_iterations
 
 
 # flag -> (TraceConfig field, help); the flag's default is the field's
@@ -71,8 +66,13 @@ def add_trace_arguments(parser, granularity_help: str) -> None:
     for flag, (name, help_text) in TRACE_FLAGS.items():
         default = getattr(TraceConfig, name)
         kind = {"choices": GRANULARITIES} if name == "granularity" else {"type": type(default)}
-        parser.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), default=default,
-                            help=f"{help_text or granularity_help} (default: %(default)s)", **kind)
+        parser.add_argument(
+            flag,
+            dest=flag.lstrip("-").replace("-", "_"),
+            default=default,
+            help=f"{help_text or granularity_help} (default: %(default)s)",
+            **kind,
+        )
 
 
 def trace_fields_from_args(args: argparse.Namespace) -> dict:

@@ -14,8 +14,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from megatronapp.spans import CAT_CALIB
 from megatronapp.scan.record.format import TraceWriter, build_event_batch_from_columns
+from megatronapp.spans import CAT_CALIB
 
 # Span attributes a caller may set, in record order; values default to -1 / "".
 SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")

@@ -19,11 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CAT_USER, CATEGORIES, ITERATION
 from megatronapp.scan.record.clocks import INITIAL_EVENT_POOL, build_clock
 from megatronapp.scan.record.format import SCHEMA_VERSION, TraceWriter, trace_file_name
 from megatronapp.scan.record.trace_config import GRANULARITIES, TraceConfig
 from megatronapp.scan.record.trace_writer import ATTR_DEFAULTS, SPAN_ATTRS, BackgroundWriter, WriterCost
+from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CAT_USER, CATEGORIES, ITERATION
 
 __all__ = ["GRANULARITIES", "NOOP_SPAN", "SPAN_ATTRS", "TraceConfig", "Tracer"]
 
@@ -40,7 +40,7 @@ class _NoOpSpan:
 
     __slots__ = ()
 
-    def __enter__(self) -> "_NoOpSpan":
+    def __enter__(self) -> _NoOpSpan:
         return self
 
     def __exit__(self, *exc: object) -> bool:
@@ -58,14 +58,14 @@ class _Span:
 
     __slots__ = ("_tracer", "_name", "_cat", "_attrs", "_iteration", "_start", "_end", "_done")
 
-    def __init__(self, tracer: "Tracer", name: str, cat: str, attrs: tuple) -> None:
+    def __init__(self, tracer: Tracer, name: str, cat: str, attrs: tuple) -> None:
         self._tracer, self._name, self._cat, self._attrs = tracer, name, cat, attrs
         # Captured at open: an async op may finish during a later iteration.
         self._iteration = tracer._iteration
         self._start = self._end = None
         self._done = False
 
-    def start(self) -> "_Span":
+    def start(self) -> _Span:
         if self._start is None:  # else set by layer_span(after=...)
             self._start = self._tracer._clock.mark()
         return self
@@ -75,11 +75,9 @@ class _Span:
             return
         self._done = True
         self._end = end = self._tracer._clock.mark()
-        self._tracer._records.append(
-            (self._name, self._cat, self._start, end, self._iteration, self._attrs)
-        )
+        self._tracer._records.append((self._name, self._cat, self._start, end, self._iteration, self._attrs))
 
-    def __enter__(self) -> "_Span":
+    def __enter__(self) -> _Span:
         return self.start()
 
     def __exit__(self, *exc: object) -> bool:
@@ -92,10 +90,10 @@ class _Context:
 
     __slots__ = ("_tracer", "_attrs", "_saved")
 
-    def __init__(self, tracer: "Tracer", attrs: dict) -> None:
+    def __init__(self, tracer: Tracer, attrs: dict) -> None:
         self._tracer, self._attrs, self._saved = tracer, attrs, None
 
-    def __enter__(self) -> "_Context":
+    def __enter__(self) -> _Context:
         self._saved = self._tracer._defaults
         self._tracer._set_defaults({**self._saved, **self._attrs})
         return self
@@ -197,8 +195,7 @@ class Tracer:
         self._step_span = None
         self._active = self._layers_active = False
         window_done = iteration % self.config.interval == self.config.continuous_iterations - 1
-        due = (time.monotonic() - self._last_flush >= self.config.flush_seconds
-               or len(self._records) >= _FLUSH_RECORDS)
+        due = time.monotonic() - self._last_flush >= self.config.flush_seconds or len(self._records) >= _FLUSH_RECORDS
         if window_done and due:
             self._flush()
 
@@ -269,7 +266,7 @@ class Tracer:
             span = self._open(name, "compute", {**attrs, "layer": layer})
         else:  # the engine's spans: the context's attributes and the layer, without dict work
             d = self._default_values
-            span = _Span(self, name, "compute", d[:_LAYER] + (layer,) + d[_LAYER + 1:])
+            span = _Span(self, name, "compute", d[:_LAYER] + (layer,) + d[_LAYER + 1 :])
         if type(after) is _Span and after._tracer is self and after._iteration == self._iteration:
             span._start = after._end  # None if it has not closed: start() then takes a mark
         return span
@@ -305,12 +302,15 @@ class Tracer:
         background.close()
         self.dropped_events, self.writer_cost = background.dropped_events, background.cost
         if background.dropped_windows:
-            warnings.warn(f"MegaScan dropped {background.dropped_events} events ({background.dropped_windows} windows) "
-                          f"of {self.path}: the writer could not keep up", stacklevel=2)
+            warnings.warn(
+                f"MegaScan dropped {background.dropped_events} events ({background.dropped_windows} windows) "
+                f"of {self.path}: the writer could not keep up",
+                stacklevel=2,
+            )
         if background.error is not None:
             raise RuntimeError(f"MegaScan could not write {self.path}: {background.error!r}") from background.error
 
-    def __enter__(self) -> "Tracer":
+    def __enter__(self) -> Tracer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,6 +14,10 @@ checkpoint or prompt file, or a flag that does not parse, is refused (in one lin
     TraceRun      megatronapp trace run
     ScheduleRun   megatronapp schedule simulate|show
 
+A checkpoint to load has every file it lists verified (sizes and checksums) here, once per
+launch: the launching process notes in the environment what it verified (the files' sizes and
+modification times), and its local ranks, which validate the same run again, skip what matches.
+
 The rules themselves are the components' own pure checks (job.validate_job,
 dpp.setup.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a user meets them.
 """
@@ -22,13 +26,16 @@ from __future__ import annotations
 
 import os
 
+import xxhash
+
 from megatronapp.cli.devices import check_job_devices
 from megatronapp.cli.injection import check_injection
 from megatronapp.cli.run import TrainRun
 from megatronapp.config import ConfigError
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
 from megatronapp.dpp.setup import check_dpp_job
-from megatronapp.engine.checkpoint import compute_model_config_mismatch
+from megatronapp.engine.checkpoint import compute_model_config_mismatch, find_latest
+from megatronapp.engine.checkpoint_files import verify_checkpoint_files
 from megatronapp.fbd.cli import check_fbd_job
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
 from megatronapp.job import validate_job
@@ -36,6 +43,21 @@ from megatronapp.scan.trace_run import TraceRun, check_trace_run
 from megatronapp.scope.cli import check_capture
 from megatronapp.scope_ui.cli import check_port
 from megatronapp.scope_ui.training import check_training_scope
+
+VERIFIED_CHECKPOINT_ENV = "MEGATRONAPP_VERIFIED_CHECKPOINT"
+
+
+def check_checkpoint_files(load_dir: str) -> None:
+    """Every file of `load_dir`'s latest checkpoint against its recorded size and checksum
+    (checkpoint_files.verify_checkpoint_files), unless this process or the one that launched it
+    verified the same files unchanged since."""
+    folder = find_latest(load_dir).resolve()
+    listing = ",".join(f"{p.name}={p.stat().st_size}@{p.stat().st_mtime_ns}" for p in sorted(folder.iterdir()))
+    stamp = xxhash.xxh3_64_hexdigest(f"{folder}:{listing}".encode())  # bounded size, whatever the world size
+    if os.environ.get(VERIFIED_CHECKPOINT_ENV) == stamp:
+        return
+    verify_checkpoint_files(folder)
+    os.environ[VERIFIED_CHECKPOINT_ENV] = stamp
 
 
 def check_train_run(run: TrainRun) -> None:
@@ -49,6 +71,7 @@ def check_train_run(run: TrainRun) -> None:
     check_injection(run.injection, run.world_size, job.layout.world_size)
     check_training_scope(run.scope, run.world_size)
     if run.saved_model is not None:
+        check_checkpoint_files(job.checkpoint.load)
         diff = compute_model_config_mismatch(run.saved_model, job.model)
         if diff:
             raise ConfigError(f"--load {job.checkpoint.load}: checkpoint model differs: {', '.join(diff)}")
@@ -59,6 +82,7 @@ def check_train_run(run: TrainRun) -> None:
 
 def _check_inference(run: InferenceRun) -> None:
     """Layout and devices, scope capture's request, tokenizer and prompts, scope serve's port."""
+    check_checkpoint_files(run.load)
     check_inference_layout_run(run)
     if run.capture is not None:
         check_capture(run.capture, run.model)

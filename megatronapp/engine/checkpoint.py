@@ -3,7 +3,8 @@
 Layout on disk (one folder per saved iteration):
 
     SAVE/latest                      text: the newest complete iteration (written last)
-    SAVE/iter_0000020/meta.json      iteration, job config, layout
+    SAVE/iter_0000020/meta.json      iteration, job config, layout, and the size and checksum of
+                                     every other file of the folder (written after them)
     SAVE/iter_0000020/model_tp{t}_pp{p}.pt   params + AdamW state of one (tp, pp) shard,
                                      keyed by layout-independent names, with each tensor's
                                      tp split dim (written by DP rank 0 only); the optimizer
@@ -14,13 +15,16 @@ Layout on disk (one folder per saved iteration):
 
 Loading under the same layout reads one shard; under another layout every shard holding
 a needed name is read (memory-mapped), full tensors are re-assembled along their split dim
-and sliced for the new TP rank. Every file is written to a temp name and renamed.
+and sliced for the new TP rank. Every file is written to a temp name and renamed. Launching
+commands verify every listed file before any rank starts (checkpoint_files.py); a file that
+still fails to load names itself in a one-line CheckpointDamagedError.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 from dataclasses import asdict
 from pathlib import Path
@@ -28,13 +32,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatronapp.engine.checkpoint_files import (
+    CheckpointDamagedError,
+    compute_file_digest,
+    read_checkpoint_meta,
+)
 from megatronapp.files import atomic_path, write_text_atomic
 from megatronapp.parallel.fp8 import delayed_state_dict, load_delayed_state_dict
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
+def _atomic_torch_save(obj, path: Path) -> dict:
+    """Write `obj` to `path` atomically; returns the file's size and checksum."""
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
+        digest = compute_file_digest(tmp)  # read back from the page cache: cheap next to the write
+    return digest
+
+
+def _gather_file_digests(own: dict, group) -> dict:
+    """Every rank's {file name: digest}, merged (collective over `group`; None: this process alone)."""
+    if group is None or not dist.is_initialized():
+        return dict(own)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, own, group=group)
+    return {name: digest for part in everyone for name, digest in part.items()}
 
 
 def _barrier(group) -> None:
@@ -71,27 +92,31 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
     folder = Path(save_dir) / f"iter_{it:07d}"
     if g.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        job = trainer.job  # the settings beside the model are a record only: a resume takes its own flags
-        meta = {
-            "iteration": it,
-            "layout": asdict(job.layout),
-            "model": asdict(job.model),
-            **{name: asdict(getattr(job, name)) for name in ("train", "optimizer", "precision")},
-        }
-        write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     _barrier(g.world)
     state = _shard_state(trainer)
+    written = {}
     if g.dp_rank == 0:
-        _atomic_torch_save(state, folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
+        shard = f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt"
+        written[shard] = _atomic_torch_save(state, folder / shard)
     rng = {
         "torch": torch.get_rng_state(),
         "python": random.getstate()[1],
         "cuda": torch.cuda.get_rng_state() if trainer.device.type == "cuda" else None,
         "tracker": trainer.rng_tracker.get_states(),
     }
-    _atomic_torch_save({"rng": rng, "data": data.state_dict()}, folder / f"rank{g.rank:05d}.pt")
-    _barrier(g.world)
+    rank_file = f"rank{g.rank:05d}.pt"
+    written[rank_file] = _atomic_torch_save({"rng": rng, "data": data.state_dict()}, folder / rank_file)
+    files = _gather_file_digests(written, g.world)
     if g.rank == 0:
+        job = trainer.job  # the settings beside the model are a record only: a resume takes its own flags
+        meta = {
+            "iteration": it,
+            "layout": asdict(job.layout),
+            "model": asdict(job.model),
+            **{name: asdict(getattr(job, name)) for name in ("train", "optimizer", "precision")},
+            "files": dict(sorted(files.items())),
+        }
+        write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
         write_text_atomic(Path(save_dir) / "latest", str(it))
     _barrier(g.world)  # every rank returns with the checkpoint complete: any rank may load it next
     return folder
@@ -101,7 +126,22 @@ def find_latest(load_dir: str | os.PathLike) -> Path:
     marker = Path(load_dir) / "latest"
     if not marker.is_file():
         raise FileNotFoundError(f"no complete checkpoint in {load_dir} (missing 'latest')")
-    return Path(load_dir) / f"iter_{int(marker.read_text().strip()):07d}"
+    text = marker.read_bytes().decode("utf-8", errors="replace").strip()
+    if not text.isdigit():
+        raise CheckpointDamagedError(load_dir, "latest", f"damaged (an iteration number, found {text[:20]!r})")
+    return Path(load_dir) / f"iter_{int(text):07d}"
+
+
+def load_checkpoint_file(folder: Path, name: str, mmap: bool = False) -> dict:
+    """torch.load of one file of a checkpoint folder; a file torch cannot read (truncated,
+    corrupted) is a one-line CheckpointDamagedError naming it."""
+    try:
+        return torch.load(folder / name, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointDamagedError(folder, name, "missing") from None
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        reason = " ".join(str(exc).split()).split(". ")[0][:160]  # torch's first sentence says what failed
+        raise CheckpointDamagedError(folder, name, f"damaged (torch.load: {reason})") from None
 
 
 class _ShardReader:
@@ -109,15 +149,14 @@ class _ShardReader:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        meta = json.loads((folder / "meta.json").read_text())
+        meta = read_checkpoint_meta(folder)
         self.tp_size = meta["layout"]["tp_size"]
         self.pp_size = meta["layout"]["pp_size"]
         self._shards = {}
 
     def _shard(self, tp: int, pp: int) -> dict:
         if (tp, pp) not in self._shards:
-            path = self.folder / f"model_tp{tp}_pp{pp}.pt"
-            self._shards[(tp, pp)] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            self._shards[(tp, pp)] = load_checkpoint_file(self.folder, f"model_tp{tp}_pp{pp}.pt", mmap=True)
         return self._shards[(tp, pp)]
 
     def _find_pp(self, name: str) -> int:
@@ -169,14 +208,14 @@ def load_model_params(load_dir: str | os.PathLike, chunks, tp_size: int, tp_rank
     with torch.no_grad():
         for name, p in _named_params(chunks).items():
             p.copy_(_slice(reader.full(name, "params"), p.tp_split_dim, tp_size, tp_rank))
-    return json.loads((folder / "meta.json").read_text())
+    return read_checkpoint_meta(folder)
 
 
 def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
     """Load the latest checkpoint into `trainer` (any saved layout); returns its iteration."""
     folder = find_latest(load_dir)
     reader = _ShardReader(folder)
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_checkpoint_meta(folder)
     g, lay = trainer.groups, trainer.job.layout
     trainer.optimizer.finish_param_sync()
     optim = {}
@@ -200,9 +239,8 @@ def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
 
 def _restore_rank_state(folder: Path, trainer, data, same_world: bool) -> None:
     # The data position is global (consumed samples), so any rank's file serves any layout.
-    own = folder / f"rank{trainer.groups.rank:05d}.pt"
-    path = own if (same_world and own.is_file()) else folder / "rank00000.pt"
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    own = f"rank{trainer.groups.rank:05d}.pt"
+    state = load_checkpoint_file(folder, own if (same_world and (folder / own).is_file()) else "rank00000.pt")
     if data is not None:
         data.load_state_dict(state["data"])
     if same_world:
@@ -222,7 +260,7 @@ def read_saved_model_fields(load_dir: str | os.PathLike) -> dict | None:
     """The model fields of the latest checkpoint in `load_dir`; None when it holds none."""
     if not has_checkpoint(load_dir):
         return None
-    return json.loads((find_latest(load_dir) / "meta.json").read_text())["model"]
+    return read_checkpoint_meta(find_latest(load_dir))["model"]
 
 
 def compute_model_config_mismatch(saved: dict, model_config) -> list[str]:

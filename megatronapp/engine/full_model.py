@@ -23,6 +23,7 @@ import torch
 
 from megatronapp.config import ConfigError, ModelConfig, TrainConfig
 from megatronapp.engine.checkpoint import _atomic_torch_save, _ShardReader, find_latest
+from megatronapp.engine.checkpoint_files import read_checkpoint_meta
 from megatronapp.files import write_text_atomic
 from megatronapp.model.gpt import GPTChunk, TPContext, build_model_chunks
 from megatronapp.parallel.layout import ParallelLayout
@@ -43,7 +44,7 @@ def resolve_checkpoint_folder(path: str | os.PathLike) -> Path:
 
 def load_model_config(folder: Path) -> ModelConfig:
     """The ModelConfig saved in `folder`/meta.json; fields this version does not know are an error."""
-    saved = json.loads((folder / "meta.json").read_text())["model"]
+    saved = read_checkpoint_meta(folder)["model"]
     known = {f.name for f in fields(ModelConfig)}
     unknown = sorted(set(saved) - known)
     if unknown:
@@ -128,19 +129,19 @@ def save_full_checkpoint(save_dir: str | os.PathLike, chunks: list[GPTChunk], *,
         "model": asdict(cfg),
         "train": asdict(TrainConfig(seed=seed)),
     }
-    write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     named = {name: p for c in chunks for name, p in c.named_parameters()}
     shard = {
         "params": {n: p.detach().cpu().contiguous() for n, p in named.items()},
         "split": {n: p.tp_split_dim for n, p in named.items()},
         "optim": {},
     }
-    _atomic_torch_save(shard, folder / "model_tp0_pp0.pt")
+    files = {"model_tp0_pp0.pt": _atomic_torch_save(shard, folder / "model_tp0_pp0.pt")}
     rng = {
         "torch": torch.Generator().manual_seed(seed).get_state(),
         "python": random.Random(seed).getstate()[1],
         "cuda": None,
     }
-    _atomic_torch_save({"rng": rng, "data": {"consumed_samples": 0}}, folder / "rank00000.pt")
+    files["rank00000.pt"] = _atomic_torch_save({"rng": rng, "data": {"consumed_samples": 0}}, folder / "rank00000.pt")
+    write_text_atomic(folder / "meta.json", json.dumps({**meta, "files": files}, indent=1))
     write_text_atomic(Path(save_dir) / "latest", "0")
     return folder

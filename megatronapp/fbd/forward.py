@@ -3,14 +3,14 @@ its backward twins, and takes versioned weights from them before every iteration
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
 
 from megatronapp import spans
 from megatronapp.config import JobConfig
-from megatronapp.engine.checkpoint import find_latest
+from megatronapp.engine.checkpoint import find_latest, load_checkpoint_file
+from megatronapp.engine.checkpoint_files import read_checkpoint_meta
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import params_dtype
 from megatronapp.fbd.config import FbdConfig, FbdInjection
@@ -116,11 +116,11 @@ class ForwardWorker:
         iteration, the data position and, when it maps 1:1, the twin's attention-dropout
         stream. The weights themselves arrive with the first publication."""
         folder = find_latest(load_dir)
-        meta = json.loads((folder / "meta.json").read_text())
+        meta = read_checkpoint_meta(folder)
         lay = self.groups.layout
         twin = lay.twin_of(self.groups.rank)
         same_world = meta["layout"]["world_size"] == lay.num_backward
-        state = torch.load(folder / f"rank{twin if same_world else 0:05d}.pt", map_location="cpu", weights_only=True)
+        state = load_checkpoint_file(folder, f"rank{twin if same_world else 0:05d}.pt")
         self.data.load_state_dict(state["data"])  # the data position is global: any rank's file serves
         if same_world and lay.forward_tp_size == lay.tp_size and "tracker" in state["rng"]:
             self.rng_tracker.set_states(state["rng"]["tracker"])

@@ -23,7 +23,6 @@ is replayed again; an eager generation in between keeps them, a new static shape
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import fields
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from megatronapp.config import ConfigError, JobConfig, ModelConfig, TrainConfig
 from megatronapp.engine.checkpoint import find_latest, load_model_params
+from megatronapp.engine.checkpoint_files import read_checkpoint_meta
 from megatronapp.inference.graphs import DecodeGraph
 from megatronapp.inference.kv_cache import KVCache, compute_static_length
 from megatronapp.job import validate_job
@@ -46,7 +46,7 @@ log = logging.getLogger("megatronapp.inference")
 
 def read_model_config(load_dir) -> ModelConfig:
     """The ModelConfig stored with the latest checkpoint in `load_dir`."""
-    meta = json.loads((find_latest(load_dir) / "meta.json").read_text())
+    meta = read_checkpoint_meta(find_latest(load_dir))
     known = {f.name for f in fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in meta["model"].items() if k in known})
 

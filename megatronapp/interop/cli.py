@@ -62,10 +62,13 @@ def _fail(exc: Exception) -> int:
 
 
 def run_export_hf(args: argparse.Namespace) -> int:
+    from megatronapp.engine.checkpoint_files import verify_checkpoint_files
+    from megatronapp.engine.full_model import resolve_checkpoint_folder
     from megatronapp.interop.hf_checkpoint import export_hf
     from megatronapp.interop.hf_gptneox import parse_dtype
 
     try:
+        verify_checkpoint_files(resolve_checkpoint_folder(args.load))
         warnings = export_hf(args.load, args.out, tokenizer_model=args.tokenizer_model, dtype=parse_dtype(args.dtype))
     except (ConfigError, ValueError, FileNotFoundError) as exc:  # InteropError is a ValueError
         return _fail(exc)

@@ -134,6 +134,9 @@ def test_failing_rank_stops_the_job_with_its_error(tmp_path):
     res = run_cli(["--nproc-per-node", "2", "--train-iters", "1", "--global-batch-size", "4", "--save", str(ckpt)])
     assert res.returncode == 0, res.stderr
     (ckpt / "iter_0000001" / "rank00001.pt").write_bytes(b"not a checkpoint")  # only rank 1 reads it
+    meta = json.loads((ckpt / "iter_0000001" / "meta.json").read_text())
+    del meta["files"]  # as an older checkpoint, unchecked before launch: the failure happens in rank 1
+    (ckpt / "iter_0000001" / "meta.json").write_text(json.dumps(meta))
     # rank 0 loads its shard and waits for rank 1 in the first collective: a job that did not
     # stop on rank 1's error would hang there (the subprocess timeout fails the test then)
     res = run_cli(
@@ -141,6 +144,7 @@ def test_failing_rank_stops_the_job_with_its_error(tmp_path):
     )
     assert res.returncode == 1
     assert "rank 1 failed" in res.stderr
+    assert "rank00001.pt is damaged" in res.stderr
 
 
 def test_trains_on_jsonl_with_hf_tokenizer(tmp_path):

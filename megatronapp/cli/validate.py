@@ -32,6 +32,7 @@ from megatronapp.cli.devices import check_job_devices
 from megatronapp.cli.injection import check_injection
 from megatronapp.cli.run import TrainRun
 from megatronapp.config import ConfigError
+from megatronapp.data.dataset import load_text_documents
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
 from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.engine.checkpoint import compute_model_config_mismatch, find_latest
@@ -39,6 +40,7 @@ from megatronapp.engine.checkpoint_files import verify_checkpoint_files
 from megatronapp.fbd.cli import check_fbd_job
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
 from megatronapp.job import validate_job
+from megatronapp.launch.local import under_launcher
 from megatronapp.scan.trace_run import TraceRun, check_trace_run
 from megatronapp.scope.cli import check_capture
 from megatronapp.scope_ui.cli import check_port
@@ -78,6 +80,19 @@ def check_train_run(run: TrainRun) -> None:
     for path in run.data_paths:
         if not os.path.exists(path):
             raise ConfigError(f"--data-path {path} does not exist")
+    if run.data_paths and not under_launcher():  # the launching process reads them once for its ranks
+        check_data_files(run.data_paths)
+
+
+def check_data_files(paths) -> None:
+    """Every --data-path file loads as text documents (the data loader's own reading and checks:
+    empty, binary, invalid UTF-8, bad JSONL lines, unsupported types), and at least one has text."""
+    try:
+        documents = load_text_documents(paths)
+    except ValueError as exc:
+        raise ConfigError(f"--data-path {exc}") from None
+    if not documents:
+        raise ConfigError(f"--data-path {' '.join(map(str, paths))}: no non-empty documents")
 
 
 def _check_inference(run: InferenceRun) -> None:

@@ -35,6 +35,7 @@ __all__ = [
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".json")
+_BINARY_SNIFF_BYTES = 8192  # as git and grep decide a file is binary: a NUL byte among the first 8 KiB
 DEFAULT_NUM_TOKENS = 1 << 20  # ~1M tokens: several epochs of headroom for demo runs, < 1 s to build
 
 
@@ -46,12 +47,14 @@ def load_text_documents(paths: str | os.PathLike | Iterable[str | os.PathLike]) 
     - `.jsonl` / `.json`: one JSON object per line with a string field "text"; blank lines are
       skipped; any other line raises ValueError naming `file:line`.
     - a directory: its .txt/.jsonl/.json files in sorted name order (not recursive).
-    Whitespace-only documents are dropped. Files must be UTF-8.
+    Whitespace-only documents are dropped. Files must be non-empty UTF-8 text: an empty file, a
+    binary file (a NUL byte early on) or invalid UTF-8 raises ValueError naming the file.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     documents: list[str] = []
     for file in _expand_paths([Path(p) for p in paths]):
+        _check_text_file(file)
         if file.suffix.lower() in JSONL_SUFFIXES:
             documents.extend(_load_jsonl_documents(file))
         else:
@@ -71,6 +74,18 @@ def _expand_paths(paths: list[Path]) -> list[Path]:
         else:
             files.append(path)
     return files
+
+
+def _check_text_file(file: Path) -> None:
+    """Refuse what is surely not a text corpus before decoding it: an empty file (a failed
+    download or export) and a binary one (text has no NUL bytes; a tokenizer would take it)."""
+    with open(file, "rb") as f:
+        head = f.read(_BINARY_SNIFF_BYTES)
+    if not head:
+        raise ValueError(f"{file}: empty file")
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{file}: a binary file, not UTF-8 text (NUL byte at offset {nul})")
 
 
 def _is_supported(path: Path) -> bool:

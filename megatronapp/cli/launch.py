@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 from rich.console import Console
@@ -62,11 +63,17 @@ def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: 
 def _report_trace(args: argparse.Namespace, console: Console) -> int:
     from megatronapp.scan.analyze.analysis import analyze_trace_dir
     from megatronapp.scan.analyze.detect_output import render_report
+    from megatronapp.scan.cli import truncated_traces_as_notes
     from megatronapp.scan.merge.merge import merge_traces
+    from megatronapp.scan.record.format import TraceTruncatedWarning
 
     out = Path(args.trace_dir) / "timeline.json"
-    summary = merge_traces(args.trace_dir, out)
+    with truncated_traces_as_notes():
+        summary = merge_traces(args.trace_dir, out)
     console.print(f"[bold]MegaScan[/bold]: merged {len(summary.ranks)} ranks, {summary.events} events -> {out}")
     console.print("  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
-    console.print(render_report(analyze_trace_dir(args.trace_dir).detection))
+    with warnings.catch_warnings():  # the merge noted any truncated file already
+        warnings.simplefilter("ignore", TraceTruncatedWarning)
+        detection = analyze_trace_dir(args.trace_dir).detection
+    console.print(render_report(detection))
     return 0

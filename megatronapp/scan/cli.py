@@ -8,15 +8,18 @@ The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 
 from megatronapp.scan.analyze.analysis import analyze_trace_dir
 from megatronapp.scan.analyze.detect_config import DetectConfig
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
-from megatronapp.scan.record.format import TraceFormatError
+from megatronapp.scan.record.format import TraceFormatError, TraceTruncatedWarning
 from megatronapp.scan.trace_run import add_trace_run_arguments
 
 _NO_END = 2**31 - 1
@@ -52,6 +55,24 @@ def parse_rank_list(text: str) -> list[int]:
     return sorted(ranks)
 
 
+@contextlib.contextmanager
+def truncated_traces_as_notes(out=None) -> Iterator[None]:
+    """Inside the block, a truncated rank file (TraceTruncatedWarning) is not a Python warning
+    with its source line: each is printed once, after the block, as one line `note: FILE: ...`
+    on `out` (stdout by default), ahead of the command's own report."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TraceTruncatedWarning)
+        try:
+            yield
+        finally:
+            notes = [w for w in caught if issubclass(w.category, TraceTruncatedWarning)]
+            others = [w for w in caught if not issubclass(w.category, TraceTruncatedWarning)]
+    for w in others:  # any other warning goes on as it came
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    for line in dict.fromkeys(" ".join(str(w.message).split()) for w in notes):
+        print(f"note: {line}", file=out or sys.stdout)
+
+
 def _report_split(summaries: list) -> int:
     for summary in summaries:
         print(f"wrote {summary.out}: {summary.events} events, {summary.flows} flow arrows")
@@ -65,9 +86,13 @@ def run_merge(args: argparse.Namespace) -> int:
         print("error: --split-iterations and --iterations cannot be combined", file=sys.stderr)
         return 2
     try:
+        with truncated_traces_as_notes():
+            if args.split_iterations is not None:
+                summaries = merge_traces_split(args.dir, args.out, args.split_iterations, ranks=args.ranks)
+            else:
+                summary = merge_traces(args.dir, args.out, iterations=args.iterations, ranks=args.ranks)
         if args.split_iterations is not None:
-            return _report_split(merge_traces_split(args.dir, args.out, args.split_iterations, ranks=args.ranks))
-        summary = merge_traces(args.dir, args.out, iterations=args.iterations, ranks=args.ranks)
+            return _report_split(summaries)
     except (TraceFormatError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -93,7 +118,8 @@ def run_detect(args: argparse.Namespace) -> int:
     its = args.iterations  # a range from parse_iteration_range, or None
     try:
         config = DetectConfig(iterations=None if its is None else (its.start, its.stop))
-        report = analyze_trace_dir(args.trace_dir, config).detection
+        with truncated_traces_as_notes(sys.stderr if args.json else None):  # --json: stdout is one object
+            report = analyze_trace_dir(args.trace_dir, config).detection
     except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
         print(f"megatronapp trace detect: {exc}", file=sys.stderr)
         return 2
@@ -118,7 +144,8 @@ def _add_detect(sub: argparse._SubParsersAction) -> None:
 def run_whatif(args: argparse.Namespace) -> int:
     """Handler of `trace whatif`: the iteration time with each diagnosed fault removed."""
     try:
-        report = analyze_trace_dir(args.trace_dir).detection
+        with truncated_traces_as_notes(sys.stderr if args.json else None):
+            report = analyze_trace_dir(args.trace_dir).detection
     except (OSError, ValueError) as exc:
         print(f"megatronapp trace whatif: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from megatronapp.scan.record.format import (
     EVENT_SCHEMA,
     RankTrace,
     TraceFormatError,
+    TraceTruncatedWarning,
     build_event_batch_from_columns,
     iteration_mask,
     read_meta,
@@ -105,7 +106,9 @@ def iter_rank_batches(
         if error is not None or handle.read() != END_OF_STREAM:
             if warn:
                 why = f"truncated stream ({error})" if error else "no end-of-stream marker"
-                warnings.warn(f"{source}: {why}; using the {count} complete batches", stacklevel=2)
+                warnings.warn(
+                    f"{source}: {why}; using the {count} complete batches", TraceTruncatedWarning, stacklevel=2
+                )
             yield "partial"
 
 

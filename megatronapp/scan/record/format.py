@@ -101,6 +101,11 @@ class TraceFormatError(ValueError):
     """A file that is not a readable MegaScan trace; the message names the file."""
 
 
+class TraceTruncatedWarning(UserWarning):
+    """A rank file whose stream stops early (a crash, or its writer still open): its complete
+    batches are used. The CLI prints it as a one-line note (scan/cli.py)."""
+
+
 @dataclass
 class RankTrace:
     """One rank's trace: its meta dict, its events (columns of EVENT_SCHEMA), where it
@@ -363,7 +368,9 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     partial = error is not None or not data.endswith(END_OF_STREAM)
     if partial:
         why = f"truncated stream ({error})" if error else "no end-of-stream marker"
-        warnings.warn(f"{source}: {why}; using the {len(batches)} complete batches", stacklevel=2)
+        warnings.warn(
+            f"{source}: {why}; using the {len(batches)} complete batches", TraceTruncatedWarning, stacklevel=2
+        )
     table = pa.Table.from_batches(batches, schema=reader.schema)
     return RankTrace(meta=meta, events=table, path=source, partial=partial)
 

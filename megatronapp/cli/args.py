@@ -61,7 +61,11 @@ def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
     )
     g.add_argument(
-        "--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false", default=None
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        default=None,
+        help="do not skip steps whose loss or grad norm is not finite",
     )
     _job_flag(
         g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps", action="store_true"
@@ -119,9 +123,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP: ranks sharing each layer")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP: pipeline stages")
+    vpp = g.add_mutually_exclusive_group()  # Megatron's two spellings of the virtual stage count
+    vpp.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="interleaved pipeline: layers per model chunk (default: one chunk per stage)",
+    )
+    vpp.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help="interleaved pipeline: model chunks per pipeline rank (default: 1)",
+    )
     g.add_argument(
         "--pipeline-schedule",
         choices=SCHEDULES,
@@ -135,7 +151,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
     )
     _job_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
-    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None)
+    g.add_argument(
+        "--no-overlap-grad-reduce",
+        dest="overlap_grad_reduce",
+        action="store_false",
+        default=None,
+        help="reduce gradients over DP after the backward, not during it",
+    )
     _job_flag(
         g,
         "--split-backward",
@@ -143,7 +165,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
         action="store_true",
     )
-    g.add_argument("--no-split-backward", dest="split_backward", action="store_false", default=None)
+    g.add_argument(
+        "--no-split-backward",
+        dest="split_backward",
+        action="store_false",
+        default=None,
+        help="whole backward tasks: no deferred weight-gradient (W) work",
+    )
     _job_flag(
         g,
         "--gradient-accumulation-fusion",
@@ -151,7 +179,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
     )
     g.add_argument(
-        "--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false", default=None
+        "--no-gradient-accumulation-fusion",
+        dest="gradient_accumulation_fusion",
+        action="store_false",
+        default=None,
+        help="weight-gradient GEMMs write their own tensors, added to the main grads after",
     )
     _job_flag(
         g,
@@ -159,7 +191,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the model weights in the same kernel (default)",
         action="store_true",
     )
-    g.add_argument("--no-fused-master-adamw", dest="fused_master_adamw", action="store_false", default=None)
+    g.add_argument(
+        "--no-fused-master-adamw",
+        dest="fused_master_adamw",
+        action="store_false",
+        default=None,
+        help="plain torch AdamW on the fp32 master weights instead of the fused kernel",
+    )
     _job_flag(
         g,
         "--overlap-param-update",
@@ -282,8 +320,20 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("MegaScan tracing")
     g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")
     add_trace_arguments(g, granularity_help="full: also per-layer attention and MLP spans")
-    g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
-    g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
+    g.add_argument(
+        "--inject-slowdown",
+        action="append",
+        default=[],
+        metavar="RANK:FACTOR[:EVERY]",
+        help="test knob: RANK computes FACTOR x slower (every EVERY-th iteration); repeatable",
+    )
+    g.add_argument(
+        "--inject-link-delay",
+        action="append",
+        default=[],
+        metavar="SRC:DST:MS[:JITTER]",
+        help="test knob: messages SRC -> DST arrive MS (+- JITTER) ms late; repeatable",
+    )
     _add_integrity_arguments(p)
     add_fbd_arguments(p)
     add_dpp_arguments(p)
@@ -314,7 +364,11 @@ def _model_config(args: argparse.Namespace, vocab_size: int | None) -> ModelConf
     return model_preset(args.model, **overrides)
 
 
-def _virtual_stages(model: ModelConfig, pp: int, per: int | None) -> int:
+def _virtual_stages(model: ModelConfig, pp: int, per: int | None, chunks: int | None = None) -> int:
+    """Model chunks per pipeline rank, from layers per chunk or given directly; the layer count
+    must divide either way (job.validate_job checks the latter)."""
+    if chunks:
+        return chunks
     if not per:
         return 1
     if model.num_layers % (pp * per):
@@ -334,6 +388,7 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank",
             "nproc_per_node",
             "nnodes",
             "trace_interval",
@@ -343,7 +398,9 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
     check_flag_combinations(args)
     model = _model_config(args, vocab_size)
     pp = args.pipeline_model_parallel_size
-    vpp = _virtual_stages(model, pp, args.num_layers_per_virtual_pipeline_stage)
+    vpp = _virtual_stages(
+        model, pp, args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    )
     layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
     schedule = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
     return build_job(model, layout, **_given_job_fields(args), schedule=schedule)

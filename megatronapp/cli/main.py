@@ -18,6 +18,7 @@ is launched: each launching command builds a description of its run, which `vali
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -31,17 +32,59 @@ from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.launch.local import under_launcher
 
 
+class DefaultsShownFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already speaks of its default or
+    there is none worth showing (None, an empty list, an on/off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        hidden = default is None or default is argparse.SUPPRESS or default == [] or action.nargs == 0
+        if not action.option_strings or hidden or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse's errors in one line (its default prints the whole usage block first);
-    subcommand parsers are made with the parent's class, so they inherit this."""
+    """argparse's errors in one line (its default prints the whole usage block first), and help
+    that shows the defaults; subcommand parsers are made with the parent's class, so they inherit
+    both."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsShownFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _version() -> str:
+    import platform
+
+    import torch
+
+    try:
+        ours = importlib.metadata.version("megatronapp")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        ours = "(not installed)"
+    return f"megatronapp {ours} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
+def _show_help_when_bare(parser: argparse.ArgumentParser) -> None:
+    """A command group given without its subcommand (`megatronapp`, `megatronapp trace`) prints
+    its help, listing the subcommands, instead of an error about a missing argument."""
+    for action in parser._actions:  # argparse keeps subcommands only in this private list
+        if isinstance(action, argparse._SubParsersAction):
+            action.required = False
+            parser.set_defaults(bare_command_parser=parser)
+            for sub in action.choices.values():
+                _show_help_when_bare(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="megatronapp", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
     train = sub.add_parser("train", help="train a GPT with TP/PP/DP (Megatron-LM flag names)")
     add_train_arguments(train)
     train.add_argument("--summary-file", default=None, help=argparse.SUPPRESS)
@@ -59,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_scope_ui_train_arguments(train)
     add_interop_subcommands(sub)
     add_schedule_subcommands(sub)
+    _show_help_when_bare(parser)
     return parser
 
 
@@ -122,6 +166,9 @@ def _train(args: argparse.Namespace, argv: list[str], run) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if not hasattr(args, "build_run") and not hasattr(args, "func"):  # a bare command group
+        args.bare_command_parser.print_help(sys.stderr)
+        return 2
     if not hasattr(args, "build_run"):  # commands that launch nothing (merge, detect, export, ...)
         return args.func(args)
     try:  # the one check of every launching command, before any process starts

@@ -37,6 +37,7 @@ class TrainRun:
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
     tokenizer_model: str | None = None  # None: bytes
     saved_model: dict | None = None  # the model fields of the --load checkpoint, when there is one
+    checkpoint_folder: str | None = None  # its iter_ folder, whose files are verified before launch
 
 
 def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> TrainRun:
@@ -44,7 +45,7 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
     not parse; the rules between settings are cli/validate.py's)."""
     import torch
 
-    from megatronapp.engine.checkpoint import read_saved_model_fields
+    from megatronapp.engine.checkpoint import find_latest, has_checkpoint, read_saved_model_fields
     from megatronapp.parallel.device import ranks_per_node
     from megatronapp.scan.record.trace_config import trace_fields_from_args
 
@@ -62,4 +63,5 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
         data_paths=tuple(args.data_path or ()),
         tokenizer_model=args.tokenizer_model,
         saved_model=read_saved_model_fields(args.load) if args.load else None,
+        checkpoint_folder=str(find_latest(args.load)) if args.load and has_checkpoint(args.load) else None,
     )

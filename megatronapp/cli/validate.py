@@ -25,6 +25,7 @@ dpp.setup.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import xxhash
 
@@ -35,7 +36,7 @@ from megatronapp.config import ConfigError
 from megatronapp.data.dataset import load_text_documents
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
 from megatronapp.dpp.setup import check_dpp_job
-from megatronapp.engine.checkpoint import compute_model_config_mismatch, find_latest
+from megatronapp.engine.checkpoint import compute_model_config_mismatch
 from megatronapp.engine.checkpoint_files import verify_checkpoint_files
 from megatronapp.fbd.cli import check_fbd_job
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
@@ -49,11 +50,11 @@ from megatronapp.scope_ui.training import check_training_scope
 VERIFIED_CHECKPOINT_ENV = "MEGATRONAPP_VERIFIED_CHECKPOINT"
 
 
-def check_checkpoint_files(load_dir: str) -> None:
-    """Every file of `load_dir`'s latest checkpoint against its recorded size and checksum
+def check_checkpoint_files(folder: str) -> None:
+    """Every file of the checkpoint's iter_ `folder` against its recorded size and checksum
     (checkpoint_files.verify_checkpoint_files), unless this process or the one that launched it
     verified the same files unchanged since."""
-    folder = find_latest(load_dir).resolve()
+    folder = Path(folder).resolve()
     listing = ",".join(f"{p.name}={p.stat().st_size}@{p.stat().st_mtime_ns}" for p in sorted(folder.iterdir()))
     stamp = xxhash.xxh3_64_hexdigest(f"{folder}:{listing}".encode())  # bounded size, whatever the world size
     if os.environ.get(VERIFIED_CHECKPOINT_ENV) == stamp:
@@ -72,8 +73,9 @@ def check_train_run(run: TrainRun) -> None:
     check_job_devices(job, run.world_size, run.device, run.fbd, run.visible_gpus, run.ranks_per_node)
     check_injection(run.injection, run.world_size, job.layout.world_size)
     check_training_scope(run.scope, run.world_size)
+    if run.checkpoint_folder is not None:
+        check_checkpoint_files(run.checkpoint_folder)
     if run.saved_model is not None:
-        check_checkpoint_files(job.checkpoint.load)
         diff = compute_model_config_mismatch(run.saved_model, job.model)
         if diff:
             raise ConfigError(f"--load {job.checkpoint.load}: checkpoint model differs: {', '.join(diff)}")
@@ -97,7 +99,8 @@ def check_data_files(paths) -> None:
 
 def _check_inference(run: InferenceRun) -> None:
     """Layout and devices, scope capture's request, tokenizer and prompts, scope serve's port."""
-    check_checkpoint_files(run.load)
+    if run.checkpoint_folder is not None:
+        check_checkpoint_files(run.checkpoint_folder)
     check_inference_layout_run(run)
     if run.capture is not None:
         check_capture(run.capture, run.model)

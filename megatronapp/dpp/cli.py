@@ -32,13 +32,47 @@ from megatronapp.dpp.sim.static_agents import STATIC_COMM_MODELS
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 
+DEFAULT_VIRTUAL_STAGES = 2
+
+
+def compute_virtual_stages(args) -> int:
+    """Model chunks per pipeline rank: --num-virtual-stages-per-pipeline-rank, or as Megatron
+    derives it, --num-layers / (PP x --num-layers-per-virtual-pipeline-stage); ValueError (one line)."""
+    per, layers, pp = args.layers_per_virtual_stage, args.num_layers, args.pp
+    if per is None:
+        return DEFAULT_VIRTUAL_STAGES if args.vpp is None else args.vpp
+    if layers is None:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage needs --num-layers (the simulator has no model)")
+    if min(per, layers, pp) < 1:
+        return 0  # check_schedule_run names the value below 1
+    if layers % (pp * per):
+        raise ValueError(
+            f"num layers {layers} is not divisible by pipeline-parallel size {pp} x layers per virtual stage {per}"
+        )
+    return layers // (pp * per)
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=4, dest="pp")
-    p.add_argument(
-        "--num-virtual-stages-per-pipeline-rank", type=int, default=2, dest="vpp", help="model chunks per pipeline rank"
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=4, dest="pp", help="pipeline stages")
+    vpp = p.add_mutually_exclusive_group()  # Megatron's two spellings of the virtual stage count
+    vpp.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        dest="vpp",
+        help=f"model chunks per pipeline rank (default: {DEFAULT_VIRTUAL_STAGES})",
     )
-    p.add_argument("--num-microbatches", type=int, default=8, dest="microbatches")
+    vpp.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        dest="layers_per_virtual_stage",
+        help="layers per model chunk, with --num-layers: chunks = layers / (PP x this)",
+    )
+    p.add_argument(
+        "--num-layers", type=int, default=None, help="the model's layers, for --num-layers-per-virtual-pipeline-stage"
+    )
+    p.add_argument("--num-microbatches", type=int, default=8, dest="microbatches", help="microbatches per iteration")
     p.add_argument(
         "--pipeline-schedule",
         choices=(*SCHEDULE_NAMES, "dynamic"),
@@ -46,7 +80,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         dest="schedule",
         help="default: dynamic, or the traced run's schedule with --from-trace",
     )
-    p.add_argument("--dpp-traversal", choices=TRAVERSALS, default=DppConfig.traversal)
+    p.add_argument(
+        "--dpp-traversal", choices=TRAVERSALS, default=DppConfig.traversal, help="dynamic: the order ready tasks run in"
+    )
     p.add_argument(
         "--no-split-backward",
         dest="split_backward",
@@ -59,9 +95,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=0.5,
         help="share of a backward's time that is W when split (I gets the rest)",
     )
-    p.add_argument("--dpp-max-inflight", type=int, default=None)
+    p.add_argument(
+        "--dpp-max-inflight",
+        type=int,
+        default=None,
+        help="dynamic: activation sets a rank may hold (default: what interleaved 1F1B holds)",
+    )
     p.add_argument("--forward-ms", default="1", help="per task; one value or one per pipeline rank")
-    p.add_argument("--backward-ms", default="2")
+    p.add_argument("--backward-ms", default="2", help="per task; one value or one per pipeline rank")
     p.add_argument(
         "--p2p-latency-ms",
         type=float,
@@ -69,7 +110,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="default 0, or with --from-trace the delay measured in the trace",
     )
     p.add_argument("--p2p-bandwidth-gbps", type=float, default=0.0, help="0: infinite")
-    p.add_argument("--message-bytes", type=int, default=0)
+    p.add_argument("--message-bytes", type=int, default=0, help="bytes per activation message (with the bandwidth)")
     p.add_argument("--decision-us", type=float, default=0.0, help="cost of each dynamic decision")
     p.add_argument(
         "--static-comm",
@@ -95,7 +136,7 @@ def add_schedule_subcommands(sub) -> None:
     leaf = parser.add_subparsers(dest="schedule_command", required=True)
     sim = leaf.add_parser("simulate", help="iteration time, bubble fraction, peak in-flight per rank")
     _add_common(sim)
-    sim.add_argument("--json", action="store_true")
+    sim.add_argument("--json", action="store_true", help="print the result as one JSON object")
     sim.set_defaults(build_run=build_schedule_run, launch=lambda args, argv, run: run_simulate(args))
     show = leaf.add_parser("show", help="Gantt chart (PNG) and Chrome/Perfetto trace of a schedule")
     _add_common(show)
@@ -161,7 +202,7 @@ def build_setup(args) -> tuple[int, int, int, str, CostModel, object]:
         link["jitter"] = compute_pipeline_jitter(args.inject_jitter, run.tp_size, run.dp_size, pp)
         link["task_overhead_s"] = trace_costs.estimate_task_overheads_s(run, link["p2p_latency_s"])
         return pp, vpp, m, args.schedule or run.schedule, trace_costs.compute_trace_costs(run, **link), run
-    pp, vpp, m = args.pp, args.vpp, args.microbatches
+    pp, vpp, m = args.pp, compute_virtual_stages(args), args.microbatches
     fwd, bwd = _per_rank(args.forward_ms, pp, "--forward-ms"), _per_rank(args.backward_ms, pp, "--backward-ms")
     cost = CostModel(
         tuple((f,) * vpp for f in fwd),
@@ -194,7 +235,7 @@ class ScheduleRun:
 def build_schedule_run(args) -> ScheduleRun:
     return ScheduleRun(
         args.pp,
-        args.vpp,
+        compute_virtual_stages(args),
         args.microbatches,
         args.schedule,
         DppConfig(args.dpp_traversal, args.dpp_max_inflight),

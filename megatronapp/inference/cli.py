@@ -28,13 +28,20 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="checkpoint folder (any saved layout)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     p.add_argument("--prompt-file", default=None, help="one prompt per non-empty line")
-    p.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens, help="tokens per prompt")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default unless --temperature etc.)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=SamplingConfig.top_k)
-    p.add_argument("--top-p", type=float, default=SamplingConfig.top_p)
-    p.add_argument("--seed", type=int, default=SamplingConfig.seed)
-    p.add_argument("--no-stop-on-eod", dest="stop_on_eod", action="store_false")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sample with this temperature (default: greedy; {SamplingConfig.temperature} when only --top-k/--top-p)",
+    )
+    p.add_argument("--top-k", type=int, default=SamplingConfig.top_k, help="sample from the k likeliest tokens; 0: all")
+    p.add_argument("--top-p", type=float, default=SamplingConfig.top_p, help="nucleus sampling mass; 1: no filter")
+    p.add_argument("--seed", type=int, default=SamplingConfig.seed, help="seed of the sampling generator")
+    p.add_argument(
+        "--no-stop-on-eod", dest="stop_on_eod", action="store_false", help="keep generating past an end-of-document"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as a CUDA graph (one GPU)")
     p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
@@ -44,8 +51,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     """Launch and layout flags shared by every inference-side command (generate, scope capture)."""
     p.add_argument("--nproc-per-node", type=int, default=None, help="launch N local processes")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP: ranks sharing each layer")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP: pipeline stages")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
     p.add_argument("--bf16", action="store_true", help="bf16 weights and activations")
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
@@ -96,6 +103,7 @@ class InferenceRun:
     sampling: SamplingConfig | None = None
     capture: object | None = None  # scope capture's request (scope/cli.py)
     port: int | None = None  # scope serve's
+    checkpoint_folder: str | None = None  # load's latest iter_ folder, whose files are verified before launch
 
 
 def build_inference_run(args: argparse.Namespace, with_prompts: bool = True, **extra) -> InferenceRun:
@@ -104,6 +112,7 @@ def build_inference_run(args: argparse.Namespace, with_prompts: bool = True, **e
     import torch
 
     from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.engine.checkpoint import find_latest
     from megatronapp.inference.model import read_model_config
 
     if not os.path.isfile(os.path.join(args.load, "latest")):
@@ -113,6 +122,7 @@ def build_inference_run(args: argparse.Namespace, with_prompts: bool = True, **e
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
     return InferenceRun(
         load=args.load,
+        checkpoint_folder=str(find_latest(args.load)),
         model=read_model_config(args.load),
         nproc_per_node=args.nproc_per_node,
         tp_size=args.tensor_model_parallel_size,

@@ -195,7 +195,7 @@ def run_report(args: argparse.Namespace) -> int:
 def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     whatif = sub.add_parser("whatif", help="predict the iteration time with each diagnosed fault removed")
     whatif.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
-    whatif.add_argument("--json", action="store_true")
+    whatif.add_argument("--json", action="store_true", help="print the estimates as one JSON object")
     whatif.set_defaults(func=run_whatif)
     report = sub.add_parser("report", help="write one self-contained HTML page about a traced run")
     report.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")

@@ -22,8 +22,20 @@ from megatronapp.scan.record.trace_config import add_trace_arguments, trace_fiel
 def add_trace_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
     add_trace_arguments(parser, granularity_help="full: also every module's forward and backward")
-    parser.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
-    parser.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
+    parser.add_argument(
+        "--inject-slowdown",
+        action="append",
+        default=[],
+        metavar="RANK:FACTOR[:EVERY]",
+        help="test knob: RANK computes FACTOR x slower (every EVERY-th iteration); repeatable",
+    )
+    parser.add_argument(
+        "--inject-link-delay",
+        action="append",
+        default=[],
+        metavar="SRC:DST:MS[:JITTER]",
+        help="test knob: messages SRC -> DST arrive MS (+- JITTER) ms late; repeatable",
+    )
     parser.add_argument("--json", action="store_true", help="print the detection report as JSON")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT.py ARGS...")
     parser.set_defaults(build_run=build_trace_run, launch=run_trace_run)

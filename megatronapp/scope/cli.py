@@ -171,10 +171,15 @@ def add_scope_subcommands(sub) -> None:
     scope = sub.add_parser("scope", help="MegaScope: capture model internals, render reports")
     cmds = scope.add_subparsers(dest="scope_command", required=True)
     cap = cmds.add_parser("capture", help="generate while capturing sites; write safetensors + JSON manifest")
-    cap.add_argument("--load", required=True)
-    cap.add_argument("--prompt", action="append", default=[])
-    cap.add_argument("--prompt-file", default=None)
-    cap.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens)
+    cap.add_argument("--load", required=True, help="checkpoint folder (any saved layout)")
+    cap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
+    cap.add_argument("--prompt-file", default=None, help="one prompt per non-empty line")
+    cap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=SamplingConfig.max_new_tokens,
+        help="tokens generated (greedily) per prompt",
+    )
     cap.add_argument("--sites", default=",".join(DEFAULT_SITES), help="comma-separated; see megatronapp/scope/sites.py")
     cap.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
     cap.add_argument("--heads", default=None, help="comma-separated heads kept for q/k/v/attn_probs")
@@ -183,19 +188,19 @@ def add_scope_subcommands(sub) -> None:
         default=DEFAULT_COMPRESS,
         help=f"compression ops (default {DEFAULT_COMPRESS!r}; '' keeps full tensors)",
     )
-    cap.add_argument("--topk", type=int, default=5)
+    cap.add_argument("--topk", type=int, default=5, help="entries kept by the topk and logit_lens sites")
     cap.add_argument("--max-capture-mb", type=float, default=1024.0, help="refuse steps whose raw capture is larger")
     cap.add_argument("--perturb", action="append", default=[], help="perturbation spec JSON, or @FILE")
     cap.add_argument("--out", default=None, help="capture file (safetensors)")
-    cap.add_argument("--json", action="store_true")
-    cap.add_argument("--tokenizer-model", default=None)
+    cap.add_argument("--json", action="store_true", help="print the manifest as one JSON object")
+    cap.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
     add_layout_arguments(cap)
     cap.set_defaults(
         build_run=build_capture_run,
         launch=lambda args, argv, run: run_command(args, argv, run, capture_worker, render_capture),
     )
     rep = cmds.add_parser("report", help="render PNG heatmaps, attention maps and PCA of a capture file")
-    rep.add_argument("file")
+    rep.add_argument("file", help="capture file written by scope capture")
     rep.add_argument("--out", required=True, help="output folder")
     rep.set_defaults(func=_report)
     return cmds

@@ -47,7 +47,7 @@ def add_serve_subcommand(cmds) -> None:
     p = cmds.add_parser("serve", help="live web UI: generate, look inside, perturb")
     p.add_argument("--load", default=None, help="checkpoint folder; default: ./ckpt, or train a tiny demo model")
     add_server_arguments(p, default_port=8765)
-    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
     add_layout_arguments(p)  # --nproc-per-node, TP/PP sizes, --device, --bf16
     p.set_defaults(build_run=build_serve_run, launch=serve_main)
 

@@ -143,8 +143,11 @@ def _serve(backend, cfg, load: str) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
-    print(f"MegaScope UI ({load}): {server.url}", flush=True)
-    server.run()
+    print(f"MegaScope UI ({load}): {server.url}  (Ctrl-C stops it)", flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shuts down on the first Ctrl-C, then re-raises it
+        print("MegaScope UI stopped", flush=True)
     return 0
 
 

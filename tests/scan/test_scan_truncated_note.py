@@ -33,13 +33,15 @@ def _megatronapp(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 
-@pytest.mark.parametrize("command", ["merge", "detect"])
+@pytest.mark.parametrize("command", ["merge", "detect", "report"])
 def test_a_truncated_trace_is_one_note_line(truncated_trace_dir, tmp_path, command):
     trace_dir, victim = truncated_trace_dir
     before = victim.read_bytes()
-    args = (
-        ["merge", str(trace_dir), "-o", str(tmp_path / "t.json")] if command == "merge" else ["detect", str(trace_dir)]
-    )
+    args = {
+        "merge": ["merge", str(trace_dir), "-o", str(tmp_path / "t.json")],
+        "detect": ["detect", str(trace_dir)],
+        "report": ["report", str(trace_dir), "--out", str(tmp_path / "report.html")],
+    }[command]
     res = _megatronapp("trace", *args)
     assert res.returncode in (0, 3), res.stderr  # detect: 3 when it names a suspect
     assert res.stderr == ""

@@ -121,9 +121,10 @@ def test_a_damaged_meta_json_is_named(ckpt, train_before_launch, text):
     [
         ["generate", "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", "2", "--load"],
         ["scope", "capture", "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", "2", "--out", "x", "--load"],
+        ["scope", "serve", "--device", "cpu", "--port", "0", "--load"],
         ["export", "hf", "--out", "hf-out", "--load"],
     ],
-    ids=["generate", "scope-capture", "export-hf"],
+    ids=["generate", "scope-capture", "scope-serve", "export-hf"],
 )
 def test_every_loading_command_names_the_damaged_file(ckpt, capsys, monkeypatch, tmp_path, argv):
     monkeypatch.chdir(tmp_path)
@@ -155,3 +156,18 @@ def test_a_file_that_fails_to_load_names_itself(ckpt):
     model = build_inference_model(read_model_config(ckpt), single_process_groups(), "cpu")
     with pytest.raises(ValueError, match=r"model_tp0_pp0.pt is damaged \(torch.load: "):
         load_model_params(ckpt, [model.chunk], 1, 0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["generate", "--device", "cpu", "--prompt", "Hi", "--load"], ["export", "hf", "--out", "hf-out", "--load"]],
+    ids=["generate", "export-hf"],
+)
+def test_every_loading_command_names_a_damaged_meta_json(ckpt, capsys, monkeypatch, tmp_path, argv):
+    monkeypatch.chdir(tmp_path)
+    _truncate(ckpt / ITER / "meta.json", keep=40)
+    before = _snapshot(ckpt)
+    code, err = _run_main([*argv, str(ckpt)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("megatronapp: error: checkpoint ") and "meta.json is damaged (not valid JSON" in err[0]
+    assert _snapshot(ckpt) == before

@@ -29,6 +29,7 @@ from megatronapp.cli.args import add_train_arguments
 from megatronapp.cli.run import build_train_run
 from megatronapp.cli.validate import validate
 from megatronapp.dpp.cli import add_schedule_subcommands
+from megatronapp.engine.checkpoint_files import CheckpointDamagedError
 from megatronapp.launch.local import under_launcher
 
 
@@ -177,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # ConfigError and the components' errors are ValueErrors
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
-    return args.launch(args, argv, run)
+    try:
+        return args.launch(args, argv, run)
+    except CheckpointDamagedError as exc:  # an older checkpoint has no checksums to verify first
+        if under_launcher():
+            raise  # the launching process names the rank
+        print(f"megatronapp: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -171,3 +171,19 @@ def test_every_loading_command_names_a_damaged_meta_json(ckpt, capsys, monkeypat
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("megatronapp: error: checkpoint ") and "meta.json is damaged (not valid JSON" in err[0]
     assert _snapshot(ckpt) == before
+
+
+def test_one_process_names_a_damaged_file_of_an_unchecked_checkpoint(ckpt, capsys, monkeypatch, tmp_path):
+    """An older checkpoint (no checksums) fails when a file is read: still one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    meta_path = ckpt / ITER / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["files"]
+    meta_path.write_text(json.dumps(meta))
+    _truncate(ckpt / ITER / "model_tp0_pp0.pt")
+    before = _snapshot(ckpt)
+    argv = ["generate", "--device", "cpu", "--prompt", "Hi", "--max-new-tokens", "2", "--load", str(ckpt)]
+    code, err = _run_main(argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"megatronapp: error: checkpoint {ckpt / ITER}: model_tp0_pp0.pt is damaged (torch.load")
+    assert _snapshot(ckpt) == before

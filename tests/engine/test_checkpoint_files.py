@@ -187,3 +187,14 @@ def test_one_process_names_a_damaged_file_of_an_unchecked_checkpoint(ckpt, capsy
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"megatronapp: error: checkpoint {ckpt / ITER}: model_tp0_pp0.pt is damaged (torch.load")
     assert _snapshot(ckpt) == before
+
+
+def test_a_damaged_latest_marker_is_named(ckpt, train_before_launch):
+    (ckpt / "latest").write_bytes(b"\x00\x01")
+    before = _snapshot(ckpt)
+    code, err = _refused_by_train(ckpt, train_before_launch)
+    assert code == 2
+    assert err == [
+        f"megatronapp: error: checkpoint {ckpt}: latest is damaged (an iteration number, found '\\x00\\x01')"
+    ]
+    assert _snapshot(ckpt) == before

@@ -113,3 +113,16 @@ def test_the_launcher_names_the_rank_that_caused_the_failure():
         pick_root_failure({0: SimpleNamespace(message=hung, timestamp=100, exitcode=-15), 1: crashed_then_stopped})[0]
         == 1
     )
+
+
+def test_of_ranks_failing_alike_the_report_names_one_that_exited_by_itself(tmp_path, monkeypatch, capsys):
+    """Every rank reads the same bad file: the one the launcher stopped after it recorded the same
+    error is not the one named (its exit code says it was killed)."""
+    error = "ValueError: data.txt: not valid UTF-8 at byte 2"
+    failures = {
+        0: _failure(tmp_path, 0, error, 100, exitcode=-15),
+        1: _failure(tmp_path, 1, error, 100, exitcode=1),
+    }
+    _launch_failing(monkeypatch, failures)
+    assert run_local_ranks("megatronapp.cli.main", ["train"], 2) == 1
+    assert capsys.readouterr().err.strip() == f"megatronapp: rank 1 failed (exit code 1): {error}"

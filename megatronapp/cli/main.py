@@ -181,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.launch(args, argv, run)
     except CheckpointDamagedError as exc:  # an older checkpoint has no checksums to verify first
-        if under_launcher():
-            raise  # the launching process names the rank
+        if under_launcher():  # recorded for the launching process, which names this rank; no traceback
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(exc)
+            return 1
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
 

@@ -161,6 +161,7 @@ def test_failing_rank_stops_the_job_with_its_error(tmp_path):
     assert res.returncode == 1
     assert "rank 1 failed" in res.stderr
     assert "rank00001.pt is damaged" in res.stderr
+    assert "[rank1]: Traceback" not in res.stderr  # a damaged file is a named error, not a crash
 
 
 def test_trains_on_jsonl_with_hf_tokenizer(tmp_path):

@@ -39,6 +39,8 @@ def test_compute_escape_of_relative_paths():
 def test_no_tracked_file_refers_to_a_path_outside_the_repository():
     found = []
     for path in tracked_text_files():
+        if path == Path(__file__).resolve():  # its own examples
+            continue
         text = path.read_text(errors="replace")
         for number, line in enumerate(text.splitlines(), 1):
             if "shared/tools" in line:

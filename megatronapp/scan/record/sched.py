@@ -10,8 +10,9 @@ the iteration's span, see format.py).
 
 Files are opened once and re-read with `pread` (a /proc or cgroupfs file is regenerated at
 offset 0), so one sample costs a few microseconds. The process may be moved to another cgroup
-while it runs (a CPU quota applied from outside): each sample re-reads /proc/self/cgroup and
-follows it, and a throttling difference across a move is unknown. A counter the machine does not
+while it runs (a CPU quota applied from outside): a sample re-reads /proc/self/cgroup (tens of
+microseconds: the kernel formats every hierarchy) at most once per CGROUP_RECHECK_S and follows
+a move, and a throttling difference across a move is unknown. A counter the machine does not
 expose reads -1, and so does its difference.
 """
 
@@ -20,9 +21,11 @@ from __future__ import annotations
 import os
 import resource
 import threading
+import time
 from pathlib import Path
 
 UNKNOWN = -1
+CGROUP_RECHECK_S = 1.0
 SIGNALS = ("run_delay_ns", "involuntary_switches", "throttled_ns", "nr_throttled")
 
 
@@ -97,11 +100,14 @@ class SchedCounters:
         self._flavour: str | None = None
         self._cpu_stat: int | None = None
         self._generation = 0  # bumped at each move to another cgroup
+        self._checked_at = -CGROUP_RECHECK_S
 
     def _follow_cgroup(self) -> None:
         """(Re)open the cpu.stat of the cgroup the process is in now, if it moved."""
-        if self._proc_cgroup is None:
+        now = time.monotonic()
+        if self._proc_cgroup is None or now - self._checked_at < CGROUP_RECHECK_S:
             return
+        self._checked_at = now
         try:
             text = os.pread(self._proc_cgroup, 4096, 0)
             if text == self._cgroup_text:

@@ -6,7 +6,7 @@ events, turns them into nanoseconds on one device timeline, and appends a record
 this rank's file (see format.py). Tracing adds no collective and touches only this rank's file.
 
 Beside each span's timestamps the training thread takes its own CPU time (so a span that
-waited reads CPU << wall, one that computed CPU ~ wall), and at each traced iteration's start
+waited reads CPU << wall, one that computed CPU ~ wall; per-layer spans go without), and at each traced iteration's start
 and end the scheduler's and cgroup's counters (sched.py): the iteration's span carries what the
 operating system took from the thread (run-queue delay, involuntary switches, CPU throttling).
 
@@ -66,17 +66,20 @@ class _Span:
 
     __slots__ = ("_tracer", "_name", "_cat", "_attrs", "_iteration", "_start", "_end", "_done", "_cpu", "_thread")
 
-    def __init__(self, tracer: Tracer, name: str, cat: str, attrs: tuple) -> None:
+    def __init__(self, tracer: Tracer, name: str, cat: str, attrs: tuple, cpu_time: bool = True) -> None:
         self._tracer, self._name, self._cat, self._attrs = tracer, name, cat, attrs
         # Captured at open: an async op may finish during a later iteration.
         self._iteration = tracer._iteration
         self._start = self._end = None
         self._done = False
+        self._cpu = 0 if cpu_time else None
+        self._thread = None
 
     def start(self) -> _Span:
         if self._start is None:  # else set by layer_span(after=...)
             self._start = self._tracer._clock.mark()
-        self._thread, self._cpu = _thread_id(), _thread_time_ns()
+        if self._cpu is not None:  # the thread CPU clock is a system call (~1 us), not a vDSO read
+            self._thread, self._cpu = _thread_id(), _thread_time_ns()
         return self
 
     def finish(self, counters: tuple | None = None) -> None:
@@ -86,7 +89,7 @@ class _Span:
         self._done = True
         # CPU time of the thread that opened the span; unknown when another thread closes it
         # (an async op's Work waited on elsewhere).
-        cpu_ns = _thread_time_ns() - self._cpu if _thread_id() == self._thread else -1
+        cpu_ns = _thread_time_ns() - self._cpu if self._thread is not None and _thread_id() == self._thread else -1
         self._end = end = self._tracer._clock.mark()
         record = (self._name, self._cat, self._start, end, self._iteration, self._attrs, cpu_ns, counters)
         self._tracer._records.append(record)
@@ -280,11 +283,15 @@ class Tracer:
         one's end mark: the same instant, and one CUDA event fewer per pair."""
         if not self._layers_active:
             return NOOP_SPAN
+        # Per-layer spans go without CPU time: dozens per step, and their layer's forward or
+        # backward span holds it.
         if attrs:
-            span = self._open(name, "compute", {**attrs, "layer": layer})
+            _check_attrs(attrs)
+            values = _attr_values({**self._defaults, **attrs, "layer": layer})
         else:  # the engine's spans: the context's attributes and the layer, without dict work
             d = self._default_values
-            span = _Span(self, name, "compute", d[:_LAYER] + (layer,) + d[_LAYER + 1 :])
+            values = d[:_LAYER] + (layer,) + d[_LAYER + 1 :]
+        span = _Span(self, name, "compute", values, cpu_time=False)
         if type(after) is _Span and after._tracer is self and after._iteration == self._iteration:
             span._start = after._end  # None if it has not closed: start() then takes a mark
         return span

@@ -19,6 +19,7 @@ from megatronapp.config import (
     RECOMPUTE_METHODS,
     RERUN_MODES,
     SCHEDULES,
+    STATE_DTYPE_CHOICES,
     ConfigError,
     JobConfig,
     ModelConfig,
@@ -262,6 +263,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "distributed optimizer: all-gather updated params during the next forward",
         action="store_true",
     )
+    _job_flag(
+        g,
+        "--use-precision-aware-optimizer",
+        "store masters and Adam moments at the dtypes below, update them in fp32 (Megatron-Core's)",
+        action="store_true",
+    )
+    for name, choices in STATE_DTYPE_CHOICES.items():
+        _job_flag(g, "--" + name.replace("_", "-"), "with --use-precision-aware-optimizer", choices=choices)
+    _job_flag(
+        g,
+        "--store-param-remainders",
+        "precision-aware, --bf16, fp32 masters: keep each master as its bf16 weight + a 16-bit remainder (default)",
+        action="store_true",
+    )
+    g.add_argument("--no-store-param-remainders", dest="store_param_remainders", action="store_false", default=None)
 
     g = p.add_argument_group("data")
     g.add_argument(

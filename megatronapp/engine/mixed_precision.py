@@ -31,6 +31,7 @@ from megatronapp.engine.grad_scaler import build_grad_scaler
 from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norms
 from megatronapp.engine.optim import build_adamw
 from megatronapp.engine.overlap_update import OverlappedUpdate
+from megatronapp.engine.precision_adam import STATE_DTYPES, StatePrecision, build_precision_adamw
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 
 log = logging.getLogger("megatronapp.engine")
@@ -40,14 +41,30 @@ def params_dtype(cfg: PrecisionConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
 
 
+def compute_state_precision(cfg: OptimizerConfig, precision: PrecisionConfig) -> StatePrecision | None:
+    """How the precision-aware optimizer stores its state, or None for the plain optimizer.
+    Remainders apply where the master is fp32 and the model weight bf16 (as Megatron-Core)."""
+    if not cfg.use_precision_aware_optimizer:
+        return None
+    return StatePrecision(
+        main_params=STATE_DTYPES[cfg.main_params_dtype],
+        exp_avg=STATE_DTYPES[cfg.exp_avg_dtype],
+        exp_avg_sq=STATE_DTYPES[cfg.exp_avg_sq_dtype],
+        param_remainders=cfg.store_param_remainders and precision.bf16 and cfg.main_params_dtype == "fp32",
+    )
+
+
 @dataclass
 class MainParam:
-    """The fp32 tensor AdamW updates for (a slice of) one model parameter."""
+    """The tensor AdamW updates for (a slice of) one model parameter, and its fp32 main grad."""
 
     model_param: nn.Parameter
-    main_param: torch.Tensor  # the model param itself (fp32, not sharded) or an fp32 copy
+    # the model param itself (fp32, not sharded) or an fp32 copy; precision-aware: a copy of
+    # --main-params-dtype, or the bf16 model view itself when masters are stored as remainders
+    main_param: torch.Tensor
     shard: ShardRange | None  # slice of the flattened model param; None: the whole param
     count_in_norm: bool  # False for TP-replicated params off TP rank 0
+    main_grad: torch.Tensor  # the fp32 main grad of the same elements (also `main_param.grad` when fp32)
 
 
 @dataclass(frozen=True)
@@ -62,8 +79,9 @@ class StepResult:
     first_nonfinite: torch.Tensor | None = None
 
 
-def _main_params_of(reducer: GradReducer, tp_rank: int) -> list[list[MainParam]]:
-    """Per chunk: one MainParam per parameter, or per owned shard with the distributed optimizer."""
+def _main_params_of(reducer: GradReducer, tp_rank: int, store: StatePrecision | None) -> list[list[MainParam]]:
+    """Per chunk: one MainParam per parameter, or per owned shard with the distributed optimizer.
+    `store`: the precision-aware optimizer's storage (None: fp32 masters)."""
     out = []
     for buf in reducer.buffers:
         mains = []
@@ -73,18 +91,28 @@ def _main_params_of(reducer: GradReducer, tp_rank: int) -> list[list[MainParam]]
                 buf.offsets, [p.numel() for p in buf.params], spans, reducer.dp_size, reducer.dp_rank
             ):
                 p = buf.params[r.param]
-                main = p.detach().view(-1)[r.start : r.end]  # fp32: the param buffer itself
-                main = main if p.dtype == torch.float32 else main.float()
-                main.grad = p.main_grad.view(-1)[r.start : r.end]
-                mains.append(MainParam(p, main, r, _counts(p, tp_rank)))
+                view = p.detach().view(-1)[r.start : r.end]  # fp32: the param buffer itself
+                grad = p.main_grad.view(-1)[r.start : r.end]
+                mains.append(MainParam(p, _main_of(view, grad, store), r, _counts(p, tp_rank), grad))
         else:
             for p in buf.params:
-                main = p if p.dtype == torch.float32 else p.detach().float()
-                if main is not p:
-                    main.grad = p.main_grad
-                mains.append(MainParam(p, main, None, _counts(p, tp_rank)))
+                main = p if p.dtype == torch.float32 else _main_of(p.detach(), p.main_grad, store)
+                mains.append(MainParam(p, main, None, _counts(p, tp_rank), p.main_grad))
         out.append(mains)
     return out
+
+
+def _main_of(view: torch.Tensor, grad: torch.Tensor, store: StatePrecision | None) -> torch.Tensor:
+    """The main param of a model tensor `view`: itself where it is fp32 or stores its master's
+    high half, else a copy (fp32, or the precision-aware --main-params-dtype); an fp32 main
+    also carries `grad` as its `.grad` (torch's AdamW and the master kernel read it there)."""
+    if view.dtype == torch.float32 or (store is not None and store.param_remainders):
+        main = view
+    else:
+        main = view.to(torch.float32 if store is None else store.main_params)
+    if main.dtype == torch.float32:
+        main.grad = grad
+    return main
 
 
 def _counts(p: nn.Parameter, tp_rank: int) -> bool:
@@ -106,16 +134,26 @@ class MixedPrecisionOptimizer:
         fused: bool | None = None,
     ):
         self.reducer, self.cfg, self.precision, self.groups, self.device = reducer, cfg, precision, groups, device
-        self.chunk_mains = _main_params_of(reducer, groups.tp_rank)
+        self.store = compute_state_precision(cfg, precision)  # None: the plain fp32-state optimizer
+        self.chunk_mains = _main_params_of(reducer, groups.tp_rank, self.store)
         self.mains = [m for chunk in self.chunk_mains for m in chunk]
         self.norm_params = [m.model_param for m in self.mains if m.count_in_norm]  # the norm's terms, in order
         # fused (one CUDA kernel; default on GPU) also takes the clip factor as its grad_scale
         self.fused = device.type == "cuda" if fused is None else fused
-        self.optimizer = build_adamw(
-            [(m.main_param, m.model_param.ndim >= 2) for m in self.mains], cfg, fused=self.fused
-        )
+        decays = [(m.main_param, m.model_param.ndim >= 2) for m in self.mains]
+        if self.store is None:
+            self.optimizer = build_adamw(decays, cfg, fused=self.fused)
+        else:
+            self.optimizer = build_precision_adamw(
+                decays, cfg, self.store, {id(m.main_param): m.main_grad for m in self.mains}
+            )
         # bf16/fp16 on CUDA: AdamW + clip + master->model copy in one kernel (engine/master_adam.py)
-        self.master_kernel = cfg.fused_master_adamw and self._has_separate_mains() and master_adam.available(device)
+        self.master_kernel = (
+            cfg.fused_master_adamw
+            and self.store is None
+            and self._has_separate_mains()
+            and master_adam.available(device)
+        )
         self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
         self._master_adamw = (
             master_adam.MasterAdamW(self.optimizer, self._model_view_of) if self.master_kernel else None
@@ -139,19 +177,22 @@ class MixedPrecisionOptimizer:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for model state, by kind (Adam's after the first step)."""
-        adam = sum(
-            t.numel() * t.element_size()
-            for st in self.optimizer.state.values()
-            for t in st.values()
-            if torch.is_tensor(t) and t.ndim > 0
-        )
+        states = list(self.optimizer.state.values())
+        adam = sum(st[k].numel() * st[k].element_size() for st in states for k in ("exp_avg", "exp_avg_sq") if k in st)
+        remainders = sum(st["param_remainder"].numel() * 2 for st in states if "param_remainder" in st)
         params = [p for buf in self.reducer.buffers for p in buf.params]
+        separate = [m.main_param for m in self.mains if m.model_param.dtype != torch.float32 and not self._remainders]
         return {
             "params": sum(p.numel() * p.element_size() for p in params),
             "main_grads": sum(buf.grad_data.numel() * 4 for buf in self.reducer.buffers),
-            "main_params": sum(m.main_param.numel() * 4 for m in self.mains if m.model_param.dtype != torch.float32),
+            "main_params": sum(t.numel() * t.element_size() for t in separate) + remainders,
             "adam": adam,
         }
+
+    @property
+    def _remainders(self) -> bool:
+        """Whether the masters are stored as the bf16 model weights + remainders (no separate mains)."""
+        return self.store is not None and self.store.param_remainders
 
     @property
     def param_groups(self) -> list[dict]:
@@ -162,7 +203,7 @@ class MixedPrecisionOptimizer:
         return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.view(()).to(loss.dtype)
 
     def main_grads(self) -> list[torch.Tensor]:
-        return [m.main_param.grad for m in self.mains]
+        return [m.main_grad for m in self.mains]
 
     @torch.no_grad()
     def step(self, check_nonfinite: bool = False, loss_nonfinite: torch.Tensor | None = None) -> StepResult:
@@ -188,7 +229,7 @@ class MixedPrecisionOptimizer:
                     )
                 return StepResult(False, None, scale)
         norm, per_tensor = compute_grad_norms(
-            [m.main_param.grad for m in self.mains if m.count_in_norm], self._norm_groups, self.device
+            [m.main_grad for m in self.mains if m.count_in_norm], self._norm_groups, self.device
         )
         skip = first_bad = None
         if check_nonfinite:
@@ -206,6 +247,9 @@ class MixedPrecisionOptimizer:
             self.overlapped_update.launch(self._clip_divisor(norm), self.reducer.zero_buffer, skip=skip)
         elif self.master_kernel:
             self._master_adamw.step(self._clip_divisor(norm), skip=skip)
+        elif self.store is not None and self.device.type != "cpu":  # precision-aware, flag kept on the device
+            self.optimizer.step(self._clip_divisor(norm), skip)
+            self._copy_main_to_model_params()
         elif self.fused:
             self.optimizer.grad_scale = self._clip_divisor(norm)
             self.optimizer.found_inf = skip  # torch's fused AdamW: no update, step counters unchanged
@@ -232,6 +276,8 @@ class MixedPrecisionOptimizer:
         return bool(found_inf.item() > 0)
 
     def _copy_main_to_model_params(self) -> None:
+        if self._remainders:  # the update wrote the model weights themselves
+            return
         pairs = [(self._model_view(m), m.main_param) for m in self.mains if m.model_param.dtype != torch.float32]
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
@@ -297,9 +343,12 @@ class MixedPrecisionOptimizer:
         return None if local.item() < 0 else float(local.item())
 
     def _value(self, m: MainParam, key: str) -> torch.Tensor:
-        if key in ("main_param", "main_grad"):
-            return m.main_param if key == "main_param" else m.main_param.grad
-        return self.optimizer.state[m.main_param][key]
+        """fp32 values whatever the storage (checkpoints are layout- and precision-independent)."""
+        if key == "main_grad":
+            return m.main_grad
+        if key == "main_param":
+            return m.main_param if self.store is None else self.optimizer.master_value(m.main_param)
+        return self.optimizer.state[m.main_param][key].float()
 
     def _full_values(self, mains, buf, index, key) -> list[torch.Tensor]:
         if not self.reducer.distributed:
@@ -317,18 +366,26 @@ class MixedPrecisionOptimizer:
             self.overlapped_update.invalidate()
         for m in self.mains:
             st = state_of(m.model_param)
+            if st is not None:
+                self.optimizer.state[m.main_param] = self._stored_state(m, st)
             if m.model_param.dtype != torch.float32:
                 source = st["main_param"] if (st and "main_param" in st) else m.model_param.detach()
-                m.main_param.copy_(self._slice(m, source))
-            if st is None:
-                continue
-            self.optimizer.state[m.main_param] = {
-                "exp_avg": self._slice(m, st["exp_avg"]).clone(),
-                "exp_avg_sq": self._slice(m, st["exp_avg_sq"]).clone(),
-                "step": torch.tensor(
-                    float(st["step"]), dtype=torch.float32, device=self.device if self.device.type == "cuda" else "cpu"
-                ),
-            }
+                if self.store is None:
+                    m.main_param.copy_(self._slice(m, source))
+                else:  # also creates the state a remainder needs
+                    self.optimizer.load_master(m.main_param, self._slice(m, source))
+
+    def _stored_state(self, m: MainParam, st: dict) -> dict:
+        """A param's Adam state from its checkpoint values, in the dtypes this optimizer stores."""
+        exp_avg_dtype = torch.float32 if self.store is None else self.store.exp_avg
+        exp_avg_sq_dtype = torch.float32 if self.store is None else self.store.exp_avg_sq
+        return {
+            "exp_avg": self._slice(m, st["exp_avg"]).to(exp_avg_dtype, copy=True),
+            "exp_avg_sq": self._slice(m, st["exp_avg_sq"]).to(exp_avg_sq_dtype, copy=True),
+            "step": torch.tensor(
+                float(st["step"]), dtype=torch.float32, device=self.device if self.device.type == "cuda" else "cpu"
+            ),
+        }
 
     def _slice(self, m: MainParam, full: torch.Tensor) -> torch.Tensor:
         full = full.to(device=self.device, dtype=torch.float32).reshape(m.model_param.shape)

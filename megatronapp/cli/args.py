@@ -80,9 +80,9 @@ def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
     _job_flag(
         g,
         "--rerun-mode",
-        "validate_results: re-execute a flagged step from its saved state and "
-        "classify it transient or reproducible (one sync a step); report_stats: re-execute every "
-        "--rerun-stats-interval-th step and report the differences",
+        "validate_results: check each step before its update (on the device), re-execute a flagged "
+        "step from the same weights at the log interval and classify it transient or reproducible; "
+        "report_stats: execute every --rerun-stats-interval-th step twice and report the differences",
         choices=RERUN_MODES,
     )
     _job_flag(g, "--rerun-stats-interval", "report_stats: every N-th step", type=int)

@@ -68,6 +68,16 @@ class MainParam:
 
 
 @dataclass(frozen=True)
+class PreparedStep:
+    """A step's checks before its update (MixedPrecisionOptimizer.prepare_step)."""
+
+    grad_norm: torch.Tensor | None  # None: the loss scaler found inf/nan (the step is skipped, known on the host)
+    loss_scale: float | None
+    skip: torch.Tensor | None = None  # the non-finite check's device flag (see StepResult)
+    first_nonfinite: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class StepResult:
     update_successful: bool  # False: skipped by the loss scaler's inf check (known on the host)
     grad_norm: torch.Tensor | None  # None when the step was skipped
@@ -148,16 +158,14 @@ class MixedPrecisionOptimizer:
                 decays, cfg, self.store, {id(m.main_param): m.main_grad for m in self.mains}
             )
         # bf16/fp16 on CUDA: AdamW + clip + master->model copy in one kernel (engine/master_adam.py)
-        self.master_kernel = (
-            cfg.fused_master_adamw
-            and self.store is None
-            and self._has_separate_mains()
-            and master_adam.available(device)
-        )
+        self.master_kernel = cfg.fused_master_adamw and self._has_separate_mains() and master_adam.available(device)
         self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
-        self._master_adamw = (
-            master_adam.MasterAdamW(self.optimizer, self._model_view_of) if self.master_kernel else None
-        )
+        self._master_adamw = None
+        if self.master_kernel:  # the precision-aware optimizer's grads are not its mains' .grad
+            precision_kw = (
+                {} if self.store is None else {"grad_of": self.optimizer.grad_of, "remainders": self._remainders}
+            )
+            self._master_adamw = master_adam.MasterAdamW(self.optimizer, self._model_view_of, **precision_kw)
         if cfg.overlap_param_update and not self.master_kernel:
             raise ConfigError("--overlap-param-update needs the fused master AdamW: CUDA, Triton, --bf16/--fp16")
         self.overlapped_update: OverlappedUpdate | None = None  # see enable_overlapped_update
@@ -215,6 +223,12 @@ class MixedPrecisionOptimizer:
         the fused kernels take the flag as their found_inf (torch's AdamW rolls its step
         counters back, the master kernel masks its writes). Only the unfused path (the CPU's)
         reads the flag on the host."""
+        return self.apply_step(self.prepare_step(check_nonfinite, loss_nonfinite))
+
+    @torch.no_grad()
+    def prepare_step(self, check_nonfinite: bool = False, loss_nonfinite: torch.Tensor | None = None) -> PreparedStep:
+        """Steps 1-2 (and the non-finite check) of `step`, before anything is updated: what a
+        check before the update reads (engine/rerun.py). The loss scaler has taken the step."""
         scale = None if self.grad_scaler is None else float(self.grad_scaler.scale)
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_nan()
@@ -227,7 +241,7 @@ class MixedPrecisionOptimizer:
                         scale,
                         float(self.grad_scaler.scale),
                     )
-                return StepResult(False, None, scale)
+                return PreparedStep(None, scale)
         norm, per_tensor = compute_grad_norms(
             [m.main_grad for m in self.mains if m.count_in_norm], self._norm_groups, self.device
         )
@@ -236,10 +250,21 @@ class MixedPrecisionOptimizer:
             skip, first_bad = _nonfinite_flags(norm, per_tensor, loss_nonfinite)
             if self.groups.world is not None:  # every rank skips together (and names it together)
                 dist.all_reduce(skip, op=dist.ReduceOp.MAX, group=self.groups.world)
-        self._apply_update(norm, skip)
+        return PreparedStep(norm, scale, skip, first_bad)
+
+    @torch.no_grad()
+    def apply_step(self, prepared: PreparedStep, hold: torch.Tensor | None = None) -> StepResult:
+        """Steps 3-4 of `step` after `prepare_step`. `hold`: a device flag (0/1, the same on every
+        rank) that also skips the update; it is not counted as a non-finite skip."""
+        if prepared.grad_norm is None:
+            return StepResult(False, None, prepared.loss_scale)
+        skip = prepared.skip
+        if hold is not None:
+            skip = hold if skip is None else torch.maximum(skip, hold)
+        self._apply_update(prepared.grad_norm, skip)
         # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
         self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
-        return StepResult(True, norm, scale, skip, first_bad)
+        return StepResult(True, prepared.grad_norm, prepared.loss_scale, prepared.skip, prepared.first_nonfinite)
 
     def _apply_update(self, norm: torch.Tensor, skip: torch.Tensor | None) -> None:
         """Clip + AdamW + main->model copy, by the fastest path built; `skip` (device 0/1) or None."""

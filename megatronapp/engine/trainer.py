@@ -7,8 +7,8 @@ with one all-reduce for the whole interval (no per-step host synchronisation).
 
 Every step is checked (engine/integrity.py): a non-finite loss or grad norm skips the update
 on the device and is named at the log interval, where the spiky-loss and large-grads bands
-are applied too. A rerun mode (engine/rerun.py) instead reads each step's numbers at once and
-re-executes a flagged step from a snapshot of the state before it.
+are applied too. A rerun mode (engine/rerun.py) instead checks each step before its update, on
+the device, and re-executes a flagged step from the same weights at the log interval.
 """
 
 from __future__ import annotations
@@ -80,8 +80,10 @@ class _PendingStep:
     skipped_iterations: int
     skipped_nonfinite: torch.Tensor | None = None  # device flag: update skipped for a non-finite value
     first_nonfinite: torch.Tensor | None = None  # index in optimizer.norm_params, see StepResult
-    flags: tuple[str, ...] | None = None  # judged at the step (rerun modes); None: at the log interval
+    flags: tuple[str, ...] | None = None  # judged by the rerun mode (engine/rerun.py); None: at the log interval
     rerun: dict | None = None
+    prepared: object = None  # the optimizer's PreparedStep (an update the rerun mode applies itself)
+    check: object = None  # the rerun mode's record of the step (engine/rerun.py StepCheck)
 
 
 class Trainer:
@@ -189,9 +191,17 @@ class Trainer:
     def train_step(self) -> StepMetrics:
         """One optimizer step, with its metrics known on the host (one synchronisation)."""
         t0 = self.clock()
-        pending = self._run_step()
-        on_host = self._copy_to_host([pending])  # the sync: the step has really finished after it
-        return self._resolve([pending], on_host, self.clock() - t0)[0]
+        steps, on_host = self._settle([self._run_step()])  # the sync: the step has really finished after it
+        return self._resolve(steps, on_host, self.clock() - t0)[-1]
+
+    def _settle(self, steps: list[_PendingStep]) -> tuple[list[_PendingStep], torch.Tensor]:
+        """The steps' host copy (see _copy_to_host); a rerun mode then settles them (a flagged step
+        is executed again and the steps after it, whose updates it held, are dropped)."""
+        on_host = self._copy_to_host(steps)
+        if self.validator is None:
+            return steps, on_host
+        settled = self.validator.settle(self, steps)
+        return (steps, on_host) if settled is steps else (settled, self._copy_to_host(settled))
 
     def _run_step(self) -> _PendingStep:
         """One optimizer step; its loss, grad norm and compute time stay on the device (a rerun
@@ -200,8 +210,11 @@ class Trainer:
             return self.validator.run_step(self)
         return self._execute_step()
 
-    def _execute_step(self, attempt: int = 0) -> _PendingStep:
-        """One execution of the next optimizer step (`attempt` 1: its rerun)."""
+    def _execute_step(self, attempt: int = 0, gate=None) -> _PendingStep:
+        """One execution of the next optimizer step (`attempt` > 0: a rerun). `gate(loss, grad_norm,
+        prepared)` (the rerun modes' check, engine/rerun.py) runs after the step's checks and before
+        its update; it returns (apply, hold): apply False leaves the update to the caller (the
+        grads stay in place), hold is a device flag that skips the update (or None)."""
         it = self.iteration
         self.tracer.step_begin(it)
         # skipped steps do not advance the schedule
@@ -218,25 +231,28 @@ class Trainer:
         if self.fp8_states:  # the step's amaxes -> the next step's scales (one max-reduce over TP and DP)
             prec = self.job.precision
             update_delayed_scaling(self.fp8_states.values(), self.groups, prec.fp8_amax_compute_algo, prec.fp8_margin)
+        loss = loss.detach().float() if loss is not None and self.groups.tp_rank == 0 else None
         with self.tracer.span(spans.OPTIMIZER):
             # unscale + inf check, norm, (non-finite check,) clip, AdamW, params update
-            result = self.optimizer.step(check, self._loss_nonfinite(loss) if check else None)
+            prepared = self.optimizer.prepare_step(check, self._loss_nonfinite(loss) if check else None)
+            norm = prepared.grad_norm
+            norm = torch.full((), float("nan"), device=self.device) if norm is None else norm.detach()
+            apply, hold = (True, None) if gate is None else gate(loss, norm, prepared)
+            if apply:
+                self.optimizer.apply_step(prepared, hold)
         self.tracer.step_end(it)
         self.iteration += 1
-        loss = loss.detach().float() if loss is not None and self.groups.tp_rank == 0 else None
-        norm = (
-            torch.full((), float("nan"), device=self.device) if result.grad_norm is None else result.grad_norm.detach()
-        )
         return _PendingStep(
             self.iteration,
             lr,
             loss,
             norm,
             self.runtime.compute_timer.take(),
-            result.loss_scale,
+            prepared.loss_scale,
             self.optimizer.skipped_iterations,
-            result.skipped_nonfinite,
-            result.first_nonfinite,
+            prepared.skip,
+            prepared.first_nonfinite,
+            prepared=prepared,
         )
 
     def _loss_nonfinite(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -352,11 +368,13 @@ class Trainer:
         """
         end = self.job.train.train_iters if num_steps is None else self.iteration + num_steps
         interval = self.job.logging.log_interval
+        if self.validator is not None and self.replay_observer is not None:
+            interval = 1  # the observer reads a flagged execution's grads before the next step replaces them
         history, pending, t0 = [], [], self.clock()
         while self.iteration < end:
             pending.append(self._run_step())
             if self.iteration % interval == 0 or self.iteration == end:
-                on_host = self._copy_to_host(pending)
+                pending, on_host = self._settle(pending)
                 t1 = self.clock()
                 for m in self._resolve(pending, on_host, t1 - t0):
                     history.append(m)

@@ -26,12 +26,13 @@ from torch import nn
 
 from megatronapp.config import ConfigError, JobConfig, OptimizerConfig, PrecisionConfig
 from megatronapp.engine import master_adam
-from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
+from megatronapp.engine.distrib_optimizer import gather_full_params
 from megatronapp.engine.grad_scaler import build_grad_scaler
 from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norms
+from megatronapp.engine.main_params import MainParam, build_main_params, compute_state_precision
 from megatronapp.engine.optim import build_adamw
 from megatronapp.engine.overlap_update import OverlappedUpdate
-from megatronapp.engine.precision_adam import STATE_DTYPES, StatePrecision, build_precision_adamw
+from megatronapp.engine.precision_adam import build_precision_adamw
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 
 log = logging.getLogger("megatronapp.engine")
@@ -39,32 +40,6 @@ log = logging.getLogger("megatronapp.engine")
 
 def params_dtype(cfg: PrecisionConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
-
-
-def compute_state_precision(cfg: OptimizerConfig, precision: PrecisionConfig) -> StatePrecision | None:
-    """How the precision-aware optimizer stores its state, or None for the plain optimizer.
-    Remainders apply where the master is fp32 and the model weight bf16 (as Megatron-Core)."""
-    if not cfg.use_precision_aware_optimizer:
-        return None
-    return StatePrecision(
-        main_params=STATE_DTYPES[cfg.main_params_dtype],
-        exp_avg=STATE_DTYPES[cfg.exp_avg_dtype],
-        exp_avg_sq=STATE_DTYPES[cfg.exp_avg_sq_dtype],
-        param_remainders=cfg.store_param_remainders and precision.bf16 and cfg.main_params_dtype == "fp32",
-    )
-
-
-@dataclass
-class MainParam:
-    """The tensor AdamW updates for (a slice of) one model parameter, and its fp32 main grad."""
-
-    model_param: nn.Parameter
-    # the model param itself (fp32, not sharded) or an fp32 copy; precision-aware: a copy of
-    # --main-params-dtype, or the bf16 model view itself when masters are stored as remainders
-    main_param: torch.Tensor
-    shard: ShardRange | None  # slice of the flattened model param; None: the whole param
-    count_in_norm: bool  # False for TP-replicated params off TP rank 0
-    main_grad: torch.Tensor  # the fp32 main grad of the same elements (also `main_param.grad` when fp32)
 
 
 @dataclass(frozen=True)
@@ -89,46 +64,6 @@ class StepResult:
     first_nonfinite: torch.Tensor | None = None
 
 
-def _main_params_of(reducer: GradReducer, tp_rank: int, store: StatePrecision | None) -> list[list[MainParam]]:
-    """Per chunk: one MainParam per parameter, or per owned shard with the distributed optimizer.
-    `store`: the precision-aware optimizer's storage (None: fp32 masters)."""
-    out = []
-    for buf in reducer.buffers:
-        mains = []
-        if reducer.distributed:
-            spans = [b.span for b in buf.buckets]
-            for r in compute_shard_ranges(
-                buf.offsets, [p.numel() for p in buf.params], spans, reducer.dp_size, reducer.dp_rank
-            ):
-                p = buf.params[r.param]
-                view = p.detach().view(-1)[r.start : r.end]  # fp32: the param buffer itself
-                grad = p.main_grad.view(-1)[r.start : r.end]
-                mains.append(MainParam(p, _main_of(view, grad, store), r, _counts(p, tp_rank), grad))
-        else:
-            for p in buf.params:
-                main = p if p.dtype == torch.float32 else _main_of(p.detach(), p.main_grad, store)
-                mains.append(MainParam(p, main, None, _counts(p, tp_rank), p.main_grad))
-        out.append(mains)
-    return out
-
-
-def _main_of(view: torch.Tensor, grad: torch.Tensor, store: StatePrecision | None) -> torch.Tensor:
-    """The main param of a model tensor `view`: itself where it is fp32 or stores its master's
-    high half, else a copy (fp32, or the precision-aware --main-params-dtype); an fp32 main
-    also carries `grad` as its `.grad` (torch's AdamW and the master kernel read it there)."""
-    if view.dtype == torch.float32 or (store is not None and store.param_remainders):
-        main = view
-    else:
-        main = view.to(torch.float32 if store is None else store.main_params)
-    if main.dtype == torch.float32:
-        main.grad = grad
-    return main
-
-
-def _counts(p: nn.Parameter, tp_rank: int) -> bool:
-    return getattr(p, "tp_split_dim", None) is not None or tp_rank == 0
-
-
 class MixedPrecisionOptimizer:
     """AdamW over fp32 main params, with loss scaling, clipping and (optionally) DP sharding."""
 
@@ -145,7 +80,7 @@ class MixedPrecisionOptimizer:
     ):
         self.reducer, self.cfg, self.precision, self.groups, self.device = reducer, cfg, precision, groups, device
         self.store = compute_state_precision(cfg, precision)  # None: the plain fp32-state optimizer
-        self.chunk_mains = _main_params_of(reducer, groups.tp_rank, self.store)
+        self.chunk_mains = build_main_params(reducer, groups.tp_rank, self.store)
         self.mains = [m for chunk in self.chunk_mains for m in chunk]
         self.norm_params = [m.model_param for m in self.mains if m.count_in_norm]  # the norm's terms, in order
         # fused (one CUDA kernel; default on GPU) also takes the clip factor as its grad_scale

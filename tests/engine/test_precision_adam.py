@@ -193,3 +193,32 @@ def test_precision_aware_flags_reach_the_config():
 
     cfg = OptimizerConfig(use_precision_aware_optimizer=True, exp_avg_dtype="bf16", main_params_dtype="fp16")
     assert not cfg.state_is_fp32 and replace(cfg, exp_avg_dtype="fp32", main_params_dtype="fp32").state_is_fp32
+
+
+@pytest.mark.gpu
+def test_master_kernel_with_remainders_equals_its_fp32_master_form_on_the_gpu():
+    """The compiled kernel (engine/master_adam.py): remainders rebuild the fp32-master kernel's
+    masters bit for bit; bf16 moments round to nearest even as the torch path does."""
+    from megatronapp.engine.master_adam import MasterAdamW
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    shapes = [(640, 48), (12288,), (16,), (4097,)]
+    start = [torch.randn(s, device=dev).to(torch.bfloat16).float() for s in shapes]
+
+    def setup(precision: StatePrecision):
+        opt, params, grads = _optimizers(start, precision)
+        models = {id(p): p if precision.param_remainders else p.to(torch.bfloat16) for p in params}
+        kernel = MasterAdamW(opt, models, grad_of=opt.grad_of, remainders=precision.param_remainders)
+        return opt, params, grads, kernel
+
+    fp32, rem = setup(StatePrecision()), setup(REMAINDERS)
+    for _ in range(5):
+        for i, s in enumerate(shapes):
+            g = torch.randn(s, device=dev) * 10.0 ** (i - 2)
+            fp32[2][i].copy_(g)
+            rem[2][i].copy_(g)
+        fp32[3].step(torch.tensor(2.0, device=dev))
+        rem[3].step(torch.tensor(2.0, device=dev))
+    for p32, prem in zip(fp32[1], rem[1]):
+        assert torch.equal(_bits(rem[0].master_value(prem)), _bits(p32))

@@ -155,6 +155,8 @@ def test_remainder_state_resumes_bit_exact_from_a_checkpoint(tmp_path):
     torch.set_num_threads(1)
     rep = train_save_resume(0, 1, make_job(1, iters=4, bf16=True, **BF16_MOMENTS), str(tmp_path))
     assert rep["resumed"] == rep["straight"] and rep["masters_equal"]
+    plain = load_and_train(0, 1, make_job(1, iters=4, bf16=True), str(tmp_path))  # fp32 state, same values
+    torch.testing.assert_close(plain, rep["straight"][2:], rtol=1e-3, atol=0)
 
 
 def test_sharded_remainder_state_matches_one_process_and_reshards(cluster, tmp_path):

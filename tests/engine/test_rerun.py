@@ -117,6 +117,32 @@ def test_checks_before_the_update_read_nothing_on_the_host():
     assert [int(c) for c in codes] == [0, 0, 0, 2, 4, 1]  # spiky loss, large grads, non-finite
 
 
+def test_validated_steps_read_nothing_on_the_host_between_log_intervals(monkeypatch):
+    """With the fused update (the GPU's path, here on the CPU) a validated step, its checks
+    included, neither reads a tensor's value on the host nor copies one off the device."""
+    from megatronapp.engine.mixed_precision import MixedPrecisionOptimizer
+
+    torch.set_num_threads(1)
+    job = _job(6, integrity=CHECKS)
+    trainer = Trainer(job, single_process_groups(), torch.device("cpu"), RandomTokenBatches(job, 0))
+    trainer.optimizer = MixedPrecisionOptimizer(
+        trainer.reducer, job.optimizer, job.precision, trainer.groups, torch.device("cpu"), fused=True
+    )
+    trainer.runtime.grad_scale_func = trainer.optimizer.scale_loss
+    trainer._run_step()  # the first step builds the device bands
+    reads = []
+    for name in ("item", "tolist", "cpu", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda t, *a, _n=name, _f=original, **k: reads.append(_n) or _f(t, *a, **k)
+        )
+    with _RecordOps() as rec:
+        steps = [trainer._run_step() for _ in range(3)]
+    monkeypatch.undo()
+    assert not reads and "_local_scalar_dense" not in rec.ops, (reads, sorted(set(rec.ops)))
+    assert all(st.check is not None and st.flags is None for st in steps)  # judged at the interval
+
+
 def test_rerun_mode_with_forward_backward_disaggregation_is_refused_before_launch(train_before_launch):
     code, lines = train_before_launch(
         ["--nproc-per-node", "2", "--forward-backward-disaggregating", "--rerun-mode", "validate_results"]

@@ -44,6 +44,21 @@ def test_rerun_of_a_step_with_dropout_reproduces_its_loss_and_the_clean_run():
     assert _losses(clean) != _losses(train_with_hook(0, 1, _job(10, integrity=CHECKS), None))  # dropout is on
 
 
+def test_pipeline_ranks_hold_and_rerun_together_with_dropout(cluster):
+    """PP2 x DP2: the grads of one rank are corrupted once; every rank holds its updates, reruns
+    the step and ends where a clean run ends, bit for bit (ranks: pp_rank x 2 + dp_rank)."""
+    dropout = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+    job = make_job(4, 1, 2, iters=9, num_layers=2, log_interval=9, model_kw=dropout)
+    job = replace(job, integrity=IntegrityConfig(**CHECKS))
+    reports = cluster.run(train_with_hook, 4, job, Corruption(iteration=7, ranks=[3], grad_scale=1e3))
+    clean = cluster.run(train_with_hook, 4, job, None)
+    for rep, ref in zip(reports, clean):
+        # the grad norm is one over the pipeline: rank 3's stage partner (rank 1) sees it differ too
+        assert rep["rows"][7]["rerun"]["verdict"] == "transient" and rep["rows"][7]["rerun"]["ranks"] == [1, 3]
+        assert _losses(rep) == _losses(ref)
+        assert all(torch.equal(a, b) for a, b in zip(rep["params"][-1], ref["params"][-1]))
+
+
 def test_fp16_rerun_restores_the_loss_scale_the_step_started_with():
     """A dynamic scale that grows every 2 clean steps: the flagged step and the held steps after
     it move the scaler on; the rerun and the steps after it must see the clean run's scales."""

@@ -222,7 +222,8 @@ class OptimizerConfig:
     # (engine/overlap_update.py); CUDA only
     overlap_param_update: bool = False
     # Megatron-Core's precision-aware optimizer (engine/precision_adam.py): masters and Adam
-    # moments stored at these precisions, updated in fp32
+    # moments stored at these precisions, updated in fp32; main grads accumulated and reduced
+    # over DP in main_grads_dtype
     use_precision_aware_optimizer: bool = False
     main_params_dtype: str = "fp32"
     main_grads_dtype: str = "fp32"
@@ -242,15 +243,13 @@ class OptimizerConfig:
 
     def _check_state_precision(self) -> None:
         """The precision-aware optimizer's dtypes: Megatron's choices, of which the engine stores
-        fp32/fp16/bf16 masters and moments and keeps main grads in fp32."""
+        fp32/fp16/bf16 masters and moments."""
         for name, allowed in STATE_DTYPE_CHOICES.items():
             value, flag = getattr(self, name), "--" + name.replace("_", "-")
             if value not in allowed:
                 raise ConfigError(f"unknown {flag} {value!r}; choose from {', '.join(allowed)}")
             if value != "fp32" and not self.use_precision_aware_optimizer:
                 raise ConfigError(f"{flag} {value} needs --use-precision-aware-optimizer")
-        if self.main_grads_dtype != "fp32":
-            raise ConfigError("--main-grads-dtype bf16 is not supported: main grads accumulate and reduce in fp32")
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if getattr(self, name) == "fp8":
                 raise ConfigError(

@@ -79,6 +79,8 @@ def _check_component_combinations(job: JobConfig) -> None:
     opt, prec = job.optimizer, job.precision
     if opt.overlap_param_update and not (prec.half and opt.fused_master_adamw):
         raise ConfigError("--overlap-param-update needs --bf16 or --fp16 and the fused master AdamW")
+    if opt.main_grads_dtype == "bf16" and not prec.bf16:
+        raise ConfigError("--main-grads-dtype bf16 needs --bf16 (fp16 grads are unscaled in fp32)")
     if opt.main_params_dtype != "fp32" and not prec.half:
         raise ConfigError(
             f"--main-params-dtype {opt.main_params_dtype} needs --bf16 or --fp16 (fp32 params are their own masters)"

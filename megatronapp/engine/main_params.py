@@ -42,7 +42,9 @@ class MainParam:
     main_param: torch.Tensor
     shard: ShardRange | None  # slice of the flattened model param; None: the whole param
     count_in_norm: bool  # False for TP-replicated params off TP rank 0
-    main_grad: torch.Tensor  # the fp32 main grad of the same elements (also `main_param.grad` when fp32)
+    # the main grad of the same elements: fp32 (bf16 with --main-grads-dtype bf16); also
+    # `main_param.grad` where the dtypes match
+    main_grad: torch.Tensor
 
 
 def build_main_params(reducer: GradReducer, tp_rank: int, store: StatePrecision | None) -> list[list[MainParam]]:
@@ -71,12 +73,12 @@ def build_main_params(reducer: GradReducer, tp_rank: int, store: StatePrecision 
 def _main_of(view: torch.Tensor, grad: torch.Tensor, store: StatePrecision | None) -> torch.Tensor:
     """The main param of a model tensor `view`: itself where it is fp32 or stores its master's
     high half, else a copy (fp32, or the precision-aware --main-params-dtype); an fp32 main
-    also carries `grad` as its `.grad` (torch's AdamW and the master kernel read it there)."""
+    also carries an fp32 `grad` as its `.grad` (torch's AdamW and the master kernel read it there)."""
     if view.dtype == torch.float32 or (store is not None and store.param_remainders):
         main = view
     else:
         main = view.to(torch.float32 if store is None else store.main_params)
-    if main.dtype == torch.float32:
+    if main.dtype == grad.dtype:
         main.grad = grad
     return main
 

@@ -98,7 +98,8 @@ if triton is not None:
         block_start_ptr,
         grad_scale_ptr,
         skip_ptr,
-        fp32_base,
+        grad_base,
+        step_base,
         model_base,
         main_base,
         exp_avg_base,
@@ -120,11 +121,11 @@ if triton is not None:
         t = tl.load(block_tensor_ptr + pid).to(tl.int64)
         row = table_ptr + t * 6
         main_ptr = _address(row, 0, main_base, ALIGNED)  # with REMAINDER: the int16 remainders
-        grad_ptr = _address(row, 1, fp32_base, ALIGNED)
+        grad_ptr = _address(row, 1, grad_base, ALIGNED)
         exp_avg_ptr = _address(row, 2, exp_avg_base, ALIGNED)
         exp_avg_sq_ptr = _address(row, 3, exp_avg_sq_base, ALIGNED)
         model_ptr = _address(row, 4, model_base, ALIGNED)
-        step_ptr = _address(row, 5, fp32_base, False)
+        step_ptr = _address(row, 5, step_base, False)
         start = tl.load(block_start_ptr + pid)
         numel = tl.load(numel_ptr + t)
         if HAS_SKIP:  # a non-finite step (the device flag is 1): no element, every access masked off
@@ -135,7 +136,7 @@ if triton is not None:
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < numel
         p = _load_master(main_ptr, model_ptr, offs, mask, REMAINDER)
-        g = tl.load(grad_ptr + offs, mask=mask)
+        g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
         m = tl.load(exp_avg_ptr + offs, mask=mask).to(tl.float32)
         v = tl.load(exp_avg_sq_ptr + offs, mask=mask).to(tl.float32)
         if HAS_GRAD_SCALE:
@@ -195,7 +196,7 @@ class _GroupPlan:
         rows, numels, block_tensor, block_start = [], [], [], []
         for i, (main, grad, state, model) in enumerate(zip(stored, grads, states, models)):
             assert main.is_contiguous() and model.is_contiguous() and model.numel() == main.numel()
-            assert grad.is_contiguous() and grad.dtype == torch.float32
+            assert grad.is_contiguous() and grad.dtype in (torch.float32, torch.bfloat16)
             rows.append(
                 [
                     main.data_ptr(),
@@ -222,7 +223,9 @@ class _GroupPlan:
             n % 16 == 0 for n in numels
         )
         self.block = block
-        self.fp32_base, self.model_base, self.main_base = grads[0], models[0], stored[0]
+        self.grad_base, self.step_base = grads[0], states[0]["step"]
+        self.model_base, self.main_base = models[0], stored[0]
+        assert all(g.dtype == self.grad_base.dtype for g in grads)
         self.exp_avg_base, self.exp_avg_sq_base = states[0]["exp_avg"], states[0]["exp_avg_sq"]
         for key, base in (("exp_avg", self.exp_avg_base), ("exp_avg_sq", self.exp_avg_sq_base)):
             assert all(s[key].dtype == base.dtype for s in states)
@@ -305,7 +308,8 @@ class MasterAdamW:
                 plan.block_start,
                 grad_scale if grad_scale is not None else plan.numels,
                 skip if skip is not None else plan.numels,
-                plan.fp32_base,
+                plan.grad_base,
+                plan.step_base,
                 plan.model_base,
                 plan.main_base,
                 plan.exp_avg_base,

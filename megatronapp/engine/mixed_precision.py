@@ -32,7 +32,7 @@ from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, 
 from megatronapp.engine.main_params import MainParam, build_main_params, compute_state_precision
 from megatronapp.engine.optim import build_adamw
 from megatronapp.engine.overlap_update import OverlappedUpdate
-from megatronapp.engine.precision_adam import build_precision_adamw
+from megatronapp.engine.precision_adam import STATE_DTYPES, build_precision_adamw
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 
 log = logging.getLogger("megatronapp.engine")
@@ -127,7 +127,7 @@ class MixedPrecisionOptimizer:
         separate = [m.main_param for m in self.mains if m.model_param.dtype != torch.float32 and not self._remainders]
         return {
             "params": sum(p.numel() * p.element_size() for p in params),
-            "main_grads": sum(buf.grad_data.numel() * 4 for buf in self.reducer.buffers),
+            "main_grads": sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in self.reducer.buffers),
             "main_params": sum(t.numel() * t.element_size() for t in separate) + remainders,
             "adam": adam,
         }
@@ -386,6 +386,7 @@ def build_grads_and_optimizer(
         overlap=t.overlap_grad_reduce,
         bucket_mb=t.grad_bucket_mb,
         distributed_optimizer=opt.use_distributed_optimizer,
+        grad_dtype=STATE_DTYPES[opt.main_grads_dtype],
     )
     if opt.overlap_param_gather:
         for i, c in enumerate(chunks):  # a chunk's first forward waits for its params' all-gather

@@ -128,6 +128,22 @@ def test_remainders_and_bf16_moments_store_4_bytes_a_parameter_and_train_like_fp
     assert {st["exp_avg"].dtype for st in states} == {torch.bfloat16}
 
 
+def test_bf16_main_grads_halve_the_grad_buffers_and_train_like_fp32_grads(cluster):
+    """bf16 grads accumulate and reduce in bf16 (one process and DP2 with the distributed optimizer)."""
+    torch.set_num_threads(1)
+    fp32_grads = train_and_report(0, 1, make_job(1, iters=4, bf16=True, **BF16_MOMENTS))
+    job = make_job(1, iters=4, bf16=True, main_grads_dtype="bf16", **BF16_MOMENTS)
+    trainer, _ = _trainer(job)
+    losses = [m.loss for m in trainer.train(4)]
+    torch.testing.assert_close(losses, fp32_grads["losses"], rtol=5e-3, atol=0)
+    assert {buf.grad_data.dtype for buf in trainer.reducer.buffers} == {torch.bfloat16}
+    numel = sum(buf.grad_data.numel() for buf in trainer.reducer.buffers)
+    assert trainer.optimizer.state_bytes()["main_grads"] == 2 * numel
+    dp2 = make_job(2, iters=4, bf16=True, use_distributed_optimizer=True, main_grads_dtype="bf16", **BF16_MOMENTS)
+    for rep in cluster.run(train_and_report, 2, dp2):
+        torch.testing.assert_close(rep["losses"], losses, rtol=5e-3, atol=0)
+
+
 def train_save_resume(rank: int, world: int, job, save_dir: str) -> dict:
     """4 uninterrupted steps, against 2 steps + save + load into a fresh trainer + 2 steps."""
     straight, _ = _trainer(job, rank)
@@ -180,7 +196,8 @@ def test_sharded_remainder_state_matches_one_process_and_reshards(cluster, tmp_p
     [
         (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
         (["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "fp8"], "--exp-avg-sq-dtype fp8 is not supported"),
-        (["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"], "--main-grads-dtype bf16 is not supported"),
+        (["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"], "--main-grads-dtype bf16 needs --bf16"),
+        (["--main-grads-dtype", "bf16", "--bf16"], "--main-grads-dtype bf16 needs --use-precision-aware-optimizer"),
         (["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"], "--main-params-dtype fp16 needs --bf16"),
         (["--exp-avg-dtype", "fp64"], "argument --exp-avg-dtype: invalid choice: 'fp64'"),
     ],

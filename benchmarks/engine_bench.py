@@ -21,8 +21,9 @@ only while that variant builds and steps, CUBLAS_WORKSPACE_CONFIG is set for the
 precision-aware variants (--variants, engine/precision_adam.py): engine_pa_remainders (fp32 masters as bf16
 weights + 16-bit remainders, fp32 moments), engine_pa_bf16_moments (remainders + bf16 moments),
 engine_pa_fp32_masters_bf16_moments (separate fp32 masters, bf16 moments), engine_pa_fp16_masters_bf16_moments,
-and engine_fp8_pa_bf16_moments (hybrid FP8 + remainders + bf16 moments); plain_fp8_torchao: the plain twin
-with torchao's float8 training (tensorwise), where torchao imports.
+engine_pa_bf16_grads (remainders, bf16 moments and bf16 main grads: 10 bytes a parameter), and the hybrid FP8
+engine_fp8_pa_bf16_moments and engine_fp8_pa_bf16_grads; plain_fp8_torchao: the plain twin with torchao's
+float8 training (tensorwise), where torchao imports.
 
 split: the B/W split's cost on a PP1 step (no bubbles to fill there): the engine with the
 whole backward vs --split-backward (I then W right after it), both eager (the split refuses
@@ -73,6 +74,7 @@ PRECISION_AWARE_VARIANTS = {
     "engine_pa_bf16_moments": BF16_MOMENTS,
     "engine_pa_fp32_masters_bf16_moments": {"store_param_remainders": False, **BF16_MOMENTS},
     "engine_pa_fp16_masters_bf16_moments": {"main_params_dtype": "fp16", **BF16_MOMENTS},
+    "engine_pa_bf16_grads": {"main_grads_dtype": "bf16", **BF16_MOMENTS},
 }
 
 
@@ -253,6 +255,9 @@ def _variants(job: JobConfig, data: Batches) -> dict:
         "engine_fp8_delayed": engine(fp8_format="hybrid", fp8_recipe="delayed"),
         **{name: engine(**PRECISION_AWARE, **kw) for name, kw in PRECISION_AWARE_VARIANTS.items()},
         "engine_fp8_pa_bf16_moments": engine(fp8_format="hybrid", **PRECISION_AWARE, **BF16_MOMENTS),
+        "engine_fp8_pa_bf16_grads": engine(
+            fp8_format="hybrid", main_grads_dtype="bf16", **PRECISION_AWARE, **BF16_MOMENTS
+        ),
         "plain_bf16": lambda: PlainRunner(job, data).steps,
         **({"plain_fp8_torchao": lambda: PlainRunner(job, data, float8=True).steps} if _has_torchao() else {}),
     }

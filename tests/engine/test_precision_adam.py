@@ -144,6 +144,14 @@ def test_bf16_main_grads_halve_the_grad_buffers_and_train_like_fp32_grads(cluste
         torch.testing.assert_close(rep["losses"], losses, rtol=5e-3, atol=0)
 
 
+def test_fp8_weight_gradients_accumulate_into_bf16_main_grads():
+    torch.set_num_threads(1)
+    aware = dict(bf16=True, fp8_format="hybrid", **BF16_MOMENTS)
+    fp32_grads = train_and_report(0, 1, make_job(1, iters=3, **aware))["losses"]
+    bf16_grads = train_and_report(0, 1, make_job(1, iters=3, main_grads_dtype="bf16", **aware))["losses"]
+    torch.testing.assert_close(bf16_grads, fp32_grads, rtol=1e-3, atol=0)
+
+
 def train_save_resume(rank: int, world: int, job, save_dir: str) -> dict:
     """4 uninterrupted steps, against 2 steps + save + load into a fresh trainer + 2 steps."""
     straight, _ = _trainer(job, rank)

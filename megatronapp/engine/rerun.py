@@ -187,13 +187,13 @@ class StepValidator:
 
     def run_step(self, trainer):
         """One step under the rerun mode; its pending metrics carry a StepCheck (None: unchecked)."""
+        if not self.validate and (trainer.iteration + 1) % self.cfg.rerun_stats_interval:
+            return trainer._execute_step()
         point = capture_replay_point(trainer)
         if self.validate:
             record = {}
             pending = trainer._execute_step(0, gate=lambda *a: self._check(trainer, record, *a))
             return replace(pending, check=StepCheck(point, record["values"], code=record["code"]))
-        if (trainer.iteration + 1) % self.cfg.rerun_stats_interval:
-            return trainer._execute_step()
         first = self._execute_held(trainer, 0)
         restore_replay_point(trainer, point)
         second = self._execute_held(trainer, 1)
@@ -225,16 +225,16 @@ class StepValidator:
         return replace(trainer._execute_step(attempt, gate=hold), check=values["v"])
 
     # -- at the log interval ------------------------------------------------------------------
-    def settle(self, trainer, steps: list) -> list:
-        """The interval's steps with their flags and rerun reports; a flagged step is executed
-        again (and the held steps after it dropped). Returns `steps` itself when nothing changed
-        but the flags."""
+    def settle(self, trainer, steps: list) -> tuple[list, bool]:
+        """The interval's steps with their flags and rerun reports, and whether a flagged step
+        was executed again (the held steps after it are then dropped: the list is shorter and
+        its last step new)."""
         checked = [i for i, st in enumerate(steps) if st.check is not None]
         if not checked:
-            return steps
+            return steps, False
         dp = trainer.job.layout.dp_size
         if not self.validate:
-            return [self._report_stats(st, dp) if st.check is not None else st for st in steps]
+            return [self._report_stats(st, dp) if st.check is not None else st for st in steps], False
         codes = torch.stack([steps[i].check.code for i in checked]).cpu().tolist()
         values = torch.stack([steps[i].check.values for i in checked]).cpu().tolist()
         out, rerun_at = list(steps), None
@@ -250,7 +250,7 @@ class StepValidator:
                 self._rerun(trainer, steps[rerun_at], first, decode_flags(codes[checked.index(rerun_at)]))
             ]
         self._next_interval(trainer)
-        return out
+        return out, rerun_at is not None
 
     def _report_stats(self, st, dp: int):
         first, second = st.check.values.cpu().tolist(), st.check.rerun_values.cpu().tolist()

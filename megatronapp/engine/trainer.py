@@ -201,8 +201,8 @@ class Trainer:
         on_host = self._copy_to_host(steps)
         if self.validator is None:
             return steps, on_host
-        settled = self.validator.settle(self, steps)
-        return (steps, on_host) if settled is steps else (settled, self._copy_to_host(settled))
+        settled, rerun = self.validator.settle(self, steps)
+        return settled, self._copy_to_host(settled) if rerun else on_host
 
     def _run_step(self) -> _PendingStep:
         """One optimizer step; its loss, grad norm and compute time stay on the device (a rerun

@@ -12,7 +12,8 @@ from integrity_jobs import Corruption, train_with_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatronapp.config import IntegrityConfig
-from megatronapp.engine.rerun import DeviceBands
+from megatronapp.engine.integrity import StepHistory, compute_rerun_verdict
+from megatronapp.engine.rerun import DeviceBands, decode_flags
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import single_process_groups
 
@@ -156,6 +157,38 @@ def test_validated_steps_read_nothing_on_the_host_between_log_intervals(monkeypa
     monkeypatch.undo()
     assert not reads and "_local_scalar_dense" not in rec.ops, (reads, sorted(set(rec.ops)))
     assert all(st.check is not None and st.flags is None for st in steps)  # judged at the interval
+
+
+def test_device_bands_flag_what_the_host_rules_flag():
+    """DeviceBands (the checks before the update) against integrity.StepHistory.judge (the log
+    interval's checks) over noisy series with spikes, NaNs and a window that wraps around."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = IntegrityConfig(**CHECKS, check_window=6, check_min_history=3, spiky_loss_factor=3.0, large_grads_factor=3.0)
+    bands, history = DeviceBands(cfg, torch.device("cpu")), StepHistory.build(cfg.check_window)
+    flagged = 0
+    for step in range(60):
+        loss = 3.0 - 0.01 * step + 0.05 * float(torch.randn((), generator=gen))
+        norm = 1.0 + 0.1 * float(torch.rand((), generator=gen))
+        if step % 7 == 6:
+            loss, norm = (loss * 3, norm) if step % 2 else (loss, norm * 20)
+        if step == 40:
+            loss = float("nan")
+        values = torch.tensor([[loss, norm]], dtype=torch.float32)
+        code = bands.flag_and_accept(values, dp_size=1)
+        loss32, norm32 = values[0].tolist()
+        expected = history.judge(loss32, norm32, cfg)
+        assert decode_flags(float(code)) == expected, (step, expected)
+        flagged += bool(expected)
+    assert flagged >= 8
+
+
+def test_rerun_verdict_compares_a_difference_with_the_spread_unless_deterministic():
+    assert compute_rerun_verdict([]) == "reproducible"
+    assert compute_rerun_verdict([0], deterministic=True, difference=(0.0, 1e-9), spread=(1.0, 1.0)) == "transient"
+    within = compute_rerun_verdict([0], deterministic=False, difference=(1e-4, 1e-3), spread=(2e-4, 1e-3))
+    beyond = compute_rerun_verdict([0], deterministic=False, difference=(1e-4, 5.0), spread=(2e-4, 1e-3))
+    assert (within, beyond) == ("reproducible", "transient")
+    assert compute_rerun_verdict([1], deterministic=False) == "transient"  # no spread measured
 
 
 def test_rerun_mode_with_forward_backward_disaggregation_is_refused_before_launch(train_before_launch):

@@ -8,7 +8,8 @@ validate_results: each step's loss and grad norm are checked before its update, 
   flagged step started from). Nothing is read on the host between log intervals. At the
   interval, a flagged step is executed again from the same weights: only what the step consumed
   besides them is put back (its data position, the RNG streams, the FP8 scaling state and the
-  loss scaler: a ReplayPoint, a few kilobytes whatever the model size), and the held steps after
+  loss scaler: a ReplayPoint, kilobytes plus the delayed-FP8 amax histories, whatever the
+  model size), and the held steps after
   it are dropped and executed again as the next steps.
   Verdict: the same loss and grad norm on every rank, bit for bit, means the inputs decide the
   outcome: "reproducible" (with skip_spiky_batches the batch is then consumed without an update).

@@ -144,6 +144,18 @@ def test_bf16_main_grads_halve_the_grad_buffers_and_train_like_fp32_grads(cluste
         torch.testing.assert_close(rep["losses"], losses, rtol=5e-3, atol=0)
 
 
+def test_fp32_model_with_bf16_moments_trains_like_fp32_moments():
+    """fp32 params are their own masters; only the moments are stored in bf16."""
+    torch.set_num_threads(1)
+    plain = train_and_report(0, 1, make_job(1, iters=4))["losses"]
+    trainer, _ = _trainer(make_job(1, iters=4, **BF16_MOMENTS))
+    losses = [m.loss for m in trainer.train(4)]
+    torch.testing.assert_close(losses, plain, rtol=2e-3, atol=0)
+    held = trainer.optimizer.state_bytes()
+    numel = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+    assert held["main_params"] == 0 and held["adam"] == 4 * numel
+
+
 def test_fp8_weight_gradients_accumulate_into_bf16_main_grads():
     torch.set_num_threads(1)
     aware = dict(bf16=True, fp8_format="hybrid", **BF16_MOMENTS)

@@ -148,7 +148,7 @@ class DeviceBands:
     def _upper_edge(self, row: int, factor: float, enabled: bool) -> torch.Tensor:
         """integrity.compute_band_upper over the ring's values; inf while fewer than check_min_history."""
         if not enabled:
-            return torch.tensor(math.inf, dtype=torch.float64, device=self.device)
+            return torch.full((), math.inf, dtype=torch.float64, device=self.device)  # a fill, not a copy
         values = self.ring[row]
         median = torch.nanquantile(values, 0.5)
         mad = torch.nanquantile((values - median).abs(), 0.5)

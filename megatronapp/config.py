@@ -255,10 +255,6 @@ class OptimizerConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} fp8 is not supported: Adam moments are fp32, fp16 or bf16"
                 )
-        if self.use_precision_aware_optimizer and self.overlap_param_update:
-            raise ConfigError(
-                "--overlap-param-update runs the fp32-master kernel: not with --use-precision-aware-optimizer"
-            )
 
     @property
     def state_is_fp32(self) -> bool:

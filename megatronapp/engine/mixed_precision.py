@@ -96,11 +96,12 @@ class MixedPrecisionOptimizer:
         self.master_kernel = cfg.fused_master_adamw and self._has_separate_mains() and master_adam.available(device)
         self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
         self._master_adamw = None
-        if self.master_kernel:  # the precision-aware optimizer's grads are not its mains' .grad
-            precision_kw = (
-                {} if self.store is None else {"grad_of": self.optimizer.grad_of, "remainders": self._remainders}
-            )
-            self._master_adamw = master_adam.MasterAdamW(self.optimizer, self._model_view_of, **precision_kw)
+        # the precision-aware optimizer's grads are not its mains' .grad
+        self._kernel_kw = (
+            {} if self.store is None else {"grad_of": self.optimizer.grad_of, "remainders": self._remainders}
+        )
+        if self.master_kernel:
+            self._master_adamw = master_adam.MasterAdamW(self.optimizer, self._model_view_of, **self._kernel_kw)
         if cfg.overlap_param_update and not self.master_kernel:
             raise ConfigError("--overlap-param-update needs the fused master AdamW: CUDA, Triton, --bf16/--fp16")
         self.overlapped_update: OverlappedUpdate | None = None  # see enable_overlapped_update
@@ -114,7 +115,7 @@ class MixedPrecisionOptimizer:
         """From the next step on, the update runs unit by unit beside the next forward
         (engine/overlap_update.py); its per-unit kernels replace the one-launch kernel."""
         self.overlapped_update = OverlappedUpdate(
-            self.optimizer, self._model_view_of, chunks, self.chunk_mains, self.device
+            self.optimizer, self._model_view_of, chunks, self.chunk_mains, self.device, self._kernel_kw
         )
         self._master_adamw = None
 

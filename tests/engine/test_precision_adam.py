@@ -3,8 +3,6 @@ low-precision Adam moments, sharded states, checkpoints, and the flags' one-line
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from engine_jobs import RandomTokenBatches, make_job, train_and_report
@@ -114,7 +112,7 @@ def test_all_fp32_precision_aware_equals_the_plain_optimizer_bit_for_bit():
     assert aware["losses"] == plain["losses"] and aware["norms"] == plain["norms"]
 
 
-def test_remainders_and_bf16_moments_store_4_bytes_a_parameter_and_train_like_fp32_state():
+def test_remainders_and_bf16_moments_hold_2_plus_4_bytes_a_parameter_and_train_like_fp32_state():
     torch.set_num_threads(1)
     plain = train_and_report(0, 1, make_job(1, iters=4, bf16=True))
     aware_job = make_job(1, iters=4, bf16=True, **BF16_MOMENTS)
@@ -227,11 +225,22 @@ def test_bad_precision_aware_flags_fail_in_one_line_before_launch(train_before_l
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
-def test_precision_aware_flags_reach_the_config():
-    from megatronapp.cli.args import add_train_arguments  # noqa: F401  (the flags exist)
+def test_precision_aware_flags_reach_the_config_and_defaults_come_from_the_dataclass():
+    import json
 
-    cfg = OptimizerConfig(use_precision_aware_optimizer=True, exp_avg_dtype="bf16", main_params_dtype="fp16")
-    assert not cfg.state_is_fp32 and replace(cfg, exp_avg_dtype="fp32", main_params_dtype="fp32").state_is_fp32
+    from test_cli import run_cli
+
+    res = run_cli(
+        ["--print-config", "--bf16", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"], timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads(res.stdout)["optimizer"]
+    want = {"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16"}
+    assert {k: cfg[k] for k in want} == want
+    defaults = OptimizerConfig()
+    for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_sq_dtype", "store_param_remainders"):
+        assert cfg[name] == getattr(defaults, name)
+    assert not OptimizerConfig(**want).state_is_fp32 and defaults.state_is_fp32
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@
     megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
     megatronapp import hf --from DIR --save CKPT
     megatronapp schedule simulate|show ...                                  # MegaDPP
+    megatronapp preprocess-data --input corpus.jsonl --output-prefix data/corpus  # Megatron .bin/.idx
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched: each launching command builds a description of its run, which `validate`
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_scope_ui_train_arguments(train)
     add_interop_subcommands(sub)
     add_schedule_subcommands(sub)
+    from megatronapp.cli.preprocess import add_preprocess_subcommand
+
+    add_preprocess_subcommand(sub)
     return parser
 
 

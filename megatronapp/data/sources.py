@@ -23,6 +23,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,8 +35,7 @@ from megatronapp.data.indexed import IndexedDataset, data_file, index_file
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-@dataclass(frozen=True)
-class Splits:
+class Splits(NamedTuple):
     """One sample stream per split (IndexedGPTDataset or BlendedDataset), None where the split is empty."""
 
     train: object | None
@@ -217,9 +217,15 @@ def build_datasets(
 
 
 def check_data_config(config: DataConfig, seq_length: int) -> None:
-    """Everything build_datasets would refuse that the flags and the files' headers show, cheaply:
-    the flags, every prefix's files, empty splits and splits shorter than one sample."""
+    """What a training run's data would fail on, from the flags and the files' headers, cheaply:
+    the flags, no train split, every prefix's files, empty splits and splits shorter than one sample."""
     plans = plan_splits(config)
+    if plans[0] is None:
+        raise ValueError(
+            "no train split: --train-data-path is needed"
+            if config.has_per_split_paths
+            else f"--split {config.split}: the train share is 0"
+        )
     opened = open_indexed_datasets(plans)
     for plan in plans:
         for prefix in plan.prefixes if plan and not _is_empty(plan, opened) else ():

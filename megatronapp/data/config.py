@@ -50,8 +50,9 @@ def add_data_arguments(group) -> None:
             f"--{name}-data-path",
             nargs="+",
             default=None,
-            metavar="[W] PREFIX",
-            help=f"indexed datasets (a weighted blend) of the {name} split alone; excludes --data-path",
+            metavar="PATH",
+            help=f"indexed datasets of the {name} split alone: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; "
+            "excludes --data-path",
         )
     group.add_argument(
         "--tokenizer-type",

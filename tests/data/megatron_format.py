@@ -124,3 +124,17 @@ def reference_sample(sequences, document_index, sample_index, k: int) -> np.ndar
     parts += [sequences[document_index[d]] for d in range(d0 + 1, d1)]
     parts.append(sequences[document_index[d1]][: o1 + 1])
     return np.concatenate(parts).astype(np.int64)
+
+
+def reference_blending(weights, size: int) -> tuple[list[int], list[int]]:
+    """BlendedDataset's (dataset index, dataset sample index): each sample from the dataset whose
+    weight * max(i, 1) - drawn is largest, the first of equals."""
+    drawn = [0] * len(weights)
+    datasets, samples = [], []
+    for i in range(size):
+        errors = [w * max(i, 1.0) - n for w, n in zip(weights, drawn)]
+        d = max(range(len(weights)), key=lambda j: (errors[j], -j))
+        datasets.append(d)
+        samples.append(drawn[d])
+        drawn[d] += 1
+    return datasets, samples

@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from megatron_format import CODES, read_pair, reference_sample, reference_samples, write_pair
+from megatron_format import CODES, read_pair, reference_blending, reference_sample, reference_samples, write_pair
 
+from megatronapp.data.blend import compute_blending_indices
 from megatronapp.data.config import DataConfig
 from megatronapp.data.dataset import DistributedBatchIterator
 from megatronapp.data.gpt_samples import IndexedGPTDataset
@@ -105,6 +106,13 @@ def test_blend_draws_samples_in_the_stated_proportions(tmp_path):
     same = DataConfig(data_path=("30", str(tmp_path / "a"), "70", str(tmp_path / "b")), split="1")
     again = build_datasets(same, seq_length=8, seed=7, num_samples=(10_000, None, None)).train
     np.testing.assert_array_equal(again.get_samples(np.arange(500)), train.get_samples(np.arange(500)))
+
+
+@pytest.mark.parametrize("weights", [(0.3, 0.7), (0.5, 0.5), (0.2, 0.3, 0.1, 0.4), (1 / 3, 1 / 3, 1 / 3)])
+def test_blending_indices_follow_megatrons_greedy_rule(weights):
+    datasets, samples = compute_blending_indices(np.asarray(weights), 3000)
+    expected_datasets, expected_samples = reference_blending(weights, 3000)
+    assert datasets.tolist() == expected_datasets and samples.tolist() == expected_samples
 
 
 def test_split_98_1_1_gives_disjoint_documents(tmp_path):

@@ -92,6 +92,18 @@ class IndexedDataset:
         """Each sequence's first token as an index into `tokens` (pointers are in bytes)."""
         return self.sequence_pointers // self.dtype.itemsize
 
+    def compute_token_range(self, max_tokens: int = 1 << 24) -> tuple[int, int]:
+        """(min, max) token id: of the whole file when it holds at most `max_tokens` ids, else of
+        64 windows spread evenly over it (a tokenizer mismatch shows everywhere)."""
+        n = len(self.tokens)
+        if n == 0:
+            return 0, 0
+        if n <= max_tokens:
+            return int(self.tokens.min()), int(self.tokens.max())
+        width = max_tokens // 64
+        windows = [self.tokens[s : s + width] for s in np.linspace(0, n - width, 64).astype(np.int64)]
+        return int(min(w.min() for w in windows)), int(max(w.max() for w in windows))
+
     def get(self, sequence: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of `sequence` (to its end when length is None), a view."""
         start = int(self.sequence_pointers[sequence]) // self.dtype.itemsize + offset

@@ -216,9 +216,10 @@ def build_datasets(
     return Splits(*built)
 
 
-def check_data_config(config: DataConfig, seq_length: int) -> None:
-    """What a training run's data would fail on, from the flags and the files' headers, cheaply:
-    the flags, no train split, every prefix's files, empty splits and splits shorter than one sample."""
+def check_data_config(config: DataConfig, seq_length: int, vocab_size: int | None = None) -> None:
+    """What a training run's data would fail on, cheaply: the flags, no train split, every prefix's
+    files, empty splits, splits shorter than one sample and (with vocab_size) token ids the
+    tokenizer does not have (IndexedDataset.compute_token_range)."""
     plans = plan_splits(config)
     if plans[0] is None:
         raise ValueError(
@@ -227,6 +228,9 @@ def check_data_config(config: DataConfig, seq_length: int) -> None:
             else f"--split {config.split}: the train share is 0"
         )
     opened = open_indexed_datasets(plans)
+    if vocab_size is not None:
+        for indexed in opened.values():
+            _check_token_range(indexed, vocab_size)
     for plan in plans:
         for prefix in plan.prefixes if plan and not _is_empty(plan, opened) else ():
             ids = _split_sequences(plan, opened[prefix])
@@ -236,3 +240,12 @@ def check_data_config(config: DataConfig, seq_length: int) -> None:
                     f"{prefix} ({plan.name} split): {tokens} tokens in {len(ids)} documents, fewer than one "
                     f"sample of seq_length + 1 = {seq_length + 1}; add data, change --split or lower --seq-length"
                 )
+
+
+def _check_token_range(indexed: IndexedDataset, vocab_size: int) -> None:
+    low, high = indexed.compute_token_range()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"{data_file(indexed.prefix)}: token id {low if low < 0 else high} is outside the tokenizer's "
+            f"{vocab_size} ids; give the tokenizer the data was made with (--tokenizer-model / --tokenizer-type)"
+        )

@@ -187,7 +187,9 @@ def _broken_inputs(tmp_path) -> dict[str, tuple[list[str], str]]:
     write_pair(tmp_path / "short", _documents(50, seed=9))
     raw = (tmp_path / "short.bin").read_bytes()
     (tmp_path / "short.bin").write_bytes(raw[: len(raw) // 2])
+    write_pair(tmp_path / "gpt2", [[50000, 3, 7]] * 100, code=4)
     return {
+        "tokens past the vocabulary": (["--data-path", str(tmp_path / "gpt2")], "token id 50000 is outside"),
         "missing idx": (["--data-path", str(tmp_path / "noidx")], "noidx.idx: file not found"),
         "wrong magic": (["--data-path", str(tmp_path / "magic")], "magic.idx: not a Megatron indexed-dataset index"),
         "truncated bin": (["--data-path", str(tmp_path / "short")], "short.bin: "),

@@ -4,6 +4,9 @@ splits, preprocess-data, one-line refusals, and TP2 x PP2 training on the same b
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -171,6 +174,32 @@ def test_preprocess_bad_line_is_one_line_and_writes_nothing(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line]
     assert code == 2 and err == [f'megatronapp: error: {corpus}:2: expected a string "text" field']
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_preprocess_then_train_and_resume_on_another_layout(tmp_path, capsys):
+    from megatronapp.cli.main import main
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"story {i}: the cat sat. " * (1 + i % 4)}) for i in range(300)))
+    prefix = str(tmp_path / "data" / "corpus")
+    assert main(["preprocess-data", "--input", str(corpus), "--output-prefix", prefix, "--append-eod"]) == 0
+    assert f"--data-path {prefix}_text_document" in capsys.readouterr().out
+    base = [sys.executable, "-m", "megatronapp.cli.main", "train", "--device", "cpu", "--model", "tiny"]
+    base += ["--data-path", f"{prefix}_text_document", "--global-batch-size", "4", "--train-iters", "4"]
+
+    def train(name: str, *args: str) -> list[float]:
+        metrics = tmp_path / f"{name}.jsonl"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        res = subprocess.run(
+            [*base, "--metrics-file", str(metrics), *args], capture_output=True, text=True, timeout=240, env=env
+        )
+        assert res.returncode == 0, res.stderr
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    whole = train("whole")
+    first = train("first", "--nproc-per-node", "2", "--train-iters", "2", "--save", str(tmp_path / "ckpt"))
+    rest = train("rest", "--load", str(tmp_path / "ckpt"))
+    torch.testing.assert_close(first + rest, whole, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- refused before launch

@@ -50,7 +50,11 @@ def test_samples_are_gpt_datasets_document_sample_and_shuffle_indices(tmp_path):
     sequences, _ = read_pair(tmp_path / "d")
     lengths = [len(d) for d in docs]
     ids = np.arange(5, 45)
-    for num_samples in (None, 40, 300, 1000):  # one epoch, several, with and without a separate last one
+    tokens = sum(lengths[i] for i in ids)
+    per_epoch, two_epochs = (tokens - 1) // 16, (2 * tokens - 1) // 16
+    # the third epoch's share of an epoch's samples: 0.65 is shuffled apart (< 0.8), 0.9 is not
+    third_epoch = [two_epochs + int(share * per_epoch) for share in (0.65, 0.9)]
+    for num_samples in (None, 40, 300, 1000, *third_epoch):  # one epoch, several, with and without a separate last one
         ds = IndexedGPTDataset(IndexedDataset(tmp_path / "d"), ids, seq_length=16, seed=1234, num_samples=num_samples)
         document_index, sample_index, shuffle_index = reference_samples(lengths, ids, 16, 1234, num_samples)
         np.testing.assert_array_equal(ds.document_index, document_index)
@@ -90,6 +94,23 @@ def test_every_dp_size_reads_the_same_global_batches(tmp_path):
             torch.testing.assert_close(a, b)
 
 
+def test_train_reads_megatrons_samples_in_megatrons_order(tmp_path):
+    from megatronapp.cli.main import build_parser
+    from megatronapp.cli.run import build_train_run
+    from megatronapp.cli.train import _build_data
+    from megatronapp.parallel.groups import single_process_groups
+
+    write_pair(tmp_path / "d", _documents(300, seed=12))
+    flags = ["train", "--model", "tiny", "--data-path", str(tmp_path / "d"), "--split", "90,10,0"]
+    args = build_parser().parse_args([*flags, "--global-batch-size", "8", "--train-iters", "50", "--seed", "9"])
+    data = _build_data(build_train_run(args, 1), ByteTokenizer(), single_process_groups())
+    config = DataConfig(data_path=(str(tmp_path / "d"),), split="90,10,0")
+    train = build_datasets(config, seq_length=32, seed=9, num_samples=(400, None, None)).train
+    for step in range(3):
+        expected = torch.from_numpy(train.get_samples(np.arange(step * 8, step * 8 + 8)))
+        torch.testing.assert_close(torch.cat(data.next_microbatches()), expected)
+
+
 # --------------------------------------------------------------------------- blends and splits
 
 
@@ -127,6 +148,7 @@ def test_split_98_1_1_gives_disjoint_documents(tmp_path):
     assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
     assert (len(seen[1]), len(seen[2])) == (10, 10)
     assert compute_split_bounds((0.969, 0.03, 0.001), 1000) == [0, 969, 999, 1000]
+    assert compute_split_bounds((0.5, 0.25, 0.25), 7) == [0, 3, 5, 7]  # each rounded, the excess off every bound
 
 
 def test_per_split_paths_build_each_split_from_whole_files(tmp_path):

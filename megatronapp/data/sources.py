@@ -154,7 +154,10 @@ def open_indexed_datasets(plans: list[SplitPlan | None]) -> dict[str, IndexedDat
         for prefix in plan.prefixes if plan else ():
             if prefix not in opened:
                 if Path(prefix).is_file() or Path(prefix).is_dir():
-                    raise ValueError(f"{prefix}: a text file or folder cannot be mixed with indexed datasets")
+                    raise ValueError(
+                        f"{prefix} is a text file or folder; weights, --split and --train/valid/test-data-path "
+                        "take indexed datasets (PREFIX for PREFIX.bin + PREFIX.idx)"
+                    )
                 opened[prefix] = IndexedDataset(prefix)
     return opened
 

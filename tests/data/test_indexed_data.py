@@ -187,6 +187,31 @@ def test_preprocess_output_reads_back_with_the_independent_reader_and_ours(tmp_p
         assert open(outputs[1] + suffix, "rb").read() == open(outputs[2] + suffix, "rb").read()
 
 
+def test_preprocess_with_a_tokenizer_json_and_with_megatrons_null_tokenizer(tmp_path):
+    from test_data import _train_tiny_bpe
+
+    from megatronapp.data.tokenizer import HFTokenizer
+    from megatronapp.data.tokenizer_types import NullTokenizer, build_tokenizer
+
+    texts = [f"the cat {i} sat on the mat" for i in range(100)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t, "ids": f"{i} {i + 1} 7"}) for i, t in enumerate(texts)))
+    tok_file = _train_tiny_bpe(tmp_path / "tokenizer.json", ["<unk>", "</s>"])
+    hf = PreprocessConfig(str(corpus), str(tmp_path / "hf"), tokenizer_model=str(tok_file), append_eod=True, workers=2)
+    preprocess_data(hf, show_progress=False)
+    tok = HFTokenizer(tok_file)
+    sequences, _ = read_pair(hf.output_prefixes()["text"])
+    assert [s.tolist() for s in sequences] == [tok.encode(t) + [tok.eod_id] for t in texts]
+    null = PreprocessConfig(
+        str(corpus), str(tmp_path / "null"), json_keys=("ids",), tokenizer_type="NullTokenizer", vocab_size=500
+    )
+    preprocess_data(null, show_progress=False)
+    sequences, _ = read_pair(null.output_prefixes()["ids"])
+    assert [s.tolist() for s in sequences] == [[i, i + 1, 7] for i in range(100)]
+    assert isinstance(build_tokenizer("NullTokenizer", vocab_size=500), NullTokenizer)
+    assert (build_tokenizer("NullTokenizer", vocab_size=500).vocab_size, NullTokenizer(500).eod_id) == (501, 500)
+
+
 def test_preprocess_bad_line_is_one_line_and_writes_nothing(tmp_path, capsys):
     from megatronapp.cli.main import main
 
@@ -239,7 +264,9 @@ def _broken_inputs(tmp_path) -> dict[str, tuple[list[str], str]]:
     raw = (tmp_path / "short.bin").read_bytes()
     (tmp_path / "short.bin").write_bytes(raw[: len(raw) // 2])
     write_pair(tmp_path / "gpt2", [[50000, 3, 7]] * 100, code=4)
+    (tmp_path / "story.txt").write_text("once upon a time")
     return {
+        "text with a split": (["--data-path", str(tmp_path / "story.txt"), "--split", "9,1"], "is a text file"),
         "tokens past the vocabulary": (["--data-path", str(tmp_path / "gpt2")], "token id 50000 is outside"),
         "missing idx": (["--data-path", str(tmp_path / "noidx")], "noidx.idx: file not found"),
         "wrong magic": (["--data-path", str(tmp_path / "magic")], "magic.idx: not a Megatron indexed-dataset index"),

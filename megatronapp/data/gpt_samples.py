@@ -23,6 +23,8 @@ num_samples give the same samples, in the same order, on every rank and in every
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from megatronapp.data.indexed import IndexedDataset
@@ -127,14 +129,19 @@ class IndexedGPTDataset:
         rng = np.random.RandomState(seed)
         separate = samples_before_final is not None
         self.document_index = compute_document_index(self.sequence_ids, self.num_epochs, rng, separate)
-        lengths = indexed.sequence_lengths
-        self.sample_index = compute_sample_index(
-            lengths, self.document_index, seq_length, self.num_epochs * tokens_per_epoch
-        )
-        total = len(self.sample_index) - 1
+        self._tokens_in_stream = self.num_epochs * tokens_per_epoch
+        total = (self._tokens_in_stream - 1) // seq_length
         self.shuffle_index = compute_shuffle_index(samples_before_final if separate else total, total, rng)
-        self._document_starts = compute_document_starts(lengths, self.document_index)
+        self._document_starts = compute_document_starts(indexed.sequence_lengths, self.document_index)
         self._sequence_offsets = indexed.token_offsets()
+
+    @functools.cached_property
+    def sample_index(self) -> np.ndarray:
+        """Megatron's sample index (compute_sample_index). Reading samples needs only its rule,
+        sample k starts at stream position k * seq_length, so it is built only when asked for
+        (16 bytes a sample)."""
+        lengths = self.indexed.sequence_lengths
+        return compute_sample_index(lengths, self.document_index, self.seq_length, self._tokens_in_stream)
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
@@ -144,8 +151,7 @@ class IndexedGPTDataset:
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
             raise IndexError(f"sample indices out of range for {len(self)} samples")
-        first = self.sample_index[self.shuffle_index[indices].astype(np.int64)]
-        start = self._document_starts[first[:, 0]] + first[:, 1]
+        start = self.shuffle_index[indices].astype(np.int64) * self.seq_length
         positions = start[:, None] + np.arange(self.seq_length + 1)  # (n, seq_length + 1) stream positions
         documents = np.searchsorted(self._document_starts, positions, side="right") - 1
         in_file = self._sequence_offsets[self.document_index[documents]] + positions - self._document_starts[documents]

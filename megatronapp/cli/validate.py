@@ -56,10 +56,10 @@ def check_train_run(run: TrainRun) -> None:
             raise ConfigError(f"--load {job.checkpoint.load}: checkpoint model differs: {', '.join(diff)}")
     if uses_indexed_data(run.data):
         check_data_config(run.data, job.model.seq_length, job.model.vocab_size)
-        return
-    for path in run.data_paths:
-        if not os.path.exists(path):
-            raise ConfigError(f"--data-path {path} does not exist")
+    else:
+        for path in run.data_paths:
+            if not os.path.exists(path):
+                raise ConfigError(f"--data-path {path} does not exist")
 
 
 def _check_inference(run: InferenceRun) -> None:

@@ -26,7 +26,7 @@ from megatronapp.cli.devices import check_job_devices
 from megatronapp.cli.injection import check_injection
 from megatronapp.cli.run import TrainRun
 from megatronapp.config import ConfigError
-from megatronapp.data.sources import check_data_config, uses_indexed_data
+from megatronapp.data.sources import check_data_config, check_not_indexed_file_names, uses_indexed_data
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
 from megatronapp.dpp.setup import check_dpp_job
 from megatronapp.engine.checkpoint import compute_model_config_mismatch
@@ -57,6 +57,7 @@ def check_train_run(run: TrainRun) -> None:
     if uses_indexed_data(run.data):
         check_data_config(run.data, job.model.seq_length, job.model.vocab_size)
     else:
+        check_not_indexed_file_names(run.data_paths)
         for path in run.data_paths:
             if not os.path.exists(path):
                 raise ConfigError(f"--data-path {path} does not exist")

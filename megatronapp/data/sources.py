@@ -67,6 +67,13 @@ def uses_indexed_data(config: DataConfig) -> bool:
     return any(_is_number(token) or is_indexed_prefix(token) for token in config.data_path)
 
 
+def check_not_indexed_file_names(paths: tuple[str, ...]) -> None:
+    """Refuse `--data-path corpus.bin` (or .idx): an indexed dataset is named by its prefix."""
+    for path in paths:
+        if path.endswith((".bin", ".idx")) and os.path.isfile(path):
+            raise ValueError(f"--data-path {path}: name an indexed dataset by its prefix, {path[:-4]}")
+
+
 def _is_number(token: str) -> bool:
     try:
         float(token)

@@ -268,6 +268,7 @@ def _broken_inputs(tmp_path) -> dict[str, tuple[list[str], str]]:
     return {
         "text with a split": (["--data-path", str(tmp_path / "story.txt"), "--split", "9,1"], "is a text file"),
         "tokens past the vocabulary": (["--data-path", str(tmp_path / "gpt2")], "token id 50000 is outside"),
+        "file name for a prefix": (["--data-path", good + ".bin"], f"by its prefix, {good}"),
         "missing idx": (["--data-path", str(tmp_path / "noidx")], "noidx.idx: file not found"),
         "wrong magic": (["--data-path", str(tmp_path / "magic")], "magic.idx: not a Megatron indexed-dataset index"),
         "truncated bin": (["--data-path", str(tmp_path / "short")], "short.bin: "),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatronapp.cli.progress import TrainProgress
 from megatronapp.cli.run import TrainRun, build_train_run
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
-from megatronapp.data.sources import build_datasets, uses_indexed_data
+from megatronapp.data.sources import build_datasets, compute_split_num_samples, uses_indexed_data
 from megatronapp.data.tokenizer_types import build_tokenizer
 from megatronapp.dpp.setup import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
@@ -41,7 +41,7 @@ def _build_data(run: TrainRun, tokenizer, groups):
     seq, train = job.model.seq_length, job.train
     indexed = uses_indexed_data(run.data)
     if indexed:  # Megatron's samples, already shuffled: train_iters global batches of them
-        num_samples = (train.train_iters * train.global_batch_size, None, None)
+        num_samples = compute_split_num_samples(train.train_iters, train.global_batch_size)
         dataset = build_datasets(run.data, seq_length=seq, seed=train.seed, num_samples=num_samples).train
     elif run.data_paths:
         dataset = build_text_dataset(tokenizer, list(run.data_paths), seq)

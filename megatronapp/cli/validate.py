@@ -55,7 +55,7 @@ def check_train_run(run: TrainRun) -> None:
         if diff:
             raise ConfigError(f"--load {job.checkpoint.load}: checkpoint model differs: {', '.join(diff)}")
     if uses_indexed_data(run.data):
-        check_data_config(run.data, job.model.seq_length, job.model.vocab_size)
+        check_data_config(run.data, job.model.vocab_size)
     else:
         check_not_indexed_file_names(run.data_paths)
         for path in run.data_paths:

@@ -4,7 +4,7 @@ Given the sequences of one split (`sequence_ids`), a sample length `seq_length`,
 many samples the run needs:
 
 1. num_epochs: the fewest passes over the split whose tokens cover num_samples * seq_length + 1
-   (one pass when num_samples is None).
+   (one pass when num_samples is None, unless the split is shorter than one sample).
 2. document index: the split's sequence ids repeated num_epochs times and shuffled by
    `numpy.random.RandomState(seed)`; when the last pass would contribute fewer than 80% of an
    epoch's samples it is shuffled on its own after the others ("separate final epoch"), so its
@@ -35,10 +35,10 @@ SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
 def compute_num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> int:
-    """Passes over the split needed for num_samples samples (each needs seq_length new tokens, plus one)."""
-    if num_samples is None:
-        return 1
-    needed = num_samples * seq_length + 1
+    """Passes over the split needed for num_samples samples (each needs seq_length new tokens, plus
+    one); None: one pass, or as many as one sample needs. A split shorter than a sample repeats, as
+    in Megatron."""
+    needed = max(num_samples or 0, 1) * seq_length + 1
     return max(1, -(-needed // tokens_per_epoch))
 
 
@@ -119,11 +119,8 @@ class IndexedGPTDataset:
         self.indexed, self.seq_length, self.name = indexed, seq_length, name or indexed.prefix
         self.sequence_ids = np.asarray(sequence_ids, dtype=np.int64)
         tokens_per_epoch = int(indexed.sequence_lengths[self.sequence_ids].astype(np.int64).sum())
-        if tokens_per_epoch < seq_length + 1:
-            raise ValueError(
-                f"{self.name}: {tokens_per_epoch} tokens in {len(self.sequence_ids)} documents, fewer than one "
-                f"sample of seq_length + 1 = {seq_length + 1}; add data, change --split or lower --seq-length"
-            )
+        if tokens_per_epoch == 0:
+            raise ValueError(f"{self.name}: its {len(self.sequence_ids)} documents hold no tokens")
         self.num_epochs = compute_num_epochs(tokens_per_epoch, seq_length, num_samples)
         samples_before_final = compute_separate_final_epoch(tokens_per_epoch, seq_length, self.num_epochs, num_samples)
         rng = np.random.RandomState(seed)

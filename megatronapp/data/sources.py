@@ -1,7 +1,9 @@
 """Train, valid and test sample streams from Megatron indexed datasets, as Megatron builds them.
 
-    splits = build_datasets(config, seq_length=1024, seed=1234, num_samples=(train, valid, test))
+    num_samples = compute_split_num_samples(train_iters, global_batch_size, eval_interval, eval_iters)
+    splits = build_datasets(config, seq_length=1024, seed=1234, num_samples=num_samples)
     splits.train.get_samples(np.arange(8))   # (8, 1025) int64; splits.valid / .test likewise, or None
+    DistributedBatchIterator(splits.valid, ..., shuffle=False)   # this DP rank's microbatches, in order
 
 With `--data-path [W] PREFIX ... --split a,b,c`, each prefix's sequences (Megatron's GPT
 datasets split by sequence, one per document as preprocess-data writes them) are cut into
@@ -209,6 +211,19 @@ def _build_split(plan, opened, seq_length: int, seed: int, num_samples: int | No
     return BlendedDataset(datasets, weights, size)
 
 
+def compute_split_num_samples(
+    train_iters: int, global_batch_size: int, eval_interval: int | None = None, eval_iters: int = 0
+) -> tuple[int, int, int]:
+    """Samples each split must provide, as Megatron asks for them: train_iters global batches;
+    valid: eval_iters batches at every eval_interval and once at the end; test: eval_iters batches."""
+    evaluations = train_iters // eval_interval + 1 if eval_interval else 1
+    return (
+        train_iters * global_batch_size,
+        evaluations * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    )
+
+
 def build_datasets(
     config: DataConfig,
     *,
@@ -226,10 +241,10 @@ def build_datasets(
     return Splits(*built)
 
 
-def check_data_config(config: DataConfig, seq_length: int, vocab_size: int | None = None) -> None:
+def check_data_config(config: DataConfig, vocab_size: int | None = None) -> None:
     """What a training run's data would fail on, cheaply: the flags, no train split, every prefix's
-    files, empty splits, splits shorter than one sample and (with vocab_size) token ids the
-    tokenizer does not have (IndexedDataset.compute_token_range)."""
+    files, splits without documents or tokens and (with vocab_size) token ids the tokenizer does
+    not have (IndexedDataset.compute_token_range)."""
     plans = plan_splits(config)
     if plans[0] is None:
         raise ValueError(
@@ -245,11 +260,8 @@ def check_data_config(config: DataConfig, seq_length: int, vocab_size: int | Non
         for prefix in plan.prefixes if plan and not _is_empty(plan, opened) else ():
             ids = _split_sequences(plan, opened[prefix])
             tokens = int(opened[prefix].sequence_lengths[ids].astype(np.int64).sum())
-            if tokens < seq_length + 1:
-                raise ValueError(
-                    f"{prefix} ({plan.name} split): {tokens} tokens in {len(ids)} documents, fewer than one "
-                    f"sample of seq_length + 1 = {seq_length + 1}; add data, change --split or lower --seq-length"
-                )
+            if tokens == 0:
+                raise ValueError(f"{prefix} ({plan.name} split): its {len(ids)} documents hold no tokens")
 
 
 def _check_token_range(indexed: IndexedDataset, vocab_size: int) -> None:

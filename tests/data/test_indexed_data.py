@@ -19,7 +19,7 @@ from megatronapp.data.dataset import DistributedBatchIterator
 from megatronapp.data.gpt_samples import IndexedGPTDataset
 from megatronapp.data.indexed import IndexedDataset
 from megatronapp.data.preprocess import PreprocessConfig, preprocess_data
-from megatronapp.data.sources import build_datasets, compute_split_bounds
+from megatronapp.data.sources import build_datasets, compute_split_bounds, compute_split_num_samples
 from megatronapp.data.tokenizer import ByteTokenizer
 
 
@@ -65,6 +65,15 @@ def test_samples_are_gpt_datasets_document_sample_and_shuffle_indices(tmp_path):
         expected = [reference_sample(sequences, document_index, sample_index, shuffle_index[i]) for i in picks]
         np.testing.assert_array_equal(ds.get_samples(picks), np.stack(expected))
     assert ds.num_epochs > 1
+
+
+def test_a_split_shorter_than_a_sample_repeats(tmp_path):
+    write_pair(tmp_path / "d", [[1, 2, 3], [4, 5]])
+    ds = IndexedGPTDataset(IndexedDataset(tmp_path / "d"), np.arange(2), seq_length=8, seed=0)
+    assert (
+        len(ds) == 1 and ds.num_epochs == 2 and sorted(ds.get_samples([0])[0].tolist()) == [1, 1, 2, 2, 3, 4, 4, 5, 5]
+    )
+    assert len(IndexedGPTDataset(IndexedDataset(tmp_path / "d"), np.arange(2), 8, 0, num_samples=10)) >= 10
 
 
 def test_seed_changes_the_order_and_only_the_order(tmp_path):
@@ -137,6 +146,11 @@ def test_blending_indices_follow_megatrons_greedy_rule(weights):
     datasets, samples = compute_blending_indices(np.asarray(weights), 3000)
     expected_datasets, expected_samples = reference_blending(weights, 3000)
     assert datasets.tolist() == expected_datasets and samples.tolist() == expected_samples
+
+
+def test_split_sample_counts_are_megatrons():
+    assert compute_split_num_samples(1000, 32, eval_interval=100, eval_iters=10) == (32000, 11 * 10 * 32, 10 * 32)
+    assert compute_split_num_samples(50, 8) == (400, 0, 0)
 
 
 def test_split_98_1_1_gives_disjoint_documents(tmp_path):

@@ -45,8 +45,8 @@ class PreprocessConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
-        if not self.json_keys or any(not k for k in self.json_keys):
-            raise ValueError("--json-keys needs at least one non-empty key")
+        if not self.json_keys or any(not k for k in self.json_keys) or len(set(self.json_keys)) < len(self.json_keys):
+            raise ValueError(f"--json-keys needs distinct non-empty keys, got {list(self.json_keys)}")
         if not Path(self.input).is_file():
             raise ValueError(f"--input {self.input}: file not found")
 
@@ -128,10 +128,12 @@ def preprocess_data(config: PreprocessConfig, *, show_progress: bool = True) -> 
 
     tokenizer = build_tokenizer(config.tokenizer_type, config.tokenizer_model, config.vocab_size)
     dtype = compute_optimal_dtype(tokenizer.vocab_size)
-    writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in config.output_prefixes().items()}
-    counts = dict.fromkeys(writers, 0)
+    writers: dict[str, IndexedDatasetWriter] = {}
+    counts = dict.fromkeys(config.json_keys, 0)
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn())
     try:
+        for key, prefix in config.output_prefixes().items():
+            writers[key] = IndexedDatasetWriter(prefix, dtype)
         with Progress(*columns, disable=not show_progress, transient=True) as progress:
             bar = progress.add_task("tokenizing", total=os.path.getsize(config.input))
             for size, chunk in _encoded_chunks(config):

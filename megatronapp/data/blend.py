@@ -1,8 +1,8 @@
 """Weighted blends of datasets, drawn as Megatron-Core's `BlendedDataset` draws them.
 
 `--data-path 0.3 A 0.7 B`: weights are normalised to sum to 1 (so `30 A 70 B` is the same
-blend), and each dataset is asked for ceil(size * weight * 1.005) samples (Megatron's 0.5%
-margin). Sample i of the blend comes from the dataset whose running count lags its weight the
+blend); a blend asked for `size` samples holds sum(ceil(size * weight)) of them, and each
+dataset is asked for ceil(ceil(size * weight) * 1.005) (Megatron's 0.5% margin). Sample i of the blend comes from the dataset whose running count lags its weight the
 most: the dataset d maximising weight[d] * max(i, 1) - drawn[d] (the first on ties), which takes
 that dataset's next sample in its own order. Every prefix of the blend is then within one
 sample per dataset of the stated proportions.
@@ -28,9 +28,14 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
+def compute_dataset_shares(weights: np.ndarray, size: int) -> list[int]:
+    """Each dataset's share of a blend of `size` samples, rounded up; the blend's length is their sum."""
+    return [int(math.ceil(size * float(w))) for w in weights]
+
+
 def compute_dataset_sizes(weights: np.ndarray, size: int) -> list[int]:
-    """The samples to ask of each dataset of a blend of `size` samples."""
-    return [int(math.ceil(size * float(w) * SIZE_MARGIN)) for w in weights]
+    """The samples to ask of each dataset of a blend of `size` samples: its share plus the margin."""
+    return [int(math.ceil(share * SIZE_MARGIN)) for share in compute_dataset_shares(weights, size)]
 
 
 def compute_blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

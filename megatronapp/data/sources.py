@@ -12,7 +12,9 @@ rounded, the last forced to the count); each split is then the blend of its rang
 prefixes (blend.py) or, for one prefix, that range alone (gpt_samples.py). With
 `--train-data-path` / `--valid-data-path` / `--test-data-path` each split is its own blend of
 whole files. A split with share 0, without a path, or (valid, test) whose share rounds to no
-documents is None.
+documents is None. Prefixes given without weights are each read once and blended by their sample
+counts. Checked against Megatron-Core 0.16.1: the same samples, split by split, for one prefix,
+weighted and unweighted blends and per-split paths (tests/data/test_indexed_data.py).
 
 num_samples: how many samples each split must provide (the trainer: train_iters *
 global_batch_size); None builds one pass over the split's data. The sample order depends only
@@ -29,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatronapp.data.blend import BlendedDataset, compute_dataset_sizes, normalize_weights
+from megatronapp.data.blend import BlendedDataset, compute_dataset_shares, compute_dataset_sizes, normalize_weights
 from megatronapp.data.config import DEFAULT_SPLIT, DataConfig
 from megatronapp.data.gpt_samples import IndexedGPTDataset
 from megatronapp.data.indexed import IndexedDataset, data_file, index_file
@@ -188,15 +190,11 @@ def _is_empty(plan: SplitPlan, opened: dict[str, IndexedDataset]) -> bool:
     return bool(empty)
 
 
-def _blend_weights(plan: SplitPlan, opened: dict[str, IndexedDataset]) -> np.ndarray:
-    """The plan's weights, or without weights each prefix's share of the split's tokens."""
-    if plan.weights:
-        return np.asarray(plan.weights)
-    tokens = [int(opened[p].sequence_lengths[_split_sequences(plan, opened[p])].sum()) for p in plan.prefixes]
-    return normalize_weights(tokens)
-
-
 def _build_split(plan, opened, seq_length: int, seed: int, num_samples: int | None):
+    """One split's stream: a single prefix's samples; a weighted blend of samples built to each
+    dataset's share; or, without weights, every prefix's samples once, blended by their counts
+    (capped at num_samples), as Megatron does."""
+
     def build_one(prefix: str, size: int | None) -> IndexedGPTDataset:
         indexed = opened[prefix]
         name = f"{prefix} ({plan.name} split)"
@@ -204,11 +202,14 @@ def _build_split(plan, opened, seq_length: int, seed: int, num_samples: int | No
 
     if len(plan.prefixes) == 1:
         return build_one(plan.prefixes[0], num_samples)
-    weights = _blend_weights(plan, opened)
-    sizes = compute_dataset_sizes(weights, num_samples) if num_samples is not None else [None] * len(weights)
-    datasets = [build_one(p, s) for p, s in zip(plan.prefixes, sizes)]
-    size = sum(sizes) if num_samples is not None else sum(len(d) for d in datasets)
-    return BlendedDataset(datasets, weights, size)
+    if not plan.weights or num_samples is None:
+        datasets = [build_one(p, None) for p in plan.prefixes]
+        total = sum(map(len, datasets))
+        weights = plan.weights or [len(d) for d in datasets]
+        return BlendedDataset(datasets, weights, total if num_samples is None else min(num_samples, total))
+    weights = np.asarray(plan.weights)
+    datasets = [build_one(p, s) for p, s in zip(plan.prefixes, compute_dataset_sizes(weights, num_samples))]
+    return BlendedDataset(datasets, weights, sum(compute_dataset_shares(weights, num_samples)))
 
 
 def compute_split_num_samples(

@@ -424,3 +424,18 @@ def test_samples_match_megatron_core_when_installed(cluster, tmp_path):
         ),
     ]
     assert all(cluster.run(megatron_core_matches, 1, str(tmp_path), cases)[0])
+
+
+def test_megatron_core_reads_preprocess_output_when_installed(tmp_path):
+    indexed_dataset = pytest.importorskip(
+        "megatron.core.datasets.indexed_dataset", reason="megatron-core is not installed"
+    )
+    corpus = tmp_path / "corpus.jsonl"
+    texts = [f"line {i} " * (1 + i % 5) for i in range(200)]
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    config = PreprocessConfig(str(corpus), str(tmp_path / "c"), append_eod=True)
+    preprocess_data(config, show_progress=False)
+    theirs = indexed_dataset.IndexedDataset(config.output_prefixes()["text"])
+    tok = ByteTokenizer()
+    assert [theirs[i].tolist() for i in range(len(theirs))] == [tok.encode(t) + [tok.eod_id] for t in texts]
+    assert theirs.document_indices.tolist() == list(range(201))

@@ -277,6 +277,9 @@ def _broken_inputs(tmp_path) -> dict[str, tuple[list[str], str]]:
     write_pair(tmp_path / "short", _documents(50, seed=9))
     raw = (tmp_path / "short.bin").read_bytes()
     (tmp_path / "short.bin").write_bytes(raw[: len(raw) // 2])
+    write_pair(tmp_path / "cut", _documents(50, seed=9))
+    raw = (tmp_path / "cut.idx").read_bytes()
+    (tmp_path / "cut.idx").write_bytes(raw[:-5])
     write_pair(tmp_path / "gpt2", [[50000, 3, 7]] * 100, code=4)
     (tmp_path / "story.txt").write_text("once upon a time")
     return {
@@ -285,6 +288,7 @@ def _broken_inputs(tmp_path) -> dict[str, tuple[list[str], str]]:
         "file name for a prefix": (["--data-path", good + ".bin"], f"by its prefix, {good}"),
         "missing idx": (["--data-path", str(tmp_path / "noidx")], "noidx.idx: file not found"),
         "wrong magic": (["--data-path", str(tmp_path / "magic")], "magic.idx: not a Megatron indexed-dataset index"),
+        "truncated idx": (["--data-path", str(tmp_path / "cut")], "cut.idx: "),
         "truncated bin": (["--data-path", str(tmp_path / "short")], "short.bin: "),
         "negative weight": (["--data-path", "0.5", good, "-0.5", good], "weights must be finite and >= 0"),
         "zero weights": (["--data-path", "0", good, "0", good], "weights sum to 0"),

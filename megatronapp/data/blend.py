@@ -38,29 +38,65 @@ def compute_dataset_sizes(weights: np.ndarray, size: int) -> list[int]:
     return [int(math.ceil(share * SIZE_MARGIN)) for share in compute_dataset_shares(weights, size)]
 
 
-def compute_blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset of each sample, that sample's index within its dataset), both (size,) int64.
+def _choose_datasets(weights: list[float], drawn: list[int], start: int, stop: int) -> np.ndarray:
+    """The dataset of samples start..stop-1, given the counts `drawn` before `start` (updated).
 
     The choice is sequential (each depends on the counts so far), so it is a plain loop over
     Python floats, which round as Megatron's C++ doubles do: about 1.3 s per million samples."""
-    weights = [float(w) for w in weights]
-    drawn = [0] * len(weights)
     others = range(1, len(weights))
-    choices = [0] * size
-    for i in range(size):
+    choices = [0] * (stop - start)
+    for i in range(start, stop):
         scale = i if i > 1 else 1  # max(i, 1)
         best, best_error = 0, weights[0] * scale - drawn[0]
         for d in others:
             error = weights[d] * scale - drawn[d]
             if error > best_error:  # strictly: ties go to the first dataset
                 best, best_error = d, error
-        choices[i] = best
+        choices[i - start] = best
         drawn[best] += 1
-    dataset_index = np.asarray(choices, dtype=np.int64)
-    sample_index = np.empty(size, dtype=np.int64)
-    for d, count in enumerate(drawn):
-        sample_index[dataset_index == d] = np.arange(count)
-    return dataset_index, sample_index
+    return np.asarray(choices, dtype=np.int64)
+
+
+class BlendingIndices:
+    """Megatron's blending indices, computed chunk by chunk as far as they are read: a run pays
+    for the samples it reaches (a resumed one for those before its position), not for the whole
+    schedule at start-up."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, weights: np.ndarray, size: int) -> None:
+        self.weights, self.size = [float(w) for w in weights], size
+        self._drawn = [0] * len(self.weights)
+        self._chunks: list[tuple[np.ndarray, np.ndarray]] = []  # (dataset, sample within it) per chunk
+
+    def _extend(self) -> None:
+        start = len(self._chunks) * self.CHUNK
+        before = list(self._drawn)
+        datasets = _choose_datasets(self.weights, self._drawn, start, min(start + self.CHUNK, self.size))
+        samples = np.empty(len(datasets), dtype=np.int64)
+        for d, first in enumerate(before):
+            picked = datasets == d
+            samples[picked] = np.arange(first, self._drawn[d])
+        self._chunks.append((datasets, samples))
+
+    def lookup(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, sample within it) of each of `indices` (all in 0..size-1)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        datasets, samples = np.empty_like(indices), np.empty_like(indices)
+        chunk_of = indices // self.CHUNK
+        for chunk in np.unique(chunk_of):
+            while len(self._chunks) <= chunk:
+                self._extend()
+            rows = chunk_of == chunk
+            chunk_datasets, chunk_samples = self._chunks[chunk]
+            datasets[rows] = chunk_datasets[indices[rows] % self.CHUNK]
+            samples[rows] = chunk_samples[indices[rows] % self.CHUNK]
+        return datasets, samples
+
+
+def compute_blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset of each sample, that sample's index within its dataset), both (size,) int64."""
+    return BlendingIndices(weights, size).lookup(np.arange(size))
 
 
 class BlendedDataset:
@@ -75,18 +111,21 @@ class BlendedDataset:
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights)
         self.seq_length = self.datasets[0].seq_length
-        self.dataset_index, self.dataset_sample_index = compute_blending_indices(self.weights, size)
+        self.size = size
+        self.indices = BlendingIndices(self.weights, size)
 
     def __len__(self) -> int:
-        return len(self.dataset_index)
+        return self.size
 
     def get_samples(self, indices: np.ndarray) -> np.ndarray:
         """Samples `indices` stacked as an int64 array of shape (len(indices), seq_length + 1)."""
         indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.size):
+            raise IndexError(f"sample indices out of range for {self.size} samples")
         out = np.empty((len(indices), self.seq_length + 1), dtype=np.int64)
-        which = self.dataset_index[indices]
+        which, within = self.indices.lookup(indices)
         for d, dataset in enumerate(self.datasets):
             rows = np.flatnonzero(which == d)
             if rows.size:
-                out[rows] = dataset.get_samples(self.dataset_sample_index[indices[rows]] % len(dataset))
+                out[rows] = dataset.get_samples(within[rows] % len(dataset))
         return out

@@ -148,6 +148,19 @@ def test_blending_indices_follow_megatrons_greedy_rule(weights):
     assert datasets.tolist() == expected_datasets and samples.tolist() == expected_samples
 
 
+def test_blending_indices_are_the_same_computed_chunk_by_chunk_in_any_order(monkeypatch):
+    from megatronapp.data.blend import BlendingIndices
+
+    expected_datasets, expected_samples = reference_blending((0.2, 0.3, 0.5), 500)
+    monkeypatch.setattr(BlendingIndices, "CHUNK", 7)
+    lazy = BlendingIndices(np.asarray((0.2, 0.3, 0.5)), 500)
+    order = np.random.default_rng(0).permutation(500)
+    datasets, samples = lazy.lookup(order[:250])
+    rest_datasets, rest_samples = lazy.lookup(order[250:])
+    assert np.concatenate((datasets, rest_datasets)).tolist() == [expected_datasets[i] for i in order]
+    assert np.concatenate((samples, rest_samples)).tolist() == [expected_samples[i] for i in order]
+
+
 def test_split_sample_counts_are_megatrons():
     assert compute_split_num_samples(1000, 32, eval_interval=100, eval_iters=10) == (32000, 11 * 10 * 32, 10 * 32)
     assert compute_split_num_samples(50, 8) == (400, 0, 0)

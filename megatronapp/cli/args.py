@@ -26,6 +26,7 @@ from megatronapp.config import (
     build_layout,
     model_preset,
 )
+from megatronapp.data.config import add_data_arguments
 from megatronapp.dpp.config import add_dpp_arguments
 from megatronapp.fbd.cli import add_fbd_arguments, layout_world_size
 from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
@@ -304,9 +305,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--data-path",
         nargs="*",
         default=None,
-        help=".txt / Megatron-style .jsonl files or folders; default: the embedded synthetic corpus",
+        help=".txt / Megatron-style .jsonl files or folders, or Megatron indexed datasets: PREFIX "
+        "(PREFIX.bin + PREFIX.idx) or a weighted blend W1 PREFIX1 W2 PREFIX2 ...; "
+        "default: the embedded synthetic corpus",
     )
     g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
+    add_data_arguments(g)
 
     g = p.add_argument_group("checkpoints and logging")
     _job_flag(g, "--save")

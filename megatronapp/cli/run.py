@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from megatronapp.cli.args import build_job_config
 from megatronapp.cli.injection import InjectionConfig, build_injection_config
 from megatronapp.config import JobConfig
+from megatronapp.data.config import DataConfig, build_data_config
 from megatronapp.dpp.config import DppConfig, build_dpp_config
 from megatronapp.fbd.cli import fbd_config_from_args
 from megatronapp.fbd.config import FbdConfig
@@ -36,6 +37,7 @@ class TrainRun:
     scope: TrainingScopeConfig | None = None  # --scope
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
     tokenizer_model: str | None = None  # None: bytes
+    data: DataConfig = field(default_factory=DataConfig)  # every data flag (indexed datasets, splits, tokenizer type)
     saved_model: dict | None = None  # the model fields of the --load checkpoint, when there is one
 
 
@@ -61,5 +63,6 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
         scope=build_training_scope_config(args),
         data_paths=tuple(args.data_path or ()),
         tokenizer_model=args.tokenizer_model,
+        data=build_data_config(args),
         saved_model=read_saved_model_fields(args.load) if args.load else None,
     )

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from megatronapp.cli.progress import TrainProgress
 from megatronapp.cli.run import TrainRun, build_train_run
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
-from megatronapp.data.tokenizer import load_tokenizer
+from megatronapp.data.sources import build_datasets, compute_split_num_samples, uses_indexed_data
+from megatronapp.data.tokenizer_types import build_tokenizer
 from megatronapp.dpp.setup import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.determinism import enable_deterministic_mode
@@ -37,19 +38,23 @@ from megatronapp.scope_ui.training import training_scope
 
 def _build_data(run: TrainRun, tokenizer, groups):
     job = run.job
-    seq = job.model.seq_length
-    dataset = (
-        build_text_dataset(tokenizer, list(run.data_paths), seq)
-        if run.data_paths
-        else build_default_dataset(tokenizer, seq, job.train.seed)
-    )
+    seq, train = job.model.seq_length, job.train
+    indexed = uses_indexed_data(run.data)
+    if indexed:  # Megatron's samples, already shuffled: train_iters global batches of them
+        num_samples = compute_split_num_samples(train.train_iters, train.global_batch_size)
+        dataset = build_datasets(run.data, seq_length=seq, seed=train.seed, num_samples=num_samples).train
+    elif run.data_paths:
+        dataset = build_text_dataset(tokenizer, list(run.data_paths), seq)
+    else:
+        dataset = build_default_dataset(tokenizer, seq, train.seed)
     return DistributedBatchIterator(
         dataset,
-        micro_batch_size=job.train.micro_batch_size,
-        global_batch_size=job.train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
         dp_rank=groups.dp_rank,
         dp_size=job.layout.dp_size,
-        seed=job.train.seed,
+        seed=train.seed,
+        shuffle=not indexed,
     )
 
 
@@ -144,7 +149,7 @@ def pick_role(run: TrainRun, rank: int) -> TrainingRole:
 def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) -> list[dict]:
     """Train in this process as one rank of the job `train`'s flags describe; the metrics history
     (rank 0's). keep_process_group: as run_rank."""
-    tokenizer = load_tokenizer(args.tokenizer_model)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     run = build_train_run(args, int(os.environ.get("WORLD_SIZE", "1")), tokenizer.vocab_size)
     return run_rank(run, tokenizer, summary_file=args.summary_file, keep_process_group=keep_process_group)
 

@@ -276,12 +276,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
             f"--{split}-data-path",
             nargs="*",
             default=None,
-            help=f"{split} loss data (.txt / .jsonl files or folders), with --eval-interval; "
-            "default: held-out synthetic documents (without --data-path)",
+            help=f"{ {'valid': 'validation'}.get(split, split) } loss data (.txt / .jsonl files or folders), with "
+            "--eval-interval; default: held-out synthetic documents (without --data-path)",
         )
 
     g = p.add_argument_group("validation and test (Megatron's; engine/evaluation.py)")
-    _job_flag(g, "--eval-interval", "validation loss every N steps and at the end, test loss at the end", type=int)
+    _job_flag(
+        g,
+        "--eval-interval",
+        "validation loss every N steps and at the end, test loss at the end; no evaluation without it",
+        type=int,
+    )
     _job_flag(g, "--eval-iters", "global batches per evaluation, from the start of each stream", type=int)
 
     g = p.add_argument_group("checkpoints and logging")
@@ -293,7 +298,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _job_flag(g, "--tensorboard-dir", "TensorBoard event files (pip install 'megatronapp[tensorboard]')")
     _job_flag(g, "--wandb-project", "Weights & Biases project, logged offline (pip install 'megatronapp[wandb]')")
     _job_flag(g, "--wandb-exp-name", "the W&B run's name")
-    _job_flag(g, "--wandb-save-dir", "where W&B writes; default: SAVE/wandb with --save, else ./wandb")
+    _job_flag(g, "--wandb-save-dir", "where W&B writes; when not given: SAVE/wandb with --save, else ./wandb")
 
     g = p.add_argument_group("MegaScan tracing")
     g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")

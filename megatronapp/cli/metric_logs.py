@@ -50,7 +50,9 @@ def _check_writable_dir(flag: str, path: str) -> None:
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {path} is not a folder")
     existing = next(a for a in (p, *p.parents) if a.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {path} is not writable ({existing} is a file)")
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path} is not writable ({existing} does not let this user write)")
 
 
@@ -92,8 +94,8 @@ class MetricLogs:
         if log.tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            purge = first_step if first_step > 1 else None
-            self.tensorboard = SummaryWriter(log.tensorboard_dir, purge_step=purge)
+            # readers drop events an earlier run wrote from this run's first step on
+            self.tensorboard = SummaryWriter(log.tensorboard_dir, purge_step=first_step)
         if log.wandb_project is not None:
             self.wandb = _start_wandb(log, first_step > 1, save, config or {})
 

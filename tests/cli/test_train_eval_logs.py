@@ -1,0 +1,109 @@
+"""`megatronapp train` with validation / test loss and TensorBoard logs, end to end: the metrics
+rows, the summary, the event files' scalars, and a resumed run that reproduces the validation
+numbers and writes no step twice. Bad flags fail before launch with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_cli import run_cli
+
+from megatronapp.cli.metric_logs import check_metric_logs
+from megatronapp.config import ConfigError, LoggingConfig
+
+RUN = ["--train-iters", "6", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr-decay-iters", "6"]
+EVAL = ["--eval-interval", "2", "--eval-iters", "2"]
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def _scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_evaluation_and_tensorboard_survive_a_resume(tmp_path):
+    pytest.importorskip("tensorboard")
+    ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    common = RUN + EVAL + ["--save", str(ckpt), "--save-interval", "2", "--tensorboard-dir", str(tb)]
+    first = run_cli([*common, "--metrics-file", str(tmp_path / "a.jsonl")], timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "validation loss at iteration 2 | lm loss value:" in first.stdout
+    assert "validation loss (ppl)" in first.stdout and "test loss (ppl)" in first.stdout
+    rows = _rows(tmp_path / "a.jsonl")
+    valid = {r["iteration"]: r["valid_loss"] for r in rows if "valid_loss" in r}
+    assert sorted(valid) == [2, 4, 6] and len(set(valid.values())) == 3
+    assert [r["iteration"] for r in rows if "test_loss" in r] == [6]
+    assert all("valid_ppl" in r for r in rows if "valid_loss" in r)
+    losses = {r["iteration"]: r["loss"] for r in rows if "loss" in r}
+
+    scalars = _scalars(tb)
+    for tag in ("lm loss", "learning-rate", "grad-norm", "throughput/tokens-per-s", "step-checks/nan"):
+        assert [s for s, _ in scalars[tag]] == [1, 2, 3, 4, 5, 6], tag
+    assert [s for s, _ in scalars["lm loss validation"]] == [2, 4, 6]
+    assert [s for s, _ in scalars["lm loss test"]] == [6]
+    assert [v for _, v in scalars["lm loss"]] == pytest.approx([losses[i] for i in range(1, 7)])
+
+    # a run that died after its checkpoint at iteration 4 (having logged 5 and 6) is resumed there
+    (ckpt / "latest").write_text("4")
+    second = run_cli([*common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "b.jsonl")], timeout=300)
+    assert second.returncode == 0, second.stderr
+    resumed = _rows(tmp_path / "b.jsonl")
+    assert {r["iteration"]: r["valid_loss"] for r in resumed if "valid_loss" in r} == {6: valid[6]}  # bit for bit
+    assert {r["iteration"]: r["loss"] for r in resumed if "loss" in r} == {5: losses[5], 6: losses[6]}
+    scalars = _scalars(tb)
+    assert [s for s, _ in scalars["lm loss"]] == [1, 2, 3, 4, 5, 6]  # no step twice
+    assert [s for s, _ in scalars["lm loss validation"]] == [2, 4, 6]
+
+
+def test_without_eval_flags_no_evaluation_rows(tmp_path):
+    res = run_cli([*RUN, "--train-iters", "2", "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert res.returncode == 0, res.stderr
+    assert all("loss" in r and "valid_loss" not in r for r in _rows(tmp_path / "m.jsonl"))
+    assert "validation loss" not in res.stdout
+
+
+def _bad_inputs(tmp) -> list[tuple[list[str], str]]:
+    text, a_file = tmp / "a.txt", tmp / "file"
+    text.write_text("some text " * 100)
+    a_file.write_text("x")
+    cases = [
+        (["--eval-interval", "0"], "eval_interval must be >= 1, got 0"),
+        (["--eval-interval", "2", "--eval-iters", "0"], "eval_iters must be >= 1, got 0"),
+        (["--valid-data-path", str(text)], "--valid-data-path needs --eval-interval"),
+        (
+            ["--eval-interval", "2", "--data-path", str(text)],
+            "--eval-interval with --data-path needs --valid-data-path",
+        ),
+        (["--eval-interval", "2", "--valid-data-path", str(tmp / "missing.txt")], "missing.txt does not exist"),
+        (["--tensorboard-dir", str(a_file)], f"--tensorboard-dir {a_file} is not a folder"),
+        (["--tensorboard-dir", str(a_file / "tb")], "is not writable"),
+        (["--wandb-exp-name", "x"], "--wandb-exp-name / --wandb-save-dir need --wandb-project"),
+    ]
+    if not _installed("wandb"):
+        cases.append((["--wandb-project", "p"], "--wandb-project needs the wandb package"))
+    return cases
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def test_bad_evaluation_and_log_flags_fail_before_launch(tmp_path, train_before_launch):
+    for args, message in _bad_inputs(tmp_path):
+        code, lines = train_before_launch(args)
+        assert code == 2 and len(lines) == 1 and message in lines[0], (args, lines)
+
+
+def test_tensorboard_needs_the_package(monkeypatch, tmp_path):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="--tensorboard-dir needs the tensorboard package"):
+        check_metric_logs(LoggingConfig(tensorboard_dir=str(tmp_path)))

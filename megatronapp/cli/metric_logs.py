@@ -8,17 +8,18 @@ rank knows the reduced metrics; that one holds the loss first). Scalars, by step
     step-checks/nan, step-checks/spiky_loss, step-checks/large_grads (1: the step was flagged),
     lm loss validation, lm loss validation ppl, lm loss test, lm loss test ppl.
 
-Resuming writes no step twice. TensorBoard: the writer starts with purge_step = the first step
+On resume, TensorBoard shows no step twice: the writer starts with purge_step = the first step
 of this run, so readers drop what an earlier run wrote from that step on (a run that died after
 its last checkpoint). W&B (offline; `wandb sync` uploads): the run id is kept in the save dir
-and a resumed run continues that run; W&B refuses a step lower than one it has, so the first
-value logged for a step is kept.
+and a resumed job logs into the same run (a new offline folder of that id); an offline run
+cannot be rewound, so steps an earlier job logged after its last checkpoint stay in its folder.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 from pathlib import Path
 
 from megatronapp.config import ConfigError, LoggingConfig
@@ -126,7 +127,7 @@ def _start_wandb(log: LoggingConfig, resuming: bool, save: str | None, config: d
     id_file = save_dir / WANDB_RUN_ID_FILE
     run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
     if run_id is None:
-        run_id = wandb.util.generate_id()
+        run_id = secrets.token_hex(8)
         write_text_atomic(id_file, run_id + "\n")
     return wandb.init(
         project=log.wandb_project,

@@ -86,15 +86,7 @@ def _bad_inputs(tmp) -> list[tuple[list[str], str]]:
         (["--tensorboard-dir", str(a_file / "tb")], "is not writable"),
         (["--wandb-exp-name", "x"], "--wandb-exp-name / --wandb-save-dir need --wandb-project"),
     ]
-    if not _installed("wandb"):
-        cases.append((["--wandb-project", "p"], "--wandb-project needs the wandb package"))
     return cases
-
-
-def _installed(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def test_bad_evaluation_and_log_flags_fail_before_launch(tmp_path, train_before_launch):
@@ -103,7 +95,26 @@ def test_bad_evaluation_and_log_flags_fail_before_launch(tmp_path, train_before_
         assert code == 2 and len(lines) == 1 and message in lines[0], (args, lines)
 
 
-def test_tensorboard_needs_the_package(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(tensorboard_dir="tb"), "--tensorboard-dir needs the tensorboard package"),
+        (dict(wandb_project="p"), "--wandb-project needs the wandb package"),
+    ],
+)
+def test_logs_need_their_package(monkeypatch, fields, message):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match="--tensorboard-dir needs the tensorboard package"):
-        check_metric_logs(LoggingConfig(tensorboard_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match=message):
+        check_metric_logs(LoggingConfig(**fields))
+
+
+def test_wandb_offline_run_is_continued_on_resume(tmp_path):
+    pytest.importorskip("wandb")
+    ckpt, wb = tmp_path / "ckpt", tmp_path / "wb"
+    common = [*RUN, "--train-iters", "2", "--save", str(ckpt), "--wandb-project", "p", "--wandb-save-dir", str(wb)]
+    assert run_cli(common, timeout=300, cwd=tmp_path).returncode == 0
+    run_id = (wb / "megatronapp-wandb-run-id").read_text().strip()
+    res = run_cli([*common, "--train-iters", "3", "--load", str(ckpt)], timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    runs = sorted(p.name for p in (wb / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(run_id) for name in runs), runs

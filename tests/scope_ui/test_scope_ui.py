@@ -151,7 +151,7 @@ def test_training_view_draws_validation_loss_beside_the_loss(browser, shots):
         page.goto(training.server.url)
         page.wait_for_function("Number(document.getElementById('loss-curve').dataset.secondPoints || 0) >= 2")
         assert page.locator("#loss-curve path.second").count() == 1
-        assert "validation:" in page.inner_text("#loss-curve")
+        assert "validation:" in page.text_content("#loss-curve")
         page.screenshot(path=str(shots / "training_validation.png"), full_page=True)
     finally:
         page.close()

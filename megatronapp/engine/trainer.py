@@ -132,6 +132,7 @@ class Trainer:
             seed=t.seed,
             device=device,
             options=options,
+            stage_layers=lay.stage_layers,
         )
         prec = job.precision
         if prec.fp8_format is not None:

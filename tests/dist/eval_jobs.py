@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from engine_jobs import RandomTokenBatches, make_job
 
@@ -37,9 +35,8 @@ def make_eval_job(world: int, tp: int = 1, pp: int = 1, vpp: int = 1, schedule: 
 
 def build_trainer(rank: int, world: int, job, dynamic: bool = False) -> Trainer:
     groups = build_process_groups(job.layout, rank) if world > 1 else single_process_groups(job.layout)
-    factory = None
-    if dynamic:
-        factory = functools.partial(build_dynamic_runtime_factory(DppConfig(), job), separate_channels=True)
+    # dynamic: as `train` runs it on CPU (payloads on the default group, beside the evaluation's)
+    factory = build_dynamic_runtime_factory(DppConfig(), job) if dynamic else None
     return Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank), runtime_factory=factory)
 
 

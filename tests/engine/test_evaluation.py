@@ -123,3 +123,24 @@ def test_perplexity_is_capped_as_megatron():
 def test_eval_config_refuses_bad_values(fields, message):
     with pytest.raises(ConfigError, match=message):
         EvalConfig(**fields)
+
+
+def test_evaluation_time_is_left_out_of_step_times():
+    torch.set_num_threads(1)
+    from megatronapp.job import replace_fields
+
+    job = replace_fields(make_eval_job(1, iters=4), log_interval=2)  # evaluations inside log intervals too
+    trainer = build_trainer(0, 1, job)
+    now, run_step = [0.0], trainer._run_step
+    trainer.clock = lambda: now[0]
+
+    def one_second_step():
+        now[0] += 1.0
+        return run_step()
+
+    def slow_evaluation(iteration):
+        now[0] += 100.0
+
+    trainer._run_step = one_second_step
+    history = trainer.train(on_eval=slow_evaluation)
+    assert [m.step_time_s for m in history] == [1.0] * 4

@@ -118,3 +118,9 @@ def test_wandb_offline_run_is_continued_on_resume(tmp_path):
     assert res.returncode == 0, res.stderr
     runs = sorted(p.name for p in (wb / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(run_id) for name in runs), runs
+
+
+def test_a_folder_this_user_cannot_write_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # as a non-root user on a read-only folder
+    with pytest.raises(ConfigError, match=f"--tensorboard-dir {tmp_path}/tb is not writable .*does not let this user"):
+        check_metric_logs(LoggingConfig(tensorboard_dir=str(tmp_path / "tb")))

@@ -144,3 +144,22 @@ def test_evaluation_time_is_left_out_of_step_times():
     trainer._run_step = one_second_step
     history = trainer.train(on_eval=slow_evaluation)
     assert [m.step_time_s for m in history] == [1.0] * 4
+
+
+def test_evaluation_leaves_the_delayed_fp8_state_as_it_found_it():
+    """The evaluation's forwards record amaxes too; they are put back, so the next step casts with
+    the scales it would have used (and training is bitwise the same with evaluation)."""
+    torch.set_num_threads(1)
+    fp8 = dict(
+        bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=2, fp8_amax_compute_algo="max"
+    )
+    job = make_eval_job(1, iters=3, **fp8)
+    trainer = build_trainer(0, 1, job)
+    trainer.train_step()
+    state = lambda: [t.clone() for s in trainer.fp8_states.values() for t in (s.amax_step, s.scale, s.history)]
+    before = state()
+    assert before
+    trainer.evaluate("valid", HeldOutTokenBatches(job, 0))
+    assert all(torch.equal(a, b) for a, b in zip(state(), before))
+    rep = train_with_and_without_eval(0, 1, job)
+    assert rep["with"]["losses"] == rep["without"]["losses"]

@@ -54,6 +54,17 @@ def test_training_is_bitwise_the_same_with_evaluation_in_a_pipeline(cluster):
             assert torch.equal(p, rep["without"]["params"][name]), name
 
 
+def test_training_is_bitwise_the_same_with_evaluation_under_overlapped_param_gather(cluster):
+    """The distributed optimizer's all-gathers overlap the next forward: an evaluation between
+    steps (which completes them first) changes nothing in training."""
+    job = make_eval_job(2, iters=3, use_distributed_optimizer=True, overlap_param_gather=True)
+    for rep in cluster.run(train_with_and_without_eval, 2, job):
+        assert rep["with"]["losses"] == rep["without"]["losses"]
+        assert len(rep["with"]["valid"]) == 3
+        for name, p in rep["with"]["params"].items():
+            assert torch.equal(p, rep["without"]["params"][name]), name
+
+
 def test_training_is_bitwise_the_same_with_evaluation_and_dropout():
     torch.set_num_threads(1)
     job = make_eval_job(1, iters=4, model_kw=dict(hidden_dropout=0.1, attention_dropout=0.1))

@@ -124,3 +124,18 @@ def test_a_folder_this_user_cannot_write_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr("os.access", lambda path, mode: False)  # as a non-root user on a read-only folder
     with pytest.raises(ConfigError, match=f"--tensorboard-dir {tmp_path}/tb is not writable .*does not let this user"):
         check_metric_logs(LoggingConfig(tensorboard_dir=str(tmp_path / "tb")))
+
+
+def test_evaluation_is_refused_with_forward_backward_disaggregation():
+    from dataclasses import replace
+
+    from test_validate import train_run
+
+    from megatronapp.cli.validate import validate
+    from megatronapp.fbd.config import FbdConfig
+    from megatronapp.job import replace_fields
+
+    run = train_run(world=4, layout_world=2, fbd=FbdConfig())
+    validate(run)
+    with pytest.raises(ConfigError, match="--eval-interval is not built for --forward-backward-disaggregating"):
+        validate(replace(run, job=replace_fields(run.job, eval_interval=2)))

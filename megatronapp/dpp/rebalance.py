@@ -15,9 +15,10 @@ adopted only when it saves at least `min_gain` of the slowest stage's time and t
 `amortize_iters` iterations, repays the move's cost `margin` times over. After a move the window
 starts afresh, and a plan back to the partition before it must save `reverse_gain_factor` times
 more, so noise cannot move layers back and forth. A partition measured within `memory_iters`
-iterations is judged by its measured iteration time, not by the model: a move the model favours
-but that ran slower when tried is not tried again until that measurement is old, so a fault that
-goes away moves the layers back after at most that long (at once where the model sees it).
+iterations is judged by its measured iteration time, not by the model, and a stage's speed is the slowest it
+was measured at over that time (a stage relieved of layers can hide a throughput cap such as a CPU
+quota): a move the model favours but that ran slower when tried is not tried again until that
+measurement is old, so a fault that goes away moves the layers back after at most that long.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ class LayerRebalancer:
     _window: list[list[float]] = field(default_factory=list)
     _steps: list[float] = field(default_factory=list)
     _iteration: int = 0
+    _speeds: list[tuple[int, list[float]]] = field(default_factory=list)  # (iteration, seconds per layer unit)
 
     def observe(self, rank_compute_s: tuple[float, ...], step_s: float) -> Plan | None:
         """Add one iteration's measurements (each rank's compute seconds, the iteration's seconds);
@@ -184,7 +186,12 @@ class LayerRebalancer:
         """The best partition for measured stage times under the partition in force (None: no change)."""
         current = compute_rank_layers(self.stage_layers, self.model.pp_size)
         extras = self.model.extras()
-        speeds = [t / (n + e) for t, n, e in zip(stage_s, current, extras)]
+        now = [t / (n + e) for t, n, e in zip(stage_s, current, extras)]
+        self._speeds = [(i, v) for i, v in self._speeds if self._iteration - i <= self.config.memory_iters]
+        self._speeds.append((self._iteration, now))
+        # a stage is as slow per layer as it was lately measured at its slowest: a stage relieved of
+        # layers can hide a throughput cap (a CPU quota) that comes back with the load
+        speeds = [max(v[p] for _, v in self._speeds) for p in range(self.model.pp_size)]
         cap = None
         if self.config.memory_budget_gb is not None:
             cap = [int(self.config.memory_budget_gb * 2**30 // self.model.bytes_per_layer)] * self.model.pp_size
@@ -194,7 +201,8 @@ class LayerRebalancer:
         predicted = max(compute_stage_times(speeds, planned, extras))
         slow = max(range(len(stage_s)), key=lambda p: speeds[p])
         reason = f"stage {slow} runs {speeds[slow] / min(speeds):.2f}x the fastest stage's time per layer"
-        return Plan(split_over_virtual_stages(planned, self.model.vpp_size), planned, predicted, max(stage_s), reason)
+        current_s = max(compute_stage_times(speeds, current, extras))
+        return Plan(split_over_virtual_stages(planned, self.model.vpp_size), planned, predicted, current_s, reason)
 
     def _worth_it(self, plan: Plan) -> bool:
         cost = self.config.first_move_cost_s if self.last_move_s is None else self.last_move_s

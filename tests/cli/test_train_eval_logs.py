@@ -139,3 +139,22 @@ def test_evaluation_is_refused_with_forward_backward_disaggregation():
     validate(run)
     with pytest.raises(ConfigError, match="--eval-interval is not built for --forward-backward-disaggregating"):
         validate(replace(run, job=replace_fields(run.job, eval_interval=2)))
+
+
+def test_one_rank_writes_the_logs_the_last_stages_first():
+    from megatronapp.cli.metric_logs import writer_rank
+    from megatronapp.parallel.layout import ParallelLayout
+
+    # Megatron's order, TP fastest, then DP, then PP: (tp 0, dp 0, pp 1) of TP2 x PP2 x DP2 is rank 4
+    assert writer_rank(ParallelLayout(8, 2, 2)) == 4
+    assert writer_rank(ParallelLayout(1)) == 0
+
+
+def test_a_pipeline_writes_one_event_file_with_validation(tmp_path):
+    pytest.importorskip("tensorboard")
+    args = [*RUN, "--train-iters", "2", *EVAL, "--tensorboard-dir", str(tmp_path / "tb")]
+    res = run_cli(["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", *args], timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert len(list((tmp_path / "tb").iterdir())) == 1
+    scalars = _scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["lm loss"]] == [1, 2] and [s for s, _ in scalars["lm loss validation"]] == [2]

@@ -158,3 +158,15 @@ def test_a_pipeline_writes_one_event_file_with_validation(tmp_path):
     assert len(list((tmp_path / "tb").iterdir())) == 1
     scalars = _scalars(tmp_path / "tb")
     assert [s for s, _ in scalars["lm loss"]] == [1, 2] and [s for s, _ in scalars["lm loss validation"]] == [2]
+
+
+def test_validation_files_beside_training_files(tmp_path):
+    train, valid = tmp_path / "train.txt", tmp_path / "valid.jsonl"
+    train.write_text("The cat sat on the mat. " * 200)
+    valid.write_text("\n".join(json.dumps({"text": f"A dog ran to the park {i} times."}) for i in range(60)))
+    args = [*RUN, "--train-iters", "2", *EVAL, "--data-path", str(train), "--valid-data-path", str(valid)]
+    res = run_cli([*args, "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert res.returncode == 0, res.stderr
+    rows = _rows(tmp_path / "m.jsonl")
+    assert [r["iteration"] for r in rows if "valid_loss" in r] == [2]
+    assert not any("test_loss" in r for r in rows)  # no --test-data-path: no test loss

@@ -14,6 +14,7 @@ from dataclasses import replace
 from megatronapp.config import (
     CheckpointConfig,
     ConfigError,
+    EvalConfig,
     IntegrityConfig,
     JobConfig,
     LoggingConfig,
@@ -35,6 +36,7 @@ FIELD_COMPONENTS = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "integrity": IntegrityConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -61,8 +63,8 @@ def replace_fields(job: JobConfig, **fields) -> JobConfig:
 
 
 def build_job(model: ModelConfig | None = None, layout: ParallelLayout | None = None, **fields) -> JobConfig:
-    """A JobConfig from flat field names (train, optimizer, precision, checkpoint, logging and
-    integrity fields), the dataclass defaults for the rest."""
+    """A JobConfig from flat field names (train, optimizer, precision, checkpoint, logging,
+    integrity and eval fields), the dataclass defaults for the rest."""
     base = JobConfig(**{k: v for k, v in (("model", model), ("layout", layout)) if v is not None})
     return replace_fields(base, **fields)
 

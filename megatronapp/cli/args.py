@@ -312,12 +312,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
     add_data_arguments(g)
 
+    g = p.add_argument_group("validation and test (Megatron's; engine/evaluation.py)")
+    _job_flag(
+        g,
+        "--eval-interval",
+        "validation loss every N steps and at the end, test loss at the end; no evaluation without it",
+        type=int,
+    )
+    _job_flag(g, "--eval-iters", "global batches per evaluation, from the start of each stream", type=int)
+
     g = p.add_argument_group("checkpoints and logging")
     _job_flag(g, "--save")
     _job_flag(g, "--load", "resume from the latest checkpoint there; empty or missing: start fresh")
     _job_flag(g, "--save-interval", type=int)
     _job_flag(g, "--log-interval", "metrics reach the host every N steps", type=int)
     _job_flag(g, "--metrics-file", "JSON lines, one object per iteration")
+    _job_flag(g, "--tensorboard-dir", "TensorBoard event files (pip install 'megatronapp[tensorboard]')")
+    _job_flag(g, "--wandb-project", "Weights & Biases project, logged offline (pip install 'megatronapp[wandb]')")
+    _job_flag(g, "--wandb-exp-name", "the W&B run's name")
+    _job_flag(g, "--wandb-save-dir", "where W&B writes; when not given: SAVE/wandb with --save, else ./wandb")
 
     g = p.add_argument_group("MegaScan tracing")
     g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")

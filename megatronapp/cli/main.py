@@ -111,11 +111,12 @@ def _train(args: argparse.Namespace, argv: list[str], run) -> int:
 
         tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
         if not under_launcher():
-            from megatronapp.cli.launch import prepare_trace_dir, report_run
+            from megatronapp.cli.launch import new_summary_path, prepare_trace_dir, report_summary
 
             prepare_trace_dir(args)
-            history = run_rank(run, tokenizer, summary_file=args.summary_file)
-            return report_run(args, history, run.world_size)
+            summary = args.summary_file or new_summary_path()
+            run_rank(run, tokenizer, summary_file=str(summary))
+            return report_summary(args, summary, run.world_size)
         run_rank(run, tokenizer, summary_file=args.summary_file)
         return 0
     from megatronapp.cli.launch import launch_train

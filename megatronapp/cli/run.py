@@ -36,6 +36,8 @@ class TrainRun:
     trace: TraceConfig | None = None  # --trace
     scope: TrainingScopeConfig | None = None  # --scope
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
+    valid_data_paths: tuple[str, ...] = ()  # empty: held-out synthetic documents (cli/train_eval.py)
+    test_data_paths: tuple[str, ...] = ()
     tokenizer_model: str | None = None  # None: bytes
     data: DataConfig = field(default_factory=DataConfig)  # every data flag (indexed datasets, splits, tokenizer type)
     saved_model: dict | None = None  # the model fields of the --load checkpoint, when there is one
@@ -62,6 +64,8 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
         trace=TraceConfig(enabled=True, **trace_fields_from_args(args)) if args.trace else None,
         scope=build_training_scope_config(args),
         data_paths=tuple(args.data_path or ()),
+        valid_data_paths=tuple(args.valid_data_path or ()),
+        test_data_paths=tuple(args.test_data_path or ()),
         tokenizer_model=args.tokenizer_model,
         data=build_data_config(args),
         saved_model=read_saved_model_fields(args.load) if args.load else None,

@@ -24,7 +24,9 @@ import os
 
 from megatronapp.cli.devices import check_job_devices
 from megatronapp.cli.injection import check_injection
+from megatronapp.cli.metric_logs import check_metric_logs
 from megatronapp.cli.run import TrainRun
+from megatronapp.cli.train_eval import check_evaluation
 from megatronapp.config import ConfigError
 from megatronapp.data.sources import check_data_config, check_not_indexed_file_names, uses_indexed_data
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
@@ -41,7 +43,7 @@ from megatronapp.scope_ui.training import check_training_scope
 
 def check_train_run(run: TrainRun) -> None:
     """Model x training x layout, MegaFBD, MegaDPP, devices, injections, MegaScope, checkpoint, data
-    (indexed datasets: flags, file headers and split sizes, data/sources.py)."""
+    (indexed datasets: flags, file headers and split sizes, data/sources.py), evaluation, TensorBoard / W&B."""
     job = run.job
     validate_job(job)
     if run.fbd is not None:
@@ -62,6 +64,8 @@ def check_train_run(run: TrainRun) -> None:
         for path in run.data_paths:
             if not os.path.exists(path):
                 raise ConfigError(f"--data-path {path} does not exist")
+    check_evaluation(run)
+    check_metric_logs(job.logging)
 
 
 def _check_inference(run: InferenceRun) -> None:

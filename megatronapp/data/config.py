@@ -51,8 +51,10 @@ def add_data_arguments(group) -> None:
             nargs="+",
             default=None,
             metavar="PATH",
-            help=f"indexed datasets of the {name} split alone: PREFIX or W1 PREFIX1 W2 PREFIX2 ...; "
-            "excludes --data-path",
+            help=f"the {name} split alone: indexed datasets (PREFIX or W1 PREFIX1 W2 PREFIX2 ...; excludes "
+            "--data-path)"
+            + ("" if name == "train" else ", or .txt / .jsonl files beside a text --data-path")
+            + " (default: none)",
         )
     group.add_argument(
         "--tokenizer-type",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatronapp import spans
 from megatronapp.config import JobConfig
 from megatronapp.engine.determinism import check_deterministic_mode, deterministic_attention_backend
+from megatronapp.engine.evaluation import EvalBatches, EvalResult, Evaluator
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.integrity import StepHistory
 from megatronapp.engine.mixed_precision import build_grads_and_optimizer
@@ -113,6 +114,8 @@ class Trainer:
         # execution's grads are in place), replaying(iteration) (a context manager around its
         # rerun) and classified(iteration, report); set by a module such as MegaScope's training view
         self.replay_observer = None
+        # called with every EvalResult of evaluate() (e.g. by MegaScope's training view)
+        self.eval_observer = None
         t = job.train
         attention_backend = t.attention_backend
         if job.integrity.deterministic:
@@ -193,6 +196,7 @@ class Trainer:
             self.runtime = PipelineRuntime(self.model, groups, self.schedule, **runtime_kw)
         names = {p: name for c in self.chunks for name, p in c.named_parameters()}
         self.norm_param_names = [names.get(p) for p in self.optimizer.norm_params]
+        self._evaluator = None  # built at the first evaluation (of this model): a run without one pays nothing
 
     def rebuild(self, job: JobConfig) -> None:
         """Rebuild every layer-dependent part for `job` (the same job in another layer partition);
@@ -209,6 +213,16 @@ class Trainer:
         self.tracer = self.runtime.tracer = tracer
         for c in self.chunks:
             c.tracer = None if tracer is NULL_TRACER else tracer
+
+    def evaluate(self, name: str, batches: EvalBatches) -> EvalResult:
+        """The loss of job.eval.eval_iters global batches of `batches` (forward only, eval mode;
+        engine/evaluation.py). Collective: every rank of the job calls it."""
+        if self._evaluator is None:
+            self._evaluator = Evaluator(self, self.job.eval.eval_iters)
+        result = self._evaluator.evaluate(name, batches)
+        if self.eval_observer is not None:
+            self.eval_observer(result)
+        return result
 
     def train_step(self) -> StepMetrics:
         """One optimizer step, with its metrics known on the host (one synchronisation)."""
@@ -379,7 +393,7 @@ class Trainer:
                 )
         return named
 
-    def train(self, num_steps: int | None = None, on_step=None) -> list[StepMetrics]:
+    def train(self, num_steps: int | None = None, on_step=None, on_eval=None) -> list[StepMetrics]:
         """Run until train_iters (or num_steps more steps); on_step(metrics) for every step.
 
         Metrics reach the host only every `log_interval` steps (and at the end): between
@@ -387,9 +401,14 @@ class Trainer:
         from the previous interval's sync to this one's: the host running ahead of the device
         is not counted as progress, and the intervals tile the run (host work between them,
         such as on_step and checkpoints, falls in the next interval).
+
+        on_eval(iteration), when given, runs after every `eval_interval`-th step (engine/evaluation.py).
+        It does not move the log intervals (the learning rate learns of skipped steps there, so an
+        earlier report would change training); its time is left out of the step times, as Megatron
+        stops its interval timer around evaluation.
         """
         end = self.job.train.train_iters if num_steps is None else self.iteration + num_steps
-        interval = self.job.logging.log_interval
+        interval, eval_interval = self.job.logging.log_interval, self.job.eval.eval_interval
         if self.validator is not None and self.replay_observer is not None:
             interval = 1  # the observer reads a flagged execution's grads before the next step replaces them
         history, pending, t0 = [], [], self.clock()
@@ -403,5 +422,15 @@ class Trainer:
                     if on_step is not None:
                         on_step(m)
                 pending, t0 = [], t1
+            if on_eval is not None and self.iteration % eval_interval == 0:
+                t0 += self._timed(on_eval, self.iteration)
         self.optimizer.finish_param_sync()  # --overlap-param-gather: params complete on return
         return history
+
+    def _timed(self, fn, *args) -> float:
+        """Seconds `fn` took, from the moment the device had finished the work queued before it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = self.clock()
+        fn(*args)
+        return self.clock() - start

@@ -92,6 +92,8 @@ def _check_layout_shapes(job: JobConfig) -> None:
         raise ConfigError(
             f"num attention heads {m.num_attention_heads} is not divisible by tensor-parallel size {lay.tp_size}"
         )
+    if m.query_groups % lay.tp_size:
+        raise ConfigError(f"num query groups {m.query_groups} is not divisible by tensor-parallel size {lay.tp_size}")
     if m.ffn_size % lay.tp_size:
         raise ConfigError(f"ffn hidden size {m.ffn_size} is not divisible by tensor-parallel size {lay.tp_size}")
     if m.padded_vocab_size % lay.tp_size:

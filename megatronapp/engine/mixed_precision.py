@@ -88,6 +88,10 @@ def _main_params_of(reducer: GradReducer, tp_rank: int) -> list[list[MainParam]]
 
 
 def _counts(p: nn.Parameter, tp_rank: int) -> bool:
+    """Whether p's gradient counts in the norm on this rank: TP-replicated ones on TP rank 0 only,
+    a tied output layer never (its gradient is the embedding's, counted there)."""
+    if getattr(p, "tied_embedding", None) == "output":
+        return False
     return getattr(p, "tp_split_dim", None) is not None or tp_rank == 0
 
 
@@ -369,6 +373,7 @@ def build_grads_and_optimizer(
         overlap=t.overlap_grad_reduce,
         bucket_mb=t.grad_bucket_mb,
         distributed_optimizer=opt.use_distributed_optimizer,
+        embedding_group=groups.embedding,
     )
     if opt.overlap_param_gather:
         for i, c in enumerate(chunks):  # a chunk's first forward waits for its params' all-gather

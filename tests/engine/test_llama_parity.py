@@ -1,0 +1,92 @@
+"""The Llama family (RMSNorm, SwiGLU, grouped-query attention, no biases, tied embeddings)
+trains the same numbers in every layout as one process (fp32, CPU, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_jobs import RandomTokenBatches, assemble_full_grads, make_job, train_and_report
+from fbd_jobs import fbd_train_and_report
+
+from megatronapp.engine.trainer import Trainer
+from megatronapp.fbd.config import FbdConfig
+from megatronapp.parallel.groups import build_process_groups
+
+CASES = {
+    # name: (world, tp, pp, vpp, schedule, train kwargs)
+    "tp2_pp2_vpp2_interleaved": (4, 2, 2, 2, "interleaved", {}),
+    "dp2_tp2_distopt_sp": (4, 2, 1, 1, "1f1b", {"use_distributed_optimizer": True, "sequence_parallel": True}),
+    "pp2_zb_h1": (2, 1, 2, 1, "zb-h1", {}),
+    "tp2_recompute_full": (2, 2, 1, 1, "1f1b", {"recompute_granularity": "full"}),
+}
+# two query groups: TP 2 gives each rank one key/value head shared by two query heads
+QWEN_LIKE = {"add_qkv_bias": True, "untie_embeddings_and_output_weights": True}
+
+
+def _llama_job(world: int, tp: int = 1, pp: int = 1, vpp: int = 1, schedule: str = "1f1b", model_kw=None, **kw):
+    return make_job(world, tp, pp, vpp, schedule, preset="llama-tiny", model_kw=model_kw, **kw)
+
+
+def _assert_matches(reports: list[dict], ref: dict) -> None:
+    for rep in reports:
+        torch.testing.assert_close(rep["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rep["norms"], ref["norms"], rtol=1e-5, atol=1e-6)
+    grads = assemble_full_grads(reports)
+    assert grads.keys() == ref["grads"].keys()
+    for key, g in grads.items():
+        torch.testing.assert_close(g, ref["grads"][key][0], rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.set_num_threads(1)
+    return train_and_report(0, 1, _llama_job(1))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_llama_layout_matches_single_process(cluster, reference, name):
+    world, tp, pp, vpp, schedule, train_kw = CASES[name]
+    reports = cluster.run(train_and_report, world, _llama_job(world, tp, pp, vpp, schedule, **train_kw))
+    _assert_matches(reports, reference)
+    assert abs(reference["losses"][-1] - reference["losses"][0]) > 1e-3  # training moved
+    # one process holds both sides of the tie: each gets the sum of the two gradients
+    assert torch.equal(reference["grads"]["embedding.weight"][0], reference["grads"]["output.weight"][0])
+
+
+def test_qkv_bias_untied_tp2_pp2_matches_single_process(cluster):
+    torch.set_num_threads(1)
+    ref = train_and_report(0, 1, _llama_job(1, model_kw=QWEN_LIKE))
+    assert "layers.0.attention.attn.qkv.bias" in ref["grads"] and "layers.0.mlp.mlp.fc1.bias" not in ref["grads"]
+    _assert_matches(cluster.run(train_and_report, 4, _llama_job(4, 2, 2, model_kw=QWEN_LIKE)), ref)
+
+
+def tied_weights_after_training(rank: int, world: int, job) -> dict:
+    """The embedding (first stage) and the tied output layer (last stage) after training."""
+    groups = build_process_groups(job.layout, rank)
+    trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank))
+    trainer.train(job.train.train_iters)
+    named = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
+    return {k: named[k] for k in ("embedding.weight", "output.weight") if k in named}
+
+
+def test_tied_embedding_across_pp2_stays_one_weight(cluster):
+    """Both stages take the summed gradient, so the two copies stay bit-identical; and the
+    tie really couples them: untied, the same training moves them apart."""
+    reports = cluster.run(tied_weights_after_training, 2, _llama_job(2, 1, 2))
+    embedding, output = reports[0]["embedding.weight"], reports[1]["output.weight"]
+    assert torch.equal(embedding, output)
+    untied = _llama_job(2, 1, 2, model_kw={"untie_embeddings_and_output_weights": True})
+    reports = cluster.run(tied_weights_after_training, 2, untied)
+    assert not torch.equal(reports[0]["embedding.weight"], reports[1]["output.weight"])
+
+
+def test_llama_fbd_trains_the_plain_engines_numbers(cluster):
+    job = _llama_job(2, 1, 2)
+    plain = cluster.run(train_and_report, 2, job)
+    reports = cluster.run(fbd_train_and_report, 4, job, FbdConfig(forward_tp_size=1, max_ahead=2))
+    backward = [r for r in reports if r["role"] == "backward"]
+    ref_grads, grads = assemble_full_grads(plain), assemble_full_grads(backward)
+    for rep in backward:
+        assert rep["losses"] == plain[0]["losses"] and rep["norms"] == plain[0]["norms"]
+    for key, g in grads.items():
+        assert torch.equal(g, ref_grads[key]), key

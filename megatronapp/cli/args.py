@@ -112,7 +112,14 @@ def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
 def _add_architecture_arguments(g) -> None:
     """Megatron's flags for the transformer's family (GPT-NeoX: the defaults; Llama: the llama presets)."""
     g.add_argument("--normalization", choices=NORMALIZATIONS, default=None, help="default: the preset's")
-    g.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=None, help="default: the preset's")
+    g.add_argument(
+        "--norm-epsilon",
+        dest="layernorm_epsilon",
+        metavar="EPS",
+        type=float,
+        default=None,
+        help="default: the preset's",
+    )
     g.add_argument("--swiglu", action="store_true", default=None, help="SwiGLU MLP instead of GeLU")
     g.add_argument(
         "--group-query-attention",

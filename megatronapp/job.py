@@ -163,6 +163,8 @@ def _check_fp8_shapes(job: JobConfig) -> None:
         "hidden size": m.hidden_size,
         "hidden size / tensor-parallel size": m.hidden_size // tp,
         "ffn hidden size / tensor-parallel size": m.ffn_size // tp,
+        # the QKV projection's rows: query heads and a key and a value head per query group
+        "qkv rows / tensor-parallel size": (m.num_attention_heads + 2 * m.query_groups) * m.head_dim // tp,
     }
     for what, value in dims.items():
         if value % FP8_ALIGNMENT:

@@ -7,10 +7,12 @@ import pytest
 import torch
 from engine_jobs import RandomTokenBatches, assemble_full_grads, make_job, train_and_report
 from fbd_jobs import fbd_train_and_report
+from test_checkpoint import train_and_save, train_save_resume
 
+from megatronapp.engine.checkpoint import load_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.fbd.config import FbdConfig
-from megatronapp.parallel.groups import build_process_groups
+from megatronapp.parallel.groups import build_process_groups, single_process_groups
 
 CASES = {
     # name: (world, tp, pp, vpp, schedule, train kwargs)
@@ -90,3 +92,42 @@ def test_llama_fbd_trains_the_plain_engines_numbers(cluster):
         assert rep["losses"] == plain[0]["losses"] and rep["norms"] == plain[0]["norms"]
     for key, g in grads.items():
         assert torch.equal(g, ref_grads[key]), key
+
+
+@pytest.mark.parametrize("kw", [{"sequence_parallel": True}, {}], ids=["tp2_sp", "tp2"])
+def test_llama_fp8_tp2_follows_single_process(cluster, kw):
+    """bf16 + FP8 (CPU-emulated) on the Llama family: bf16 tolerance, as the GPT-NeoX FP8 layouts."""
+    torch.set_num_threads(1)
+    single = train_and_report(0, 1, _llama_job(1, bf16=True, fp8_format="hybrid"))
+    for rep in cluster.run(train_and_report, 2, _llama_job(2, 2, bf16=True, fp8_format="hybrid", **kw)):
+        torch.testing.assert_close(rep["losses"], single["losses"], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(rep["norms"], single["norms"], rtol=3e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [{"recompute_granularity": "selective"}, {"recompute_granularity": "full", "recompute_num_layers": 2}],
+    ids=["selective", "full_uniform2"],
+)
+def test_llama_recompute_with_attention_dropout_is_bit_identical(recompute):
+    torch.set_num_threads(1)
+    dropouts = {"hidden_dropout": 0.2, "attention_dropout": 0.2}
+    plain = train_and_report(0, 1, _llama_job(1, model_kw=dropouts))
+    again = train_and_report(0, 1, _llama_job(1, model_kw=dropouts, **recompute))
+    assert again["losses"] == plain["losses"]
+    for key, (g, _, _) in plain["grads"].items():
+        assert torch.equal(again["grads"][key][0], g), key
+
+
+def test_llama_tied_pp2_resume_equals_uninterrupted_and_loads_into_one_process(cluster, tmp_path):
+    reports = cluster.run(train_save_resume, 2, _llama_job(2, 1, 2, iters=4), str(tmp_path / "resume"))
+    for rep in reports:
+        assert rep["resumed"] == rep["straight"] and rep["params_equal"]
+    # re-sharding: a TP2 x PP2 checkpoint continues in one process with the distributed run's losses
+    losses = cluster.run(train_and_save, 4, _llama_job(4, 2, 2), str(tmp_path / "tp2_pp2"))[0]
+    torch.set_num_threads(1)
+    single = _llama_job(1)
+    data = RandomTokenBatches(single, 0)
+    trainer = Trainer(single, single_process_groups(), torch.device("cpu"), data)
+    assert load_checkpoint(str(tmp_path / "tp2_pp2"), trainer, data) == 2
+    assert trainer.train_step().loss == pytest.approx(losses[2], rel=1e-5)

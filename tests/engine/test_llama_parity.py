@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_jobs import RandomTokenBatches, assemble_full_grads, make_job, train_and_report
+from engine_jobs import RandomTokenBatches, assemble_full_grads, full_grads, make_job, train_and_report
 from fbd_jobs import fbd_train_and_report
 from test_checkpoint import train_and_save, train_save_resume
 
+from megatronapp.dpp.config import DppConfig
+from megatronapp.dpp.setup import build_dynamic_runtime_factory
 from megatronapp.engine.checkpoint import load_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.fbd.config import FbdConfig
@@ -131,3 +133,25 @@ def test_llama_tied_pp2_resume_equals_uninterrupted_and_loads_into_one_process(c
     trainer = Trainer(single, single_process_groups(), torch.device("cpu"), data)
     assert load_checkpoint(str(tmp_path / "tp2_pp2"), trainer, data) == 2
     assert trainer.train_step().loss == pytest.approx(losses[2], rel=1e-5)
+
+
+def train_dynamic_and_report(rank: int, world: int, job) -> dict:
+    """train_and_report under MegaDPP's dynamic schedule (adaptive traversal, default cap)."""
+    groups = build_process_groups(job.layout, rank)
+    factory = build_dynamic_runtime_factory(DppConfig("adaptive", None), job)
+    trainer = Trainer(
+        job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank), runtime_factory=factory
+    )
+    losses, norms, grads = [], [], None
+    for step in range(job.train.train_iters):
+        m = trainer.train_step()
+        losses.append(m.loss)
+        norms.append(m.grad_norm)
+        if step == 0:
+            grads = full_grads(trainer) if groups.dp_rank == 0 else {}
+    return {"losses": losses, "norms": norms, "grads": grads}
+
+
+def test_llama_dynamic_schedule_tp2_pp2_vpp2_matches_single_process(cluster, reference):
+    job = _llama_job(4, 2, 2, 2, "dynamic")
+    _assert_matches(cluster.run(train_dynamic_and_report, 4, job), reference)

@@ -82,6 +82,18 @@ def test_llama32_1b_preset_has_the_published_shape():
         ),
         (["--group-query-attention", "--num-query-groups", "3"], "num attention heads 4 is not divisible by num query"),
         (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
+        (
+            [
+                "--model",
+                "llama-tiny",
+                "--forward-backward-disaggregating",
+                "--nproc-per-node",
+                "5",
+                "--forward-tensor-model-parallel-size",
+                "4",
+            ],
+            "num query groups 2 is not divisible by forward tensor-parallel size 4",
+        ),
         (["--normalization", "BatchNorm"], "argument --normalization: invalid choice: 'BatchNorm'"),
     ],
 )

@@ -30,6 +30,7 @@ from megatronapp.dpp.config import add_dpp_arguments
 from megatronapp.fbd.cli import add_fbd_arguments, layout_world_size
 from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
+from megatronapp.parallel.partition import PartitionError, compute_stage_layers
 from megatronapp.scan.record.trace_config import add_trace_arguments
 
 _MODEL_FLAGS = (
@@ -169,6 +170,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="layers on the first pipeline stage; the rest split evenly (default: even split)",
+    )
+    g.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="layers on the last pipeline stage; the rest split evenly (default: even split)",
+    )
+    g.add_argument(
+        "--pipeline-stage-layers",
+        type=_int_list,
+        default=None,
+        help="layers of every pipeline stage, e.g. 3,5,4,4 (one per pipeline rank, or one per virtual stage "
+        "in Megatron's order chunk x PP + rank) (default: even split)",
+    )
     g.add_argument(
         "--pipeline-schedule",
         choices=SCHEDULES,
@@ -366,6 +386,32 @@ def _model_config(args: argparse.Namespace, vocab_size: int | None) -> ModelConf
     return model_preset(args.model, **overrides)
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _partition(args: argparse.Namespace, model: ModelConfig, pp: int) -> tuple[int, tuple[int, ...]]:
+    """Virtual stages per pipeline rank and the layers of each virtual stage (() when split evenly)."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    per_stage = args.pipeline_stage_layers or ()
+    if first is None and last is None and not per_stage:
+        return _virtual_stages(model, pp, args.num_layers_per_virtual_pipeline_stage), ()
+    if args.num_layers_per_virtual_pipeline_stage:
+        raise ConfigError(
+            "--num-layers-per-virtual-pipeline-stage assumes an even split; for an uneven one with virtual "
+            "stages give --pipeline-stage-layers with one count per virtual stage"
+        )
+    vpp = len(per_stage) // pp if per_stage and len(per_stage) > pp and len(per_stage) % pp == 0 else 1
+    try:
+        counts = compute_stage_layers(model.num_layers, pp, vpp, first=first, last=last, per_stage=per_stage)
+    except PartitionError as e:
+        raise ConfigError(str(e)) from None
+    return vpp, counts
+
+
 def _virtual_stages(model: ModelConfig, pp: int, per: int | None) -> int:
     if not per:
         return 1
@@ -395,7 +441,7 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
     check_flag_combinations(args)
     model = _model_config(args, vocab_size)
     pp = args.pipeline_model_parallel_size
-    vpp = _virtual_stages(model, pp, args.num_layers_per_virtual_pipeline_stage)
-    layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
+    vpp, stage_layers = _partition(args, model, pp)
+    layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp, stage_layers)
     schedule = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
     return build_job(model, layout, **_given_job_fields(args), schedule=schedule)

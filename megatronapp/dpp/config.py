@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatronapp.dpp.policies import TRAVERSALS
+from megatronapp.dpp.rebalance import REBALANCE_MODES, RebalanceConfig
 
 
 class DppConfigError(ValueError):
@@ -49,6 +50,7 @@ class DppConfig:
     traversal: str = "in-order"
     max_inflight: int | None = None  # None: per rank, what interleaved 1F1B holds
     send_thread: str = "auto"  # one of SEND_THREAD: sends issued off the compute thread (p2p.outbox.Outbox)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)  # moving layers off a slow stage
 
     def __post_init__(self) -> None:
         if self.traversal not in TRAVERSALS:
@@ -110,9 +112,52 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RANK:MAXFACTOR[:SEED]",
         help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly",
     )
+    add_rebalance_arguments(parser)
+
+
+def add_rebalance_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("MegaDPP rebalancing (any pipeline schedule; dpp/rebalance.py)")
+    d = RebalanceConfig()
+    g.add_argument(
+        "--dpp-rebalance",
+        choices=REBALANCE_MODES,
+        default=d.mode,
+        help="layers: while training, move whole layers off a pipeline stage that is persistently slower than "
+        "the others (measured compute time per layer), exactly, and back when it recovers (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dpp-rebalance-window",
+        type=int,
+        default=d.window,
+        help="iterations of measurements a plan reads, and waits for after a move (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dpp-rebalance-min-gain",
+        type=float,
+        default=d.min_gain,
+        help="share of the slowest stage's time a move must save (default: %(default)s)",
+    )
+    g.add_argument(
+        "--dpp-rebalance-memory-gb",
+        type=float,
+        default=None,
+        help="most GB of layer state (params, fp32 master, Adam moments, grads) a pipeline rank may be "
+        "given (default: no limit)",
+    )
 
 
 def build_dpp_config(args: argparse.Namespace) -> DppConfig:
     """DppConfig from parsed flags; DppConfigError (one line) on bad values. (--inject-jitter is
     a test knob: its specs go to the run's injection config, cli/injection.py.)"""
-    return DppConfig(traversal=args.dpp_traversal, max_inflight=args.dpp_max_inflight, send_thread=args.dpp_send_thread)
+    rebalance = RebalanceConfig(
+        mode=args.dpp_rebalance,
+        window=args.dpp_rebalance_window,
+        min_gain=args.dpp_rebalance_min_gain,
+        memory_budget_gb=args.dpp_rebalance_memory_gb,
+    )
+    return DppConfig(
+        traversal=args.dpp_traversal,
+        max_inflight=args.dpp_max_inflight,
+        send_thread=args.dpp_send_thread,
+        rebalance=rebalance,
+    )

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 
+from megatronapp.cli.architecture_args import add_architecture_arguments, compute_query_groups_override
 from megatronapp.config import (
     ATTENTION_BACKENDS,
     MODEL_PRESETS,
-    NORMALIZATIONS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     RERUN_MODES,
@@ -108,44 +108,6 @@ def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--deterministic-mode", dest="deterministic", action="store_true", default=None, help=argparse.SUPPRESS
     )
-
-
-def _add_architecture_arguments(g) -> None:
-    """Megatron's flags for the transformer's family (GPT-NeoX: the defaults; Llama: the llama presets)."""
-    g.add_argument("--normalization", choices=NORMALIZATIONS, default=None, help="default: the preset's")
-    g.add_argument(
-        "--norm-epsilon",
-        dest="layernorm_epsilon",
-        metavar="EPS",
-        type=float,
-        default=None,
-        help="default: the preset's",
-    )
-    g.add_argument("--swiglu", action="store_true", default=None, help="SwiGLU MLP instead of GeLU")
-    g.add_argument(
-        "--group-query-attention",
-        action="store_true",
-        help="grouped-query attention: --num-query-groups key/value heads (default 1)",
-    )
-    g.add_argument("--num-query-groups", type=int, default=None, help="with --group-query-attention")
-    g.add_argument(
-        "--disable-bias-linear", dest="add_bias_linear", action="store_false", default=None, help="no linear biases"
-    )
-    g.add_argument("--add-qkv-bias", action="store_true", default=None, help="a QKV bias even without linear biases")
-    g.add_argument(
-        "--untie-embeddings-and-output-weights",
-        action="store_true",
-        default=None,
-        help="separate output layer (default for the GPT-NeoX presets)",
-    )
-    g.add_argument(
-        "--tie-embeddings-and-output-weights",
-        dest="untie_embeddings_and_output_weights",
-        action="store_false",
-        default=None,
-        help="the output layer is the input embedding (default for the llama presets)",
-    )
-    g.add_argument("--rotary-base", type=float, default=None, help="default: the preset's")
 
 
 def _given_job_fields(args: argparse.Namespace) -> dict:
@@ -257,7 +219,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.attention_dropout})",
     )
-    _add_architecture_arguments(g)
+    add_architecture_arguments(g)
 
     g = p.add_argument_group("training")
     for flag, kind in (
@@ -377,10 +339,7 @@ def check_flag_combinations(args: argparse.Namespace) -> None:
 
 def _model_config(args: argparse.Namespace, vocab_size: int | None) -> ModelConfig:
     overrides = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k, None) is not None}
-    if args.num_query_groups is not None and not args.group_query_attention:
-        raise ConfigError("--num-query-groups needs --group-query-attention")
-    if args.group_query_attention and "num_query_groups" not in overrides:
-        overrides["num_query_groups"] = MODEL_PRESETS[args.model].num_query_groups or 1  # Megatron's default: 1
+    overrides.update(compute_query_groups_override(args))
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     return model_preset(args.model, **overrides)

@@ -21,6 +21,7 @@ CASES = {
     "tp2_pp2_vpp2_interleaved": (4, 2, 2, 2, "interleaved", {}),
     "dp2_tp2_distopt_sp": (4, 2, 1, 1, "1f1b", {"use_distributed_optimizer": True, "sequence_parallel": True}),
     "pp2_zb_h1": (2, 1, 2, 1, "zb-h1", {}),
+    "pp2_vpp2_interleaved_zb": (2, 1, 2, 2, "interleaved-zb", {}),
     "tp2_recompute_full": (2, 2, 1, 1, "1f1b", {"recompute_granularity": "full"}),
 }
 # two query groups: TP 2 gives each rank one key/value head shared by two query heads
@@ -96,12 +97,14 @@ def test_llama_fbd_trains_the_plain_engines_numbers(cluster):
         assert torch.equal(g, ref_grads[key]), key
 
 
-@pytest.mark.parametrize("kw", [{"sequence_parallel": True}, {}], ids=["tp2_sp", "tp2"])
-def test_llama_fp8_tp2_follows_single_process(cluster, kw):
+@pytest.mark.parametrize(
+    "tp, pp, kw", [(2, 1, {"sequence_parallel": True}), (2, 1, {}), (1, 2, {})], ids=["tp2_sp", "tp2", "pp2_tied"]
+)
+def test_llama_fp8_follows_single_process(cluster, tp, pp, kw):
     """bf16 + FP8 (CPU-emulated) on the Llama family: bf16 tolerance, as the GPT-NeoX FP8 layouts."""
     torch.set_num_threads(1)
     single = train_and_report(0, 1, _llama_job(1, bf16=True, fp8_format="hybrid"))
-    for rep in cluster.run(train_and_report, 2, _llama_job(2, 2, bf16=True, fp8_format="hybrid", **kw)):
+    for rep in cluster.run(train_and_report, 2, _llama_job(2, tp, pp, bf16=True, fp8_format="hybrid", **kw)):
         torch.testing.assert_close(rep["losses"], single["losses"], rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(rep["norms"], single["norms"], rtol=3e-2, atol=1e-3)
 

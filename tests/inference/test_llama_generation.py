@@ -82,3 +82,36 @@ def test_perturbing_a_groups_key_head_out_of_range_is_refused(ckpt):
     model = load_model(0, 1, 1, 1, ckpt)
     with pytest.raises(ValueError, match="head 2 is out of range"):
         scope.perturb(model, Perturbation("gaussian", Target("k", layers=(0,), heads=(2,)), sigma=1.0))
+
+
+def test_gqa_static_cache_equals_dynamic_cache(ckpt):
+    """The fixed-shape cache behind CUDA graphs, sized by query groups, decodes the same tokens."""
+    torch.set_num_threads(1)
+    model = load_model(0, 1, 1, 1, ckpt)
+    sampling = SamplingConfig(max_new_tokens=9)
+    dynamic = generate(model, PROMPTS, sampling, eod_id=EOD, vocab_size=VOCAB)
+    original_start = model.start
+    model.start = lambda b, n, pad: original_start(b, n, pad, static=True)
+    static = generate(model, PROMPTS, sampling, eod_id=EOD, vocab_size=VOCAB)
+    assert model.cache.static and static.tokens == dynamic.tokens
+
+
+def test_greedy_equals_transformers_llama_on_hf_export(ckpt, tmp_path):
+    """Batched greedy output equals transformers' LlamaForCausalLM generate on the export
+    (left-padded batch with an attention mask on their side, both stopping at end-of-text)."""
+    transformers = pytest.importorskip("transformers")
+    from megatronapp.inference.reference import greedy_generate_from_checkpoint
+    from megatronapp.interop.hf_checkpoint import export_hf
+
+    torch.set_num_threads(1)
+    export_hf(ckpt, tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    width = max(map(len, PROMPTS))
+    ids = torch.full((len(PROMPTS), width), EOD)
+    mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    for i, p in enumerate(PROMPTS):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=EOD)
+    theirs = [row[: row.index(EOD)] if EOD in row else row for row in out[:, width:].tolist()]
+    assert greedy_generate_from_checkpoint(ckpt, PROMPTS, 9, eod_id=EOD, vocab_size=VOCAB) == theirs

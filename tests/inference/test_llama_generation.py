@@ -115,3 +115,13 @@ def test_greedy_equals_transformers_llama_on_hf_export(ckpt, tmp_path):
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=EOD)
     theirs = [row[: row.index(EOD)] if EOD in row else row for row in out[:, width:].tolist()]
     assert greedy_generate_from_checkpoint(ckpt, PROMPTS, 9, eod_id=EOD, vocab_size=VOCAB) == theirs
+
+
+def test_generate_refuses_query_groups_not_dividing_tp_in_one_line(ckpt, capsys):
+    from megatronapp.cli.main import main
+
+    args = ["--prompt", "hi", "--nproc-per-node", "4", "--tensor-model-parallel-size", "4"]
+    code = main(["generate", "--device", "cpu", "--load", ckpt, *args])  # in-process: nothing may launch
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert "num query groups 2 is not divisible by tensor-parallel size 4" in lines[0]

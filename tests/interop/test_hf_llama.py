@@ -90,6 +90,8 @@ def test_export_from_tp2_pp2_gives_the_engines_logits_and_loss(llama_checkpoint,
     assert main(["export", "hf", "--load", ckpt, "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     assert hf.config.tie_word_embeddings and "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))  # the byte tokenizer's ids
+    assert tokenizer("Hi")["input_ids"] == [72, 105]
     tokens = _tokens(257, 16)
     with torch.no_grad():
         theirs = hf(tokens).logits

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_jobs import RandomTokenBatches, assemble_full_grads, full_grads, make_job, train_and_report
+from engine_jobs import (
+    RandomTokenBatches,
+    assemble_full_grads,
+    compiled_frames,
+    full_grads,
+    make_job,
+    train_and_report,
+)
 from fbd_jobs import fbd_train_and_report
 from test_checkpoint import train_and_save, train_save_resume
 
@@ -158,3 +165,11 @@ def train_dynamic_and_report(rank: int, world: int, job) -> dict:
 def test_llama_dynamic_schedule_tp2_pp2_vpp2_matches_single_process(cluster, reference):
     job = _llama_job(4, 2, 2, 2, "dynamic")
     _assert_matches(cluster.run(train_dynamic_and_report, 4, job), reference)
+
+
+def test_compiled_llama_compiles_per_block_kind_not_per_layer():
+    """Ten layers compiled: attention, MLP and head get one graph each, no graph breaks (the
+    GPT-NeoX family's count), so the GQA split and the SwiGLU gate add no per-layer guards."""
+    torch.set_num_threads(1)
+    job = _llama_job(1, num_layers=10, iters=3, compile=True)
+    assert compiled_frames(job, "cpu") == {"frames": 3, "graph_breaks": 0}

@@ -40,7 +40,9 @@ class PlainBlock(nn.Module):
         q = self.q(y).view(b, s, self.heads, self.hd).transpose(1, 2)
         k, v = self.kv(y).view(b, s, 2, self.groups, self.hd).permute(2, 0, 3, 1, 4)
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+        # each key/value head repeated for its query heads (Hugging Face's repeat_kv), as the engine does
+        k, v = k.repeat_interleave(self.heads // self.groups, 1), v.repeat_interleave(self.heads // self.groups, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
         y = self.ln2(x)
         act = F.silu(self.gate(y)) * self.fc1(y) if self.gate is not None else F.gelu(self.fc1(y), approximate="tanh")

@@ -173,3 +173,13 @@ def test_compiled_llama_compiles_per_block_kind_not_per_layer():
     torch.set_num_threads(1)
     job = _llama_job(1, num_layers=10, iters=3, compile=True)
     assert compiled_frames(job, "cpu") == {"frames": 3, "graph_breaks": 0}
+
+
+def test_tied_embedding_counts_once_in_the_grad_norm():
+    """The norm is the tied model's: its shared weight's gradient (held by both sides) counted once."""
+    torch.set_num_threads(1)
+    rep = train_and_report(0, 1, _llama_job(1, iters=1, clip_grad=0.0))
+    grads = {name: g for name, (g, _, _) in rep["grads"].items()}
+    assert torch.equal(grads["embedding.weight"], grads["output.weight"])
+    once = torch.stack([g.norm() for name, g in grads.items() if name != "output.weight"]).norm()
+    assert rep["norms"][0] == pytest.approx(float(once), rel=1e-5)

@@ -27,6 +27,8 @@ CASES = {
     # name: (world, tp, pp, vpp, schedule, train kwargs)
     "tp2_pp2_vpp2_interleaved": (4, 2, 2, 2, "interleaved", {}),
     "dp2_tp2_distopt_sp": (4, 2, 1, 1, "1f1b", {"use_distributed_optimizer": True, "sequence_parallel": True}),
+    # the tie across stages with DP-sharded main grads: summed before the reduce-scatter
+    "dp2_pp2_distopt_tied": (4, 1, 2, 1, "1f1b", {"use_distributed_optimizer": True}),
     "pp2_zb_h1": (2, 1, 2, 1, "zb-h1", {}),
     "pp2_vpp2_interleaved_zb": (2, 1, 2, 2, "interleaved-zb", {}),
     "tp2_recompute_full": (2, 2, 1, 1, "1f1b", {"recompute_granularity": "full"}),

@@ -14,8 +14,11 @@ grows least is optimal for this bottleneck objective), split over its virtual st
 adopted only when it saves at least `min_gain` of the slowest stage's time and that saving, over
 `amortize_iters` iterations, repays the move's cost `margin` times over. After a move the window
 starts afresh, and a plan back to the partition before it must save `reverse_gain_factor` times
-more, so noise cannot move layers back and forth; a fault that goes away is seen as the formerly
-slow stage's speed returning, a large saving, which moves the layers back.
+more, so noise cannot move layers back and forth. A partition measured within `memory_iters`
+iterations is judged by its measured iteration time, not by the model, and a stage's speed is the slowest it
+was measured at over that time (a stage relieved of layers can hide a throughput cap such as a CPU
+quota): a move the model favours but that ran slower when tried is not tried again until that
+measurement is old, so a fault that goes away moves the layers back after at most that long.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class RebalanceConfig:
     amortize_iters: int = 100  # iterations over which the saving must repay the move
     margin: float = 2.0  # ... this many times over
     first_move_cost_s: float = 1.0  # cost assumed for the first move; later moves use the last one measured
+    memory_iters: int = 200  # a partition's measured iteration time vetoes the model's prediction this long
     memory_budget_gb: float | None = None  # per pipeline rank: params + fp32 master + Adam state of its layers
 
     def __post_init__(self) -> None:
@@ -158,22 +162,36 @@ class LayerRebalancer:
     ranks_of_stage: list[list[int]]  # global ranks of each pipeline rank (its TP and DP members)
     last_move_s: float | None = None
     previous_layers: tuple[int, ...] | None = None  # the partition before the last move
+    # partition -> (median iteration seconds measured in it, iteration it was measured at)
+    measured: dict[tuple[int, ...], tuple[float, int]] = field(default_factory=dict)
     _window: list[list[float]] = field(default_factory=list)
+    _steps: list[float] = field(default_factory=list)
+    _iteration: int = 0
+    _speeds: list[tuple[int, list[float]]] = field(default_factory=list)  # (iteration, seconds per layer unit)
 
-    def observe(self, rank_compute_s: tuple[float, ...]) -> Plan | None:
-        """Add one iteration's measurements; a plan when the partition should change now."""
-        self._window.append([max(rank_compute_s[r] for r in ranks) for ranks in self.ranks_of_stage])
+    def observe(self, rank_compute_s: tuple[float, ...], step_s: float) -> Plan | None:
+        """Add one iteration's measurements (each rank's compute seconds, the iteration's seconds);
+        a plan when the partition should change now."""
+        self._iteration += 1
+        self._window = [*self._window, [max(rank_compute_s[r] for r in ranks) for ranks in self.ranks_of_stage]]
+        self._steps = [*self._steps, step_s]
         if len(self._window) < self.config.window:
             return None
-        stage_s = [statistics.median(col) for col in zip(*self._window[-self.config.window :])]
-        plan = self.propose(stage_s)
-        return plan if plan is not None and self._worth_it(plan) else None
+        self._window, self._steps = self._window[-self.config.window :], self._steps[-self.config.window :]
+        self.measured[self.stage_layers] = (statistics.median(self._steps), self._iteration)
+        plan = self.propose([statistics.median(col) for col in zip(*self._window)])
+        return plan if plan is not None and self._worth_it(plan) and not self._measured_worse(plan) else None
 
     def propose(self, stage_s: list[float]) -> Plan | None:
         """The best partition for measured stage times under the partition in force (None: no change)."""
         current = compute_rank_layers(self.stage_layers, self.model.pp_size)
         extras = self.model.extras()
-        speeds = [t / (n + e) for t, n, e in zip(stage_s, current, extras)]
+        now = [t / (n + e) for t, n, e in zip(stage_s, current, extras)]
+        self._speeds = [(i, v) for i, v in self._speeds if self._iteration - i <= self.config.memory_iters]
+        self._speeds.append((self._iteration, now))
+        # a stage is as slow per layer as it was lately measured at its slowest: a stage relieved of
+        # layers can hide a throughput cap (a CPU quota) that comes back with the load
+        speeds = [max(v[p] for _, v in self._speeds) for p in range(self.model.pp_size)]
         cap = None
         if self.config.memory_budget_gb is not None:
             cap = [int(self.config.memory_budget_gb * 2**30 // self.model.bytes_per_layer)] * self.model.pp_size
@@ -183,7 +201,8 @@ class LayerRebalancer:
         predicted = max(compute_stage_times(speeds, planned, extras))
         slow = max(range(len(stage_s)), key=lambda p: speeds[p])
         reason = f"stage {slow} runs {speeds[slow] / min(speeds):.2f}x the fastest stage's time per layer"
-        return Plan(split_over_virtual_stages(planned, self.model.vpp_size), planned, predicted, max(stage_s), reason)
+        current_s = max(compute_stage_times(speeds, current, extras))
+        return Plan(split_over_virtual_stages(planned, self.model.vpp_size), planned, predicted, current_s, reason)
 
     def _worth_it(self, plan: Plan) -> bool:
         cost = self.config.first_move_cost_s if self.last_move_s is None else self.last_move_s
@@ -193,7 +212,16 @@ class LayerRebalancer:
             needed *= self.config.reverse_gain_factor
         return plan.gain >= needed and saving >= self.config.margin * cost
 
+    def _measured_worse(self, plan: Plan) -> bool:
+        """Whether the planned partition was measured lately and ran no faster than this one: a
+        measurement beats the linear model (a CPU quota, for one, slows a stage only while its work
+        exceeds the quota, so a stage relieved of layers looks faster per layer than it will be)."""
+        there = self.measured.get(plan.stage_layers)
+        if there is None or self._iteration - there[1] > self.config.memory_iters:
+            return False
+        return there[0] >= self.measured[self.stage_layers][0] * (1 - self.config.min_gain)
+
     def moved(self, plan: Plan, seconds: float) -> None:
         """The move of `plan` happened and took `seconds`: measure afresh in the new partition."""
         self.previous_layers = self.stage_layers
-        self.stage_layers, self.last_move_s, self._window = plan.stage_layers, seconds, []
+        self.stage_layers, self.last_move_s, self._window, self._steps = plan.stage_layers, seconds, [], []

@@ -32,7 +32,7 @@ class RebalanceHook:
 
     def after_step(self, metrics: dict) -> str | None:
         """Feed one step's metrics; when layers moved, the line that says what moved and why."""
-        plan = self.rebalancer.observe(tuple(metrics["rank_compute_s"]))
+        plan = self.rebalancer.observe(tuple(metrics["rank_compute_s"]), metrics["step_time_s"])
         if plan is None:
             return None
         before = self.rebalancer.stage_layers

@@ -47,38 +47,62 @@ def test_a_memory_budget_caps_what_a_stage_is_given():
 
 
 def test_a_persistently_slow_stage_moves_layers_after_one_window_then_back_when_it_recovers():
-    rebalancer = _rebalancer()
-    plans = [rebalancer.observe((4.0, 12.0)) for _ in range(rebalancer.config.window)]
+    config = RebalanceConfig(mode="layers", first_move_cost_s=0.0, memory_iters=20)
+    rebalancer = _rebalancer(config)
+    plans = [rebalancer.observe((4.0, 12.0), 13.0) for _ in range(rebalancer.config.window)]
     assert plans[:-1] == [None] * (rebalancer.config.window - 1)
     plan = plans[-1]
     assert plan.rank_layers == (6, 2) and plan.gain == pytest.approx(0.5)
     assert "stage 1 runs 3.00x" in plan.reason
     rebalancer.moved(plan, seconds=0.1)
-    # the fault stops: stage 1 is as fast per layer as stage 0 again (2 layers: 2 s, 6 layers: 6 s)
-    back = [rebalancer.observe((6.0, 2.0)) for _ in range(rebalancer.config.window)]
-    assert back[-1].rank_layers == (4, 4)
+    # the fault stops: stage 1 is as fast per layer as stage 0 again (2 layers: 2 s, 6 layers: 6 s);
+    # 4,4 ran slower when measured under the fault, so the layers go back once that is 20 iterations old
+    back = [rebalancer.observe((6.0, 2.0), 7.0) for _ in range(4 * rebalancer.config.window)]
+    moved_back = [i for i, p in enumerate(back) if p is not None]
+    assert moved_back and back[moved_back[0]].rank_layers == (4, 4)
+    assert rebalancer.config.window + moved_back[0] <= 2 * config.memory_iters
 
 
 def test_a_small_saving_does_not_undo_the_last_move():
-    rebalancer = _rebalancer()
-    plan = [rebalancer.observe((4.0, 8.0)) for _ in range(rebalancer.config.window)][-1]
+    # no memory of earlier windows: only the reversal bar stands in the way
+    rebalancer = _rebalancer(RebalanceConfig(mode="layers", first_move_cost_s=0.0, memory_iters=4))
+    plan = [rebalancer.observe((4.0, 8.0), 1.0) for _ in range(rebalancer.config.window)][-1]
     rebalancer.moved(plan, seconds=0.1)
     assert plan.rank_layers == (5, 3)
     # back to 4,4 would save 16% of 5.0 s: enough for a first move, not for undoing one
-    assert all(rebalancer.observe((5.0, 3.15)) is None for _ in range(3 * rebalancer.config.window))
+    assert all(rebalancer.observe((5.0, 3.15), 1.0) is None for _ in range(3 * rebalancer.config.window))
     assert rebalancer.propose([5.0, 3.15]).rank_layers == (4, 4)
+
+
+def test_a_partition_that_ran_slower_when_tried_is_not_tried_again_while_the_measurement_is_fresh():
+    """A quota-like fault: stage 1 is 4x slower per layer while loaded, but a stage holding one
+    layer stays under its quota and looks fast; the model then wants layers back, the
+    measurements say no."""
+    rebalancer = _rebalancer(RebalanceConfig(mode="layers", first_move_cost_s=0.0, memory_iters=100))
+    window = rebalancer.config.window
+    moves = []
+    for _ in range(60):
+        stage = {(4, 4): ((4.0, 16.0), 18.0), (7, 1): ((7.0, 1.2), 8.0), (5, 3): ((5.0, 12.0), 14.0)}
+        compute, step = stage.get(rebalancer.stage_layers, ((4.0, 16.0), 18.0))
+        plan = rebalancer.observe(compute, step)
+        if plan is not None:
+            rebalancer.moved(plan, seconds=0.1)
+            moves.append(plan.rank_layers)
+    assert moves[0] == (7, 1)
+    assert rebalancer.stage_layers == (7, 1) and len(moves) <= 3, moves
+    assert len(moves) * window <= 60  # it settled: no move in the last windows
 
 
 def test_noise_on_a_balanced_pipeline_never_moves_layers():
     rng = random.Random(0)
     rebalancer = _rebalancer()
     for _ in range(500):
-        assert rebalancer.observe((4.0 * rng.uniform(0.9, 1.1), 4.0 * rng.uniform(0.9, 1.1))) is None
+        assert rebalancer.observe((4.0 * rng.uniform(0.9, 1.1), 4.0 * rng.uniform(0.9, 1.1)), 1.0) is None
 
 
 def test_a_move_must_repay_its_cost():
     rebalancer = _rebalancer(RebalanceConfig(mode="layers", first_move_cost_s=1000.0))
-    assert all(rebalancer.observe((4.0, 8.0)) is None for _ in range(50))  # saves 3 s x 100 < 2 x 1000 s
+    assert all(rebalancer.observe((4.0, 8.0), 1.0) is None for _ in range(50))  # saves 3 s x 100 < 2 x 1000 s
     assert rebalancer.propose([4.0, 8.0]).rank_layers == (5, 3)
 
 

@@ -135,6 +135,7 @@ def test_layers_move_off_a_stage_under_a_cpu_quota_and_the_pipeline_gets_faster(
     before, after = first["rebalance"]["from"], first["rebalance"]["to"]
     assert after[1] < before[1] and after[0] > before[0], first["rebalance"]  # off the throttled stage
     assert first["iteration"] <= 20
+    assert len(moves) <= 3 and moves[-1]["rebalance"]["to"][1] < 4, [m["rebalance"] for m in moves]  # settles
     step = {r["iteration"]: r["step_time_s"] for r in rows}
     slow = sorted(step[i] for i in range(3, first["iteration"] + 1))
     fast = sorted(step[i] for i in range(first["iteration"] + 3, len(rows) + 1))

@@ -19,9 +19,15 @@ fp8_loss: the engine in bf16 and with --fp8-format hybrid, same init and corpus 
 family_loss: the engine on each of --loss-presets (GPT-NeoX 1.3b, Llama-shaped llama3.2-1b), loss per step.
 --preset llama3.2-1b: every bench on the Llama-shaped model, against a Llama-shaped plain twin.
 integrity variants (--variants): engine_no_checks (--no-check-for-nan-in-loss-and-grad), engine_checks
-(+ --check-for-spiky-loss --check-for-large-grads), engine_rerun (+ --rerun-mode validate_results: a sync
-and a state snapshot per step), engine_deterministic (--deterministic; torch's deterministic switch is on
+(+ --check-for-spiky-loss --check-for-large-grads), engine_rerun (+ --rerun-mode validate_results: checks
+on the device before the update, a replay point per step, no sync), engine_deterministic (--deterministic; torch's deterministic switch is on
 only while that variant builds and steps, CUBLAS_WORKSPACE_CONFIG is set for the whole process).
+precision-aware variants (--variants, engine/precision_adam.py): engine_pa_remainders (fp32 masters as bf16
+weights + 16-bit remainders, fp32 moments), engine_pa_bf16_moments (remainders + bf16 moments),
+engine_pa_fp32_masters_bf16_moments (separate fp32 masters, bf16 moments), engine_pa_fp16_masters_bf16_moments,
+engine_pa_bf16_grads (remainders, bf16 moments and bf16 main grads: 10 bytes a parameter), and the hybrid FP8
+engine_fp8_pa_bf16_moments and engine_fp8_pa_bf16_grads; plain_fp8_torchao: the plain twin with torchao's
+float8 training (tensorwise), where torchao imports.
 
 split: the B/W split's cost on a PP1 step (no bubbles to fill there): the engine with the
 whole backward vs --split-backward (I then W right after it), both eager (the split refuses
@@ -65,6 +71,15 @@ LOSS_VARIANTS = {
     "fp8_hybrid_delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed"},
 }
 DEV = torch.device("cuda")
+PRECISION_AWARE = {"use_precision_aware_optimizer": True}
+BF16_MOMENTS = {"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
+PRECISION_AWARE_VARIANTS = {
+    "engine_pa_remainders": {},
+    "engine_pa_bf16_moments": BF16_MOMENTS,
+    "engine_pa_fp32_masters_bf16_moments": {"store_param_remainders": False, **BF16_MOMENTS},
+    "engine_pa_fp16_masters_bf16_moments": {"main_params_dtype": "fp16", **BF16_MOMENTS},
+    "engine_pa_bf16_grads": {"main_grads_dtype": "bf16", **BF16_MOMENTS},
+}
 
 
 class Batches:
@@ -74,7 +89,7 @@ class Batches:
     def next_microbatches(self):
         return self.mbs
 
-    # The rerun validator (engine_rerun) snapshots and restores the data position; these
+    # The rerun validator (engine_rerun) keeps and puts back the data position; these
     # batches are the same every step, so there is no position to keep.
     def state_dict(self) -> dict:
         return {}
@@ -102,8 +117,14 @@ def make_job(micro_batch: int, num_micro: int, preset: str | None = None, **trai
 class PlainRunner:
     """Pure bf16: bf16 params and AdamW state, no autocast, no master weights."""
 
-    def __init__(self, job: JobConfig, data: Batches):
+    def __init__(self, job: JobConfig, data: Batches, float8: bool = False):
         self.model = PlainGPT(job.model, DEV).to(torch.bfloat16)
+        if float8:  # torchao's float8 training: its linears' GEMMs in FP8, tensorwise scaling
+            from torchao.float8 import convert_to_float8_training
+
+            convert_to_float8_training(
+                self.model, module_filter_fn=lambda mod, fqn: fqn != "head"
+            )  # as the engine: output layer bf16
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         self.compiled = torch.compile(self.model)
         self.data = data
@@ -239,8 +260,22 @@ def _variants(job: JobConfig, data: Batches) -> dict:
         "engine_fp8_e4m3": engine(fp8_format="e4m3"),
         "engine_fp8_first_last_bf16": engine(fp8_format="hybrid", first_last_layers_bf16=True),
         "engine_fp8_delayed": engine(fp8_format="hybrid", fp8_recipe="delayed"),
+        **{name: engine(**PRECISION_AWARE, **kw) for name, kw in PRECISION_AWARE_VARIANTS.items()},
+        "engine_fp8_pa_bf16_moments": engine(fp8_format="hybrid", **PRECISION_AWARE, **BF16_MOMENTS),
+        "engine_fp8_pa_bf16_grads": engine(
+            fp8_format="hybrid", main_grads_dtype="bf16", **PRECISION_AWARE, **BF16_MOMENTS
+        ),
         "plain_bf16": lambda: PlainRunner(job, data).steps,
+        **({"plain_fp8_torchao": lambda: PlainRunner(job, data, float8=True).steps} if _has_torchao() else {}),
     }
+
+
+def _has_torchao() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _selected(variants: dict, args, default: tuple[str, ...]) -> dict:

@@ -259,6 +259,15 @@ class TrainConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
 
 
+# Megatron-Core's choices for the precision-aware optimizer's state (OptimizerConfig)
+STATE_DTYPE_CHOICES = {
+    "main_params_dtype": ("fp32", "fp16"),
+    "main_grads_dtype": ("fp32", "bf16"),
+    "exp_avg_dtype": ("fp32", "fp16", "bf16", "fp8"),
+    "exp_avg_sq_dtype": ("fp32", "fp16", "bf16", "fp8"),
+}
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW, its learning-rate schedule (linear warm-up, cosine decay to min_lr), clipping and
@@ -281,14 +290,46 @@ class OptimizerConfig:
     # the fused master AdamW on a side stream, unit by unit, beside the next step's forward
     # (engine/overlap_update.py); CUDA only
     overlap_param_update: bool = False
+    # Megatron-Core's precision-aware optimizer (engine/precision_adam.py): masters and Adam
+    # moments stored at these precisions, updated in fp32; main grads accumulated and reduced
+    # over DP in main_grads_dtype
+    use_precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    # precision-aware with --bf16 and fp32 masters: each master is its bf16 weight + an int16 remainder
+    store_param_remainders: bool = True
 
     def __post_init__(self) -> None:
+        self._check_state_precision()
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+
+    def _check_state_precision(self) -> None:
+        """The precision-aware optimizer's dtypes: Megatron's choices, of which the engine stores
+        fp32/fp16/bf16 masters and moments."""
+        for name, allowed in STATE_DTYPE_CHOICES.items():
+            value, flag = getattr(self, name), "--" + name.replace("_", "-")
+            if value not in allowed:
+                raise ConfigError(f"unknown {flag} {value!r}; choose from {', '.join(allowed)}")
+            if value != "fp32" and not self.use_precision_aware_optimizer:
+                raise ConfigError(f"{flag} {value} needs --use-precision-aware-optimizer")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) == "fp8":
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} fp8 is not supported: Adam moments are fp32, fp16 or bf16"
+                )
+
+    @property
+    def state_is_fp32(self) -> bool:
+        """Whether every master and moment is stored in fp32 (the plain optimizer's state)."""
+        names = ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        return all(getattr(self, n) == "fp32" for n in names)
 
 
 @dataclass(frozen=True)
@@ -387,14 +428,37 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """How often metrics reach the host, and where they are written."""
+    """How often metrics reach the host, and where they are written (cli/metric_logs.py)."""
 
     log_interval: int = 1
     metrics_file: str | None = None  # JSON lines, one object per iteration
+    tensorboard_dir: str | None = None  # TensorBoard event files (the `tensorboard` extra)
+    wandb_project: str | None = None  # Weights & Biases, offline (the `wandb` extra)
+    wandb_exp_name: str | None = None  # the W&B run's name; None: W&B's own
+    wandb_save_dir: str | None = None  # where W&B writes; None: beside --save, else ./wandb
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"log_interval must be >= 1, got {self.log_interval}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Validation and test loss (Megatron's --eval-interval / --eval-iters; engine/evaluation.py).
+    Off unless eval_interval is set (Megatron evaluates every 1000 steps by default)."""
+
+    eval_interval: int | None = None  # validation loss every N steps and at the end; test loss at the end
+    eval_iters: int = 100  # global batches per evaluation, from the start of each stream
+
+    def __post_init__(self) -> None:
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise ConfigError(f"eval_interval must be >= 1, got {self.eval_interval} (omit it to turn evaluation off)")
+        if self.eval_iters < 1:
+            raise ConfigError(f"eval_iters must be >= 1, got {self.eval_iters}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.eval_interval is not None
 
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
@@ -455,6 +519,7 @@ class JobConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def num_microbatches(self) -> int:

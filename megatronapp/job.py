@@ -14,6 +14,7 @@ from dataclasses import replace
 from megatronapp.config import (
     CheckpointConfig,
     ConfigError,
+    EvalConfig,
     IntegrityConfig,
     JobConfig,
     LoggingConfig,
@@ -35,6 +36,7 @@ FIELD_COMPONENTS = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "integrity": IntegrityConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -61,8 +63,8 @@ def replace_fields(job: JobConfig, **fields) -> JobConfig:
 
 
 def build_job(model: ModelConfig | None = None, layout: ParallelLayout | None = None, **fields) -> JobConfig:
-    """A JobConfig from flat field names (train, optimizer, precision, checkpoint, logging and
-    integrity fields), the dataclass defaults for the rest."""
+    """A JobConfig from flat field names (train, optimizer, precision, checkpoint, logging,
+    integrity and eval fields), the dataclass defaults for the rest."""
     base = JobConfig(**{k: v for k, v in (("model", model), ("layout", layout)) if v is not None})
     return replace_fields(base, **fields)
 
@@ -79,6 +81,12 @@ def _check_component_combinations(job: JobConfig) -> None:
     opt, prec = job.optimizer, job.precision
     if opt.overlap_param_update and not (prec.half and opt.fused_master_adamw):
         raise ConfigError("--overlap-param-update needs --bf16 or --fp16 and the fused master AdamW")
+    if opt.main_grads_dtype == "bf16" and not prec.bf16:
+        raise ConfigError("--main-grads-dtype bf16 needs --bf16 (fp16 grads are unscaled in fp32)")
+    if opt.main_params_dtype != "fp32" and not prec.half:
+        raise ConfigError(
+            f"--main-params-dtype {opt.main_params_dtype} needs --bf16 or --fp16 (fp32 params are their own masters)"
+        )
     if job.integrity.deterministic and job.train.attention_backend == "cudnn":
         raise ConfigError(
             "--deterministic needs an attention backend with a deterministic backward "

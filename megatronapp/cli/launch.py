@@ -28,12 +28,36 @@ def prepare_trace_dir(args: argparse.Namespace) -> None:
 def launch_train(args: argparse.Namespace, argv: list[str], world: int) -> int:
     """Run this `train` command on `world` local ranks, then report; the exit code."""
     prepare_trace_dir(args)
-    summary = Path(tempfile.mkdtemp(prefix="megatronapp-")) / "summary.json"
+    summary = new_summary_path()
     code = run_local_ranks("megatronapp.cli.main", rank_argv(argv, ["--summary-file", str(summary)]), world)
     if code:
         return code
+    return report_summary(args, summary, world)
+
+
+def new_summary_path() -> Path:
+    """Where rank 0 writes the run's summary for the launching process."""
+    return Path(tempfile.mkdtemp(prefix="megatronapp-")) / "summary.json"
+
+
+def report_summary(args: argparse.Namespace, summary: str | Path, world: int) -> int:
+    """report_run from the summary file rank 0 wrote (history, evaluations, module rows)."""
+    summary = Path(summary)
     saved = json.loads(summary.read_text()) if summary.is_file() else {}
-    return report_run(args, saved.get("history", []), world, saved.get("rows", []))
+    rows = eval_summary_rows(saved.get("evaluations", [])) + saved.get("rows", [])
+    return report_run(args, saved.get("history", []), world, rows)
+
+
+def eval_summary_rows(evaluations: list[dict]) -> list[list[str]]:
+    """Summary lines of the run's last validation and test results (metrics-file rows)."""
+    rows = []
+    for split, label in (("valid", "validation loss (ppl)"), ("test", "test loss (ppl)")):
+        found = [e for e in evaluations if f"{split}_loss" in e]
+        if found:
+            e = found[-1]
+            text = f"{e[f'{split}_loss']:.4f} ({e[f'{split}_ppl']:.2f}) at iteration {e['iteration']}"
+            rows.append([label, text])
+    return rows
 
 
 def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: list | None = None) -> int:

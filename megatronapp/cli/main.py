@@ -9,6 +9,7 @@
     megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
     megatronapp import hf --from DIR --save CKPT
     megatronapp schedule simulate|show ...                                  # MegaDPP
+    megatronapp preprocess-data --input corpus.jsonl --output-prefix data/corpus  # Megatron .bin/.idx
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched: each launching command builds a description of its run, which `validate`
@@ -59,15 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_scope_ui_train_arguments(train)
     add_interop_subcommands(sub)
     add_schedule_subcommands(sub)
+    from megatronapp.cli.preprocess import add_preprocess_subcommand
+
+    add_preprocess_subcommand(sub)
     return parser
 
 
 def _build_train_run(args: argparse.Namespace):
     """What `train` will launch: on torchrun's world, or --nproc-per-node local ranks."""
-    from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.data.tokenizer_types import build_tokenizer
 
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
-    return build_train_run(args, world, load_tokenizer(args.tokenizer_model).vocab_size)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    return build_train_run(args, world, tokenizer.vocab_size)
 
 
 def _print_config(job) -> None:
@@ -102,15 +107,16 @@ def _train(args: argparse.Namespace, argv: list[str], run) -> int:
         return 0
     if under_launcher() or not args.nproc_per_node:
         from megatronapp.cli.train import run_rank
-        from megatronapp.data.tokenizer import load_tokenizer
+        from megatronapp.data.tokenizer_types import build_tokenizer
 
-        tokenizer = load_tokenizer(run.tokenizer_model)
+        tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
         if not under_launcher():
-            from megatronapp.cli.launch import prepare_trace_dir, report_run
+            from megatronapp.cli.launch import new_summary_path, prepare_trace_dir, report_summary
 
             prepare_trace_dir(args)
-            history = run_rank(run, tokenizer, summary_file=args.summary_file)
-            return report_run(args, history, run.world_size)
+            summary = args.summary_file or new_summary_path()
+            run_rank(run, tokenizer, summary_file=str(summary))
+            return report_summary(args, summary, run.world_size)
         run_rank(run, tokenizer, summary_file=args.summary_file)
         return 0
     from megatronapp.cli.launch import launch_train

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from megatronapp.cli.args import build_job_config
 from megatronapp.cli.injection import InjectionConfig, build_injection_config
 from megatronapp.config import JobConfig
+from megatronapp.data.config import DataConfig, build_data_config
 from megatronapp.dpp.config import DppConfig, build_dpp_config
 from megatronapp.fbd.cli import fbd_config_from_args
 from megatronapp.fbd.config import FbdConfig
@@ -35,7 +36,10 @@ class TrainRun:
     trace: TraceConfig | None = None  # --trace
     scope: TrainingScopeConfig | None = None  # --scope
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
+    valid_data_paths: tuple[str, ...] = ()  # empty: held-out synthetic documents (cli/train_eval.py)
+    test_data_paths: tuple[str, ...] = ()
     tokenizer_model: str | None = None  # None: bytes
+    data: DataConfig = field(default_factory=DataConfig)  # every data flag (indexed datasets, splits, tokenizer type)
     saved_model: dict | None = None  # the model fields of the --load checkpoint, when there is one
 
 
@@ -60,6 +64,9 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
         trace=TraceConfig(enabled=True, **trace_fields_from_args(args)) if args.trace else None,
         scope=build_training_scope_config(args),
         data_paths=tuple(args.data_path or ()),
+        valid_data_paths=tuple(args.valid_data_path or ()),
+        test_data_paths=tuple(args.test_data_path or ()),
         tokenizer_model=args.tokenizer_model,
+        data=build_data_config(args),
         saved_model=read_saved_model_fields(args.load) if args.load else None,
     )

@@ -76,15 +76,23 @@ class _Bucket:
 
 
 class ChunkGradBuffer:
-    """Flat fp32 main-grad storage of one model chunk (and, if asked, flat parameter storage)."""
+    """Flat main-grad storage of one model chunk, fp32 (or `grad_dtype`: bf16 with the
+    precision-aware optimizer's --main-grads-dtype bf16), and, if asked, flat parameter storage."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_mb: float, pad_multiple: int, flat_params: bool):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        bucket_mb: float,
+        pad_multiple: int,
+        flat_params: bool,
+        grad_dtype: torch.dtype = torch.float32,
+    ):
         self.params = params
         self.offsets, spans, total = compute_bucket_layout(
             [p.numel() for p in params], max(1, int(bucket_mb * 2**20 / 4)), pad_multiple
         )
         device = params[0].device if params else "cpu"
-        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device)
+        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
         self.param_data = None
         if flat_params and params:
             self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
@@ -153,7 +161,7 @@ class _DeferredAdds:
 
     def flush(self) -> None:
         if self.mains:
-            widened = torch.cat(self.grads).float().split([g.numel() for g in self.grads])
+            widened = torch.cat(self.grads).to(self.mains[0].dtype).split([g.numel() for g in self.grads])
             torch._foreach_add_(self.mains, widened)
             self.mains, self.grads, self.queued = [], [], set()
 
@@ -171,6 +179,7 @@ class GradReducer:
         bucket_mb: float,
         dp_rank: int = 0,
         distributed_optimizer: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
         embedding_group=None,
     ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
@@ -181,7 +190,11 @@ class GradReducer:
         pad = dp_size * 64 if distributed_optimizer else 1
         self.buffers = [
             ChunkGradBuffer(
-                [p for p in c.parameters() if p.requires_grad], bucket_mb, pad, flat_params=distributed_optimizer
+                [p for p in c.parameters() if p.requires_grad],
+                bucket_mb,
+                pad,
+                flat_params=distributed_optimizer,
+                grad_dtype=grad_dtype,
             )
             for c in chunks
         ]
@@ -328,7 +341,13 @@ def compute_grad_norms(grads: list[torch.Tensor], groups: list, device) -> tuple
     """(global norm as compute_grad_norm, this rank's per-tensor norms (len(grads),)); the
     per-tensor norms are the ones the global norm is made of, so they cost nothing more."""
     if grads:
-        per_tensor = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+        # bf16 main grads: each norm accumulated and returned in fp32
+        norms = (
+            torch._foreach_norm(grads)
+            if grads[0].dtype == torch.float32
+            else torch._foreach_norm(grads, 2, torch.float32)
+        )
+        per_tensor = torch.stack([n.float() for n in norms])
         sq = per_tensor.square().sum()
     else:
         per_tensor, sq = torch.zeros(0, device=device), torch.zeros((), device=device)

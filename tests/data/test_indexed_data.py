@@ -260,6 +260,8 @@ def test_preprocess_then_train_and_resume_on_another_layout(tmp_path, capsys):
     assert f"--data-path {prefix}_text_document" in capsys.readouterr().out
     base = [sys.executable, "-m", "megatronapp.cli.main", "train", "--device", "cpu", "--model", "tiny"]
     base += ["--data-path", f"{prefix}_text_document", "--global-batch-size", "4", "--train-iters", "4"]
+    base += ["--split", "90,5,5", "--eval-interval", "2", "--eval-iters", "2"]
+    valid: dict[int, float] = {}
 
     def train(name: str, *args: str) -> list[float]:
         metrics = tmp_path / f"{name}.jsonl"
@@ -268,9 +270,15 @@ def test_preprocess_then_train_and_resume_on_another_layout(tmp_path, capsys):
             [*base, "--metrics-file", str(metrics), *args], capture_output=True, text=True, timeout=240, env=env
         )
         assert res.returncode == 0, res.stderr
-        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert "validation loss at iteration 2" in res.stdout or name == "rest"
+        for r in rows:
+            if "valid_loss" in r:  # the same iteration's validation in another run must agree
+                torch.testing.assert_close(valid.setdefault(r["iteration"], r["valid_loss"]), r["valid_loss"])
+        return [r["loss"] for r in rows if "loss" in r]
 
     whole = train("whole")
+    assert sorted(valid) == [2, 4]  # at the interval and at the end, from the valid split
     first = train("first", "--nproc-per-node", "2", "--train-iters", "2", "--save", str(tmp_path / "ckpt"))
     rest = train("rest", "--load", str(tmp_path / "ckpt"))
     torch.testing.assert_close(first + rest, whole, rtol=1e-5, atol=1e-6)

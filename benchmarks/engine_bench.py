@@ -4,6 +4,8 @@ and the largest micro-batch that fits.
     python benchmarks/engine_bench.py --only throughput,microbatch --out engine.json
     python benchmarks/engine_bench.py --only recompute --out recompute.json
     python benchmarks/engine_bench.py --only throughput,fp8_loss --out fp8.json
+    python benchmarks/engine_bench.py --preset llama3.2-1b --only throughput --out llama.json
+    python benchmarks/engine_bench.py --only family_loss --loss-steps 200 --out family_loss.json
 
 throughput: the engine (--bf16: bf16 params, fp32 main grads and master weights, parallel
 layers, schedule runtime, clipping, distributed optimizer, compiled blocks) and the plain
@@ -14,6 +16,8 @@ Peak memory per variant = its resident state (measured when it was built and ste
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
 microbatch: the largest micro-batch (eager) whose step fits, with and without full recompute.
 fp8_loss: the engine in bf16 and with --fp8-format hybrid, same init and corpus batches, loss per step.
+family_loss: the engine on each of --loss-presets (GPT-NeoX 1.3b, Llama-shaped llama3.2-1b), loss per step.
+--preset llama3.2-1b: every bench on the Llama-shaped model, against a Llama-shaped plain twin.
 integrity variants (--variants): engine_no_checks (--no-check-for-nan-in-loss-and-grad), engine_checks
 (+ --check-for-spiky-loss --check-for-large-grads), engine_rerun (+ --rerun-mode validate_results: checks
 on the device before the update, a replay point per step, no sync), engine_deterministic (--deterministic; torch's deterministic switch is on
@@ -94,9 +98,12 @@ class Batches:
         pass
 
 
-def make_job(micro_batch: int, num_micro: int, **train_kw) -> JobConfig:
+PRESET = "1.3b"  # --preset: the model every bench builds (llama3.2-1b: the Llama-shaped one)
+
+
+def make_job(micro_batch: int, num_micro: int, preset: str | None = None, **train_kw) -> JobConfig:
     return make_bench_job(
-        "1.3b",
+        preset or PRESET,
         micro_batch,
         num_micro,
         model_overrides={"vocab_size": 50304},
@@ -325,6 +332,38 @@ def bench_fp8_loss(args, results: dict) -> None:
         "max_abs_step_difference": {
             k: max(abs(a - b) for a, b in zip(out["bf16"], v)) for k, v in out.items() if k != "bf16"
         },
+    }
+
+
+def bench_family_loss(args, results: dict) -> None:
+    """Loss per step of each --loss-presets model (the engine, bf16, compiled) from the same
+    seed on the same batches of the embedded corpus: the Llama-shaped preset against GPT-NeoX's."""
+    from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset
+    from megatronapp.data.tokenizer import ByteTokenizer
+
+    out = {}
+    for preset in args.loss_presets.split(","):
+        job = make_job(4, args.num_micro, preset=preset, compile=True)
+        job = replace_fields(job, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps)
+        data = DistributedBatchIterator(
+            build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
+            micro_batch_size=4,
+            global_batch_size=job.train.global_batch_size,
+            dp_rank=0,
+            dp_size=1,
+            seed=job.train.seed,
+        )
+        trainer = Trainer(job, single_process_groups(), DEV, data)
+        out[preset] = [float(trainer.train_step().loss) for _ in range(args.loss_steps)]
+        print(f"  {preset}: loss {out[preset][0]:.4f} -> {out[preset][-1]:.4f}", flush=True)
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+    tail = max(1, args.loss_steps // 10)
+    results["family_loss"] = {
+        "losses": out,
+        f"mean_of_last_{tail}": {k: statistics.mean(v[-tail:]) for k, v in out.items()},
+        f"stdev_of_last_{tail}": {k: statistics.stdev(v[-tail:]) if tail > 1 else 0.0 for k, v in out.items()},
     }
 
 
@@ -570,7 +609,11 @@ def build_parser() -> argparse.ArgumentParser:
         "engine_deterministic, engine_torch_adamw, engine_overlap_update, engine_fp8, "
         "engine_fp8_e4m3, engine_fp8_first_last_bf16, engine_fp8_delayed (plain_bf16 always runs)",
     )
-    p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss: steps of each run")
+    p.add_argument("--preset", default=PRESET, help="model preset of every bench but family_loss (vocabulary 50304)")
+    p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss, family_loss: steps of each run")
+    p.add_argument(
+        "--loss-presets", default="1.3b,llama3.2-1b", help="family_loss: the presets trained, one after the other"
+    )
     p.add_argument(
         "--loss-variants",
         default="bf16,fp8_hybrid,fp8_hybrid_delayed",
@@ -587,6 +630,8 @@ def main() -> None:
     unknown = set(args.loss_variants.split(",")) - set(LOSS_VARIANTS)
     if unknown:
         p.error(f"--loss-variants: unknown {sorted(unknown)}; known: {', '.join(LOSS_VARIANTS)}")
+    global PRESET
+    PRESET = args.preset
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
     benches = {
@@ -595,6 +640,7 @@ def main() -> None:
         "timeline": bench_timeline,
         "throughput": bench_throughput,
         "fp8_loss": bench_fp8_loss,
+        "family_loss": bench_family_loss,
         "recompute": bench_recompute,
         "split": bench_split,
         "microbatch": bench_microbatch,

@@ -101,6 +101,8 @@ def _check_layout_shapes(job: JobConfig) -> None:
         raise ConfigError(
             f"num attention heads {m.num_attention_heads} is not divisible by tensor-parallel size {lay.tp_size}"
         )
+    if m.query_groups % lay.tp_size:
+        raise ConfigError(f"num query groups {m.query_groups} is not divisible by tensor-parallel size {lay.tp_size}")
     if m.ffn_size % lay.tp_size:
         raise ConfigError(f"ffn hidden size {m.ffn_size} is not divisible by tensor-parallel size {lay.tp_size}")
     if m.padded_vocab_size % lay.tp_size:
@@ -168,6 +170,8 @@ def _check_fp8_shapes(job: JobConfig) -> None:
         "hidden size": m.hidden_size,
         "hidden size / tensor-parallel size": m.hidden_size // tp,
         "ffn hidden size / tensor-parallel size": m.ffn_size // tp,
+        # the QKV projection's rows: query heads and a key and a value head per query group
+        "qkv rows / tensor-parallel size": (m.num_attention_heads + 2 * m.query_groups) * m.head_dim // tp,
     }
     for what, value in dims.items():
         if value % FP8_ALIGNMENT:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatronapp.cli.architecture_args import add_architecture_arguments, compute_query_groups_override
 from megatronapp.config import (
     ATTENTION_BACKENDS,
     MODEL_PRESETS,
@@ -43,6 +44,14 @@ _MODEL_FLAGS = (
     "make_vocab_size_divisible_by",
     "hidden_dropout",
     "attention_dropout",
+    "normalization",
+    "layernorm_epsilon",
+    "swiglu",
+    "num_query_groups",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "untie_embeddings_and_output_weights",
+    "rotary_base",
 )
 
 
@@ -250,6 +259,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.attention_dropout})",
     )
+    add_architecture_arguments(g)
 
     g = p.add_argument_group("training")
     for flag, kind in (
@@ -417,7 +427,8 @@ def check_flag_combinations(args: argparse.Namespace) -> None:
 
 
 def _model_config(args: argparse.Namespace, vocab_size: int | None) -> ModelConfig:
-    overrides = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k, None) is not None}
+    overrides.update(compute_query_groups_override(args))
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     return model_preset(args.model, **overrides)

@@ -65,10 +65,13 @@ def is_indexed_prefix(path: str) -> bool:
 
 
 def uses_indexed_data(config: DataConfig) -> bool:
-    """Whether the run's data are indexed datasets (else text files or the synthetic corpus)."""
-    if config.has_per_split_paths or config.split is not None:
+    """Whether the run's data are indexed datasets (else text files or the synthetic corpus).
+    --valid/--test-data-path name text files too, beside a text --data-path or the synthetic corpus:
+    they make the run indexed only when they name a prefix or a weight."""
+    if config.train_data_path or config.split is not None:
         return True
-    return any(_is_number(token) or is_indexed_prefix(token) for token in config.data_path)
+    tokens = (*config.data_path, *config.valid_data_path, *config.test_data_path)
+    return any(_is_number(token) or is_indexed_prefix(token) for token in tokens)
 
 
 def check_not_indexed_file_names(paths: tuple[str, ...]) -> None:

@@ -180,8 +180,10 @@ class GradReducer:
         dp_rank: int = 0,
         distributed_optimizer: bool = False,
         grad_dtype: torch.dtype = torch.float32,
+        embedding_group=None,
     ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
+        self.embedding_group = embedding_group
         self.overlap = overlap and dp_group is not None
         self.distributed = distributed_optimizer
         # 64-element alignment of every shard keeps the collectives' chunks aligned on GPU.
@@ -200,6 +202,11 @@ class GradReducer:
         self._zeroed = [False] * len(chunks)  # by zero_buffer since the last zero_grad
         self._gather_works: list[list] = [[] for _ in chunks]
         self._deferred = _DeferredAdds()
+        # a tied embedding and output layer (model/gpt.py): the sides this rank holds, and the
+        # buckets that wait for the sum of their gradients (in finish) before their DP reduction
+        tied = [(buf, p) for buf in self.buffers for p in buf.params if getattr(p, "tied_embedding", None)]
+        self.tied = [p for _, p in tied]
+        self._tied_buckets = {id(buf.bucket_of[p]) for buf, p in tied}
         for i, buf in enumerate(self.buffers):
             for p, bucket in buf.bucket_of.items():
                 if self.overlap or p.dtype != torch.float32:
@@ -223,7 +230,7 @@ class GradReducer:
 
     def _count_ready(self, bucket: _Bucket) -> None:
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == len(bucket.params) and id(bucket) not in self._tied_buckets:
             self._deferred.flush()
             self._launch(bucket)
 
@@ -278,6 +285,7 @@ class GradReducer:
         """Complete the DP reduction of every bucket (launching any not yet launched)."""
         self._deferred.flush()
         self._zero_unwritten()
+        self._sum_tied_grads()
         if self.dp_group is None:
             return
         for buf in self.buffers:
@@ -287,6 +295,17 @@ class GradReducer:
         for buf in self.buffers:
             for b in buf.buckets:
                 b.work.wait()
+
+    def _sum_tied_grads(self) -> None:
+        """Give both sides of a tied embedding the sum of their gradients, before the DP
+        reduction (so it also holds for the distributed optimizer's shards): added here when
+        this rank holds both, else all-reduced between the first and last pipeline stage."""
+        if len(self.tied) == 2:
+            total = self.tied[0].main_grad + self.tied[1].main_grad
+            for p in self.tied:
+                p.main_grad.copy_(total)
+        elif self.tied:
+            dist.all_reduce(self.tied[0].main_grad, group=self.embedding_group)
 
     # -- distributed optimizer: parameter all-gather ---------------------------------------
     def start_param_gather(self, wait: bool) -> None:

@@ -84,4 +84,8 @@ def _main_of(view: torch.Tensor, grad: torch.Tensor, store: StatePrecision | Non
 
 
 def _counts(p: nn.Parameter, tp_rank: int) -> bool:
+    """Whether p's gradient counts in the norm on this rank: TP-replicated ones on TP rank 0 only,
+    a tied output layer never (its gradient is the embedding's, counted there)."""
+    if getattr(p, "tied_embedding", None) == "output":
+        return False
     return getattr(p, "tp_split_dim", None) is not None or tp_rank == 0

@@ -388,6 +388,7 @@ def build_grads_and_optimizer(
         bucket_mb=t.grad_bucket_mb,
         distributed_optimizer=opt.use_distributed_optimizer,
         grad_dtype=STATE_DTYPES[opt.main_grads_dtype],
+        embedding_group=groups.embedding,
     )
     if opt.overlap_param_gather:
         for i, c in enumerate(chunks):  # a chunk's first forward waits for its params' all-gather

@@ -78,6 +78,7 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
         )
     for what, size in (
         ("num attention heads", m.num_attention_heads),
+        ("num query groups", m.query_groups),
         ("ffn hidden size", m.ffn_size),
         ("padded vocab size", m.padded_vocab_size),
     ):

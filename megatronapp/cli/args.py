@@ -25,11 +25,16 @@ from megatronapp.config import (
     build_layout,
     model_preset,
 )
-from megatronapp.dpp.config import add_dpp_arguments
-from megatronapp.fbd.cli import add_fbd_arguments, layout_world_size
+from megatronapp.dpp.config import DPP_FLAGS, DppConfig
+from megatronapp.fbd.cli import build_role_layout
+from megatronapp.fbd.config import FBD_FLAGS, FBD_SWITCH, FbdConfig
+from megatronapp.flags import add_flags, read_flags
 from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
+from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL
+from megatronapp.launch.local import RESULT_FILE
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
-from megatronapp.scan.record.trace_config import add_trace_arguments
+from megatronapp.parallel.layout import ParallelLayout
+from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
 
 _MODEL_FLAGS = (
     "num_layers",
@@ -108,19 +113,14 @@ def _given_job_fields(args: argparse.Namespace) -> dict:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch")
-    g.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        help="launch N local processes through torch.distributed.run (omit under torchrun)",
-    )
+    add_flags(g, (NPROC_PER_NODE,))
     g.add_argument("--nnodes", type=int, default=1, help="nodes, when launching through this command")
-    g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    add_flags(g, (DEVICE,))
     g.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    add_flags(g, (RESULT_FILE,), hidden=True)
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    add_flags(g, LAYOUT_FLAGS, ParallelLayout)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument(
         "--pipeline-schedule",
@@ -270,7 +270,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=".txt / Megatron-style .jsonl files or folders; default: the embedded synthetic corpus",
     )
-    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
+    add_flags(g, (TOKENIZER_MODEL,))
 
     g = p.add_argument_group("checkpoints and logging")
     _job_flag(g, "--save")
@@ -280,13 +280,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _job_flag(g, "--metrics-file", "JSON lines, one object per iteration")
 
     g = p.add_argument_group("MegaScan tracing")
-    g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")
-    add_trace_arguments(g, granularity_help="full: also per-layer attention and MLP spans")
-    g.add_argument("--inject-slowdown", action="append", default=[], metavar="RANK:FACTOR[:EVERY]")
-    g.add_argument("--inject-link-delay", action="append", default=[], metavar="SRC:DST:MS[:JITTER]")
+    add_flags(g, (TRACE_SWITCH, *TRACE_FLAGS), TraceConfig)
     _add_integrity_arguments(p)
-    add_fbd_arguments(p)
-    add_dpp_arguments(p)
+    add_flags(p.add_argument_group("forward-backward disaggregation (MegaFBD)"), (FBD_SWITCH, *FBD_FLAGS), FbdConfig)
+    g = p.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")
+    add_flags(g, DPP_FLAGS, DppConfig)
 
 
 def _positive(args, names) -> None:
@@ -298,11 +296,6 @@ def _positive(args, names) -> None:
 
 def check_flag_combinations(args: argparse.Namespace) -> None:
     """Combinations no config field can refuse on its own; one line each."""
-    if args.trace and args.continuous_trace_iterations > args.trace_interval:
-        raise ConfigError(
-            f"--continuous-trace-iterations {args.continuous_trace_iterations} is larger than "
-            f"--trace-interval {args.trace_interval}"
-        )
     if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
         raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
 
@@ -325,6 +318,29 @@ def _virtual_stages(model: ModelConfig, pp: int, per: int | None) -> int:
     return model.num_layers // (pp * per)
 
 
+def build_fbd_config(args: argparse.Namespace) -> FbdConfig | None:
+    """The MegaFBD config of the flags; None without --forward-backward-disaggregating."""
+    if not args.forward_backward_disaggregating:
+        return None
+    return FbdConfig(
+        forward_tp_size=args.forward_tensor_model_parallel_size or args.tensor_model_parallel_size,
+        **read_flags(args, FBD_FLAGS),
+    )
+
+
+def layout_world_size(args: argparse.Namespace, world: int) -> int:
+    """World of the engine's layout: all ranks, or the backward ranks under FBD (checked)."""
+    fbd = build_fbd_config(args)
+    if fbd is None:
+        for flag in ("forward_tensor_model_parallel_size", "forward_device", "inject_crash"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --forward-backward-disaggregating")
+        return world
+    return build_role_layout(
+        world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, fbd
+    ).num_backward
+
+
 def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> JobConfig:
     """Translate parsed flags into a JobConfig for `world_size` processes; each config checks its
     own fields, cli/validate.py the job as a whole."""
@@ -336,8 +352,6 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
             "num_layers_per_virtual_pipeline_stage",
             "nproc_per_node",
             "nnodes",
-            "trace_interval",
-            "continuous_trace_iterations",
         ),
     )
     check_flag_combinations(args)

@@ -1,8 +1,8 @@
 """What `megatronapp train` will run: the job and every setting of its ranks, frozen, from the flags.
 
 `build_train_run` is the one translation of `train`'s flags: `cli.main` checks its result before
-launching (cli/validate.py), and each rank builds it again from the same flags and runs it
-(cli/train.py). Below the CLI nothing reads the flags.
+launching (cli/validate.py), and each rank builds and checks it again from the same flags and
+runs it (cli/train.py:run_rank). Below the CLI nothing reads the flags.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from megatronapp.cli.args import build_job_config
+from megatronapp.cli.args import build_fbd_config, build_job_config
 from megatronapp.cli.injection import InjectionConfig, build_injection_config
 from megatronapp.config import JobConfig
-from megatronapp.dpp.config import DppConfig, build_dpp_config
-from megatronapp.fbd.cli import fbd_config_from_args
+from megatronapp.dpp.config import DPP_FLAGS, DppConfig
 from megatronapp.fbd.config import FbdConfig
-from megatronapp.scan.record.tracer import TraceConfig
-from megatronapp.scope_ui.training import TrainingScopeConfig, build_training_scope_config
+from megatronapp.flags import read_flags
+from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
+from megatronapp.scope_ui.cli import TrainingScopeConfig, build_training_scope_config
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,14 @@ class TrainRun:
     device: str | None = None  # --device; None: cuda when present
     visible_gpus: int = 0
     ranks_per_node: int | None = None  # torchrun's LOCAL_WORLD_SIZE; None: every rank on this node
-    trace: TraceConfig | None = None  # --trace
+    trace: TraceConfig = field(default_factory=TraceConfig)  # enabled by --trace
     scope: TrainingScopeConfig | None = None  # --scope
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
     tokenizer_model: str | None = None  # None: bytes
     saved_model: dict | None = None  # the model fields of the --load checkpoint, when there is one
+    nproc_per_node: int | None = None  # launch this many local ranks; None: run in this process
+    print_config: bool = False  # print the resolved configuration instead of training
+    result_file: str | None = None  # a relaunched rank 0 writes its metrics history here (launch.local)
 
 
 def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> TrainRun:
@@ -46,20 +49,22 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
 
     from megatronapp.engine.checkpoint import read_saved_model_fields
     from megatronapp.parallel.device import ranks_per_node
-    from megatronapp.scan.record.trace_config import trace_fields_from_args
 
     return TrainRun(
         job=build_job_config(args, world_size, vocab_size),
         world_size=world_size,
-        dpp=build_dpp_config(args),
-        fbd=fbd_config_from_args(args) if args.forward_backward_disaggregating else None,
+        dpp=DppConfig(**read_flags(args, DPP_FLAGS)),
+        fbd=build_fbd_config(args),
         injection=build_injection_config(args),
         device=args.device,
         visible_gpus=torch.cuda.device_count(),
         ranks_per_node=ranks_per_node(),
-        trace=TraceConfig(enabled=True, **trace_fields_from_args(args)) if args.trace else None,
+        trace=TraceConfig(**read_flags(args, (TRACE_SWITCH, *TRACE_FLAGS))),
         scope=build_training_scope_config(args),
         data_paths=tuple(args.data_path or ()),
         tokenizer_model=args.tokenizer_model,
         saved_model=read_saved_model_fields(args.load) if args.load else None,
+        nproc_per_node=args.nproc_per_node,
+        print_config=args.print_config,
+        result_file=args.result_file,
     )

@@ -31,7 +31,6 @@ class JitterInjector:
         self.max_factor = spec.max_factor
         self.rng = random.Random(f"{spec.seed}:{spec.rank}")
         self.factors: list[float] = []  # every factor drawn, for tests and reports
-        self.stalls_s: list[float] = []  # every CPU stall, for tests; nothing reads it
         self.clock = GpuTaskClock() if device.type == "cuda" else None
         if self.clock is not None:
             self.clock.calibrate()
@@ -56,7 +55,6 @@ class JitterInjector:
             yield
             stall = (factor - 1.0) * (time.thread_time() - t0)
         time.sleep(stall)
-        self.stalls_s.append(stall)
 
     @contextlib.contextmanager
     def _on_gpu(self, factor: float, key):

@@ -52,7 +52,7 @@ def _job_flag(g, flag: str, help: str = "", **kw) -> None:
     """A flag for the field of one of the job's component configs that its dest names: default
     None here, so the dataclass default applies unless the flag is given."""
     dest = flag.lstrip("-").replace("-", "_")
-    if kw.get("action") not in ("store_true", "store_false"):
+    if kw.get("action") not in ("store_true", "store_false", argparse.BooleanOptionalAction):
         help = f"{help} (default: {field_default(dest)})".strip()
     g.add_argument(flag, dest=dest, default=None, help=help, **kw)
 
@@ -63,10 +63,7 @@ def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
         g,
         "--check-for-nan-in-loss-and-grad",
         "a non-finite loss or grad norm skips the update; the rank and parameter are named (default)",
-        action="store_true",
-    )
-    g.add_argument(
-        "--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false", default=None
+        action=argparse.BooleanOptionalAction,
     )
     _job_flag(
         g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps", action="store_true"
@@ -134,32 +131,31 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "shard LayerNorm/dropout/residual regions along the sequence (needs TP > 1)",
         action="store_true",
     )
-    _job_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
-    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false", default=None)
+    _job_flag(
+        g,
+        "--overlap-grad-reduce",
+        "overlap the DP reduction with backward (default)",
+        action=argparse.BooleanOptionalAction,
+    )
     _job_flag(
         g,
         "--split-backward",
         "run each backward as I (input gradient, sent upstream) and W "
         "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
     )
-    g.add_argument("--no-split-backward", dest="split_backward", action="store_false", default=None)
     _job_flag(
         g,
         "--gradient-accumulation-fusion",
         "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 main grads (default)",
-        action="store_true",
-    )
-    g.add_argument(
-        "--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false", default=None
+        action=argparse.BooleanOptionalAction,
     )
     _job_flag(
         g,
         "--fused-master-adamw",
         "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the model weights in the same kernel (default)",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
     )
-    g.add_argument("--no-fused-master-adamw", dest="fused_master_adamw", action="store_false", default=None)
     _job_flag(
         g,
         "--overlap-param-update",

@@ -1,6 +1,6 @@
 """What a run does to itself on purpose: the --inject-* flags, apart from the user's configs.
 
-Slowdowns and link delays (faults/), compute jitter for MegaDPP's studies (dpp/jitter.py), a
+Slowdowns and link delays (injection/), compute jitter for MegaDPP's studies (dpp/jitter.py), a
 crash of one FBD rank (fbd/links.py) and per-rank trace clock skews exist to test failure
 handling, detection, clock alignment and scheduling; no setting of a real run depends on them.
 Every --inject-* flag is defined here, once, and left out of --help (`megatronapp train --help`
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from megatronapp.config import ConfigError
 from megatronapp.dpp.config import JitterSpec, parse_jitter
-from megatronapp.faults.inject import FaultPlan, fault_plan_from_env, parse_fault_plan
 from megatronapp.fbd.config import FbdInjection, parse_crash_spec
 from megatronapp.flags import Flag, add_flags
+from megatronapp.injection.inject import FaultPlan, fault_plan_from_env, parse_fault_plan
 
 INJECTION_FLAGS = {
     "slowdown": Flag(

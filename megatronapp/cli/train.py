@@ -22,13 +22,13 @@ from megatronapp.cli.progress import TrainProgress
 from megatronapp.cli.run import TrainRun
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
 from megatronapp.data.tokenizer import load_tokenizer
-from megatronapp.dpp.setup import build_dpp_hooks
+from megatronapp.dpp.job_hooks import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.determinism import enable_deterministic_mode
 from megatronapp.engine.trainer import Trainer
-from megatronapp.faults.inject import FaultInjector
-from megatronapp.faults.link_delay import install_link_delays
 from megatronapp.files import write_text_atomic
+from megatronapp.injection.inject import FaultInjector
+from megatronapp.injection.link_delay import install_link_delays
 from megatronapp.launch.roles import RankContext, TrainingRole, TrainLoop, backend_for, join_default_group
 from megatronapp.parallel.device import select_device
 from megatronapp.parallel.groups import ParallelGroups, build_process_groups, destroy_subgroups

@@ -15,7 +15,7 @@ checkpoint or prompt file, or a flag that does not parse, is refused (in one lin
     ScheduleRun   megatronapp schedule simulate|show
 
 The rules themselves are the components' own pure checks (job.validate_job,
-dpp.setup.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a user meets them.
+dpp.job_hooks.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a user meets them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from megatronapp.cli.injection import check_injection
 from megatronapp.cli.run import TrainRun
 from megatronapp.config import ConfigError
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
-from megatronapp.dpp.setup import check_dpp_job
+from megatronapp.dpp.job_hooks import check_dpp_job
 from megatronapp.engine.checkpoint import compute_model_config_mismatch
 from megatronapp.fbd.cli import check_fbd_job
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts

@@ -192,22 +192,23 @@ def run_command(run: InferenceRun, argv: list[str], worker, render) -> int:
     return code
 
 
+def generate_prompts(model, run: InferenceRun, tokenizer):
+    """Generate from the run's prompts with its sampling settings on this rank's `model`."""
+    from megatronapp.inference.generate import generate
+
+    prompts = [list(p) for p in run.prompts]
+    return generate(model, prompts, run.sampling, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
+
+
 def generate_worker(run: InferenceRun) -> dict | None:
     """Body of one rank: load, generate, return the result on rank 0 (None elsewhere)."""
     from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.inference.generate import generate
     from megatronapp.inference.launch import finish_worker, start_worker
 
     model = start_worker(run)
     model.cuda_graphs = run.cuda_graphs
     tokenizer = load_tokenizer(run.tokenizer_model)
-    res = generate(
-        model,
-        [list(p) for p in run.prompts],
-        run.sampling,
-        eod_id=tokenizer.eod_id,
-        vocab_size=tokenizer.vocab_size,
-    )
+    res = generate_prompts(model, run, tokenizer)
     out = {
         "layout": model.groups.layout.describe(),
         "prompts": list(run.prompt_texts),

@@ -20,7 +20,7 @@ from megatronapp.config import JobConfig
 from megatronapp.data.dataset import DistributedBatchIterator
 from megatronapp.engine.hooks import NullTracer
 from megatronapp.engine.trainer import Trainer
-from megatronapp.faults.inject import FaultInjector
+from megatronapp.injection.inject import FaultInjector
 from megatronapp.parallel.groups import ParallelGroups
 
 # (engine Trainer) -> metrics history: resume from --load, then train with logging and saving

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatronapp.faults.inject import FaultPlan, fault_env, parse_fault_plan
 from megatronapp.flags import add_flags, read_flags
+from megatronapp.injection.inject import FaultPlan, fault_env, parse_fault_plan
 from megatronapp.launch.flags import NPROC_PER_NODE
 from megatronapp.launch.local import remove_stale_rank_traces, run_local_ranks
 from megatronapp.scan.record.autotrace import AutoTraceConfig
@@ -84,8 +84,8 @@ def report_traced_run(trace_dir: str, as_json: bool = False) -> str:
     was written and found (one JSON object with `as_json`); `train --trace` and `trace run` end so."""
     import json
 
-    from megatronapp.scan.analyze.analysis import analyze_trace_dir
     from megatronapp.scan.analyze.detect_output import render_report, report_to_json
+    from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
     from megatronapp.scan.merge.merge import merge_traces
 
     out = Path(trace_dir) / "timeline.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megatronapp.config import ConfigError
-from megatronapp.inference.cli import add_layout_arguments, build_inference_run, run_command
+from megatronapp.inference.cli import add_layout_arguments, build_inference_run, generate_prompts, run_command
 from megatronapp.inference.generate import SamplingConfig
 from megatronapp.scope.capture import CaptureConfig
 from megatronapp.scope.compress import DEFAULT_COMPRESS
@@ -98,7 +98,6 @@ def capture_worker(run) -> dict | None:
     from contextlib import ExitStack
 
     from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.inference.generate import generate
     from megatronapp.inference.launch import finish_worker, start_worker
     from megatronapp.scope.capture import Capture
     from megatronapp.scope.perturb import perturb
@@ -114,13 +113,7 @@ def capture_worker(run) -> dict | None:
         for spec in specs:
             stack.enter_context(perturb(model, spec))
         cap = stack.enter_context(Capture(model, capture_cfg))
-        res = generate(
-            model,
-            [list(p) for p in run.prompts],
-            run.sampling,
-            eod_id=tokenizer.eod_id,
-            vocab_size=tokenizer.vocab_size,
-        )
+        res = generate_prompts(model, run, tokenizer)
     out = None
     if model.is_serving_rank:
         completions = [tokenizer.decode(t) for t in res.tokens]

@@ -64,6 +64,8 @@ def definitions():
 
     def watched(self, *args, **kwargs):
         where = _definition(sys._getframe(1))
+        if kwargs.get("action") is argparse.BooleanOptionalAction:  # it adds --no-X itself
+            args = (*args, *(f"--no-{o[2:]}" for o in args if o.startswith("--")))
         for option in args:
             if isinstance(option, str) and option.startswith("-"):
                 found.setdefault(option, {}).setdefault(where, []).append(getattr(self, "prog", "group"))
@@ -154,3 +156,15 @@ def test_train_help_shows_no_test_knob():
 def test_every_help_hides_the_test_knobs():
     for path, parser in walk_parsers(build_parser()):
         assert "--inject" not in parser.format_help(), path
+
+
+def test_clock_skew_reaches_the_run_as_an_injection(train_before_launch):
+    """--inject-clock-skew sets one rank's trace clock offset through the run (no environment)."""
+    from megatronapp.cli.main import build_checked_run
+
+    run = build_checked_run(["train", "--model", "tiny", "--device", "cpu", "--inject-clock-skew", "0:37000"])
+    assert run.injection.clock_skew_of(0) == 37000 and run.injection.clock_skew_of(1) == 0
+    code, lines = train_before_launch(["--inject-clock-skew", "3:5"])
+    assert code == 2 and lines == ["megatronapp: error: --inject-clock-skew rank 3 is outside world size 1"]
+    code, lines = train_before_launch(["--inject-clock-skew", "x"])
+    assert code == 2 and "--inject-clock-skew expects RANK:NS" in lines[0]

@@ -14,10 +14,10 @@ from megatronapp.cli.validate import validate
 from megatronapp.config import JobConfig, ModelConfig, TrainConfig
 from megatronapp.dpp.cli import ScheduleRun
 from megatronapp.dpp.config import DppConfig, JitterSpec
-from megatronapp.faults.inject import FaultPlan
 from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.inference.cli import InferenceRun
 from megatronapp.inference.generate import SamplingConfig
+from megatronapp.injection.inject import FaultPlan
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.record.autotrace import AutoTraceConfig
 from megatronapp.scan.trace_run import TraceRun

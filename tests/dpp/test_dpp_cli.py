@@ -161,7 +161,7 @@ def test_dynamic_and_jitter_are_accepted_for_gpus():
     from megatronapp.cli.injection import build_injection_config, check_injection
     from megatronapp.cli.main import build_parser
     from megatronapp.dpp.config import DPP_FLAGS, DppConfig
-    from megatronapp.dpp.setup import check_dpp_job
+    from megatronapp.dpp.job_hooks import check_dpp_job
     from megatronapp.flags import read_flags
 
     job = make_job(2, 1, 2, 2, "dynamic", global_batch=8)

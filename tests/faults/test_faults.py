@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatronapp.faults.inject import (
+from megatronapp.injection.inject import (
     FaultInjector,
     FaultPlan,
     FaultSpecError,
@@ -73,7 +73,7 @@ def _compute(injector: FaultInjector) -> None:
 
 def test_intermittent_slowdown_applies_every_nth_iteration_only(monkeypatch):
     stalls, slept = {}, []
-    monkeypatch.setattr("megatronapp.faults.inject.time.sleep", slept.append)
+    monkeypatch.setattr("megatronapp.injection.inject.time.sleep", slept.append)
     for rank in (0, 1):
         injector = FaultInjector(parse_fault_plan(["0:3:2"], []), rank=rank, device=torch.device("cpu"))
         for it in range(4):
@@ -121,7 +121,7 @@ def test_slowdown_stretches_by_the_calling_threads_cpu_not_the_processs(monkeypa
     """Other threads' CPU (gloo workers, the trace writer) must not inflate the factor: a Python
     thread spinning alongside takes about half the GIL, doubling process time, not the stall."""
     slept = []
-    monkeypatch.setattr("megatronapp.faults.inject.time.sleep", slept.append)
+    monkeypatch.setattr("megatronapp.injection.inject.time.sleep", slept.append)
     stop = threading.Event()
     spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
     injector = FaultInjector(parse_fault_plan(["0:2"], []), rank=0, device=torch.device("cpu"))
@@ -143,7 +143,7 @@ def slow_link_job(rank: int, world_size: int, traced: bool, trace_dir: str) -> d
     gloo, like NCCL, completes a send only once its recv is posted). Returns timings."""
     import torch.distributed as dist
 
-    from megatronapp.faults.link_delay import install_link_delays
+    from megatronapp.injection.link_delay import install_link_delays
     from megatronapp.scan.record.instrument import install_distributed_instrumentation
     from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
@@ -227,4 +227,4 @@ def test_no_detector_input_comes_from_an_injector():
     for path in analyze.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith("megatronapp.faults"), f"{path.name} imports {node.module}"
+                assert not node.module.startswith("megatronapp.injection"), f"{path.name} imports {node.module}"

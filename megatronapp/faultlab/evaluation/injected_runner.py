@@ -183,9 +183,9 @@ def _suspects_json(report) -> list[dict]:
 def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
     """Suspects with `overrides` and with the defaults; with grid, the compute ranks at every
     COMPUTE_GRID point and the links at every LINK_GRID point (injected.tune_on_design)."""
-    from megatronapp.scan.analyze.analysis import load_aligned_traces
     from megatronapp.scan.analyze.detect import detect
     from megatronapp.scan.analyze.detect_config import DetectConfig
+    from megatronapp.scan.analyze.load_align_detect import load_aligned_traces
 
     aligned, _ = load_aligned_traces(trace_dir)
     out = {

@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from megatronapp.faults.inject import FaultPlan, LinkDelay
+from megatronapp.injection.inject import FaultPlan, LinkDelay
 
 _MODULES = (dist, c10d)
 _WRAPPED = ("irecv", "recv", "batch_isend_irecv")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatronapp.dpp.sim import study
 from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.scheduler import compute_default_caps
+from megatronapp.dpp.sim import study
 from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_sim
 from megatronapp.dpp.sim.simulator import CostModel, Span, simulate
 from megatronapp.dpp.tasks import backward_task, forward_task

@@ -2,7 +2,7 @@
 
 With one GPU a real PP x V pipeline (one stage per process) cannot run, so:
   1. build every virtual stage's GPT chunk of --preset split PP x V (Megatron's layer
-     assignment, model/gpt.chunk_layer_ranges) on --device, in --dtype;
+     assignment, parallel/partition.py) on --device, in --dtype;
   2. run --iters passes; in each, every chunk runs forward then backward of each of M
      microbatches. Pass i is MegaScan iteration i (iteration 0 is never traced: warm-up), with
      one Tracer per pipeline rank writing rankNNNNN.mscan with that rank's coords, and

@@ -394,8 +394,10 @@ class JobConfig:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.layout.dp_size)
 
 
-def build_layout(world_size: int, tp_size: int, pp_size: int, virtual_pp_size: int = 1) -> ParallelLayout:
+def build_layout(
+    world_size: int, tp_size: int, pp_size: int, virtual_pp_size: int = 1, stage_layers: tuple[int, ...] = ()
+) -> ParallelLayout:
     try:
-        return ParallelLayout(world_size, tp_size, pp_size, virtual_pp_size)
+        return ParallelLayout(world_size, tp_size, pp_size, virtual_pp_size, stage_layers)
     except LayoutError as e:
         raise ConfigError(str(e)) from None

@@ -25,6 +25,7 @@ from megatronapp.config import (
 from megatronapp.data.dataset import compute_num_microbatches
 from megatronapp.parallel.fp8 import FP8_ALIGNMENT
 from megatronapp.parallel.layout import ParallelLayout
+from megatronapp.parallel.partition import PartitionError, compute_stage_layers
 
 # JobConfig's component configs whose fields have distinct names, so that a flat field name (as
 # the CLI's flags, tests and benchmarks use them) names one component
@@ -99,12 +100,10 @@ def _check_layout_shapes(job: JobConfig) -> None:
         raise ConfigError(
             f"padded vocab size {m.padded_vocab_size} is not divisible by tensor-parallel size {lay.tp_size}"
         )
-    stages = lay.pp_size * lay.virtual_pp_size
-    if m.num_layers % stages:
-        raise ConfigError(
-            f"num layers {m.num_layers} is not divisible by pipeline-parallel size {lay.pp_size} "
-            f"x virtual stages {lay.virtual_pp_size}"
-        )
+    try:
+        compute_stage_layers(m.num_layers, lay.pp_size, lay.virtual_pp_size, per_stage=lay.stage_layers)
+    except PartitionError as e:
+        raise ConfigError(str(e)) from None
     try:
         compute_num_microbatches(t.global_batch_size, t.micro_batch_size, lay.dp_size)
     except ValueError as e:

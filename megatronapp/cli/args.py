@@ -26,6 +26,7 @@ from megatronapp.config import (
     model_preset,
 )
 from megatronapp.dpp.config import DPP_FLAGS, DppConfig
+from megatronapp.dpp.rebalance import REBALANCE_FLAGS, RebalanceConfig
 from megatronapp.fbd.cli import build_role_layout
 from megatronapp.fbd.config import FBD_FLAGS, FBD_SWITCH, FbdConfig
 from megatronapp.flags import add_flags, read_flags
@@ -34,6 +35,7 @@ from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKEN
 from megatronapp.launch.local import RESULT_FILE
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import ParallelLayout
+from megatronapp.parallel.partition import PartitionError, compute_stage_layers
 from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
 
 _MODEL_FLAGS = (
@@ -119,6 +121,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     add_flags(g, LAYOUT_FLAGS, ParallelLayout)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="layers on the first pipeline stage; the rest split evenly (default: even split)",
+    )
+    g.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="layers on the last pipeline stage; the rest split evenly (default: even split)",
+    )
+    g.add_argument(
+        "--pipeline-stage-layers",
+        type=_int_list,
+        default=None,
+        help="layers of every pipeline stage, e.g. 3,5,4,4 (one per pipeline rank, or one per virtual stage "
+        "in Megatron's order chunk x PP + rank) (default: even split)",
+    )
     g.add_argument(
         "--pipeline-schedule",
         choices=SCHEDULES,
@@ -281,6 +302,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p.add_argument_group("forward-backward disaggregation (MegaFBD)"), (FBD_SWITCH, *FBD_FLAGS), FbdConfig)
     g = p.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")
     add_flags(g, DPP_FLAGS, DppConfig)
+    g = p.add_argument_group("MegaDPP rebalancing (any pipeline schedule; dpp/rebalance.py)")
+    add_flags(g, REBALANCE_FLAGS, RebalanceConfig)
 
 
 def _positive(args, names) -> None:
@@ -301,6 +324,32 @@ def _model_config(args: argparse.Namespace, vocab_size: int | None) -> ModelConf
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     return model_preset(args.model, **overrides)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _partition(args: argparse.Namespace, model: ModelConfig, pp: int) -> tuple[int, tuple[int, ...]]:
+    """Virtual stages per pipeline rank and the layers of each virtual stage (() when split evenly)."""
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    per_stage = args.pipeline_stage_layers or ()
+    if first is None and last is None and not per_stage:
+        return _virtual_stages(model, pp, args.num_layers_per_virtual_pipeline_stage), ()
+    if args.num_layers_per_virtual_pipeline_stage:
+        raise ConfigError(
+            "--num-layers-per-virtual-pipeline-stage assumes an even split; for an uneven one with virtual "
+            "stages give --pipeline-stage-layers with one count per virtual stage"
+        )
+    vpp = len(per_stage) // pp if per_stage and len(per_stage) > pp and len(per_stage) % pp == 0 else 1
+    try:
+        counts = compute_stage_layers(model.num_layers, pp, vpp, first=first, last=last, per_stage=per_stage)
+    except PartitionError as e:
+        raise ConfigError(str(e)) from None
+    return vpp, counts
 
 
 def _virtual_stages(model: ModelConfig, pp: int, per: int | None) -> int:
@@ -353,7 +402,7 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
     check_flag_combinations(args)
     model = _model_config(args, vocab_size)
     pp = args.pipeline_model_parallel_size
-    vpp = _virtual_stages(model, pp, args.num_layers_per_virtual_pipeline_stage)
-    layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp)
+    vpp, stage_layers = _partition(args, model, pp)
+    layout = build_layout(layout_world_size(args, world_size), args.tensor_model_parallel_size, pp, vpp, stage_layers)
     schedule = args.pipeline_schedule or ("interleaved" if vpp > 1 else "1f1b")
     return build_job(model, layout, **_given_job_fields(args), schedule=schedule)

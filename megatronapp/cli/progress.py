@@ -56,14 +56,14 @@ class TrainProgress:
                 flush=True,
             )
 
-    def warn(self, message: str) -> None:
-        """A live slow-rank warning (online detection), shown above the progress bar."""
+    def warn(self, message: str, source: str = "MegaScan online") -> None:
+        """A live line shown above the progress bar: a slow-rank warning (online detection), a move of layers."""
         if not self.enabled:
             return
         if self._progress is not None:
-            self._progress.console.print(f"[yellow]MegaScan online: {message}[/yellow]")
+            self._progress.console.print(f"[yellow]{source}: {message}[/yellow]")
         else:
-            print(f"MegaScan online: {message}", flush=True)
+            print(f"{source}: {message}", flush=True)
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:

@@ -14,6 +14,7 @@ from megatronapp.cli.args import build_fbd_config, build_job_config
 from megatronapp.cli.injection import InjectionConfig, build_injection_config
 from megatronapp.config import JobConfig
 from megatronapp.dpp.config import DPP_FLAGS, DppConfig
+from megatronapp.dpp.rebalance import REBALANCE_FLAGS, RebalanceConfig
 from megatronapp.fbd.config import FbdConfig
 from megatronapp.flags import read_flags
 from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
@@ -53,7 +54,7 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
     return TrainRun(
         job=build_job_config(args, world_size, vocab_size),
         world_size=world_size,
-        dpp=DppConfig(**read_flags(args, DPP_FLAGS)),
+        dpp=DppConfig(**read_flags(args, DPP_FLAGS), rebalance=RebalanceConfig(**read_flags(args, REBALANCE_FLAGS))),
         fbd=build_fbd_config(args),
         injection=build_injection_config(args),
         device=args.device,

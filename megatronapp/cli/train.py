@@ -196,6 +196,7 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
 
 
 def _train_loop(run: TrainRun, trainer, data, rank: int) -> list[dict]:
+    from megatronapp.dpp.rebalance_hook import RebalanceHook, build_layer_rebalancer
     from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 
     job = run.job
@@ -204,11 +205,16 @@ def _train_loop(run: TrainRun, trainer, data, rank: int) -> list[dict]:
         Path(log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_out = open(log.metrics_file, "a") if (log.metrics_file and rank == 0) else None
     online = OnlineDetector(job.layout, OnlineDetectConfig()) if (rank == 0 and job.layout.world_size > 1) else None
+    rebalancer = build_layer_rebalancer(run.dpp.rebalance, job)
+    rebalance = RebalanceHook(rebalancer, trainer) if rebalancer is not None else None
     history = []
     with TrainProgress(job, enabled=rank == 0, log_interval=log.log_interval) as progress:
 
         def on_step(metrics) -> None:
             m = metrics.as_dict()
+            moved = rebalance.after_step(m) if rebalance else None
+            if moved:
+                progress.warn(moved, source="MegaDPP rebalance")
             history.append(m)
             progress.update(m)
             warning = online.update(m["iteration"], m["rank_compute_s"]) if online else None

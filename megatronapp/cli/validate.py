@@ -27,7 +27,7 @@ from megatronapp.cli.injection import check_injection
 from megatronapp.cli.run import TrainRun
 from megatronapp.config import ConfigError
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
-from megatronapp.dpp.job_hooks import check_dpp_job
+from megatronapp.dpp.job_hooks import check_dpp_job, check_rebalance_job
 from megatronapp.engine.checkpoint import compute_model_config_mismatch
 from megatronapp.fbd.cli import check_fbd_job
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
@@ -45,6 +45,7 @@ def check_train_run(run: TrainRun) -> None:
     if run.fbd is not None:
         check_fbd_job(run.fbd, job, run.world_size)
     check_dpp_job(run.dpp, job)
+    check_rebalance_job(run.dpp.rebalance, job, fbd=run.fbd is not None, scope=run.scope is not None)
     check_job_devices(job, run.world_size, run.device, run.fbd, run.visible_gpus, run.ranks_per_node)
     check_injection(run.injection, run.world_size, job.layout.world_size)
     check_training_scope(run.scope, run.world_size)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatronapp.dpp.policies import TRAVERSALS
+from megatronapp.dpp.rebalance import RebalanceConfig
 from megatronapp.flags import Flag
 
 
@@ -49,6 +50,7 @@ class DppConfig:
     traversal: str = "in-order"
     max_inflight: int | None = None  # None: per rank, what interleaved 1F1B holds
     send_thread: str = "auto"  # one of SEND_THREAD: sends issued off the compute thread (p2p.outbox.Outbox)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)  # moving layers off a slow stage
 
     def __post_init__(self) -> None:
         if self.traversal not in TRAVERSALS:

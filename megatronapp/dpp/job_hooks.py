@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 
-from megatronapp.dpp.config import DppConfig, JitterSpec
+from megatronapp.dpp.config import DppConfig, DppConfigError, JitterSpec
 from megatronapp.dpp.jitter import apply_jitter
 from megatronapp.dpp.policies import compute_depth_first_order
+from megatronapp.dpp.rebalance import RebalanceConfig
 from megatronapp.dpp.scheduler import check_cap, check_order_fits
 
 
@@ -22,6 +23,18 @@ def check_dpp_job(cfg: DppConfig, job) -> DppConfig:
                 order = compute_depth_first_order(p, pp, v, job.num_microbatches)
                 check_order_fits(order, cfg.max_inflight, v, p)
     return cfg
+
+
+def check_rebalance_job(cfg: RebalanceConfig, job, *, fbd: bool, scope: bool) -> None:
+    """--dpp-rebalance against the job (one-line errors)."""
+    if cfg.mode == "off":
+        return
+    if job.layout.pp_size < 2:
+        raise DppConfigError(f"--dpp-rebalance {cfg.mode} needs pipeline-parallel size >= 2")
+    if fbd:
+        raise DppConfigError("--dpp-rebalance cannot be combined with --forward-backward-disaggregating")
+    if scope:
+        raise DppConfigError("--dpp-rebalance cannot be combined with --scope (its hooks sit on the layers that move)")
 
 
 def build_dynamic_runtime_factory(cfg: DppConfig, job):

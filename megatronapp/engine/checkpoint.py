@@ -47,8 +47,10 @@ def _named_params(chunks) -> dict:
     return {name: p for c in chunks for name, p in c.named_parameters()}
 
 
-def _shard_state(trainer) -> dict:
-    """Collective over DP (the distributed optimizer gathers its shards)."""
+def gather_shard_state(trainer) -> dict:
+    """This rank's (tp, pp) shard: params, optimizer state and tp split dim by layout-independent
+    name, the optimizer's own state and the FP8 states. Collective over DP (the distributed
+    optimizer gathers its shards)."""
     param_state = trainer.optimizer.param_state()
     params, split, optim = {}, {}, {}
     for name, p in _named_params(trainer.chunks).items():
@@ -80,7 +82,7 @@ def save_checkpoint(save_dir: str | os.PathLike, trainer, data) -> Path:
         }
         write_text_atomic(folder / "meta.json", json.dumps(meta, indent=1))
     _barrier(g.world)
-    state = _shard_state(trainer)
+    state = gather_shard_state(trainer)
     if g.dp_rank == 0:
         _atomic_torch_save(state, folder / f"model_tp{g.tp_rank}_pp{g.pp_rank}.pt")
     rng = {
@@ -142,6 +144,15 @@ class _ShardReader:
             found.update(self._shard(0, pp).get("fp8", {}))
         return found
 
+    def local(self, name: str, field: str, key: str | None, tp_size: int, tp_rank: int):
+        """The tensor TP rank `tp_rank` of `tp_size` holds (re-assembled, then sliced)."""
+        full = self.full(name, field, key)
+        return (
+            full
+            if key == "step"
+            else _slice(full, self._shard(0, self._find_pp(name))["split"][name], tp_size, tp_rank)
+        )
+
     def full(self, name: str, field: str, key: str | None = None):
         pp = self._find_pp(name)
         parts = []
@@ -177,25 +188,31 @@ def load_checkpoint(load_dir: str | os.PathLike, trainer, data=None) -> int:
     folder = find_latest(load_dir)
     reader = _ShardReader(folder)
     meta = json.loads((folder / "meta.json").read_text())
+    apply_shard_state(trainer, reader)
+    trainer.iteration = meta["iteration"]
+    same_world = meta["layout"]["world_size"] == trainer.job.layout.world_size
+    _restore_rank_state(folder, trainer, data, same_world=same_world)
+    return trainer.iteration
+
+
+def apply_shard_state(trainer, reader) -> None:
+    """Copy params, optimizer and FP8 state into `trainer`'s chunks from `reader` (the shards of
+    a checkpoint, or states handed over in memory): every name the trainer holds must be there."""
     g, lay = trainer.groups, trainer.job.layout
     trainer.optimizer.finish_param_sync()
     optim = {}
     with torch.no_grad():
         for name, p in _named_params(trainer.chunks).items():
-            full = reader.full(name, "params")
+            local = reader.local(name, "params", None, lay.tp_size, g.tp_rank)
             if reader.has_optim_state(name):
-                optim[p] = {key: reader.full(name, "optim", key) for key in reader.optim_keys(name)}
+                keys = reader.optim_keys(name)
+                optim[p] = {key: reader.local(name, "optim", key, lay.tp_size, g.tp_rank) for key in keys}
                 # an fp32 checkpoint's params are the main params of a bf16/fp16 run
-                full = optim[p].setdefault("main_param", full.float())
-            p.copy_(_slice(full, p.tp_split_dim, lay.tp_size, g.tp_rank))
-            for key, value in optim.get(p, {}).items():
-                optim[p][key] = value if key == "step" else _slice(value, p.tp_split_dim, lay.tp_size, g.tp_rank)
+                local = optim[p].setdefault("main_param", local.float())
+            p.copy_(local)
     trainer.optimizer.load_param_state(optim.get)
     trainer.optimizer.load_state_dict(reader.optimizer_state())
     load_delayed_state_dict(trainer.fp8_states, reader.fp8_states())
-    trainer.iteration = meta["iteration"]
-    _restore_rank_state(folder, trainer, data, same_world=meta["layout"]["world_size"] == lay.world_size)
-    return trainer.iteration
 
 
 def _restore_rank_state(folder: Path, trainer, data, same_world: bool) -> None:

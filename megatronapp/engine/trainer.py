@@ -111,13 +111,27 @@ class Trainer:
         # execution's grads are in place), replaying(iteration) (a context manager around its
         # rerun) and classified(iteration, report); set by a module such as MegaScope's training view
         self.replay_observer = None
-        lay, t = job.layout, job.train
+        t = job.train
         attention_backend = t.attention_backend
         if job.integrity.deterministic:
             check_deterministic_mode()
             attention_backend = deterministic_attention_backend(attention_backend)
-        tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
         self.rng_tracker = build_rng_tracker(t.seed, groups.tp_rank, groups.pp_rank, device)
+        self.attention_backend = attention_backend
+        self._runtime_args = (schedule, runtime_factory, injector)
+        self.tracer = tracer
+        self._build_model_and_runtime()
+        self.iteration = 0  # optimizer steps completed
+        self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self.set_tracer(tracer)
+
+    def _build_model_and_runtime(self) -> None:
+        """Chunks, FP8 states, grad buffers, optimizer, pipeline model and runtime for `self.job`'s
+        layout (and layer partition): everything that depends on which layers this rank holds."""
+        job, groups, device, tracer = self.job, self.groups, self.device, self.tracer
+        schedule, runtime_factory, injector = self._runtime_args
+        lay, t, attention_backend = job.layout, job.train, self.attention_backend
+        tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
         options = ChunkOptions(recompute=t.recompute_config(), rng_tracker=self.rng_tracker)
         self.chunks = build_model_chunks(
             job.model,
@@ -128,6 +142,7 @@ class Trainer:
             seed=t.seed,
             device=device,
             options=options,
+            stage_layers=lay.stage_layers,
         )
         prec = job.precision
         if prec.fp8_format is not None:
@@ -174,11 +189,18 @@ class Trainer:
             )
             validate_schedule(self.schedule)
             self.runtime = PipelineRuntime(self.model, groups, self.schedule, **runtime_kw)
-        self.iteration = 0  # optimizer steps completed
-        self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         names = {p: name for c in self.chunks for name, p in c.named_parameters()}
         self.norm_param_names = [names.get(p) for p in self.optimizer.norm_params]
-        self.set_tracer(tracer)
+
+    def rebuild(self, job: JobConfig) -> None:
+        """Rebuild every layer-dependent part for `job` (the same job in another layer partition);
+        the parameters start from their initialisation: the caller loads the state
+        (engine/repartition.py). The loop's own state (iteration, step checks, RNG streams) stays."""
+        if hasattr(self.runtime, "close"):
+            self.runtime.close()
+        self.job = job
+        self._build_model_and_runtime()
+        self.set_tracer(self.tracer)
 
     def set_tracer(self, tracer) -> None:
         """Attach an observer (see engine.hooks) to the loop, the runtime and the model chunks."""

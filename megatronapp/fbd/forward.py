@@ -54,7 +54,15 @@ def build_forward_model(job: JobConfig, fbd: FbdConfig, groups: RoleGroups, devi
     tp = TPContext(groups.parallel.tp, lay.forward_tp_size, c.tp, sp)
     options = ChunkOptions(rng_tracker=build_rng_tracker(t.seed, c.tp, c.pp, device))
     chunks = build_model_chunks(
-        job.model, pp_rank=c.pp, pp_size=lay.pp_size, num_chunks=1, tp=tp, seed=t.seed, device=device, options=options
+        job.model,
+        pp_rank=c.pp,
+        pp_size=lay.pp_size,
+        num_chunks=1,
+        tp=tp,
+        seed=t.seed,
+        device=device,
+        options=options,
+        stage_layers=job.layout.stage_layers,
     )
     for chunk in chunks:  # the backward workers' params dtype (bf16/fp16 as Megatron, else fp32)
         chunk.requires_grad_(False).to(params_dtype(job.precision))

@@ -28,6 +28,7 @@ from megatronapp.model.attention_kernels import specialise_on_preference
 from megatronapp.model.recompute import compute_full_recompute_groups, recompute
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronapp.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
+from megatronapp.parallel.partition import compute_chunk_layer_ranges, compute_stage_layers
 from megatronapp.parallel.random import DropoutKey, RNGStatesTracker, keyed_dropout
 
 
@@ -325,15 +326,6 @@ def compile_counts() -> dict:
     return {"frames": counters["frames"]["total"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def chunk_layer_ranges(num_layers: int, pp_size: int, num_chunks: int) -> list[list[tuple[int, int]]]:
-    """[pp_rank][chunk] -> (first, last) layer range, Megatron's interleaved assignment.
-
-    Virtual stage v = chunk * pp_size + pp_rank holds layers [v * L/(P*V), (v+1) * L/(P*V)).
-    """
-    per = num_layers // (pp_size * num_chunks)
-    return [[((c * pp_size + p) * per, (c * pp_size + p + 1) * per) for c in range(num_chunks)] for p in range(pp_size)]
-
-
 def build_model_chunks(
     cfg: ModelConfig,
     *,
@@ -344,7 +336,10 @@ def build_model_chunks(
     seed: int,
     device="cpu",
     options: ChunkOptions | None = None,
+    stage_layers: tuple[int, ...] = (),
 ) -> list[GPTChunk]:
-    """The model chunks a pipeline rank holds, initialised from the layout-independent full weights."""
-    ranges = chunk_layer_ranges(cfg.num_layers, pp_size, num_chunks)[pp_rank]
+    """The model chunks a pipeline rank holds, initialised from the layout-independent full weights;
+    `stage_layers` is the partition (parallel/partition.py), () for the even split."""
+    counts = stage_layers or compute_stage_layers(cfg.num_layers, pp_size, num_chunks)
+    ranges = compute_chunk_layer_ranges(counts, pp_size)[pp_rank]
     return [GPTChunk(cfg, first, last, tp, seed, device, options) for first, last in ranges]

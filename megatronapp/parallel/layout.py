@@ -46,6 +46,8 @@ class ParallelLayout:
     tp_size: int = 1
     pp_size: int = 1
     virtual_pp_size: int = 1  # model chunks per pipeline rank (interleaving when > 1)
+    # layers of each virtual stage, in virtual-stage order (parallel/partition.py); () splits them evenly
+    stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp_size", "pp_size", "virtual_pp_size"):
@@ -58,6 +60,10 @@ class ParallelLayout:
             )
         if self.virtual_pp_size > 1 and self.pp_size < 2:
             raise LayoutError("virtual pipeline stages need pipeline-parallel size >= 2")
+        if self.stage_layers and len(self.stage_layers) != self.pp_size * self.virtual_pp_size:
+            raise LayoutError(
+                f"{len(self.stage_layers)} stage layer counts for {self.pp_size * self.virtual_pp_size} virtual stages"
+            )
 
     @property
     def dp_size(self) -> int:
@@ -103,6 +109,8 @@ class ParallelLayout:
         ]
 
     def describe(self) -> str:
+        layers = f" layers={','.join(map(str, self.stage_layers))}" if self.stage_layers else ""
         return (
             f"world={self.world_size} TP={self.tp_size} PP={self.pp_size} VPP={self.virtual_pp_size} DP={self.dp_size}"
+            + layers
         )

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.inference.model import SERVING_RANK, gather_last_dim
-from megatronapp.model.gpt import chunk_layer_ranges
+from megatronapp.parallel.partition import compute_chunk_layer_ranges, compute_stage_layers
 from megatronapp.scope.hooks import LENS
 from megatronapp.scope.sites import HEAD_SITES, LAYER_SITES
 
@@ -127,7 +127,8 @@ def collect_step(
 
 def _stage_names(model, pp_rank: int, layers, sites, want_lens: bool) -> list[tuple[str, int | None, str]]:
     """Names the stage `pp_rank` sends, in order (mirrors stage_items + logit lens)."""
-    first, last = chunk_layer_ranges(model.cfg.num_layers, model.groups.layout.pp_size, 1)[pp_rank][0]
+    pp = model.groups.layout.pp_size
+    first, last = compute_chunk_layer_ranges(compute_stage_layers(model.cfg.num_layers, pp), pp)[pp_rank][0]
     names = [
         (f"layer{layer}/{site}", layer, site)
         for layer in sorted(set(layers) & set(range(first, last)))

@@ -61,6 +61,22 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
         (["--recompute-method", "block"], "need --recompute-granularity full"),
         (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "recompute num layers must be >= 1"),
         (["--hidden-dropout", "1.5"], "hidden_dropout must be in [0, 1)"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "2", "--pipeline-stage-layers", "3,5"],
+            "add up to 8, not num layers 4",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "5",
+            ],
+            "do not fit 4 layers on 2 stages",
+        ),
+        (["--pipeline-stage-layers", "3,x"], "expected comma-separated integers"),
     ],
 )
 def test_bad_input_fails_before_launch(args, message, train_before_launch):
@@ -188,3 +204,15 @@ def test_online_detection_warns_about_injected_slow_rank():
     assert res.returncode == 0, res.stderr
     warnings = [line for line in res.stdout.splitlines() if line.startswith("MegaScan online:")]
     assert warnings and "rank 1 " in warnings[0]
+
+
+def test_an_uneven_partition_trains_and_its_stages_hold_the_layers_asked_for(tmp_path):
+    res = run_cli(
+        ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"]
+        + ["--train-iters", "2", "--print-config"],
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["layout"]["stage_layers"] == [3, 1]
+    res = run_cli(["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--pipeline-stage-layers", "1,3"])
+    assert res.returncode == 0, res.stderr

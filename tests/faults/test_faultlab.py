@@ -111,3 +111,39 @@ def test_a_two_node_job_merges_into_one_timeline(tmp_path, source):
     summary = merge_traces(str(result.trace_dir), str(tmp_path / "timeline.json"))
     assert sorted(summary.ranks) == [0, 1, 2, 3]
     assert_perfetto_reads_flows(tmp_path / "timeline.json", summary.flows)
+
+
+def _rebalanced_run(tmp_path: Path, faults: tuple) -> list[dict]:
+    import json
+
+    metrics = tmp_path / "metrics.jsonl"
+    extra = ("--model", "demo", "--num-layers", "8", "--global-batch-size", "4", "--micro-batch-size", "1")
+    extra += ("--log-interval", "1", "--dpp-rebalance", "layers", "--dpp-rebalance-window", "4")
+    plan = LabPlan(EngineJob(1, 2, 1, iters=36, extra=extra + ("--metrics-file", str(metrics))), faults, tag="rebal")
+    _run(plan, tmp_path, timeout_s=240.0)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_layers_move_off_a_stage_under_a_cpu_quota_and_the_pipeline_gets_faster(tmp_path):
+    """PP2, 8 layers, the last stage at a quarter of a core: the planner moves layers to the first
+    stage within a few windows, and the iterations after the move are faster than those before."""
+    _need_cgroups()
+    rows = _rebalanced_run(tmp_path, (SlowRank(1, "quota", factor=4.0),))
+    moves = [r for r in rows if r.get("rebalance")]
+    assert moves, [r["rank_compute_s"] for r in rows]
+    first = moves[0]
+    before, after = first["rebalance"]["from"], first["rebalance"]["to"]
+    assert after[1] < before[1] and after[0] > before[0], first["rebalance"]  # off the throttled stage
+    assert first["iteration"] <= 20
+    assert len(moves) <= 3 and moves[-1]["rebalance"]["to"][1] < 4, [m["rebalance"] for m in moves]  # settles
+    step = {r["iteration"]: r["step_time_s"] for r in rows}
+    slow = sorted(step[i] for i in range(3, first["iteration"] + 1))
+    fast = sorted(step[i] for i in range(first["iteration"] + 3, len(rows) + 1))
+    median = lambda xs: xs[len(xs) // 2]
+    assert median(fast) < 0.85 * median(slow), (median(slow), median(fast))
+
+
+def test_a_clean_pipeline_with_rebalancing_on_never_moves_layers(tmp_path):
+    _need_root()
+    rows = _rebalanced_run(tmp_path, ())
+    assert not [r for r in rows if r.get("rebalance")]

@@ -13,9 +13,9 @@ are quoted; run/tune/summarize/rejudge evaluate the in-process injectors (kept f
 
 import sys
 
-from megatronapp.faultlab.evaluation.cli import (  # build_parser: the documented commands parse (tests)
-    main,
-)
+from megatronapp.faultlab.evaluation.cli import build_parser, main
+
+__all__ = ["build_parser", "main"]  # build_parser: the documented commands parse (tests/project)
 
 if __name__ == "__main__":
     sys.exit(main())

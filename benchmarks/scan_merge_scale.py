@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the trace simulator lives with the tests
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the trace simulator lives with the tests
 
 _CHILD = """
 import json, os, resource, sys, time

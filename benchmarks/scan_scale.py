@@ -21,7 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the trace simulator lives with the tests
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests" / "support")
+)  # the trace simulator lives with the tests
 
 from scan_simulation import SimulatedJob, simulate_job_traces
 

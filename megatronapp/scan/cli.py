@@ -165,6 +165,34 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_check(args: argparse.Namespace) -> int:
+    """Handler of `trace check`: exit 0 clean, 1 import errors or backward flows, 2 bad input or
+    an engine that could not run."""
+    from megatronapp.scan.perfetto.check import check_timeline, format_rows, query_timeline, render_check
+    from megatronapp.scan.perfetto.engine import EngineError
+
+    try:
+        if args.sql is not None:
+            print(format_rows(*query_timeline(args.timeline, args.sql), args.json))
+            return 0
+        report = check_timeline(args.timeline)
+    except (OSError, EngineError) as exc:
+        print(f"megatronapp trace check: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else render_check(report))
+    return 0 if report["ok"] else 1
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    check = sub.add_parser(
+        "check", help="load a timeline into Perfetto's trace processor: import errors and backward flows"
+    )
+    check.add_argument("timeline", help="Chrome trace JSON written by `trace merge` (.json or .json.gz)")
+    check.add_argument("--json", action="store_true", help="print the report (or the query's rows) as JSON")
+    check.add_argument("--sql", default=None, help="run one Perfetto SQL query instead and print its rows as TSV")
+    check.set_defaults(func=run_check)
+
+
 def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     whatif = sub.add_parser("whatif", help="predict the iteration time with each diagnosed fault removed")
     whatif.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
@@ -179,7 +207,7 @@ def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
 def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `trace merge` and `trace detect` under `subparsers`; returns the `trace` parser."""
     trace = subparsers.add_parser("trace", help="MegaScan traces: merge into one timeline, detect slow ranks")
-    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect,run,whatif,report}", required=True)
+    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect,run,whatif,report,check}", required=True)
     merge = sub.add_parser("merge", help="merge rank*.mscan files into a Chrome/Perfetto trace JSON")
     merge.add_argument("dir", help="trace directory holding rank*.mscan files")
     merge.add_argument("-o", "--out", required=True, help="output JSON path (gzipped when it ends in .gz)")
@@ -197,5 +225,6 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.Ar
     merge.set_defaults(func=run_merge)
     _add_detect(sub)
     _add_analysis_commands(sub)
+    _add_check(sub)
     add_trace_run_arguments(sub.add_parser("run", help="trace an unmodified PyTorch program: run -- SCRIPT.py ARGS"))
     return trace

@@ -410,7 +410,14 @@ def test_cli_trace_merge_runs_and_reports(tmp_path, capsys):
     args = parser.parse_args(["trace", "merge", str(tmp_path / "missing"), "-o", str(tmp_path / "x.json")])
     assert args.func(args) == 2 and "does not exist" in capsys.readouterr().err
     trace_parser = parser._subparsers._group_actions[0].choices["trace"]
-    assert set(trace_parser._subparsers._group_actions[0].choices) == {"merge", "detect", "run", "whatif", "report"}
+    assert set(trace_parser._subparsers._group_actions[0].choices) == {
+        "merge",
+        "detect",
+        "run",
+        "whatif",
+        "report",
+        "check",
+    }
 
 
 # ----------------------------------------------------------------------------- 4 real ranks

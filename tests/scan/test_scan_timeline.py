@@ -1,6 +1,6 @@
 """Merged timelines read correctly in Perfetto: every p2p arrow runs send -> arrival, collective
-arrows follow arrival order, nothing is dropped. Pure checks always; Perfetto's own trace
-processor when ../shared/tools/perfetto/check is present."""
+arrows follow arrival order, nothing is dropped. Pure checks, and Perfetto's own trace processor
+(`megatronapp trace check`)."""
 
 from __future__ import annotations
 

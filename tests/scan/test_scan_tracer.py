@@ -210,7 +210,10 @@ def test_writer_converts_a_shared_mark_once():
             pass
 
     a, b, c = object(), object(), object()
-    records = [("attention", "compute", a, b, 1, ATTR_DEFAULTS), ("mlp", "compute", b, c, 1, ATTR_DEFAULTS)]
+    records = [
+        ("attention", "compute", a, b, 1, ATTR_DEFAULTS, -1, None),
+        ("mlp", "compute", b, c, 1, ATTR_DEFAULTS, -1, None),
+    ]
     clock = CountingClock()
     batch = build_window_batch(records, clock, []).to_pydict()
     assert clock.calls == [a, b, c]  # b once, although two spans hold it

@@ -334,7 +334,7 @@ def build_events_table(events: list[_Event], calib_offset_ns: int = 0) -> pa.Tab
     if events:  # calib rows: device time -> wall time, one before and one after the run
         first, last = events[0].start_ns, max(e.end_ns for e in events)
         events = [_Event("clock", "calib", t, t + calib_offset_ns) for t in (first - 1000, last + 1000)] + events
-    cols = {c: [getattr(e, c) if c != "layer" else -1 for e in events] for c in EVENT_COLUMNS}
+    cols = {c: [getattr(e, c, -1) if c != "layer" else -1 for e in events] for c in EVENT_COLUMNS}
     return pa.Table.from_batches([build_event_batch_from_columns(cols)])
 
 

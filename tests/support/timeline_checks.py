@@ -1,10 +1,10 @@
 """Checks of merged MegaScan timelines, shared by the scan tests.
 
 `bind_flows` re-implements the part of Perfetto's JSON importer that decides where a flow
-arrow starts and ends (rules written down in ../shared/tools/perfetto/README.md: a flow event
-binds to the innermost slice of its own thread enclosing its timestamp, and the slice that
+arrow starts and ends (Perfetto v52.0's JSON importer, importers/json/json_trace_parser.cc and
+importers/common/flow_tracker.cc: a flow event binds to the innermost slice of its own thread enclosing its timestamp, and the slice that
 *starts earlier* becomes the arrow's source), so the direction invariants are tested
-everywhere. `run_perfetto_check` asks Perfetto's own trace processor, when the tool exists.
+everywhere. `run_perfetto_check` asks Perfetto's own trace processor (`megatronapp trace check`).
 """
 
 from __future__ import annotations
@@ -12,14 +12,9 @@ from __future__ import annotations
 import bisect
 import json
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
-
-import pytest
-
-# The shared tools checkout sits beside the repository (or beside the folder of worktrees).
-_CHECK_CANDIDATES = [root / "shared" / "tools" / "perfetto" / "check" for root in Path(__file__).resolve().parents[1:5]]
-CHECK_TOOL = next((c for c in _CHECK_CANDIDATES if c.is_file()), _CHECK_CANDIDATES[0])
 
 
 def _innermost(slices: list[tuple], ts: float) -> tuple | None:
@@ -67,12 +62,10 @@ def assert_flows_forward(doc: dict) -> list[tuple[tuple, tuple]]:
 
 
 def run_perfetto_check(path: Path) -> dict:
-    """Perfetto's report on `path` (check --json), or skip when the tool is not there."""
-    if not CHECK_TOOL.is_file():
-        pytest.skip(f"Perfetto check tool not found at {CHECK_TOOL} (it lives in the shared tools checkout)")
-    res = subprocess.run([str(CHECK_TOOL), str(path), "--json"], capture_output=True, text=True, timeout=300)
-    if res.returncode == 2:
-        pytest.skip(f"Perfetto check tool could not run here: {res.stderr.strip()[-300:]}")
+    """Perfetto's report on `path` (`megatronapp trace check --json`)."""
+    command = [sys.executable, "-m", "megatronapp.cli.main", "trace", "check", str(path), "--json"]
+    res = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert res.returncode in (0, 1), res.stderr[-2000:]
     return json.loads(res.stdout)
 
 

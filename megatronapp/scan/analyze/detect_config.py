@@ -186,3 +186,6 @@ class DetectionReport:
     layout: dict
     victims: tuple[tuple[int, float], ...]  # (rank, wait ns per iteration) of non-suspects, when suspects exist
     notes: tuple[str, ...]
+    # Ranks whose iterations could not be joined to the others' (no shared collective or message):
+    # a report without suspects must not read as if they had been compared (iteration_keys.py).
+    unjoined_ranks: tuple[int, ...] = ()

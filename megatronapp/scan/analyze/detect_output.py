@@ -43,7 +43,20 @@ def report_to_json(report: DetectionReport) -> dict:
         "world_size": report.world_size,
         "layout": dict(report.layout),
         "notes": list(report.notes),
+        "unjoined_ranks": list(report.unjoined_ranks),
     }
+
+
+def nothing_found_text(report: DetectionReport) -> str:
+    """The verdict without suspects; it says which ranks could not be compared at all."""
+    if not report.unjoined_ranks:
+        return "No slow rank or slow link found."
+    if len(report.unjoined_ranks) == report.world_size:
+        return "No verdict: the ranks' iterations could not be joined (they share no collective or message)."
+    return (
+        f"No slow rank or slow link found among the ranks that could be joined; ranks "
+        f"{list(report.unjoined_ranks)} could not be (they share no collective or message with the others)."
+    )
 
 
 def render_report(report: DetectionReport, width: int | None = None) -> str:
@@ -62,7 +75,7 @@ def render_report(report: DetectionReport, width: int | None = None) -> str:
         markup=False,
     )
     if not report.suspects:
-        console.print("No slow rank or slow link found.")
+        console.print(nothing_found_text(report), markup=False)
     else:
         table = Table(show_lines=False)
         for col in ("#", "rank", "tp,dp,pp", "cause", "confidence", "iteration if fixed"):

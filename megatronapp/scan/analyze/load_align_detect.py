@@ -10,12 +10,14 @@ trace, only per-iteration compute times, and judges them with the same peers and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport
+from megatronapp.scan.analyze.iteration_keys import align_iterations
 from megatronapp.scan.merge.align import AlignmentReport, align_traces
 from megatronapp.scan.record.format import RankTrace, load_trace_dir
 
@@ -38,8 +40,14 @@ def analyze_traces(traces: list[RankTrace], config: DetectConfig = DetectConfig(
 def analyze_aligned(
     aligned: list[RankTrace], alignment: AlignmentReport, config: DetectConfig = DetectConfig()
 ) -> TraceAnalysis:
-    """Detection on traces align_traces already put on one timeline."""
-    return TraceAnalysis(aligned, alignment, detect(aligned, config=config))
+    """Detection on traces align_traces already put on one timeline, their iterations first joined
+    by the collectives and messages they share (iteration_keys.py)."""
+    keyed, iterations = align_iterations(aligned)
+    detection = detect(keyed, config=config)
+    detection = dataclasses.replace(
+        detection, notes=(*iterations.notes, *detection.notes), unjoined_ranks=iterations.unjoined
+    )
+    return TraceAnalysis(keyed, alignment, detection)
 
 
 def load_aligned_traces(

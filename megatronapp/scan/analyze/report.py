@@ -173,6 +173,13 @@ def _verdict_html(data: ReportData) -> str:
     return f"<ol>{''.join(items)}</ol>" + (f"<p>Waiting on them: {victims}</p>" if victims else "") + links
 
 
+def _nothing_found(data: ReportData) -> str:
+    unjoined = data.verdict.get("unjoined_ranks", [])
+    if not unjoined:
+        return "Nothing was found: no slow rank and no slow link."
+    return f"Nothing was found among the ranks that could be joined; ranks {unjoined} could not be (see the notes)."
+
+
 def _clean_html(data: ReportData) -> str:
     t = data.thresholds
     closest = max(data.arrivals.values(), key=lambda st: st.ratio, default=None)
@@ -183,7 +190,7 @@ def _clean_html(data: ReportData) -> str:
         else ""
     )
     return (
-        f"<p><b>Nothing was found: no slow rank and no slow link.</b></p><p>How sensitive the check was: it "
+        f"<p><b>{html.escape(_nothing_found(data))}</b></p><p>How sensitive the check was: it "
         f"names a rank whose own work is at least {t['compute_min_ratio']}\u00d7 its peers' in at least "
         f"{t['compute_min_consistency']:.0%} of the iterations (or, intermittently, in a few iterations a clean run "
         f"would show with probability under {t['intermittent_alpha']}), or that causes at least "

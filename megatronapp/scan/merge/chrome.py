@@ -14,10 +14,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatronapp.scan.merge.fixed_lines import LineBlock, OutputArena, TextTable
+from megatronapp.scan.record.format import SIGNAL_COLUMNS
 
 TRACKS = ("step", "compute", "comm", "user")  # cat -> track, in display order
 LANES_PER_TRACK = 1000  # tid = track index * this + lane + 1
-ARG_COLUMNS = ("iteration", "chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")
+ARG_COLUMNS = ("iteration", "chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes", *SIGNAL_COLUMNS)
+# Per-rank counter tracks, one value per traced iteration (its "iteration" span's signal), in ms.
+COUNTER_TRACKS = {"run delay ms": "run_delay_ns", "throttled ms": "throttled_ns"}
 
 
 def format_rank_label(meta: dict) -> str:
@@ -206,6 +209,19 @@ def span_lines(
                 sep = ","
         out.append(block.text("}}").to_bytes())
     return out
+
+
+def counter_lines(cols: dict[str, np.ndarray], starts: np.ndarray, ends: np.ndarray) -> list[str]:
+    """ ",\n" + Chrome "C" events: per rank, each COUNTER_TRACKS signal set at a span's start to its
+    value and back to 0 at its end (only the iteration spans carry them: a few per iteration)."""
+    lines = []
+    for track, column in COUNTER_TRACKS.items():
+        for row in np.flatnonzero(cols[column] >= 0):
+            rank, value = int(cols["rank"][row]), round(int(cols[column][row]) / 1e6, 3)
+            for ts, v in ((starts[row], value), (ends[row], 0)):
+                event = {"ph": "C", "name": track, "pid": rank, "ts": round(int(ts) / 1e3, 3), "args": {"ms": v}}
+                lines.append(",\n" + json.dumps(event, separators=(",", ":")))
+    return lines
 
 
 _PHASE_NAMES = ('"s"', '"t"', '"f"')

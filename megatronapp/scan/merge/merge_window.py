@@ -18,6 +18,7 @@ from megatronapp.scan.merge.chrome import (
     LANES_PER_TRACK,
     TRACKS,
     compute_lanes,
+    counter_lines,
     flow_lines,
     json_vocab,
     span_lines,
@@ -177,6 +178,7 @@ class WindowMerger:
             *span_lines(cols, track, tids, np.maximum(starts, 0), ends, vocab_json, self._empty, self._arena),
             *self._message_flows(cols, tids, send_rows, arrival_rows),
             *self._collective_flows(cols, tids),
+            "".join(counter_lines(cols, np.maximum(starts, 0), ends)).encode(),
         ]
         return parts
 

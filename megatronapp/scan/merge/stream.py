@@ -32,6 +32,7 @@ from megatronapp.scan.record.format import (
     build_event_batch_from_columns,
     iteration_mask,
     read_meta,
+    with_signal_columns,
 )
 from megatronapp.spans import CAT_CALIB, CAT_COMM
 
@@ -86,7 +87,7 @@ def iter_rank_batches(
             raise TraceFormatError(f"{source}: not a MegaScan trace (no Arrow IPC stream header: {exc})") from None
         yield read_meta(reader.schema, source)
         if columns is not None:  # reopen, reading only `columns` (indices into this file's schema)
-            fields = sorted(reader.schema.get_field_index(c) for c in columns)
+            fields = sorted(i for c in columns if (i := reader.schema.get_field_index(c)) >= 0)
             handle.seek(0)
             options = pa.ipc.IpcReadOptions(use_threads=False, included_fields=fields)
             reader = pa.ipc.open_stream(handle, options=options)
@@ -100,7 +101,7 @@ def iter_rank_batches(
                 error = exc
                 break
             count += 1
-            yield batch
+            yield batch if columns is not None else with_signal_columns(batch)
         handle.seek(-len(END_OF_STREAM), os.SEEK_END)
         if error is not None or handle.read() != END_OF_STREAM:
             if warn:

@@ -15,6 +15,14 @@ for "not applicable". Timestamps are nanoseconds on the rank's device timeline.
 Calibration pairs are rows with cat "calib", name "clock": start_ns is the device
 timestamp, end_ns the host wall clock (time.time_ns()) taken at the same moment.
 
+Measured causes (schema version 2): `cpu_ns` is the CPU time the thread that opened a span spent
+between its start and end (-1 when another thread closed it); on a "cuda" clock start_ns/end_ns
+are CUDA event times, so end_ns - start_ns is the span's device time and `cpu_ns` the host's. The
+"iteration" span carries what the operating system took from the training thread during it
+(deltas of sched.py's counters): `run_delay_ns` (runnable, not running), `involuntary_switches`,
+and the process cgroup's CPU throttling, `throttled_ns` and `nr_throttled`. Version 1 files,
+without these columns, load with -1 in them.
+
 Sequence numbers let analyses pair events across ranks without any extra
 communication: for a collective, `seq` is the k-th collective this rank issued on
 `group` (same k on every member); for p2p, `seq` is the k-th message on the directed
@@ -38,7 +46,8 @@ import pyarrow.compute as pc
 
 from megatronapp.spans import CATEGORIES
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 lacks SIGNAL_COLUMNS (read as -1)
 META_FIELD = b"megascan"
 FILE_SUFFIX = ".mscan"
 META_KEYS = (
@@ -76,9 +85,16 @@ EVENT_SCHEMA = pa.schema(
         pa.field("seq", pa.int64(), nullable=False),
         pa.field("peer", pa.int32(), nullable=False),
         pa.field("bytes", pa.int64(), nullable=False),
+        pa.field("cpu_ns", pa.int64(), nullable=False),
+        pa.field("run_delay_ns", pa.int64(), nullable=False),
+        pa.field("involuntary_switches", pa.int64(), nullable=False),
+        pa.field("throttled_ns", pa.int64(), nullable=False),
+        pa.field("nr_throttled", pa.int64(), nullable=False),
     ]
 )
 EVENT_COLUMNS = tuple(EVENT_SCHEMA.names)
+# Columns added by schema version 2; a file without them reads -1 there.
+SIGNAL_COLUMNS = ("cpu_ns", "run_delay_ns", "involuntary_switches", "throttled_ns", "nr_throttled")
 # Value used for a column a row does not set.
 COLUMN_DEFAULTS: dict[str, Any] = {
     "name": "",
@@ -94,6 +110,7 @@ COLUMN_DEFAULTS: dict[str, Any] = {
     "seq": -1,
     "peer": -1,
     "bytes": -1,
+    **dict.fromkeys(SIGNAL_COLUMNS, -1),
 }
 
 
@@ -155,10 +172,10 @@ def validate_rank_meta(meta: Mapping[str, Any], source: str = "meta") -> None:
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise TraceFormatError(f"{source}: MegaScan meta lacks keys {missing}")
-    if meta["schema_version"] != SCHEMA_VERSION:
+    if meta["schema_version"] not in READABLE_VERSIONS:
         raise TraceFormatError(
             f"{source}: schema_version {meta['schema_version']} is not supported "
-            f"(this reader understands {SCHEMA_VERSION})"
+            f"(this reader understands {', '.join(map(str, READABLE_VERSIONS))})"
         )
     if meta["clock"] not in ("cuda", "monotonic"):
         raise TraceFormatError(f"{source}: clock must be 'cuda' or 'monotonic', got {meta['clock']!r}")
@@ -328,10 +345,20 @@ def read_meta(schema: pa.Schema, source: str) -> dict:
     if not isinstance(meta, dict):
         raise TraceFormatError(f"{source}: MegaScan meta must be a JSON object")
     validate_rank_meta(meta, source)
-    missing = [c for c in EVENT_COLUMNS if c not in schema.names]
+    missing = [c for c in EVENT_COLUMNS if c not in schema.names and c not in SIGNAL_COLUMNS]
     if missing:
         raise TraceFormatError(f"{source}: event columns {missing} missing")
     return meta
+
+
+def with_signal_columns(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """`batch` with the SIGNAL_COLUMNS a version 1 file lacks, as -1 (the same batch if none)."""
+    absent = [c for c in SIGNAL_COLUMNS if c not in batch.schema.names]
+    if not absent:
+        return batch
+    for name in absent:
+        batch = batch.append_column(EVENT_SCHEMA.field(name), pa.array(np.full(batch.num_rows, -1, np.int64)))
+    return batch
 
 
 def load_rank_trace(path: str | os.PathLike) -> RankTrace:
@@ -364,7 +391,11 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     if partial:
         why = f"truncated stream ({error})" if error else "no end-of-stream marker"
         warnings.warn(f"{source}: {why}; using the {len(batches)} complete batches", stacklevel=2)
-    table = pa.Table.from_batches(batches, schema=reader.schema)
+    schema = reader.schema
+    if any(c not in schema.names for c in SIGNAL_COLUMNS):
+        batches = [with_signal_columns(b) for b in batches]
+        schema = EVENT_SCHEMA.with_metadata(schema.metadata)
+    table = pa.Table.from_batches(batches, schema=schema)
     return RankTrace(meta=meta, events=table, path=source, partial=partial)
 
 

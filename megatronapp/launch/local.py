@@ -48,6 +48,18 @@ def torchrun_argv(module: str, args: Sequence[str], nproc: int) -> list[str]:
     return ["--standalone", NPROC_FLAG, str(nproc), "--monitor-interval", "0.1", "--module", module, *args]
 
 
+def torchrun_command(module_args: Sequence[str], nproc: int) -> list[str]:
+    """The command line of `nproc` local ranks of `python -m MODULE ARGS` (module_args = [MODULE, *ARGS])
+    under torch.distributed.run."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(module_args[0], module_args[1:], nproc)]
+
+
+def trace_run_command(nproc: int, trace_dir: str | Path, script_argv: Sequence[str], flags=()) -> list[str]:
+    """The command line of `megatronapp trace run` of SCRIPT ARGS (`script_argv`) on `nproc` ranks."""
+    head = [sys.executable, "-m", "megatronapp.cli.main", "trace", "run", NPROC_FLAG, str(nproc)]
+    return [*head, "--trace-dir", str(trace_dir), *flags, "--", *script_argv]
+
+
 def remove_stale_rank_traces(trace_dir: str | Path) -> None:
     """Create `trace_dir` and remove rank files of an earlier run there, so that a smaller
     world does not merge an older run's extra ranks."""

@@ -113,3 +113,19 @@ def test_the_launcher_names_the_rank_that_caused_the_failure():
         pick_root_failure({0: SimpleNamespace(message=hung, timestamp=100, exitcode=-15), 1: crashed_then_stopped})[0]
         == 1
     )
+
+
+def test_command_lines_of_a_traced_script_and_of_torchrun_ranks():
+    """The one way launch.local writes `trace run` and torchrun command lines (the fault lab's too)."""
+    import sys
+
+    from megatronapp.launch.local import torchrun_command, trace_run_command
+
+    assert trace_run_command(2, "t", ["x.py", "--a"], ["--inject-slowdown", "1:2"]) == [
+        *(sys.executable, "-m", "megatronapp.cli.main", "trace", "run", "--nproc-per-node", "2"),
+        *("--trace-dir", "t", "--inject-slowdown", "1:2", "--", "x.py", "--a"),
+    ]
+    assert torchrun_command(["m", "train"], 4) == [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"),
+        *("--monitor-interval", "0.1", "--module", "m", "train"),
+    ]

@@ -4,6 +4,8 @@ and the largest micro-batch that fits.
     python benchmarks/engine_bench.py --only throughput,microbatch --out engine.json
     python benchmarks/engine_bench.py --only recompute --out recompute.json
     python benchmarks/engine_bench.py --only throughput,fp8_loss --out fp8.json
+    python benchmarks/engine_bench.py --preset llama3.2-1b --only throughput --out llama.json
+    python benchmarks/engine_bench.py --only family_loss --loss-steps 200 --out family_loss.json
 
 throughput: the engine (--bf16: bf16 params, fp32 main grads and master weights, parallel
 layers, schedule runtime, clipping, distributed optimizer, compiled blocks) and the plain
@@ -14,10 +16,18 @@ Peak memory per variant = its resident state (measured when it was built and ste
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
 microbatch: the largest micro-batch (eager) whose step fits, with and without full recompute.
 fp8_loss: the engine in bf16 and with --fp8-format hybrid, same init and corpus batches, loss per step.
+family_loss: the engine on each of --loss-presets (GPT-NeoX 1.3b, Llama-shaped llama3.2-1b), loss per step.
+--preset llama3.2-1b: every bench on the Llama-shaped model, against a Llama-shaped plain twin.
 integrity variants (--variants): engine_no_checks (--no-check-for-nan-in-loss-and-grad), engine_checks
-(+ --check-for-spiky-loss --check-for-large-grads), engine_rerun (+ --rerun-mode validate_results: a sync
-and a state snapshot per step), engine_deterministic (--deterministic; torch's deterministic switch is on
+(+ --check-for-spiky-loss --check-for-large-grads), engine_rerun (+ --rerun-mode validate_results: checks
+on the device before the update, a replay point per step, no sync), engine_deterministic (--deterministic; torch's deterministic switch is on
 only while that variant builds and steps, CUBLAS_WORKSPACE_CONFIG is set for the whole process).
+precision-aware variants (--variants, engine/precision_adam.py): engine_pa_remainders (fp32 masters as bf16
+weights + 16-bit remainders, fp32 moments), engine_pa_bf16_moments (remainders + bf16 moments),
+engine_pa_fp32_masters_bf16_moments (separate fp32 masters, bf16 moments), engine_pa_fp16_masters_bf16_moments,
+engine_pa_bf16_grads (remainders, bf16 moments and bf16 main grads: 10 bytes a parameter), and the hybrid FP8
+engine_fp8_pa_bf16_moments and engine_fp8_pa_bf16_grads; plain_fp8_torchao: the plain twin with torchao's
+float8 training (tensorwise), where torchao imports.
 
 split: the B/W split's cost on a PP1 step (no bubbles to fill there): the engine with the
 whole backward vs --split-backward (I then W right after it), both eager (the split refuses
@@ -61,6 +71,15 @@ LOSS_VARIANTS = {
     "fp8_hybrid_delayed": {"fp8_format": "hybrid", "fp8_recipe": "delayed"},
 }
 DEV = torch.device("cuda")
+PRECISION_AWARE = {"use_precision_aware_optimizer": True}
+BF16_MOMENTS = {"exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
+PRECISION_AWARE_VARIANTS = {
+    "engine_pa_remainders": {},
+    "engine_pa_bf16_moments": BF16_MOMENTS,
+    "engine_pa_fp32_masters_bf16_moments": {"store_param_remainders": False, **BF16_MOMENTS},
+    "engine_pa_fp16_masters_bf16_moments": {"main_params_dtype": "fp16", **BF16_MOMENTS},
+    "engine_pa_bf16_grads": {"main_grads_dtype": "bf16", **BF16_MOMENTS},
+}
 
 
 class Batches:
@@ -70,7 +89,7 @@ class Batches:
     def next_microbatches(self):
         return self.mbs
 
-    # The rerun validator (engine_rerun) snapshots and restores the data position; these
+    # The rerun validator (engine_rerun) keeps and puts back the data position; these
     # batches are the same every step, so there is no position to keep.
     def state_dict(self) -> dict:
         return {}
@@ -79,9 +98,12 @@ class Batches:
         pass
 
 
-def make_job(micro_batch: int, num_micro: int, **train_kw) -> JobConfig:
+PRESET = "1.3b"  # --preset: the model every bench builds (llama3.2-1b: the Llama-shaped one)
+
+
+def make_job(micro_batch: int, num_micro: int, preset: str | None = None, **train_kw) -> JobConfig:
     return make_bench_job(
-        "1.3b",
+        preset or PRESET,
         micro_batch,
         num_micro,
         model_overrides={"vocab_size": 50304},
@@ -95,8 +117,14 @@ def make_job(micro_batch: int, num_micro: int, **train_kw) -> JobConfig:
 class PlainRunner:
     """Pure bf16: bf16 params and AdamW state, no autocast, no master weights."""
 
-    def __init__(self, job: JobConfig, data: Batches):
+    def __init__(self, job: JobConfig, data: Batches, float8: bool = False):
         self.model = PlainGPT(job.model, DEV).to(torch.bfloat16)
+        if float8:  # torchao's float8 training: its linears' GEMMs in FP8, tensorwise scaling
+            from torchao.float8 import convert_to_float8_training
+
+            convert_to_float8_training(
+                self.model, module_filter_fn=lambda mod, fqn: fqn != "head"
+            )  # as the engine: output layer bf16
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         self.compiled = torch.compile(self.model)
         self.data = data
@@ -232,8 +260,22 @@ def _variants(job: JobConfig, data: Batches) -> dict:
         "engine_fp8_e4m3": engine(fp8_format="e4m3"),
         "engine_fp8_first_last_bf16": engine(fp8_format="hybrid", first_last_layers_bf16=True),
         "engine_fp8_delayed": engine(fp8_format="hybrid", fp8_recipe="delayed"),
+        **{name: engine(**PRECISION_AWARE, **kw) for name, kw in PRECISION_AWARE_VARIANTS.items()},
+        "engine_fp8_pa_bf16_moments": engine(fp8_format="hybrid", **PRECISION_AWARE, **BF16_MOMENTS),
+        "engine_fp8_pa_bf16_grads": engine(
+            fp8_format="hybrid", main_grads_dtype="bf16", **PRECISION_AWARE, **BF16_MOMENTS
+        ),
         "plain_bf16": lambda: PlainRunner(job, data).steps,
+        **({"plain_fp8_torchao": lambda: PlainRunner(job, data, float8=True).steps} if _has_torchao() else {}),
     }
+
+
+def _has_torchao() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _selected(variants: dict, args, default: tuple[str, ...]) -> dict:
@@ -290,6 +332,38 @@ def bench_fp8_loss(args, results: dict) -> None:
         "max_abs_step_difference": {
             k: max(abs(a - b) for a, b in zip(out["bf16"], v)) for k, v in out.items() if k != "bf16"
         },
+    }
+
+
+def bench_family_loss(args, results: dict) -> None:
+    """Loss per step of each --loss-presets model (the engine, bf16, compiled) from the same
+    seed on the same batches of the embedded corpus: the Llama-shaped preset against GPT-NeoX's."""
+    from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset
+    from megatronapp.data.tokenizer import ByteTokenizer
+
+    out = {}
+    for preset in args.loss_presets.split(","):
+        job = make_job(4, args.num_micro, preset=preset, compile=True)
+        job = replace_fields(job, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps)
+        data = DistributedBatchIterator(
+            build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
+            micro_batch_size=4,
+            global_batch_size=job.train.global_batch_size,
+            dp_rank=0,
+            dp_size=1,
+            seed=job.train.seed,
+        )
+        trainer = Trainer(job, single_process_groups(), DEV, data)
+        out[preset] = [float(trainer.train_step().loss) for _ in range(args.loss_steps)]
+        print(f"  {preset}: loss {out[preset][0]:.4f} -> {out[preset][-1]:.4f}", flush=True)
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+    tail = max(1, args.loss_steps // 10)
+    results["family_loss"] = {
+        "losses": out,
+        f"mean_of_last_{tail}": {k: statistics.mean(v[-tail:]) for k, v in out.items()},
+        f"stdev_of_last_{tail}": {k: statistics.stdev(v[-tail:]) if tail > 1 else 0.0 for k, v in out.items()},
     }
 
 
@@ -535,7 +609,11 @@ def build_parser() -> argparse.ArgumentParser:
         "engine_deterministic, engine_torch_adamw, engine_overlap_update, engine_fp8, "
         "engine_fp8_e4m3, engine_fp8_first_last_bf16, engine_fp8_delayed (plain_bf16 always runs)",
     )
-    p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss: steps of each run")
+    p.add_argument("--preset", default=PRESET, help="model preset of every bench but family_loss (vocabulary 50304)")
+    p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss, family_loss: steps of each run")
+    p.add_argument(
+        "--loss-presets", default="1.3b,llama3.2-1b", help="family_loss: the presets trained, one after the other"
+    )
     p.add_argument(
         "--loss-variants",
         default="bf16,fp8_hybrid,fp8_hybrid_delayed",
@@ -552,6 +630,8 @@ def main() -> None:
     unknown = set(args.loss_variants.split(",")) - set(LOSS_VARIANTS)
     if unknown:
         p.error(f"--loss-variants: unknown {sorted(unknown)}; known: {', '.join(LOSS_VARIANTS)}")
+    global PRESET
+    PRESET = args.preset
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
     benches = {
@@ -560,6 +640,7 @@ def main() -> None:
         "timeline": bench_timeline,
         "throughput": bench_throughput,
         "fp8_loss": bench_fp8_loss,
+        "family_loss": bench_family_loss,
         "recompute": bench_recompute,
         "split": bench_split,
         "microbatch": bench_microbatch,

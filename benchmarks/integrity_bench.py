@@ -10,7 +10,7 @@ spikes: the loss-spike command (bf16, 40 iterations, log interval 10) --spike-ru
 cost: benchmarks/engine_bench.py's interleaved rounds of --cost-variants (default: engine, i.e. the
   NaN check on, engine_no_checks, engine_checks and engine_deterministic, beside the plain twin;
   about 25 GB of resident state each at 1.4B, so four fit an H200 but not an H100; engine_rerun
-  adds a snapshot), median + spread.
+  adds the checks before the update and a replay point per step, no state copy), median + spread.
 Raw results: OUT/integrity.json, the runs' metrics files and engine_bench's JSON beside it.
 """
 

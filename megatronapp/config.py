@@ -19,6 +19,7 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message says why in one line."""
 
 
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 
@@ -44,7 +45,13 @@ class RecomputeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT decoder shape. Positions are rotary (RoPE): no position table to shard or pipe."""
+    """GPT decoder shape. Positions are rotary (RoPE): no position table to shard or pipe.
+
+    The defaults are the GPT-NeoX family (LayerNorm, GeLU MLP, biases, multi-head attention,
+    untied output layer); the Llama family sets RMSNorm, SwiGLU, grouped-query attention
+    (`num_query_groups` key/value heads shared by the query heads), no linear biases (Qwen2:
+    a QKV bias) and tied embeddings. Field names follow Megatron-LM's flags.
+    """
 
     num_layers: int = 4
     hidden_size: int = 64
@@ -58,6 +65,12 @@ class ModelConfig:
     rotary_base: float = 10000.0
     hidden_dropout: float = 0.1  # Megatron-LM's defaults; every preset below sets 0.0
     attention_dropout: float = 0.1
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    swiglu: bool = False  # MLP: fc2(silu(gate(x)) * fc1(x)) instead of fc2(gelu(fc1(x)))
+    num_query_groups: int | None = None  # key/value heads (grouped-query attention); None: one per head
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # a bias on the QKV projection even without add_bias_linear
+    untie_embeddings_and_output_weights: bool = True  # False: the output layer is the input embedding
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -72,10 +85,28 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"unknown normalization {self.normalization!r}; choose from {', '.join(NORMALIZATIONS)}")
+        if self.num_query_groups is not None and (
+            self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups
+        ):
+            raise ConfigError(
+                f"num attention heads {self.num_attention_heads} is not divisible by num query groups "
+                f"{self.num_query_groups}"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: num_query_groups, or one per attention head (multi-head attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def ffn_size(self) -> int:
@@ -90,9 +121,17 @@ class ModelConfig:
 
     def num_parameters(self, include_input_embedding: bool = True) -> int:
         h, f, v, n = self.hidden_size, self.ffn_size, self.padded_vocab_size, self.num_layers
-        per_layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        embedding = v * h if include_input_embedding else 0
-        return n * per_layer + embedding + v * h + 2 * h  # untied output layer, final norm
+        norm = h if self.normalization == "RMSNorm" else 2 * h
+        qkv_out = h + 2 * self.query_groups * self.head_dim
+        bias = int(self.add_bias_linear)
+        attention = qkv_out * h + qkv_out * int(self.qkv_bias) + h * h + h * bias
+        fc1s = 2 if self.swiglu else 1
+        mlp = fc1s * (h * f + f * bias) + f * h + h * bias
+        per_layer = 2 * norm + attention + mlp
+        # tied: the output layer is the input embedding, counted once (as the output layer
+        # when the input embedding is left out)
+        embedding = v * h if include_input_embedding and self.untie_embeddings_and_output_weights else 0
+        return n * per_layer + embedding + v * h + norm
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token, the one convention for every MFU we report:
@@ -103,6 +142,13 @@ class ModelConfig:
 
 
 _NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)  # as current LLM pretraining recipes
+_LLAMA = dict(
+    normalization="RMSNorm",
+    layernorm_epsilon=1e-5,
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=False,
+)
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, **_NO_DROPOUT),
     "demo": ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, **_NO_DROPOUT),
@@ -110,6 +156,29 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "125m": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, **_NO_DROPOUT),
     "350m": ModelConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=2048, **_NO_DROPOUT),
     "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, **_NO_DROPOUT),
+    # Llama 3.2 1B's shape (its vocabulary comes from --tokenizer-model, as for every preset)
+    "llama3.2-1b": ModelConfig(
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        seq_length=2048,
+        rotary_base=500000.0,
+        **_LLAMA,
+        **_NO_DROPOUT,
+    ),
+    "llama-tiny": ModelConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        seq_length=32,
+        rotary_base=500000.0,
+        **_LLAMA,
+        **_NO_DROPOUT,
+    ),
 }
 
 
@@ -192,6 +261,15 @@ class TrainConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
 
 
+# Megatron-Core's choices for the precision-aware optimizer's state (OptimizerConfig)
+STATE_DTYPE_CHOICES = {
+    "main_params_dtype": ("fp32", "fp16"),
+    "main_grads_dtype": ("fp32", "bf16"),
+    "exp_avg_dtype": ("fp32", "fp16", "bf16", "fp8"),
+    "exp_avg_sq_dtype": ("fp32", "fp16", "bf16", "fp8"),
+}
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW, its learning-rate schedule (linear warm-up, cosine decay to min_lr), clipping and
@@ -214,14 +292,46 @@ class OptimizerConfig:
     # the fused master AdamW on a side stream, unit by unit, beside the next step's forward
     # (engine/overlap_update.py); CUDA only
     overlap_param_update: bool = False
+    # Megatron-Core's precision-aware optimizer (engine/precision_adam.py): masters and Adam
+    # moments stored at these precisions, updated in fp32; main grads accumulated and reduced
+    # over DP in main_grads_dtype
+    use_precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    # precision-aware with --bf16 and fp32 masters: each master is its bf16 weight + an int16 remainder
+    store_param_remainders: bool = True
 
     def __post_init__(self) -> None:
+        self._check_state_precision()
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.clip_grad < 0:
             raise ConfigError(f"clip_grad must be >= 0, got {self.clip_grad}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+
+    def _check_state_precision(self) -> None:
+        """The precision-aware optimizer's dtypes: Megatron's choices, of which the engine stores
+        fp32/fp16/bf16 masters and moments."""
+        for name, allowed in STATE_DTYPE_CHOICES.items():
+            value, flag = getattr(self, name), "--" + name.replace("_", "-")
+            if value not in allowed:
+                raise ConfigError(f"unknown {flag} {value!r}; choose from {', '.join(allowed)}")
+            if value != "fp32" and not self.use_precision_aware_optimizer:
+                raise ConfigError(f"{flag} {value} needs --use-precision-aware-optimizer")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) == "fp8":
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} fp8 is not supported: Adam moments are fp32, fp16 or bf16"
+                )
+
+    @property
+    def state_is_fp32(self) -> bool:
+        """Whether every master and moment is stored in fp32 (the plain optimizer's state)."""
+        names = ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        return all(getattr(self, n) == "fp32" for n in names)
 
 
 @dataclass(frozen=True)
@@ -320,14 +430,37 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """How often metrics reach the host, and where they are written."""
+    """How often metrics reach the host, and where they are written (cli/metric_logs.py)."""
 
     log_interval: int = 1
     metrics_file: str | None = None  # JSON lines, one object per iteration
+    tensorboard_dir: str | None = None  # TensorBoard event files (the `tensorboard` extra)
+    wandb_project: str | None = None  # Weights & Biases, offline (the `wandb` extra)
+    wandb_exp_name: str | None = None  # the W&B run's name; None: W&B's own
+    wandb_save_dir: str | None = None  # where W&B writes; None: beside --save, else ./wandb
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"log_interval must be >= 1, got {self.log_interval}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Validation and test loss (Megatron's --eval-interval / --eval-iters; engine/evaluation.py).
+    Off unless eval_interval is set (Megatron evaluates every 1000 steps by default)."""
+
+    eval_interval: int | None = None  # validation loss every N steps and at the end; test loss at the end
+    eval_iters: int = 100  # global batches per evaluation, from the start of each stream
+
+    def __post_init__(self) -> None:
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise ConfigError(f"eval_interval must be >= 1, got {self.eval_interval} (omit it to turn evaluation off)")
+        if self.eval_iters < 1:
+            raise ConfigError(f"eval_iters must be >= 1, got {self.eval_iters}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.eval_interval is not None
 
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
@@ -388,6 +521,7 @@ class JobConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def num_microbatches(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from megatronapp.config import (
     CheckpointConfig,
     ConfigError,
+    EvalConfig,
     IntegrityConfig,
     JobConfig,
     LoggingConfig,
@@ -36,6 +37,7 @@ FIELD_COMPONENTS = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "integrity": IntegrityConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -62,8 +64,8 @@ def replace_fields(job: JobConfig, **fields) -> JobConfig:
 
 
 def build_job(model: ModelConfig | None = None, layout: ParallelLayout | None = None, **fields) -> JobConfig:
-    """A JobConfig from flat field names (train, optimizer, precision, checkpoint, logging and
-    integrity fields), the dataclass defaults for the rest."""
+    """A JobConfig from flat field names (train, optimizer, precision, checkpoint, logging,
+    integrity and eval fields), the dataclass defaults for the rest."""
     base = JobConfig(**{k: v for k, v in (("model", model), ("layout", layout)) if v is not None})
     return replace_fields(base, **fields)
 
@@ -80,6 +82,12 @@ def _check_component_combinations(job: JobConfig) -> None:
     opt, prec = job.optimizer, job.precision
     if opt.overlap_param_update and not (prec.half and opt.fused_master_adamw):
         raise ConfigError("--overlap-param-update needs --bf16 or --fp16 and the fused master AdamW")
+    if opt.main_grads_dtype == "bf16" and not prec.bf16:
+        raise ConfigError("--main-grads-dtype bf16 needs --bf16 (fp16 grads are unscaled in fp32)")
+    if opt.main_params_dtype != "fp32" and not prec.half:
+        raise ConfigError(
+            f"--main-params-dtype {opt.main_params_dtype} needs --bf16 or --fp16 (fp32 params are their own masters)"
+        )
     if job.integrity.deterministic and job.train.attention_backend == "cudnn":
         raise ConfigError(
             "--deterministic needs an attention backend with a deterministic backward "
@@ -94,6 +102,8 @@ def _check_layout_shapes(job: JobConfig) -> None:
         raise ConfigError(
             f"num attention heads {m.num_attention_heads} is not divisible by tensor-parallel size {lay.tp_size}"
         )
+    if m.query_groups % lay.tp_size:
+        raise ConfigError(f"num query groups {m.query_groups} is not divisible by tensor-parallel size {lay.tp_size}")
     if m.ffn_size % lay.tp_size:
         raise ConfigError(f"ffn hidden size {m.ffn_size} is not divisible by tensor-parallel size {lay.tp_size}")
     if m.padded_vocab_size % lay.tp_size:
@@ -159,6 +169,8 @@ def _check_fp8_shapes(job: JobConfig) -> None:
         "hidden size": m.hidden_size,
         "hidden size / tensor-parallel size": m.hidden_size // tp,
         "ffn hidden size / tensor-parallel size": m.ffn_size // tp,
+        # the QKV projection's rows: query heads and a key and a value head per query group
+        "qkv rows / tensor-parallel size": (m.num_attention_heads + 2 * m.query_groups) * m.head_dim // tp,
     }
     for what, value in dims.items():
         if value % FP8_ALIGNMENT:

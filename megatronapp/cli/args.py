@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatronapp.cli.architecture_args import add_architecture_arguments, compute_query_groups_override
 from megatronapp.config import (
     ATTENTION_BACKENDS,
     MODEL_PRESETS,
@@ -19,12 +20,14 @@ from megatronapp.config import (
     RECOMPUTE_METHODS,
     RERUN_MODES,
     SCHEDULES,
+    STATE_DTYPE_CHOICES,
     ConfigError,
     JobConfig,
     ModelConfig,
     build_layout,
     model_preset,
 )
+from megatronapp.data.config import add_data_arguments
 from megatronapp.dpp.config import DPP_FLAGS, DppConfig
 from megatronapp.dpp.rebalance import REBALANCE_FLAGS, RebalanceConfig
 from megatronapp.fbd.cli import build_role_layout
@@ -47,6 +50,14 @@ _MODEL_FLAGS = (
     "make_vocab_size_divisible_by",
     "hidden_dropout",
     "attention_dropout",
+    "normalization",
+    "layernorm_epsilon",
+    "swiglu",
+    "num_query_groups",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "untie_embeddings_and_output_weights",
+    "rotary_base",
 )
 
 
@@ -83,9 +94,9 @@ def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
     _job_flag(
         g,
         "--rerun-mode",
-        "validate_results: re-execute a flagged step from its saved state and "
-        "classify it transient or reproducible (one sync a step); report_stats: re-execute every "
-        "--rerun-stats-interval-th step and report the differences",
+        "validate_results: check each step before its update (on the device), re-execute a flagged "
+        "step from the same weights at the log interval and classify it transient or reproducible; "
+        "report_stats: execute every --rerun-stats-interval-th step twice and report the differences",
         choices=RERUN_MODES,
     )
     _job_flag(g, "--rerun-stats-interval", "report_stats: every N-th step", type=int)
@@ -207,6 +218,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"default: the preset's (presets 0.0; Megatron's {ModelConfig.attention_dropout})",
     )
+    add_architecture_arguments(g)
 
     g = p.add_argument_group("training")
     for flag, kind in (
@@ -279,15 +291,42 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "distributed optimizer: all-gather updated params during the next forward",
         action="store_true",
     )
+    _job_flag(
+        g,
+        "--use-precision-aware-optimizer",
+        "store masters and Adam moments at the dtypes below, update them in fp32 (Megatron-Core's)",
+        action="store_true",
+    )
+    for name, choices in STATE_DTYPE_CHOICES.items():
+        _job_flag(g, "--" + name.replace("_", "-"), "with --use-precision-aware-optimizer", choices=choices)
+    _job_flag(
+        g,
+        "--store-param-remainders",
+        "precision-aware, --bf16, fp32 masters: keep each master as its bf16 weight + a 16-bit remainder (default)",
+        action="store_true",
+    )
+    g.add_argument("--no-store-param-remainders", dest="store_param_remainders", action="store_false", default=None)
 
     g = p.add_argument_group("data")
     g.add_argument(
         "--data-path",
         nargs="*",
         default=None,
-        help=".txt / Megatron-style .jsonl files or folders; default: the embedded synthetic corpus",
+        help=".txt / Megatron-style .jsonl files or folders, or Megatron indexed datasets: PREFIX "
+        "(PREFIX.bin + PREFIX.idx) or a weighted blend W1 PREFIX1 W2 PREFIX2 ...; "
+        "default: the embedded synthetic corpus",
     )
     add_flags(g, (TOKENIZER_MODEL,))
+    add_data_arguments(g)
+
+    g = p.add_argument_group("validation and test (Megatron's; engine/evaluation.py)")
+    _job_flag(
+        g,
+        "--eval-interval",
+        "validation loss every N steps and at the end, test loss at the end; no evaluation without it",
+        type=int,
+    )
+    _job_flag(g, "--eval-iters", "global batches per evaluation, from the start of each stream", type=int)
 
     g = p.add_argument_group("checkpoints and logging")
     _job_flag(g, "--save")
@@ -295,6 +334,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _job_flag(g, "--save-interval", type=int)
     _job_flag(g, "--log-interval", "metrics reach the host every N steps", type=int)
     _job_flag(g, "--metrics-file", "JSON lines, one object per iteration")
+    _job_flag(g, "--tensorboard-dir", "TensorBoard event files (pip install 'megatronapp[tensorboard]')")
+    _job_flag(g, "--wandb-project", "Weights & Biases project, logged offline (pip install 'megatronapp[wandb]')")
+    _job_flag(g, "--wandb-exp-name", "the W&B run's name")
+    _job_flag(g, "--wandb-save-dir", "where W&B writes; when not given: SAVE/wandb with --save, else ./wandb")
 
     g = p.add_argument_group("MegaScan tracing")
     add_flags(g, (TRACE_SWITCH, *TRACE_FLAGS), TraceConfig)
@@ -320,7 +363,8 @@ def check_flag_combinations(args: argparse.Namespace) -> None:
 
 
 def _model_config(args: argparse.Namespace, vocab_size: int | None) -> ModelConfig:
-    overrides = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k, None) is not None}
+    overrides.update(compute_query_groups_override(args))
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     return model_preset(args.model, **overrides)

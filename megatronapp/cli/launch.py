@@ -6,6 +6,10 @@ one table (and, with --trace, the merged timeline and the detection report).
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
@@ -26,8 +30,36 @@ def launch_train(run: TrainRun, argv: list[str]) -> int:
     code, saved = run_ranks_for_result(argv, run.world_size)
     if code:
         return code
-    saved = saved or {}
-    return report_run(run, saved.get("history", []), saved.get("rows", []))
+    return report_saved(run, saved or {})
+
+
+def new_summary_path() -> Path:
+    """Where rank 0 writes the run's summary for the launching process."""
+    return Path(tempfile.mkdtemp(prefix="megatronapp-")) / "summary.json"
+
+
+def report_summary(run: TrainRun, summary: str | Path) -> int:
+    """report_run from the summary file rank 0 wrote (history, evaluations, module rows)."""
+    summary = Path(summary)
+    return report_saved(run, json.loads(summary.read_text()) if summary.is_file() else {})
+
+
+def report_saved(run: TrainRun, saved: dict) -> int:
+    """report_run from what rank 0 saved: history, evaluations, module rows."""
+    rows = eval_summary_rows(saved.get("evaluations", [])) + saved.get("rows", [])
+    return report_run(run, saved.get("history", []), rows)
+
+
+def eval_summary_rows(evaluations: list[dict]) -> list[list[str]]:
+    """Summary lines of the run's last validation and test results (metrics-file rows)."""
+    rows = []
+    for split, label in (("valid", "validation loss (ppl)"), ("test", "test loss (ppl)")):
+        found = [e for e in evaluations if f"{split}_loss" in e]
+        if found:
+            e = found[-1]
+            text = f"{e[f'{split}_loss']:.4f} ({e[f'{split}_ppl']:.2f}) at iteration {e['iteration']}"
+            rows.append([label, text])
+    return rows
 
 
 def report_run(run: TrainRun, history: list[dict], rows: list | None = None) -> int:

@@ -9,6 +9,7 @@
     megatronapp export hf --load CKPT --out DIR    # Hugging Face GPTNeoXForCausalLM
     megatronapp import hf --from DIR --save CKPT
     megatronapp schedule simulate|show ...                                  # MegaDPP
+    megatronapp preprocess-data --input corpus.jsonl --output-prefix data/corpus  # Megatron .bin/.idx
 
 Every configuration error is reported in one line, with exit code 2, before any process
 is launched: each launching command builds a description of its run, which `validate`
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_schedule_subcommands(sub)
     for path, kinds in COMMAND_INJECTIONS.items():  # the test knobs, hidden from --help
         add_injection_arguments(find_subparser(parser, path), kinds)
+
+    from megatronapp.cli.preprocess import add_preprocess_subcommand
+
+    add_preprocess_subcommand(sub)
     return parser
 
 
@@ -74,10 +80,11 @@ def find_subparser(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> ar
 
 def _build_train_run(args: argparse.Namespace) -> TrainRun:
     """What `train` will launch: on torchrun's world, or --nproc-per-node local ranks."""
-    from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.data.tokenizer_types import build_tokenizer
 
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
-    return build_train_run(args, world, load_tokenizer(args.tokenizer_model).vocab_size)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    return build_train_run(args, world, tokenizer.vocab_size)
 
 
 def _print_config(job) -> None:
@@ -114,10 +121,12 @@ def _train(run: TrainRun, argv: list[str]) -> int:
         from megatronapp.cli.train import run_rank
 
         if not under_launcher():
-            from megatronapp.cli.launch import prepare_trace_dir, report_run
+            from megatronapp.cli.launch import new_summary_path, prepare_trace_dir, report_summary
 
             prepare_trace_dir(run)
-            return report_run(run, run_rank(run))
+            run = replace(run, result_file=run.result_file or str(new_summary_path()))
+            run_rank(run)
+            return report_summary(run, run.result_file)
         run_rank(run)
         return 0
     from megatronapp.cli.launch import launch_train

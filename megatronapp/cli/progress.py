@@ -56,6 +56,15 @@ class TrainProgress:
                 flush=True,
             )
 
+    def note(self, message: str) -> None:
+        """A line between the step lines (an evaluation's result)."""
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(message, markup=False, highlight=False)
+        else:
+            print(message, flush=True)
+
     def warn(self, message: str, source: str = "MegaScan online") -> None:
         """A live line shown above the progress bar: a slow-rank warning (online detection), a move of layers."""
         if not self.enabled:

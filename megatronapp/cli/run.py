@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from megatronapp.cli.args import build_fbd_config, build_job_config
 from megatronapp.cli.injection import InjectionConfig, build_injection_config
 from megatronapp.config import JobConfig
+from megatronapp.data.config import DataConfig
 from megatronapp.dpp.config import DPP_FLAGS, DppConfig
 from megatronapp.dpp.rebalance import REBALANCE_FLAGS, RebalanceConfig
 from megatronapp.fbd.config import FbdConfig
@@ -36,7 +37,10 @@ class TrainRun:
     trace: TraceConfig = field(default_factory=TraceConfig)  # enabled by --trace
     scope: TrainingScopeConfig | None = None  # --scope
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
+    valid_data_paths: tuple[str, ...] = ()  # empty: held-out synthetic documents (cli/train_eval.py)
+    test_data_paths: tuple[str, ...] = ()
     tokenizer_model: str | None = None  # None: bytes
+    data: DataConfig = field(default_factory=DataConfig)  # every data flag (indexed datasets, splits, tokenizer type)
     saved_model: dict | None = None  # the model fields of the --load checkpoint, when there is one
     nproc_per_node: int | None = None  # launch this many local ranks; None: run in this process
     print_config: bool = False  # print the resolved configuration instead of training
@@ -63,9 +67,26 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
         trace=TraceConfig(**read_flags(args, (TRACE_SWITCH, *TRACE_FLAGS))),
         scope=build_training_scope_config(args),
         data_paths=tuple(args.data_path or ()),
+        valid_data_paths=tuple(args.valid_data_path or ()),
+        test_data_paths=tuple(args.test_data_path or ()),
         tokenizer_model=args.tokenizer_model,
+        data=build_data_config(args),
         saved_model=read_saved_model_fields(args.load) if args.load else None,
         nproc_per_node=args.nproc_per_node,
         print_config=args.print_config,
         result_file=args.result_file,
+    )
+
+
+def build_data_config(args: argparse.Namespace) -> DataConfig:
+    """The data flags `train` was given."""
+    return DataConfig(
+        data_path=tuple(args.data_path or ()),
+        split=args.split,
+        train_data_path=tuple(args.train_data_path or ()),
+        valid_data_path=tuple(args.valid_data_path or ()),
+        test_data_path=tuple(args.test_data_path or ()),
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
     )

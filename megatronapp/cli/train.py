@@ -18,10 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatronapp.cli.metric_logs import build_metric_logs, eval_scalars, step_scalars
 from megatronapp.cli.progress import TrainProgress
 from megatronapp.cli.run import TrainRun
+from megatronapp.cli.train_eval import RunEvaluations, build_eval_streams, describe_eval
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
-from megatronapp.data.tokenizer import load_tokenizer
+from megatronapp.data.sources import build_datasets, compute_split_num_samples, uses_indexed_data
+from megatronapp.data.tokenizer_types import build_tokenizer
 from megatronapp.dpp.job_hooks import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.determinism import enable_deterministic_mode
@@ -37,19 +40,23 @@ from megatronapp.scope_ui.training import training_scope
 
 def _build_data(run: TrainRun, tokenizer, groups):
     job = run.job
-    seq = job.model.seq_length
-    dataset = (
-        build_text_dataset(tokenizer, list(run.data_paths), seq)
-        if run.data_paths
-        else build_default_dataset(tokenizer, seq, job.train.seed)
-    )
+    seq, train = job.model.seq_length, job.train
+    indexed = uses_indexed_data(run.data)
+    if indexed:  # Megatron's samples, already shuffled: train_iters global batches of them
+        num_samples = compute_split_num_samples(train.train_iters, train.global_batch_size)
+        dataset = build_datasets(run.data, seq_length=seq, seed=train.seed, num_samples=num_samples).train
+    elif run.data_paths:
+        dataset = build_text_dataset(tokenizer, list(run.data_paths), seq)
+    else:
+        dataset = build_default_dataset(tokenizer, seq, train.seed)
     return DistributedBatchIterator(
         dataset,
-        micro_batch_size=job.train.micro_batch_size,
-        global_batch_size=job.train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
         dp_rank=groups.dp_rank,
         dp_size=job.layout.dp_size,
-        seed=job.train.seed,
+        seed=train.seed,
+        shuffle=not indexed,
     )
 
 
@@ -152,13 +159,15 @@ def run_rank(run: TrainRun) -> list[dict]:
     tracer = instrumentation = link_delays = groups = None
     try:  # every exit path tears the process group down and flushes the trace
         groups = role.build_groups()
-        data = _build_data(run, load_tokenizer(run.tokenizer_model), groups)
+        tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
+        data = _build_data(run, tokenizer, groups)
+        eval_streams = build_eval_streams(run, tokenizer, groups)
         # Below the tracer's instrumentation, so traced recv spans see the late arrival.
         link_delays = install_link_delays(plan, rank) if role.device.type == "cpu" else None
         tracer, instrumentation = _build_tracer(run, groups, role.device, role.trace_meta)
         injector = None if plan.empty else FaultInjector(plan, rank, role.device)
         ctx = RankContext(job, data, injector, tracer)
-        history = role.run(ctx, lambda trainer: _load_and_train(run, trainer, data, rank))
+        history = role.run(ctx, lambda trainer: _load_and_train(run, trainer, data, rank, eval_streams))
         role.finish(run.result_file)
         return history
     finally:
@@ -175,9 +184,9 @@ def run_rank(run: TrainRun) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _load_and_train(run: TrainRun, trainer, data, rank: int) -> list[dict]:
+def _load_and_train(run: TrainRun, trainer, data, rank: int, eval_streams: dict | None = None) -> list[dict]:
     _maybe_load(run.job, trainer, data, rank)
-    return _train_loop(run, trainer, data, rank)
+    return _train_loop(run, trainer, data, rank, eval_streams or {})
 
 
 def _maybe_load(job, trainer, data, rank: int) -> None:
@@ -195,7 +204,7 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
         )
 
 
-def _train_loop(run: TrainRun, trainer, data, rank: int) -> list[dict]:
+def _train_loop(run: TrainRun, trainer, data, rank: int, eval_streams: dict) -> list[dict]:
     from megatronapp.dpp.rebalance_hook import RebalanceHook, build_layer_rebalancer
     from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 
@@ -207,6 +216,7 @@ def _train_loop(run: TrainRun, trainer, data, rank: int) -> list[dict]:
     online = OnlineDetector(job.layout, OnlineDetectConfig()) if (rank == 0 and job.layout.world_size > 1) else None
     rebalancer = build_layer_rebalancer(run.dpp.rebalance, job)
     rebalance = RebalanceHook(rebalancer, trainer) if rebalancer is not None else None
+    logs = build_metric_logs(job, rank, trainer.iteration + 1, asdict(job))
     history = []
     with TrainProgress(job, enabled=rank == 0, log_interval=log.log_interval) as progress:
 
@@ -223,15 +233,32 @@ def _train_loop(run: TrainRun, trainer, data, rank: int) -> list[dict]:
             if metrics_out:
                 metrics_out.write(json.dumps(m) + "\n")
                 metrics_out.flush()
+            if logs:
+                logs.log(m["iteration"], step_scalars(m))
             if ckpt.save and ckpt.save_interval and trainer.iteration % ckpt.save_interval == 0:
                 save_checkpoint(ckpt.save, trainer, data)
 
+        def on_eval_result(result) -> None:
+            progress.note(describe_eval(result))
+            if metrics_out:
+                metrics_out.write(json.dumps(result.as_row()) + "\n")
+                metrics_out.flush()
+            if logs:
+                logs.log(result.iteration, eval_scalars(result))
+                logs.flush()
+
+        evaluations = RunEvaluations(trainer, eval_streams, on_eval_result)
         with training_scope(run.scope, run.tokenizer_model, trainer, on_step) as on_step:  # unchanged unless --scope
-            trainer.train(on_step=on_step)
+            trainer.train(on_step=on_step, on_eval=evaluations.on_eval)
+            evaluations.at_end()
     if ckpt.save and not (ckpt.save_interval and trainer.iteration % ckpt.save_interval == 0):
         save_checkpoint(ckpt.save, trainer, data)
     if metrics_out:
         metrics_out.close()
+    if logs:
+        logs.close()
     if rank == 0 and run.result_file:
-        write_text_atomic(run.result_file, json.dumps({"layout": job.layout.describe(), "history": history}))
+        evals = [r.as_row() for r in evaluations.results]
+        summary = {"layout": job.layout.describe(), "history": history, "evaluations": evals}
+        write_text_atomic(run.result_file, json.dumps(summary))
     return history

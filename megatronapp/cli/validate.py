@@ -24,8 +24,11 @@ import os
 
 from megatronapp.cli.devices import check_job_devices
 from megatronapp.cli.injection import check_injection
+from megatronapp.cli.metric_logs import check_metric_logs
 from megatronapp.cli.run import TrainRun
+from megatronapp.cli.train_eval import check_evaluation
 from megatronapp.config import ConfigError
+from megatronapp.data.sources import check_data_config, check_not_indexed_file_names, uses_indexed_data
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
 from megatronapp.dpp.job_hooks import check_dpp_job, check_rebalance_job
 from megatronapp.engine.checkpoint import compute_model_config_mismatch
@@ -39,7 +42,8 @@ from megatronapp.scope_ui.training import check_training_scope
 
 
 def check_train_run(run: TrainRun) -> None:
-    """Model x training x layout, MegaFBD, MegaDPP, devices, injections, MegaScope, checkpoint, data."""
+    """Model x training x layout, MegaFBD, MegaDPP, devices, injections, MegaScope, checkpoint, data
+    (indexed datasets: flags, file headers and split sizes, data/sources.py), evaluation, TensorBoard / W&B."""
     job = run.job
     validate_job(job)
     if run.fbd is not None:
@@ -53,9 +57,15 @@ def check_train_run(run: TrainRun) -> None:
         diff = compute_model_config_mismatch(run.saved_model, job.model)
         if diff:
             raise ConfigError(f"--load {job.checkpoint.load}: checkpoint model differs: {', '.join(diff)}")
-    for path in run.data_paths:
-        if not os.path.exists(path):
-            raise ConfigError(f"--data-path {path} does not exist")
+    if uses_indexed_data(run.data):
+        check_data_config(run.data, job.model.vocab_size)
+    else:
+        check_not_indexed_file_names(run.data_paths)
+        for path in run.data_paths:
+            if not os.path.exists(path):
+                raise ConfigError(f"--data-path {path} does not exist")
+    check_evaluation(run)
+    check_metric_logs(job.logging)
 
 
 def _check_inference(run: InferenceRun) -> None:

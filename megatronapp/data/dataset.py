@@ -176,6 +176,10 @@ class DistributedBatchIterator:
     Worked example, global 8, micro 2, dp_size 2: the batch's 8 samples s0..s7 go
     rank 0 -> [s0 s1] [s2 s3], rank 1 -> [s4 s5] [s6 s7]; with dp_size 1 one rank gets
     [s0 s1] [s2 s3] [s4 s5] [s6 s7]: the same samples, so the same averaged gradient.
+
+    `shuffle=False` reads the dataset in its own order (position p is sample p % len), for
+    datasets that are shuffled already, as Megatron's indexed GPT datasets and blends are
+    (data/sources.py); `dataset` is anything with `len()` and `get_samples(indices)`.
     """
 
     def __init__(
@@ -187,6 +191,7 @@ class DistributedBatchIterator:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        shuffle: bool = True,
     ) -> None:
         for name, value in (
             ("micro_batch_size", micro_batch_size),
@@ -206,6 +211,7 @@ class DistributedBatchIterator:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        self.shuffle = shuffle
         self.consumed_samples = 0
         self._cached_epoch = -1
         self._cached_permutation = np.empty(0, dtype=np.int64)
@@ -230,6 +236,8 @@ class DistributedBatchIterator:
         epoch boundaries (a global batch may be larger than the dataset)."""
         n = len(self.dataset)
         positions = np.arange(start, start + self.global_batch_size)
+        if not self.shuffle:
+            return positions % n
         indices = np.empty(self.global_batch_size, dtype=np.int64)
         for epoch in np.unique(positions // n):
             in_epoch = positions // n == epoch

@@ -76,15 +76,23 @@ class _Bucket:
 
 
 class ChunkGradBuffer:
-    """Flat fp32 main-grad storage of one model chunk (and, if asked, flat parameter storage)."""
+    """Flat main-grad storage of one model chunk, fp32 (or `grad_dtype`: bf16 with the
+    precision-aware optimizer's --main-grads-dtype bf16), and, if asked, flat parameter storage."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_mb: float, pad_multiple: int, flat_params: bool):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        bucket_mb: float,
+        pad_multiple: int,
+        flat_params: bool,
+        grad_dtype: torch.dtype = torch.float32,
+    ):
         self.params = params
         self.offsets, spans, total = compute_bucket_layout(
             [p.numel() for p in params], max(1, int(bucket_mb * 2**20 / 4)), pad_multiple
         )
         device = params[0].device if params else "cpu"
-        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device)
+        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
         self.param_data = None
         if flat_params and params:
             self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
@@ -153,7 +161,7 @@ class _DeferredAdds:
 
     def flush(self) -> None:
         if self.mains:
-            widened = torch.cat(self.grads).float().split([g.numel() for g in self.grads])
+            widened = torch.cat(self.grads).to(self.mains[0].dtype).split([g.numel() for g in self.grads])
             torch._foreach_add_(self.mains, widened)
             self.mains, self.grads, self.queued = [], [], set()
 
@@ -171,15 +179,22 @@ class GradReducer:
         bucket_mb: float,
         dp_rank: int = 0,
         distributed_optimizer: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
+        embedding_group=None,
     ):
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
+        self.embedding_group = embedding_group
         self.overlap = overlap and dp_group is not None
         self.distributed = distributed_optimizer
         # 64-element alignment of every shard keeps the collectives' chunks aligned on GPU.
         pad = dp_size * 64 if distributed_optimizer else 1
         self.buffers = [
             ChunkGradBuffer(
-                [p for p in c.parameters() if p.requires_grad], bucket_mb, pad, flat_params=distributed_optimizer
+                [p for p in c.parameters() if p.requires_grad],
+                bucket_mb,
+                pad,
+                flat_params=distributed_optimizer,
+                grad_dtype=grad_dtype,
             )
             for c in chunks
         ]
@@ -187,6 +202,11 @@ class GradReducer:
         self._zeroed = [False] * len(chunks)  # by zero_buffer since the last zero_grad
         self._gather_works: list[list] = [[] for _ in chunks]
         self._deferred = _DeferredAdds()
+        # a tied embedding and output layer (model/gpt.py): the sides this rank holds, and the
+        # buckets that wait for the sum of their gradients (in finish) before their DP reduction
+        tied = [(buf, p) for buf in self.buffers for p in buf.params if getattr(p, "tied_embedding", None)]
+        self.tied = [p for _, p in tied]
+        self._tied_buckets = {id(buf.bucket_of[p]) for buf, p in tied}
         for i, buf in enumerate(self.buffers):
             for p, bucket in buf.bucket_of.items():
                 if self.overlap or p.dtype != torch.float32:
@@ -210,7 +230,7 @@ class GradReducer:
 
     def _count_ready(self, bucket: _Bucket) -> None:
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == len(bucket.params) and id(bucket) not in self._tied_buckets:
             self._deferred.flush()
             self._launch(bucket)
 
@@ -265,6 +285,7 @@ class GradReducer:
         """Complete the DP reduction of every bucket (launching any not yet launched)."""
         self._deferred.flush()
         self._zero_unwritten()
+        self._sum_tied_grads()
         if self.dp_group is None:
             return
         for buf in self.buffers:
@@ -274,6 +295,17 @@ class GradReducer:
         for buf in self.buffers:
             for b in buf.buckets:
                 b.work.wait()
+
+    def _sum_tied_grads(self) -> None:
+        """Give both sides of a tied embedding the sum of their gradients, before the DP
+        reduction (so it also holds for the distributed optimizer's shards): added here when
+        this rank holds both, else all-reduced between the first and last pipeline stage."""
+        if len(self.tied) == 2:
+            total = self.tied[0].main_grad + self.tied[1].main_grad
+            for p in self.tied:
+                p.main_grad.copy_(total)
+        elif self.tied:
+            dist.all_reduce(self.tied[0].main_grad, group=self.embedding_group)
 
     # -- distributed optimizer: parameter all-gather ---------------------------------------
     def start_param_gather(self, wait: bool) -> None:
@@ -309,7 +341,13 @@ def compute_grad_norms(grads: list[torch.Tensor], groups: list, device) -> tuple
     """(global norm as compute_grad_norm, this rank's per-tensor norms (len(grads),)); the
     per-tensor norms are the ones the global norm is made of, so they cost nothing more."""
     if grads:
-        per_tensor = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+        # bf16 main grads: each norm accumulated and returned in fp32
+        norms = (
+            torch._foreach_norm(grads)
+            if grads[0].dtype == torch.float32
+            else torch._foreach_norm(grads, 2, torch.float32)
+        )
+        per_tensor = torch.stack([n.float() for n in norms])
         sq = per_tensor.square().sum()
     else:
         per_tensor, sq = torch.zeros(0, device=device), torch.zeros((), device=device)

@@ -84,10 +84,23 @@ def compute_differing_ranks(first: list[tuple[float, ...]], second: list[tuple[f
     return [r for r, (a, b) in enumerate(zip(first, second)) if not all(same(x, y) for x, y in zip(a, b))]
 
 
-def compute_rerun_verdict(differing_ranks: list[int]) -> str:
-    """Same values on every rank: the step's outcome follows from its inputs (reproducible);
-    any difference: something other than the inputs decided it (a transient fault)."""
-    return "transient" if differing_ranks else "reproducible"
+def compute_rerun_verdict(
+    differing_ranks: list[int],
+    *,
+    deterministic: bool = True,
+    difference: tuple[float, ...] | None = None,
+    spread: tuple[float, ...] | None = None,
+) -> str:
+    """Same values on every rank: the step's outcome follows from its inputs (reproducible).
+    A difference in a deterministic run: something other than the inputs decided it (a
+    transient fault). Otherwise the kernels may differ from run to run: the difference of the
+    (loss, grad norm) between the flagged execution and its rerun within the `spread` between
+    two reruns is reproducible, beyond it (or with no spread measured) transient."""
+    if not differing_ranks:
+        return "reproducible"
+    if deterministic or difference is None or spread is None:
+        return "transient"
+    return "reproducible" if all(d <= s for d, s in zip(difference, spread)) else "transient"
 
 
 def compare_runs(first: list[dict], second: list[dict]) -> dict:

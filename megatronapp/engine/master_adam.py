@@ -14,6 +14,12 @@ lives in the torch AdamW's `state` dict under its usual names (`exp_avg`, `exp_a
 Used on CUDA when Triton imports; the torch path (engine.mixed_precision) is the reference.
 Unlike torch's fused kernel it does not store the clipped gradient back (a 4-byte-per-parameter
 write nothing reads during training).
+
+The precision-aware optimizer (engine/precision_adam.py, its torch path the reference) runs
+the same kernel: masters and moments are read in their stored dtypes and widened, and stored
+rounded to nearest even; with remainders the master is rebuilt from the bf16 model weight and
+its int16 remainder and split again after the update (2 + 2 bytes read and written instead of
+4 + 2), so a bf16 weight, remainder, bf16 moments and fp32 grad read 12 bytes and write 10.
 """
 
 from __future__ import annotations
@@ -41,15 +47,48 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _address(row, column, base, ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr):
+    def _address(row, column, base, ALIGNED: tl.constexpr):
         """Column `column` of a pointer-table row as a pointer of `base`'s type. It is built as
         `base + index`: Triton tracks alignment through a hinted index, not through an address
         loaded from memory, and without it every access is a scalar one (a quarter of the
         bandwidth). ALIGNED: the plan has checked that every address is 16-byte aligned."""
-        index = (tl.load(row + column) - base.to(tl.int64, bitcast=True)) // ELEM_BYTES
+        elem_bytes: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
+        index = (tl.load(row + column) - base.to(tl.int64, bitcast=True)) // elem_bytes
         if ALIGNED:
-            index = tl.multiple_of(index, 16 // ELEM_BYTES)
+            index = tl.multiple_of(index, 16 // elem_bytes)
         return base + index
+
+    @triton.jit
+    def _store_rounded(ptr, x, mask):
+        """Store fp32 `x` in `ptr`'s dtype, rounded to nearest even."""
+        if ptr.dtype.element_ty == tl.float32:
+            tl.store(ptr, x, mask=mask)
+        else:
+            tl.store(ptr, x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+    @triton.jit
+    def _load_master(main_ptr, model_ptr, offs, mask, REMAINDER: tl.constexpr):
+        """The fp32 master: stored, or rebuilt from the bf16 weight and its int16 remainder
+        (engine/precision_adam.py join_master)."""
+        if REMAINDER:
+            low = tl.load(main_ptr + offs, mask=mask).to(tl.int32)
+            high = tl.load(model_ptr + offs, mask=mask).to(tl.int16, bitcast=True).to(tl.int32)
+            high = high - (low < 0).to(tl.int32)
+            return ((high << 16) | (low & 0xFFFF)).to(tl.float32, bitcast=True)
+        return tl.load(main_ptr + offs, mask=mask).to(tl.float32)
+
+    @triton.jit
+    def _store_master(main_ptr, model_ptr, offs, mask, p, REMAINDER: tl.constexpr):
+        """The updated master and the model weight (split_master with remainders)."""
+        if REMAINDER:
+            bits = p.to(tl.int32, bitcast=True)
+            low = (bits << 16) >> 16
+            high = (bits >> 16) + (low < 0).to(tl.int32)
+            tl.store(main_ptr + offs, low.to(tl.int16), mask=mask)
+            tl.store(model_ptr + offs, high.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            _store_rounded(main_ptr + offs, p, mask)
+            _store_rounded(model_ptr + offs, p, mask)
 
     @triton.jit
     def _adamw_master_kernel(
@@ -59,8 +98,12 @@ if triton is not None:
         block_start_ptr,
         grad_scale_ptr,
         skip_ptr,
-        fp32_base,
+        grad_base,
+        step_base,
         model_base,
+        main_base,
+        exp_avg_base,
+        exp_avg_sq_base,
         lr,
         beta1,
         beta2,
@@ -69,6 +112,7 @@ if triton is not None:
         HAS_GRAD_SCALE: tl.constexpr,
         HAS_SKIP: tl.constexpr,
         ALIGNED: tl.constexpr,
+        REMAINDER: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
     ):
         # one program = one BLOCK_SIZE slice of one tensor; which tensor and where comes from
@@ -76,12 +120,12 @@ if triton is not None:
         pid = tl.program_id(0)
         t = tl.load(block_tensor_ptr + pid).to(tl.int64)
         row = table_ptr + t * 6
-        main_ptr = _address(row, 0, fp32_base, 4, ALIGNED)
-        grad_ptr = _address(row, 1, fp32_base, 4, ALIGNED)
-        exp_avg_ptr = _address(row, 2, fp32_base, 4, ALIGNED)
-        exp_avg_sq_ptr = _address(row, 3, fp32_base, 4, ALIGNED)
-        model_ptr = _address(row, 4, model_base, 2, ALIGNED)
-        step_ptr = _address(row, 5, fp32_base, 4, False)
+        main_ptr = _address(row, 0, main_base, ALIGNED)  # with REMAINDER: the int16 remainders
+        grad_ptr = _address(row, 1, grad_base, ALIGNED)
+        exp_avg_ptr = _address(row, 2, exp_avg_base, ALIGNED)
+        exp_avg_sq_ptr = _address(row, 3, exp_avg_sq_base, ALIGNED)
+        model_ptr = _address(row, 4, model_base, ALIGNED)
+        step_ptr = _address(row, 5, step_base, False)
         start = tl.load(block_start_ptr + pid)
         numel = tl.load(numel_ptr + t)
         if HAS_SKIP:  # a non-finite step (the device flag is 1): no element, every access masked off
@@ -91,10 +135,10 @@ if triton is not None:
             numel = tl.multiple_of(numel, 16)
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < numel
-        p = tl.load(main_ptr + offs, mask=mask)
-        g = tl.load(grad_ptr + offs, mask=mask)
-        m = tl.load(exp_avg_ptr + offs, mask=mask)
-        v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+        p = _load_master(main_ptr, model_ptr, offs, mask, REMAINDER)
+        g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+        m = tl.load(exp_avg_ptr + offs, mask=mask).to(tl.float32)
+        v = tl.load(exp_avg_sq_ptr + offs, mask=mask).to(tl.float32)
         if HAS_GRAD_SCALE:
             g = tl.div_rn(g, tl.load(grad_scale_ptr))
         step = tl.load(step_ptr)  # already counts this update
@@ -106,10 +150,9 @@ if triton is not None:
         # IEEE-rounded sqrt and division (tl.sqrt and / are approximate), as torch's kernel computes
         denom = tl.div_rn(tl.sqrt_rn(v), tl.sqrt_rn(bias_correction2)) + eps
         p = p - (lr / bias_correction1) * tl.div_rn(m, denom)
-        tl.store(main_ptr + offs, p, mask=mask)
-        tl.store(exp_avg_ptr + offs, m, mask=mask)
-        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-        tl.store(model_ptr + offs, p.to(model_base.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        _store_master(main_ptr, model_ptr, offs, mask, p, REMAINDER)
+        _store_rounded(exp_avg_ptr + offs, m, mask)
+        _store_rounded(exp_avg_sq_ptr + offs, v, mask)
 
 
 def advance_step_counters(counters: list[torch.Tensor], skip: torch.Tensor | None) -> None:
@@ -125,7 +168,9 @@ def advance_step_counters(counters: list[torch.Tensor], skip: torch.Tensor | Non
         torch.ops.aten._foreach_add_.Tensor(counters, 1.0 - skip)
 
 
-def _state_of(optimizer: torch.optim.AdamW, main: torch.Tensor) -> dict:
+def _state_of(optimizer: torch.optim.Optimizer, main: torch.Tensor) -> dict:
+    if hasattr(optimizer, "init_state"):  # the precision-aware optimizer's own dtypes
+        return optimizer.init_state(main)
     state = optimizer.state[main]
     if not state:  # as torch's fused AdamW initialises it
         state["step"] = torch.zeros((), dtype=torch.float32, device=main.device)
@@ -136,18 +181,26 @@ def _state_of(optimizer: torch.optim.AdamW, main: torch.Tensor) -> dict:
 
 class _GroupPlan:
     """The tables one launch over a param group needs: per tensor its six addresses and size,
-    per program its tensor and start. Valid while no tensor of the group is reallocated."""
+    per program its tensor and start. Valid while no tensor of the group is reallocated.
+    `stored`: per tensor what column 0 names (the master, or its remainder)."""
 
-    def __init__(self, mains: list[torch.Tensor], states: list[dict], models: list[torch.Tensor], block: int):
-        device = mains[0].device
+    def __init__(
+        self,
+        stored: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict],
+        models: list[torch.Tensor],
+        block: int,
+    ):
+        device = stored[0].device
         rows, numels, block_tensor, block_start = [], [], [], []
-        for i, (main, state, model) in enumerate(zip(mains, states, models)):
+        for i, (main, grad, state, model) in enumerate(zip(stored, grads, states, models)):
             assert main.is_contiguous() and model.is_contiguous() and model.numel() == main.numel()
-            assert main.grad.is_contiguous() and main.grad.dtype == torch.float32
+            assert grad.is_contiguous() and grad.dtype in (torch.float32, torch.bfloat16)
             rows.append(
                 [
                     main.data_ptr(),
-                    main.grad.data_ptr(),
+                    grad.data_ptr(),
                     state["exp_avg"].data_ptr(),
                     state["exp_avg_sq"].data_ptr(),
                     model.data_ptr(),
@@ -170,8 +223,14 @@ class _GroupPlan:
             n % 16 == 0 for n in numels
         )
         self.block = block
-        self.fp32_base, self.model_base = mains[0], models[0]
-        self.keepalive = (mains, states, models)  # the addresses above stay valid while these live
+        self.grad_base, self.step_base = grads[0], states[0]["step"]
+        self.model_base, self.main_base = models[0], stored[0]
+        assert all(g.dtype == self.grad_base.dtype for g in grads)
+        self.exp_avg_base, self.exp_avg_sq_base = states[0]["exp_avg"], states[0]["exp_avg_sq"]
+        for key, base in (("exp_avg", self.exp_avg_base), ("exp_avg_sq", self.exp_avg_sq_base)):
+            assert all(s[key].dtype == base.dtype for s in states)
+        assert all(t.dtype == self.main_base.dtype for t in stored)
+        self.keepalive = (stored, grads, states, models)  # the addresses above stay valid while these live
         self.steps = [s["step"] for s in states]
 
 
@@ -181,18 +240,23 @@ class MasterAdamW:
     elements): one kernel launch per param group. Call `invalidate()` whenever a main param,
     its grad, its Adam state or its model tensor is replaced (e.g. after loading a checkpoint).
     `only`: ids of the main params this instance updates (default: all of the optimizer's), so
-    that disjoint instances can update a model piece by piece (engine/overlap_update.py)."""
+    that disjoint instances can update a model piece by piece (engine/overlap_update.py).
+    The precision-aware optimizer (engine/precision_adam.py) passes its `grad_of` (id(main) ->
+    fp32 grad) and, with remainders, its bf16 model weights as the mains (each its own model view)."""
 
     def __init__(
         self,
-        optimizer: torch.optim.AdamW,
+        optimizer: torch.optim.Optimizer,
         model_view_of: dict[int, torch.Tensor],
         *,
         block: int = BLOCK,
         num_warps: int = NUM_WARPS,
         only: set[int] | None = None,
+        grad_of: dict[int, torch.Tensor] | None = None,
+        remainders: bool = False,
     ):
         self.optimizer, self.model_view_of = optimizer, model_view_of
+        self.grad_of, self.remainders = grad_of, remainders
         self.block, self.num_warps = block, num_warps
         self.only = only
         self._plans: list[_GroupPlan | None] | None = None
@@ -203,11 +267,18 @@ class MasterAdamW:
     def _build_plans(self) -> list[_GroupPlan | None]:
         plans = []
         for group in self.optimizer.param_groups:
-            mains = [p for p in group["params"] if p.grad is not None and (self.only is None or id(p) in self.only)]
+            mains = [
+                p for p in group["params"] if self._grad(p) is not None and (self.only is None or id(p) in self.only)
+            ]
             states = [_state_of(self.optimizer, p) for p in mains]
             models = [self.model_view_of[id(p)] for p in mains]
-            plans.append(_GroupPlan(mains, states, models, self.block) if mains else None)
+            stored = [s["param_remainder"] for s in states] if self.remainders else mains
+            grads = [self._grad(p) for p in mains]
+            plans.append(_GroupPlan(stored, grads, states, models, self.block) if mains else None)
         return plans
+
+    def _grad(self, main: torch.Tensor) -> torch.Tensor | None:
+        return main.grad if self.grad_of is None else self.grad_of.get(id(main))
 
     @torch.no_grad()
     def step(self, grad_scale: torch.Tensor | None, skip: torch.Tensor | None = None) -> None:
@@ -237,8 +308,12 @@ class MasterAdamW:
                 plan.block_start,
                 grad_scale if grad_scale is not None else plan.numels,
                 skip if skip is not None else plan.numels,
-                plan.fp32_base,
+                plan.grad_base,
+                plan.step_base,
                 plan.model_base,
+                plan.main_base,
+                plan.exp_avg_base,
+                plan.exp_avg_sq_base,
                 float(group["lr"]),
                 beta1,
                 beta2,
@@ -247,6 +322,7 @@ class MasterAdamW:
                 HAS_GRAD_SCALE=grad_scale is not None,
                 HAS_SKIP=skip is not None,
                 ALIGNED=plan.aligned,
+                REMAINDER=self.remainders,
                 BLOCK_SIZE=plan.block,
                 num_warps=self.num_warps,
             )

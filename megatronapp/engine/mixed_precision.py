@@ -26,11 +26,13 @@ from torch import nn
 
 from megatronapp.config import ConfigError, JobConfig, OptimizerConfig, PrecisionConfig
 from megatronapp.engine import master_adam
-from megatronapp.engine.distrib_optimizer import ShardRange, compute_shard_ranges, gather_full_params
+from megatronapp.engine.distrib_optimizer import gather_full_params
 from megatronapp.engine.grad_scaler import build_grad_scaler
 from megatronapp.engine.grads import GradReducer, clip_coefficient, clip_grads, compute_grad_norms
+from megatronapp.engine.main_params import MainParam, build_main_params, compute_state_precision
 from megatronapp.engine.optim import build_adamw
 from megatronapp.engine.overlap_update import OverlappedUpdate
+from megatronapp.engine.precision_adam import STATE_DTYPES, build_precision_adamw
 from megatronapp.parallel.wgrad_fusion import enable_grad_accumulation_fusion
 
 log = logging.getLogger("megatronapp.engine")
@@ -40,14 +42,14 @@ def params_dtype(cfg: PrecisionConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
 
 
-@dataclass
-class MainParam:
-    """The fp32 tensor AdamW updates for (a slice of) one model parameter."""
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step's checks before its update (MixedPrecisionOptimizer.prepare_step)."""
 
-    model_param: nn.Parameter
-    main_param: torch.Tensor  # the model param itself (fp32, not sharded) or an fp32 copy
-    shard: ShardRange | None  # slice of the flattened model param; None: the whole param
-    count_in_norm: bool  # False for TP-replicated params off TP rank 0
+    grad_norm: torch.Tensor | None  # None: the loss scaler found inf/nan (the step is skipped, known on the host)
+    loss_scale: float | None
+    skip: torch.Tensor | None = None  # the non-finite check's device flag (see StepResult)
+    first_nonfinite: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -60,35 +62,6 @@ class StepResult:
     # non-finite grad (len(norm_params) when none)
     skipped_nonfinite: torch.Tensor | None = None
     first_nonfinite: torch.Tensor | None = None
-
-
-def _main_params_of(reducer: GradReducer, tp_rank: int) -> list[list[MainParam]]:
-    """Per chunk: one MainParam per parameter, or per owned shard with the distributed optimizer."""
-    out = []
-    for buf in reducer.buffers:
-        mains = []
-        if reducer.distributed:
-            spans = [b.span for b in buf.buckets]
-            for r in compute_shard_ranges(
-                buf.offsets, [p.numel() for p in buf.params], spans, reducer.dp_size, reducer.dp_rank
-            ):
-                p = buf.params[r.param]
-                main = p.detach().view(-1)[r.start : r.end]  # fp32: the param buffer itself
-                main = main if p.dtype == torch.float32 else main.float()
-                main.grad = p.main_grad.view(-1)[r.start : r.end]
-                mains.append(MainParam(p, main, r, _counts(p, tp_rank)))
-        else:
-            for p in buf.params:
-                main = p if p.dtype == torch.float32 else p.detach().float()
-                if main is not p:
-                    main.grad = p.main_grad
-                mains.append(MainParam(p, main, None, _counts(p, tp_rank)))
-        out.append(mains)
-    return out
-
-
-def _counts(p: nn.Parameter, tp_rank: int) -> bool:
-    return getattr(p, "tp_split_dim", None) is not None or tp_rank == 0
 
 
 class MixedPrecisionOptimizer:
@@ -106,20 +79,29 @@ class MixedPrecisionOptimizer:
         fused: bool | None = None,
     ):
         self.reducer, self.cfg, self.precision, self.groups, self.device = reducer, cfg, precision, groups, device
-        self.chunk_mains = _main_params_of(reducer, groups.tp_rank)
+        self.store = compute_state_precision(cfg, precision)  # None: the plain fp32-state optimizer
+        self.chunk_mains = build_main_params(reducer, groups.tp_rank, self.store)
         self.mains = [m for chunk in self.chunk_mains for m in chunk]
         self.norm_params = [m.model_param for m in self.mains if m.count_in_norm]  # the norm's terms, in order
         # fused (one CUDA kernel; default on GPU) also takes the clip factor as its grad_scale
         self.fused = device.type == "cuda" if fused is None else fused
-        self.optimizer = build_adamw(
-            [(m.main_param, m.model_param.ndim >= 2) for m in self.mains], cfg, fused=self.fused
-        )
+        decays = [(m.main_param, m.model_param.ndim >= 2) for m in self.mains]
+        if self.store is None:
+            self.optimizer = build_adamw(decays, cfg, fused=self.fused)
+        else:
+            self.optimizer = build_precision_adamw(
+                decays, cfg, self.store, {id(m.main_param): m.main_grad for m in self.mains}
+            )
         # bf16/fp16 on CUDA: AdamW + clip + master->model copy in one kernel (engine/master_adam.py)
         self.master_kernel = cfg.fused_master_adamw and self._has_separate_mains() and master_adam.available(device)
         self._model_view_of = {id(m.main_param): self._model_view(m) for m in self.mains}
-        self._master_adamw = (
-            master_adam.MasterAdamW(self.optimizer, self._model_view_of) if self.master_kernel else None
+        self._master_adamw = None
+        # the precision-aware optimizer's grads are not its mains' .grad
+        self._kernel_kw = (
+            {} if self.store is None else {"grad_of": self.optimizer.grad_of, "remainders": self._remainders}
         )
+        if self.master_kernel:
+            self._master_adamw = master_adam.MasterAdamW(self.optimizer, self._model_view_of, **self._kernel_kw)
         if cfg.overlap_param_update and not self.master_kernel:
             raise ConfigError("--overlap-param-update needs the fused master AdamW: CUDA, Triton, --bf16/--fp16")
         self.overlapped_update: OverlappedUpdate | None = None  # see enable_overlapped_update
@@ -133,25 +115,28 @@ class MixedPrecisionOptimizer:
         """From the next step on, the update runs unit by unit beside the next forward
         (engine/overlap_update.py); its per-unit kernels replace the one-launch kernel."""
         self.overlapped_update = OverlappedUpdate(
-            self.optimizer, self._model_view_of, chunks, self.chunk_mains, self.device
+            self.optimizer, self._model_view_of, chunks, self.chunk_mains, self.device, self._kernel_kw
         )
         self._master_adamw = None
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for model state, by kind (Adam's after the first step)."""
-        adam = sum(
-            t.numel() * t.element_size()
-            for st in self.optimizer.state.values()
-            for t in st.values()
-            if torch.is_tensor(t) and t.ndim > 0
-        )
+        states = list(self.optimizer.state.values())
+        adam = sum(st[k].numel() * st[k].element_size() for st in states for k in ("exp_avg", "exp_avg_sq") if k in st)
+        remainders = sum(st["param_remainder"].numel() * 2 for st in states if "param_remainder" in st)
         params = [p for buf in self.reducer.buffers for p in buf.params]
+        separate = [m.main_param for m in self.mains if m.model_param.dtype != torch.float32 and not self._remainders]
         return {
             "params": sum(p.numel() * p.element_size() for p in params),
-            "main_grads": sum(buf.grad_data.numel() * 4 for buf in self.reducer.buffers),
-            "main_params": sum(m.main_param.numel() * 4 for m in self.mains if m.model_param.dtype != torch.float32),
+            "main_grads": sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in self.reducer.buffers),
+            "main_params": sum(t.numel() * t.element_size() for t in separate) + remainders,
             "adam": adam,
         }
+
+    @property
+    def _remainders(self) -> bool:
+        """Whether the masters are stored as the bf16 model weights + remainders (no separate mains)."""
+        return self.store is not None and self.store.param_remainders
 
     @property
     def param_groups(self) -> list[dict]:
@@ -162,7 +147,7 @@ class MixedPrecisionOptimizer:
         return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.view(()).to(loss.dtype)
 
     def main_grads(self) -> list[torch.Tensor]:
-        return [m.main_param.grad for m in self.mains]
+        return [m.main_grad for m in self.mains]
 
     @torch.no_grad()
     def step(self, check_nonfinite: bool = False, loss_nonfinite: torch.Tensor | None = None) -> StepResult:
@@ -174,6 +159,12 @@ class MixedPrecisionOptimizer:
         the fused kernels take the flag as their found_inf (torch's AdamW rolls its step
         counters back, the master kernel masks its writes). Only the unfused path (the CPU's)
         reads the flag on the host."""
+        return self.apply_step(self.prepare_step(check_nonfinite, loss_nonfinite))
+
+    @torch.no_grad()
+    def prepare_step(self, check_nonfinite: bool = False, loss_nonfinite: torch.Tensor | None = None) -> PreparedStep:
+        """Steps 1-2 (and the non-finite check) of `step`, before anything is updated: what a
+        check before the update reads (engine/rerun.py). The loss scaler has taken the step."""
         scale = None if self.grad_scaler is None else float(self.grad_scaler.scale)
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check_for_nan()
@@ -186,19 +177,30 @@ class MixedPrecisionOptimizer:
                         scale,
                         float(self.grad_scaler.scale),
                     )
-                return StepResult(False, None, scale)
+                return PreparedStep(None, scale)
         norm, per_tensor = compute_grad_norms(
-            [m.main_param.grad for m in self.mains if m.count_in_norm], self._norm_groups, self.device
+            [m.main_grad for m in self.mains if m.count_in_norm], self._norm_groups, self.device
         )
         skip = first_bad = None
         if check_nonfinite:
             skip, first_bad = _nonfinite_flags(norm, per_tensor, loss_nonfinite)
             if self.groups.world is not None:  # every rank skips together (and names it together)
                 dist.all_reduce(skip, op=dist.ReduceOp.MAX, group=self.groups.world)
-        self._apply_update(norm, skip)
+        return PreparedStep(norm, scale, skip, first_bad)
+
+    @torch.no_grad()
+    def apply_step(self, prepared: PreparedStep, hold: torch.Tensor | None = None) -> StepResult:
+        """Steps 3-4 of `step` after `prepare_step`. `hold`: a device flag (0/1, the same on every
+        rank) that also skips the update; it is not counted as a non-finite skip."""
+        if prepared.grad_norm is None:
+            return StepResult(False, None, prepared.loss_scale)
+        skip = prepared.skip
+        if hold is not None:
+            skip = hold if skip is None else torch.maximum(skip, hold)
+        self._apply_update(prepared.grad_norm, skip)
         # overlapped: each chunk waits in its next forward (pre-hook of build_grads_and_optimizer)
         self.reducer.start_param_gather(wait=not self.cfg.overlap_param_gather)
-        return StepResult(True, norm, scale, skip, first_bad)
+        return StepResult(True, prepared.grad_norm, prepared.loss_scale, prepared.skip, prepared.first_nonfinite)
 
     def _apply_update(self, norm: torch.Tensor, skip: torch.Tensor | None) -> None:
         """Clip + AdamW + main->model copy, by the fastest path built; `skip` (device 0/1) or None."""
@@ -206,6 +208,9 @@ class MixedPrecisionOptimizer:
             self.overlapped_update.launch(self._clip_divisor(norm), self.reducer.zero_buffer, skip=skip)
         elif self.master_kernel:
             self._master_adamw.step(self._clip_divisor(norm), skip=skip)
+        elif self.store is not None and self.device.type != "cpu":  # precision-aware, flag kept on the device
+            self.optimizer.step(self._clip_divisor(norm), skip)
+            self._copy_main_to_model_params()
         elif self.fused:
             self.optimizer.grad_scale = self._clip_divisor(norm)
             self.optimizer.found_inf = skip  # torch's fused AdamW: no update, step counters unchanged
@@ -232,6 +237,8 @@ class MixedPrecisionOptimizer:
         return bool(found_inf.item() > 0)
 
     def _copy_main_to_model_params(self) -> None:
+        if self._remainders:  # the update wrote the model weights themselves
+            return
         pairs = [(self._model_view(m), m.main_param) for m in self.mains if m.model_param.dtype != torch.float32]
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
@@ -297,9 +304,12 @@ class MixedPrecisionOptimizer:
         return None if local.item() < 0 else float(local.item())
 
     def _value(self, m: MainParam, key: str) -> torch.Tensor:
-        if key in ("main_param", "main_grad"):
-            return m.main_param if key == "main_param" else m.main_param.grad
-        return self.optimizer.state[m.main_param][key]
+        """fp32 values whatever the storage (checkpoints are layout- and precision-independent)."""
+        if key == "main_grad":
+            return m.main_grad
+        if key == "main_param":
+            return m.main_param if self.store is None else self.optimizer.master_value(m.main_param)
+        return self.optimizer.state[m.main_param][key].float()
 
     def _full_values(self, mains, buf, index, key) -> list[torch.Tensor]:
         if not self.reducer.distributed:
@@ -317,18 +327,26 @@ class MixedPrecisionOptimizer:
             self.overlapped_update.invalidate()
         for m in self.mains:
             st = state_of(m.model_param)
+            if st is not None:
+                self.optimizer.state[m.main_param] = self._stored_state(m, st)
             if m.model_param.dtype != torch.float32:
                 source = st["main_param"] if (st and "main_param" in st) else m.model_param.detach()
-                m.main_param.copy_(self._slice(m, source))
-            if st is None:
-                continue
-            self.optimizer.state[m.main_param] = {
-                "exp_avg": self._slice(m, st["exp_avg"]).clone(),
-                "exp_avg_sq": self._slice(m, st["exp_avg_sq"]).clone(),
-                "step": torch.tensor(
-                    float(st["step"]), dtype=torch.float32, device=self.device if self.device.type == "cuda" else "cpu"
-                ),
-            }
+                if self.store is None:
+                    m.main_param.copy_(self._slice(m, source))
+                else:  # also creates the state a remainder needs
+                    self.optimizer.load_master(m.main_param, self._slice(m, source))
+
+    def _stored_state(self, m: MainParam, st: dict) -> dict:
+        """A param's Adam state from its checkpoint values, in the dtypes this optimizer stores."""
+        exp_avg_dtype = torch.float32 if self.store is None else self.store.exp_avg
+        exp_avg_sq_dtype = torch.float32 if self.store is None else self.store.exp_avg_sq
+        return {
+            "exp_avg": self._slice(m, st["exp_avg"]).to(exp_avg_dtype, copy=True),
+            "exp_avg_sq": self._slice(m, st["exp_avg_sq"]).to(exp_avg_sq_dtype, copy=True),
+            "step": torch.tensor(
+                float(st["step"]), dtype=torch.float32, device=self.device if self.device.type == "cuda" else "cpu"
+            ),
+        }
 
     def _slice(self, m: MainParam, full: torch.Tensor) -> torch.Tensor:
         full = full.to(device=self.device, dtype=torch.float32).reshape(m.model_param.shape)
@@ -369,6 +387,8 @@ def build_grads_and_optimizer(
         overlap=t.overlap_grad_reduce,
         bucket_mb=t.grad_bucket_mb,
         distributed_optimizer=opt.use_distributed_optimizer,
+        grad_dtype=STATE_DTYPES[opt.main_grads_dtype],
+        embedding_group=groups.embedding,
     )
     if opt.overlap_param_gather:
         for i, c in enumerate(chunks):  # a chunk's first forward waits for its params' all-gather

@@ -81,7 +81,9 @@ class OverlappedUpdate:
         chunks: list[nn.Module],
         chunk_mains: list[list],
         device: torch.device,
+        kernel_kw: dict | None = None,
     ):
+        """`kernel_kw`: MasterAdamW's precision-aware arguments (grad_of, remainders), if any."""
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.units: list[_Unit] = []
@@ -94,7 +96,8 @@ class OverlappedUpdate:
             for (module, _), idx in zip(units, owned):
                 if not idx:
                     continue
-                kernel = MasterAdamW(optimizer, model_view_of, only={id(mains[i].main_param) for i in idx})
+                only = {id(mains[i].main_param) for i in idx}
+                kernel = MasterAdamW(optimizer, model_view_of, only=only, **(kernel_kw or {}))
                 k = len(self.units)
                 self.units.append(_Unit(c, kernel, torch.cuda.Event()))
                 module.register_forward_pre_hook(lambda *_, k=k: self.wait_unit(k))

@@ -1,26 +1,37 @@
-"""Rerun of a flagged step (Megatron's --rerun-mode): restore the state from before the step,
-execute it again, and classify it from the two executions.
+"""Rerun of a flagged step (Megatron's --rerun-mode), checked before the optimizer step.
 
-validate_results: every step is judged on the host right after it (engine/integrity.py); a
-  flagged one (non-finite, spiky loss, large grads) is restored and executed again. The same
-  loss and grad norm on every rank, bit for bit, means the inputs decide the outcome:
-  "reproducible" (with skip_spiky_batches the batch is then consumed without an update).
-  Any difference means something else decided it (a race, a flaky device): "transient";
-  the second execution's result is kept and training continues.
-report_stats: every rerun_stats_interval-th step is executed twice and the run-to-run
-  differences reported.
+validate_results: each step's loss and grad norm are checked before its update, on the device:
+  every rank's pair is summed into one small tensor by an all-reduce, and the flags (non-finite,
+  spiky loss, large grads: engine/integrity.py's rules, the recent accepted steps kept on the
+  device as well) are computed from it. A flagged step's update is skipped on the device,
+  and so is every later update until the log interval (a "hold": the weights stay those the
+  flagged step started from). Nothing is read on the host between log intervals. At the
+  interval, a flagged step is executed again from the same weights: only what the step consumed
+  besides them is put back (its data position, the RNG streams, the FP8 scaling state and the
+  loss scaler: a ReplayPoint, kilobytes plus the delayed-FP8 amax histories, whatever the
+  model size), and the held steps after
+  it are dropped and executed again as the next steps.
+  Verdict: the same loss and grad norm on every rank, bit for bit, means the inputs decide the
+  outcome: "reproducible" (with skip_spiky_batches the batch is then consumed without an update).
+  A difference in a --deterministic run means something else decided it: "transient". Without
+  --deterministic the kernels may differ from run to run, so the step is executed once more and
+  the difference is compared with the spread between those two executions (the run-to-run spread
+  report_stats measures): within it, "reproducible"; beyond it, "transient". The last execution's
+  update is applied (unless skipped).
+report_stats: every rerun_stats_interval-th step is executed twice before its update and the
+  differences reported at the log interval (the second execution's update is applied).
 
-Cost: judging a step before the next one starts needs its loss and grad norm on the host,
-so these modes synchronise once a step (plus one small all-reduce), and the pre-step
-snapshot (in device memory) copies the model params, the fp32 master params and Adam's two
-moments every step: about 4 + 12 bytes a parameter of memory traffic, and as much memory.
-With --rerun-mode disabled nothing here runs.
+Cost when nothing is flagged (validate_results): per step one all-reduce of 2 x world floats,
+a ReplayPoint on the host and copies of the FP8 scaling histories on the device; no copy of
+params or optimizer state, no host sync. A flagged step costs its reruns and the held steps
+after it. With --rerun-mode disabled nothing here runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import random
 from dataclasses import dataclass, replace
 
@@ -28,42 +39,42 @@ import torch
 import torch.distributed as dist
 
 from megatronapp.config import IntegrityConfig
-from megatronapp.engine.integrity import StepHistory, compute_differing_ranks, compute_rerun_verdict, compute_step_flags
+from megatronapp.engine.integrity import (
+    MAD_TO_STD,
+    RELATIVE_FLOOR,
+    StepHistory,
+    compute_differing_ranks,
+    compute_rerun_verdict,
+    compute_step_flags,
+)
+
+# a step's flags on the device, one bit each
+FLAG_BITS = (("nan", 1), ("spiky_loss", 2), ("large_grads", 4))
 
 
 @dataclass
-class StepSnapshot:
-    """Everything a step changes, as it was before the step (device copies, no host transfer
-    of tensors)."""
+class ReplayPoint:
+    """What one step consumes besides the weights and the optimizer state, as it was before
+    the step: enough to execute the step again from the same weights."""
 
     iteration: int
-    params: list[torch.Tensor]
-    mains: list[torch.Tensor | None]  # separate fp32 master params, else None
-    adam: dict[int, dict]  # id(main param) -> Adam state clone
-    optimizer: dict  # loss scaler and skip count
-    fp8: dict
-    rng: dict
     data: dict
+    rng: dict
+    fp8: dict  # name -> (amax history, scale, ready): per linear, not per parameter element
+    optimizer: dict  # loss scaler and skip count
 
 
-def _all_params(trainer) -> list[torch.Tensor]:
-    return [p for c in trainer.chunks for p in c.parameters()]
+@dataclass(frozen=True)
+class StepCheck:
+    """The rerun mode's record of one executed step."""
+
+    replay: ReplayPoint
+    values: torch.Tensor  # (world, 2) on the device: every rank's loss share and grad norm
+    code: torch.Tensor | None = None  # validate_results: the flags' bits (0: fine)
+    rerun_values: torch.Tensor | None = None  # report_stats: the second execution's values
 
 
-@torch.no_grad()
-def capture_state(trainer) -> StepSnapshot:
-    opt = trainer.optimizer
-    opt.finish_param_sync()
-    separate = [
-        m.main_param if m.main_param is not m.model_param and m.model_param.dtype != torch.float32 else None
-        for m in opt.mains
-    ]
-    adam = {
-        id(m.main_param): {
-            k: v.clone() if torch.is_tensor(v) else v for k, v in opt.optimizer.state.get(m.main_param, {}).items()
-        }
-        for m in opt.mains
-    }
+def capture_replay_point(trainer) -> ReplayPoint:
     rng = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -71,68 +82,43 @@ def capture_state(trainer) -> StepSnapshot:
         "cuda": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None,
     }
     fp8 = {name: (st.history.clone(), st.scale.clone(), st.ready) for name, st in trainer.fp8_states.items()}
-    return StepSnapshot(
+    return ReplayPoint(
         trainer.iteration,
-        [p.detach().clone() for p in _all_params(trainer)],
-        [None if s is None else s.detach().clone() for s in separate],
-        adam,
-        copy.deepcopy(opt.state_dict()),
-        fp8,
-        rng,
         copy.deepcopy(trainer.data.state_dict()),
+        rng,
+        fp8,
+        copy.deepcopy(trainer.optimizer.state_dict()),
     )
 
 
 @torch.no_grad()
-def restore_state(trainer, snap: StepSnapshot) -> None:
-    """Copy `snap` back in place (the fused kernels' address tables stay valid)."""
-    opt = trainer.optimizer
-    opt.finish_param_sync()
-    for p, saved in zip(_all_params(trainer), snap.params):
-        p.copy_(saved)
-    replaced = False
-    for m, main in zip(opt.mains, snap.mains):
-        if main is not None:
-            m.main_param.copy_(main)
-        saved, state = snap.adam[id(m.main_param)], opt.optimizer.state.get(m.main_param)
-        if state is not None and set(saved) == set(state):
-            for k, v in saved.items():
-                if torch.is_tensor(v):
-                    state[k].copy_(v)
-                else:
-                    state[k] = v
-        else:  # state created by the step (the first one): back to what was there
-            opt.optimizer.state[m.main_param] = {k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()}
-            replaced = True
-    if replaced:
-        for kernel in (opt._master_adamw, opt.overlapped_update):
-            if kernel is not None:
-                kernel.invalidate()
-    opt.load_state_dict(copy.deepcopy(snap.optimizer))
-    for name, (history, scale, ready) in snap.fp8.items():
+def restore_replay_point(trainer, point: ReplayPoint) -> None:
+    """Put `point` back; the weights and optimizer state are left as they are."""
+    trainer.optimizer.load_state_dict(copy.deepcopy(point.optimizer))
+    for name, (history, scale, ready) in point.fp8.items():
         st = trainer.fp8_states[name]
         st.history.copy_(history)
         st.scale.copy_(scale)
         st.ready = ready
-    torch.set_rng_state(snap.rng["torch"])
-    random.setstate(snap.rng["python"])
-    trainer.rng_tracker.set_states(snap.rng["tracker"])
-    if snap.rng["cuda"] is not None:
-        torch.cuda.set_rng_state(snap.rng["cuda"], trainer.device)
-    trainer.data.load_state_dict(copy.deepcopy(snap.data))
-    trainer.iteration = snap.iteration
+    torch.set_rng_state(point.rng["torch"])
+    random.setstate(point.rng["python"])
+    trainer.rng_tracker.set_states(point.rng["tracker"])
+    if point.rng["cuda"] is not None:
+        torch.cuda.set_rng_state(point.rng["cuda"], trainer.device)
+    trainer.data.load_state_dict(copy.deepcopy(point.data))
+    trainer.iteration = point.iteration
 
 
-def gather_step_values(trainer, pending) -> list[tuple[float, float]]:
-    """Every rank's (loss share, grad norm) of a step, on every rank: one copy and one all-reduce."""
+def gather_step_values(trainer, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> torch.Tensor:
+    """(world, 2) on the device, the same on every rank: each rank's loss share and grad norm (one all-reduce)."""
     world, rank = trainer.job.layout.world_size, trainer.groups.rank
     slots = torch.zeros(world, 2, device=trainer.device)
-    if pending.loss is not None:
-        slots[rank, 0] = pending.loss
-    slots[rank, 1] = pending.grad_norm.float()
+    if loss is not None:
+        slots[rank, 0] = loss
+    slots[rank, 1] = grad_norm.float()
     if world > 1:
         dist.all_reduce(slots, group=trainer.groups.world)
-    return [tuple(row) for row in slots.cpu().tolist()]
+    return slots
 
 
 def compute_global_values(per_rank: list[tuple[float, float]], dp_size: int) -> tuple[float, float]:
@@ -143,75 +129,191 @@ def compute_global_values(per_rank: list[tuple[float, float]], dp_size: int) -> 
     return sum(loss for loss, _ in per_rank) / dp_size, norm
 
 
+class DeviceBands:
+    """The device twin of integrity.StepHistory and its bands: the last `check_window` accepted
+    (loss, grad norm) pairs in a float64 ring (NaN: empty), appended without a host read, and
+    loaded from the host's history at each log interval."""
+
+    def __init__(self, cfg: IntegrityConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.load(StepHistory.build(cfg.check_window))
+
+    def load(self, history: StepHistory) -> None:
+        ring = torch.full((2, self.cfg.check_window), math.nan, dtype=torch.float64)
+        ring[0, : len(history.losses)] = torch.tensor(list(history.losses), dtype=torch.float64)
+        ring[1, : len(history.norms)] = torch.tensor(list(history.norms), dtype=torch.float64)
+        self.ring = ring.to(self.device)
+        self.position = torch.tensor([len(history.losses) % self.cfg.check_window], device=self.device)
+
+    def _upper_edge(self, row: int, factor: float, enabled: bool) -> torch.Tensor:
+        """integrity.compute_band_upper over the ring's values; inf while fewer than check_min_history."""
+        if not enabled:
+            return torch.full((), math.inf, dtype=torch.float64, device=self.device)  # a fill, not a copy
+        values = self.ring[row]
+        median = torch.nanquantile(values, 0.5)
+        mad = torch.nanquantile((values - median).abs(), 0.5)
+        edge = median + factor * torch.maximum(MAD_TO_STD * mad, RELATIVE_FLOOR * median.abs())
+        return torch.where((~values.isnan()).sum() >= self.cfg.check_min_history, edge, math.inf)
+
+    def flag_and_accept(self, values: torch.Tensor, dp_size: int) -> torch.Tensor:
+        """FLAG_BITS of a step from its (world, 2) values (integrity.compute_step_flags on the
+        device); an unflagged finite step joins the ring."""
+        cfg = self.cfg
+        loss = values[:, 0].double().sum() / dp_size
+        norm = values[:, 1].double().max()  # max propagates a NaN
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        spiky = finite & (loss > self._upper_edge(0, cfg.spiky_loss_factor, cfg.check_for_spiky_loss))
+        large = finite & (norm > self._upper_edge(1, cfg.large_grads_factor, cfg.check_for_large_grads))
+        code = (~finite).float() * float(cfg.check_for_nan_in_loss_and_grad) + spiky.float() * 2 + large.float() * 4
+        accept = finite & (code == 0)
+        current = self.ring.index_select(1, self.position)
+        self.ring.index_copy_(1, self.position, torch.where(accept, torch.stack([loss, norm]).view(2, 1), current))
+        self.position = (self.position + accept.long()) % cfg.check_window
+        return code
+
+
+def decode_flags(code: float) -> tuple[str, ...]:
+    return tuple(name for name, bit in FLAG_BITS if int(code) & bit)
+
+
 class StepValidator:
     """Runs steps under --rerun-mode validate_results or report_stats (see the module docstring)."""
 
     def __init__(self, cfg: IntegrityConfig):
         self.cfg, self.history = cfg, StepHistory.build(cfg.check_window)
+        self.validate = cfg.rerun_mode == "validate_results"
+        self._bands: DeviceBands | None = None  # built on the first step (it needs the device)
+        self._hold: torch.Tensor | None = None  # 1 once a step of this interval was flagged
+        self.spread = (0.0, 0.0)  # the largest |loss delta|, |grad norm delta| report_stats has seen
 
     def run_step(self, trainer):
-        """One step under the rerun mode; returns its pending metrics with `flags` (and `rerun`) set."""
-        it = trainer.iteration
-        validate = self.cfg.rerun_mode == "validate_results"
-        sampled = not validate and (it + 1) % self.cfg.rerun_stats_interval == 0
-        snap = capture_state(trainer) if (validate or sampled) else None
-        first = trainer._execute_step(attempt=0)
-        values = gather_step_values(trainer, first)
-        loss, norm = compute_global_values(values, trainer.job.layout.dp_size)
-        flags = compute_step_flags(loss, norm, self.history.losses, self.history.norms, self.cfg)
-        if not flags:
-            self.history.accept(loss, norm)
-        if sampled:
-            return self._report_stats(trainer, snap, values, flags)
-        if not (validate and flags):
-            return replace(first, flags=flags)
-        return self._validate(trainer, snap, values, flags)
+        """One step under the rerun mode; its pending metrics carry a StepCheck (None: unchecked)."""
+        if not self.validate and (trainer.iteration + 1) % self.cfg.rerun_stats_interval:
+            return trainer._execute_step()
+        point = capture_replay_point(trainer)
+        if self.validate:
+            record = {}
+            pending = trainer._execute_step(0, gate=lambda *a: self._check(trainer, record, *a))
+            return replace(pending, check=StepCheck(point, record["values"], code=record["code"]))
+        first = self._execute_held(trainer, 0)
+        restore_replay_point(trainer, point)
+        second = self._execute_held(trainer, 1)
+        trainer.optimizer.apply_step(second.prepared)
+        return replace(second, check=StepCheck(point, first.check, rerun_values=second.check))
 
-    def _report_stats(self, trainer, snap: StepSnapshot, values, flags):
-        restore_state(trainer, snap)
-        second = trainer._execute_step(attempt=1)
-        again = gather_step_values(trainer, second)
-        (loss, norm), (loss2, norm2) = (compute_global_values(v, trainer.job.layout.dp_size) for v in (values, again))
+    def _check(self, trainer, record: dict, loss, norm, prepared):
+        """The gate of a validated step: flags on the device; a flag holds this and later updates."""
+        if self._bands is None:
+            self._bands = DeviceBands(self.cfg, trainer.device)
+            self._hold = torch.zeros((), device=trainer.device)
+        record["values"] = values = gather_step_values(trainer, loss, norm)
+        code = self._bands.flag_and_accept(values, trainer.job.layout.dp_size)
+        if prepared.grad_norm is None:  # an fp16 overflow: the loss scaler's business, not a flag
+            code = torch.zeros_like(code)
+        record["code"] = code
+        self._hold = torch.maximum(self._hold, (code > 0).float())
+        return True, self._hold
+
+    @staticmethod
+    def _execute_held(trainer, attempt: int):
+        """An execution whose update is left out; its StepCheck slot holds its device values."""
+        values = {}
+
+        def hold(loss, norm, prepared):
+            values["v"] = gather_step_values(trainer, loss, norm)
+            return False, None
+
+        return replace(trainer._execute_step(attempt, gate=hold), check=values["v"])
+
+    # -- at the log interval ------------------------------------------------------------------
+    def settle(self, trainer, steps: list) -> tuple[list, bool]:
+        """The interval's steps with their flags and rerun reports, and whether a flagged step
+        was executed again (the held steps after it are then dropped: the list is shorter and
+        its last step new)."""
+        checked = [i for i, st in enumerate(steps) if st.check is not None]
+        if not checked:
+            return steps, False
+        dp = trainer.job.layout.dp_size
+        if not self.validate:
+            return [self._report_stats(st, dp) if st.check is not None else st for st in steps], False
+        codes = torch.stack([steps[i].check.code for i in checked]).cpu().tolist()
+        values = torch.stack([steps[i].check.values for i in checked]).cpu().tolist()
+        out, rerun_at = list(steps), None
+        for i, code, v in zip(checked, codes, values):
+            if code:
+                rerun_at = i
+                break
+            self.history.accept(*compute_global_values(v, dp))
+            out[i] = replace(steps[i], flags=())
+        if rerun_at is not None:
+            first = values[checked.index(rerun_at)]
+            out = out[:rerun_at] + [
+                self._rerun(trainer, steps[rerun_at], first, decode_flags(codes[checked.index(rerun_at)]))
+            ]
+        self._next_interval(trainer)
+        return out, rerun_at is not None
+
+    def _report_stats(self, st, dp: int):
+        first, second = st.check.values.cpu().tolist(), st.check.rerun_values.cpu().tolist()
+        (loss, norm), (loss2, norm2) = compute_global_values(first, dp), compute_global_values(second, dp)
+        deltas = (abs(loss2 - loss), abs(norm2 - norm))
+        self.spread = tuple(max(a, b) for a, b in zip(self.spread, deltas))
         report = {
             "mode": "report_stats",
-            "ranks": compute_differing_ranks(values, again),
-            "loss_delta": abs(loss2 - loss),
-            "grad_norm_delta": abs(norm2 - norm),
+            "ranks": compute_differing_ranks(first, second),
+            "loss_delta": deltas[0],
+            "grad_norm_delta": deltas[1],
         }
-        return replace(second, flags=flags, rerun=report)
+        return replace(st, rerun=report)
 
-    def _validate(self, trainer, snap: StepSnapshot, values, flags):
+    def _next_interval(self, trainer) -> None:
+        """The device's ring from the host's accepted history (held steps' entries dropped), no hold."""
+        if self._bands is not None:
+            self._bands.load(self.history)
+        self._hold = torch.zeros((), device=trainer.device)
+
+    def _rerun(self, trainer, flagged, first: list, flags: tuple[str, ...]):
+        """Execute the flagged step again from its ReplayPoint and classify it (module docstring)."""
+        point, dp = flagged.check.replay, trainer.job.layout.dp_size
         observer = trainer.replay_observer  # e.g. MegaScope's training view (see Trainer)
         if observer is not None:
-            observer.flagged(snap.iteration, flags)  # the flagged execution's grads are still in place
-        restore_state(trainer, snap)
-        with observer.replaying(snap.iteration) if observer is not None else contextlib.nullcontext():
-            second = trainer._execute_step(attempt=1)
-        again = gather_step_values(trainer, second)
-        ranks = compute_differing_ranks(values, again)
-        verdict = compute_rerun_verdict(ranks)
-        report = {"flag": list(flags), "verdict": verdict, "ranks": ranks}
-        trainer.tracer.mark_iteration(snap.iteration, "rerun", verdict=verdict, flag=",".join(flags))
+            observer.flagged(point.iteration, flags)  # the flagged execution's grads are still in place
+        restore_replay_point(trainer, point)
+        with observer.replaying(point.iteration) if observer is not None else contextlib.nullcontext():
+            second = self._execute_held(trainer, 1)
+        again = second.check.cpu().tolist()
+        ranks = compute_differing_ranks(first, again)
+        report = {"flag": list(flags), "deterministic": self.cfg.deterministic, "ranks": ranks}
+        difference = spread = None
+        if ranks and not self.cfg.deterministic:  # the run's own spread, measured on this step
+            restore_replay_point(trainer, point)
+            second, previous = self._execute_held(trainer, 2), again
+            again = second.check.cpu().tolist()
+            globals_ = [compute_global_values(v, dp) for v in (first, previous, again)]
+            difference = tuple(abs(a - b) for a, b in zip(globals_[0], globals_[1]))
+            spread = tuple(abs(a - b) for a, b in zip(globals_[1], globals_[2]))
+            report["spread"] = {"loss": spread[0], "grad_norm": spread[1]}
+        verdict = report["verdict"] = compute_rerun_verdict(
+            ranks, deterministic=self.cfg.deterministic, difference=difference, spread=spread
+        )
+        trainer.tracer.mark_iteration(point.iteration, "rerun", verdict=verdict, flag=",".join(flags))
         if observer is not None:
-            observer.classified(snap.iteration, report)
-        loss, norm = compute_global_values(again, trainer.job.layout.dp_size)
+            observer.classified(point.iteration, report)
+        loss, norm = compute_global_values(again, dp)
         if verdict == "transient" and not compute_step_flags(
             loss, norm, self.history.losses, self.history.norms, self.cfg
         ):
             self.history.accept(loss, norm)
-        if verdict == "reproducible" and self.cfg.skip_spiky_batches:
-            consumed = copy.deepcopy(trainer.data.state_dict())
-            restore_state(trainer, snap)
-            trainer.data.load_state_dict(consumed)
-            trainer.iteration += 1
+        if verdict == "reproducible" and self.cfg.skip_spiky_batches:  # consumed, not applied
             trainer.optimizer.skipped_iterations += 1
             report["skipped"] = True
             return replace(
                 second,
-                iteration=trainer.iteration,
                 skipped_nonfinite=None,
                 flags=flags,
                 rerun=report,
                 skipped_iterations=trainer.optimizer.skipped_iterations,
+                check=None,
             )
-        return replace(second, flags=flags, rerun=report)
+        trainer.optimizer.apply_step(second.prepared)
+        return replace(second, flags=flags, rerun=report, check=None)

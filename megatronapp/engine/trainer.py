@@ -7,8 +7,8 @@ with one all-reduce for the whole interval (no per-step host synchronisation).
 
 Every step is checked (engine/integrity.py): a non-finite loss or grad norm skips the update
 on the device and is named at the log interval, where the spiky-loss and large-grads bands
-are applied too. A rerun mode (engine/rerun.py) instead reads each step's numbers at once and
-re-executes a flagged step from a snapshot of the state before it.
+are applied too. A rerun mode (engine/rerun.py) instead checks each step before its update, on
+the device, and re-executes a flagged step from the same weights at the log interval.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatronapp import spans
 from megatronapp.config import JobConfig
 from megatronapp.engine.determinism import check_deterministic_mode, deterministic_attention_backend
+from megatronapp.engine.evaluation import EvalBatches, EvalResult, Evaluator
 from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.integrity import StepHistory
 from megatronapp.engine.mixed_precision import build_grads_and_optimizer
@@ -80,8 +81,10 @@ class _PendingStep:
     skipped_iterations: int
     skipped_nonfinite: torch.Tensor | None = None  # device flag: update skipped for a non-finite value
     first_nonfinite: torch.Tensor | None = None  # index in optimizer.norm_params, see StepResult
-    flags: tuple[str, ...] | None = None  # judged at the step (rerun modes); None: at the log interval
+    flags: tuple[str, ...] | None = None  # judged by the rerun mode (engine/rerun.py); None: at the log interval
     rerun: dict | None = None
+    prepared: object = None  # the optimizer's PreparedStep (an update the rerun mode applies itself)
+    check: object = None  # the rerun mode's record of the step (engine/rerun.py StepCheck)
 
 
 class Trainer:
@@ -111,6 +114,8 @@ class Trainer:
         # execution's grads are in place), replaying(iteration) (a context manager around its
         # rerun) and classified(iteration, report); set by a module such as MegaScope's training view
         self.replay_observer = None
+        # called with every EvalResult of evaluate() (e.g. by MegaScope's training view)
+        self.eval_observer = None
         t = job.train
         attention_backend = t.attention_backend
         if job.integrity.deterministic:
@@ -191,6 +196,7 @@ class Trainer:
             self.runtime = PipelineRuntime(self.model, groups, self.schedule, **runtime_kw)
         names = {p: name for c in self.chunks for name, p in c.named_parameters()}
         self.norm_param_names = [names.get(p) for p in self.optimizer.norm_params]
+        self._evaluator = None  # built at the first evaluation (of this model): a run without one pays nothing
 
     def rebuild(self, job: JobConfig) -> None:
         """Rebuild every layer-dependent part for `job` (the same job in another layer partition);
@@ -208,12 +214,30 @@ class Trainer:
         for c in self.chunks:
             c.tracer = None if tracer is NULL_TRACER else tracer
 
+    def evaluate(self, name: str, batches: EvalBatches) -> EvalResult:
+        """The loss of job.eval.eval_iters global batches of `batches` (forward only, eval mode;
+        engine/evaluation.py). Collective: every rank of the job calls it."""
+        if self._evaluator is None:
+            self._evaluator = Evaluator(self, self.job.eval.eval_iters)
+        result = self._evaluator.evaluate(name, batches)
+        if self.eval_observer is not None:
+            self.eval_observer(result)
+        return result
+
     def train_step(self) -> StepMetrics:
         """One optimizer step, with its metrics known on the host (one synchronisation)."""
         t0 = self.clock()
-        pending = self._run_step()
-        on_host = self._copy_to_host([pending])  # the sync: the step has really finished after it
-        return self._resolve([pending], on_host, self.clock() - t0)[0]
+        steps, on_host = self._settle([self._run_step()])  # the sync: the step has really finished after it
+        return self._resolve(steps, on_host, self.clock() - t0)[-1]
+
+    def _settle(self, steps: list[_PendingStep]) -> tuple[list[_PendingStep], torch.Tensor]:
+        """The steps' host copy (see _copy_to_host); a rerun mode then settles them (a flagged step
+        is executed again and the steps after it, whose updates it held, are dropped)."""
+        on_host = self._copy_to_host(steps)
+        if self.validator is None:
+            return steps, on_host
+        settled, rerun = self.validator.settle(self, steps)
+        return settled, self._copy_to_host(settled) if rerun else on_host
 
     def _run_step(self) -> _PendingStep:
         """One optimizer step; its loss, grad norm and compute time stay on the device (a rerun
@@ -222,8 +246,11 @@ class Trainer:
             return self.validator.run_step(self)
         return self._execute_step()
 
-    def _execute_step(self, attempt: int = 0) -> _PendingStep:
-        """One execution of the next optimizer step (`attempt` 1: its rerun)."""
+    def _execute_step(self, attempt: int = 0, gate=None) -> _PendingStep:
+        """One execution of the next optimizer step (`attempt` > 0: a rerun). `gate(loss, grad_norm,
+        prepared)` (the rerun modes' check, engine/rerun.py) runs after the step's checks and before
+        its update; it returns (apply, hold): apply False leaves the update to the caller (the
+        grads stay in place), hold is a device flag that skips the update (or None)."""
         it = self.iteration
         self.tracer.step_begin(it)
         # skipped steps do not advance the schedule
@@ -240,25 +267,28 @@ class Trainer:
         if self.fp8_states:  # the step's amaxes -> the next step's scales (one max-reduce over TP and DP)
             prec = self.job.precision
             update_delayed_scaling(self.fp8_states.values(), self.groups, prec.fp8_amax_compute_algo, prec.fp8_margin)
+        loss = loss.detach().float() if loss is not None and self.groups.tp_rank == 0 else None
         with self.tracer.span(spans.OPTIMIZER):
             # unscale + inf check, norm, (non-finite check,) clip, AdamW, params update
-            result = self.optimizer.step(check, self._loss_nonfinite(loss) if check else None)
+            prepared = self.optimizer.prepare_step(check, self._loss_nonfinite(loss) if check else None)
+            norm = prepared.grad_norm
+            norm = torch.full((), float("nan"), device=self.device) if norm is None else norm.detach()
+            apply, hold = (True, None) if gate is None else gate(loss, norm, prepared)
+            if apply:
+                self.optimizer.apply_step(prepared, hold)
         self.tracer.step_end(it)
         self.iteration += 1
-        loss = loss.detach().float() if loss is not None and self.groups.tp_rank == 0 else None
-        norm = (
-            torch.full((), float("nan"), device=self.device) if result.grad_norm is None else result.grad_norm.detach()
-        )
         return _PendingStep(
             self.iteration,
             lr,
             loss,
             norm,
             self.runtime.compute_timer.take(),
-            result.loss_scale,
+            prepared.loss_scale,
             self.optimizer.skipped_iterations,
-            result.skipped_nonfinite,
-            result.first_nonfinite,
+            prepared.skip,
+            prepared.first_nonfinite,
+            prepared=prepared,
         )
 
     def _loss_nonfinite(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -363,7 +393,7 @@ class Trainer:
                 )
         return named
 
-    def train(self, num_steps: int | None = None, on_step=None) -> list[StepMetrics]:
+    def train(self, num_steps: int | None = None, on_step=None, on_eval=None) -> list[StepMetrics]:
         """Run until train_iters (or num_steps more steps); on_step(metrics) for every step.
 
         Metrics reach the host only every `log_interval` steps (and at the end): between
@@ -371,19 +401,36 @@ class Trainer:
         from the previous interval's sync to this one's: the host running ahead of the device
         is not counted as progress, and the intervals tile the run (host work between them,
         such as on_step and checkpoints, falls in the next interval).
+
+        on_eval(iteration), when given, runs after every `eval_interval`-th step (engine/evaluation.py).
+        It does not move the log intervals (the learning rate learns of skipped steps there, so an
+        earlier report would change training); its time is left out of the step times, as Megatron
+        stops its interval timer around evaluation.
         """
         end = self.job.train.train_iters if num_steps is None else self.iteration + num_steps
-        interval = self.job.logging.log_interval
+        interval, eval_interval = self.job.logging.log_interval, self.job.eval.eval_interval
+        if self.validator is not None and self.replay_observer is not None:
+            interval = 1  # the observer reads a flagged execution's grads before the next step replaces them
         history, pending, t0 = [], [], self.clock()
         while self.iteration < end:
             pending.append(self._run_step())
             if self.iteration % interval == 0 or self.iteration == end:
-                on_host = self._copy_to_host(pending)
+                pending, on_host = self._settle(pending)
                 t1 = self.clock()
                 for m in self._resolve(pending, on_host, t1 - t0):
                     history.append(m)
                     if on_step is not None:
                         on_step(m)
                 pending, t0 = [], t1
+            if on_eval is not None and self.iteration % eval_interval == 0:
+                t0 += self._timed(on_eval, self.iteration)
         self.optimizer.finish_param_sync()  # --overlap-param-gather: params complete on return
         return history
+
+    def _timed(self, fn, *args) -> float:
+        """Seconds `fn` took, from the moment the device had finished the work queued before it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = self.clock()
+        fn(*args)
+        return self.clock() - start

@@ -102,8 +102,15 @@ def validate_fbd_job(job: JobConfig, cfg: FbdConfig, world_size: int) -> None:
         raise ConfigError(
             "forward-backward disaggregation's forward ranks do not run FP8 GEMMs: --fp8-format does not apply"
         )
+    if job.integrity.rerun_mode != "disabled":
+        raise ConfigError(
+            f"--rerun-mode {job.integrity.rerun_mode} executes a step again on each rank alone: a backward "
+            "rank's rerun would wait for activations its forward rank does not send again (not with "
+            "forward-backward disaggregation)"
+        )
     for what, size in (
         ("num attention heads", m.num_attention_heads),
+        ("num query groups", m.query_groups),
         ("ffn hidden size", m.ffn_size),
         ("padded vocab size", m.padded_vocab_size),
     ):

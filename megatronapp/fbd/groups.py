@@ -49,6 +49,7 @@ def build_role_groups(layout: RoleLayout, rank: int) -> RoleGroups:
             bwd.model_parallel_group_ranks(),
         )
     ]
+    embedding = new_member_group(bwd.embedding_group_ranks(), rank)
     world = new_member_group([list(range(layout.num_backward))], rank)
     ftp = new_member_group(layout.forward_tp_group_ranks(), rank)
     if coords.is_forward:
@@ -58,5 +59,5 @@ def build_role_groups(layout: RoleLayout, rank: int) -> RoleGroups:
         parallel = ParallelGroups(fwd, local, fwd.coords(local), ftp, None, None, None, pp_ranks, None)
     else:
         pp_ranks = tuple(bwd.rank_of(coords.tp, coords.dp, p) for p in range(layout.pp_size))
-        parallel = ParallelGroups(bwd, rank, bwd.coords(rank), *groups, pp_ranks, world)
+        parallel = ParallelGroups(bwd, rank, bwd.coords(rank), *groups, pp_ranks, world, embedding)
     return RoleGroups(layout, rank, coords, parallel)

@@ -51,7 +51,7 @@ class LayerCache:
         return self.cache.attn_mask
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: (B, local heads, S, D), rotary already applied to k
+        # k, v: (B, local key/value heads, S, D), rotary already applied to k
         keys, values = self.cache.keys[self.layer], self.cache.values[self.layer]
         if self.cache.static:
             columns = self.cache.start_t + torch.arange(k.shape[2], device=k.device)
@@ -64,7 +64,7 @@ class LayerCache:
         return keys[:, :, :end], values[:, :, :end]
 
     def keys_so_far(self, full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys (B, local heads, T, D), mask (B, 1, S, T)) over the T columns written so far,
+        """(keys (B, local key/value heads, T, D), mask (B, 1, S, T)) over the T columns written so far,
         this step's included (read by MegaScope's attention maps). `full` (static mode): all
         max_len columns, unwritten ones masked, so the shapes do not change between steps."""
         if full and self.cache.static:
@@ -83,14 +83,17 @@ def compute_static_length(max_len: int, seq_length: int) -> int:
 
 
 class KVCache:
-    """Keys and values of the layers one pipeline rank holds, for a batch of left-padded rows."""
+    """Keys and values of the layers one pipeline rank holds, for a batch of left-padded rows.
+
+    Sized by key/value heads: with grouped-query attention one per query group (a rank's
+    groups / TP), which the attention expands to its query heads after reading the cache."""
 
     def __init__(
         self,
         layers,
         *,
         batch: int,
-        local_heads: int,
+        local_kv_heads: int,
         head_dim: int,
         max_len: int,
         pad_left: torch.Tensor,
@@ -98,7 +101,7 @@ class KVCache:
         device,
         static: bool = False,
     ):
-        shape = (batch, local_heads, max_len, head_dim)
+        shape = (batch, local_kv_heads, max_len, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.max_len = max_len

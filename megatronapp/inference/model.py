@@ -104,7 +104,7 @@ class InferenceModel:
             self.cache = KVCache(
                 self.layers,
                 batch=batch,
-                local_heads=self.cfg.num_attention_heads // tp,
+                local_kv_heads=self.cfg.query_groups // tp,  # one key/value head per query group
                 head_dim=self.cfg.head_dim,
                 max_len=length,
                 pad_left=pad_left,

@@ -11,8 +11,10 @@ anything that cannot be converted, before any file is written).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from megatronapp.config import MODEL_PRESETS, ConfigError, ModelConfig
 
@@ -27,13 +29,31 @@ _TRAIN_FLAGS = {
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
     "hidden_dropout": "--hidden-dropout",
     "attention_dropout": "--attention-dropout",
+    "normalization": "--normalization",
+    "layernorm_epsilon": "--norm-epsilon",
+    "num_query_groups": "--num-query-groups",
+    "rotary_base": "--rotary-base",
+}
+# boolean fields: the flag that sets each value
+_TRAIN_SWITCHES = {
+    "swiglu": {True: "--swiglu"},
+    "add_bias_linear": {False: "--disable-bias-linear"},
+    "add_qkv_bias": {True: "--add-qkv-bias"},
+    "untie_embeddings_and_output_weights": {
+        True: "--untie-embeddings-and-output-weights",
+        False: "--tie-embeddings-and-output-weights",
+    },
 }
 
 
 def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", help="write a checkpoint in another framework's format")
     formats = export.add_subparsers(dest="format", required=True)
-    hf = formats.add_parser("hf", help="Hugging Face GPTNeoXForCausalLM folder (config.json, model.safetensors)")
+    hf = formats.add_parser(
+        "hf",
+        help="Hugging Face folder (config.json, model.safetensors): GPTNeoXForCausalLM, or for the Llama "
+        "family LlamaForCausalLM / Qwen2ForCausalLM (with a QKV bias and no other)",
+    )
     hf.add_argument("--load", required=True, help="checkpoint folder (with 'latest') or one iter_ folder")
     hf.add_argument("--out", required=True, help="output folder")
     hf.add_argument(
@@ -48,7 +68,7 @@ def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
 
     imp = sub.add_parser("import", help="write an engine checkpoint from another framework's model")
     formats = imp.add_subparsers(dest="format", required=True)
-    hf = formats.add_parser("hf", help="Hugging Face GPT-NeoX folder the engine's GPT can express")
+    hf = formats.add_parser("hf", help="Hugging Face GPT-NeoX, Llama or Qwen2 folder the engine's GPT can express")
     hf.add_argument("--from", dest="src", required=True, help="folder with config.json and model.safetensors")
     hf.add_argument("--save", required=True, help="checkpoint folder to create (must not hold one)")
     train = sub.choices.get("train")  # registered first by cli/main.py; its flags make the printed hint
@@ -71,7 +91,8 @@ def run_export_hf(args: argparse.Namespace) -> int:
         return _fail(exc)
     for w in warnings:
         print(f"megatronapp: warning: {w}", file=sys.stderr)
-    print(f"wrote {args.out}: load it with transformers.GPTNeoXForCausalLM.from_pretrained({str(args.out)!r})")
+    architecture = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
+    print(f"wrote {args.out}: load it with transformers.{architecture}.from_pretrained({str(args.out)!r})")
     return 0
 
 
@@ -81,7 +102,14 @@ def compute_train_hint(
     """(the `megatronapp train` command that rebuilds `cfg` with the flags it has, the fields
     no flag sets that differ from those of the preset `train` starts from)."""
     settable = {name: flag for name, flag in _TRAIN_FLAGS.items() if flag in train_flags and hasattr(cfg, name)}
-    flags = [f"{flag} {getattr(cfg, name)}" for name, flag in settable.items()]
+    flags = [f"{flag} {getattr(cfg, name)}" for name, flag in settable.items() if getattr(cfg, name) is not None]
+    if cfg.num_query_groups is not None and "--num-query-groups" in settable.values():
+        flags.append("--group-query-attention")
+    for name, by_value in _TRAIN_SWITCHES.items():
+        flag = by_value.get(getattr(cfg, name))
+        if flag in train_flags:
+            flags.append(flag)
+            settable[name] = flag
     if has_tokenizer:
         flags.append(f"--tokenizer-model {save}/tokenizer.json")
     default = MODEL_PRESETS.get(train_preset) or ModelConfig()

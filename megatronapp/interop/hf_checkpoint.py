@@ -1,4 +1,6 @@
-"""`export_hf` / `import_hf`: an engine checkpoint <-> a Hugging Face GPTNeoXForCausalLM folder.
+"""`export_hf` / `import_hf`: an engine checkpoint <-> a Hugging Face GPTNeoXForCausalLM,
+LlamaForCausalLM or Qwen2ForCausalLM folder (the model's family picks the format: hf_gptneox.py,
+hf_llama.py).
 
 Both check everything (config, tokenizer, every weight's name and shape) before the first
 file is written, so a refused conversion leaves nothing behind; every file is written to a
@@ -23,15 +25,8 @@ from megatronapp.engine.full_model import (
     save_full_checkpoint,
 )
 from megatronapp.files import write_text_atomic
-from megatronapp.interop.hf_gptneox import (
-    InteropError,
-    compute_hf_config,
-    compute_model_config,
-    convert_from_hf_tensors,
-    convert_to_hf_tensors,
-    load_hf_tensors,
-    save_hf_tensors,
-)
+from megatronapp.interop import hf_gptneox, hf_llama
+from megatronapp.interop.hf_gptneox import InteropError, load_hf_tensors, save_hf_tensors
 from megatronapp.interop.hf_tokenizer import compute_tokenizer_files, describe_hf_tokenizer
 
 
@@ -81,9 +76,14 @@ def export_hf(
     cfg = load_model_config(folder)
     state = load_full_state(folder)
     dtype = dtype or next(iter(state.values())).dtype
-    tensors = convert_to_hf_tensors(state, cfg.num_layers, dtype)
+    if hf_llama.llama_family(cfg):
+        tensors = hf_llama.convert_to_hf_tensors(state, cfg, dtype)
+    else:
+        hf_gptneox.check_exportable(cfg)
+        tensors = hf_gptneox.convert_to_hf_tensors(state, cfg.num_layers, dtype)
     tok_files, eos_id, warnings = _tokenizer_files(folder.parent, tokenizer_model, cfg)
-    config = compute_hf_config(cfg, eos_id=eos_id, dtype=dtype)
+    family = hf_llama if hf_llama.llama_family(cfg) else hf_gptneox
+    config = family.compute_hf_config(cfg, eos_id=eos_id, dtype=dtype)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise InteropError(f"--out {out} exists and is not a directory")
@@ -106,7 +106,8 @@ def read_hf_config(src: Path) -> dict:
 
 
 def import_hf(src: str | os.PathLike, save: str | os.PathLike) -> ModelConfig:
-    """Write an iteration-0 engine checkpoint in `save` from a GPT-NeoX folder; returns its config.
+    """Write an iteration-0 engine checkpoint in `save` from a GPT-NeoX, Llama or Qwen2 folder;
+    returns its config.
 
     The folder's tokenizer.json, if any, sets the unpadded vocabulary and is copied to
     `save`/tokenizer.json (train with --tokenizer-model pointing at it).
@@ -114,10 +115,13 @@ def import_hf(src: str | os.PathLike, save: str | os.PathLike) -> ModelConfig:
     src, save = Path(src), Path(save)
     hf = read_hf_config(src)
     tok_path = src / "tokenizer.json" if (src / "tokenizer.json").is_file() else None
-    cfg = compute_model_config(hf, HFTokenizer(tok_path).vocab_size if tok_path else None)
+    llama = hf.get("model_type") in hf_llama.HF_ARCHITECTURES
+    family = hf_llama if llama else hf_gptneox
+    cfg = family.compute_model_config(hf, HFTokenizer(tok_path).vocab_size if tok_path else None)
     if (save / "latest").exists():
         raise InteropError(f"--save {save} already holds a checkpoint (found 'latest'); choose an empty directory")
-    state = convert_from_hf_tensors(load_hf_tensors(src), cfg.num_layers)
+    tensors = load_hf_tensors(src)
+    state = family.convert_from_hf_tensors(tensors, cfg if llama else cfg.num_layers)
     try:
         chunks = build_full_model(cfg, state)
     except ValueError as exc:

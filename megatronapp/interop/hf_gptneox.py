@@ -122,11 +122,27 @@ def _rope_settings(hf: dict) -> tuple[float, float, str]:
     return float(theta), float(fraction), str(kind)
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise InteropError naming the first setting of `cfg` a GPTNeoXForCausalLM cannot express."""
+    problems = [
+        (cfg.normalization != "LayerNorm", f"normalization {cfg.normalization} (GPT-NeoX has LayerNorm)"),
+        (cfg.swiglu, "a SwiGLU MLP without RMSNorm (GPT-NeoX's MLP is GeLU; Llama's norm is RMSNorm)"),
+        (cfg.query_groups != cfg.num_attention_heads, "grouped-query attention (GPT-NeoX has multi-head attention)"),
+        (not cfg.add_bias_linear, "no linear biases (GPT-NeoX has them)"),
+        (not cfg.untie_embeddings_and_output_weights, "tied embeddings (GPT-NeoX's are untied)"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise InteropError(f"cannot export as {HF_ARCHITECTURE}: {message}")
+
+
 def check_expressible(hf: dict) -> None:
     """Raise InteropError naming the first GPT-NeoX setting the engine's GPT cannot express."""
     get = lambda key: hf.get(key, GPTNEOX_DEFAULTS.get(key))
     if hf.get("model_type") != "gpt_neox":
-        raise InteropError(f"model_type: {hf.get('model_type')!r} (only GPT-NeoX, 'gpt_neox', can be imported)")
+        raise InteropError(
+            f"model_type: {hf.get('model_type')!r} (GPT-NeoX 'gpt_neox', Llama 'llama' and Qwen2 'qwen2' can be imported)"
+        )
     _, fraction, kind = _rope_settings(hf)
     problems = [
         (get("use_parallel_residual"), "use_parallel_residual: true (the engine's layers are sequential; needs false)"),

@@ -1,11 +1,18 @@
 """GPT decoder with tensor parallelism, built as pipeline chunks.
 
-Pre-LayerNorm blocks: x + Drop(Attn(LN(x))), then x + Drop(MLP(LN(x))). Causal attention
+Pre-norm blocks: x + Drop(Attn(Norm(x))), then x + Drop(MLP(Norm(x))). Causal attention
 through torch's scaled_dot_product_attention (attention dropout inside it), rotary
-positions, GeLU MLP, untied input embedding and output head (Megatron's
---untie-embeddings-and-output-weights). Hidden dropout is keyed (parallel/random.py), so
-its masks do not depend on the layout; sequence parallelism and recompute are options of
-the same modules (parallel/layers.py, model/recompute.py).
+positions and grouped-query attention (model/attention.py), a GeLU or SwiGLU MLP
+(model/mlp.py), LayerNorm or RMSNorm, linear biases or none (ModelConfig names the family).
+Hidden dropout is keyed (parallel/random.py), so its masks do not depend on the layout;
+sequence parallelism and recompute are options of the same modules (parallel/layers.py,
+model/recompute.py).
+
+The output layer is untied by default (Megatron's --untie-embeddings-and-output-weights).
+Tied, it is a second parameter initialised from the embedding's name, so it starts equal to
+the embedding; the engine sums the two gradients before the update (GradReducer: in
+one process, or over the embedding group between the first and last pipeline stage, as
+Megatron does), so both take the same steps and stay equal.
 
 A `GPTChunk` holds a contiguous range of layers; the chunk with layer 0 also holds the
 embedding, the chunk with the last layer the final norm, output head and loss. Parameter
@@ -15,120 +22,20 @@ one layout can be loaded under any other.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatronapp import spans
-from megatronapp.config import ModelConfig, RecomputeConfig
-from megatronapp.model.attention_kernels import specialise_on_preference
+from megatronapp.config import ModelConfig
+from megatronapp.model.attention import Attention, rotary_tables
+from megatronapp.model.attention import apply_rotary as apply_rotary  # re-exported for plain twins
+from megatronapp.model.layer_parts import ChunkOptions, TPContext, build_norm, tp_linear_kwargs
+from megatronapp.model.mlp import MLP
 from megatronapp.model.recompute import compute_full_recompute_groups, recompute
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatronapp.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
+from megatronapp.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatronapp.parallel.partition import compute_chunk_layer_ranges, compute_stage_layers
-from megatronapp.parallel.random import DropoutKey, RNGStatesTracker, keyed_dropout
-
-
-@dataclass(frozen=True)
-class TPContext:
-    group: object | None
-    size: int
-    rank: int
-    sequence_parallel: bool = False  # activations outside TP blocks are (B, S/TP, H) shards
-
-
-@dataclass(frozen=True)
-class ChunkOptions:
-    """How the layers of a chunk run in training (not what they compute)."""
-
-    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
-    rng_tracker: RNGStatesTracker | None = None  # attention-dropout stream (needed when it is > 0)
-
-
-def rotary_tables(seq: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)  # (S, D/2)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, nh, S, D); rotate the two halves of each head dim (GPT-NeoX layout)
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _norm(cfg: ModelConfig, tp: TPContext, device) -> LayerNorm:
-    return LayerNorm(
-        cfg.hidden_size, cfg.layernorm_epsilon, tp_group=tp.group, sequence_parallel=tp.sequence_parallel, device=device
-    )
-
-
-def _tp_kwargs(tp: TPContext, seed: int, device) -> dict:
-    return dict(
-        tp_group=tp.group,
-        tp_size=tp.size,
-        tp_rank=tp.rank,
-        seed=seed,
-        device=device,
-        sequence_parallel=tp.sequence_parallel,
-    )
-
-
-class Attention(nn.Module):
-    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device, options: ChunkOptions):
-        super().__init__()
-        h = cfg.hidden_size
-        self.local_heads = cfg.num_attention_heads // tp.size
-        self.head_dim = cfg.head_dim
-        self.dropout_p = cfg.attention_dropout
-        self.options = options
-        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        kw = _tp_kwargs(tp, seed, device)
-        # Output rows are ordered (head, [q|k|v], head_dim) so a row slice gives whole heads.
-        self.qkv = ColumnParallelLinear(f"{name}.qkv", h, 3 * h, std=cfg.init_method_std, **kw)
-        self.proj = RowParallelLinear(f"{name}.proj", h, h, std=out_std, **kw)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, S, 3H/TP): sequence shards are gathered by the column-parallel linear
-        b, s, _ = qkv.shape
-        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, nh, S, D)
-        if cache is None:  # with a cache, cos/sin are already per row and column (B, 1, S, D/2)
-            cos, sin = cos[:s], sin[:s]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        specialise_on_preference()  # compiled graphs keep the kernel they were traced with
-        if cache is not None:  # inference: earlier steps' keys/values and the mask (inference/kv_cache.py)
-            k, v = cache.update(k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attn_mask)
-        elif self.options.recompute.granularity == "selective" and self.training:
-            y = recompute(self._core, q, k, v, rng_tracker=self.options.rng_tracker if self.dropout_p else None)
-        else:
-            y = self._core(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
-
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(D)) V with causal mask; attention dropout on the TP-rank stream."""
-        p = self.dropout_p if self.training else 0.0
-        if p == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        with self.options.rng_tracker.fork():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-
-
-class MLP(nn.Module):
-    def __init__(self, name: str, cfg: ModelConfig, tp: TPContext, seed: int, device):
-        super().__init__()
-        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        kw = _tp_kwargs(tp, seed, device)
-        self.fc1 = ColumnParallelLinear(f"{name}.fc1", cfg.hidden_size, cfg.ffn_size, std=cfg.init_method_std, **kw)
-        self.fc2 = RowParallelLinear(f"{name}.fc2", cfg.ffn_size, cfg.hidden_size, std=out_std, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+from megatronapp.parallel.random import DropoutKey, keyed_dropout
 
 
 class ResidualAttention(nn.Module):
@@ -139,7 +46,7 @@ class ResidualAttention(nn.Module):
     ):
         super().__init__()
         self.layer, self.dropout_p = layer, cfg.hidden_dropout
-        self.norm = _norm(cfg, tp, device)
+        self.norm = build_norm(cfg, tp, device)
         self.attn = Attention(name, cfg, tp, seed, device, options)
 
     def forward(
@@ -157,7 +64,7 @@ class ResidualMLP(nn.Module):
     def __init__(self, name: str, layer: int, cfg: ModelConfig, tp: TPContext, seed: int, device):
         super().__init__()
         self.layer, self.dropout_p = layer, cfg.hidden_dropout
-        self.norm = _norm(cfg, tp, device)
+        self.norm = build_norm(cfg, tp, device)
         self.mlp = MLP(name, cfg, tp, seed, device)
 
     def forward(self, x: torch.Tensor, dropout_key: DropoutKey | None = None) -> torch.Tensor:
@@ -223,19 +130,29 @@ class GPTChunk(nn.Module):
         self.first_layer, self.last_layer = first_layer, last_layer
         self.has_embedding = first_layer == 0
         self.has_head = last_layer == cfg.num_layers
-        kw = _tp_kwargs(tp, seed, device)
+        kw = tp_linear_kwargs(tp, seed, device)
         if self.has_embedding:
             self.embedding = VocabParallelEmbedding(
                 "embedding", cfg.padded_vocab_size, cfg.hidden_size, std=cfg.init_method_std, **kw
             )
+            if not cfg.untie_embeddings_and_output_weights:
+                self.embedding.weight.tied_embedding = "embedding"
         self.layers = nn.ModuleDict(
             {str(i): Block(i, cfg, tp, seed, device, self.options) for i in range(first_layer, last_layer)}
         )
         if self.has_head:
-            self.final_norm = _norm(cfg, tp, device)
+            self.final_norm = build_norm(cfg, tp, device)
+            tied = not cfg.untie_embeddings_and_output_weights
             self.output = ColumnParallelLinear(
-                "output", cfg.hidden_size, cfg.padded_vocab_size, std=cfg.init_method_std, bias=False, **kw
+                "embedding" if tied else "output",  # the name seeds the initial weight
+                cfg.hidden_size,
+                cfg.padded_vocab_size,
+                std=cfg.init_method_std,
+                bias=False,
+                **kw,
             )
+            if tied:  # which side of the tie (engine/grads.py sums the pair's gradients)
+                self.output.weight.tied_embedding = "output"
         cos, sin = rotary_tables(cfg.seq_length, cfg.head_dim, cfg.rotary_base, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -68,8 +68,9 @@ class GPTPipelineModel:
             if self.autocast_dtype
             else contextlib.nullcontext()
         )
+        key = self.dropout_key(tokens, ctx) if chunk.training else None  # eval mode: no hidden dropout
         with autocast, attention_backend_context(self.attention_backend):
-            out = chunk(x, labels, self.dropout_key(tokens, ctx))
+            out = chunk(x, labels, key)
         return out, (_mean_loss if ctx.is_last_stage else None)
 
     def input_spec(self, chunk_id: int, tokens: torch.Tensor) -> TensorSpec:

@@ -162,14 +162,15 @@ def _accumulate_fp8_weight_grad(
     grad_inv_scale: torch.Tensor,
     input_inv_scale: torch.Tensor,
 ) -> None:
-    """main_grad (out, in) fp32 (+)= dequant(grad_t) (out, T) @ dequant(input_cm) (T, in)."""
+    """main_grad (out, in) fp32 (or bf16: --main-grads-dtype) (+)= dequant(grad_t) (out, T) @ dequant(input_cm) (T, in)."""
+    out_dtype = main_grad.dtype
     if consume_first_write(main_grad):
         torch._scaled_mm(
-            grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale, out_dtype=torch.float32, out=main_grad
+            grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale, out_dtype=out_dtype, out=main_grad
         )
     else:
         main_grad.add_(
-            torch._scaled_mm(grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale, out_dtype=torch.float32)
+            torch._scaled_mm(grad_t, input_cm, scale_a=grad_inv_scale, scale_b=input_inv_scale, out_dtype=out_dtype)
         )
 
 

@@ -28,6 +28,8 @@ class ParallelGroups:
     # every rank of this layout (metrics, checkpoint barriers): the default group in a plain
     # job, the backward workers' subgroup under forward-backward disaggregation; None alone
     world: dist.ProcessGroup | None = None
+    # first and last pipeline stage of my pipeline: a tied embedding's gradients are summed over it
+    embedding: dist.ProcessGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -60,7 +62,7 @@ def destroy_subgroups(groups: ParallelGroups | None) -> None:
     """Destroy the TP/DP/PP/model-parallel groups this rank belongs to (not the default group)."""
     if groups is None or not dist.is_initialized():
         return
-    for group in {g for g in (groups.tp, groups.dp, groups.pp, groups.model_parallel) if g is not None}:
+    for group in {g for g in (groups.tp, groups.dp, groups.pp, groups.model_parallel, groups.embedding) if g}:
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
 
@@ -89,5 +91,6 @@ def build_process_groups(layout: ParallelLayout, rank: int) -> ParallelGroups:
     dp = new_member_group(layout.dp_group_ranks(), rank)
     pp = new_member_group(layout.pp_group_ranks(), rank)
     mp = new_member_group(layout.model_parallel_group_ranks(), rank)
+    embedding = new_member_group(layout.embedding_group_ranks(), rank)
     pp_ranks = tuple(layout.rank_of(coords.tp, coords.dp, p) for p in range(layout.pp_size))
-    return ParallelGroups(layout, rank, coords, tp, dp, pp, mp, pp_ranks, dist.group.WORLD)
+    return ParallelGroups(layout, rank, coords, tp, dp, pp, mp, pp_ranks, dist.group.WORLD, embedding)

@@ -246,3 +246,18 @@ class LayerNorm(nn.Module):
         w = sp_replicated(self.weight, self.tp_group, self.sequence_parallel)
         b = sp_replicated(self.bias, self.tp_group, self.sequence_parallel)
         return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the hidden dim (no bias, no centring); replicated
+    over TP as LayerNorm."""
+
+    def __init__(self, hidden: int, eps: float, *, tp_group=None, sequence_parallel: bool = False, device="cpu"):
+        super().__init__()
+        self.eps, self.tp_group, self.sequence_parallel = eps, tp_group, sequence_parallel
+        self.weight = mark_split(nn.Parameter(torch.ones(hidden, device=device)), None)
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = sp_replicated(self.weight, self.tp_group, self.sequence_parallel)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)

@@ -101,6 +101,16 @@ class ParallelLayout:
             for t in range(self.tp_size)
         ]
 
+    def embedding_group_ranks(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline (one rank when PP is 1): where the
+        input embedding and a tied output layer live. Example: TP 1, DP 2, PP 3 -> [[0, 4], [1, 5]]."""
+        last = self.pp_size - 1
+        return [
+            sorted({self.rank_of(t, d, 0), self.rank_of(t, d, last)})
+            for d in range(self.dp_size)
+            for t in range(self.tp_size)
+        ]
+
     def model_parallel_group_ranks(self) -> list[list[int]]:
         """Ranks holding one full model replica (all tp x pp for a fixed dp)."""
         return [

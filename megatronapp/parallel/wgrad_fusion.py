@@ -61,7 +61,9 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_out_2d: torch.Tensor, i
     """main_grad (out, in) fp32 += grad_out_2d^T (out, T) @ input_2d (T, in), accumulated in fp32
     (or = , once after mark_first_write)."""
     beta = 0.0 if consume_first_write(main_grad) else 1.0  # beta 0: C is not read, whatever it holds
-    if main_grad.device.type == "cuda" and grad_out_2d.dtype != torch.float32:
+    if main_grad.dtype == grad_out_2d.dtype:  # bf16 main grads (--main-grads-dtype bf16), or fp32 throughout
+        main_grad.addmm_(grad_out_2d.t(), input_2d, beta=beta)
+    elif main_grad.device.type == "cuda":
         torch.addmm(main_grad, grad_out_2d.t(), input_2d, beta=beta, out_dtype=torch.float32, out=main_grad)
     else:  # CPU has no mixed-dtype addmm: same maths, the inputs widened first
         main_grad.addmm_(grad_out_2d.t().float(), input_2d.float(), beta=beta)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from megatronapp.model.gpt import apply_rotary
+from megatronapp.model.attention import apply_rotary, expand_kv, split_qkv
 from megatronapp.scope.sites import layer_modules
 
 LENS = "_lens"  # internal: residual of the newest column, for the logit lens
@@ -80,8 +80,11 @@ class CaptureHooks:
             b, s, _ = output.shape
             cos, sin, *cache = self._attn_args[layer]
             cos, sin = self._rotary_tables(cos, sin, s, output.dtype)
-            qkv = output.detach().view(b, s, -1, 3, self.target.cfg.head_dim)
-            q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # (B, h, S, D)
+            cfg = self.target.cfg
+            per_group = cfg.num_attention_heads // cfg.query_groups
+            q, k, v = split_qkv(output.detach(), per_group, cfg.head_dim)  # (B, h, S, D), (B, groups, S, D) x 2
+            # keys and values per query head (a group's head repeated), so head indices mean one thing
+            k, v = expand_kv(k, per_group), expand_kv(v, per_group)
             wanted = self.sites & {"q", "k", "v"}
             if "attn_probs" in self.sites:  # with a cache, the keys come from it (this step's included)
                 wanted |= {"q"} if cache and cache[0] is not None else {"q", "k"}
@@ -112,6 +115,7 @@ class CaptureHooks:
                 hidden = None
                 if cache is not None:
                     keys, mask = cache.keys_so_far(self.full_keys)
+                    keys = expand_kv(keys, module.heads_per_group)  # the cache holds one head per group
                     hidden = self._hidden_mask(cache.attn_mask, mask)
                 else:
                     keys, mask = self.stash[(layer, "k")], None

@@ -193,11 +193,16 @@ class Perturber:
             if not self._active():
                 return None
             b, s, _ = output.shape
-            d = self.target.cfg.head_dim
-            view = output.view(b, s, -1, 3, d)  # (B, S, local heads, [q|k|v], D)
-            full = (b, s, view.shape[2] * self.target.tp_size, d)
-            out = view.clone()
-            out[:, :, :, which] = self._apply(view[:, :, :, which], layer, full, self._tp_shard(2))
+            cfg = self.target.cfg
+            d, per_group = cfg.head_dim, cfg.num_attention_heads // cfg.query_groups
+            out = output.view(b, s, -1, per_group + 2, d).clone()  # (B, S, local groups, [q.. | k | v], D)
+            # q: the query heads (group-major); k, v: one head per query group
+            rows = slice(0, per_group) if which == 0 else slice(per_group + which - 1, per_group + which)
+            part = out[:, :, :, rows].reshape(b, s, -1, d)  # (B, S, local heads or groups, D)
+            full = (b, s, part.shape[2] * self.target.tp_size, d)
+            out[:, :, :, rows] = self._apply(part, layer, full, self._tp_shard(2)).view(
+                b, s, -1, rows.stop - rows.start, d
+            )
             return out.view(b, s, -1)
 
         return hook

@@ -9,7 +9,8 @@ Per layer (the layer's Block in a GPTChunk):
                                     q and the cached keys (the SDPA kernel
                                     itself stays in use); T = keys so far
     attn_out    (B, S, H)           attention block output (after proj)    replicated
-    fc1         (B, S, F)           MLP activation GeLU(fc1(x)) = fc2 input  F
+    fc1         (B, S, F)           MLP activation = fc2 input: GeLU(fc1(x)),  F
+                                    SwiGLU: silu(gate(x)) * fc1(x)
     mlp_out     (B, S, H)           MLP output (after fc2)                   replicated
     residual    (B, S, H)           residual stream after the layer          replicated
 
@@ -17,9 +18,14 @@ At the end of a step, on the serving rank: `topk` (top-k next-token ids and prob
 the newest column) and `logit_lens` (log-probabilities (L, B, V) of the newest column's
 residual after each layer, through the final norm and output layer).
 
+With grouped-query attention, the captured k and v are per query head (each group's
+key/value head repeated for the query heads that share it), so a head index means the same
+head at q, k, v and attn_probs.
+
 Perturbations act on the same sites except attn_probs (computed inside the fused kernel);
 at q / k / v they change the projection output before rotary, which is where a fault in that
-matmul lands.
+matmul lands; with grouped-query attention a k or v perturbation's heads are key/value heads
+(query groups), since that is the tensor the model computes.
 """
 
 from __future__ import annotations

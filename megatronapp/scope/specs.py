@@ -178,7 +178,8 @@ def _validate_target(t: Target, cfg, param_shapes) -> None:
     check_layers(t.layers, cfg.num_layers)
     if t.heads is not None and t.site not in ("q", "k", "v"):
         raise ValueError(f"heads can only be targeted at q, k or v, not {t.site}")
-    check_heads(t.heads, cfg.num_attention_heads)
+    # k and v are perturbed where the model computes them: one head per query group
+    check_heads(t.heads, cfg.query_groups if t.site in ("k", "v") else cfg.num_attention_heads)
     width = {"fc1": cfg.ffn_size, "q": cfg.head_dim, "k": cfg.head_dim, "v": cfg.head_dim}.get(t.site, cfg.hidden_size)
     for c in t.channels or ():
         if not 0 <= c < width:

@@ -43,6 +43,7 @@ Server -> client:
     train_step   iteration, loss, lr, grad norm, per-layer weight/grad norms
     train_rerun  --rerun-mode validate_results: a flagged step's flags and verdict, per-layer grad
                  norms of the flagged execution and of its rerun, per-layer activation RMS of the rerun
+    train_eval   --eval-interval: a validation or test loss (split, iteration, loss, perplexity)
     probe        every K steps: probe prompt top-k and per-layer activation stats (+ tensor frames)
     train_state  paused / running, iteration
     role         your role changed (driver / watcher)
@@ -237,6 +238,14 @@ class TrainRerun(_Msg):
     layer_grad_norms_flagged: list[float]
     layer_grad_norms_rerun: list[float]
     layer_act_rms_rerun: list[float]  # RMS of each layer's output over the rerun's microbatches
+
+
+class TrainEval(_Msg):
+    type: Literal["train_eval"] = "train_eval"
+    split: Literal["valid", "test"]
+    iteration: int  # optimizer steps completed when it ran
+    loss: float
+    ppl: float
 
 
 class Probe(_Msg):

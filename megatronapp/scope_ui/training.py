@@ -93,6 +93,7 @@ class TrainingScope:
         self.paused, self.steps_allowed, self.closed = paused, 0, False
         self.history = collections.deque(maxlen=HISTORY)  # TrainStep messages a new tab is sent first
         self.reruns = collections.deque(maxlen=HISTORY)  # and the TrainRerun messages
+        self.evals = collections.deque(maxlen=HISTORY)  # and the TrainEval messages
         self.history_lock = threading.Lock()
         self.reports: queue.Queue = queue.Queue()  # (metrics, pending norms) or a message; None ends
         self.reporter = threading.Thread(target=self._report_loop, name="scope-train-report", daemon=True)
@@ -101,6 +102,7 @@ class TrainingScope:
             from megatronapp.scope_ui.replay import FlaggedStepReplay
 
             trainer.replay_observer = FlaggedStepReplay(trainer, self.norms, self.reports.put)
+        trainer.eval_observer = self.after_eval  # validation / test losses: the loss curve's second series
 
     def welcome_fields(self) -> dict:
         from megatronapp.scope_ui.runner import welcome_fields
@@ -111,7 +113,7 @@ class TrainingScope:
         from megatronapp.scope_ui import protocol as P
 
         with self.history_lock:
-            steps = list(self.history) + list(self.reruns)
+            steps = list(self.history) + list(self.reruns) + list(self.evals)
         return [*steps, P.TrainState(paused=self.paused, waiting=False, iteration=self.trainer.iteration)]
 
     def decode_token(self, token_id: int) -> str:
@@ -163,6 +165,15 @@ class TrainingScope:
         return step
 
     # -- training thread -------------------------------------------------------------------
+    def after_eval(self, result) -> None:
+        """An evaluation's result (engine/evaluation.py's EvalResult), sent after the steps before it."""
+        from megatronapp.scope_ui import protocol as P
+
+        message = P.TrainEval(split=result.name, iteration=result.iteration, loss=result.loss, ppl=result.ppl)
+        with self.history_lock:
+            self.evals.append(message)
+        self.reports.put(message)
+
     def wrap(self, on_step):
         def scoped_on_step(metrics) -> None:
             on_step(metrics)
@@ -203,6 +214,7 @@ class TrainingScope:
 
     def close(self) -> None:
         self.trainer.replay_observer = None
+        self.trainer.eval_observer = None
         with self.cond:
             self.closed = True
             self.cond.notify_all()

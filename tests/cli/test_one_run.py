@@ -31,6 +31,7 @@ ADAPTERS = {
     "interop/cli.py",
     "scan/cli.py",
     "scan/trace_run.py",
+    "scan/probe_run.py",
     "scope/cli.py",
     "scope_ui/cli.py",
     "faultlab/evaluation/cli.py",

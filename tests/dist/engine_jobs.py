@@ -35,8 +35,9 @@ class RandomTokenBatches:
 
 def make_job(world: int, tp: int = 1, pp: int = 1, vpp: int = 1, schedule: str = "1f1b",
              global_batch: int = 8, micro_batch: int = 1, iters: int = 3, num_layers: int = 4,
-             model_kw: dict | None = None, stage_layers: tuple[int, ...] = (), **train_kw) -> JobConfig:
-    model = model_preset("tiny", num_layers=num_layers, seq_length=16, **(model_kw or {}))
+             model_kw: dict | None = None, stage_layers: tuple[int, ...] = (), preset: str = "tiny",
+             **train_kw) -> JobConfig:
+    model = model_preset(preset, num_layers=num_layers, seq_length=16, **(model_kw or {}))
     train_kw = {"lr_warmup_iters": 0, "min_lr": 0.0, **train_kw}
     job = build_job(model, build_layout(world, tp, pp, vpp, stage_layers), micro_batch_size=micro_batch,
                     global_batch_size=global_batch, train_iters=iters, lr=3e-3, schedule=schedule,

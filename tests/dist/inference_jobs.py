@@ -14,9 +14,9 @@ from megatronapp.parallel.groups import build_process_groups
 PROMPTS = [[72, 101, 108, 108, 111], [84, 104, 101], [1, 2, 3, 4, 5, 6]]
 
 
-def save_tiny_checkpoint(save_dir: str, iters: int = 3) -> None:
+def save_tiny_checkpoint(save_dir: str, iters: int = 3, preset: str = "tiny") -> None:
     """Train the tiny model (seq 16) a few steps in this process and save it."""
-    job = make_job(1, iters=iters)
+    job = make_job(1, iters=iters, preset=preset)
     groups = build_process_groups(job.layout, 0)
     data = RandomTokenBatches(job, 0)
     trainer = Trainer(job, groups, torch.device("cpu"), data)

@@ -14,7 +14,7 @@ from engine_jobs import RandomTokenBatches
 from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
 from megatronapp.engine.trainer import Trainer
-from megatronapp.job import build_job, validate_job
+from megatronapp.job import build_job, replace_fields, validate_job
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.scope_ui.protocol import Limits
 from megatronapp.scope_ui.server import Hub, RunningServer, ServerConfig
@@ -56,11 +56,14 @@ def start_generation_server(ckpt: str, limits: Limits | None = None, token: str 
 class TrainingServer:
     """A Trainer stepping in a thread with the training view attached (as train --scope does)."""
 
-    def __init__(self, trainer: Trainer | None = None):
+    def __init__(self, trainer: Trainer | None = None, eval_every: int | None = None):
         from megatronapp.data.tokenizer import load_tokenizer
         from megatronapp.scope_ui.training import TrainingScope
 
         self.trainer = trainer or build_trainer(iters=10**6)
+        self.eval_every = eval_every  # a validation loss every N steps (2 batches of held-out tokens)
+        if eval_every:
+            self.trainer.job = replace_fields(self.trainer.job, eval_interval=eval_every, eval_iters=2)
         cfg = ServerConfig(port=0)
         self.backend = TrainingScope(self.trainer, load_tokenizer(None), "The quick brown fox", 5,
                                      cfg.limits.max_perturbations)
@@ -75,6 +78,10 @@ class TrainingServer:
         on_step = self.backend.wrap(lambda m: None)
         while not self.stop_flag.is_set():
             self.trainer.train(num_steps=1, on_step=on_step)
+            if self.eval_every and self.trainer.iteration % self.eval_every == 0:
+                from eval_jobs import HeldOutTokenBatches
+
+                self.trainer.evaluate("valid", HeldOutTokenBatches(self.trainer.job, 0))
 
     def stop(self) -> None:
         self.stop_flag.set()

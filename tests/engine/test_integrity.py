@@ -174,7 +174,13 @@ def test_one_step_corruption_is_rerun_classified_transient_and_training_matches_
     out = train_with_hook(0, 1, job, Corruption(iteration=7, ranks=[0], loss_add=100.0, grad_scale=1e3))
     flagged = [r for r in out["rows"] if r["flags"]]
     assert [r["iteration"] for r in flagged] == [8]
-    assert flagged[0]["rerun"] == {"flag": ["spiky_loss", "large_grads"], "verdict": "transient", "ranks": [0]}
+    assert flagged[0]["rerun"] == {
+        "flag": ["spiky_loss", "large_grads"],
+        "verdict": "transient",
+        "ranks": [0],
+        "deterministic": False,
+        "spread": {"loss": 0.0, "grad_norm": 0.0},  # two more executions agree: the first one was off
+    }
     assert [r["loss"] for r in out["rows"]] == _clean_losses(10)
     assert out["marks"] == [(7, "rerun", {"verdict": "transient", "flag": "spiky_loss,large_grads"})]
 
@@ -182,7 +188,12 @@ def test_one_step_corruption_is_rerun_classified_transient_and_training_matches_
 def test_reproducibly_bad_batch_is_classified_reproducible_and_can_be_skipped():
     hook = Corruption(iteration=7, ranks=[0], every_attempt=True, grad_scale=1e3)
     out = train_with_hook(0, 1, integrity_job(iters=9, **CHECKS), hook)
-    assert out["rows"][7]["rerun"] == {"flag": ["large_grads"], "verdict": "reproducible", "ranks": []}
+    assert out["rows"][7]["rerun"] == {
+        "flag": ["large_grads"],
+        "verdict": "reproducible",
+        "ranks": [],
+        "deterministic": False,
+    }
     assert out["rows"][7]["skipped_iterations"] == 0
     skipped = train_with_hook(0, 1, integrity_job(iters=9, skip_spiky_batches=True, **CHECKS), hook)
     assert skipped["rows"][7]["rerun"]["skipped"] and skipped["rows"][7]["skipped_iterations"] == 1
@@ -194,7 +205,11 @@ def test_transient_fault_on_one_data_parallel_rank_names_that_rank(cluster):
     reports = cluster.run(train_with_hook, 2, job, Corruption(iteration=6, ranks=[1], grad_scale=1e3))
     clean = _clean_losses(9, world=2, cluster=cluster)
     for rep in reports:
-        assert rep["rows"][6]["rerun"] == {"flag": ["large_grads"], "verdict": "transient", "ranks": [1]}
+        assert {k: rep["rows"][6]["rerun"][k] for k in ("flag", "verdict", "ranks")} == {
+            "flag": ["large_grads"],
+            "verdict": "transient",
+            "ranks": [1],
+        }
         assert [r["loss"] for r in rep["rows"]] == clean
 
 

@@ -42,3 +42,4 @@ def test_master_adamw_kernel_equals_torch_adamw_in_the_interpreter():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.count("max |kernel - torch|") == 4, done.stdout
     assert "skip flag: nothing written" in done.stdout, done.stdout
+    assert "remainders: masters equal the fp32-master kernel's bit for bit" in done.stdout, done.stdout

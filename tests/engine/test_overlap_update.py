@@ -36,7 +36,7 @@ def test_gpt_units_cover_every_parameter_once_in_forward_order(first, last):
         assert id(chunk.output.weight) in {id(p) for p in units[-1][1]}
 
 
-def _train_bf16(overlap: bool) -> tuple[list[float], list[float], bool]:
+def _train_bf16(overlap: bool, **precision_kw) -> tuple[list[float], list[float], bool]:
     job = build_job(
         model_preset("small", num_layers=4, seq_length=128),
         build_layout(1, 1, 1),
@@ -47,6 +47,7 @@ def _train_bf16(overlap: bool) -> tuple[list[float], list[float], bool]:
         clip_grad=1.0,
         bf16=True,
         overlap_param_update=overlap,
+        **precision_kw,
     )
     torch.manual_seed(0)
     trainer = Trainer(job, single_process_groups(), torch.device("cuda"), RandomTokenBatches(job, 0))
@@ -79,6 +80,27 @@ def test_overlapped_update_trains_as_the_serial_update(delay, monkeypatch):
     torch.testing.assert_close(o_losses, losses, rtol=2e-3, atol=0)
     torch.testing.assert_close(o_norms, norms, rtol=2e-3, atol=0)
     assert rounded and o_rounded
+
+
+PRECISION_AWARE = {
+    "use_precision_aware_optimizer": True,
+    "exp_avg_dtype": "bf16",
+    "exp_avg_sq_dtype": "bf16",
+    "main_grads_dtype": "bf16",
+}
+
+
+@pytest.mark.gpu
+def test_overlapped_precision_aware_update_trains_as_its_serial_update(monkeypatch):
+    """Remainders, bf16 moments and bf16 main grads, unit by unit on the side stream (held back)."""
+    from megatronapp.engine import overlap_update
+
+    monkeypatch.setattr(overlap_update, "LAUNCH_DELAY_CYCLES", LATE)
+    losses, norms, _ = _train_bf16(False, **PRECISION_AWARE)
+    o_losses, o_norms, _ = _train_bf16(True, **PRECISION_AWARE)
+    assert abs(losses[-1] - losses[0]) > 0.05
+    torch.testing.assert_close(o_losses, losses, rtol=2e-3, atol=0)
+    torch.testing.assert_close(o_norms, norms, rtol=2e-3, atol=0)
 
 
 @pytest.mark.gpu

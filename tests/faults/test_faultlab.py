@@ -147,3 +147,26 @@ def test_a_clean_pipeline_with_rebalancing_on_never_moves_layers(tmp_path):
     _need_root()
     rows = _rebalanced_run(tmp_path, ())
     assert not [r for r in rows if r.get("rebalance")]
+
+
+@pytest.mark.parametrize("rate_mbit", [200])
+def test_the_link_probe_measures_a_rate_limited_link_and_names_it_with_its_direction(tmp_path, rate_mbit):
+    """PP2 x DP2, each rank its own namespace, pipeline link 1 -> 3 limited by tc: the probe measures
+    it near its rate, its reverse and every other link far above, and names that link alone."""
+    import json
+
+    _need_namespaces()
+    support = probe_qdiscs()
+    if not (support.htb_u32 or support.tbf):
+        pytest.skip("neither htb+u32 nor tbf qdiscs are available here")
+    import megatronapp.scan.probe_run as probe_run
+
+    out = tmp_path / "probe.json"
+    job = ScriptJob(probe_run.__file__, ("--pipeline-model-parallel-size", "2", "--out", str(out)), nproc=4)
+    result = run_lab(LabPlan(job, (SlowLink(1, 3, rate_mbit),), nodes=4, tag="probe"), tmp_path / "trace")
+    assert result.returncode == 0, result.log.read_text()[-3000:]
+    found = json.loads(out.read_text())
+    links = {(m["src"], m["dst"]): m["mbytes_per_s"] for m in found["links"]}
+    assert found["slow"] == [[1, 3]], (sorted(links.items()), result.applied)
+    assert links[(1, 3)] < 1.5 * rate_mbit / 8  # MB/s: the limit, allowing for the token bucket's burst
+    assert links[(3, 1)] > 4 * links[(1, 3)]

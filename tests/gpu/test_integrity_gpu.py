@@ -131,7 +131,14 @@ def test_transient_corruption_is_classified_on_the_gpu():
         rows = trainer.train()
         losses[name] = [r.loss for r in rows]
         if hook is not None:
-            assert rows[7].rerun == {"flag": ["large_grads"], "verdict": "transient", "ranks": [0]}
+            report = rows[7].rerun  # the 1000x grads are far beyond the spread of two reruns
+            assert {k: report[k] for k in ("flag", "verdict", "ranks", "deterministic")} == {
+                "flag": ["large_grads"],
+                "verdict": "transient",
+                "ranks": [0],
+                "deterministic": False,
+            }
+            assert report["spread"]["grad_norm"] < 1e-2 * rows[7].grad_norm
     # two GPU runs of the default (non-deterministic) mode agree to rounding, not bit for bit;
     # the 1000x grads of iteration 7, had they been applied, would move the later losses far more
     torch.testing.assert_close(losses["corrupt"], losses["clean"], rtol=1e-3, atol=1e-3)

@@ -261,7 +261,7 @@ def test_train_cli_resumes_from_an_import(checkpoints, tmp_path, capsys):
         ("hidden_act", "gelu"),
         ("attention_bias", False),
         ("rope_scaling", {"type": "linear", "factor": 2.0}),
-        ("model_type", "llama"),
+        ("model_type", "mistral"),
     ],
 )
 def test_unexpressible_config_is_refused_in_one_line(checkpoints, tmp_path, capsys, field, value):

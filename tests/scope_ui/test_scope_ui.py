@@ -140,3 +140,19 @@ def test_training_view_curve_grows_pause_resume(browser, shots):
     finally:
         page.close()
         training.stop()
+
+
+def test_training_view_draws_validation_loss_beside_the_loss(browser, shots):
+    torch.set_num_threads(1)
+    training = TrainingServer(eval_every=2)
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(training.server.url)
+        page.wait_for_function("Number(document.getElementById('loss-curve').dataset.secondPoints || 0) >= 2")
+        assert page.locator("#loss-curve path.second").count() == 1
+        assert "validation:" in page.text_content("#loss-curve")
+        page.screenshot(path=str(shots / "training_validation.png"), full_page=True)
+    finally:
+        page.close()
+        training.stop()

@@ -80,3 +80,31 @@ def test_step_report_precedes_the_waiting_state():
         assert not worker.is_alive()
     finally:
         scope.close()
+
+
+def test_evaluations_reach_the_page_after_their_steps():
+    torch.set_num_threads(1)
+    from eval_jobs import HeldOutTokenBatches
+
+    from megatronapp.job import replace_fields
+
+    trainer = build_trainer(iters=10)
+    trainer.job = replace_fields(trainer.job, eval_interval=2, eval_iters=2)
+    scope = TrainingScope(trainer, load_tokenizer(None), "The quick", 100, 4)
+    scope.hub = hub = _RecordingHub()
+    try:
+        trainer.train(num_steps=2, on_step=scope.wrap(lambda m: None))
+        result = trainer.evaluate("valid", HeldOutTokenBatches(trainer.job, 0))
+        deadline = time.monotonic() + 60
+        while not any(isinstance(m, P.TrainEval) for m in hub.messages):
+            assert time.monotonic() < deadline, hub.messages
+            time.sleep(0.01)
+        with hub.lock:
+            kinds = [type(m).__name__ for m in hub.messages]
+        assert kinds.index("TrainEval") > max(i for i, k in enumerate(kinds) if k == "TrainStep")
+        message = next(m for m in hub.messages if isinstance(m, P.TrainEval))
+        assert (message.split, message.iteration, message.loss, message.ppl) == ("valid", 2, result.loss, result.ppl)
+        assert message in scope.backlog()  # a tab that connects later gets it too
+    finally:
+        scope.close()
+    assert trainer.eval_observer is None

@@ -13,7 +13,7 @@ const $ = (id) => document.getElementById(id);
 const newRun = () => ({ prompt: [], tokens: [], attn: {}, resid: {}, done: false });
 export const state = {
   welcome: null, role: "watcher", layer: 0, head: 0, selected: null, runs: {}, view: "clean",
-  compare: null, perturbations: [], train: { steps: [], reruns: [], probe: null, paused: false, probeAttn: {}, probeResid: {} },
+  compare: null, perturbations: [], train: { steps: [], reruns: [], evals: [], probe: null, paused: false, probeAttn: {}, probeResid: {} },
 };
 window.__scope = { state, latencies: [], arrivals: [], draws: [], tokensSeen: 0 };
 
@@ -86,6 +86,7 @@ const handlers = {
   perturbations(m) { state.perturbations = m.active; renderPerturbations($("perturb-panel"), state); },
   train_step(m) { state.train.steps.push(m); scheduleDraw(); },
   train_rerun(m) { state.train.reruns.push(m); scheduleDraw(); },
+  train_eval(m) { state.train.evals.push(m); scheduleDraw(); },
   probe(m) { state.train.probe = m; scheduleDraw(); },
   train_state(m) { Object.assign(state.train, { paused: m.paused, waiting: m.waiting, iteration: m.iteration }); scheduleDraw(); },
   error(m) {

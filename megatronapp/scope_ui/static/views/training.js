@@ -1,4 +1,4 @@
-// Training view: loss / LR / grad-norm curves, per-layer weight and gradient norms, a flagged step against
+// Training view: loss (and validation loss) / LR / grad-norm curves, per-layer weight and gradient norms, a flagged step against
 // its rerun, probe top-k, controls.
 import { trainControl } from "../protocol.js";
 
@@ -10,17 +10,28 @@ export function setupTraining(send) {
   $("step").onclick = () => send(trainControl("step"));
 }
 
-function curve(svg, xs, ys, label) {
+const finitePoints = (xs, ys) => ys.map((y, i) => [xs[i], y]).filter(([, y]) => Number.isFinite(y));
+
+// One series, or two on shared axes (`second`: {xs, ys, label}, e.g. validation loss beside the training loss,
+// drawn with dots: it has a point every --eval-interval steps).
+function curve(svg, xs, ys, label, second = null) {
   const W = +svg.getAttribute("width"), H = +svg.getAttribute("height");
-  const ok = ys.map((y, i) => [xs[i], y]).filter(([, y]) => Number.isFinite(y));
+  const ok = finitePoints(xs, ys), more = second ? finitePoints(second.xs, second.ys) : [];
   svg.dataset.points = String(ok.length);
-  if (!ok.length) { svg.innerHTML = ""; return; }
-  const x0 = ok[0][0], x1 = ok[ok.length - 1][0], lo = Math.min(...ok.map((p) => p[1])), hi = Math.max(...ok.map((p) => p[1]));
+  svg.dataset.secondPoints = String(more.length);
+  const all = ok.concat(more);
+  if (!all.length) { svg.innerHTML = ""; return; }
+  const x0 = Math.min(...all.map((p) => p[0])), x1 = Math.max(...all.map((p) => p[0]));
+  const lo = Math.min(...all.map((p) => p[1])), hi = Math.max(...all.map((p) => p[1]));
   const sx = (x) => 40 + ((x - x0) / (x1 - x0 || 1)) * (W - 50), sy = (y) => H - 20 - ((y - lo) / (hi - lo || 1)) * (H - 40);
-  const d = ok.map(([x, y], i) => `${i ? "L" : "M"}${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join("");
-  svg.innerHTML = `<text x="40" y="12" font-size="11">${label}: ${ok[ok.length - 1][1].toPrecision(4)}</text>` +
+  const path = (pts) => pts.map(([x, y], i) => `${i ? "L" : "M"}${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join("");
+  const title = ok.length ? `${label}: ${ok[ok.length - 1][1].toPrecision(4)}` : label;
+  const title2 = more.length ? `<tspan fill="#e65100">  ${second.label}: ${more[more.length - 1][1].toPrecision(4)}</tspan>` : "";
+  svg.innerHTML = `<text x="40" y="12" font-size="11">${title}${title2}</text>` +
     `<text x="2" y="${H - 20}" font-size="9">${lo.toPrecision(3)}</text><text x="2" y="28" font-size="9">${hi.toPrecision(3)}</text>` +
-    `<path d="${d}" fill="none" stroke="#1565c0" stroke-width="1.5"/>`;
+    (ok.length ? `<path d="${path(ok)}" fill="none" stroke="#1565c0" stroke-width="1.5"/>` : "") +
+    (more.length ? `<path class="second" d="${path(more)}" fill="none" stroke="#e65100" stroke-width="1.5"/>` +
+      more.map(([x, y]) => `<circle cx="${sx(x).toFixed(1)}" cy="${sy(y).toFixed(1)}" r="2.5" fill="#e65100"/>`).join("") : "");
 }
 
 function bars(title, values) {
@@ -44,7 +55,9 @@ function rerunStats(reruns) {
 
 export function renderTraining(train) {
   const it = train.steps.map((s) => s.iteration);
-  curve($("loss-curve"), it, train.steps.map((s) => s.loss), "loss");
+  const valid = train.evals.filter((e) => e.split === "valid");
+  curve($("loss-curve"), it, train.steps.map((s) => s.loss), "loss",
+    { xs: valid.map((e) => e.iteration), ys: valid.map((e) => e.loss), label: "validation" });
   curve($("lr-curve"), it, train.steps.map((s) => s.lr), "lr");
   curve($("gn-curve"), it, train.steps.map((s) => s.grad_norm), "grad norm");
   const last = train.steps[train.steps.length - 1];

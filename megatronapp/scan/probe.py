@@ -1,0 +1,140 @@
+"""A link probe that measures what a trace can only infer: each directed link's bandwidth.
+
+A rank descheduled by the operating system wakes late from every receive, so in a trace its
+incoming link looks slow; a rate-limited link whose messages are small costs the iteration a few
+milliseconds and hides in the noise. The probe settles both by measuring. Over the job's own
+process group and backend (gloo or NCCL), every directed pair of the job's pipeline and
+collective neighbours runs a timed ping-pong while the other ranks wait: the sender sends
+`payload_bytes`, the receiver answers with one element, and the link's time is the fastest round
+trip less the fastest small-message round trip measured first on the same pair, so the reverse direction's
+latency is not charged to it. Pairs take turns in one global order, so no two probes share a
+link or a core, and no order of pairs can deadlock (the earliest unfinished pair always has both
+of its ranks at it).
+
+`compute_probe_pairs` and `find_slow_links` are pure; `measure_links` is collective over every
+rank of the group.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.parallel.layout import ParallelLayout
+
+SLOW_FRACTION = 0.25  # a link below this share of its peers' median bandwidth is named, whatever it costs today
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    src: int
+    dst: int
+    kind: str  # "pipeline", "data" or "tensor": which of the job's groups the link carries
+    mbytes_per_s: float
+    round_trip_s: float  # fastest of the repeats, payload one way and one element back
+    latency_s: float  # fastest small-message round trip
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compute_probe_pairs(layout: ParallelLayout) -> list[tuple[int, int, str]]:
+    """(src, dst, kind) for every directed link the job's traffic uses: neighbours along each
+    pipeline (and the last stage back to the first under virtual stages), and ring neighbours in
+    each data- and tensor-parallel group (the rings a collective's messages follow)."""
+    pairs: dict[tuple[int, int], str] = {}
+    for group in layout.pp_group_ranks():
+        wrap = layout.virtual_pp_size > 1 and len(group) > 2
+        for a, b in zip(group, group[1:] + (group[:1] if wrap else [])):
+            pairs.setdefault((a, b), "pipeline")
+            pairs.setdefault((b, a), "pipeline")
+    for kind, groups in (("data", layout.dp_group_ranks()), ("tensor", layout.tp_group_ranks())):
+        for group in groups:
+            if len(group) < 2:
+                continue
+            for a, b in zip(group, group[1:] + group[:1]):
+                pairs.setdefault((a, b), kind)
+                pairs.setdefault((b, a), kind)
+    return sorted((a, b, kind) for (a, b), kind in pairs.items())
+
+
+def find_slow_links(
+    links: list[LinkMeasurement], fraction: float = SLOW_FRACTION
+) -> list[tuple[LinkMeasurement, float]]:
+    """Links measured below `fraction` of the median of the other links of their kind (of every
+    link where their kind has no other), slowest first, each with that median."""
+    slow = []
+    for link in links:
+        peers = [x.mbytes_per_s for x in links if x.kind == link.kind and x is not link]
+        peers = peers or [x.mbytes_per_s for x in links if x is not link]
+        if peers and link.mbytes_per_s < fraction * statistics.median(peers):
+            slow.append((link, statistics.median(peers)))
+    return sorted(slow, key=lambda s: s[0].mbytes_per_s / s[1])
+
+
+def _ping_pong(peer: int, sender: bool, payload: torch.Tensor, ack: torch.Tensor, group) -> float:
+    t0 = time.perf_counter()
+    if sender:
+        dist.send(payload, peer, group=group)
+        dist.recv(ack, peer, group=group)
+    else:
+        dist.recv(payload, peer, group=group)
+        dist.send(ack, peer, group=group)
+    if payload.is_cuda:
+        torch.cuda.synchronize(payload.device)
+    return time.perf_counter() - t0
+
+
+def _time_pair(peer: int, sender: bool, payload_bytes: int, repeats: int, device, group) -> tuple[float, float]:
+    """(fastest round trip with the payload, fastest small-message round trip), on both ranks: the
+    fastest, because a probe's noise (a descheduled end, another process's traffic) only adds."""
+    payload = torch.zeros(payload_bytes, dtype=torch.uint8, device=device)
+    small = torch.zeros(1, dtype=torch.uint8, device=device)
+    ack = torch.zeros(1, dtype=torch.uint8, device=device)
+    _ping_pong(peer, sender, small, ack, group)  # connection set-up is not a link's speed
+    latency = min(_ping_pong(peer, sender, small, ack, group) for _ in range(repeats))
+    trip = min(_ping_pong(peer, sender, payload, ack, group) for _ in range(repeats))
+    return trip, latency
+
+
+def measure_links(
+    pairs: list[tuple[int, int, str]],
+    rank: int,
+    *,
+    payload_bytes: int = 4 << 20,
+    repeats: int = 5,
+    device: torch.device | str = "cpu",
+    group=None,
+) -> list[LinkMeasurement]:
+    """Probe every directed pair in turn; every rank returns every link's measurement.
+
+    Collective over `group` (default: the world); ranks are global."""
+    mine = []
+    for src, dst, kind in pairs:
+        if rank not in (src, dst):
+            continue
+        trip, latency = _time_pair(dst if rank == src else src, rank == src, payload_bytes, repeats, device, group)
+        if rank == src:
+            seconds = max(trip - latency, trip / 2)  # a noisy latency must not make a link look infinitely fast
+            mine.append(LinkMeasurement(src, dst, kind, payload_bytes / seconds / 1e6, trip, latency))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, [m.as_dict() for m in mine], group=group)
+    return sorted((LinkMeasurement(**m) for part in everyone for m in part), key=lambda m: (m.src, m.dst))
+
+
+def render_probe(links: list[LinkMeasurement], fraction: float = SLOW_FRACTION) -> str:
+    """The probe's table: MB/s per directed link beside its kind's median, slow links marked."""
+    if not links:
+        return "Link probe: no links to measure (one rank)"
+    slow = {(s.src, s.dst): median for s, median in find_slow_links(links, fraction)}
+    lines = ["Link probe (MB/s per directed link, ping-pong over the job's backend):"]
+    for m in links:
+        mark = ""
+        if (m.src, m.dst) in slow:
+            mark = f"  SLOW: {m.mbytes_per_s / slow[(m.src, m.dst)]:.2f}x its peers' {slow[(m.src, m.dst)]:.0f} MB/s"
+        lines.append(f"  {m.src:>3} -> {m.dst:<3} {m.kind:<8} {m.mbytes_per_s:10.1f}{mark}")
+    return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 Every run (a *cell*: one scenario, one variant) is a real `megatronapp train` job (gloo, CPU,
 one thread per rank; or `--device cuda`, one GPU per rank over NCCL, where a host has them). By default all cells run in one launched set of ranks, one job after the
-other (`run_worker(..., keep_process_group=True)`: fresh groups, trainer, data and injections per
+other (`run_rank` of the checked run, its injection config's `keep_process_group` set: fresh groups, trainer, data and injections per
 cell, the process group and the imported torch kept), which cuts a cell from ~28 s (8 processes
 starting torch) to a few seconds on the 16-core host; --isolated starts a fresh
 `megatronapp train` per cell instead. Cells run interleaved within each repeat (shuffled per repeat with
@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch_zb_cell import UNSUPPORTED, run_torch_zb_cell
@@ -117,8 +118,8 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatronapp.cli.main import build_parser
-    from megatronapp.cli.train import run_worker
+    from megatronapp.cli.main import build_checked_run
+    from megatronapp.cli.train import run_rank
 
     torch.set_num_threads(1)
     if a.device == "cuda":  # as `megatronapp train` places ranks: local rank r on GPU r; host data on gloo
@@ -150,7 +151,8 @@ def run_cells_in_worker(a, plan: list[tuple[int, str, str]]) -> None:
                 if variant == TORCH_ZB:  # PyTorch's schedule on the same chunks (torch_zb_cell.py)
                     steps = run_torch_zb_cell(argv, a.warmup)
                 else:
-                    run_worker(build_parser().parse_args(argv), keep_process_group=True)
+                    run = build_checked_run(argv)  # as `megatronapp train` would, checked
+                    run_rank(replace(run, injection=replace(run.injection, keep_process_group=True)))
                 dist.barrier()
                 slowest = max(slowest, time.time() - start)
                 if rank == 0:

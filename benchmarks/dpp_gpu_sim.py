@@ -16,7 +16,7 @@ With one GPU a real PP x V pipeline (one stage per process) cannot run, so:
   5. simulate every scenario of dpp_bench (dpp/sim/scenarios.py: balanced, jitter1, jitter2, link
      = +5 ms per pp1 -> pp2 message) over --seeds seeds: static interleaved and breadth-first
      (both comm models), the dynamic traversals at interleaved's cap, and the bounds
-     (megatronapp/dpp/study.py), with speed vs the reference, peak in-flight microbatches and peak
+     (megatronapp/dpp/sim/study.py), with speed vs the reference, peak in-flight microbatches and peak
      activation memory per pipeline rank.
 
     python benchmarks/dpp_gpu_sim.py --device cuda --preset 1.3b --pp 4 --vpp 2 -m 8 --out runs/dpp_gpu_sim
@@ -37,7 +37,7 @@ import dpp_sim_study  # benchmarks/ is sys.path[0] when run as a script
 from megatronapp.dpp.scheduler import compute_default_caps
 from megatronapp.dpp.sim.scenarios import SCENARIOS
 from megatronapp.dpp.sim.simulator import CostModel
-from megatronapp.dpp.study import (
+from megatronapp.dpp.sim.study import (
     DTYPE_BYTES,
     compute_link_cost,
     compute_message_bytes,

@@ -21,7 +21,7 @@ p-1..0, plus the links). work(p) is p's least compute:
     know a task's factor before running it (every real one: the factor is the machine's)
     gets each draw independently of the task it runs, so E[work] is this, and
     E[makespan] >= max_p E[head + work + tail]: no real schedule beats it on average.
-Both are computed by megatronapp/dpp/sim/bounds.py (the study itself: megatronapp/dpp/study.py) (with any cap), which also takes, beside all of
+Both are computed by megatronapp/dpp/sim/bounds.py (the study itself: megatronapp/dpp/sim/study.py) (with any cap), which also takes, beside all of
 p's tasks, the later task classes alone (a higher bound when M is small next to P), so they
 are at least the formula above.
 Costs default to the 8-rank CPU job's proportions (F 10 ms, B 20 ms per 1-layer chunk,
@@ -42,7 +42,7 @@ import sys
 from megatronapp.dpp.scheduler import compute_default_caps
 from megatronapp.dpp.sim.scenarios import SCENARIOS
 from megatronapp.dpp.sim.simulator import CostModel
-from megatronapp.dpp.study import REFERENCE, SWEEP, SWEEP_SKIPPED, study_config
+from megatronapp.dpp.sim.study import REFERENCE, SWEEP, SWEEP_SKIPPED, study_config
 
 
 def print_table(title: str, results: dict) -> None:

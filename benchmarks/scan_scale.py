@@ -27,7 +27,7 @@ sys.path.insert(
 
 from scan_simulation import SimulatedJob, simulate_job_traces
 
-from megatronapp.scan.analyze.analysis import analyze_traces
+from megatronapp.scan.analyze.load_align_detect import analyze_traces
 from megatronapp.scan.merge.merge import merge_traces
 from megatronapp.scan.record.format import TraceWriter, filter_iterations, trace_file_name
 

@@ -215,9 +215,11 @@ class TrainConfig:
     # for the others)
     split_backward: bool | None = None
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
-    recompute_granularity: str = "none"  # none | selective | full (model/recompute.py)
-    recompute_method: str = "uniform"  # uniform | block, for full recompute
-    recompute_num_layers: int = 1
+    # RecomputeConfig's fields, flat (as the --recompute-* flags name them); it owns their
+    # defaults and checks (recompute_config())
+    recompute_granularity: str = RecomputeConfig.granularity
+    recompute_method: str = RecomputeConfig.method
+    recompute_num_layers: int = RecomputeConfig.num_layers
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (model/attention_kernels.py)
 
     def __post_init__(self) -> None:

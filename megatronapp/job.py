@@ -23,6 +23,7 @@ from megatronapp.config import (
     PrecisionConfig,
     TrainConfig,
 )
+from megatronapp.data.dataset import compute_num_microbatches
 from megatronapp.parallel.fp8 import FP8_ALIGNMENT
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.parallel.partition import PartitionError, compute_stage_layers
@@ -113,12 +114,10 @@ def _check_layout_shapes(job: JobConfig) -> None:
         compute_stage_layers(m.num_layers, lay.pp_size, lay.virtual_pp_size, per_stage=lay.stage_layers)
     except PartitionError as e:
         raise ConfigError(str(e)) from None
-    per_step = t.micro_batch_size * lay.dp_size
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"global batch size {t.global_batch_size} is not divisible by micro batch size "
-            f"{t.micro_batch_size} x data-parallel size {lay.dp_size}"
-        )
+    try:
+        compute_num_microbatches(t.global_batch_size, t.micro_batch_size, lay.dp_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_layout_combinations(job: JobConfig) -> None:

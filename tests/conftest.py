@@ -65,8 +65,7 @@ def train_before_launch(monkeypatch, capsys):
     def launched(*args, **kwargs):
         raise AssertionError("ranks were started for input that should have been refused")
 
-    monkeypatch.setattr("megatronapp.cli.launch.run_local_ranks", launched)
-    monkeypatch.setattr("megatronapp.cli.train.run_worker", launched)
+    monkeypatch.setattr("megatronapp.cli.launch.run_ranks_for_result", launched)
     monkeypatch.setattr("megatronapp.cli.train.run_rank", launched)
 
     def run(args: list[str]) -> tuple[int, list[str]]:

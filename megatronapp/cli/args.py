@@ -28,12 +28,18 @@ from megatronapp.config import (
     model_preset,
 )
 from megatronapp.data.config import add_data_arguments
-from megatronapp.dpp.config import add_dpp_arguments
-from megatronapp.fbd.cli import add_fbd_arguments, layout_world_size
+from megatronapp.dpp.config import DPP_FLAGS, DppConfig
+from megatronapp.dpp.rebalance import REBALANCE_FLAGS, RebalanceConfig
+from megatronapp.fbd.cli import build_role_layout
+from megatronapp.fbd.config import FBD_FLAGS, FBD_SWITCH, FbdConfig
+from megatronapp.flags import add_flags, read_flags
 from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
+from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL
+from megatronapp.launch.local import RESULT_FILE
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
+from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.parallel.partition import PartitionError, compute_stage_layers
-from megatronapp.scan.record.trace_config import add_trace_arguments
+from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
 
 _MODEL_FLAGS = (
     "num_layers",
@@ -59,7 +65,7 @@ def _job_flag(g, flag: str, help: str = "", **kw) -> None:
     """A flag for the field of one of the job's component configs that its dest names: default
     None here, so the dataclass default applies unless the flag is given."""
     dest = flag.lstrip("-").replace("-", "_")
-    if kw.get("action") not in ("store_true", "store_false"):
+    if kw.get("action") not in ("store_true", "store_false", argparse.BooleanOptionalAction):
         help = f"{help} (default: {field_default(dest)})".strip()
     g.add_argument(flag, dest=dest, default=None, help=help, **kw)
 
@@ -70,14 +76,7 @@ def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
         g,
         "--check-for-nan-in-loss-and-grad",
         "a non-finite loss or grad norm skips the update; the rank and parameter are named (default)",
-        action="store_true",
-    )
-    g.add_argument(
-        "--no-check-for-nan-in-loss-and-grad",
-        dest="check_for_nan_in_loss_and_grad",
-        action="store_false",
-        default=None,
-        help="do not skip steps whose loss or grad norm is not finite",
+        action=argparse.BooleanOptionalAction,
     )
     _job_flag(
         g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps", action="store_true"
@@ -124,19 +123,14 @@ def _given_job_fields(args: argparse.Namespace) -> dict:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch")
-    g.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        help="launch N local processes through torch.distributed.run (omit under torchrun)",
-    )
+    add_flags(g, (NPROC_PER_NODE,))
     g.add_argument("--nnodes", type=int, default=1, help="nodes, when launching through this command")
-    g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    add_flags(g, (DEVICE,))
     g.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    add_flags(g, (RESULT_FILE,), hidden=True)
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP: ranks sharing each layer")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP: pipeline stages")
+    add_flags(g, LAYOUT_FLAGS, ParallelLayout)
     vpp = g.add_mutually_exclusive_group()  # Megatron's two spellings of the virtual stage count
     vpp.add_argument(
         "--num-layers-per-virtual-pipeline-stage",
@@ -181,53 +175,30 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "shard LayerNorm/dropout/residual regions along the sequence (needs TP > 1)",
         action="store_true",
     )
-    _job_flag(g, "--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action="store_true")
-    g.add_argument(
-        "--no-overlap-grad-reduce",
-        dest="overlap_grad_reduce",
-        action="store_false",
-        default=None,
-        help="reduce gradients over DP after the backward, not during it",
+    _job_flag(
+        g,
+        "--overlap-grad-reduce",
+        "overlap the DP reduction with backward (default)",
+        action=argparse.BooleanOptionalAction,
     )
     _job_flag(
         g,
         "--split-backward",
         "run each backward as I (input gradient, sent upstream) and W "
         "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
-        action="store_true",
-    )
-    g.add_argument(
-        "--no-split-backward",
-        dest="split_backward",
-        action="store_false",
-        default=None,
-        help="whole backward tasks: no deferred weight-gradient (W) work",
+        action=argparse.BooleanOptionalAction,
     )
     _job_flag(
         g,
         "--gradient-accumulation-fusion",
         "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 main grads (default)",
-        action="store_true",
-    )
-    g.add_argument(
-        "--no-gradient-accumulation-fusion",
-        dest="gradient_accumulation_fusion",
-        action="store_false",
-        default=None,
-        help="weight-gradient GEMMs write their own tensors, added to the main grads after",
+        action=argparse.BooleanOptionalAction,
     )
     _job_flag(
         g,
         "--fused-master-adamw",
         "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the model weights in the same kernel (default)",
-        action="store_true",
-    )
-    g.add_argument(
-        "--no-fused-master-adamw",
-        dest="fused_master_adamw",
-        action="store_false",
-        default=None,
-        help="plain torch AdamW on the fp32 master weights instead of the fused kernel",
+        action=argparse.BooleanOptionalAction,
     )
     _job_flag(
         g,
@@ -363,7 +334,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "(PREFIX.bin + PREFIX.idx) or a weighted blend W1 PREFIX1 W2 PREFIX2 ...; "
         "default: the embedded synthetic corpus",
     )
-    g.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
+    add_flags(g, (TOKENIZER_MODEL,))
     add_data_arguments(g)
 
     g = p.add_argument_group("validation and test (Megatron's; engine/evaluation.py)")
@@ -387,25 +358,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _job_flag(g, "--wandb-save-dir", "where W&B writes; when not given: SAVE/wandb with --save, else ./wandb")
 
     g = p.add_argument_group("MegaScan tracing")
-    g.add_argument("--trace", action="store_true", help="record a MegaScan trace of every rank")
-    add_trace_arguments(g, granularity_help="full: also per-layer attention and MLP spans")
-    g.add_argument(
-        "--inject-slowdown",
-        action="append",
-        default=[],
-        metavar="RANK:FACTOR[:EVERY]",
-        help="test knob: RANK computes FACTOR x slower (every EVERY-th iteration); repeatable",
-    )
-    g.add_argument(
-        "--inject-link-delay",
-        action="append",
-        default=[],
-        metavar="SRC:DST:MS[:JITTER]",
-        help="test knob: messages SRC -> DST arrive MS (+- JITTER) ms late; repeatable",
-    )
+    add_flags(g, (TRACE_SWITCH, *TRACE_FLAGS), TraceConfig)
     _add_integrity_arguments(p)
-    add_fbd_arguments(p)
-    add_dpp_arguments(p)
+    add_flags(p.add_argument_group("forward-backward disaggregation (MegaFBD)"), (FBD_SWITCH, *FBD_FLAGS), FbdConfig)
+    g = p.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")
+    add_flags(g, DPP_FLAGS, DppConfig)
+    g = p.add_argument_group("MegaDPP rebalancing (any pipeline schedule; dpp/rebalance.py)")
+    add_flags(g, REBALANCE_FLAGS, RebalanceConfig)
 
 
 def _positive(args, names) -> None:
@@ -417,11 +376,6 @@ def _positive(args, names) -> None:
 
 def check_flag_combinations(args: argparse.Namespace) -> None:
     """Combinations no config field can refuse on its own; one line each."""
-    if args.trace and args.continuous_trace_iterations > args.trace_interval:
-        raise ConfigError(
-            f"--continuous-trace-iterations {args.continuous_trace_iterations} is larger than "
-            f"--trace-interval {args.trace_interval}"
-        )
     if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
         raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
 
@@ -483,6 +437,29 @@ def _virtual_stages(model: ModelConfig, pp: int, per: int | None, chunks: int | 
     return model.num_layers // (pp * per)
 
 
+def build_fbd_config(args: argparse.Namespace) -> FbdConfig | None:
+    """The MegaFBD config of the flags; None without --forward-backward-disaggregating."""
+    if not args.forward_backward_disaggregating:
+        return None
+    return FbdConfig(
+        forward_tp_size=args.forward_tensor_model_parallel_size or args.tensor_model_parallel_size,
+        **read_flags(args, FBD_FLAGS),
+    )
+
+
+def layout_world_size(args: argparse.Namespace, world: int) -> int:
+    """World of the engine's layout: all ranks, or the backward ranks under FBD (checked)."""
+    fbd = build_fbd_config(args)
+    if fbd is None:
+        for flag in ("forward_tensor_model_parallel_size", "forward_device", "inject_crash"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --forward-backward-disaggregating")
+        return world
+    return build_role_layout(
+        world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, fbd
+    ).num_backward
+
+
 def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> JobConfig:
     """Translate parsed flags into a JobConfig for `world_size` processes; each config checks its
     own fields, cli/validate.py the job as a whole."""
@@ -495,8 +472,6 @@ def build_job_config(args: argparse.Namespace, world_size: int, vocab_size: int 
             "num_virtual_stages_per_pipeline_rank",
             "nproc_per_node",
             "nnodes",
-            "trace_interval",
-            "continuous_trace_iterations",
         ),
     )
     check_flag_combinations(args)

@@ -1,39 +1,36 @@
 """`megatronapp train` on local ranks (launch.local) and its end-of-run report.
 
-The ranks write their metrics to a summary file that the launching process reads back to print
+The ranks write their metrics to a result file that the launching process reads back to print
 one table (and, with --trace, the merged timeline and the detection report).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
-import warnings
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from megatronapp.config import LoggingConfig
+from megatronapp.cli.run import TrainRun
 from megatronapp.engine.throughput import compute_run_throughput
-from megatronapp.launch.local import rank_argv, remove_stale_rank_traces, run_local_ranks
+from megatronapp.launch.local import remove_stale_rank_traces, run_ranks_for_result
 
 
-def prepare_trace_dir(args: argparse.Namespace) -> None:
+def prepare_trace_dir(run: TrainRun) -> None:
     """Remove rank files of an earlier run, so a smaller world does not merge stale ranks."""
-    if args.trace:
-        remove_stale_rank_traces(args.trace_dir)
+    if run.trace.enabled:
+        remove_stale_rank_traces(run.trace.trace_dir)
 
 
-def launch_train(args: argparse.Namespace, argv: list[str], world: int) -> int:
-    """Run this `train` command on `world` local ranks, then report; the exit code."""
-    prepare_trace_dir(args)
-    summary = new_summary_path()
-    code = run_local_ranks("megatronapp.cli.main", rank_argv(argv, ["--summary-file", str(summary)]), world)
+def launch_train(run: TrainRun, argv: list[str]) -> int:
+    """Run this `train` command (`argv`, validated as `run`) on its local ranks, then report; the exit code."""
+    prepare_trace_dir(run)
+    code, saved = run_ranks_for_result(argv, run.world_size)
     if code:
         return code
-    return report_summary(args, summary, world)
+    return report_saved(run, saved or {})
 
 
 def new_summary_path() -> Path:
@@ -41,12 +38,16 @@ def new_summary_path() -> Path:
     return Path(tempfile.mkdtemp(prefix="megatronapp-")) / "summary.json"
 
 
-def report_summary(args: argparse.Namespace, summary: str | Path, world: int) -> int:
+def report_summary(run: TrainRun, summary: str | Path) -> int:
     """report_run from the summary file rank 0 wrote (history, evaluations, module rows)."""
     summary = Path(summary)
-    saved = json.loads(summary.read_text()) if summary.is_file() else {}
+    return report_saved(run, json.loads(summary.read_text()) if summary.is_file() else {})
+
+
+def report_saved(run: TrainRun, saved: dict) -> int:
+    """report_run from what rank 0 saved: history, evaluations, module rows."""
     rows = eval_summary_rows(saved.get("evaluations", [])) + saved.get("rows", [])
-    return report_run(args, saved.get("history", []), world, rows)
+    return report_run(run, saved.get("history", []), rows)
 
 
 def eval_summary_rows(evaluations: list[dict]) -> list[list[str]]:
@@ -61,43 +62,27 @@ def eval_summary_rows(evaluations: list[dict]) -> list[list[str]]:
     return rows
 
 
-def report_run(args: argparse.Namespace, history: list[dict], world: int, rows: list | None = None) -> int:
+def report_run(run: TrainRun, history: list[dict], rows: list | None = None) -> int:
     """Print the run summary; with --trace also merge the timeline and run detection."""
     console = Console()
+    job = run.job
     if history:
-        step_s, tokens_per_s = compute_run_throughput(history, args.log_interval or LoggingConfig.log_interval)
+        step_s, tokens_per_s = compute_run_throughput(history, job.logging.log_interval)
         table = Table(title="megatronapp train: summary", show_header=False)
-        table.add_row("ranks", str(world))
+        table.add_row("ranks", str(run.world_size))
         table.add_row("iterations", str(history[-1]["iteration"]))
         table.add_row("loss first -> last", f"{history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
         table.add_row("mean step time", f"{step_s * 1e3:.1f} ms")
         table.add_row("mean tokens/s", f"{tokens_per_s:,.0f}")
-        if args.save:
-            table.add_row("checkpoint", args.save)
-        if args.metrics_file:
-            table.add_row("metrics", args.metrics_file)
+        if job.checkpoint.save:
+            table.add_row("checkpoint", job.checkpoint.save)
+        if job.logging.metrics_file:
+            table.add_row("metrics", job.logging.metrics_file)
         for label, value in rows or []:  # module-specific lines (e.g. MegaFBD's role waits)
             table.add_row(label, value)
         console.print(table)
-    if args.trace:
-        return _report_trace(args, console)
-    return 0
+    if run.trace.enabled:
+        from megatronapp.scan.trace_run import report_traced_run
 
-
-def _report_trace(args: argparse.Namespace, console: Console) -> int:
-    from megatronapp.scan.analyze.analysis import analyze_trace_dir
-    from megatronapp.scan.analyze.detect_output import render_report
-    from megatronapp.scan.cli import truncated_traces_as_notes
-    from megatronapp.scan.merge.merge import merge_traces
-    from megatronapp.scan.record.format import TraceTruncatedWarning
-
-    out = Path(args.trace_dir) / "timeline.json"
-    with truncated_traces_as_notes():
-        summary = merge_traces(args.trace_dir, out)
-    console.print(f"[bold]MegaScan[/bold]: merged {len(summary.ranks)} ranks, {summary.events} events -> {out}")
-    console.print("  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
-    with warnings.catch_warnings():  # the merge noted any truncated file already
-        warnings.simplefilter("ignore", TraceTruncatedWarning)
-        detection = analyze_trace_dir(args.trace_dir).detection
-    console.print(render_report(detection))
+        print(report_traced_run(run.trace.trace_dir), end="", flush=True)
     return 0

@@ -23,11 +23,13 @@ import importlib.metadata
 import json
 import os
 import sys
+from dataclasses import replace
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatronapp.cli.args import add_train_arguments
-from megatronapp.cli.run import build_train_run
+from megatronapp.cli.injection import COMMAND_INJECTIONS, add_injection_arguments
+from megatronapp.cli.run import TrainRun, build_train_run
 from megatronapp.cli.validate import validate
 from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.engine.checkpoint_files import CheckpointDamagedError
@@ -89,7 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     train = sub.add_parser("train", help="train a GPT with TP/PP/DP (Megatron-LM flag names)")
     add_train_arguments(train)
-    train.add_argument("--summary-file", default=None, help=argparse.SUPPRESS)
     train.set_defaults(build_run=_build_train_run, launch=_train)
     from megatronapp.scan.cli import add_trace_subcommands
 
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_scope_ui_train_arguments(train)
     add_interop_subcommands(sub)
     add_schedule_subcommands(sub)
+    for path, kinds in COMMAND_INJECTIONS.items():  # the test knobs, hidden from --help
+        add_injection_arguments(find_subparser(parser, path), kinds)
+
     from megatronapp.cli.preprocess import add_preprocess_subcommand
 
     add_preprocess_subcommand(sub)
@@ -111,7 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _build_train_run(args: argparse.Namespace):
+def find_subparser(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The parser of the subcommand `path` (e.g. ("trace", "run")) under `parser`."""
+    for name in path:
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = subs.choices[name]
+    return parser
+
+
+def _build_train_run(args: argparse.Namespace) -> TrainRun:
     """What `train` will launch: on torchrun's world, or --nproc-per-node local ranks."""
     from megatronapp.data.tokenizer_types import build_tokenizer
 
@@ -144,29 +156,43 @@ def _print_config(job) -> None:
     )
 
 
-def _train(args: argparse.Namespace, argv: list[str], run) -> int:
+def _train(run: TrainRun, argv: list[str]) -> int:
     """Run the validated `run`: in this process (alone, or as a rank under a launcher), or on
     --nproc-per-node local ranks, each of which builds and checks it again from the same flags."""
-    if args.print_config:
+    if run.print_config:
         _print_config(run.job)
         return 0
-    if under_launcher() or not args.nproc_per_node:
+    if under_launcher() or not run.nproc_per_node:
         from megatronapp.cli.train import run_rank
-        from megatronapp.data.tokenizer_types import build_tokenizer
 
-        tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
         if not under_launcher():
             from megatronapp.cli.launch import new_summary_path, prepare_trace_dir, report_summary
 
-            prepare_trace_dir(args)
-            summary = args.summary_file or new_summary_path()
-            run_rank(run, tokenizer, summary_file=str(summary))
-            return report_summary(args, summary, run.world_size)
-        run_rank(run, tokenizer, summary_file=args.summary_file)
+            prepare_trace_dir(run)
+            run = replace(run, result_file=run.result_file or str(new_summary_path()))
+            run_rank(run)
+            return report_summary(run, run.result_file)
+        run_rank(run)
         return 0
     from megatronapp.cli.launch import launch_train
 
-    return launch_train(args, argv, run.world_size)
+    return launch_train(run, argv)
+
+
+def build_checked_run(argv: list[str]):
+    """The frozen run of a launching command's `argv`, checked (cli/validate.py): what `main`
+    launches, and how tests and benchmarks build the runs they start themselves. ValueError or
+    OSError (one line) for a run that breaks a rule; SystemExit for a command that launches nothing."""
+    args = build_parser().parse_args(argv)
+    if not hasattr(args, "build_run"):
+        raise SystemExit(f"megatronapp {argv[0]} launches nothing")
+    return _build_and_check(args)
+
+
+def _build_and_check(args: argparse.Namespace):
+    run = args.build_run(args)
+    validate(run)
+    return run
 
 
 @record
@@ -179,13 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "build_run"):  # commands that launch nothing (merge, detect, export, ...)
         return args.func(args)
     try:  # the one check of every launching command, before any process starts
-        run = args.build_run(args)
-        validate(run)
+        run = _build_and_check(args)
     except (ValueError, OSError) as exc:  # ConfigError and the components' errors are ValueErrors
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return args.launch(args, argv, run)
+        return args.launch(run, argv)  # from here on only the run is read
     except CheckpointDamagedError as exc:  # an older checkpoint has no checksums to verify first
         if under_launcher():  # recorded for the launching process, which names this rank; no traceback
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler

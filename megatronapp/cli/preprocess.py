@@ -14,7 +14,10 @@ import argparse
 import sys
 import time
 
+from megatronapp.data.config import TOKENIZER_FLAGS
 from megatronapp.data.preprocess import PreprocessConfig, preprocess_data
+from megatronapp.flags import add_flags
+from megatronapp.launch.flags import TOKENIZER_MODEL
 
 
 def add_preprocess_subcommand(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +29,7 @@ def add_preprocess_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json-keys", nargs="+", default=None, help=f"keys to tokenize (default: {PreprocessConfig.json_keys[0]})"
     )
-    p.add_argument("--tokenizer-type", default=None, help="HuggingFaceTokenizer, NullTokenizer or ByteTokenizer")
-    p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
-    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary, EOD excluded")
+    add_flags(p, (TOKENIZER_FLAGS[0], TOKENIZER_MODEL, TOKENIZER_FLAGS[1]))
     p.add_argument("--append-eod", action="store_true", default=None, help="end every document with the EOD token")
     p.add_argument(
         "--workers", type=int, default=None, help=f"tokenizing processes (default: {PreprocessConfig.workers})"

@@ -1,8 +1,8 @@
 """What `megatronapp train` will run: the job and every setting of its ranks, frozen, from the flags.
 
 `build_train_run` is the one translation of `train`'s flags: `cli.main` checks its result before
-launching (cli/validate.py), and each rank builds it again from the same flags and runs it
-(cli/train.py). Below the CLI nothing reads the flags.
+launching (cli/validate.py), and each rank builds and checks it again from the same flags and
+runs it (cli/train.py:run_rank). Below the CLI nothing reads the flags.
 """
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from megatronapp.cli.args import build_job_config
+from megatronapp.cli.args import build_fbd_config, build_job_config
 from megatronapp.cli.injection import InjectionConfig, build_injection_config
 from megatronapp.config import JobConfig
-from megatronapp.data.config import DataConfig, build_data_config
-from megatronapp.dpp.config import DppConfig, build_dpp_config
-from megatronapp.fbd.cli import fbd_config_from_args
+from megatronapp.data.config import DataConfig
+from megatronapp.dpp.config import DPP_FLAGS, DppConfig
+from megatronapp.dpp.rebalance import REBALANCE_FLAGS, RebalanceConfig
 from megatronapp.fbd.config import FbdConfig
-from megatronapp.scan.record.tracer import TraceConfig
-from megatronapp.scope_ui.training import TrainingScopeConfig, build_training_scope_config
+from megatronapp.flags import read_flags
+from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
+from megatronapp.scope_ui.cli import TrainingScopeConfig, build_training_scope_config
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class TrainRun:
     device: str | None = None  # --device; None: cuda when present
     visible_gpus: int = 0
     ranks_per_node: int | None = None  # torchrun's LOCAL_WORLD_SIZE; None: every rank on this node
-    trace: TraceConfig | None = None  # --trace
+    trace: TraceConfig = field(default_factory=TraceConfig)  # enabled by --trace
     scope: TrainingScopeConfig | None = None  # --scope
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
     valid_data_paths: tuple[str, ...] = ()  # empty: held-out synthetic documents (cli/train_eval.py)
@@ -42,6 +43,9 @@ class TrainRun:
     data: DataConfig = field(default_factory=DataConfig)  # every data flag (indexed datasets, splits, tokenizer type)
     saved_model: dict | None = None  # the model fields of the --load checkpoint, when there is one
     checkpoint_folder: str | None = None  # its iter_ folder, whose files are verified before launch
+    nproc_per_node: int | None = None  # launch this many local ranks; None: run in this process
+    print_config: bool = False  # print the resolved configuration instead of training
+    result_file: str | None = None  # a relaunched rank 0 writes its metrics history here (launch.local)
 
 
 def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> TrainRun:
@@ -51,18 +55,17 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
 
     from megatronapp.engine.checkpoint import find_latest, has_checkpoint, read_saved_model_fields
     from megatronapp.parallel.device import ranks_per_node
-    from megatronapp.scan.record.trace_config import trace_fields_from_args
 
     return TrainRun(
         job=build_job_config(args, world_size, vocab_size),
         world_size=world_size,
-        dpp=build_dpp_config(args),
-        fbd=fbd_config_from_args(args) if args.forward_backward_disaggregating else None,
+        dpp=DppConfig(**read_flags(args, DPP_FLAGS), rebalance=RebalanceConfig(**read_flags(args, REBALANCE_FLAGS))),
+        fbd=build_fbd_config(args),
         injection=build_injection_config(args),
         device=args.device,
         visible_gpus=torch.cuda.device_count(),
         ranks_per_node=ranks_per_node(),
-        trace=TraceConfig(enabled=True, **trace_fields_from_args(args)) if args.trace else None,
+        trace=TraceConfig(**read_flags(args, (TRACE_SWITCH, *TRACE_FLAGS))),
         scope=build_training_scope_config(args),
         data_paths=tuple(args.data_path or ()),
         valid_data_paths=tuple(args.valid_data_path or ()),
@@ -71,4 +74,21 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
         data=build_data_config(args),
         saved_model=read_saved_model_fields(args.load) if args.load else None,
         checkpoint_folder=str(find_latest(args.load)) if args.load and has_checkpoint(args.load) else None,
+        nproc_per_node=args.nproc_per_node,
+        print_config=args.print_config,
+        result_file=args.result_file,
+    )
+
+
+def build_data_config(args: argparse.Namespace) -> DataConfig:
+    """The data flags `train` was given."""
+    return DataConfig(
+        data_path=tuple(args.data_path or ()),
+        split=args.split,
+        train_data_path=tuple(args.train_data_path or ()),
+        valid_data_path=tuple(args.valid_data_path or ()),
+        test_data_path=tuple(args.test_data_path or ()),
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
     )

@@ -8,7 +8,6 @@ rank 0 shows progress and writes the metrics file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -21,18 +20,19 @@ import torch.distributed as dist
 
 from megatronapp.cli.metric_logs import build_metric_logs, eval_scalars, step_scalars
 from megatronapp.cli.progress import TrainProgress
-from megatronapp.cli.run import TrainRun, build_train_run
+from megatronapp.cli.run import TrainRun
 from megatronapp.cli.train_eval import RunEvaluations, build_eval_streams, describe_eval
 from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset, build_text_dataset
 from megatronapp.data.sources import build_datasets, compute_split_num_samples, uses_indexed_data
 from megatronapp.data.tokenizer_types import build_tokenizer
-from megatronapp.dpp.setup import build_dpp_hooks
+from megatronapp.dpp.job_hooks import build_dpp_hooks
 from megatronapp.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from megatronapp.engine.determinism import enable_deterministic_mode
 from megatronapp.engine.trainer import Trainer
-from megatronapp.faults.inject import FaultInjector
-from megatronapp.faults.link_delay import install_link_delays
-from megatronapp.launch.roles import RankContext, TrainingRole, TrainLoop, join_default_group
+from megatronapp.files import write_text_atomic
+from megatronapp.injection.inject import FaultInjector
+from megatronapp.injection.link_delay import install_link_delays
+from megatronapp.launch.roles import RankContext, TrainingRole, TrainLoop, backend_for, join_default_group
 from megatronapp.parallel.device import select_device
 from megatronapp.parallel.groups import ParallelGroups, build_process_groups, destroy_subgroups
 from megatronapp.scope_ui.training import training_scope
@@ -63,7 +63,7 @@ def _build_data(run: TrainRun, tokenizer, groups):
 def _build_tracer(run: TrainRun, groups, device, meta_overrides=None):
     """MegaScan tracer + torch.distributed instrumentation, or (None, None) when off.
     meta_overrides: rank, world_size, role of an FBD rank (groups then describe its role)."""
-    if run.trace is None:
+    if not run.trace.enabled:
         return None, None
     from megatronapp.scan.record.format import build_rank_meta
     from megatronapp.scan.record.instrument import install_distributed_instrumentation
@@ -94,7 +94,7 @@ def _build_tracer(run: TrainRun, groups, device, meta_overrides=None):
             **({"role": over["role"]} if "role" in over else {}),
         },
     )
-    skew = int(os.environ.get("MEGATRONAPP_TRACE_CLOCK_SKEW_NS", "0"))  # tests skew clocks per rank
+    skew = run.injection.clock_skew_of(meta["rank"])  # --inject-clock-skew: alignment tests
     tracer = Tracer(replace(run.trace, clock_skew_ns=skew), meta, device)
     return tracer, install_distributed_instrumentation(tracer)
 
@@ -105,7 +105,7 @@ class PlainRole:
     def __init__(self, run: TrainRun, rank: int):
         self.train_run, self.rank = run, rank
         self.device = select_device(run.device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.backend = backend_for(self.device)
         self.device_id = self.device if self.device.type == "cuda" else None
         self.trace_meta: dict = {}
         self.groups = self.trainer = None
@@ -148,20 +148,9 @@ def pick_role(run: TrainRun, rank: int) -> TrainingRole:
     return PlainRole(run, rank)
 
 
-def run_worker(args: argparse.Namespace, *, keep_process_group: bool = False) -> list[dict]:
-    """Train in this process as one rank of the job `train`'s flags describe; the metrics history
-    (rank 0's). keep_process_group: as run_rank."""
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-    run = build_train_run(args, int(os.environ.get("WORLD_SIZE", "1")), tokenizer.vocab_size)
-    return run_rank(run, tokenizer, summary_file=args.summary_file, keep_process_group=keep_process_group)
-
-
-def run_rank(
-    run: TrainRun, tokenizer, *, summary_file: str | None = None, keep_process_group: bool = False
-) -> list[dict]:
-    """Train in this process as rank RANK of `run` (checked before launch); the metrics history
-    (rank 0's). keep_process_group: leave the default group up (only this job's subgroups are
-    destroyed), so one launched set of ranks can run several jobs in a row (benchmarks/dpp_bench.py)."""
+def run_rank(run: TrainRun) -> list[dict]:
+    """The body of one training process: train as rank RANK of the validated `run` (cli.main's
+    `build_checked_run` builds and checks one from `train`'s flags); the metrics history (rank 0's)."""
     rank, job, plan = int(os.environ.get("RANK", "0")), run.job, run.injection.faults
     if job.integrity.deterministic:  # before any CUDA work and the process group (env read at creation)
         enable_deterministic_mode(os.environ)
@@ -170,6 +159,7 @@ def run_rank(
     tracer = instrumentation = link_delays = groups = None
     try:  # every exit path tears the process group down and flushes the trace
         groups = role.build_groups()
+        tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
         data = _build_data(run, tokenizer, groups)
         eval_streams = build_eval_streams(run, tokenizer, groups)
         # Below the tracer's instrumentation, so traced recv spans see the late arrival.
@@ -177,8 +167,8 @@ def run_rank(
         tracer, instrumentation = _build_tracer(run, groups, role.device, role.trace_meta)
         injector = None if plan.empty else FaultInjector(plan, rank, role.device)
         ctx = RankContext(job, data, injector, tracer)
-        history = role.run(ctx, lambda trainer: _load_and_train(run, trainer, data, rank, summary_file, eval_streams))
-        role.finish(summary_file)
+        history = role.run(ctx, lambda trainer: _load_and_train(run, trainer, data, rank, eval_streams))
+        role.finish(run.result_file)
         return history
     finally:
         if instrumentation is not None:
@@ -187,18 +177,16 @@ def run_rank(
             tracer.close()
         if link_delays is not None:
             link_delays.uninstall()
-        if keep_process_group:
+        if run.injection.keep_process_group:
             role.close()
             destroy_subgroups(groups)
         elif dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _load_and_train(
-    run: TrainRun, trainer, data, rank: int, summary_file: str | None, eval_streams: dict | None = None
-) -> list[dict]:
+def _load_and_train(run: TrainRun, trainer, data, rank: int, eval_streams: dict | None = None) -> list[dict]:
     _maybe_load(run.job, trainer, data, rank)
-    return _train_loop(run, trainer, data, rank, summary_file, eval_streams or {})
+    return _train_loop(run, trainer, data, rank, eval_streams or {})
 
 
 def _maybe_load(job, trainer, data, rank: int) -> None:
@@ -216,7 +204,7 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
         )
 
 
-def _train_loop(run: TrainRun, trainer, data, rank: int, summary_file: str | None, eval_streams: dict) -> list[dict]:
+def _train_loop(run: TrainRun, trainer, data, rank: int, eval_streams: dict) -> list[dict]:
     from megatronapp.dpp.rebalance_hook import RebalanceHook, build_layer_rebalancer
     from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 
@@ -269,8 +257,8 @@ def _train_loop(run: TrainRun, trainer, data, rank: int, summary_file: str | Non
         metrics_out.close()
     if logs:
         logs.close()
-    if rank == 0 and summary_file:
+    if rank == 0 and run.result_file:
         evals = [r.as_row() for r in evaluations.results]
         summary = {"layout": job.layout.describe(), "history": history, "evaluations": evals}
-        Path(summary_file).write_text(json.dumps(summary))
+        write_text_atomic(run.result_file, json.dumps(summary))
     return history

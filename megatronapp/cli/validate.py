@@ -19,7 +19,7 @@ launch: the launching process notes in the environment what it verified (the fil
 modification times), and its local ranks, which validate the same run again, skip what matches.
 
 The rules themselves are the components' own pure checks (job.validate_job,
-dpp.setup.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a user meets them.
+dpp.job_hooks.check_dpp_job, fbd.cli.check_fbd_job, ...), called here in the order a user meets them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from megatronapp.config import ConfigError
 from megatronapp.data.dataset import load_text_documents
 from megatronapp.data.sources import check_data_config, check_not_indexed_file_names, uses_indexed_data
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
-from megatronapp.dpp.setup import check_dpp_job, check_rebalance_job
+from megatronapp.dpp.job_hooks import check_dpp_job, check_rebalance_job
 from megatronapp.engine.checkpoint import compute_model_config_mismatch
 from megatronapp.engine.checkpoint_files import verify_checkpoint_files
 from megatronapp.fbd.cli import check_fbd_job

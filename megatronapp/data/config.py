@@ -10,8 +10,9 @@ Indexed datasets are built into train/valid/test sample streams by data/sources.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
+
+from megatronapp.flags import Flag, add_flags
 
 DEFAULT_SPLIT = "969,30,1"  # Megatron's default for --data-path when --split is not given
 
@@ -56,24 +57,16 @@ def add_data_arguments(group) -> None:
             + ("" if name == "train" else ", or .txt / .jsonl files beside a text --data-path")
             + " (default: none)",
         )
-    group.add_argument(
+    add_flags(group, TOKENIZER_FLAGS)
+
+
+# Which tokenizer: `train` and `preprocess-data` take these (beside launch.flags.TOKENIZER_MODEL)
+TOKENIZER_FLAGS = (
+    Flag(
         "--tokenizer-type",
-        default=None,
-        help="Megatron's name: HuggingFaceTokenizer (with --tokenizer-model), NullTokenizer "
+        None,
+        "Megatron's name: HuggingFaceTokenizer (with --tokenizer-model), NullTokenizer "
         "(with --vocab-size) or ByteTokenizer; default: by --tokenizer-model",
-    )
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary, EOD excluded")
-
-
-def build_data_config(args: argparse.Namespace) -> DataConfig:
-    """The data flags `train` was given."""
-    return DataConfig(
-        data_path=tuple(args.data_path or ()),
-        split=args.split,
-        train_data_path=tuple(args.train_data_path or ()),
-        valid_data_path=tuple(args.valid_data_path or ()),
-        test_data_path=tuple(args.test_data_path or ()),
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_size=args.vocab_size,
-    )
+    ),
+    Flag("--vocab-size", None, "NullTokenizer's vocabulary, EOD excluded", {"type": int}),
+)

@@ -168,6 +168,17 @@ def compute_epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.nda
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
+def compute_num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
+    """Microbatches per DP rank and step; ValueError (one line) when the global batch does not
+    split into micro batches over the DP ranks (the job's check before launch is this one)."""
+    if global_batch_size % (micro_batch_size * dp_size):
+        raise ValueError(
+            f"global batch size {global_batch_size} is not divisible by micro batch size "
+            f"{micro_batch_size} x data-parallel size {dp_size}"
+        )
+    return global_batch_size // (micro_batch_size * dp_size)
+
+
 class DistributedBatchIterator:
     """Hands one data-parallel rank its microbatches of each global batch.
 
@@ -204,11 +215,7 @@ class DistributedBatchIterator:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(
-                f"global batch size {global_batch_size} is not divisible by micro batch size "
-                f"{micro_batch_size} x data-parallel size {dp_size}"
-            )
+        compute_num_microbatches(global_batch_size, micro_batch_size, dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
         if seed < 0:
@@ -226,7 +233,7 @@ class DistributedBatchIterator:
 
     @property
     def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+        return compute_num_microbatches(self.global_batch_size, self.micro_batch_size, self.dp_size)
 
     @property
     def epoch(self) -> int:

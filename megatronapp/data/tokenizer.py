@@ -10,6 +10,7 @@ synthetic corpus and the file datasets build their streams the same way.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -136,6 +137,7 @@ def _resolve_tokenizer_file(path: Path) -> Path:
     return file
 
 
+@functools.lru_cache(maxsize=8)  # one per file and process: the CLI's checks and the rank body share it
 def load_tokenizer(path: str | os.PathLike | None, *, eod_id: int | None = None) -> Tokenizer:
     """ByteTokenizer when `path` is None, else an HFTokenizer for that tokenizer.json (or
     folder holding one). Raises FileNotFoundError / ValueError with the path in the message."""

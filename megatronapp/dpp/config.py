@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 from megatronapp.dpp.policies import TRAVERSALS
-from megatronapp.dpp.rebalance import REBALANCE_MODES, RebalanceConfig
+from megatronapp.dpp.rebalance import RebalanceConfig
+from megatronapp.flags import Flag
 
 
 class DppConfigError(ValueError):
@@ -77,87 +77,31 @@ def parse_jitter(spec: str) -> JitterSpec:
         raise DppConfigError(f"--inject-jitter expects RANK:MAXFACTOR[:SEED], got {spec!r}") from None
 
 
-def add_dpp_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")
-    g.add_argument(
+# The flags that set DppConfig's fields (`train`; `schedule simulate|show` take the first two)
+DPP_FLAGS = (
+    Flag(
         "--dpp-traversal",
-        choices=TRAVERSALS,
-        default=DppConfig.traversal,
-        help="how a rank picks among ready F/B tasks (pending W tasks fill whatever wait is left). "
-        "in-order (default, measured fastest): interleaved 1F1B's order, never left. The others "
+        "traversal",
+        "how a rank picks among ready F/B tasks (pending W tasks fill whatever wait is left). "
+        "in-order (measured fastest): interleaved 1F1B's order, never left. The others "
         "reorder on a late input and measured 0.90-1.01x of static interleaved (BENCHMARKS.md; "
         "the late task is usually on the critical path): depth-first keeps in-order's memory; "
         "breadth-first and adaptive queue more independent work, for pipelines whose waits "
         "are too long for W tasks to fill, at the price of memory up to the cap",
-    )
-    g.add_argument(
+        {"choices": TRAVERSALS},
+    ),
+    Flag(
         "--dpp-max-inflight",
-        type=int,
-        default=None,
-        metavar="N",
-        help="most (chunk, microbatch) activation sets a rank holds, pending W state included; "
+        "max_inflight",
+        "most (chunk, microbatch) activation sets a rank holds, pending W state included; "
         "default: what interleaved 1F1B holds",
-    )
-    g.add_argument(
+        {"type": int, "metavar": "N"},
+    ),
+    Flag(
         "--dpp-send-thread",
-        choices=SEND_THREAD,
-        default=DppConfig.send_thread,
-        help="issue the dynamic runtime's sends from a thread of their own (gloo's isend writes to the "
+        "send_thread",
+        "issue the dynamic runtime's sends from a thread of their own (gloo's isend writes to the "
         "socket before it returns); auto: when the host has a spare core per rank",
-    )
-    g.add_argument(
-        "--inject-jitter",
-        action="append",
-        default=[],
-        metavar="RANK:MAXFACTOR[:SEED]",
-        help="slow each compute task on RANK by a random factor in [1, MAXFACTOR], reproducibly",
-    )
-    add_rebalance_arguments(parser)
-
-
-def add_rebalance_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("MegaDPP rebalancing (any pipeline schedule; dpp/rebalance.py)")
-    d = RebalanceConfig()
-    g.add_argument(
-        "--dpp-rebalance",
-        choices=REBALANCE_MODES,
-        default=d.mode,
-        help="layers: while training, move whole layers off a pipeline stage that is persistently slower than "
-        "the others (measured compute time per layer), exactly, and back when it recovers (default: %(default)s)",
-    )
-    g.add_argument(
-        "--dpp-rebalance-window",
-        type=int,
-        default=d.window,
-        help="iterations of measurements a plan reads, and waits for after a move (default: %(default)s)",
-    )
-    g.add_argument(
-        "--dpp-rebalance-min-gain",
-        type=float,
-        default=d.min_gain,
-        help="share of the slowest stage's time a move must save (default: %(default)s)",
-    )
-    g.add_argument(
-        "--dpp-rebalance-memory-gb",
-        type=float,
-        default=None,
-        help="most GB of layer state (params, fp32 master, Adam moments, grads) a pipeline rank may be "
-        "given (default: no limit)",
-    )
-
-
-def build_dpp_config(args: argparse.Namespace) -> DppConfig:
-    """DppConfig from parsed flags; DppConfigError (one line) on bad values. (--inject-jitter is
-    a test knob: its specs go to the run's injection config, cli/injection.py.)"""
-    rebalance = RebalanceConfig(
-        mode=args.dpp_rebalance,
-        window=args.dpp_rebalance_window,
-        min_gain=args.dpp_rebalance_min_gain,
-        memory_budget_gb=args.dpp_rebalance_memory_gb,
-    )
-    return DppConfig(
-        traversal=args.dpp_traversal,
-        max_inflight=args.dpp_max_inflight,
-        send_thread=args.dpp_send_thread,
-        rebalance=rebalance,
-    )
+        {"choices": SEND_THREAD},
+    ),
+)

@@ -3,9 +3,9 @@
 Factors come from random.Random(f"{seed}:{rank}") in the order the rank runs its tasks, the
 same rule the simulator uses (sim/simulator.py), so a run and its simulation see the same
 draws. On CPU the extra time is slept after the task, proportional to the CPU time it
-burned (as --inject-slowdown does, faults/inject.py). On GPU it is device work (spin
+burned (as --inject-slowdown does, injection/inject.py). On GPU it is device work (spin
 cycles) right after the task on its stream, (factor - 1) x that kind of task's GPU time,
-measured per (forward/backward, chunk) without stalling the host (faults.inject.GpuTaskClock):
+measured per (forward/backward, chunk) without stalling the host (injection.inject.GpuTaskClock):
 the task then holds the GPU factor x as long, as a clock dip would make it.
 Wraps any other injector (slowdown, link delay), so the flags combine.
 """
@@ -19,7 +19,7 @@ import time
 import torch
 
 from megatronapp.dpp.config import JitterSpec
-from megatronapp.faults.inject import GpuTaskClock
+from megatronapp.injection.inject import GpuTaskClock
 from megatronapp.pipeline.runtime import NullInjector
 
 
@@ -31,7 +31,6 @@ class JitterInjector:
         self.max_factor = spec.max_factor
         self.rng = random.Random(f"{spec.seed}:{spec.rank}")
         self.factors: list[float] = []  # every factor drawn, for tests and reports
-        self.stalls_s: list[float] = []  # every CPU stall, for tests; nothing reads it
         self.clock = GpuTaskClock() if device.type == "cuda" else None
         if self.clock is not None:
             self.clock.calibrate()
@@ -52,11 +51,10 @@ class JitterInjector:
     @contextlib.contextmanager
     def _on_cpu(self, factor: float, key):
         with self.inner.compute(key):
-            t0 = time.thread_time()  # this thread's CPU only, as faults.inject (gloo threads excluded)
+            t0 = time.thread_time()  # this thread's CPU only, as injection.inject (gloo threads excluded)
             yield
             stall = (factor - 1.0) * (time.thread_time() - t0)
         time.sleep(stall)
-        self.stalls_s.append(stall)
 
     @contextlib.contextmanager
     def _on_gpu(self, factor: float, key):

@@ -26,6 +26,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from megatronapp.flags import Flag
+
 REBALANCE_MODES = ("off", "layers")
 
 
@@ -225,3 +227,24 @@ class LayerRebalancer:
         """The move of `plan` happened and took `seconds`: measure afresh in the new partition."""
         self.previous_layers = self.stage_layers
         self.stage_layers, self.last_move_s, self._window, self._steps = plan.stage_layers, seconds, [], []
+
+
+# `train`'s flags that set RebalanceConfig's fields (their defaults are the fields')
+REBALANCE_FLAGS = (
+    Flag(
+        "--dpp-rebalance",
+        "mode",
+        "layers: while training, move whole layers off a pipeline stage that is persistently slower than "
+        "the others (measured compute time per layer), exactly, and back when it recovers",
+        {"choices": REBALANCE_MODES},
+    ),
+    Flag("--dpp-rebalance-window", "window", "iterations of measurements a plan reads, and waits for after a move"),
+    Flag("--dpp-rebalance-min-gain", "min_gain", "share of the slowest stage's time a move must save"),
+    Flag(
+        "--dpp-rebalance-memory-gb",
+        "memory_budget_gb",
+        "most GB of layer state (params, fp32 master, Adam moments, grads) a pipeline rank may be "
+        "given (default: no limit)",
+        {"type": float},
+    ),
+)

@@ -37,7 +37,7 @@ class HostOrder(HostSendOrder):
     complete on wait()."""
 
     def complete(self, work, before_wait, src: int) -> None:
-        if before_wait is not None:  # CPU link delays live in the Work itself (faults/link_delay.py)
+        if before_wait is not None:  # CPU link delays live in the Work itself (injection/link_delay.py)
             before_wait(src, work)
         work.wait()
 
@@ -73,7 +73,7 @@ class CudaOrder:
     def complete(self, work, before_wait, src: int) -> None:
         work.wait()  # NCCL: the current (side) stream waits for the receive; the host does not
         if before_wait is not None:
-            before_wait(src, work)  # a GPU link delay spins on this stream after the data (faults/inject.py)
+            before_wait(src, work)  # a GPU link delay spins on this stream after the data (injection/inject.py)
         arrived = torch.cuda.Event(blocking=True)
         arrived.record()
         arrived.synchronize()  # releases the GIL; blocking sync: the thread sleeps

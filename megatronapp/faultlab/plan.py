@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from megatronapp.faultlab.cpu import Schedule
 from megatronapp.faultlab.net import IFNAME, address
+from megatronapp.launch.local import torchrun_command, trace_run_command
 
 RDZV_PORT = 29431
 
@@ -150,32 +151,8 @@ def local_command(plan: LabPlan, trace_dir: str) -> list[str]:
     """All ranks under one launcher: `megatronapp trace run` for a script, torchrun for the engine."""
     job = plan.job
     if isinstance(job, ScriptJob):
-        return [
-            sys.executable,
-            "-m",
-            "megatronapp.cli.main",
-            "trace",
-            "run",
-            "--nproc-per-node",
-            str(job.nproc),
-            "--trace-dir",
-            trace_dir,
-            "--",
-            job.script,
-            *job.args,
-        ]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(job.nproc),
-        "--monitor-interval",
-        "0.1",
-        "--module",
-        *job.module_args(trace_dir),
-    ]
+        return trace_run_command(job.nproc, trace_dir, [job.script, *job.args])
+    return torchrun_command(job.module_args(trace_dir), job.nproc)
 
 
 def node_command(plan: LabPlan, node: int, trace_dir: str) -> list[str]:

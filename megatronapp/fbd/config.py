@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.config import ConfigError, JobConfig
+from megatronapp.flags import Flag
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,37 @@ class FbdConfig:
             raise ConfigError(f"--fbd-max-ahead must be >= 1, got {self.max_ahead}")
         if self.forward_device not in (None, "cpu", "cuda"):
             raise ConfigError(f"--forward-device must be cpu or cuda, got {self.forward_device!r}")
+
+
+# `train`'s MegaFBD flags; --forward-tensor-model-parallel-size defaults to TP, so it sets no field
+# directly (the run's builder reads it)
+FBD_SWITCH = Flag(
+    "--forward-backward-disaggregating",
+    None,
+    "forward workers (no autograd) stream stage inputs to backward workers, which "
+    "recompute, run backward and own the optimizer",
+    {"action": "store_true"},
+)
+FBD_FLAGS = (
+    Flag(
+        "--forward-tensor-model-parallel-size",
+        None,
+        "tensor-parallel size of forward workers (default: TP)",
+        {"type": int, "metavar": "TF"},
+    ),
+    Flag(
+        "--forward-device",
+        "forward_device",
+        "where forward workers compute (default: --device)",
+        {"choices": ("cpu", "cuda")},
+    ),
+    Flag(
+        "--fbd-max-ahead",
+        "max_ahead",
+        "microbatches a forward worker may run ahead of its backward twin",
+        {"type": int, "metavar": "N"},
+    ),
+)
 
 
 def parse_crash_spec(spec: str | None) -> tuple[int, int] | None:

@@ -1,6 +1,6 @@
 """The two roles of a MegaFBD job, picked by rank: a backward worker or a forward worker.
 
-Both plug into the one training-rank body (cli/train.py:run_worker) as a
+Both plug into the one training-rank body (cli/train.py:run_rank) as a
 launch.roles.TrainingRole; the body builds data, tracer and fault injection, the role its
 groups, placement and worker. Backward workers run the body's logged training loop on their
 engine Trainer; forward workers run their own loop. After training every rank joins one

@@ -14,14 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatronapp.config import ConfigError, ModelConfig
 from megatronapp.files import write_text_atomic
+from megatronapp.flags import add_flags
 from megatronapp.inference.generate import SamplingConfig
-from megatronapp.launch.local import rank_argv, run_local_ranks, under_launcher
+from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL
+from megatronapp.launch.local import RESULT_FILE, run_ranks_for_result, under_launcher
+from megatronapp.parallel.layout import ParallelLayout
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,18 +46,15 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as a CUDA graph (one GPU)")
-    p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
     add_layout_arguments(p)
 
 
 def add_layout_arguments(p: argparse.ArgumentParser) -> None:
-    """Launch and layout flags shared by every inference-side command (generate, scope capture)."""
-    p.add_argument("--nproc-per-node", type=int, default=None, help="launch N local processes")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP: ranks sharing each layer")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP: pipeline stages")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    """Launch, layout and tokenizer flags shared by every inference-side command (generate, scope
+    capture|serve)."""
+    add_flags(p, (NPROC_PER_NODE, *LAYOUT_FLAGS, DEVICE, TOKENIZER_MODEL), ParallelLayout)
     p.add_argument("--bf16", action="store_true", help="bf16 weights and activations")
-    p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    add_flags(p, (RESULT_FILE,), hidden=True)
 
 
 def build_sampling_config(args: argparse.Namespace) -> SamplingConfig:
@@ -100,30 +99,40 @@ class InferenceRun:
     bf16: bool = False  # bf16 weights and activations
     visible_gpus: int | None = None  # None: under the launcher, which checked the whole job's devices
     prompts: tuple[tuple[int, ...], ...] = ()  # token ids; none for `scope serve`
+    prompt_texts: tuple[str, ...] = ()  # the same prompts as given
+    tokenizer_model: str | None = None  # None: bytes
     sampling: SamplingConfig | None = None
+    cuda_graphs: bool = False  # generate: decode steps replayed as a CUDA graph
+    as_json: bool = False  # print the result as one JSON object
+    result_file: str | None = None  # a relaunched rank 0 writes its result here (launch.local)
     capture: object | None = None  # scope capture's request (scope/cli.py)
     port: int | None = None  # scope serve's
+    host: str | None = None  # scope serve's bind address
+    token: str | None = None  # scope serve's access token (None: generated for non-loopback binds)
     checkpoint_folder: str | None = None  # load's latest iter_ folder, whose files are verified before launch
 
 
-def build_inference_run(args: argparse.Namespace, with_prompts: bool = True, **extra) -> InferenceRun:
-    """The run on args.load's model; a one-line ConfigError when the checkpoint or a prompt file is
-    missing (what cannot be read cannot be checked)."""
+def build_inference_run(
+    args: argparse.Namespace, with_prompts: bool = True, load: str | None = None, **extra
+) -> InferenceRun:
+    """The run on the model of `load` (default: --load); a one-line ConfigError when the
+    checkpoint or a prompt file is missing (what cannot be read cannot be checked)."""
     import torch
 
     from megatronapp.data.tokenizer import load_tokenizer
     from megatronapp.engine.checkpoint import find_latest
     from megatronapp.inference.model import read_model_config
 
-    if not os.path.isfile(os.path.join(args.load, "latest")):
-        raise ConfigError(f"--load {args.load}: no complete checkpoint there (missing 'latest')")
+    load = load or args.load
+    if not os.path.isfile(os.path.join(load, "latest")):
+        raise ConfigError(f"--load {load}: no complete checkpoint there (missing 'latest')")
     tokenizer = load_tokenizer(args.tokenizer_model)
-    prompts = tuple(tuple(tokenizer.encode(p)) for p in read_prompts(args)) if with_prompts else ()
+    texts = tuple(read_prompts(args)) if with_prompts else ()
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
     return InferenceRun(
-        load=args.load,
-        checkpoint_folder=str(find_latest(args.load)),
-        model=read_model_config(args.load),
+        load=load,
+        checkpoint_folder=str(find_latest(load)),
+        model=read_model_config(load),
         nproc_per_node=args.nproc_per_node,
         tp_size=args.tensor_model_parallel_size,
         pp_size=args.pipeline_model_parallel_size,
@@ -132,7 +141,11 @@ def build_inference_run(args: argparse.Namespace, with_prompts: bool = True, **e
         device=args.device,
         bf16=args.bf16,
         visible_gpus=None if under_launcher() else torch.cuda.device_count(),
-        prompts=prompts,
+        prompts=tuple(tuple(tokenizer.encode(p)) for p in texts),
+        prompt_texts=texts,
+        tokenizer_model=args.tokenizer_model,
+        as_json=getattr(args, "json", False),
+        result_file=args.result_file,
         **extra,
     )
 
@@ -171,47 +184,44 @@ def check_inference_prompts(run: InferenceRun) -> None:
 
 
 def build_generate_run(args: argparse.Namespace) -> InferenceRun:
-    return build_inference_run(args, sampling=build_sampling_config(args))
+    return build_inference_run(args, sampling=build_sampling_config(args), cuda_graphs=args.cuda_graphs)
 
 
-def run_command(args: argparse.Namespace, argv: list[str], run: InferenceRun, worker, render) -> int:
-    """Run `worker(args, run) -> dict` here or on launched ranks (the run was validated); print render(result)."""
-    if under_launcher() or not args.nproc_per_node or args.nproc_per_node == 1:
-        result = worker(args, run)
-        if result is not None and args.result_file:
-            write_text_atomic(args.result_file, json.dumps(result))
+def run_command(run: InferenceRun, argv: list[str], worker, render) -> int:
+    """Run `worker(run) -> dict` here or on launched ranks (the run was validated); print render(run, result)."""
+    if under_launcher() or not run.nproc_per_node or run.nproc_per_node == 1:
+        result = worker(run)
+        if result is not None and run.result_file:
+            write_text_atomic(run.result_file, json.dumps(result))
         elif result is not None:
-            print(render(args, result))
+            print(render(run, result))
         return 0
-    result_file = Path(tempfile.mkdtemp(prefix="megatronapp-")) / "result.json"
-    code = run_local_ranks(
-        "megatronapp.cli.main", rank_argv(argv, ["--result-file", str(result_file)]), args.nproc_per_node
-    )
+    code, result = run_ranks_for_result(argv, run.nproc_per_node)
     if code == 0:
-        print(render(args, json.loads(result_file.read_text())))
+        print(render(run, result))
     return code
 
 
-def generate_worker(args: argparse.Namespace, run: InferenceRun) -> dict | None:
+def generate_prompts(model, run: InferenceRun, tokenizer):
+    """Generate from the run's prompts with its sampling settings on this rank's `model`."""
+    from megatronapp.inference.generate import generate
+
+    prompts = [list(p) for p in run.prompts]
+    return generate(model, prompts, run.sampling, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size)
+
+
+def generate_worker(run: InferenceRun) -> dict | None:
     """Body of one rank: load, generate, return the result on rank 0 (None elsewhere)."""
     from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.inference.generate import generate
     from megatronapp.inference.launch import finish_worker, start_worker
 
     model = start_worker(run)
-    model.cuda_graphs = args.cuda_graphs
-    tokenizer = load_tokenizer(args.tokenizer_model)
-    prompts = read_prompts(args)
-    res = generate(
-        model,
-        [tokenizer.encode(p) for p in prompts],
-        run.sampling,
-        eod_id=tokenizer.eod_id,
-        vocab_size=tokenizer.vocab_size,
-    )
+    model.cuda_graphs = run.cuda_graphs
+    tokenizer = load_tokenizer(run.tokenizer_model)
+    res = generate_prompts(model, run, tokenizer)
     out = {
         "layout": model.groups.layout.describe(),
-        "prompts": prompts,
+        "prompts": list(run.prompt_texts),
         "completions": [tokenizer.decode(t) for t in res.tokens],
         "tokens": res.tokens,
         "finished": res.finished,
@@ -223,8 +233,8 @@ def generate_worker(args: argparse.Namespace, run: InferenceRun) -> dict | None:
     return out if model.is_serving_rank else None
 
 
-def render_generation(args: argparse.Namespace, result: dict) -> str:
-    if args.json:
+def render_generation(run: InferenceRun, result: dict) -> str:
+    if run.as_json:
         return json.dumps(result)
     lines = []
     for prompt, completion in zip(result["prompts"], result["completions"]):
@@ -238,5 +248,5 @@ def add_generate_subcommand(sub) -> None:
     add_generate_arguments(p)
     p.set_defaults(
         build_run=build_generate_run,
-        launch=lambda args, argv, run: run_command(args, argv, run, generate_worker, render_generation),
+        launch=lambda run, argv: run_command(run, argv, generate_worker, render_generation),
     )

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatronapp.launch.roles import backend_for, init_default_group
 from megatronapp.parallel.device import select_device
 
 
@@ -19,8 +20,7 @@ def start_worker(run):
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = select_device(run.device, int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    init_default_group(backend_for(device), world, rank)
     layout = build_layout(world, run.tp_size, run.pp_size)
     groups = build_process_groups(layout, rank)
     dtype = torch.bfloat16 if run.bf16 else torch.float32

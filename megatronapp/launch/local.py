@@ -9,15 +9,20 @@ print, in one line, the rank whose failure caused the end (failures.pick_root_fa
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatronapp.flags import Flag
 from megatronapp.launch.failures import pick_root_failure
 
 NPROC_FLAG = "--nproc-per-node"
+# Hidden: where rank 0 of a relaunched command writes its result (JSON) for the launching process
+RESULT_FILE = Flag("--result-file", "result_file", "rank 0 writes its result here (JSON)")
 
 
 def under_launcher() -> bool:
@@ -41,6 +46,18 @@ def rank_argv(argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
 def torchrun_argv(module: str, args: Sequence[str], nproc: int) -> list[str]:
     """torch.distributed.run's command line for `nproc` local ranks of `python -m module args`."""
     return ["--standalone", NPROC_FLAG, str(nproc), "--monitor-interval", "0.1", "--module", module, *args]
+
+
+def torchrun_command(module_args: Sequence[str], nproc: int) -> list[str]:
+    """The command line of `nproc` local ranks of `python -m MODULE ARGS` (module_args = [MODULE, *ARGS])
+    under torch.distributed.run."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(module_args[0], module_args[1:], nproc)]
+
+
+def trace_run_command(nproc: int, trace_dir: str | Path, script_argv: Sequence[str], flags=()) -> list[str]:
+    """The command line of `megatronapp trace run` of SCRIPT ARGS (`script_argv`) on `nproc` ranks."""
+    head = [sys.executable, "-m", "megatronapp.cli.main", "trace", "run", NPROC_FLAG, str(nproc)]
+    return [*head, "--trace-dir", str(trace_dir), *flags, "--", *script_argv]
 
 
 def remove_stale_rank_traces(trace_dir: str | Path) -> None:
@@ -73,3 +90,11 @@ def run_local_ranks(module: str, args: Sequence[str], nproc: int, prog: str = "m
         print(f"{prog}: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_ranks_for_result(argv: Sequence[str], nproc: int) -> tuple[int, dict | None]:
+    """Run this `megatronapp` command (`argv`) on `nproc` local ranks, rank 0 writing its result
+    to a --result-file; (exit code, that result or None when the ranks failed or wrote none)."""
+    result = Path(tempfile.mkdtemp(prefix="megatronapp-")) / "result.json"
+    code = run_local_ranks("megatronapp.cli.main", rank_argv(argv, [RESULT_FILE.option, str(result)]), nproc)
+    return code, json.loads(result.read_text()) if code == 0 and result.is_file() else None

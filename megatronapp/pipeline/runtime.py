@@ -31,7 +31,7 @@ _SPLIT_KINDS = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 
 
 class NullInjector:
-    """Fault-injection hooks; the real one lives in the engine (megatronapp.faults.inject)."""
+    """Fault-injection hooks; the real one lives in the engine (megatronapp.injection.inject)."""
 
     def compute(self, key=None):
         """Context around one compute task; `key` names its kind (e.g. (FORWARD, chunk)), so a

@@ -1,5 +1,5 @@
 """`megatronapp trace ...` subcommands: argument parsing and printing; the work is in the
-analysis modules (merge.py, analysis.py -> align.py, detect.py).
+analysis modules (merge.py, load_align_detect.py -> align.py, detect.py).
 
 The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser sets
 `func`, which takes the parsed namespace and returns the process exit code.
@@ -15,9 +15,9 @@ import sys
 import warnings
 from collections.abc import Iterator
 
-from megatronapp.scan.analyze.analysis import analyze_trace_dir
 from megatronapp.scan.analyze.detect_config import DetectConfig
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
+from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
 from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
 from megatronapp.scan.record.format import TraceFormatError, TraceTruncatedWarning
 from megatronapp.scan.trace_run import add_trace_run_arguments

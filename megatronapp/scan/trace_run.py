@@ -14,32 +14,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatronapp.faults.inject import FaultPlan, fault_env, parse_fault_plan
+from megatronapp.flags import add_flags, read_flags
+from megatronapp.injection.inject import FaultPlan, fault_env, parse_fault_plan
+from megatronapp.launch.flags import NPROC_PER_NODE
 from megatronapp.launch.local import remove_stale_rank_traces, run_local_ranks
 from megatronapp.scan.record.autotrace import AutoTraceConfig
-from megatronapp.scan.record.trace_config import add_trace_arguments, trace_fields_from_args
+from megatronapp.scan.record.trace_config import TRACE_FLAGS
 
 
 def add_trace_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine")
-    add_trace_arguments(parser, granularity_help="full: also every module's forward and backward")
-    parser.add_argument(
-        "--inject-slowdown",
-        action="append",
-        default=[],
-        metavar="RANK:FACTOR[:EVERY]",
-        help="test knob: RANK computes FACTOR x slower (every EVERY-th iteration); repeatable",
-    )
-    parser.add_argument(
-        "--inject-link-delay",
-        action="append",
-        default=[],
-        metavar="SRC:DST:MS[:JITTER]",
-        help="test knob: messages SRC -> DST arrive MS (+- JITTER) ms late; repeatable",
-    )
+    """`trace run`'s own flags (its --inject-* test knobs are cli/injection.py's)."""
+    add_flags(parser, (NPROC_PER_NODE, *TRACE_FLAGS), AutoTraceConfig)
     parser.add_argument("--json", action="store_true", help="print the detection report as JSON")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT.py ARGS...")
-    parser.set_defaults(build_run=build_trace_run, launch=run_trace_run)
+    parser.set_defaults(build_run=build_trace_run, launch=lambda run, argv: run_trace_run(run))
 
 
 @dataclass(frozen=True)
@@ -50,15 +38,20 @@ class TraceRun:
     nproc_per_node: int
     config: AutoTraceConfig
     faults: FaultPlan
+    fault_specs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # --inject-slowdown, --inject-link-delay
+    as_json: bool = False  # --json
 
 
 def build_trace_run(args: argparse.Namespace) -> TraceRun:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    specs = (tuple(args.inject_slowdown or ()), tuple(args.inject_link_delay or ()))
     return TraceRun(
         tuple(command),
-        args.nproc_per_node,
-        AutoTraceConfig(**trace_fields_from_args(args)),
-        parse_fault_plan(args.inject_slowdown, args.inject_link_delay),
+        1 if args.nproc_per_node is None else args.nproc_per_node,
+        AutoTraceConfig(**read_flags(args, TRACE_FLAGS)),
+        parse_fault_plan(*specs),
+        specs,
+        args.json,
     )
 
 
@@ -73,45 +66,38 @@ def check_trace_run(run: TraceRun) -> None:
     run.faults.check(run.nproc_per_node)
 
 
-def run_trace_run(args: argparse.Namespace, argv: list[str], run: TraceRun) -> int:
+def run_trace_run(run: TraceRun) -> int:
     """Launch the validated run: 1 if a rank failed, else 0 (report printed)."""
     remove_stale_rank_traces(run.config.trace_dir)
     os.environ.update(run.config.to_env())
-    os.environ.update(fault_env(args.inject_slowdown, args.inject_link_delay))
+    os.environ.update(fault_env(*run.fault_specs))
     code = run_local_ranks(
         "megatronapp.scan.record.run", list(run.command), run.nproc_per_node, prog="megatronapp trace run"
     )
     if code:
         return code
-    return _report(run.config.trace_dir, args.json)
+    print(report_traced_run(run.config.trace_dir, run.as_json), end="")
+    return 0
 
 
-def _report(trace_dir: str, as_json: bool) -> int:
+def report_traced_run(trace_dir: str, as_json: bool = False) -> str:
+    """Merge a traced run's rank files into TRACE_DIR/timeline.json, run detection, and say what
+    was written and found (one JSON object with `as_json`); `train --trace` and `trace run` end so."""
     import json
 
-    from megatronapp.scan.analyze.analysis import analyze_trace_dir
     from megatronapp.scan.analyze.detect_output import render_report, report_to_json
+    from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
     from megatronapp.scan.cli import truncated_traces_as_notes
     from megatronapp.scan.merge.merge import merge_traces
 
     out = Path(trace_dir) / "timeline.json"
     with truncated_traces_as_notes(sys.stderr if as_json else None):  # --json: stdout is one object
         summary = merge_traces(trace_dir, out)
-        analysis = analyze_trace_dir(trace_dir)
+        detection = analyze_trace_dir(trace_dir).detection
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "timeline": str(out),
-                    "events": summary.events,
-                    "flows": summary.flows,
-                    **report_to_json(analysis.detection),
-                },
-                indent=2,
-            )
-        )
-        return 0
-    print(f"MegaScan: merged {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows -> {out}")
-    print("  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing")
-    print(render_report(analysis.detection), end="")
-    return 0
+        doc = {"timeline": str(out), "events": summary.events, "flows": summary.flows, **report_to_json(detection)}
+        return json.dumps(doc, indent=2) + "\n"
+    return (
+        f"MegaScan: merged {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows -> {out}\n"
+        "  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing\n" + render_report(detection)
+    )

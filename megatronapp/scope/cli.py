@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from megatronapp.config import ConfigError
-from megatronapp.inference.cli import add_layout_arguments, build_inference_run, read_prompts, run_command
+from megatronapp.inference.cli import add_layout_arguments, build_inference_run, generate_prompts, run_command
 from megatronapp.inference.generate import SamplingConfig
+from megatronapp.scope.capture import CaptureConfig
 from megatronapp.scope.compress import DEFAULT_COMPRESS
 from megatronapp.scope.sites import DEFAULT_SITES
 
@@ -92,20 +93,19 @@ def build_capture_run(args):
     )
 
 
-def capture_worker(args, run) -> dict | None:
+def capture_worker(run) -> dict | None:
     """One rank: load, install perturbations and capture, generate greedily, rank 0 saves."""
     from contextlib import ExitStack
 
     from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.inference.generate import generate
     from megatronapp.inference.launch import finish_worker, start_worker
     from megatronapp.scope.capture import Capture
     from megatronapp.scope.perturb import perturb
     from megatronapp.scope.store import save_capture
 
     model = start_worker(run)
-    tokenizer = load_tokenizer(args.tokenizer_model)
-    prompts = read_prompts(args)
+    tokenizer = load_tokenizer(run.tokenizer_model)
+    prompts = list(run.prompt_texts)
     request = run.capture
     capture_cfg = request.config
     with ExitStack() as stack:
@@ -113,18 +113,12 @@ def capture_worker(args, run) -> dict | None:
         for spec in specs:
             stack.enter_context(perturb(model, spec))
         cap = stack.enter_context(Capture(model, capture_cfg))
-        res = generate(
-            model,
-            [tokenizer.encode(p) for p in prompts],
-            run.sampling,
-            eod_id=tokenizer.eod_id,
-            vocab_size=tokenizer.vocab_size,
-        )
+        res = generate_prompts(model, run, tokenizer)
     out = None
     if model.is_serving_rank:
         completions = [tokenizer.decode(t) for t in res.tokens]
         save_capture(
-            args.out,
+            request.out,
             cap.manifest(),
             cap.items,
             extra={
@@ -136,7 +130,7 @@ def capture_worker(args, run) -> dict | None:
             },
         )
         out = {
-            "out": args.out,
+            "out": request.out,
             "items": len(cap.items),
             "bytes_per_token": cap.bytes_per_token,
             "completions": completions,
@@ -146,8 +140,8 @@ def capture_worker(args, run) -> dict | None:
     return out
 
 
-def render_capture(args, result: dict) -> str:
-    if args.json:
+def render_capture(run, result: dict) -> str:
+    if run.as_json:
         return json.dumps(result)
     return (
         f"captured {result['items']} items ({result['bytes_per_token']:.0f} bytes/token) "
@@ -188,16 +182,22 @@ def add_scope_subcommands(sub) -> None:
         default=DEFAULT_COMPRESS,
         help=f"compression ops (default {DEFAULT_COMPRESS!r}; '' keeps full tensors)",
     )
-    cap.add_argument("--topk", type=int, default=5, help="entries kept by the topk and logit_lens sites")
-    cap.add_argument("--max-capture-mb", type=float, default=1024.0, help="refuse steps whose raw capture is larger")
+    cap.add_argument(
+        "--topk", type=int, default=CaptureConfig.topk, help="entries kept by the topk and logit_lens sites"
+    )
+    cap.add_argument(
+        "--max-capture-mb",
+        type=float,
+        default=CaptureConfig.max_bytes_per_step / 2**20,
+        help="refuse steps whose raw capture is larger",
+    )
     cap.add_argument("--perturb", action="append", default=[], help="perturbation spec JSON, or @FILE")
     cap.add_argument("--out", default=None, help="capture file (safetensors)")
     cap.add_argument("--json", action="store_true", help="print the manifest as one JSON object")
-    cap.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
     add_layout_arguments(cap)
     cap.set_defaults(
         build_run=build_capture_run,
-        launch=lambda args, argv, run: run_command(args, argv, run, capture_worker, render_capture),
+        launch=lambda run, argv: run_command(run, argv, capture_worker, render_capture),
     )
     rep = cmds.add_parser("report", help="render PNG heatmaps, attention maps and PCA of a capture file")
     rep.add_argument("file", help="capture file written by scope capture")

@@ -19,6 +19,7 @@ import argparse
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatronapp.config import ConfigError
@@ -43,12 +44,23 @@ TINY_DEMO_TRAIN = [
 ]
 
 
+@dataclass(frozen=True)
+class TrainingScopeConfig:
+    """`train --scope`: where the training view is served and what it probes."""
+
+    host: str
+    port: int
+    token: str | None  # None: generated for a non-loopback bind
+    probe: str = "The quick brown fox"  # the prompt run every `every` steps
+    every: int = 10
+    start_paused: bool = False  # wait for the page before the first step
+
+
 def add_serve_subcommand(cmds) -> None:
     p = cmds.add_parser("serve", help="live web UI: generate, look inside, perturb")
     p.add_argument("--load", default=None, help="checkpoint folder; default: ./ckpt, or train a tiny demo model")
     add_server_arguments(p, default_port=8765)
-    p.add_argument("--tokenizer-model", default=None, help="Hugging Face tokenizer.json; default: bytes")
-    add_layout_arguments(p)  # --nproc-per-node, TP/PP sizes, --device, --bf16
+    add_layout_arguments(p)  # --nproc-per-node, TP/PP sizes, --device, --tokenizer-model, --bf16
     p.set_defaults(build_run=build_serve_run, launch=serve_main)
 
 
@@ -62,9 +74,18 @@ def add_scope_ui_train_arguments(p: argparse.ArgumentParser) -> None:
     """`train --scope`: serve the training view from rank 0 of a one-process run."""
     p.add_argument("--scope", action="store_true", help="serve the MegaScope UI during training (one process)")
     add_server_arguments(p, default_port=8766, prefix="scope-")
-    p.add_argument("--scope-probe", default="The quick brown fox", help="probe prompt shown every K steps")
-    p.add_argument("--scope-every", type=int, default=10, help="probe every K steps")
+    p.add_argument("--scope-probe", default=TrainingScopeConfig.probe, help="probe prompt shown every K steps")
+    p.add_argument("--scope-every", type=int, default=TrainingScopeConfig.every, help="probe every K steps")
     p.add_argument("--scope-start-paused", action="store_true", help="wait for the page before the first step")
+
+
+def build_training_scope_config(args: argparse.Namespace):
+    """From the --scope* flags; None without --scope."""
+    if not args.scope:
+        return None
+    return TrainingScopeConfig(
+        args.scope_host, args.scope_port, args.scope_token, args.scope_probe, args.scope_every, args.scope_start_paused
+    )
 
 
 def server_config(host: str, port: int, token: str | None):
@@ -122,17 +143,17 @@ def build_serve_run(args):
     if args.load is None and (args.nproc_per_node or 1) > 1:
         raise ConfigError("--nproc-per-node needs --load (the demo model is served by one process)")
     check_port(args.port)  # before a missing demo checkpoint is trained
-    args.load = args.load or find_demo_checkpoint(train_if_missing=not under_launcher())
-    return build_inference_run(args, with_prompts=False, port=args.port)
+    load = args.load or find_demo_checkpoint(train_if_missing=not under_launcher())
+    return build_inference_run(args, with_prompts=False, load=load, port=args.port, host=args.host, token=args.token)
 
 
-def serve_main(args, argv: list[str], run) -> int:
-    cfg, load = server_config(args.host, args.port, args.token), args.load
-    if not under_launcher() and (args.nproc_per_node or 1) > 1:
-        return run_local_ranks("megatronapp.cli.main", rank_argv(argv), args.nproc_per_node)
+def serve_main(run, argv: list[str]) -> int:
+    cfg, load = server_config(run.host, run.port, run.token), run.load
+    if not under_launcher() and (run.nproc_per_node or 1) > 1:
+        return run_local_ranks("megatronapp.cli.main", rank_argv(argv), run.nproc_per_node)
     if under_launcher():
-        return _serve_ranks(args, run, cfg)
-    return _serve(build_generation_backend(load, args.tokenizer_model, args.device, args.bf16, cfg.limits), cfg, load)
+        return _serve_ranks(run, cfg)
+    return _serve(build_generation_backend(load, run.tokenizer_model, run.device, run.bf16, cfg.limits), cfg, load)
 
 
 def _serve(backend, cfg, load: str) -> int:
@@ -151,13 +172,13 @@ def _serve(backend, cfg, load: str) -> int:
     return 0
 
 
-def _serve_ranks(args, run, cfg) -> int:
+def _serve_ranks(run, cfg) -> int:
     """Under the launcher: rank 0 serves and leads, the other ranks follow (scope_ui/ranks.py)."""
     from megatronapp.inference.launch import finish_worker, start_worker
     from megatronapp.scope_ui.ranks import JobChannel, LeaderRunner, follow
 
     model, load = start_worker(run), run.load
-    runner = build_generation_backend(load, args.tokenizer_model, None, args.bf16, cfg.limits, model=model)
+    runner = build_generation_backend(load, run.tokenizer_model, None, run.bf16, cfg.limits, model=model)
     channel = JobChannel(model.device)
     try:
         if model.groups.rank != 0:

@@ -22,30 +22,10 @@ import collections
 import contextlib
 import queue
 import threading
-from dataclasses import dataclass
+
+from megatronapp.scope_ui.cli import TrainingScopeConfig
 
 HISTORY = 5000  # training steps replayed to a tab that connects late
-
-
-@dataclass(frozen=True)
-class TrainingScopeConfig:
-    """`train --scope`: where the training view is served and what it probes."""
-
-    host: str
-    port: int
-    token: str | None  # None: generated for a non-loopback bind
-    probe: str  # the prompt run every `every` steps
-    every: int
-    start_paused: bool = False  # wait for the page before the first step
-
-
-def build_training_scope_config(args) -> TrainingScopeConfig | None:
-    """From the --scope* flags; None without --scope."""
-    if not getattr(args, "scope", False):
-        return None
-    return TrainingScopeConfig(
-        args.scope_host, args.scope_port, args.scope_token, args.scope_probe, args.scope_every, args.scope_start_paused
-    )
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ def run_cli(args: list[str], timeout: float = 120, **kw) -> subprocess.Completed
         ),
         (
             ["--trace", "--trace-interval", "2", "--continuous-trace-iterations", "3"],
-            "--continuous-trace-iterations 3 is larger than --trace-interval 2",
+            "continuous_iterations must be in 1..interval (2), got 3",
         ),
         (["--recompute-method", "block"], "need --recompute-granularity full"),
         (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "recompute num layers must be >= 1"),

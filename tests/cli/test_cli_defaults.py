@@ -27,7 +27,7 @@ def field_defaults(cls) -> dict:
 
 def config_field_of(command: str, dest: str):
     """(dataclass, field) a flag's dest stands for in `command`, or None when it belongs to no config."""
-    by_trace_dest = {flag.lstrip("-").replace("-", "_"): name for flag, (name, _) in TRACE_FLAGS.items()}
+    by_trace_dest = {flag.dest: flag.field for flag in TRACE_FLAGS}
     if dest in by_trace_dest:
         return TraceConfig, by_trace_dest[dest]
     if dest.startswith("dpp_") and dest[4:] in field_defaults(DppConfig):

@@ -115,6 +115,22 @@ def test_the_launcher_names_the_rank_that_caused_the_failure():
     )
 
 
+def test_command_lines_of_a_traced_script_and_of_torchrun_ranks():
+    """The one way launch.local writes `trace run` and torchrun command lines (the fault lab's too)."""
+    import sys
+
+    from megatronapp.launch.local import torchrun_command, trace_run_command
+
+    assert trace_run_command(2, "t", ["x.py", "--a"], ["--inject-slowdown", "1:2"]) == [
+        *(sys.executable, "-m", "megatronapp.cli.main", "trace", "run", "--nproc-per-node", "2"),
+        *("--trace-dir", "t", "--inject-slowdown", "1:2", "--", "x.py", "--a"),
+    ]
+    assert torchrun_command(["m", "train"], 4) == [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"),
+        *("--monitor-interval", "0.1", "--module", "m", "train"),
+    ]
+
+
 def test_of_ranks_failing_alike_the_report_names_one_that_exited_by_itself(tmp_path, monkeypatch, capsys):
     """Every rank reads the same bad file: the one the launcher stopped after it recorded the same
     error is not the one named (its exit code says it was killed)."""

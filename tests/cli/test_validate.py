@@ -14,16 +14,16 @@ from megatronapp.cli.validate import validate
 from megatronapp.config import JobConfig, ModelConfig, TrainConfig
 from megatronapp.dpp.cli import ScheduleRun
 from megatronapp.dpp.config import DppConfig, JitterSpec
-from megatronapp.faults.inject import FaultPlan
 from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.inference.cli import InferenceRun
 from megatronapp.inference.generate import SamplingConfig
+from megatronapp.injection.inject import FaultPlan
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.record.autotrace import AutoTraceConfig
 from megatronapp.scan.trace_run import TraceRun
 from megatronapp.scope.capture import make_capture_config
 from megatronapp.scope.cli import CaptureRequest
-from megatronapp.scope_ui.training import TrainingScopeConfig
+from megatronapp.scope_ui.cli import TrainingScopeConfig
 
 SCOPE = TrainingScopeConfig(host="127.0.0.1", port=0, token=None, probe="The", every=10)
 MODEL = ModelConfig(
@@ -186,12 +186,11 @@ SCHEDULE = ScheduleRun(
     weight_grad_share=0.5,
     forward_ms="1",
     backward_ms="2,2,2,3",
-    link=(None, 0.0, 0, 0.0),
     jitter=("2:1.5",),
     from_trace=None,
 )
 SCHEDULE_RULES = [
-    ("link", dict(link=(-1.0, 0.0, 0, 0.0)), "latency, bandwidth, message bytes and decision cost must be >= 0"),
+    ("link", dict(p2p_latency_ms=-1.0), "latency, bandwidth, message bytes and decision cost must be >= 0"),
     ("w share", dict(weight_grad_share=1.0), "--weight-grad-share must be in (0, 1), got 1.0"),
     ("shape", dict(microbatches=0), "pipeline size, virtual stages and microbatches must be >= 1"),
     ("costs", dict(backward_ms="2,2"), "--backward-ms needs 1 or 4 non-negative values"),

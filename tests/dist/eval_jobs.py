@@ -6,7 +6,7 @@ import torch
 from engine_jobs import RandomTokenBatches, make_job
 
 from megatronapp.dpp.config import DppConfig
-from megatronapp.dpp.setup import build_dynamic_runtime_factory
+from megatronapp.dpp.job_hooks import build_dynamic_runtime_factory
 from megatronapp.engine.trainer import Trainer
 from megatronapp.job import replace_fields
 from megatronapp.parallel.groups import build_process_groups, single_process_groups

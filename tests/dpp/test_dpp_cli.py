@@ -160,14 +160,15 @@ def test_dynamic_and_jitter_are_accepted_for_gpus():
 
     from megatronapp.cli.injection import build_injection_config, check_injection
     from megatronapp.cli.main import build_parser
-    from megatronapp.dpp.config import build_dpp_config
-    from megatronapp.dpp.setup import check_dpp_job
+    from megatronapp.dpp.config import DPP_FLAGS, DppConfig
+    from megatronapp.dpp.job_hooks import check_dpp_job
+    from megatronapp.flags import read_flags
 
     job = make_job(2, 1, 2, 2, "dynamic", global_batch=8)
     args = build_parser().parse_args(
         ["train", "--model", "tiny", "--pipeline-schedule", "dynamic", "--device", "cuda", "--inject-jitter", "1:1.5"]
     )
-    check_dpp_job(build_dpp_config(args), job)
+    check_dpp_job(DppConfig(**read_flags(args, DPP_FLAGS)), job)
     injection = build_injection_config(args)
     check_injection(injection, 2, job.layout.world_size)
     assert injection.jitter[0].max_factor == 1.5

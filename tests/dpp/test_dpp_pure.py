@@ -149,7 +149,7 @@ def test_newer_microbatch_leaves_the_older_ones_slot():
     assert [str(t) for t in order[:3]] == ["F(c0,m0)", "F(c1,m0)", "B(c1,m0)"]
 
 
-def test_jitter_injection_draws_what_the_simulator_draws():
+def test_jitter_injection_draws_what_the_simulator_draws(monkeypatch):
     import torch
 
     from megatronapp.dpp.jitter import apply_jitter
@@ -157,13 +157,14 @@ def test_jitter_injection_draws_what_the_simulator_draws():
 
     spec = JitterSpec(2, 1.5, 9)
     assert apply_jitter(None, (spec,), 1, torch.device("cpu")) is None  # other ranks untouched
-    inj = apply_jitter(NullInjector(), (spec,), 2, torch.device("cpu"))
+    inj, slept = apply_jitter(NullInjector(), (spec,), 2, torch.device("cpu")), []
+    monkeypatch.setattr("megatronapp.dpp.jitter.time.sleep", slept.append)
     for _ in range(5):
         with inj.compute():
             sum(range(20000))
     rng = random.Random("9:2")
     assert inj.factors == [rng.uniform(1.0, 1.5) for _ in range(5)]
-    assert len(inj.stalls_s) == 5 and all(s >= 0 for s in inj.stalls_s)
+    assert len(slept) == 5 and all(s >= 0 for s in slept)
 
 
 @pytest.mark.parametrize("seed", range(30))

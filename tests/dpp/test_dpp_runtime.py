@@ -14,9 +14,9 @@ import torch
 from engine_jobs import RandomTokenBatches, assemble_full_grads, full_grads, make_job
 
 from megatronapp.dpp.config import DppConfig
+from megatronapp.dpp.job_hooks import build_dynamic_runtime_factory
 from megatronapp.dpp.policies import TRAVERSALS
 from megatronapp.dpp.scheduler import compute_default_caps
-from megatronapp.dpp.setup import build_dynamic_runtime_factory
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
 from megatronapp.pipeline.runtime import NullInjector
@@ -185,8 +185,8 @@ def _receive_over_slow_link(rank: int, world: int, delay_ms: float, known_spec: 
 
     from megatronapp.dpp.tasks import forward_task
     from megatronapp.dpp.transport import RECV_AHEAD, PeerReceiver, send_task_message
-    from megatronapp.faults.inject import FaultPlan
-    from megatronapp.faults.link_delay import install_link_delays
+    from megatronapp.injection.inject import FaultPlan
+    from megatronapp.injection.link_delay import install_link_delays
     from megatronapp.p2p.outbox import Outbox
 
     delays = install_link_delays(FaultPlan(link_delays={(0, 1): delay_ms}), rank)

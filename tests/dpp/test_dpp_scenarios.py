@@ -7,7 +7,7 @@ import pytest
 
 from megatronapp.dpp.config import parse_jitter
 from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_flags, compute_scenario_sim
-from megatronapp.faults.inject import parse_fault_plan
+from megatronapp.injection.inject import parse_fault_plan
 from megatronapp.parallel.layout import ParallelLayout
 
 

@@ -1,4 +1,4 @@
-"""megatronapp/dpp/study.py: its bounds bound every simulated schedule, its summary rows, the link
+"""megatronapp/dpp/sim/study.py: its bounds bound every simulated schedule, its summary rows, the link
 and activation-memory costs of a simulated step; benchmarks/dpp_sim_study.py refuses a bad config."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatronapp.dpp import study
 from megatronapp.dpp.config import JitterSpec
 from megatronapp.dpp.scheduler import compute_default_caps
+from megatronapp.dpp.sim import study
 from megatronapp.dpp.sim.scenarios import SCENARIOS, compute_scenario_sim
 from megatronapp.dpp.sim.simulator import CostModel, Span, simulate
 from megatronapp.dpp.tasks import backward_task, forward_task

@@ -17,7 +17,7 @@ from fbd_jobs import fbd_train_and_report
 from test_checkpoint import train_and_save, train_save_resume
 
 from megatronapp.dpp.config import DppConfig
-from megatronapp.dpp.setup import build_dynamic_runtime_factory
+from megatronapp.dpp.job_hooks import build_dynamic_runtime_factory
 from megatronapp.engine.checkpoint import load_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.fbd.config import FbdConfig

@@ -10,7 +10,7 @@ import torch
 from engine_jobs import RandomTokenBatches, assemble_full_grads, full_grads, make_job, train_and_report
 
 from megatronapp.dpp.config import DppConfig
-from megatronapp.dpp.setup import build_dynamic_runtime_factory
+from megatronapp.dpp.job_hooks import build_dynamic_runtime_factory
 from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups

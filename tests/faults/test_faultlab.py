@@ -15,7 +15,7 @@ import pytest
 from megatronapp.faultlab import EngineJob, ExtraWork, LabPlan, ScriptJob, SlowLink, SlowRank, run_lab
 from megatronapp.faultlab.cpu import cgroup_flavour
 from megatronapp.faultlab.net import namespace_support, probe_qdiscs
-from megatronapp.scan.analyze.analysis import analyze_trace_dir
+from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DDP_SCRIPT = str(ROOT / "examples" / "ddp_train.py")

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatronapp.faults.inject import (
+from megatronapp.injection.inject import (
     FaultInjector,
     FaultPlan,
     FaultSpecError,
@@ -71,16 +71,17 @@ def _compute(injector: FaultInjector) -> None:
             pass
 
 
-def test_intermittent_slowdown_applies_every_nth_iteration_only():
-    stalls = {}
+def test_intermittent_slowdown_applies_every_nth_iteration_only(monkeypatch):
+    stalls, slept = {}, []
+    monkeypatch.setattr("megatronapp.injection.inject.time.sleep", slept.append)
     for rank in (0, 1):
         injector = FaultInjector(parse_fault_plan(["0:3:2"], []), rank=rank, device=torch.device("cpu"))
         for it in range(4):
             injector.set_iteration(it)
-            before = len(injector.stalls_s)
+            before = len(slept)
             _compute(injector)
-            if len(injector.stalls_s) > before:
-                stalls[(rank, it)] = injector.stalls_s[-1]
+            if len(slept) > before:
+                stalls[(rank, it)] = slept[-1]
     assert sorted(stalls) == [(0, 0), (0, 2)]  # rank 0, iterations 0 and 2 only
     assert all(0.02 <= s < 0.2 for s in stalls.values())  # (3 - 1) x >= 10 ms of CPU time
 
@@ -116,9 +117,11 @@ def test_the_runtime_tells_the_injector_each_iteration_even_between_log_steps():
     assert recorder.seen == [it for it in range(4) for _ in range(4)]  # 2 microbatches x (forward, backward)
 
 
-def test_slowdown_stretches_by_the_calling_threads_cpu_not_the_processs():
+def test_slowdown_stretches_by_the_calling_threads_cpu_not_the_processs(monkeypatch):
     """Other threads' CPU (gloo workers, the trace writer) must not inflate the factor: a Python
     thread spinning alongside takes about half the GIL, doubling process time, not the stall."""
+    slept = []
+    monkeypatch.setattr("megatronapp.injection.inject.time.sleep", slept.append)
     stop = threading.Event()
     spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
     injector = FaultInjector(parse_fault_plan(["0:2"], []), rank=0, device=torch.device("cpu"))
@@ -131,7 +134,7 @@ def test_slowdown_stretches_by_the_calling_threads_cpu_not_the_processs():
     finally:
         stop.set()
         spinner.join()
-    assert 0.05 <= injector.stalls_s[0] < 0.07  # (2 - 1) x 50 ms, not ~100 ms of process time
+    assert 0.05 <= slept[0] < 0.07  # (2 - 1) x 50 ms, not ~100 ms of process time
 
 
 # -- a slow link between two real ranks ------------------------------------------------------------
@@ -140,7 +143,7 @@ def slow_link_job(rank: int, world_size: int, traced: bool, trace_dir: str) -> d
     gloo, like NCCL, completes a send only once its recv is posted). Returns timings."""
     import torch.distributed as dist
 
-    from megatronapp.faults.link_delay import install_link_delays
+    from megatronapp.injection.link_delay import install_link_delays
     from megatronapp.scan.record.instrument import install_distributed_instrumentation
     from megatronapp.scan.record.tracer import TraceConfig, Tracer
 
@@ -224,4 +227,4 @@ def test_no_detector_input_comes_from_an_injector():
     for path in analyze.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith("megatronapp.faults"), f"{path.name} imports {node.module}"
+                assert not node.module.startswith("megatronapp.injection"), f"{path.name} imports {node.module}"

@@ -17,10 +17,10 @@ from engine_jobs import RandomTokenBatches, make_job
 
 from megatronapp.dpp.config import DppConfig, JitterSpec
 from megatronapp.dpp.jitter import JitterInjector
-from megatronapp.dpp.setup import build_dynamic_runtime_factory
+from megatronapp.dpp.job_hooks import build_dynamic_runtime_factory
 from megatronapp.dpp.streams import CudaOrder
 from megatronapp.engine.trainer import Trainer
-from megatronapp.faults.inject import calibrate_spin
+from megatronapp.injection.inject import calibrate_spin
 from megatronapp.parallel.groups import single_process_groups
 
 pytestmark = pytest.mark.gpu

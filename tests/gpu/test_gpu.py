@@ -11,7 +11,7 @@ from engine_jobs import RandomTokenBatches, compiled_frames
 
 from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.trainer import Trainer
-from megatronapp.faults.inject import FaultInjector, FaultPlan
+from megatronapp.injection.inject import FaultInjector, FaultPlan
 from megatronapp.job import build_job
 from megatronapp.parallel.groups import single_process_groups
 

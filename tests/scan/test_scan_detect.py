@@ -130,7 +130,7 @@ def test_slow_link_is_named_with_its_source(layout, link, delay_ms):
 
 
 def test_slow_link_is_found_under_the_engines_receiver_sleep_injection():
-    # megatronapp.faults.inject sleeps on the receiver before it waits: only messages whose
+    # megatronapp.injection.inject sleeps on the receiver before it waits: only messages whose
     # sender is not already later than the delay show it, which is enough here.
     job = _job("TP2xPP2xDP2", slow_link=(6, 2), link_delay_ns=6_000_000, link_delay_mode="before_wait", seed=2)
     assert [(s.cause, s.link) for s in _run(job).suspects] == [("slow_link", (6, 2))]

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pytest
 from scan_simulation import SimulatedJob, simulate_job_traces
 
-from megatronapp.scan.analyze.analysis import analyze_traces
 from megatronapp.scan.analyze.detect_output import render_report
 from megatronapp.scan.analyze.iteration_keys import align_iterations, compute_iteration_alignment
+from megatronapp.scan.analyze.load_align_detect import analyze_traces
 from megatronapp.scan.record.format import RankTrace, build_event_batch, build_rank_meta
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -514,7 +514,7 @@ def test_1024_ranks_align_and_detect():
     restores causality and detection names the one slowed rank."""
     from scan_simulation import SimulatedJob, simulate_job_traces
 
-    from megatronapp.scan.analyze.analysis import analyze_traces
+    from megatronapp.scan.analyze.load_align_detect import analyze_traces
 
     job = SimulatedJob(tp_size=8, pp_size=4, dp_size=32, iterations=3, seed=11, slow_rank=517, slow_factor=1.6)
     traces = simulate_job_traces(job)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megatronapp.dpp.config import JitterSpec, parse_jitter
 from megatronapp.dpp.sim.simulator import CostModel, simulate
+from megatronapp.dpp.sim.study import variants as sim_variants
 from megatronapp.dpp.sim.trace_costs import (
     TracedRun,
     compute_iteration_times,
@@ -28,12 +29,11 @@ from megatronapp.dpp.sim.trace_costs import (
     estimate_task_overheads_s,
     load_traced_run,
 )
-from megatronapp.dpp.study import variants as sim_variants
-from megatronapp.faults.inject import parse_fault_plan
+from megatronapp.injection.inject import parse_fault_plan
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.pipeline.actions import ActionKind
 
-# dpp_bench variant -> the simulator's (megatronapp.dpp.study.variants) name for it
+# dpp_bench variant -> the simulator's (megatronapp.dpp.sim.study.variants) name for it
 SIM_NAME = {
     "interleaved": "interleaved/eager",
     "breadth-first": "looped-bfs/eager",

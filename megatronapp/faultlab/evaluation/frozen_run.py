@@ -50,9 +50,9 @@ def build_plan(sc: dict):
 
 def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -> dict:
     from megatronapp.faultlab import run_lab
-    from megatronapp.scan.analyze.analysis import load_aligned_traces
     from megatronapp.scan.analyze.detect import detect
     from megatronapp.scan.analyze.detect_config import DetectConfig
+    from megatronapp.scan.analyze.load_align_detect import load_aligned_traces
 
     run_dir = work_dir / f"run{sc['index']}"
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -32,6 +32,7 @@ from megatronapp.faultlab.evaluation.injected import (
     named_causes,
     scenario_from_dict,
 )
+from megatronapp.launch.local import torchrun_command, trace_run_command
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: examples/ and tests/ live there
 ITERS = 32  # analysed 1..31 (0 is warm-up): an intermittent 1-in-4 slowdown hits 7 of them. Was 16 up to
@@ -54,58 +55,37 @@ def _fault_flags(f: Fault) -> list[str]:
 def build_command(sc: Scenario, trace_dir: Path) -> list[str]:
     """The command line that produces the scenario's trace directory."""
     if sc.source == "ddp":
-        return [
-            sys.executable,
-            "-m",
+        script = [str(ROOT / "examples" / "ddp_train.py"), "--steps", str(ITERS), *DDP_WORK]
+        return trace_run_command(sc.nproc, trace_dir, script, _fault_flags(sc.fault))
+    return torchrun_command(
+        [
             "megatronapp.cli.main",
-            "trace",
-            "run",
-            "--nproc-per-node",
-            str(sc.nproc),
+            "train",
+            "--tensor-model-parallel-size",
+            str(sc.tp),
+            "--pipeline-model-parallel-size",
+            str(sc.pp),
+            "--model",
+            "tiny",
+            "--train-iters",
+            str(ITERS),
+            "--global-batch-size",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--seed",
+            str(sc.seed % 10_000),
+            "--log-interval",
+            str(ITERS),
+            "--device",
+            "cpu",
+            "--trace",
             "--trace-dir",
             str(trace_dir),
             *_fault_flags(sc.fault),
-            "--",
-            str(ROOT / "examples" / "ddp_train.py"),
-            "--steps",
-            str(ITERS),
-            *DDP_WORK,
-        ]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(sc.nproc),
-        "--monitor-interval",
-        "0.1",
-        "--module",
-        "megatronapp.cli.main",
-        "train",
-        "--tensor-model-parallel-size",
-        str(sc.tp),
-        "--pipeline-model-parallel-size",
-        str(sc.pp),
-        "--model",
-        "tiny",
-        "--train-iters",
-        str(ITERS),
-        "--global-batch-size",
-        "16",
-        "--micro-batch-size",
-        "2",
-        "--seed",
-        str(sc.seed % 10_000),
-        "--log-interval",
-        str(ITERS),
-        "--device",
-        "cpu",
-        "--trace",
-        "--trace-dir",
-        str(trace_dir),
-        *_fault_flags(sc.fault),
-    ]
+        ],
+        sc.nproc,
+    )
 
 
 def child_env(sc: Scenario) -> dict[str, str]:
@@ -183,9 +163,9 @@ def _suspects_json(report) -> list[dict]:
 def detect_run(trace_dir: Path, overrides: dict, grid: bool) -> dict:
     """Suspects with `overrides` and with the defaults; with grid, the compute ranks at every
     COMPUTE_GRID point and the links at every LINK_GRID point (injected.tune_on_design)."""
-    from megatronapp.scan.analyze.analysis import load_aligned_traces
     from megatronapp.scan.analyze.detect import detect
     from megatronapp.scan.analyze.detect_config import DetectConfig
+    from megatronapp.scan.analyze.load_align_detect import load_aligned_traces
 
     aligned, _ = load_aligned_traces(trace_dir)
     out = {

@@ -15,7 +15,7 @@ import os
 
 from megatronapp.files import write_text_atomic
 from megatronapp.scan.analyze import detect_arrival as arrivals
-from megatronapp.scan.analyze.analysis import TraceAnalysis
+from megatronapp.scan.analyze.load_align_detect import TraceAnalysis
 from megatronapp.scan.analyze.report_data import ReportData, compute_report_data, describe_layout, format_duration_ns
 
 _COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")

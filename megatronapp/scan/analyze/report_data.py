@@ -17,9 +17,9 @@ import numpy as np
 from megatronapp.scan.analyze import detect_arrival as arrivals
 from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
-from megatronapp.scan.analyze.analysis import TraceAnalysis
 from megatronapp.scan.analyze.detect_config import DetectConfig
 from megatronapp.scan.analyze.detect_output import report_to_json
+from megatronapp.scan.analyze.load_align_detect import TraceAnalysis
 from megatronapp.scan.merge.matching import index_comm_events
 
 

@@ -2,7 +2,7 @@
 
 `AutoTrace.start(config)` installs, in this order (and `close()` removes them in reverse):
 
-  1. link delays from MEGATRONAPP_INJECT_LINK_DELAY (faults.link_delay; below the tracer so
+  1. link delays from MEGATRONAPP_INJECT_LINK_DELAY (injection.link_delay; below the tracer so
      traced recv spans see the late arrival);
   2. the tracer and the torch.distributed instrumentation (instrument.py): every Python-level
      collective and p2p call, which includes FSDP2's all-gathers and reduce-scatters;
@@ -34,8 +34,8 @@ from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatronapp import spans as S
-from megatronapp.faults.inject import FaultInjector, fault_plan_from_env
-from megatronapp.faults.link_delay import install_link_delays
+from megatronapp.injection.inject import FaultInjector, fault_plan_from_env
+from megatronapp.injection.link_delay import install_link_delays
 from megatronapp.scan.record.format import build_rank_meta
 from megatronapp.scan.record.instrument import install_distributed_instrumentation
 from megatronapp.scan.record.tracer import GRANULARITIES, TraceConfig, Tracer

@@ -6,7 +6,7 @@ and then merges and analyses the traces):
     torchrun --nproc-per-node 2 -m megatronapp.scan.record.run train.py --lr 1e-3
 
 Settings come from MEGATRONAPP_TRACE_* (autotrace.AutoTraceConfig) and faults from
-MEGATRONAPP_INJECT_* (faults.inject). The script runs as `__main__` with `sys.argv` = [SCRIPT,
+MEGATRONAPP_INJECT_* (injection.inject). The script runs as `__main__` with `sys.argv` = [SCRIPT,
 ARGS...], exactly as `python SCRIPT ARGS...` would run it.
 """
 

@@ -1,10 +1,11 @@
 """When and how much MegaScan traces: `TraceConfig`, the one source of the tracer's defaults,
-and the command-line flags generated from it (`train` and `trace run` share them)."""
+and the flags that set it (`train` and `trace run` share them)."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
+
+from megatronapp.flags import Flag
 
 GRANULARITIES = ("base", "full")
 
@@ -52,29 +53,17 @@ class TraceConfig:
         return self.enabled and iteration >= self.interval and iteration % self.interval < self.continuous_iterations
 
 
-# flag -> (TraceConfig field, help); the flag's default is the field's
-TRACE_FLAGS = {
-    "--trace-dir": ("trace_dir", "where rank*.mscan and timeline.json go"),
-    "--trace-interval": ("interval", "trace K iterations every N (iteration 0 never)"),
-    "--continuous-trace-iterations": ("continuous_iterations", "K above"),
-    "--trace-granularity": ("granularity", None),  # what "full" adds depends on the command
-}
-
-
-def add_trace_arguments(parser, granularity_help: str) -> None:
-    """The TRACE_FLAGS on `parser` (a parser or an argument group), defaults from TraceConfig."""
-    for flag, (name, help_text) in TRACE_FLAGS.items():
-        default = getattr(TraceConfig, name)
-        kind = {"choices": GRANULARITIES} if name == "granularity" else {"type": type(default)}
-        parser.add_argument(
-            flag,
-            dest=flag.lstrip("-").replace("-", "_"),
-            default=default,
-            help=f"{help_text or granularity_help} (default: %(default)s)",
-            **kind,
-        )
-
-
-def trace_fields_from_args(args: argparse.Namespace) -> dict:
-    """{TraceConfig field: value} of the TRACE_FLAGS parsed into `args`."""
-    return {name: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, (name, _) in TRACE_FLAGS.items()}
+# The flags that set TraceConfig's fields (their defaults are the fields'); `train` also takes the
+# switch, `trace run` always traces.
+TRACE_SWITCH = Flag("--trace", "enabled", "record a MegaScan trace of every rank", {"action": "store_true"})
+TRACE_FLAGS = (
+    Flag("--trace-dir", "trace_dir", "where rank*.mscan and timeline.json go"),
+    Flag("--trace-interval", "interval", "trace K iterations every N (iteration 0 never)"),
+    Flag("--continuous-trace-iterations", "continuous_iterations", "K above"),
+    Flag(
+        "--trace-granularity",
+        "granularity",
+        "full: also per-layer spans (train: attention and MLP; trace run: every module's forward and backward)",
+        {"choices": GRANULARITIES},
+    ),
+)

@@ -9,7 +9,10 @@ the program's `wait()` then returns at arrival + delay, or at once if that momen
 untouched, so a sender's send completes exactly as it would.
 
 Install it before any tracing instrumentation: a tracer that wraps these functions afterwards
-sees the late completion inside its recv span, just as for a real slow link.
+sees the late completion inside its recv span, just as for a real slow link. That is why this
+is a layer of its own rather than part of MegaScan's wrappers (scan/record/instrument.py): the
+tracer must measure a delayed link exactly as it measures a real one, untraced runs need the
+delay too, and the recorder must not know which faults are injected.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from megatronapp.faults.inject import FaultPlan, LinkDelay
+from megatronapp.injection.inject import FaultPlan, LinkDelay
 
 _MODULES = (dist, c10d)
 _WRAPPED = ("irecv", "recv", "batch_isend_irecv")

@@ -201,7 +201,6 @@ class FaultInjector:
         self.clock = GpuTaskClock() if device.type == "cuda" else None
         if self.clock is not None and (self.factor > 1 or self.delays_ms):
             self.clock.calibrate()  # before the run, not inside its first slowed task
-        self.stalls_s: list[float] = []  # every CPU stall, for the injector's own tests; nothing reads it
 
     def set_iteration(self, iteration: int) -> None:
         self.iteration = iteration
@@ -220,7 +219,6 @@ class FaultInjector:
         yield
         stall = (self.factor - 1.0) * (time.thread_time() - t0)
         time.sleep(stall)
-        self.stalls_s.append(stall)
 
     @contextlib.contextmanager
     def _slow_cuda(self, key):

@@ -23,7 +23,7 @@ class RandomTokenBatches:
         self.step += 1
         batch = torch.randint(0, self.vocab, (t.global_batch_size, m.seq_length + 1), generator=gen)
         per_rank = t.global_batch_size // self.job.layout.dp_size
-        mine = batch[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         return list(mine.split(t.micro_batch_size))
 
     def state_dict(self) -> dict:
@@ -33,15 +33,34 @@ class RandomTokenBatches:
         self.step = state["step"]
 
 
-def make_job(world: int, tp: int = 1, pp: int = 1, vpp: int = 1, schedule: str = "1f1b",
-             global_batch: int = 8, micro_batch: int = 1, iters: int = 3, num_layers: int = 4,
-             model_kw: dict | None = None, stage_layers: tuple[int, ...] = (), preset: str = "tiny",
-             **train_kw) -> JobConfig:
+def make_job(
+    world: int,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    schedule: str = "1f1b",
+    global_batch: int = 8,
+    micro_batch: int = 1,
+    iters: int = 3,
+    num_layers: int = 4,
+    model_kw: dict | None = None,
+    stage_layers: tuple[int, ...] = (),
+    preset: str = "tiny",
+    **train_kw,
+) -> JobConfig:
     model = model_preset(preset, num_layers=num_layers, seq_length=16, **(model_kw or {}))
     train_kw = {"lr_warmup_iters": 0, "min_lr": 0.0, **train_kw}
-    job = build_job(model, build_layout(world, tp, pp, vpp, stage_layers), micro_batch_size=micro_batch,
-                    global_batch_size=global_batch, train_iters=iters, lr=3e-3, schedule=schedule,
-                    grad_bucket_mb=0.01, **train_kw)
+    job = build_job(
+        model,
+        build_layout(world, tp, pp, vpp, stage_layers),
+        micro_batch_size=micro_batch,
+        global_batch_size=global_batch,
+        train_iters=iters,
+        lr=3e-3,
+        schedule=schedule,
+        grad_bucket_mb=0.01,
+        **train_kw,
+    )
     validate_job(job)
     return job
 
@@ -51,8 +70,11 @@ def full_grads(trainer: Trainer) -> dict[str, tuple[torch.Tensor, int | None, in
 
     Collective over DP (the distributed optimizer's shards are gathered)."""
     grads = trainer.optimizer.main_grads_by_param()
-    return {name: (grads[p].detach().clone(), p.tp_split_dim, trainer.groups.tp_rank)
-            for c in trainer.chunks for name, p in c.named_parameters()}
+    return {
+        name: (grads[p].detach().clone(), p.tp_split_dim, trainer.groups.tp_rank)
+        for c in trainer.chunks
+        for name, p in c.named_parameters()
+    }
 
 
 def train_and_report(rank: int, world: int, job: JobConfig) -> dict:

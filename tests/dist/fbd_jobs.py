@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from engine_jobs import RandomTokenBatches, full_grads
+
 from megatronapp.fbd.backward import BackwardWorker
 from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.fbd.forward import ForwardWorker
@@ -40,12 +40,26 @@ def fbd_train_and_report(rank: int, world: int, job, fbd: FbdConfig) -> dict:
         if step == 0:
             grads = full_grads(trainer)  # collective over DP (distributed optimizer)
             grads = grads if trainer.groups.dp_rank == 0 else {}
-    return {"role": "backward", "losses": losses, "norms": norms, "grads": grads,
-            "loss_gap": worker.runtime.loss_gap, "waits": worker.waits.on_other_role_s}
+    return {
+        "role": "backward",
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "loss_gap": worker.runtime.loss_gap,
+        "waits": worker.waits.on_other_role_s,
+    }
 
 
-def fbd_losses(rank: int, world: int, job, fbd: FbdConfig, steps: int, save_dir: str | None = None,
-               load_dir: str | None = None, injection: FbdInjection = FbdInjection()) -> list[float] | None:
+def fbd_losses(
+    rank: int,
+    world: int,
+    job,
+    fbd: FbdConfig,
+    steps: int,
+    save_dir: str | None = None,
+    load_dir: str | None = None,
+    injection: FbdInjection = FbdInjection(),
+) -> list[float] | None:
     """Train `steps` more steps under FBD (optionally loading first and saving after);
     backward workers return their losses, forward workers None."""
     from megatronapp.engine.checkpoint import load_checkpoint, save_checkpoint

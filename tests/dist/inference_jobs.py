@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job
+
 from megatronapp.config import build_layout
 from megatronapp.engine.checkpoint import save_checkpoint
 from megatronapp.engine.trainer import Trainer

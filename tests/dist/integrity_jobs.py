@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-
 from engine_jobs import RandomTokenBatches, make_job
+
 from megatronapp.config import IntegrityConfig
 from megatronapp.engine.hooks import NullTracer
 from megatronapp.engine.trainer import Trainer
@@ -18,8 +18,15 @@ class Corruption:
     every one (reproducible), add `loss_add` to the loss, multiply the grads by `grad_scale`,
     or put a NaN in the first grad."""
 
-    def __init__(self, iteration: int, ranks, every_attempt: bool = False, loss_add: float = 0.0,
-                 grad_scale: float = 1.0, nan: bool = False):
+    def __init__(
+        self,
+        iteration: int,
+        ranks,
+        every_attempt: bool = False,
+        loss_add: float = 0.0,
+        grad_scale: float = 1.0,
+        nan: bool = False,
+    ):
         self.iteration, self.ranks, self.every_attempt = iteration, set(ranks), every_attempt
         self.loss_add, self.grad_scale, self.nan, self.rank = loss_add, grad_scale, nan, 0
         self.only_params: set[int] | None = None  # ids of the model params whose grads are hit; None: all
@@ -27,8 +34,11 @@ class Corruption:
     def __call__(self, iteration, attempt, loss, optimizer):
         if iteration != self.iteration or self.rank not in self.ranks or (attempt and not self.every_attempt):
             return loss
-        grads = [m.main_param.grad for m in optimizer.mains
-                 if self.only_params is None or id(m.model_param) in self.only_params]
+        grads = [
+            m.main_param.grad
+            for m in optimizer.mains
+            if self.only_params is None or id(m.model_param) in self.only_params
+        ]
         if self.grad_scale != 1.0:
             torch._foreach_mul_(grads, self.grad_scale)
         if self.nan:
@@ -57,8 +67,9 @@ def train_with_hook(rank: int, world: int, job, hook: Corruption | None) -> dict
     if hook is not None:
         hook.rank = rank
     tracer = MarkRecorder()
-    trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank), tracer=tracer,
-                      step_hook=hook)
+    trainer = Trainer(
+        job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank), tracer=tracer, step_hook=hook
+    )
     params = [[p.detach().clone() for c in trainer.chunks for p in c.parameters()]]
     rows = []
     for _ in range(job.train.train_iters):
@@ -73,6 +84,7 @@ def train_deterministic(rank: int, world: int, job) -> dict:
     import os
 
     from engine_jobs import train_and_report
+
     from megatronapp.engine.determinism import enable_deterministic_mode
 
     saved_env, saved_cudnn = dict(os.environ), torch.backends.cudnn.deterministic

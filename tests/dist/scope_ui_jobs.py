@@ -9,8 +9,8 @@ import subprocess
 import threading
 
 import torch
-
 from engine_jobs import RandomTokenBatches
+
 from megatronapp.config import JobConfig, build_layout, model_preset
 from megatronapp.engine.checkpoint import save_checkpoint
 from megatronapp.engine.trainer import Trainer
@@ -20,15 +20,31 @@ from megatronapp.scope_ui.protocol import Limits
 from megatronapp.scope_ui.server import Hub, RunningServer, ServerConfig
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 
 def ui_job(iters: int = 3) -> JobConfig:
     """Tiny GPT with room for a prompt and a few tokens (seq 48), byte vocabulary."""
     model = model_preset("tiny", num_layers=4, seq_length=48, vocab_size=257)
-    job = build_job(model, build_layout(1, 1, 1, 1), micro_batch_size=1, global_batch_size=4, train_iters=iters,
-                    lr=3e-3, lr_warmup_iters=0, min_lr=0.0, grad_bucket_mb=0.01, log_interval=1)
+    job = build_job(
+        model,
+        build_layout(1, 1, 1, 1),
+        micro_batch_size=1,
+        global_batch_size=4,
+        train_iters=iters,
+        lr=3e-3,
+        lr_warmup_iters=0,
+        min_lr=0.0,
+        grad_bucket_mb=0.01,
+        log_interval=1,
+    )
     validate_job(job)
     return job
 
@@ -44,8 +60,9 @@ def save_ui_checkpoint(path: str) -> None:
     save_checkpoint(path, trainer, trainer.data)
 
 
-def start_generation_server(ckpt: str, limits: Limits | None = None, token: str | None = None,
-                            host: str = "127.0.0.1") -> RunningServer:
+def start_generation_server(
+    ckpt: str, limits: Limits | None = None, token: str | None = None, host: str = "127.0.0.1"
+) -> RunningServer:
     from megatronapp.scope_ui.cli import build_generation_backend
 
     cfg = ServerConfig(host=host, port=0, token=token, limits=limits or Limits())
@@ -65,8 +82,9 @@ class TrainingServer:
         if eval_every:
             self.trainer.job = replace_fields(self.trainer.job, eval_interval=eval_every, eval_iters=2)
         cfg = ServerConfig(port=0)
-        self.backend = TrainingScope(self.trainer, load_tokenizer(None), "The quick brown fox", 5,
-                                     cfg.limits.max_perturbations)
+        self.backend = TrainingScope(
+            self.trainer, load_tokenizer(None), "The quick brown fox", 5, cfg.limits.max_perturbations
+        )
         hub = Hub(self.backend, cfg.limits)
         self.backend.hub = hub
         self.server = RunningServer(hub, cfg).start()

@@ -108,16 +108,25 @@ def _load_jsonl_documents(file: Path) -> list[str]:
     return documents
 
 
-def _parse_jsonl_line(raw: bytes, where: str) -> str:
+def parse_jsonl_record(raw: bytes, where: str, keys: tuple[str, ...]) -> dict:
+    """One JSONL line as an object with a string field for each of `keys`; ValueError (one line,
+    `where` first) for bytes that are not UTF-8, not JSON, or not such an object."""
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"{where}: not valid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise ValueError(f'{where}: expected an object with a string "text" field')
-    return record["text"]
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    for key in keys:
+        if not isinstance(record.get(key), str):
+            raise ValueError(f'{where}: expected an object with a string "{key}" field')
+    return record
+
+
+def _parse_jsonl_line(raw: bytes, where: str) -> str:
+    return parse_jsonl_record(raw, where, ("text",))["text"]
 
 
 class GPTDataset:

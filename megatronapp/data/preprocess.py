@@ -15,7 +15,6 @@ worker count. Files appear complete or not at all (files.py); a bad line stops t
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
+from megatronapp.data.dataset import parse_jsonl_record
 from megatronapp.data.indexed import IndexedDatasetWriter, compute_optimal_dtype
 from megatronapp.data.tokenizer_types import build_tokenizer
 
@@ -73,27 +73,12 @@ def encode_lines(task: tuple[int, list[bytes]]) -> tuple[int, list[list[list[int
         if not raw.strip():
             encoded.append(None)
             continue
-        record = _parse_line(raw, f"{config.input}:{lineno}", config.json_keys)
+        record = parse_jsonl_record(raw, f"{config.input}:{lineno}", config.json_keys)
         ids = [tokenizer.encode(record[key]) for key in config.json_keys]
         if config.append_eod:
             ids = [doc + [tokenizer.eod_id] if doc else doc for doc in ids]
         encoded.append(ids)
     return sum(len(line) for line in lines), encoded
-
-
-def _parse_line(raw: bytes, where: str, keys: tuple[str, ...]) -> dict:
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not valid UTF-8 at byte {e.start}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object")
-    for key in keys:
-        if not isinstance(record.get(key), str):
-            raise ValueError(f'{where}: expected a string "{key}" field')
-    return record
 
 
 def _read_tasks(path: str) -> Iterator[tuple[int, list[bytes]]]:

@@ -25,6 +25,27 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
+def _u32_filter(dev: str, dst: str) -> tuple[str, ...]:
+    """`tc` arguments of the filter that sends packets to `dst` into htb class 1:10 (the limited one)."""
+    return (
+        "filter",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "protocol",
+        "ip",
+        "u32",
+        "match",
+        "ip",
+        "dst",
+        dst,
+        "flowid",
+        "1:10",
+    )
+
+
 def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, check=check, timeout=30
@@ -84,29 +105,7 @@ def probe_qdiscs() -> QdiscSupport:
         )
         _tc(ns, "qdisc", "del", "dev", "q0", "root", check=False)
         htb = _tc(ns, "qdisc", "add", "dev", "q0", "root", "handle", "1:", "htb", check=False).returncode == 0
-        htb = (
-            htb
-            and _tc(
-                ns,
-                "filter",
-                "add",
-                "dev",
-                "q0",
-                "parent",
-                "1:",
-                "protocol",
-                "ip",
-                "u32",
-                "match",
-                "ip",
-                "dst",
-                "10.0.0.1/32",
-                "flowid",
-                "1:10",
-                check=False,
-            ).returncode
-            == 0
-        )
+        htb = htb and _tc(ns, *_u32_filter("q0", "10.0.0.1/32"), check=False).returncode == 0
         return QdiscSupport(tbf, htb)
     finally:
         _ip("netns", "del", ns, check=False)
@@ -172,24 +171,7 @@ class LabNetwork:
                 "4kb",
             )
             _tc(ns, "class", "add", "dev", IFNAME, "parent", "1:", "classid", "1:20", "htb", "rate", "10gbit")
-            _tc(
-                ns,
-                "filter",
-                "add",
-                "dev",
-                IFNAME,
-                "parent",
-                "1:",
-                "protocol",
-                "ip",
-                "u32",
-                "match",
-                "ip",
-                "dst",
-                f"{address(dst)}/32",
-                "flowid",
-                "1:10",
-            )
+            _tc(ns, *_u32_filter(IFNAME, f"{address(dst)}/32"))
             return f"htb {rate} on {address(src)} -> {address(dst)} only"
         if support.tbf:
             _tc(ns, "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate, "burst", "4kb", "latency", "400ms")

@@ -20,7 +20,7 @@ from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.trainer import Trainer
 from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.fbd.groups import RoleGroups
-from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
+from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits, receive_expected
 from megatronapp.fbd.plan import FbdAction, Op, compute_backward_actions
 from megatronapp.fbd.reshard import compute_weight_pieces, full_param_specs, pack_weights
 from megatronapp.p2p.message import empty_message, unpack_expected
@@ -144,9 +144,8 @@ class BackwardRuntime:
     def _recv_grad(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         spec = self.model.output_spec(0, it.tokens[a.microbatch])
-        message = PostedRecv(empty_message(spec.shape, spec.dtype, self.links(src)), src).wait()
-        grad = unpack_expected(message, spec.shape, spec.dtype, (it.index, a.microbatch), "output grad", src)
-        it.grads[a.microbatch] = grad.to(self.device)
+        tags = (it.index, a.microbatch)
+        it.grads[a.microbatch] = receive_expected(self.links, src, spec, tags, "output grad", self.device)
 
     def _backward(self, a: FbdAction, it: _Iteration) -> None:
         m = a.microbatch

@@ -15,7 +15,7 @@ from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.mixed_precision import params_dtype
 from megatronapp.fbd.config import FbdConfig, FbdInjection
 from megatronapp.fbd.groups import RoleGroups
-from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits
+from megatronapp.fbd.links import LinkDevices, PostedRecv, RoleFaults, RoleWaits, receive_expected
 from megatronapp.fbd.plan import FbdAction, Op, compute_forward_actions
 from megatronapp.fbd.reshard import (
     compute_weight_pieces,
@@ -26,7 +26,7 @@ from megatronapp.fbd.reshard import (
 )
 from megatronapp.model.gpt import ChunkOptions, TPContext, build_model_chunks
 from megatronapp.model.gpt_step import GPTPipelineModel
-from megatronapp.p2p.message import empty_message, pack_message, unpack_expected
+from megatronapp.p2p.message import empty_message, pack_message
 from megatronapp.p2p.outbox import Outbox, Send
 from megatronapp.parallel.random import build_rng_tracker
 from megatronapp.pipeline.contract import MicrobatchContext
@@ -166,9 +166,8 @@ class ForwardWorker:
     def _recv_act(self, a: FbdAction, it: _Iteration) -> None:
         (src,) = a.peers
         spec = self.model.input_spec(0, it.tokens[a.microbatch])
-        message = PostedRecv(empty_message(spec.shape, spec.dtype, self.links(src)), src).wait()
-        payload = unpack_expected(message, spec.shape, spec.dtype, (it.index, a.microbatch), "activation", src)
-        it.inputs[a.microbatch] = payload.to(self.device)
+        tags = (it.index, a.microbatch)
+        it.inputs[a.microbatch] = receive_expected(self.links, src, spec, tags, "activation", self.device)
 
     def _send_input(self, a: FbdAction, it: _Iteration) -> None:
         x = it.inputs[a.microbatch]

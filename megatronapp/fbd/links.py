@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp import spans
-from megatronapp.p2p.message import pack_message
+from megatronapp.p2p.message import empty_message, pack_message, unpack_expected
 from megatronapp.p2p.outbox import Send
 from megatronapp.parallel.placement import Placement, compute_link_device_kind
 
@@ -91,6 +91,13 @@ class PostedRecv:
     def wait(self) -> torch.Tensor:
         self.work.wait()
         return self.buffer
+
+
+def receive_expected(links, src: int, spec, tags: tuple[int, int], what: str, device) -> torch.Tensor:
+    """Receive from `src` the packed message `spec` describes, checked to carry `tags` (iteration,
+    microbatch), as a tensor on `device`."""
+    message = PostedRecv(empty_message(spec.shape, spec.dtype, links(src)), src).wait()
+    return unpack_expected(message, spec.shape, spec.dtype, tags, what, src).to(device)
 
 
 class RoleFaults:

@@ -8,18 +8,16 @@ The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import warnings
-from collections.abc import Iterator
 
 from megatronapp.scan.analyze.detect_config import DetectConfig
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
 from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
-from megatronapp.scan.record.format import TraceFormatError, TraceTruncatedWarning
+from megatronapp.scan.notes import truncated_traces_as_notes
+from megatronapp.scan.record.format import TraceFormatError
 from megatronapp.scan.trace_run import add_trace_run_arguments
 
 _NO_END = 2**31 - 1
@@ -53,28 +51,6 @@ def parse_rank_list(text: str) -> list[int]:
     if not ranks or min(ranks) < 0:
         raise argparse.ArgumentTypeError(f"ranks must be non-negative integers, got {text!r}")
     return sorted(ranks)
-
-
-@contextlib.contextmanager
-def truncated_traces_as_notes(out=None) -> Iterator[None]:
-    """Inside the block, a truncated rank file (TraceTruncatedWarning) is not a Python warning
-    with its source line: each file gets one line `note: FILE: ...` on `out` (stdout by default),
-    printed after the block, ahead of the command's own report."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", TraceTruncatedWarning)
-        try:
-            yield
-        finally:
-            notes = [w for w in caught if issubclass(w.category, TraceTruncatedWarning)]
-            others = [w for w in caught if not issubclass(w.category, TraceTruncatedWarning)]
-    for w in others:  # any other warning goes on as it came
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    by_file = {}  # the merge and the analysis may both read a file: one note for it
-    for w in notes:
-        text = " ".join(str(w.message).split())
-        by_file.setdefault(text.split(": ", 1)[0], text)
-    for text in by_file.values():
-        print(f"note: {text}", file=out or sys.stdout)
 
 
 def _report_split(summaries: list) -> int:

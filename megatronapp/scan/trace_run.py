@@ -87,8 +87,8 @@ def report_traced_run(trace_dir: str, as_json: bool = False) -> str:
 
     from megatronapp.scan.analyze.detect_output import render_report, report_to_json
     from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
-    from megatronapp.scan.cli import truncated_traces_as_notes
     from megatronapp.scan.merge.merge import merge_traces
+    from megatronapp.scan.notes import truncated_traces_as_notes
 
     out = Path(trace_dir) / "timeline.json"
     with truncated_traces_as_notes(sys.stderr if as_json else None):  # --json: stdout is one object

@@ -37,7 +37,7 @@ class TrainRun:
     trace: TraceConfig = field(default_factory=TraceConfig)  # enabled by --trace
     scope: TrainingScopeConfig | None = None  # --scope
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
-    valid_data_paths: tuple[str, ...] = ()  # empty: held-out synthetic documents (cli/train_eval.py)
+    valid_data_paths: tuple[str, ...] = ()  # empty: synthetic documents training never reads (cli/train_eval.py)
     test_data_paths: tuple[str, ...] = ()
     tokenizer_model: str | None = None  # None: bytes
     data: DataConfig = field(default_factory=DataConfig)  # every data flag (indexed datasets, splits, tokenizer type)

@@ -117,11 +117,9 @@ def parse_jsonl_record(raw: bytes, where: str, keys: tuple[str, ...]) -> dict:
         raise ValueError(f"{where}: not valid UTF-8 at byte {e.start}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object")
     for key in keys:
-        if not isinstance(record.get(key), str):
-            raise ValueError(f'{where}: expected an object with a string "{key}" field')
+        if not isinstance(record, dict) or not isinstance(record.get(key), str):
+            raise ValueError(f'{where}: expected a JSON object with a string "{key}" field')
     return record
 
 

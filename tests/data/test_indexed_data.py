@@ -246,7 +246,7 @@ def test_preprocess_bad_line_is_one_line_and_writes_nothing(tmp_path, capsys):
     corpus.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
     code = main(["preprocess-data", "--input", str(corpus), "--output-prefix", str(tmp_path / "out" / "c")])
     err = [line for line in capsys.readouterr().err.splitlines() if line]
-    assert code == 2 and err == [f'megatronapp: error: {corpus}:2: expected an object with a string "text" field']
+    assert code == 2 and err == [f'megatronapp: error: {corpus}:2: expected a JSON object with a string "text" field']
     assert list((tmp_path / "out").iterdir()) == []
 
 

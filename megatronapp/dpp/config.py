@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from megatronapp.dpp.policies import TRAVERSALS
 from megatronapp.dpp.rebalance import RebalanceConfig
 from megatronapp.flags import Flag
+from megatronapp.p2p.outbox import spare_core_per_rank
 
 
 class DppConfigError(ValueError):
@@ -40,7 +41,7 @@ def resolve_send_thread(setting: str, cores: int, local_ranks: int, threads_per_
     (BENCHMARKS.md, MegaDPP)."""
     if setting != "auto":
         return setting == "on"
-    return cores >= local_ranks * (threads_per_rank + 1)
+    return spare_core_per_rank(cores, local_ranks, threads_per_rank)
 
 
 @dataclass(frozen=True)

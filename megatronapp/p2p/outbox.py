@@ -18,6 +18,7 @@ Options, each for a reason of its own:
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections import deque
@@ -37,6 +38,20 @@ class Send(NamedTuple):
 def sends_to(tensor: torch.Tensor, peers) -> list[Send]:
     """The same tensor to each of `peers` on the default group."""
     return [Send(tensor, p) for p in peers]
+
+
+def spare_core_per_rank(cores: int, local_ranks: int, threads_per_rank: int) -> bool:
+    """Whether a sender thread per rank has a core of its own: cores >= local ranks x (compute
+    threads + 1). Where it has none, the thread competes with the computing ranks for a core."""
+    return cores >= local_ranks * (threads_per_rank + 1)
+
+
+def host_has_spare_core_per_rank(world_size: int, threads_per_rank: int) -> bool:
+    """spare_core_per_rank for this host: the cores this process may use, the ranks torchrun
+    started on this host (LOCAL_WORLD_SIZE; else all `world_size` ranks on one host)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return spare_core_per_rank(cores, local_ranks, threads_per_rank)
 
 
 class HostSendOrder:

@@ -3,12 +3,14 @@
 The model is reached only through the contract in pipeline/contract.py (forward_step and
 tensor specs), so any network pipelines, not only the GPT.
 
-The runtime makes no decisions: the schedule says what to run and in which order. Each
-maximal run of communication actions is posted as one `batch_isend_irecv` (NCCL groups it,
-so paired send/recv between neighbours cannot deadlock); a received tensor is waited for
-only right before the compute that consumes it. Sends are completed at the end of the step.
-Each message is a packed frame (p2p/message.py) with ids (0 forward / 1 backward, the virtual
-stage that consumes it, microbatch), checked on arrival against what the schedule expects.
+The runtime makes no decisions: the schedule says what to run and in which order. How the
+step's messages travel is pipeline/transport.py: on gloo every receive is posted ahead of the
+schedule's RECV action (a bounded number in flight) and sends are non-blocking isends; on NCCL
+each maximal run of communication actions is posted as one `batch_isend_irecv`. Either way a
+received tensor is waited for only right before the compute that consumes it, and sends are
+completed at the end of the step. Each message is a packed frame (p2p/message.py) with ids
+(0 forward / 1 backward, the virtual stage that consumes it, microbatch), checked on arrival
+against what the schedule expects.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megatronapp import spans
-from megatronapp.p2p.message import empty_message, pack_message, unpack_expected
+from megatronapp.p2p.outbox import host_has_spare_core_per_rank
 from megatronapp.parallel.groups import ParallelGroups
 from megatronapp.parallel.wgrad_defer import WeightGradQueue
 from megatronapp.pipeline.actions import Action, ActionKind, PipelineSchedule, comm_batches, virtual_stage
 from megatronapp.pipeline.compute_timer import ComputeTimer
 from megatronapp.pipeline.contract import MicrobatchContext, PipelineModel
+from megatronapp.pipeline.transport import AheadTransport, BatchedTransport
 
 _SPLIT_KINDS = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 
@@ -45,20 +47,6 @@ class NullInjector:
         pass
 
 
-class _PostedBatch:
-    """Works of one batch_isend_irecv. NCCL may return one work for the whole group, so a recv
-    waits for its whole batch; gloo must not be waited twice, hence the flag."""
-
-    def __init__(self, works):
-        self.works, self.done = works, False
-
-    def wait(self) -> None:
-        if not self.done:
-            for w in self.works:
-                w.wait()
-            self.done = True
-
-
 @dataclass
 class _StepState:
     microbatches: list
@@ -66,8 +54,7 @@ class _StepState:
     inputs: dict = field(default_factory=dict)  # (c, m) -> input activation (requires grad)
     outputs: dict = field(default_factory=dict)  # (c, m) -> output activation or scaled loss
     to_send: dict = field(default_factory=dict)  # (kind, c, m) -> tensor to send
-    recvs: dict = field(default_factory=dict)  # (kind, c, m) -> (buffer, batch, src, op index, expected frame)
-    batches: list = field(default_factory=list)  # every posted batch, completed at step end
+    transport: object = None  # this step's messages (pipeline/transport.py)
     backwards_done: dict = field(default_factory=dict)  # chunk -> count
     losses: list = field(default_factory=list)
 
@@ -157,7 +144,10 @@ class PipelineRuntime:
         injector=None,
         grad_scale_func=None,
         split_backward: bool = False,
+        recv_ahead: bool | None = None,
     ):
+        """recv_ahead: receives posted ahead and single isends (pipeline/transport.py); None:
+        on the CPU (gloo), where it is safe; NCCL needs the schedule's batches."""
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = dict(comm_batches(self.actions))
@@ -176,6 +166,11 @@ class PipelineRuntime:
             split_backward,
         )
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
+        self.recv_ahead = torch.device(device).type == "cpu" if recv_ahead is None else recv_ahead
+        # gloo's isend writes in the calling thread: a sender thread pays where a core is free for it
+        self.send_thread = self.recv_ahead and host_has_spare_core_per_rank(
+            groups.layout.world_size, torch.get_num_threads()
+        )
         if not split_backward and any(a.kind in _SPLIT_KINDS for a in self.actions):
             raise ValueError(
                 f"schedule {schedule.name!r} has I/W actions but the model runs its backward "
@@ -191,10 +186,26 @@ class PipelineRuntime:
             raise ValueError(f"schedule expects {self.schedule.num_microbatches} microbatches, got {len(microbatches)}")
         st = _StepState(microbatches=microbatches, iteration=iteration)
         self.injector.set_iteration(iteration)  # intermittent faults: on_step may run only every log_interval
+        if self.recv_ahead:
+            st.transport = AheadTransport(self, microbatches, st.to_send, self.send_thread)
+        else:
+            st.transport = BatchedTransport(self, microbatches, st.to_send)
+        try:
+            self._run_actions(st)
+        finally:
+            st.transport.close()  # a sender thread ends with the step, on every path
+        st.transport.finish()
+        if st.inputs or st.outputs or st.to_send:
+            raise RuntimeError("pipeline step ended with unconsumed tensors: schedule and runtime disagree")
+        if self.stage.wgrad_queue is not None and self.stage.wgrad_queue.pending_keys():
+            raise RuntimeError("pipeline step ended with W work pending: the optimizer would miss weight grads")
+        return torch.stack(st.losses).sum() if st.losses else None
+
+    def _run_actions(self, st: _StepState) -> None:
         i = 0
         while i < len(self.actions):
             if i in self.batch_end:
-                self._post_batch(self.actions[i : self.batch_end[i]], st)
+                st.transport.post_batch(self.actions[i : self.batch_end[i]])
                 i = self.batch_end[i]
                 continue
             action = self.actions[i]
@@ -206,23 +217,10 @@ class PipelineRuntime:
                 else:
                     self._backward(action, st)
             i += 1
-        for batch in st.batches:
-            batch.wait()
-        if st.inputs or st.outputs or st.to_send or st.recvs:
-            raise RuntimeError("pipeline step ended with unconsumed tensors: schedule and runtime disagree")
-        if self.stage.wgrad_queue is not None and self.stage.wgrad_queue.pending_keys():
-            raise RuntimeError("pipeline step ended with W work pending: the optimizer would miss weight grads")
-        return torch.stack(st.losses).sum() if st.losses else None
 
     # -- compute -------------------------------------------------------------------------
     def _wait_recv(self, key, st: _StepState) -> torch.Tensor:
-        buf, batch, src, index, (shape, dtype, ids) = st.recvs.pop(key)
-        # gloo returns one work per op, NCCL may return one for the whole group
-        work = batch.works[index] if index < len(batch.works) else batch.works[-1]
-        self.injector.before_recv_wait(src, work)
-        batch.wait()
-        what = "activation" if key[0] is ActionKind.RECV_FORWARD else "gradient"
-        return unpack_expected(buf, shape, dtype, ids, what, src)
+        return st.transport.receive(key)
 
     def _forward(self, a: Action, st: _StepState) -> None:
         vs = self._vstage(a.chunk)
@@ -257,36 +255,3 @@ class PipelineRuntime:
     def _weight_grad(self, chunk: int, microbatch: int, st: _StepState) -> None:
         left = self.schedule.num_microbatches - st.backwards_done.get(chunk, 0)
         self.stage.weight_grad(chunk, microbatch, self.tracer, self.reducer, left)
-
-    # -- communication -------------------------------------------------------------------
-    def _post_batch(self, batch: tuple[Action, ...], st: _StepState) -> None:
-        ops, recv_keys = [], []
-        for a in batch:
-            peer = self.groups.pp_ranks[a.peer]
-            key = (a.kind, a.chunk, a.microbatch)
-            if a.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
-                ops.append(dist.P2POp(dist.isend, pack_message(st.to_send.pop(key), self._message_ids(a)), peer))
-            else:
-                spec = self._recv_spec(a, st)
-                buf = empty_message(spec.shape, spec.dtype, self.device)
-                recv_keys.append((key, buf, peer, len(ops), (spec.shape, spec.dtype, self._message_ids(a))))
-                ops.append(dist.P2POp(dist.irecv, buf, peer))
-        batch = _PostedBatch(dist.batch_isend_irecv(ops))
-        for key, buf, peer, index, expected in recv_keys:
-            st.recvs[key] = (buf, batch, peer, index, expected)
-        st.batches.append(batch)
-
-    def _recv_spec(self, a: Action, st: _StepState):
-        mb = st.microbatches[a.microbatch]
-        return (
-            self.model.input_spec(a.chunk, mb)
-            if a.kind is ActionKind.RECV_FORWARD
-            else self.model.output_spec(a.chunk, mb)
-        )
-
-    def _message_ids(self, a: Action) -> tuple[int, int, int]:
-        """(direction, virtual stage that consumes it, microbatch): sender and receiver agree."""
-        vs = self._vstage(a.chunk)
-        if a.kind in (ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD):
-            return 0, vs + (a.kind is ActionKind.SEND_FORWARD), a.microbatch
-        return 1, vs - (a.kind is ActionKind.SEND_BACKWARD), a.microbatch

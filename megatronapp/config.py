@@ -214,6 +214,9 @@ class TrainConfig:
     # schedules and for dynamic, whose ranks fill their waits with W, unless --compile; off
     # for the others)
     split_backward: bool | None = None
+    # static schedules: receives posted ahead of the schedule's RECV actions and single isends
+    # (pipeline/transport.py). None: on the CPU (gloo); NCCL needs the schedule's batches
+    pipeline_recv_ahead: bool | None = None
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     # RecomputeConfig's fields, flat (as the --recompute-* flags name them); it owns their
     # defaults and checks (recompute_config())

@@ -190,6 +190,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     _job_flag(
         g,
+        "--pipeline-recv-ahead",
+        "static schedules: post receives ahead of the schedule's and send with single isends "
+        "(default: on the CPU; NCCL needs the schedule's batches)",
+        action=argparse.BooleanOptionalAction,
+    )
+    _job_flag(
+        g,
         "--gradient-accumulation-fusion",
         "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 main grads (default)",
         action=argparse.BooleanOptionalAction,

@@ -30,5 +30,9 @@ def check_job_devices(
         kind = check_layout_devices(device, job.layout, visible_gpus)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+    if job.train.pipeline_recv_ahead and kind == "cuda":
+        raise ConfigError(
+            "--pipeline-recv-ahead needs the CPU (gloo): on NCCL a receive posted ahead can hold up a send"
+        )
     if job.optimizer.overlap_param_update and kind != "cuda":
         raise ConfigError("--overlap-param-update needs CUDA (the update runs on a side stream)")

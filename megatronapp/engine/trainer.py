@@ -193,7 +193,9 @@ class Trainer:
                 job.train.schedule, lay.pp_size, lay.virtual_pp_size, job.num_microbatches
             )
             validate_schedule(self.schedule)
-            self.runtime = PipelineRuntime(self.model, groups, self.schedule, **runtime_kw)
+            self.runtime = PipelineRuntime(
+                self.model, groups, self.schedule, recv_ahead=t.pipeline_recv_ahead, **runtime_kw
+            )
         names = {p: name for c in self.chunks for name, p in c.named_parameters()}
         self.norm_param_names = [names.get(p) for p in self.optimizer.norm_params]
         self._evaluator = None  # built at the first evaluation (of this model): a run without one pays nothing

@@ -166,11 +166,15 @@ class PipelineRuntime:
             split_backward,
         )
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
-        self.recv_ahead = torch.device(device).type == "cpu" if recv_ahead is None else recv_ahead
+        on_cpu = torch.device(device).type == "cpu"
+        if recv_ahead and not on_cpu:
+            raise ValueError("receives posted ahead need gloo (the CPU): NCCL needs the schedule's batches")
+        self.recv_ahead = on_cpu if recv_ahead is None else recv_ahead
         # gloo's isend writes in the calling thread: a sender thread pays where a core is free for it
         self.send_thread = self.recv_ahead and host_has_spare_core_per_rank(
             groups.layout.world_size, torch.get_num_threads()
         )
+        self.peak_recvs_posted = 0  # most receives in flight at once, over the steps run
         if not split_backward and any(a.kind in _SPLIT_KINDS for a in self.actions):
             raise ValueError(
                 f"schedule {schedule.name!r} has I/W actions but the model runs its backward "
@@ -195,6 +199,7 @@ class PipelineRuntime:
         finally:
             st.transport.close()  # a sender thread ends with the step, on every path
         st.transport.finish()
+        self.peak_recvs_posted = max(self.peak_recvs_posted, st.transport.peak_posted)
         if st.inputs or st.outputs or st.to_send:
             raise RuntimeError("pipeline step ended with unconsumed tensors: schedule and runtime disagree")
         if self.stage.wgrad_queue is not None and self.stage.wgrad_queue.pending_keys():

@@ -48,7 +48,8 @@ def action_key(a: Action) -> tuple:
 
 class _StepTransport:
     """One step's messages for one rank; `to_send` maps a send's key to the tensor the
-    compute left for it; `receive(key)` returns a checked received tensor."""
+    compute left for it; `receive(key)` returns a checked received tensor; `peak_posted`: the
+    most receives posted and not yet consumed."""
 
     def __init__(self, runtime, microbatches: list, to_send: dict):
         self.runtime, self.microbatches, self.to_send = runtime, microbatches, to_send
@@ -99,6 +100,10 @@ class AheadTransport(_StepTransport):
             else:
                 self.receives.ensure_posted(action_key(a))
 
+    @property
+    def peak_posted(self) -> int:
+        return self.receives.peak_posted
+
     def receive(self, key) -> torch.Tensor:
         buf, work, src, expected = self.receives.take(key)
         self.runtime.injector.before_recv_wait(src, work)
@@ -135,6 +140,7 @@ class BatchedTransport(_StepTransport):
         super().__init__(runtime, microbatches, to_send)
         self.recvs: dict = {}  # key -> (buffer, batch, src, op index, expected frame)
         self.batches: list = []  # every posted batch, completed at step end
+        self.peak_posted = 0  # most receives posted and not yet consumed
 
     def post_batch(self, batch: tuple[Action, ...]) -> None:
         ops, recv_keys = [], []
@@ -149,6 +155,7 @@ class BatchedTransport(_StepTransport):
         for key, buf, peer, index, expected in recv_keys:
             self.recvs[key] = (buf, posted, peer, index, expected)
         self.batches.append(posted)
+        self.peak_posted = max(self.peak_posted, len(self.recvs))
 
     def receive(self, key) -> torch.Tensor:
         buf, batch, src, index, expected = self.recvs.pop(key)

@@ -23,6 +23,9 @@ from megatronapp.paired import bootstrap_median_ci
 VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
     "interleaved": ("interleaved", True, []),
+    # the same schedule with each run of its comm actions posted as one batch where the schedule
+    # has it (the NCCL transport; on gloo: receives posted lazily, pipeline/transport.py)
+    "interleaved-batched": ("interleaved", True, ["--no-pipeline-recv-ahead"]),
     "breadth-first": ("looped-bfs", True, []),
     # static zero-bubble schedules: backward split into I and W, W in the unit-cost bubbles
     "zb-h1": ("zb-h1", False, []),
@@ -138,8 +141,9 @@ def schedule_peaks(grid: CellGrid, variant: str) -> list[int]:
 def predicted_step_s(grid: CellGrid, scenario: str, variant: str) -> float:
     """The simulator's step time for a cell, in units of one virtual stage's forward (F = 1,
     B = 2 = I + W; the scenario's link delays stay in seconds, so they weigh as F = 1 s): the
-    scenario's jitter and link delays, static schedules under the rendezvous comm model (what the
-    static runtime does on gloo), dynamic ones at their default caps. Uniform task times: a
+    scenario's jitter and link delays, static schedules under the eager comm model (receives posted
+    ahead, the static runtime on gloo) or, with --no-pipeline-recv-ahead, the rendezvous one (the
+    schedule's batches), dynamic ones at their default caps. Uniform task times: a
     prediction of the schedule's effect, not of a host's absolute times."""
     from megatronapp.dpp.scheduler import compute_default_caps
     from megatronapp.dpp.sim.scenarios import compute_scenario_sim
@@ -154,7 +158,8 @@ def predicted_step_s(grid: CellGrid, scenario: str, variant: str) -> float:
     cost = CostModel.uniform(pp, v, per_task, 2.0 * per_task, **sim)
     if schedule != "dynamic":
         built = build_schedule(schedule, pp, v, m)
-        return simulate(pp, v, m, cost, schedule=built, static_comm="rendezvous").makespan_s
+        comm = "rendezvous" if "--no-pipeline-recv-ahead" in extra else "eager"
+        return simulate(pp, v, m, cost, schedule=built, static_comm=comm).makespan_s
     traversal = extra[extra.index("--dpp-traversal") + 1]
     return simulate(
         pp,

@@ -351,14 +351,14 @@ def parse_args(argv):
         a.iters, a.warmup, a.repeats = 5, 2, 1
         a.scenarios = [sc for sc in a.scenarios if sc in ("balanced", "jitter1")] or ["balanced"]
         a.scenario_flags = {"balanced": [], "jitter1": ["--inject-jitter", "1:1.5"]}  # PP2: the last stage
-    elif a.pp < 3:
-        p.error("the scenarios perturb pipeline stages 1 and 2: needs --pp >= 3 (or --smoke)")
+    elif a.pp < 3 and a.scenarios != ["balanced"]:
+        p.error("the scenarios perturb pipeline stages 1 and 2: needs --pp >= 3 (or --smoke, or --scenarios balanced)")
     if TORCH_ZB in a.variants and (a.device == "cuda" or a.isolated):
         p.error("torch-zb runs on CPU gloo ranks in the persistent mode (no --device cuda, no --isolated)")
     if a.iters <= a.warmup or a.nproc % a.pp or a.num_layers % (a.pp * a.vpp):
         p.error("needs --iters > --warmup, --nproc divisible by --pp and --num-layers by pp * vpp")
     if not a.smoke:
-        a.scenario_flags = {s: compute_scenario_flags(s, a.pp, a.nproc // a.pp) for s in SCENARIOS}
+        a.scenario_flags = {s: compute_scenario_flags(s, a.pp, a.nproc // a.pp) for s in a.scenarios}
     if a.device == "cuda":
         import torch
 

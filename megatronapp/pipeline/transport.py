@@ -5,19 +5,26 @@ virtual stage that consumes the message, microbatch), in the schedule's order pe
 ranks, so they pair the same messages and give the same tensors; they differ in *when* a
 receive is posted and how a send is issued.
 
-* `AheadTransport` (gloo, the CPU): every receive of the step is posted up to RECV_AHEAD
-  messages ahead of its consumer (p2p/receives.py) instead of at the schedule's RECV action,
-  so a message travels while the receiver computes; sends are single `isend`s through an
-  `Outbox` (p2p/outbox.py), issued by a sender thread where each rank has a spare core
-  (gloo's isend writes the payload in the calling thread once the receive is posted), and
-  completed at the end of the step. Measured on a 2-core machine, PP2 with 2 virtual stages:
-  the schedule's lazy receives left each rank ~60-80 ms a step blocked in receives and
-  ~15-20 ms in posting, of a ~450 ms step (BENCHMARKS.md, static transport).
-* `BatchedTransport` (NCCL): each maximal run of the schedule's communication actions is one
-  `batch_isend_irecv`, posted where the schedule has it. NCCL runs one pair's point-to-point
-  work in posting order on one stream, so a receive posted ahead on the shared communicator
-  would sit in front of a later send its peer waits for (dpp/channels.py explains the
-  deadlock); grouping each batch's sends and receives is what NCCL needs to pair them.
+* `AheadTransport` (gloo): every receive of the step is posted up to RECV_AHEAD messages ahead
+  of its consumer (p2p/receives.py) instead of at the schedule's RECV action, so a message
+  travels while the receiver computes, and a compute waits only for its own message, not for
+  the sends of its batch; sends are single `isend`s through an `Outbox` (p2p/outbox.py),
+  issued by a sender thread where each rank has a spare core (gloo's isend writes the payload
+  in the calling thread once the receive is posted), and completed at the end of the step.
+* `BatchedTransport`: each maximal run of the schedule's communication actions is one
+  `batch_isend_irecv`, posted where the schedule has it. NCCL needs it: NCCL runs one pair's
+  point-to-point work in posting order on one stream, so a receive posted ahead on the shared
+  communicator would sit in front of a later send its peer waits for (dpp/channels.py explains
+  the deadlock); grouping each batch's sends and receives is how NCCL pairs them.
+
+Which one runs by default (`resolve_recv_ahead`): ahead on gloo only where each rank has a
+spare core. A message posted ahead is moved by gloo's socket threads while both ranks compute;
+with no core to spare those threads take it from the computing ranks, where a lazy receive
+moves it while its receiver sits idle waiting. Measured on a shared 2-core machine, PP2 with 2
+virtual stages, 2 ranks: the batched transport 1.45x [1.04, 1.56] faster than ahead (paired,
+n = 8; BENCHMARKS.md, MegaDPP); the dynamic runtime, which posts ahead too, measured as the
+ahead one there. With spare cores (the dynamic runtime on the 16-core host) posting ahead is
+what makes its in-order schedule faster than the static one.
 """
 
 from __future__ import annotations
@@ -31,6 +38,14 @@ from megatronapp.p2p.receives import PostedReceives
 from megatronapp.pipeline.actions import Action, ActionKind, virtual_stage
 
 SEND_KINDS = (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
+
+
+def resolve_recv_ahead(setting: bool | None, device_type: str, spare_core_per_rank: bool) -> bool:
+    """Whether the static runtime posts receives ahead: `setting` if given (ValueError off the
+    CPU: NCCL needs the batches); None: on the CPU where each rank has a spare core."""
+    if setting and device_type != "cpu":
+        raise ValueError("receives posted ahead need gloo (the CPU): NCCL needs the schedule's batches")
+    return device_type == "cpu" and spare_core_per_rank if setting is None else setting
 
 
 def compute_message_ids(a: Action, pp_rank: int, pp_size: int) -> tuple[int, int, int]:

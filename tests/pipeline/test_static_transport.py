@@ -11,6 +11,7 @@ from engine_jobs import RandomTokenBatches, make_job
 from megatronapp.engine.trainer import Trainer
 from megatronapp.p2p.receives import RECV_AHEAD, PostedReceives
 from megatronapp.parallel.groups import build_process_groups
+from megatronapp.pipeline.transport import resolve_recv_ahead
 
 
 def _recording(order, ahead):
@@ -49,14 +50,22 @@ def test_a_bad_window_or_duplicate_receives_are_refused():
         PostedReceives([1, 1], lambda key: key)
 
 
+def test_receives_go_ahead_by_default_only_on_the_cpu_with_a_spare_core_per_rank():
+    assert resolve_recv_ahead(None, "cpu", spare_core_per_rank=True)
+    assert not resolve_recv_ahead(None, "cpu", spare_core_per_rank=False)  # lazy receives use idle cores
+    assert not resolve_recv_ahead(None, "cuda", spare_core_per_rank=True)  # NCCL needs the batches
+    assert resolve_recv_ahead(True, "cpu", False) and not resolve_recv_ahead(False, "cpu", True)
+    with pytest.raises(ValueError, match="NCCL"):
+        resolve_recv_ahead(True, "cuda", True)
+
+
 def _grads_and_peaks(rank: int, world: int, schedule: str, vpp: int, m: int) -> list:
     out = []
     for recv_ahead in (True, False):
         job = make_job(world, 1, world, vpp, schedule, global_batch=m, iters=1, num_layers=4)
         groups = build_process_groups(job.layout, rank)
         trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, 0))
-        if not recv_ahead:  # the schedule's batches, as on NCCL
-            trainer.runtime.recv_ahead = False
+        trainer.runtime.recv_ahead = recv_ahead  # False: the schedule's batches, as on NCCL
         trainer.train_step()
         grads = {n: p.grad.clone() for c in trainer.chunks for n, p in c.named_parameters()}
         out.append((grads, trainer.runtime.peak_recvs_posted))

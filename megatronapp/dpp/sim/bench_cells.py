@@ -23,8 +23,10 @@ from megatronapp.paired import bootstrap_median_ci
 VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
     "interleaved": ("interleaved", True, []),
-    # the same schedule with each run of its comm actions posted as one batch where the schedule
-    # has it (the NCCL transport; on gloo: receives posted lazily, pipeline/transport.py)
+    # the same schedule on each static transport (pipeline/transport.py; "interleaved" takes the
+    # host's default): receives posted ahead, or each run of comm actions as one batch where
+    # the schedule has it (NCCL's; on gloo: receives posted lazily)
+    "interleaved-ahead": ("interleaved", True, ["--pipeline-recv-ahead"]),
     "interleaved-batched": ("interleaved", True, ["--no-pipeline-recv-ahead"]),
     "breadth-first": ("looped-bfs", True, []),
     # static zero-bubble schedules: backward split into I and W, W in the unit-cost bubbles
@@ -138,12 +140,25 @@ def schedule_peaks(grid: CellGrid, variant: str) -> list[int]:
     return [compute_peak_live([x for x in built.for_rank(p) if not x.kind.is_comm]) for p in range(grid.pp)]
 
 
+def static_comm_model(grid: CellGrid, extra: list[str]) -> str:
+    """The simulator's model of a static cell's transport: "eager" where receives are posted
+    ahead (--pipeline-recv-ahead, or by default on a CPU host with a spare core per rank, one
+    thread each), else "rendezvous" (pipeline/transport.py)."""
+    from megatronapp.p2p.outbox import host_has_spare_core_per_rank
+
+    if "--pipeline-recv-ahead" in extra:
+        return "eager"
+    if "--no-pipeline-recv-ahead" in extra or grid.device != "cpu":
+        return "rendezvous"
+    return "eager" if host_has_spare_core_per_rank(grid.nproc, 1) else "rendezvous"
+
+
 def predicted_step_s(grid: CellGrid, scenario: str, variant: str) -> float:
     """The simulator's step time for a cell, in units of one virtual stage's forward (F = 1,
     B = 2 = I + W; the scenario's link delays stay in seconds, so they weigh as F = 1 s): the
-    scenario's jitter and link delays, static schedules under the eager comm model (receives posted
-    ahead, the static runtime on gloo) or, with --no-pipeline-recv-ahead, the rendezvous one (the
-    schedule's batches), dynamic ones at their default caps. Uniform task times: a
+    scenario's jitter and link delays, static schedules under the eager comm model where receives
+    are posted ahead (static_comm_model) and the rendezvous one where the schedule's batches are
+    posted, dynamic ones at their default caps. Uniform task times: a
     prediction of the schedule's effect, not of a host's absolute times."""
     from megatronapp.dpp.scheduler import compute_default_caps
     from megatronapp.dpp.sim.scenarios import compute_scenario_sim
@@ -158,8 +173,7 @@ def predicted_step_s(grid: CellGrid, scenario: str, variant: str) -> float:
     cost = CostModel.uniform(pp, v, per_task, 2.0 * per_task, **sim)
     if schedule != "dynamic":
         built = build_schedule(schedule, pp, v, m)
-        comm = "rendezvous" if "--no-pipeline-recv-ahead" in extra else "eager"
-        return simulate(pp, v, m, cost, schedule=built, static_comm=comm).makespan_s
+        return simulate(pp, v, m, cost, schedule=built, static_comm=static_comm_model(grid, extra)).makespan_s
     traversal = extra[extra.index("--dpp-traversal") + 1]
     return simulate(
         pp,

@@ -21,10 +21,11 @@ Which one runs by default (`resolve_recv_ahead`): ahead on gloo only where each 
 spare core. A message posted ahead is moved by gloo's socket threads while both ranks compute;
 with no core to spare those threads take it from the computing ranks, where a lazy receive
 moves it while its receiver sits idle waiting. Measured on a shared 2-core machine, PP2 with 2
-virtual stages, 2 ranks: the batched transport 1.45x [1.04, 1.56] faster than ahead (paired,
-n = 8; BENCHMARKS.md, MegaDPP); the dynamic runtime, which posts ahead too, measured as the
-ahead one there. With spare cores (the dynamic runtime on the 16-core host) posting ahead is
-what makes its in-order schedule faster than the static one.
+virtual stages, 2 ranks: the batched transport 1.45x [1.04, 1.56] and 0.98x [0.89, 1.11] the
+speed of posting ahead in two paired runs (n = 8 each): ahead never measurably faster
+(BENCHMARKS.md, MegaDPP).
+With spare cores (the dynamic runtime on the 16-core host) posting ahead is what makes its
+in-order schedule faster than the static one.
 """
 
 from __future__ import annotations

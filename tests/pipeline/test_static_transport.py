@@ -72,10 +72,10 @@ def _grads_and_peaks(rank: int, world: int, schedule: str, vpp: int, m: int) -> 
     return out
 
 
-@pytest.mark.parametrize(("schedule", "vpp"), [("interleaved", 2), ("interleaved-zb", 2)])
-def test_receives_ahead_give_the_batched_and_single_process_gradients(cluster, schedule, vpp):
+@pytest.mark.parametrize(("pp", "schedule", "vpp"), [(2, "interleaved", 2), (2, "interleaved-zb", 2), (4, "1f1b", 1)])
+def test_receives_ahead_give_the_batched_and_single_process_gradients(cluster, pp, schedule, vpp):
     m = 4
-    per_rank = cluster.run(_grads_and_peaks, 2, schedule, vpp, m)
+    per_rank = cluster.run(_grads_and_peaks, pp, schedule, vpp, m)
     torch.set_num_threads(1)
     ref = _grads_and_peaks(0, 1, "1f1b", 1, m)[0][0]
     ahead, batched = {}, {}

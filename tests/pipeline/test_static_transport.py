@@ -8,6 +8,8 @@ import pytest
 import torch
 from engine_jobs import RandomTokenBatches, make_job
 
+from megatronapp.cli.devices import check_job_devices
+from megatronapp.config import ConfigError
 from megatronapp.engine.trainer import Trainer
 from megatronapp.p2p.receives import RECV_AHEAD, PostedReceives
 from megatronapp.parallel.groups import build_process_groups
@@ -88,3 +90,10 @@ def test_receives_ahead_give_the_batched_and_single_process_gradients(cluster, p
     for name, g in ahead.items():
         assert torch.equal(g, batched[name]), name  # same messages, same order of compute: bitwise
         torch.testing.assert_close(g, ref[name], rtol=1e-4, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+
+
+def test_receives_ahead_on_a_gpu_job_are_refused_before_launch():
+    job = make_job(1, pipeline_recv_ahead=True)
+    check_job_devices(job, 1, "cpu", None, visible_gpus=0, ranks_per_node=None)
+    with pytest.raises(ConfigError, match="--pipeline-recv-ahead needs the CPU"):
+        check_job_devices(job, 1, "cuda", None, visible_gpus=1, ranks_per_node=None)

@@ -1,0 +1,78 @@
+"""Uneven microbatch counts per data-parallel replica train the numbers one process trains on the
+same global batch: losses, gradients and updated weights, whatever the split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_jobs import RandomTokenBatches, full_grads, make_job
+
+from megatronapp.data.dataset import compute_replica_sample_range
+from megatronapp.engine.replica_split import check_replica_microbatches
+from megatronapp.engine.trainer import Trainer
+from megatronapp.parallel.groups import build_process_groups
+
+DROPOUT = {"hidden_dropout": 0.1}  # masks keyed by global sample: a sample moved to another replica keeps its own
+
+
+def train_split(rank: int, world: int, job, split) -> dict:
+    """Two steps with DP replica r running split[r] microbatches; losses, the first step's reduced
+    grads and the weights after the second step, by parameter name (TP 1)."""
+    groups = build_process_groups(job.layout, rank)
+    trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank))
+    if split is not None:
+        trainer.set_replica_microbatches(split)
+    losses, grads = [trainer.train_step().loss], full_grads(trainer)
+    losses.append(trainer.train_step().loss)
+    trainer.optimizer.finish_param_sync()
+    weights = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
+    return {"losses": losses, "grads": {n: g for n, (g, _, _) in grads.items()}, "weights": weights}
+
+
+def _merged(reports: list[dict], key: str) -> dict[str, torch.Tensor]:
+    return {name: t for rep in reports for name, t in rep[key].items()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.set_num_threads(1)
+    return train_split(0, 1, make_job(1, global_batch=4, model_kw=DROPOUT), None)
+
+
+@pytest.mark.parametrize(
+    "pp, split",
+    [(1, (3, 1)), (1, (2, 2)), (2, (3, 1))],
+    ids=["dp2_3_1", "dp2_2_2", "dp2_pp2_3_1"],
+)
+def test_an_uneven_split_trains_what_one_process_trains(cluster, reference, pp, split):
+    job = make_job(2 * pp, pp=pp, global_batch=4, model_kw=DROPOUT)
+    reports = cluster.run(train_split, 2 * pp, job, split)
+    for rep in reports:
+        torch.testing.assert_close(rep["losses"], reference["losses"], rtol=1e-6, atol=0)
+    # summation order only; Adam's m / sqrt(v) turns a 1e-9 grad difference on a near-zero grad into
+    # ~1e-7 of a weight (an update is lr = 3e-3)
+    for key, atol in (("grads", 1e-7), ("weights", 1e-6)):
+        got, want = _merged(reports, key), reference[key]
+        assert got.keys() == want.keys()
+        for name, t in got.items():
+            torch.testing.assert_close(t, want[name], rtol=1e-5, atol=atol, msg=lambda m: f"{key} {name}: {m}")
+
+
+def test_the_replicas_take_the_global_batch_in_rank_order():
+    assert [compute_replica_sample_range((3, 1), r, 2) for r in (0, 1)] == [range(0, 6), range(6, 8)]
+    assert [compute_replica_sample_range((2, 2), r, 1) for r in (0, 1)] == [range(0, 2), range(2, 4)]
+
+
+@pytest.mark.parametrize(
+    "split, granule, message",
+    [
+        ((3,), 1, "one count per data-parallel replica"),
+        ((3, 2), 1, "adds up to 5"),
+        ((4, 0), 1, "at least 1"),
+        ((3, 1), 2, "a multiple of 2"),
+    ],
+)
+def test_a_split_that_does_not_fit_is_one_line(split, granule, message):
+    with pytest.raises(ValueError, match=message) as err:
+        check_replica_microbatches(split, 2, 2, granule)
+    assert "\n" not in str(err.value)

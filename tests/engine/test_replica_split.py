@@ -76,3 +76,42 @@ def test_a_split_that_does_not_fit_is_one_line(split, granule, message):
     with pytest.raises(ValueError, match=message) as err:
         check_replica_microbatches(split, 2, 2, granule)
     assert "\n" not in str(err.value)
+
+
+def train_with_hook(rank: int, world: int, job, slow_replica: int | None) -> dict:
+    """Four steps under `--dpp-rebalance microbatches` (window 2), the compute seconds of
+    `slow_replica`'s ranks reported 3x: what moved, and the losses."""
+    from megatronapp.dpp.rebalance import RebalanceConfig
+    from megatronapp.dpp.rebalance_hook import build_rebalance_hook
+
+    groups = build_process_groups(job.layout, rank)
+    trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank))
+    config = RebalanceConfig(mode="microbatches", window=2, first_move_cost_s=0.0)
+    hook = build_rebalance_hook(config, job, trainer) if world > 1 else None
+    rows = []
+
+    def on_step(metrics) -> None:
+        m = metrics.as_dict()
+        dp = [job.layout.coords(r).dp for r in range(world)]
+        m["rank_compute_s"] = [1.0 * (3 if d == slow_replica else 1) for d in dp]  # per microbatch: 1 s (3 s)
+        split = trainer.replica_microbatches or (job.num_microbatches,) * job.layout.dp_size
+        m["rank_compute_s"] = [c * split[d] for c, d in zip(m["rank_compute_s"], dp)]
+        if hook is not None:
+            hook.after_step(m)
+        rows.append(m)
+
+    trainer.train(on_step=on_step)
+    return {"losses": [r["loss"] for r in rows], "moves": [r["rebalance"] for r in rows if "rebalance" in r]}
+
+
+def test_a_slow_replica_gets_fewer_microbatches_mid_run_and_the_losses_stay_one_process(cluster):
+    job = make_job(2, global_batch=8, iters=4, model_kw=DROPOUT)
+    reference = train_with_hook(0, 1, make_job(1, global_batch=8, iters=4, model_kw=DROPOUT), None)
+    assert reference["moves"] == []  # one replica: nothing to move
+    reports = cluster.run(train_with_hook, 2, job, 1)
+    for rep in reports:
+        assert [m["to"] for m in rep["moves"]] == [[6, 2]], rep["moves"]  # 6 x 1 s vs 2 x 3 s, after step 2
+        assert rep["moves"][0]["moved"] == "microbatches" and "replica 1 runs 3.00x" in rep["moves"][0]["reason"]
+        torch.testing.assert_close(rep["losses"], reference["losses"], rtol=1e-6, atol=0)
+    clean = cluster.run(train_with_hook, 2, job, None)
+    assert all(rep["moves"] == [] for rep in clean)

@@ -19,10 +19,12 @@ def check_dpp_job(cfg: DppConfig, job) -> DppConfig:
         if cfg.max_inflight is not None:
             check_cap(cfg.max_inflight, job.layout.virtual_pp_size)
         if cfg.max_inflight is not None and cfg.traversal == "in-order":
-            pp, v = job.layout.pp_size, job.layout.virtual_pp_size
+            pp, v, counts = job.layout.pp_size, job.layout.virtual_pp_size, {job.num_microbatches}
+            if cfg.rebalance.mode in ("microbatches", "all"):  # a replica may run all but one each of the others
+                counts.add(job.layout.dp_size * job.num_microbatches - job.layout.dp_size + 1)
             for p in range(pp):
-                order = compute_depth_first_order(p, pp, v, job.num_microbatches)
-                check_order_fits(order, cfg.max_inflight, v, p)
+                for count in sorted(counts):
+                    check_order_fits(compute_depth_first_order(p, pp, v, count), cfg.max_inflight, v, p)
     return cfg
 
 

@@ -3,11 +3,15 @@ same global batch: losses, gradients and updated weights, whatever the split."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from engine_jobs import RandomTokenBatches, full_grads, make_job
 
 from megatronapp.data.dataset import compute_replica_sample_range
+from megatronapp.dpp.config import DppConfig
+from megatronapp.dpp.job_hooks import build_dynamic_runtime_factory
 from megatronapp.engine.replica_split import check_replica_microbatches
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
@@ -19,12 +23,18 @@ def train_split(rank: int, world: int, job, split) -> dict:
     """Two steps with DP replica r running split[r] microbatches; losses, the first step's reduced
     grads and the weights after the second step, by parameter name (TP 1)."""
     groups = build_process_groups(job.layout, rank)
-    trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank))
+    factory = None
+    if job.train.schedule == "dynamic":
+        factory = functools.partial(build_dynamic_runtime_factory(DppConfig(), job), separate_channels=False)
+    data = RandomTokenBatches(job, groups.dp_rank)
+    trainer = Trainer(job, groups, torch.device("cpu"), data, runtime_factory=factory)
     if split is not None:
         trainer.set_replica_microbatches(split)
     losses, grads = [trainer.train_step().loss], full_grads(trainer)
     losses.append(trainer.train_step().loss)
     trainer.optimizer.finish_param_sync()
+    if factory is not None:
+        trainer.runtime.close()
     weights = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
     return {"losses": losses, "grads": {n: g for n, (g, _, _) in grads.items()}, "weights": weights}
 
@@ -34,18 +44,26 @@ def _merged(reports: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference():
+def references():
     torch.set_num_threads(1)
-    return train_split(0, 1, make_job(1, global_batch=4, model_kw=DROPOUT), None)
+    return {batch: train_split(0, 1, make_job(1, global_batch=batch, model_kw=DROPOUT), None) for batch in (4, 8)}
 
 
-@pytest.mark.parametrize(
-    "pp, split",
-    [(1, (3, 1)), (1, (2, 2)), (2, (3, 1))],
-    ids=["dp2_3_1", "dp2_2_2", "dp2_pp2_3_1"],
-)
-def test_an_uneven_split_trains_what_one_process_trains(cluster, reference, pp, split):
-    job = make_job(2 * pp, pp=pp, global_batch=4, model_kw=DROPOUT)
+CASES = {
+    # name: (pp, vpp, schedule, global batch, microbatches of each DP replica)
+    "dp2_3_1": (1, 1, "1f1b", 4, (3, 1)),
+    "dp2_2_2": (1, 1, "1f1b", 4, (2, 2)),
+    "dp2_pp2_3_1": (2, 1, "1f1b", 4, (3, 1)),
+    "dp2_pp2_vpp2_interleaved_6_2": (2, 2, "interleaved", 8, (6, 2)),  # groups of PP microbatches
+    "dp2_pp2_vpp2_dynamic_5_3": (2, 2, "dynamic", 8, (5, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_uneven_split_trains_what_one_process_trains(cluster, references, name):
+    pp, vpp, schedule, batch, split = CASES[name]
+    job = make_job(2 * pp, pp=pp, vpp=vpp, schedule=schedule, global_batch=batch, model_kw=DROPOUT)
+    reference = references[batch]
     reports = cluster.run(train_split, 2 * pp, job, split)
     for rep in reports:
         torch.testing.assert_close(rep["losses"], reference["losses"], rtol=1e-6, atol=0)

@@ -170,9 +170,9 @@ def test_microbatches_move_off_a_replica_under_a_cpu_quota_and_the_step_gets_fas
     first = moves[0]["rebalance"]
     assert first["moved"] == "microbatches" and first["from"] == [4, 4], first
     assert first["to"][1] < 4 and sum(first["to"]) == 8, first  # off the throttled replica
-    assert moves[0]["iteration"] <= 12 and len(moves) <= 2, [m["rebalance"] for m in moves]
+    assert moves[0]["iteration"] <= 20 and len(moves) <= 2, [m["rebalance"] for m in moves]
     step = {r["iteration"]: r["step_time_s"] for r in rows}
-    slow = sorted(step[i] for i in range(2, moves[0]["iteration"] + 1))
+    slow = sorted(step[i] for i in range(moves[0]["iteration"] - 3, moves[0]["iteration"] + 1))  # the window it read
     fast = sorted(step[i] for i in range(moves[0]["iteration"] + 2, len(rows) + 1))
     median = lambda xs: xs[len(xs) // 2]
     assert median(fast) < 0.85 * median(slow), (median(slow), median(fast))

@@ -53,6 +53,7 @@ CASES = {
     # name: (pp, vpp, schedule, global batch, microbatches of each DP replica)
     "dp2_3_1": (1, 1, "1f1b", 4, (3, 1)),
     "dp2_2_2": (1, 1, "1f1b", 4, (2, 2)),
+    "dp2_1_3_distributed_optimizer": (1, 1, "1f1b", 4, (1, 3)),
     "dp2_pp2_3_1": (2, 1, "1f1b", 4, (3, 1)),
     "dp2_pp2_vpp2_interleaved_6_2": (2, 2, "interleaved", 8, (6, 2)),  # groups of PP microbatches
     "dp2_pp2_vpp2_dynamic_5_3": (2, 2, "dynamic", 8, (5, 3)),
@@ -62,7 +63,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_an_uneven_split_trains_what_one_process_trains(cluster, references, name):
     pp, vpp, schedule, batch, split = CASES[name]
-    job = make_job(2 * pp, pp=pp, vpp=vpp, schedule=schedule, global_batch=batch, model_kw=DROPOUT)
+    extra = {"use_distributed_optimizer": True} if "distributed_optimizer" in name else {}
+    job = make_job(2 * pp, pp=pp, vpp=vpp, schedule=schedule, global_batch=batch, model_kw=DROPOUT, **extra)
     reference = references[batch]
     reports = cluster.run(train_split, 2 * pp, job, split)
     for rep in reports:

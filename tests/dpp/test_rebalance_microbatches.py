@@ -101,3 +101,35 @@ def test_a_split_that_ran_slower_when_tried_is_not_tried_again_while_the_measure
             moves.append(plan.replica_microbatches)
     assert moves[0] == (6, 2) and len(moves) <= 3, moves
     assert len(moves) * rebalancer.config.window <= 40  # settled: no move in the last windows
+
+
+class _SplitOnlyTrainer:
+    """What the hook asks of a trainer when only microbatches move (a layer move fails the test)."""
+
+    def __init__(self, job):
+        from megatronapp.engine.hooks import NULL_TRACER
+
+        self.job, self.tracer, self.replica_microbatches = job, NULL_TRACER, None
+
+    def set_replica_microbatches(self, split) -> None:
+        self.replica_microbatches = split
+
+
+def test_all_moves_microbatches_off_a_slow_replica_and_leaves_the_balanced_stages_alone():
+    from engine_jobs import make_job
+
+    from megatronapp.dpp.rebalance_hook import build_rebalance_hook
+
+    job = make_job(4, pp=2, global_batch=8, micro_batch=1)  # DP2 x PP2, 4 microbatches per replica
+    trainer = _SplitOnlyTrainer(job)
+    hook = build_rebalance_hook(RebalanceConfig(mode="all", window=2, first_move_cost_s=0.0), job, trainer)
+    replica = [job.layout.coords(r).dp for r in range(4)]
+    lines = []
+    for it in range(1, 13):  # replica 1's ranks (1 and 3) take 3 s a microbatch, replica 0's 1 s
+        split = trainer.replica_microbatches or (4, 4)
+        compute = [split[d] * (3.0 if d == 1 else 1.0) for d in replica]
+        metrics = {"iteration": it, "rank_compute_s": compute, "step_time_s": max(compute)}
+        lines.append(hook.after_step(metrics))
+    moved = [line for line in lines if line]
+    assert trainer.replica_microbatches == (6, 2) and len(moved) == 1, moved
+    assert "microbatches per data-parallel replica 4,4 -> 6,2" in moved[0]

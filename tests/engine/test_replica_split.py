@@ -12,6 +12,8 @@ from engine_jobs import RandomTokenBatches, full_grads, make_job
 from megatronapp.data.dataset import compute_replica_sample_range
 from megatronapp.dpp.config import DppConfig
 from megatronapp.dpp.job_hooks import build_dynamic_runtime_factory
+from megatronapp.dpp.rebalance import RebalanceConfig
+from megatronapp.dpp.rebalance_hook import build_rebalance_hook
 from megatronapp.engine.replica_split import check_replica_microbatches
 from megatronapp.engine.trainer import Trainer
 from megatronapp.parallel.groups import build_process_groups
@@ -101,9 +103,6 @@ def test_a_split_that_does_not_fit_is_one_line(split, granule, message):
 def train_with_hook(rank: int, world: int, job, slow_replica: int | None) -> dict:
     """Four steps under `--dpp-rebalance microbatches` (window 2), the compute seconds of
     `slow_replica`'s ranks reported 3x: what moved, and the losses."""
-    from megatronapp.dpp.rebalance import RebalanceConfig
-    from megatronapp.dpp.rebalance_hook import build_rebalance_hook
-
     groups = build_process_groups(job.layout, rank)
     trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, groups.dp_rank))
     config = RebalanceConfig(mode="microbatches", window=2, first_move_cost_s=0.0)
@@ -112,10 +111,9 @@ def train_with_hook(rank: int, world: int, job, slow_replica: int | None) -> dic
 
     def on_step(metrics) -> None:
         m = metrics.as_dict()
-        dp = [job.layout.coords(r).dp for r in range(world)]
-        m["rank_compute_s"] = [1.0 * (3 if d == slow_replica else 1) for d in dp]  # per microbatch: 1 s (3 s)
         split = trainer.replica_microbatches or (job.num_microbatches,) * job.layout.dp_size
-        m["rank_compute_s"] = [c * split[d] for c, d in zip(m["rank_compute_s"], dp)]
+        replica = [job.layout.coords(r).dp for r in range(world)]
+        m["rank_compute_s"] = [split[d] * (3.0 if d == slow_replica else 1.0) for d in replica]  # s a microbatch
         if hook is not None:
             hook.after_step(m)
         rows.append(m)

@@ -39,7 +39,9 @@ def check_rebalance_job(cfg: RebalanceConfig, job, *, fbd: bool, scope: bool) ->
     if fbd:
         raise DppConfigError("--dpp-rebalance cannot be combined with --forward-backward-disaggregating")
     if scope:
-        raise DppConfigError("--dpp-rebalance cannot be combined with --scope (its hooks sit on the layers that move)")
+        raise DppConfigError(
+            "--dpp-rebalance cannot be combined with --scope (its hooks sit on layers and microbatches that move)"
+        )
 
 
 def _check_microbatch_rebalance(mode: str, job) -> None:

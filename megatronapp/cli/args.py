@@ -34,7 +34,7 @@ from megatronapp.fbd.cli import build_role_layout
 from megatronapp.fbd.config import FBD_FLAGS, FBD_SWITCH, FbdConfig
 from megatronapp.flags import add_flags, read_flags
 from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
-from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL
+from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL, VIRTUAL_STAGES
 from megatronapp.launch.local import RESULT_FILE
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import ParallelLayout
@@ -138,12 +138,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="interleaved pipeline: layers per model chunk (default: one chunk per stage)",
     )
-    vpp.add_argument(
-        "--num-virtual-stages-per-pipeline-rank",
-        type=int,
-        default=None,
-        help="interleaved pipeline: model chunks per pipeline rank (default: 1)",
-    )
+    add_flags(vpp, (VIRTUAL_STAGES,))
     g.add_argument(
         "--decoder-first-pipeline-num-layers",
         type=int,

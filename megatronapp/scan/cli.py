@@ -17,6 +17,7 @@ from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
 from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
 from megatronapp.scan.notes import truncated_traces_as_notes
+from megatronapp.scan.probe_run import add_probe_arguments
 from megatronapp.scan.record.format import TraceFormatError
 from megatronapp.scan.trace_run import add_trace_run_arguments
 
@@ -215,7 +216,9 @@ def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
 def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `trace merge` and `trace detect` under `subparsers`; returns the `trace` parser."""
     trace = subparsers.add_parser("trace", help="MegaScan traces: merge into one timeline, detect slow ranks")
-    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect,run,whatif,report,check}", required=True)
+    sub = trace.add_subparsers(
+        dest="trace_command", metavar="{merge,detect,run,probe,whatif,report,check}", required=True
+    )
     merge = sub.add_parser("merge", help="merge rank*.mscan files into a Chrome/Perfetto trace JSON")
     merge.add_argument("dir", help="trace directory holding rank*.mscan files")
     merge.add_argument("-o", "--out", required=True, help="output JSON path (gzipped when it ends in .gz)")
@@ -235,4 +238,5 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.Ar
     _add_analysis_commands(sub)
     _add_check(sub)
     add_trace_run_arguments(sub.add_parser("run", help="trace an unmodified PyTorch program: run -- SCRIPT.py ARGS"))
+    add_probe_arguments(sub.add_parser("probe", help="measure the bandwidth of every directed link of a layout"))
     return trace

@@ -62,17 +62,25 @@ def compute_probe_pairs(layout: ParallelLayout) -> list[tuple[int, int, str]]:
     return sorted((a, b, kind) for (a, b), kind in pairs.items())
 
 
-def find_slow_links(
-    links: list[LinkMeasurement], fraction: float = SLOW_FRACTION
-) -> list[tuple[LinkMeasurement, float]]:
-    """Links measured below `fraction` of the median of the other links of their kind (of every
-    link where their kind has no other), slowest first, each with that median."""
-    slow = []
+def compute_peer_medians(links: list[LinkMeasurement]) -> dict[tuple[int, int], float]:
+    """(src, dst) -> the median MB/s of the comparable links: the other links of its kind (of
+    every other link where its kind has no other); a link with no other link is left out."""
+    medians = {}
     for link in links:
         peers = [x.mbytes_per_s for x in links if x.kind == link.kind and x is not link]
         peers = peers or [x.mbytes_per_s for x in links if x is not link]
-        if peers and link.mbytes_per_s < fraction * statistics.median(peers):
-            slow.append((link, statistics.median(peers)))
+        if peers:
+            medians[link.src, link.dst] = statistics.median(peers)
+    return medians
+
+
+def find_slow_links(
+    links: list[LinkMeasurement], fraction: float = SLOW_FRACTION
+) -> list[tuple[LinkMeasurement, float]]:
+    """Links measured below `fraction` of the median of their comparable links
+    (compute_peer_medians), slowest first, each with that median."""
+    medians = compute_peer_medians(links)
+    slow = [(x, medians[x.src, x.dst]) for x in links if x.mbytes_per_s < fraction * medians.get((x.src, x.dst), 0)]
     return sorted(slow, key=lambda s: s[0].mbytes_per_s / s[1])
 
 
@@ -127,14 +135,19 @@ def measure_links(
 
 
 def render_probe(links: list[LinkMeasurement], fraction: float = SLOW_FRACTION) -> str:
-    """The probe's table: MB/s per directed link beside its kind's median, slow links marked."""
+    """The probe's table: MB/s per directed link beside the median of its comparable links, and
+    the ratio of the two; links below `fraction` of that median are marked SLOW."""
     if not links:
         return "Link probe: no links to measure (one rank)"
-    slow = {(s.src, s.dst): median for s, median in find_slow_links(links, fraction)}
-    lines = ["Link probe (MB/s per directed link, ping-pong over the job's backend):"]
+    medians = compute_peer_medians(links)
+    lines = [
+        "Link probe (MB/s per directed link, ping-pong over the job's backend):",
+        f"  {'link':<10} {'kind':<8} {'MB/s':>10} {'comparable':>11} {'ratio':>6}",
+    ]
     for m in links:
-        mark = ""
-        if (m.src, m.dst) in slow:
-            mark = f"  SLOW: {m.mbytes_per_s / slow[(m.src, m.dst)]:.2f}x its peers' {slow[(m.src, m.dst)]:.0f} MB/s"
-        lines.append(f"  {m.src:>3} -> {m.dst:<3} {m.kind:<8} {m.mbytes_per_s:10.1f}{mark}")
+        median = medians.get((m.src, m.dst))
+        ratio = m.mbytes_per_s / median if median else None
+        mark = f"  SLOW: below {fraction:g}x its comparable links" if ratio is not None and ratio < fraction else ""
+        peer = f"{median:11.1f} {ratio:6.2f}" if median else f"{'-':>11} {'-':>6}"
+        lines.append(f"  {m.src:>3} -> {m.dst:<3} {m.kind:<8} {m.mbytes_per_s:10.1f} {peer}{mark}")
     return "\n".join(lines)

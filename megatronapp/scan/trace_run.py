@@ -18,6 +18,7 @@ from megatronapp.flags import add_flags, read_flags
 from megatronapp.injection.inject import FaultPlan, fault_env, parse_fault_plan
 from megatronapp.launch.flags import NPROC_PER_NODE
 from megatronapp.launch.local import remove_stale_rank_traces, run_local_ranks
+from megatronapp.scan.probe_config import PROBE_FILE
 from megatronapp.scan.record.autotrace import AutoTraceConfig
 from megatronapp.scan.record.trace_config import TRACE_FLAGS
 
@@ -69,6 +70,7 @@ def check_trace_run(run: TraceRun) -> None:
 def run_trace_run(run: TraceRun) -> int:
     """Launch the validated run: 1 if a rank failed, else 0 (report printed)."""
     remove_stale_rank_traces(run.config.trace_dir)
+    (Path(run.config.trace_dir) / PROBE_FILE).unlink(missing_ok=True)  # detection must not read an old one
     os.environ.update(run.config.to_env())
     os.environ.update(fault_env(*run.fault_specs))
     code = run_local_ranks(

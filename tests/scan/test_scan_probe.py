@@ -31,7 +31,9 @@ def test_a_link_below_a_quarter_of_its_peers_is_named_with_its_direction():
     assert [(s.src, s.dst) for s, _ in slow] == [(1, 0)]  # the data link has no data peer: compared with all
     assert slow[0][1] == pytest.approx(1000)  # median of the other pipeline links 900, 1000, 1100
     text = render_probe(links)
-    assert "1 -> 0" in text and "SLOW" in text.splitlines()[2]
+    rows = {line.split()[0] + line.split()[2]: line for line in text.splitlines()[2:]}
+    assert "SLOW" in rows["10"] and "SLOW" not in rows["01"]
+    assert rows["10"].split()[4:7] == ["25.0", "1000.0", "0.03"]  # MB/s, comparable links' median, ratio
     assert not find_slow_links([_link(0, 1, 900), _link(1, 0, 500)])
 
 

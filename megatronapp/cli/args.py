@@ -39,6 +39,7 @@ from megatronapp.launch.local import RESULT_FILE
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.parallel.partition import PartitionError, compute_stage_layers
+from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
 from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
 
 _MODEL_FLAGS = (
@@ -354,6 +355,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("MegaScan tracing")
     add_flags(g, (TRACE_SWITCH, *TRACE_FLAGS), TraceConfig)
+    add_flags(g, DETECT_FLAGS, DetectConfig)
     _add_integrity_arguments(p)
     add_flags(p.add_argument_group("forward-backward disaggregation (MegaFBD)"), (FBD_SWITCH, *FBD_FLAGS), FbdConfig)
     g = p.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")

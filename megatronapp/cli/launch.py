@@ -87,5 +87,5 @@ def report_run(run: TrainRun, history: list[dict], rows: list | None = None) -> 
     if run.trace.enabled:
         from megatronapp.scan.trace_run import report_traced_run
 
-        print(report_traced_run(run.trace.trace_dir), end="", flush=True)
+        print(report_traced_run(run.trace.trace_dir, config=run.detect), end="", flush=True)
     return 0

@@ -12,7 +12,8 @@ import json
 import os
 import sys
 
-from megatronapp.scan.analyze.detect_config import DetectConfig
+from megatronapp.flags import add_flags, read_flags
+from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
 from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
@@ -98,7 +99,9 @@ def run_detect(args: argparse.Namespace) -> int:
     found, 2 bad input."""
     its = args.iterations  # a range from parse_iteration_range, or None
     try:
-        config = DetectConfig(iterations=None if its is None else (its.start, its.stop))
+        config = DetectConfig(
+            iterations=None if its is None else (its.start, its.stop), **read_flags(args, DETECT_FLAGS)
+        )
         with truncated_traces_as_notes(sys.stderr if args.json else None):  # --json: stdout is one object
             report = analyze_trace_dir(args.trace_dir, config).detection
     except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
@@ -119,6 +122,7 @@ def _add_detect(sub: argparse._SubParsersAction) -> None:
         metavar="A:B",
         help="analyse iterations A..B-1 only (also A:, :B, A); default: every complete iteration, warm-up skipped",
     )
+    add_flags(parser, DETECT_FLAGS, DetectConfig)
     parser.set_defaults(func=run_detect)
 
 

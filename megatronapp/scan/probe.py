@@ -62,13 +62,14 @@ def compute_probe_pairs(layout: ParallelLayout) -> list[tuple[int, int, str]]:
     return sorted((a, b, kind) for (a, b), kind in pairs.items())
 
 
-def compute_peer_medians(links: list[LinkMeasurement]) -> dict[tuple[int, int], float]:
-    """(src, dst) -> the median MB/s of the comparable links: the other links of its kind (of
-    every other link where its kind has no other); a link with no other link is left out."""
+def compute_peer_medians(links: list[LinkMeasurement], field: str = "mbytes_per_s") -> dict[tuple[int, int], float]:
+    """(src, dst) -> the median `field` (MB/s, or latency_s) of the comparable links: the other
+    links of its kind (of every other link where its kind has no other); a link with no other
+    link is left out."""
     medians = {}
     for link in links:
-        peers = [x.mbytes_per_s for x in links if x.kind == link.kind and x is not link]
-        peers = peers or [x.mbytes_per_s for x in links if x is not link]
+        peers = [getattr(x, field) for x in links if x.kind == link.kind and x is not link]
+        peers = peers or [getattr(x, field) for x in links if x is not link]
         if peers:
             medians[link.src, link.dst] = statistics.median(peers)
     return medians

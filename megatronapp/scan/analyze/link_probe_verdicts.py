@@ -7,8 +7,10 @@ the link's bandwidth while nothing else runs. `apply_link_probe`, over a Detecti
   1. Without a probe result (or one that says it could not run), every slow-link suspect stays,
      marked unconfirmed, with a note saying why.
   2. With one, a slow-link suspect stays only if the probe measured its link below
-     `config.probe_agree_ratio` of its comparable links' median (probe.compute_peer_medians);
-     otherwise it leaves, with a note giving both numbers.
+     `config.probe_agree_ratio` of its comparable links' median bandwidth
+     (probe.compute_peer_medians), or its small-message round trip slower than theirs by
+     1 / `probe_agree_ratio` and by `link_min_excess_ns` (a link that delays every message
+     rather than limiting its rate); otherwise it leaves, with a note giving the numbers.
   3. A link the probe measured below probe.SLOW_FRACTION of that median is named whatever it
      costs the iteration today (a degraded link costs more as the job grows), its cost beside it:
      the what-if of the trace's own messages on that link, or none where the trace has none.
@@ -33,10 +35,10 @@ _NO_PROBE = (
 def measured_link_rows(probe: ProbeResult) -> tuple[dict, ...]:
     """The probe's links with the median of their comparable links and the ratio to it."""
     links = [LinkMeasurement(**m) for m in probe.links]
-    medians = compute_peer_medians(links)
+    medians, latencies = compute_peer_medians(links), compute_peer_medians(links, "latency_s")
     rows = []
     for m in links:
-        median = medians.get((m.src, m.dst))
+        median, latency = medians.get((m.src, m.dst)), latencies.get((m.src, m.dst))
         ratio = m.mbytes_per_s / median if median else None
         rows.append(
             {
@@ -46,9 +48,20 @@ def measured_link_rows(probe: ProbeResult) -> tuple[dict, ...]:
                 "mbytes_per_s": round(m.mbytes_per_s, 1),
                 "peer_mbytes_per_s": None if median is None else round(median, 1),
                 "ratio": None if ratio is None else round(ratio, 3),
+                "latency_ms": round(m.latency_s * 1e3, 3),
+                "peer_latency_ms": None if latency is None else round(latency * 1e3, 3),
             }
         )
     return tuple(rows)
+
+
+def probe_agrees(row: dict, config: DetectConfig) -> bool:
+    """The probe measured the link slow: low bandwidth or a long small-message round trip (step 2)."""
+    if row["ratio"] is not None and row["ratio"] < config.probe_agree_ratio:
+        return True
+    peer = row["peer_latency_ms"]
+    excess_ms = config.link_min_excess_ns / 1e6
+    return peer is not None and row["latency_ms"] >= max(peer / config.probe_agree_ratio, peer + excess_ms)
 
 
 def _with_probe(s: Suspect, row: dict, summary: str) -> Suspect:
@@ -65,7 +78,8 @@ def _with_probe(s: Suspect, row: dict, summary: str) -> Suspect:
 def _measured(row: dict) -> str:
     return (
         f"the probe measured {row['mbytes_per_s']} MB/s, {row['ratio']:.2f}x its comparable links' "
-        f"{row['peer_mbytes_per_s']} MB/s"
+        f"{row['peer_mbytes_per_s']} MB/s, and a {row['latency_ms']} ms small-message round trip "
+        f"(theirs {row['peer_latency_ms']} ms)"
     )
 
 
@@ -99,7 +113,7 @@ def apply_link_probe(report: DetectionReport, probe: ProbeResult | None, config:
         elif row is None or row["ratio"] is None:
             notes.append(f"link {s.link[0]}->{s.link[1]} is unconfirmed: the probe did not measure it")
             suspects.append(s)
-        elif row["ratio"] < config.probe_agree_ratio:
+        elif probe_agrees(row, config):
             suspects.append(_with_probe(s, row, f"{s.evidence['summary']}; confirmed: {_measured(row)}"))
         else:
             notes.append(f"link {s.link[0]}->{s.link[1]} looked slow in the trace but {_measured(row)}: not named")

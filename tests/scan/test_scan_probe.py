@@ -49,3 +49,25 @@ def test_every_rank_gets_every_links_measurement(cluster):
     measured = {(m["src"], m["dst"]) for m in reports[0]}
     assert measured == {(a, b) for a, b, _ in compute_probe_pairs(layout)}
     assert all(m["mbytes_per_s"] > 1 and m["round_trip_s"] > 0 and m["latency_s"] > 0 for m in reports[0])
+
+
+def test_links_measured_slow_are_measured_again_and_keep_their_best_pass(monkeypatch):
+    import megatronapp.scan.probe as probe
+
+    pairs = [(0, 1, "pipeline"), (1, 0, "pipeline"), (1, 2, "pipeline"), (2, 1, "pipeline")]
+    passes = iter(
+        [
+            [_link(0, 1, 900), _link(1, 0, 30), _link(1, 2, 1000), _link(2, 1, 1100)],  # 1 -> 0 slowed by noise
+            [_link(1, 0, 950)],  # ... and healthy when measured again
+        ]
+    )
+    asked = []
+
+    def fake_pass(pairs, *args):
+        asked.append([p[:2] for p in pairs])
+        return next(passes)
+
+    monkeypatch.setattr(probe, "_measure_pass", fake_pass)
+    links = probe.measure_links(pairs, 0)
+    assert asked == [[(0, 1), (1, 0), (1, 2), (2, 1)], [(1, 0)]]  # the second pass: the slow link only
+    assert [m.mbytes_per_s for m in links] == [900, 950, 1000, 1100] and not find_slow_links(links)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,13 +83,16 @@ def run_probe_rank(run: ProbeRun) -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         pairs = compute_probe_pairs(run.layout)
+        start = time.perf_counter()
         links = measure_links(
             pairs, rank, payload_bytes=run.config.payload_bytes, repeats=run.config.repeats, device=device
         )
+        seconds = time.perf_counter() - start
     finally:
         dist.destroy_process_group()
     if rank == 0:
         print(render_probe(links), flush=True)
+        print(f"measured {len(links)} directed links in {seconds:.2f} s")
         if run.out:
             slow = [[s.src, s.dst] for s, _ in find_slow_links(links)]
             config = run.config

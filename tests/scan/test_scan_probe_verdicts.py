@@ -142,3 +142,43 @@ def test_detection_reads_probe_json_from_the_trace_directory(tmp_path, slow_link
     (tmp_path / PROBE_FILE).write_text('{"links": [{"src": 0}]}')
     with pytest.raises(ValueError, match="not a link probe result"):
         analyze_trace_dir(tmp_path)
+
+
+def test_a_probe_that_cannot_run_says_why_in_probe_json(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from megatronapp.scan.probe_job import probe_traced_job
+
+    def refused(**kwargs):
+        raise RuntimeError("Timed out waiting for rank 3 to join\n(store)")
+
+    monkeypatch.setattr(dist, "new_group", refused)
+    why = probe_traced_job(tmp_path, [(0, 1, "pipeline"), (1, 0, "pipeline")], 0, "cpu")
+    assert why == "the link probe could not run: Timed out waiting for rank 3 to join (store)"
+    assert load_probe(tmp_path) == ProbeResult((), why)
+
+
+def test_the_html_report_shows_the_links_measured_and_what_the_gate_held_back(slow_link_traces):
+    from megatronapp.scan.analyze.report import render_report_html
+    from megatronapp.scan.analyze.report_data import compute_report_data
+
+    probe = ProbeResult((_link(0, 2, 98), *HEALTHY[1:]))
+    page = render_report_html(compute_report_data(analyze_aligned(*slow_link_traces, probe=probe)), "t", None)
+    assert "Links measured (link probe)" in page and "<td>0\u21922</td><td>pipeline</td><td>98</td>" in page
+    gated = analyze_aligned(*slow_link_traces, config=DetectConfig(min_impact=0.9))
+    page = render_report_html(compute_report_data(gated), "t", None)
+    assert "Nothing costing more than 90% of the iteration was found; the largest candidate: slow link 0-&gt;2" in page
+
+
+def test_min_impact_outside_zero_to_one_is_refused_in_one_line(tmp_path, capsys):
+    import argparse
+
+    from megatronapp.scan.cli import add_trace_subcommands
+
+    parser = argparse.ArgumentParser()
+    add_trace_subcommands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["trace", "detect", str(tmp_path), "--min-impact", "2"])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err.strip() == (
+        "megatronapp trace detect: --min-impact must be a share of the iteration in [0, 1], got 2.0"
+    )

@@ -127,6 +127,8 @@ class DetectConfig:
     arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.min_impact <= 1.0:
+            raise ValueError(f"--min-impact must be a share of the iteration in [0, 1], got {self.min_impact}")
         for name in (
             "compute_min_ratio",
             "strong_compute_ratio",
@@ -145,7 +147,6 @@ class DetectConfig:
             "intermittent_max_share",
             "intermittent_min_saving",
             "arrival_min_excess_share",
-            "min_impact",
             "ambiguity_tolerance",
             "probe_agree_ratio",
         ):

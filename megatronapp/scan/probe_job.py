@@ -35,9 +35,10 @@ def probe_traced_job(
     device: torch.device,
     config: ProbeConfig = ProbeConfig(),
 ) -> str:
-    """Measure every directed link of `pairs` (probe.compute_probe_pairs of the job's layout) over
-    the default process group (collective over the world); rank 0 writes probe.json. Returns "" when measured, else why not (also written to probe.json):
-    a probe that fails never fails the job it follows."""
+    """Measure every directed link of `pairs` (probe.compute_probe_pairs of the job's layout) in a
+    group of all ranks with the probe's timeout (collective over the world); rank 0 writes
+    probe.json. Returns "" when measured, else why not (written to probe.json too): a probe that
+    fails never fails the job it follows."""
     try:
         group = dist.new_group(timeout=timedelta(seconds=config.timeout_s))
         links = measure_links(

@@ -109,7 +109,7 @@ def render_report(report: DetectionReport, width: int | None = None) -> str:
             table.add_row(
                 str(i),
                 str(s.rank),
-                f"{c.get('tp')},{c.get('dp')},{c.get('pp')}",
+                f"{c.get('tp')},{c.get('dp')},{c.get('pp')}" if c else "-",  # a link only the probe saw
                 cause,
                 f"{s.confidence:.2f}",
                 f"{to_ms(s.what_if_iteration_ns)} ms (-{to_ms(s.saving_ns)})",

@@ -17,7 +17,10 @@
   5. iteration boundaries: an optimizer step (a global optimizer step post-hook) ends the
      iteration when the next forward or backward begins (so several optimizers stepping in a
      row count once), unless the program calls `megatronapp.scan.step()`, which then is the only
-     boundary. The unfinished tail after the last step is dropped at close.
+     boundary. The unfinished tail after the last step is dropped at close;
+  6. the link probe (scan/probe_job.py), untraced, when the program destroys its default process
+     group or, if it never does, at close: under `probe` "auto" only where some rank sent a
+     point-to-point message, and never after the program failed (its peers may not get there).
 
 Ranks are taken as data-parallel replicas (coords dp = rank), which is what DDP and FSDP are.
 """

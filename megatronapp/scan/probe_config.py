@@ -42,8 +42,8 @@ class ProbeConfig:
 
 
 PROBE_FLAGS = (
-    Flag("--probe-payload-mb", "payload_mb", "bytes sent one way per link and round trip, in MB"),
-    Flag("--probe-repeats", "repeats", "timed round trips per link (the fastest counts)"),
+    Flag("--probe-payload-mb", "payload_mb", "bytes sent one way per link and round trip", {"metavar": "MB"}),
+    Flag("--probe-repeats", "repeats", "timed round trips per link (the fastest counts)", {"metavar": "N"}),
 )
 
 

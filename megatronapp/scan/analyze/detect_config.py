@@ -213,5 +213,6 @@ DETECT_FLAGS = (
         "--min-impact",
         "min_impact",
         "name a suspect only when fixing it would save at least this share of the iteration",
+        {"metavar": "SHARE"},
     ),
 )

@@ -169,6 +169,10 @@ def run_rank(run: TrainRun) -> list[dict]:
         ctx = RankContext(job, data, injector, tracer)
         history = role.run(ctx, lambda trainer: _load_and_train(run, trainer, data, rank, eval_streams))
         role.finish(run.result_file)
+        if tracer is not None:
+            instrumentation.uninstall()  # the probe is not part of the job's trace
+            instrumentation = None
+            _probe_links(run, rank, role.device)
         return history
     finally:
         if instrumentation is not None:
@@ -182,6 +186,17 @@ def run_rank(run: TrainRun) -> list[dict]:
             destroy_subgroups(groups)
         elif dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _probe_links(run: TrainRun, rank: int, device: torch.device) -> None:
+    """The link probe after the last iteration of a traced plain job (scan/probe_job.py); rank 0
+    writes TRACE_DIR/probe.json. Under --trace-probe auto, only where the layout has a pipeline."""
+    from megatronapp.scan.probe import compute_probe_pairs
+    from megatronapp.scan.probe_job import probe_traced_job, should_probe
+
+    layout = run.job.layout
+    if run.fbd is None and layout.world_size > 1 and should_probe(run.trace.probe, layout.pp_size > 1):
+        probe_traced_job(run.trace.trace_dir, compute_probe_pairs(layout), rank, device)
 
 
 def _load_and_train(run: TrainRun, trainer, data, rank: int, eval_streams: dict | None = None) -> list[dict]:
@@ -205,7 +220,7 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
 
 
 def _train_loop(run: TrainRun, trainer, data, rank: int, eval_streams: dict) -> list[dict]:
-    from megatronapp.dpp.rebalance_hook import RebalanceHook, build_layer_rebalancer
+    from megatronapp.dpp.rebalance_hook import build_rebalance_hook
     from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 
     job = run.job
@@ -214,8 +229,7 @@ def _train_loop(run: TrainRun, trainer, data, rank: int, eval_streams: dict) -> 
         Path(log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_out = open(log.metrics_file, "a") if (log.metrics_file and rank == 0) else None
     online = OnlineDetector(job.layout, OnlineDetectConfig()) if (rank == 0 and job.layout.world_size > 1) else None
-    rebalancer = build_layer_rebalancer(run.dpp.rebalance, job)
-    rebalance = RebalanceHook(rebalancer, trainer) if rebalancer is not None else None
+    rebalance = build_rebalance_hook(run.dpp.rebalance, job, trainer)
     logs = build_metric_logs(job, rank, trainer.iteration + 1, asdict(job))
     history = []
     with TrainProgress(job, enabled=rank == 0, log_interval=log.log_interval) as progress:

@@ -68,6 +68,8 @@ def _grads_and_peaks(rank: int, world: int, schedule: str, vpp: int, m: int) -> 
         groups = build_process_groups(job.layout, rank)
         trainer = Trainer(job, groups, torch.device("cpu"), RandomTokenBatches(job, 0))
         trainer.runtime.recv_ahead = recv_ahead  # False: the schedule's batches, as on NCCL
+        # PP2 also through the sender thread that a host with a spare core per rank uses
+        trainer.runtime.send_thread = recv_ahead and world == 2
         trainer.train_step()
         grads = {n: p.grad.clone() for c in trainer.chunks for n, p in c.named_parameters()}
         out.append((grads, trainer.runtime.peak_recvs_posted))

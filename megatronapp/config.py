@@ -215,8 +215,7 @@ class TrainConfig:
     # for the others)
     split_backward: bool | None = None
     # static schedules: receives posted ahead of the schedule's RECV actions and single isends
-    # (pipeline/transport.py). None: on the CPU where each rank has a spare core; NCCL needs
-    # the schedule's batches
+    # (pipeline/transport.py). None: on the CPU (gloo); NCCL needs the schedule's batches
     pipeline_recv_ahead: bool | None = None
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     # RecomputeConfig's fields, flat (as the --recompute-* flags name them); it owns their

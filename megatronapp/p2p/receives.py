@@ -58,6 +58,11 @@ class PostedReceives:
         self._fill()
         return posted
 
+    def close(self) -> None:
+        """Post nothing more; drops `post`, whose owner (a bound method's object) would otherwise
+        stay alive in a reference cycle, with its process groups, until a garbage collection."""
+        self.post = None
+
     @property
     def pending(self) -> int:
         """Receives not yet taken (posted or not)."""

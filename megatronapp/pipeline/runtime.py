@@ -4,10 +4,9 @@ The model is reached only through the contract in pipeline/contract.py (forward_
 tensor specs), so any network pipelines, not only the GPT.
 
 The runtime makes no decisions: the schedule says what to run and in which order. How the
-step's messages travel is pipeline/transport.py: on gloo, where each rank has a spare core,
-every receive is posted ahead of the schedule's RECV action (a bounded number in flight) and
-sends are non-blocking isends; otherwise, and on NCCL, each maximal run of communication
-actions is posted as one `batch_isend_irecv`. Either way a
+step's messages travel is pipeline/transport.py: on gloo every receive is posted ahead of the
+schedule's RECV action (a bounded number in flight) and sends are non-blocking isends; on
+NCCL each maximal run of communication actions is posted as one `batch_isend_irecv`. Either way a
 received tensor is waited for only right before the compute that consumes it, and sends are
 completed at the end of the step. Each message is a packed frame (p2p/message.py) with ids
 (0 forward / 1 backward, the virtual stage that consumes it, microbatch), checked on arrival
@@ -154,7 +153,7 @@ class PipelineRuntime:
         recv_ahead: bool | None = None,
     ):
         """recv_ahead: receives posted ahead and single isends (pipeline/transport.py); None: on
-        the CPU where each rank has a spare core (transport.resolve_recv_ahead)."""
+        the CPU (transport.resolve_recv_ahead)."""
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = dict(comm_batches(self.actions))
@@ -175,7 +174,7 @@ class PipelineRuntime:
         )
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         spare_core = host_has_spare_core_per_rank(groups.layout.world_size, torch.get_num_threads())
-        self.recv_ahead = resolve_recv_ahead(recv_ahead, torch.device(device).type, spare_core)
+        self.recv_ahead = resolve_recv_ahead(recv_ahead, torch.device(device).type)
         # gloo's isend writes in the calling thread: a sender thread pays where a core is free for it
         self.send_thread = self.recv_ahead and spare_core
         self.peak_recvs_posted = 0  # most receives in flight at once, over the steps run

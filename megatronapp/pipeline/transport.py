@@ -17,15 +17,13 @@ receive is posted and how a send is issued.
   communicator would sit in front of a later send its peer waits for (dpp/channels.py explains
   the deadlock); grouping each batch's sends and receives is how NCCL pairs them.
 
-Which one runs by default (`resolve_recv_ahead`): ahead on gloo only where each rank has a
-spare core. A message posted ahead is moved by gloo's socket threads while both ranks compute;
-with no core to spare those threads take it from the computing ranks, where a lazy receive
-moves it while its receiver sits idle waiting. Measured on a shared 2-core machine, PP2 with 2
-virtual stages, 2 ranks: the batched transport 1.45x [1.04, 1.56] and 0.98x [0.89, 1.11] the
-speed of posting ahead in two paired runs (n = 8 each): ahead never measurably faster
-(BENCHMARKS.md, MegaDPP).
-With spare cores (the dynamic runtime on the 16-core host) posting ahead is what makes its
-in-order schedule faster than the static one.
+Which one runs by default (`resolve_recv_ahead`): ahead on the CPU. Measured on a 2-core
+machine, PP2 with 2 virtual stages, 2 ranks (BENCHMARKS.md, MegaDPP): ahead 1.07x and 1.08x
+[1.02, 1.27] the batched transport's speed, within 4 % of the dynamic runtime (which posts
+ahead too). Where other jobs overload the cores it can lose (0.69x in one such run): gloo's
+socket threads then move an early message while both ranks compute and take that time from
+them, where a lazy receive moves it while its receiver sits idle; --no-pipeline-recv-ahead
+picks the batches.
 """
 
 from __future__ import annotations
@@ -41,12 +39,12 @@ from megatronapp.pipeline.actions import Action, ActionKind, virtual_stage
 SEND_KINDS = (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
 
 
-def resolve_recv_ahead(setting: bool | None, device_type: str, spare_core_per_rank: bool) -> bool:
+def resolve_recv_ahead(setting: bool | None, device_type: str) -> bool:
     """Whether the static runtime posts receives ahead: `setting` if given (ValueError off the
-    CPU: NCCL needs the batches); None: on the CPU where each rank has a spare core."""
+    CPU: NCCL needs the batches); None: on the CPU."""
     if setting and device_type != "cpu":
         raise ValueError("receives posted ahead need gloo (the CPU): NCCL needs the schedule's batches")
-    return device_type == "cpu" and spare_core_per_rank if setting is None else setting
+    return device_type == "cpu" if setting is None else setting
 
 
 def compute_message_ids(a: Action, pp_rank: int, pp_size: int) -> tuple[int, int, int]:
@@ -133,6 +131,7 @@ class AheadTransport(_StepTransport):
 
     def close(self) -> None:
         self.outbox.close()
+        self.receives.close()
 
 
 class _PostedBatch:

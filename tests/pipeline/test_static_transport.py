@@ -52,13 +52,11 @@ def test_a_bad_window_or_duplicate_receives_are_refused():
         PostedReceives([1, 1], lambda key: key)
 
 
-def test_receives_go_ahead_by_default_only_on_the_cpu_with_a_spare_core_per_rank():
-    assert resolve_recv_ahead(None, "cpu", spare_core_per_rank=True)
-    assert not resolve_recv_ahead(None, "cpu", spare_core_per_rank=False)  # lazy receives use idle cores
-    assert not resolve_recv_ahead(None, "cuda", spare_core_per_rank=True)  # NCCL needs the batches
-    assert resolve_recv_ahead(True, "cpu", False) and not resolve_recv_ahead(False, "cpu", True)
+def test_receives_go_ahead_by_default_on_the_cpu_only():
+    assert resolve_recv_ahead(None, "cpu") and not resolve_recv_ahead(False, "cpu")
+    assert not resolve_recv_ahead(None, "cuda")  # NCCL needs the batches
     with pytest.raises(ValueError, match="NCCL"):
-        resolve_recv_ahead(True, "cuda", True)
+        resolve_recv_ahead(True, "cuda")
 
 
 def _grads_and_peaks(rank: int, world: int, schedule: str, vpp: int, m: int) -> list:

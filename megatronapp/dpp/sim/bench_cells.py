@@ -141,16 +141,11 @@ def schedule_peaks(grid: CellGrid, variant: str) -> list[int]:
 
 
 def static_comm_model(grid: CellGrid, extra: list[str]) -> str:
-    """The simulator's model of a static cell's transport: "eager" where receives are posted
-    ahead (--pipeline-recv-ahead, or by default on a CPU host with a spare core per rank, one
-    thread each), else "rendezvous" (pipeline/transport.py)."""
-    from megatronapp.p2p.outbox import host_has_spare_core_per_rank
-
-    if "--pipeline-recv-ahead" in extra:
-        return "eager"
+    """The simulator's model of a static cell's transport (pipeline/transport.py): "eager" where
+    receives are posted ahead (the CPU's default), "rendezvous" where the schedule's batches are."""
     if "--no-pipeline-recv-ahead" in extra or grid.device != "cpu":
         return "rendezvous"
-    return "eager" if host_has_spare_core_per_rank(grid.nproc, 1) else "rendezvous"
+    return "eager"
 
 
 def predicted_step_s(grid: CellGrid, scenario: str, variant: str) -> float:

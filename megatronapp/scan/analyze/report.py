@@ -15,6 +15,7 @@ import os
 
 from megatronapp.files import write_text_atomic
 from megatronapp.scan.analyze import detect_arrival as arrivals
+from megatronapp.scan.analyze.budget_output import render_budget_html
 from megatronapp.scan.analyze.load_align_detect import TraceAnalysis
 from megatronapp.scan.analyze.report_data import ReportData, compute_report_data, describe_layout, format_duration_ns
 
@@ -227,6 +228,7 @@ analysed; median iteration {v["what_if"]["iteration_ms"]} ms
 <h2>Verdict</h2>{_verdict_html(data)}<ul>{notes}</ul>
 <h2>Step time per rank</h2>{svg_step_time(data)}
 <h2>Own work and waiting, per rank and iteration</h2>{svg_work_vs_wait(data)}{more}
+<h2>Time budget</h2>{render_budget_html(data.budget) if data.budget else ""}
 <h2>Timeline</h2>{open_how}
 <p>Clock alignment: median residual {format_duration_ns(a.get("median_residual_ns"))},
 {a.get("violations")} causality violations left.</p></body></html>

@@ -78,7 +78,7 @@ class LinkBudget:
     median_bytes: float
     transfer_ns: float  # median over the clean messages (all timed ones if none is clean)
     ns_per_byte: float
-    peer_ns_per_byte: float | None  # median of the comparable links' (None: no comparable link)
+    peer_ns_per_byte: float | None  # median of the comparable links' (None: no comparable link or no clean message)
     ratio: float | None
     comparable_links: int
 
@@ -154,7 +154,8 @@ def summarize_links(budget: Budget, config: BudgetConfig) -> tuple[LinkBudget, .
     out = []
     for link in sorted(per_byte):
         comparable = [o for o in per_byte if o != link and clean[o] and 0.5 <= size[o] / max(size[link], 1.0) <= 2.0]
-        peer = float(np.median([per_byte[o] for o in comparable])) if comparable else None
+        # A link none of whose messages is clean has no time of its own to compare (step 2).
+        peer = float(np.median([per_byte[o] for o in comparable])) if comparable and clean[link] else None
         out.append(
             LinkBudget(
                 *link,

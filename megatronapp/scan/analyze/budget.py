@@ -214,9 +214,7 @@ def budget_rank(
         else:
             own, descheduled, throttled, waiting, transfer = _split_cpu_clock(wall, own, sig, pieces, lo, hi)
         rest = wall - own - descheduled - waiting - transfer  # >= 0: each part is capped by what is left
-        rows.append(
-            IterationBudget(ev.rank, it, wall, own, descheduled, throttled, waiting, transfer, rest, measured)
-        )
+        rows.append(IterationBudget(ev.rank, it, wall, own, descheduled, throttled, waiting, transfer, rest, measured))
     return rows
 
 

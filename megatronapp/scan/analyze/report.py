@@ -3,7 +3,8 @@
 The page says what was found and why: the verdict with its evidence (who arrived last at which
 collectives and by how much; each link's effective bandwidth against its peers), or plainly that
 nothing was found and how large a fault the check would have named; step time per rank; own work
-against waiting per rank and iteration (stacked); the clock alignment in ms/us. Every chart has
+against waiting per rank and iteration (stacked); each rank's time budget and each link's per-byte time
+(budget_output.py); the clock alignment in ms/us. Every chart has
 axes with units and a legend. Inline SVG only: no script, no CDN, no network. The numbers come
 from report_data.compute_report_data (pure); this module only draws them.
 """

@@ -28,7 +28,9 @@ def _trace(rank: int, coords: dict, layout: dict, rows: list[dict], clock: str =
     return RankTrace(meta, pa.Table.from_batches([build_event_batch(rows)]), path=f"rank{rank}")
 
 
-def _dp_job(forward: dict[int, tuple[float, float]], delay: dict[int, tuple[float, float]] | None = None, n=4):
+def _dp_job(
+    forward: dict[int, tuple[float, float]], delay: dict[int, tuple[float, float]] | None = None, n=4, clock="monotonic"
+):
     """DP replicas: per iteration a forward of (wall, cpu) ms, an all-reduce the last arrival starts
     and 2 ms of transfer after it, then 1 ms of Python. delay: rank -> (run delay, throttled) ms."""
     delay = delay or {}
@@ -52,7 +54,7 @@ def _dp_job(forward: dict[int, tuple[float, float]], delay: dict[int, tuple[floa
                 dict(name="all_reduce", cat="comm", op="all_reduce", group="dp", seq=it, bytes=4096, iteration=it,
                      start_ns=t + int(wall * MS), end_ns=t + int((last + 2) * MS)),
             ]  # fmt: skip
-    return [_trace(r, {"tp": 0, "dp": r, "pp": 0}, layout, rows[r]) for r in range(n)]
+    return [_trace(r, {"tp": 0, "dp": r, "pp": 0}, layout, rows[r], clock) for r in range(n)]
 
 
 def _by_rank(traces):
@@ -68,6 +70,15 @@ def test_a_waiting_replicas_budget_is_the_time_it_spent_where():
         23 * MS, 10 * MS, 10 * MS, 2 * MS, 1 * MS,
     )  # fmt: skip
     assert (slow.own_ns, slow.waiting_ns, slow.transfer_ns, slow.rest_ns) == (20 * MS, 0, 2 * MS, 1 * MS)
+
+
+def test_on_a_device_clock_own_work_is_the_compute_spans_device_time():
+    # Kernels were launched in a few microseconds of host CPU; the spans' times are the device's.
+    job = _dp_job(dict.fromkeys(range(4), (10.0, 0.01)) | {2: (20.0, 0.01)}, clock="cuda")
+    rows = compute_budget(job, tuple(range(ITERATIONS))).rows
+    fast = next(r for r in rows if r.rank == 0 and r.iteration == 0)
+    assert (fast.own_ns, fast.waiting_ns, fast.transfer_ns, fast.rest_ns) == (10 * MS, 10 * MS, 2 * MS, 1 * MS)
+    assert _by_rank(job)[2].cause == "own work"
 
 
 def _random_pipeline(seed: int, clock: str) -> list[RankTrace]:

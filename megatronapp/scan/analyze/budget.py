@@ -165,12 +165,16 @@ def _iteration_rows(ev: rules.RankEvents) -> dict[int, dict]:
     return {int(it): {k: int(c[k][i]) for k in keys} for it, i in zip(c["iteration"][m], np.flatnonzero(m))}
 
 
+def _descheduled_signal(signals: dict) -> int:
+    """The run-queue delay, or the cgroup's throttled time where it is unknown (0 if both are)."""
+    return signals["run_delay_ns"] if signals["run_delay_ns"] >= 0 else max(signals["throttled_ns"], 0)
+
+
 def _split_cpu_clock(wall: float, own: float, signals: dict, pieces: _Pieces, lo: int, hi: int) -> tuple:
     """(own, descheduled, throttled, waiting, transfer) on a CPU clock (module docstring, steps 2-3)."""
     cpu = signals["cpu_ns"] if signals["cpu_ns"] >= 0 else own
     own = min(own, cpu)
-    delay = signals["run_delay_ns"] if signals["run_delay_ns"] >= 0 else max(signals["throttled_ns"], 0)
-    descheduled = float(min(delay, max(0.0, wall - cpu)))
+    descheduled = float(min(_descheduled_signal(signals), max(0.0, wall - cpu)))
     throttled = float(min(max(signals["throttled_ns"], 0), descheduled))
     every = rules.union_length(pieces.clipped(lo, hi))
     waiting_wall = rules.union_length(pieces.clipped(lo, hi, WAITING))
@@ -184,8 +188,7 @@ def _split_device_clock(wall: float, signals: dict, compute: list, pieces: _Piec
     own = rules.union_length(compute)
     exposed = rules.union_length(compute + pieces.clipped(lo, hi)) - own
     waiting = rules.union_length(compute + pieces.clipped(lo, hi, WAITING)) - own
-    delay = max(signals["run_delay_ns"], signals["throttled_ns"] if signals["run_delay_ns"] < 0 else 0, 0)
-    descheduled = float(min(delay, max(0.0, wall - own - exposed)))
+    descheduled = float(min(_descheduled_signal(signals), max(0.0, wall - own - exposed)))
     return float(own), descheduled, float(min(max(signals["throttled_ns"], 0), descheduled)), waiting, exposed - waiting
 
 

@@ -136,7 +136,7 @@ def test_a_rank_whose_compute_takes_cpu_time_is_slow_by_its_own_work():
     ranks = _by_rank(_dp_job({2: (20.0, 20.0)}))
     assert ranks[2].slow and ranks[2].cause == "own work" and ranks[2].self_ratio > 1.8
     assert not any(ranks[r].slow for r in (0, 1, 3))
-    assert ranks[0].mean_ns["waiting"] == 10 * MS  # its peers wait for it
+    assert ranks[0].median_ns["waiting"] == 10 * MS  # its peers wait for it
 
 
 def test_a_rank_whose_run_delay_explains_its_slowness_is_descheduled_not_own_work():
@@ -144,8 +144,8 @@ def test_a_rank_whose_run_delay_explains_its_slowness_is_descheduled_not_own_wor
     # (8 of them throttled by a CPU quota).
     ranks = _by_rank(_dp_job({2: (20.0, 10.0)}, {2: (10.0, 8.0)}))
     assert ranks[2].slow and ranks[2].cause == "descheduled", ranks[2]
-    assert ranks[2].mean_ns["descheduled"] == 10 * MS and ranks[2].mean_ns["throttled"] == 8 * MS
-    assert ranks[2].mean_ns["own"] == ranks[0].mean_ns["own"] == 10 * MS
+    assert ranks[2].median_ns["descheduled"] == 10 * MS and ranks[2].median_ns["throttled"] == 8 * MS
+    assert ranks[2].median_ns["own"] == ranks[0].median_ns["own"] == 10 * MS
     # Without the counters the same spans leave 10 ms unexplained: outside the spans, not descheduled.
     ranks = _by_rank(_dp_job({2: (20.0, 10.0)}))
     assert ranks[2].slow and ranks[2].cause == "outside the spans"
@@ -153,7 +153,7 @@ def test_a_rank_whose_run_delay_explains_its_slowness_is_descheduled_not_own_wor
 
 def test_the_throttled_time_counts_where_the_run_delay_is_unknown():
     ranks = _by_rank(_dp_job({2: (20.0, 10.0)}, {2: (-1.0, 10.0)}))
-    assert ranks[2].cause == "descheduled" and ranks[2].mean_ns["throttled"] == 10 * MS
+    assert ranks[2].cause == "descheduled" and ranks[2].median_ns["throttled"] == 10 * MS
 
 
 def test_cpu_time_and_delay_that_explain_a_slow_rank_equally_are_named_both():
@@ -227,7 +227,7 @@ def test_detect_budget_and_the_report_show_the_time_budget(tmp_path, capsys):
     _cli(["detect", str(tmp_path / "t"), "--budget", "--json"])
     doc = json.loads(capsys.readouterr().out)
     rank2 = doc["budget"]["ranks"][2]
-    assert rank2["cause"] == "descheduled" and rank2["mean_ms"]["throttled"] == 8.0
+    assert rank2["cause"] == "descheduled" and rank2["median_ms"]["throttled"] == 8.0
     _cli(["detect", str(tmp_path / "t"), "--json"])
     assert "budget" not in json.loads(capsys.readouterr().out)
     assert _cli(["report", str(tmp_path / "t"), "--out", str(tmp_path / "r.html")]) == 0

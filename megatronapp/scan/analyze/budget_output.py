@@ -17,15 +17,15 @@ from megatronapp.scan.analyze.detect_rules import to_ms
 
 _RANK_COLUMNS = ("rank", "iteration", "own", "desched", "throttled", "waiting", "transfer", "rest")
 _LINK_COLUMNS = ("link", "msgs (clean)", "KiB", "ms", "ns/byte", "MB/s", "x peers")
-_TITLE = "Time budget per rank: mean ms per iteration"
+_TITLE = "Time budget per rank: median ms per iteration (each part's own median)"
 
 
 def budget_to_json(summary: BudgetSummary) -> dict:
     """JSON-ready dict: iterations, basis, ranks (parts in ms), links."""
     ranks = [
         {
-            **{k: v for k, v in asdict(r).items() if k not in ("mean_ns", "excess_ns")},
-            "mean_ms": {p: to_ms(v) for p, v in r.mean_ns.items()},
+            **{k: v for k, v in asdict(r).items() if k not in ("median_ns", "excess_ns")},
+            "median_ms": {p: to_ms(v) for p, v in r.median_ns.items()},
             "excess_ms": {p: to_ms(v) for p, v in r.excess_ns.items()},
         }
         for r in summary.ranks
@@ -48,7 +48,7 @@ def describe_rank(r: RankBudget) -> str:
 
 
 def _rank_cells(r: RankBudget) -> list[str]:
-    m = {part: f"{ns / 1e6:.2f}" for part, ns in r.mean_ns.items()}
+    m = {part: f"{ns / 1e6:.2f}" for part, ns in r.median_ns.items()}
     if not r.measured:  # trace without CPU time or scheduler counters (budget.py: fallbacks)
         m["descheduled"] = m["throttled"] = "n/a"
     return [str(r.rank), *(m[p] for p in ("wall", "own", "descheduled", "throttled", "waiting", "transfer", "rest"))]

@@ -1,8 +1,9 @@
 """What the time budget (budget.py) says per rank and per directed link.
 
 Per rank:
-  1. The mean of each part over the analysed iterations (means add up to the mean wall time, and
-     an intermittent quota or competitor shows in them).
+  1. The median of each part over the analysed iterations: one iteration that took a pause (a
+     rank's last traced step running into its shutdown) does not move it. Each part has its own
+     median, so they need not add up to the median wall time; each iteration's parts do.
   2. Against its peers doing identical work (detect_rules.build_compute_peers: DP replicas, else TP
      peers, else the other pipeline stages), paired by iteration: its part minus the median of the
      peers' same part in that iteration, then the median over iterations, so that an iteration slow
@@ -45,7 +46,7 @@ class BudgetConfig:
 
     slow_ratio: float = 1.2  # the rank's own time over its peers' (the detector's compute ratio)
     slow_min_share: float = 0.05  # the excess, as a share of the peers' iteration
-    ambiguous_share: float = 0.5  # a second cause this close to the first is named too
+    ambiguous_share: float = 0.75  # a second cause this close to the first is named too (they explain it equally)
     descheduled_margin: float = 0.1  # descheduled share of the iteration above the iteration's median
 
     def __post_init__(self) -> None:
@@ -62,7 +63,7 @@ class RankBudget:
     coords: dict
     iterations: int
     measured: bool  # every row had CPU time and the run-queue delay
-    mean_ns: dict[str, float]  # part (PARTS) -> mean over iterations: the parts add up to the wall (medians do not)
+    median_ns: dict[str, float]  # part (PARTS) -> median over iterations (each part's own: they need not add up)
     peers: tuple[int, ...]
     self_ratio: float | None  # own + descheduled + rest over the peers' (None without peers)
     excess_ns: dict[str, float]  # part -> median over iterations of (mine - the peers' median)
@@ -115,7 +116,7 @@ def _cause(excess: dict[str, float], config: BudgetConfig) -> str:
 
 def summarize_rank(rank: int, rows: dict, peer_rows: list[dict], coords: dict, peers: tuple, config: BudgetConfig):
     """One rank's RankBudget from its rows (iteration -> row) and its peers' (module docstring)."""
-    mean = {p: float(np.mean([_part(r, p) for r in rows.values()])) for p in PARTS}
+    median = {p: float(np.median([_part(r, p) for r in rows.values()])) for p in PARTS}
     excess = {p: _paired_excess(rows, peer_rows, p)[0] for p in CAUSES}
     self_excess, peer_self = _paired_excess(rows, peer_rows, "self")
     _, peer_wall = _paired_excess(rows, peer_rows, "wall")
@@ -123,7 +124,7 @@ def summarize_rank(rank: int, rows: dict, peer_rows: list[dict], coords: dict, p
     slow = ratio is not None and ratio >= config.slow_ratio and self_excess >= config.slow_min_share * peer_wall
     measured = all(r.measured for r in rows.values())
     cause = _cause(excess, config) if slow else None
-    return RankBudget(rank, coords, len(rows), measured, mean, peers, ratio, excess, slow, cause)
+    return RankBudget(rank, coords, len(rows), measured, median, peers, ratio, excess, slow, cause)
 
 
 def _clean_messages(budget: Budget, config: BudgetConfig) -> dict[tuple, list[p2p.P2PMessage]]:

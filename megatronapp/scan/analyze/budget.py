@@ -114,6 +114,8 @@ def _collective_pieces(instances: list[rules.CollectiveInstance], out: dict[int,
 
 
 def _message_pieces(messages: list[p2p.P2PMessage], out: dict[int, list]) -> set:
+    """The receiver's waiting and transfer pieces and the sender's transfer piece of each message;
+    returns the (rank, start) of every comm span used."""
     used = set()
     for m in messages:
         split = min(max(m.wait_start, m.send_start), m.recv_end)

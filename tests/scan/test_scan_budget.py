@@ -162,16 +162,19 @@ def test_cpu_time_and_delay_that_explain_a_slow_rank_equally_are_named_both():
     assert BudgetConfig(ambiguous_share=1.0) and pytest.raises(ValueError, BudgetConfig, slow_ratio=1.0)
 
 
-def _pipeline_links(transfer_ms: dict[tuple, float], descheduled: set[int]) -> list[RankTrace]:
-    """PP2 x DP3: stage-0 rank d sends 64 KiB to stage-1 rank d + 3 after 5 ms of forward; the
-    receiver has been waiting since the iteration began. Ranks in `descheduled` were runnable but
-    not running for half of every iteration."""
-    layout = {"tp_size": 1, "pp_size": 2, "dp_size": 3, "virtual_pp_size": 1}
-    rows: dict[int, list[dict]] = {r: [] for r in range(6)}
+def _pipeline_links(
+    transfer_ms: dict[tuple, float], descheduled: set[int], dp: int = 3, gradients_ms: float | None = None
+) -> list[RankTrace]:
+    """PP2 x DP`dp`: stage-0 rank d sends 64 KiB to stage-1 rank d + dp after 5 ms of forward; the
+    receiver has been waiting since the iteration began. With gradients_ms, the stage-1 rank sends
+    64 KiB back after its forward, taking that long. Ranks in `descheduled` were runnable but not
+    running for half of every iteration."""
+    layout = {"tp_size": 1, "pp_size": 2, "dp_size": dp, "virtual_pp_size": 1}
+    rows: dict[int, list[dict]] = {r: [] for r in range(2 * dp)}
     for it in range(ITERATIONS):
         t = T0 + it * 100 * MS
-        for d in range(3):
-            src, dst = d, d + 3
+        for d in range(dp):
+            src, dst = d, d + dp
             x = int(transfer_ms.get((src, dst), 1.0) * MS)
             send = t + 5 * MS
             rows[src] += [
@@ -185,13 +188,30 @@ def _pipeline_links(transfer_ms: dict[tuple, float], descheduled: set[int]) -> l
                 dict(name="forward", cat="compute", start_ns=send + x, end_ns=send + x + 5 * MS, iteration=it,
                      cpu_ns=5 * MS),
             ]  # fmt: skip
-        for r in range(6):
+            if gradients_ms is not None:
+                back = send + x + 5 * MS
+                rows[dst].append(
+                    dict(
+                        name="send",
+                        cat="comm",
+                        op="send",
+                        peer=src,
+                        seq=it,
+                        bytes=65536,
+                        iteration=it,
+                        start_ns=back,
+                        end_ns=back + 100_000,
+                    )
+                )
+                rows[src].append(dict(name="recv", cat="comm", op="recv", peer=dst, seq=it, bytes=65536, iteration=it,
+                                      start_ns=send + 200_000, end_ns=back + int(gradients_ms * MS)))  # fmt: skip
+        for r in range(2 * dp):
             delay = 25 * MS if r in descheduled else 0
             rows[r].append(
                 dict(name="iteration", cat="step", start_ns=t, end_ns=t + 50 * MS, iteration=it, cpu_ns=10 * MS,
                      run_delay_ns=delay, throttled_ns=0)
             )  # fmt: skip
-    return [_trace(r, {"tp": 0, "dp": r % 3, "pp": r // 3}, layout, rows[r]) for r in range(6)]
+    return [_trace(r, {"tp": 0, "dp": r % dp, "pp": r // dp}, layout, rows[r]) for r in range(2 * dp)]
 
 
 def test_a_link_is_compared_only_over_messages_whose_ends_were_not_descheduled():
@@ -203,6 +223,7 @@ def test_a_link_is_compared_only_over_messages_whose_ends_were_not_descheduled()
     assert links[(0, 3)].ns_per_byte == pytest.approx(8 * MS / 65536)
     assert links[(2, 5)].clean_messages == 0 and links[(2, 5)].ratio is None
     assert links[(1, 4)].ratio < 0.5
+    assert [link for link, x in links.items() if x.slow] == [(0, 3)]
 
 
 def _cli(argv: list[str]) -> int:
@@ -233,3 +254,11 @@ def test_detect_budget_and_the_report_show_the_time_budget(tmp_path, capsys):
     assert _cli(["report", str(tmp_path / "t"), "--out", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
     assert "<h2>Time budget</h2>" in page and "descheduled" in page and "<td>8.00</td>" in page
+
+
+def test_links_are_compared_with_links_of_their_own_pipeline_direction():
+    # Gradients (upstream) take 8 ms per message on both links, activations 1 ms: no link is slow.
+    traces = _pipeline_links({}, set(), dp=2, gradients_ms=8.0)
+    links = {(x.src, x.dst): x for x in compute_budget_summary(traces, tuple(range(ITERATIONS))).links}
+    assert sorted(links) == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert all(x.ratio == pytest.approx(1.0) and not x.slow for x in links.values()), links

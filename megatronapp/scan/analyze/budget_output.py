@@ -47,6 +47,19 @@ def describe_rank(r: RankBudget) -> str:
     return f"slow, {r.self_ratio:.2f}x its peers' time outside communication: {r.cause}"
 
 
+def describe_link(link: LinkBudget) -> str | None:
+    """A line for a slow link or one that could not be judged; None for the others."""
+    name = f"link {link.src}->{link.dst}"
+    if link.clean_messages == 0:
+        return f"{name}: an end was descheduled at every message; its time per byte is not its own"
+    if link.slow:
+        return (
+            f"{name}: slow, {link.ratio:.2f}x the time per byte of {link.comparable_links} comparable links "
+            f"({link.clean_messages} messages with neither end descheduled)"
+        )
+    return None
+
+
 def _rank_cells(r: RankBudget) -> list[str]:
     m = {part: f"{ns / 1e6:.2f}" for part, ns in r.median_ns.items()}
     if not r.measured:  # trace without CPU time or scheduler counters (budget.py: fallbacks)
@@ -91,6 +104,8 @@ def render_budget_text(summary: BudgetSummary, width: int | None = None) -> str:
         for link in summary.links:
             links.add_row(*_link_cells(link))
         console.print(links)
+        for line in filter(None, map(describe_link, summary.links)):
+            console.print(line, markup=False)
     return console.export_text()
 
 
@@ -111,5 +126,6 @@ def render_budget_html(summary: BudgetSummary) -> str:
         + _html_table((*_RANK_COLUMNS, "verdict"), rows)
     )
     if summary.links:
-        page += "<h3>Transfer per link</h3>" + _html_table(_LINK_COLUMNS, [_link_cells(x) for x in summary.links])
+        rows = [[*_link_cells(x), describe_link(x) or ""] for x in summary.links]
+        page += "<h3>Transfer per link</h3>" + _html_table((*_LINK_COLUMNS, "verdict"), rows)
     return page

@@ -22,7 +22,9 @@ Per directed p2p link:
      over all ranks. A descheduled receiver wakes late from every receive, and its links then look
      slow although they are not.
   3. Per-byte time = transfer / bytes; the link's median against the median of the medians of
-     comparable links (median message size within a factor of 2), over their clean messages too.
+     comparable links (median message size within a factor of 2, and the same pipeline direction
+     where such links exist), over their clean messages too. A link at least `slow_link_ratio` x
+     theirs is slow; one without a clean message is not compared at all (its time is not its own).
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ class BudgetConfig:
     slow_min_share: float = 0.05  # the excess, as a share of the peers' iteration
     ambiguous_share: float = 0.75  # a second cause this close to the first is named too (they explain it equally)
     descheduled_margin: float = 0.1  # descheduled share of the iteration above the iteration's median
+    slow_link_ratio: float = 2.0  # a link's time per byte over comparable links'
 
     def __post_init__(self) -> None:
-        if self.slow_ratio <= 1.0:
-            raise ValueError(f"slow_ratio must be above 1, got {self.slow_ratio}")
+        for name in ("slow_ratio", "slow_link_ratio"):
+            if getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be above 1, got {getattr(self, name)}")
         for name in ("slow_min_share", "ambiguous_share", "descheduled_margin"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -83,6 +87,7 @@ class LinkBudget:
     peer_ns_per_byte: float | None  # median of the comparable links' (None: no comparable link or no clean message)
     ratio: float | None
     comparable_links: int
+    slow: bool  # ratio >= BudgetConfig.slow_link_ratio
 
 
 @dataclass(frozen=True)
@@ -153,9 +158,16 @@ def summarize_links(budget: Budget, config: BudgetConfig) -> tuple[LinkBudget, .
         link: float(np.median([m.transfer_ns / max(m.bytes, 1) for m in ms])) for link, ms in used.items() if ms
     }
     size = {link: float(np.median([m.bytes for m in ms])) for link, ms in used.items() if ms}
+    pp = {r: c.get("pp", 0) for r, c in budget.coords.items()}
+
+    def downstream(link: tuple) -> bool:
+        return pp.get(link[1], 0) > pp.get(link[0], 0)
+
     out = []
     for link in sorted(per_byte):
-        comparable = [o for o in per_byte if o != link and clean[o] and 0.5 <= size[o] / max(size[link], 1.0) <= 2.0]
+        sized = [o for o in per_byte if o != link and clean[o] and 0.5 <= size[o] / max(size[link], 1.0) <= 2.0]
+        # Same pipeline direction where there is one: activations and gradients jitter differently.
+        comparable = [o for o in sized if downstream(o) == downstream(link)] or sized
         # A link none of whose messages is clean has no time of its own to compare (step 2).
         peer = float(np.median([per_byte[o] for o in comparable])) if comparable and clean[link] else None
         out.append(
@@ -169,6 +181,7 @@ def summarize_links(budget: Budget, config: BudgetConfig) -> tuple[LinkBudget, .
                 peer,
                 per_byte[link] / peer if peer else None,
                 len(comparable),
+                peer is not None and per_byte[link] >= config.slow_link_ratio * peer,
             )
         )
     return tuple(out)

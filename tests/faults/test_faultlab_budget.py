@@ -23,8 +23,8 @@ def test_a_rank_under_a_cpu_quota_is_descheduled_and_throttled_in_its_budget(tmp
         pytest.skip("needs root and a writable cgroup with the cpu controller")
     rank = random.Random().randrange(2)
     plan = LabPlan(
-        ScriptJob(DDP_SCRIPT, ("--steps", "10", "--hidden", "768", "--batch", "96"), nproc=2),
-        (SlowRank(rank, "quota", factor=10.0),),  # a tenth of its core: throttled in every iteration
+        ScriptJob(DDP_SCRIPT, ("--steps", "8", "--hidden", "1024", "--batch", "128"), nproc=2),
+        (SlowRank(rank, "quota", factor=6.0),),  # a sixth of its core: throttled in every iteration
         tag="budq",
     )
     result = run_lab(plan, tmp_path / "trace", timeout_s=110.0)

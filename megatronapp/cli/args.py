@@ -34,11 +34,12 @@ from megatronapp.fbd.cli import build_role_layout
 from megatronapp.fbd.config import FBD_FLAGS, FBD_SWITCH, FbdConfig
 from megatronapp.flags import add_flags, read_flags
 from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
-from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL
+from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL, VIRTUAL_STAGES
 from megatronapp.launch.local import RESULT_FILE
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.parallel.partition import PartitionError, compute_stage_layers
+from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
 from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
 
 _MODEL_FLAGS = (
@@ -138,12 +139,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="interleaved pipeline: layers per model chunk (default: one chunk per stage)",
     )
-    vpp.add_argument(
-        "--num-virtual-stages-per-pipeline-rank",
-        type=int,
-        default=None,
-        help="interleaved pipeline: model chunks per pipeline rank (default: 1)",
-    )
+    add_flags(vpp, (VIRTUAL_STAGES,))
     g.add_argument(
         "--decoder-first-pipeline-num-layers",
         type=int,
@@ -359,6 +355,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("MegaScan tracing")
     add_flags(g, (TRACE_SWITCH, *TRACE_FLAGS), TraceConfig)
+    add_flags(g, DETECT_FLAGS, DetectConfig)
     _add_integrity_arguments(p)
     add_flags(p.add_argument_group("forward-backward disaggregation (MegaFBD)"), (FBD_SWITCH, *FBD_FLAGS), FbdConfig)
     g = p.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")

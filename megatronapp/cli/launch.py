@@ -16,12 +16,15 @@ from rich.table import Table
 from megatronapp.cli.run import TrainRun
 from megatronapp.engine.throughput import compute_run_throughput
 from megatronapp.launch.local import remove_stale_rank_traces, run_ranks_for_result
+from megatronapp.scan.probe_config import PROBE_FILE
 
 
 def prepare_trace_dir(run: TrainRun) -> None:
-    """Remove rank files of an earlier run, so a smaller world does not merge stale ranks."""
+    """Remove rank files and the link probe of an earlier run, so a smaller world does not merge
+    stale ranks and detection does not read an old probe."""
     if run.trace.enabled:
         remove_stale_rank_traces(run.trace.trace_dir)
+        (Path(run.trace.trace_dir) / PROBE_FILE).unlink(missing_ok=True)
 
 
 def launch_train(run: TrainRun, argv: list[str]) -> int:
@@ -84,5 +87,5 @@ def report_run(run: TrainRun, history: list[dict], rows: list | None = None) -> 
     if run.trace.enabled:
         from megatronapp.scan.trace_run import report_traced_run
 
-        print(report_traced_run(run.trace.trace_dir), end="", flush=True)
+        print(report_traced_run(run.trace.trace_dir, config=run.detect), end="", flush=True)
     return 0

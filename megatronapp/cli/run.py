@@ -18,6 +18,7 @@ from megatronapp.dpp.config import DPP_FLAGS, DppConfig
 from megatronapp.dpp.rebalance import REBALANCE_FLAGS, RebalanceConfig
 from megatronapp.fbd.config import FbdConfig
 from megatronapp.flags import read_flags
+from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
 from megatronapp.scan.record.trace_config import TRACE_FLAGS, TRACE_SWITCH, TraceConfig
 from megatronapp.scope_ui.cli import TrainingScopeConfig, build_training_scope_config
 
@@ -35,6 +36,7 @@ class TrainRun:
     visible_gpus: int = 0
     ranks_per_node: int | None = None  # torchrun's LOCAL_WORLD_SIZE; None: every rank on this node
     trace: TraceConfig = field(default_factory=TraceConfig)  # enabled by --trace
+    detect: DetectConfig = field(default_factory=DetectConfig)  # how the end-of-run report judges the trace
     scope: TrainingScopeConfig | None = None  # --scope
     data_paths: tuple[str, ...] = ()  # empty: the embedded synthetic corpus
     valid_data_paths: tuple[str, ...] = ()  # empty: synthetic documents training never reads (cli/train_eval.py)
@@ -66,6 +68,7 @@ def build_train_run(args: argparse.Namespace, world_size: int, vocab_size: int |
         visible_gpus=torch.cuda.device_count(),
         ranks_per_node=ranks_per_node(),
         trace=TraceConfig(**read_flags(args, (TRACE_SWITCH, *TRACE_FLAGS))),
+        detect=DetectConfig(**read_flags(args, DETECT_FLAGS)),
         scope=build_training_scope_config(args),
         data_paths=tuple(args.data_path or ()),
         valid_data_paths=tuple(args.valid_data_path or ()),

@@ -169,6 +169,10 @@ def run_rank(run: TrainRun) -> list[dict]:
         ctx = RankContext(job, data, injector, tracer)
         history = role.run(ctx, lambda trainer: _load_and_train(run, trainer, data, rank, eval_streams))
         role.finish(run.result_file)
+        if tracer is not None:
+            instrumentation.uninstall()  # the probe is not part of the job's trace
+            instrumentation = None
+            _probe_links(run, rank, role.device)
         return history
     finally:
         if instrumentation is not None:
@@ -182,6 +186,17 @@ def run_rank(run: TrainRun) -> list[dict]:
             destroy_subgroups(groups)
         elif dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _probe_links(run: TrainRun, rank: int, device: torch.device) -> None:
+    """The link probe after the last iteration of a traced plain job (scan/probe_job.py); rank 0
+    writes TRACE_DIR/probe.json. Under --trace-probe auto, only where the layout has a pipeline."""
+    from megatronapp.scan.probe import compute_probe_pairs
+    from megatronapp.scan.probe_job import probe_traced_job, should_probe
+
+    layout = run.job.layout
+    if run.fbd is None and layout.world_size > 1 and should_probe(run.trace.probe, layout.pp_size > 1):
+        probe_traced_job(run.trace.trace_dir, compute_probe_pairs(layout), rank, device)
 
 
 def _load_and_train(run: TrainRun, trainer, data, rank: int, eval_streams: dict | None = None) -> list[dict]:

@@ -12,6 +12,7 @@ checkpoint or prompt file, or a flag that does not parse, is refused (in one lin
                   --forward-backward-disaggregating, --scope
     InferenceRun  megatronapp generate, scope capture (with a CaptureRequest), scope serve (with a port)
     TraceRun      megatronapp trace run
+    ProbeRun      megatronapp trace probe
     ScheduleRun   megatronapp schedule simulate|show
 
 A checkpoint to load has every file it lists verified (sizes and checksums) here, once per
@@ -45,6 +46,7 @@ from megatronapp.fbd.cli import check_fbd_job
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
 from megatronapp.job import validate_job
 from megatronapp.launch.local import under_launcher
+from megatronapp.scan.probe_run import ProbeRun, check_probe_run
 from megatronapp.scan.trace_run import TraceRun, check_trace_run
 from megatronapp.scope.cli import check_capture
 from megatronapp.scope_ui.cli import check_port
@@ -124,6 +126,7 @@ _RULES = {
     TrainRun: check_train_run,
     InferenceRun: _check_inference,
     TraceRun: check_trace_run,
+    ProbeRun: check_probe_run,
     ScheduleRun: check_schedule_run,
 }
 

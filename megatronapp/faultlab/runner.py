@@ -31,6 +31,7 @@ from megatronapp.faultlab.plan import (
     node_command,
     node_env,
 )
+from megatronapp.scan.probe_config import PROBE_FILE
 from megatronapp.scan.record.autotrace import AutoTraceConfig
 
 _STRIP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
@@ -162,10 +163,14 @@ def _node_of(lab_net: net.LabNetwork, pid: int) -> int:
 
 
 def gather_node_traces(trace_dir: Path, nodes: int) -> None:
-    """Copy every node's rank files into trace_dir, as one would after a multi-machine run."""
+    """Copy every node's rank files, and the link probe's result (rank 0's node), into trace_dir,
+    as one would after a multi-machine run."""
     for node in range(nodes):
         for f in sorted((trace_dir / f"node{node}").glob("rank*.mscan")):
             shutil.copy2(f, trace_dir / f.name)
+        probe = trace_dir / f"node{node}" / PROBE_FILE
+        if probe.is_file():
+            shutil.copy2(probe, trace_dir / PROBE_FILE)
 
 
 def run_lab(plan: LabPlan, trace_dir: Path, timeout_s: float = 120.0) -> LabResult:

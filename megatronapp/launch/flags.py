@@ -18,4 +18,10 @@ LAYOUT_FLAGS = (
     Flag("--tensor-model-parallel-size", "tp_size", "TP: ranks sharing each layer", {"type": int}),
     Flag("--pipeline-model-parallel-size", "pp_size", "PP: pipeline stages", {"type": int}),
 )
+VIRTUAL_STAGES = Flag(
+    "--num-virtual-stages-per-pipeline-rank",
+    None,
+    "interleaved pipeline: model chunks per pipeline rank (default: 1)",
+    {"type": int},
+)
 TOKENIZER_MODEL = Flag("--tokenizer-model", None, "Hugging Face tokenizer.json; default: bytes")

@@ -33,6 +33,7 @@ from megatronapp.model.layer_parts import ChunkOptions, TPContext, build_norm, t
 from megatronapp.model.mlp import MLP
 from megatronapp.model.recompute import compute_full_recompute_groups, recompute
 from megatronapp.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatronapp.parallel.eager_only import prepare_compile
 from megatronapp.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatronapp.parallel.partition import compute_chunk_layer_ranges, compute_stage_layers
 from megatronapp.parallel.random import DropoutKey, keyed_dropout
@@ -222,6 +223,7 @@ def apply_compile(chunks: list[GPTChunk]) -> None:
     around the compiled regions. With hidden dropout on, the keyed dropout and residual add
     stay eager (compiling them would specialise the graph per layer index).
     """
+    prepare_compile()
     for chunk in chunks:
         for block in chunk.layers.values():
             if chunk.cfg.hidden_dropout:

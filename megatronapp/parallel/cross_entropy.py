@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatronapp.parallel.eager_only import eager_only
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -41,7 +43,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None, None
 
 
-@torch.compiler.disable
+@eager_only
 def _vocab_parallel_ce(logits, target, group, vocab_start):
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start)
 

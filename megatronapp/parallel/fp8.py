@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatronapp.parallel.eager_only import eager_only
 from megatronapp.parallel.wgrad_defer import defer_or_run
 from megatronapp.parallel.wgrad_fusion import consume_first_write
 
@@ -89,7 +90,7 @@ class DelayedScaling:
         self.ready = False
 
 
-@torch.compiler.disable  # communication stays outside compiled regions, as in parallel/mappings.py
+@eager_only  # communication stays outside compiled regions, as in parallel/mappings.py
 def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatronapp.parallel.eager_only import eager_only
+
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
@@ -42,12 +44,12 @@ class _ReduceFromTP(torch.autograd.Function):
 
 # Communication stays outside torch.compile regions: compiled code between two mappings is
 # purely local, and with no group (TP=1) a whole attention or MLP block compiles as one graph.
-@torch.compiler.disable
+@eager_only
 def _copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
 
 
-@torch.compiler.disable
+@eager_only
 def _reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
@@ -127,19 +129,19 @@ class _ScatterToSP(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group), None
 
 
-@torch.compiler.disable
+@eager_only
 def gather_from_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """(B, S/TP, ...) shard -> full (B, S, ...); backward reduce-scatters."""
     return x if group is None else _GatherFromSP.apply(x, group)
 
 
-@torch.compiler.disable
+@eager_only
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """Partial sums (B, S, ...) -> summed shard (B, S/TP, ...); backward all-gathers."""
     return x if group is None else _ReduceScatterToSP.apply(x, group)
 
 
-@torch.compiler.disable
+@eager_only
 def scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """Replicated (B, S, ...) -> this rank's shard (B, S/TP, ...); backward all-gathers."""
     return x if group is None else _ScatterToSP.apply(x, group)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronapp.parallel.eager_only import eager_only
+
 _MASK32 = 0xFFFFFFFF
 SITES = {"embedding": 0, "attention": 1, "mlp": 2}  # hidden-dropout sites of a transformer layer
 
@@ -78,7 +80,7 @@ def keyed_uniform(key: DropoutKey, layer: int, site: str, shape: tuple[int, int,
     return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-@torch.compiler.disable
+@eager_only
 def keyed_dropout(x: torch.Tensor, p: float, key: DropoutKey | None, layer: int, site: str) -> torch.Tensor:
     """Inverted dropout with a layout-invariant mask; identity when p == 0 or key is None (eval)."""
     if p == 0.0 or key is None:

@@ -12,13 +12,15 @@ import json
 import os
 import sys
 
+from megatronapp.flags import add_flags, read_flags
 from megatronapp.scan.analyze.budget_output import budget_to_json, render_budget_text
 from megatronapp.scan.analyze.budget_summary import compute_budget_summary
-from megatronapp.scan.analyze.detect_config import DetectConfig
+from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
 from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
 from megatronapp.scan.notes import truncated_traces_as_notes
+from megatronapp.scan.probe_run import add_probe_arguments
 from megatronapp.scan.record.format import TraceFormatError
 from megatronapp.scan.trace_run import add_trace_run_arguments
 
@@ -99,7 +101,9 @@ def run_detect(args: argparse.Namespace) -> int:
     found, 2 bad input."""
     its = args.iterations  # a range from parse_iteration_range, or None
     try:
-        config = DetectConfig(iterations=None if its is None else (its.start, its.stop))
+        config = DetectConfig(
+            iterations=None if its is None else (its.start, its.stop), **read_flags(args, DETECT_FLAGS)
+        )
         with truncated_traces_as_notes(sys.stderr if args.json else None):  # --json: stdout is one object
             analysis = analyze_trace_dir(args.trace_dir, config)
     except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
@@ -131,6 +135,7 @@ def _add_detect(sub: argparse._SubParsersAction) -> None:
         metavar="A:B",
         help="analyse iterations A..B-1 only (also A:, :B, A); default: every complete iteration, warm-up skipped",
     )
+    add_flags(parser, DETECT_FLAGS, DetectConfig)
     parser.set_defaults(func=run_detect)
 
 
@@ -228,7 +233,9 @@ def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
 def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `trace merge` and `trace detect` under `subparsers`; returns the `trace` parser."""
     trace = subparsers.add_parser("trace", help="MegaScan traces: merge into one timeline, detect slow ranks")
-    sub = trace.add_subparsers(dest="trace_command", metavar="{merge,detect,run,whatif,report,check}", required=True)
+    sub = trace.add_subparsers(
+        dest="trace_command", metavar="{merge,detect,run,probe,whatif,report,check}", required=True
+    )
     merge = sub.add_parser("merge", help="merge rank*.mscan files into a Chrome/Perfetto trace JSON")
     merge.add_argument("dir", help="trace directory holding rank*.mscan files")
     merge.add_argument("-o", "--out", required=True, help="output JSON path (gzipped when it ends in .gz)")
@@ -248,4 +255,5 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.Ar
     _add_analysis_commands(sub)
     _add_check(sub)
     add_trace_run_arguments(sub.add_parser("run", help="trace an unmodified PyTorch program: run -- SCRIPT.py ARGS"))
+    add_probe_arguments(sub.add_parser("probe", help="measure the bandwidth of every directed link of a layout"))
     return trace

@@ -18,6 +18,8 @@ from megatronapp.flags import add_flags, read_flags
 from megatronapp.injection.inject import FaultPlan, fault_env, parse_fault_plan
 from megatronapp.launch.flags import NPROC_PER_NODE
 from megatronapp.launch.local import remove_stale_rank_traces, run_local_ranks
+from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
+from megatronapp.scan.probe_config import PROBE_FILE
 from megatronapp.scan.record.autotrace import AutoTraceConfig
 from megatronapp.scan.record.trace_config import TRACE_FLAGS
 
@@ -25,6 +27,7 @@ from megatronapp.scan.record.trace_config import TRACE_FLAGS
 def add_trace_run_arguments(parser: argparse.ArgumentParser) -> None:
     """`trace run`'s own flags (its --inject-* test knobs are cli/injection.py's)."""
     add_flags(parser, (NPROC_PER_NODE, *TRACE_FLAGS), AutoTraceConfig)
+    add_flags(parser, DETECT_FLAGS, DetectConfig)
     parser.add_argument("--json", action="store_true", help="print the detection report as JSON")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT.py ARGS...")
     parser.set_defaults(build_run=build_trace_run, launch=lambda run, argv: run_trace_run(run))
@@ -40,6 +43,7 @@ class TraceRun:
     faults: FaultPlan
     fault_specs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # --inject-slowdown, --inject-link-delay
     as_json: bool = False  # --json
+    detect: DetectConfig = DetectConfig()  # how the report at the end judges the traces
 
 
 def build_trace_run(args: argparse.Namespace) -> TraceRun:
@@ -52,6 +56,7 @@ def build_trace_run(args: argparse.Namespace) -> TraceRun:
         parse_fault_plan(*specs),
         specs,
         args.json,
+        DetectConfig(**read_flags(args, DETECT_FLAGS)),
     )
 
 
@@ -69,6 +74,7 @@ def check_trace_run(run: TraceRun) -> None:
 def run_trace_run(run: TraceRun) -> int:
     """Launch the validated run: 1 if a rank failed, else 0 (report printed)."""
     remove_stale_rank_traces(run.config.trace_dir)
+    (Path(run.config.trace_dir) / PROBE_FILE).unlink(missing_ok=True)  # detection must not read an old one
     os.environ.update(run.config.to_env())
     os.environ.update(fault_env(*run.fault_specs))
     code = run_local_ranks(
@@ -76,13 +82,14 @@ def run_trace_run(run: TraceRun) -> int:
     )
     if code:
         return code
-    print(report_traced_run(run.config.trace_dir, run.as_json), end="")
+    print(report_traced_run(run.config.trace_dir, run.as_json, run.detect), end="")
     return 0
 
 
-def report_traced_run(trace_dir: str, as_json: bool = False) -> str:
-    """Merge a traced run's rank files into TRACE_DIR/timeline.json, run detection, and say what
-    was written and found (one JSON object with `as_json`); `train --trace` and `trace run` end so."""
+def report_traced_run(trace_dir: str, as_json: bool = False, config: DetectConfig = DetectConfig()) -> str:
+    """Merge a traced run's rank files into TRACE_DIR/timeline.json, run detection (with its probe.json,
+    under `config`), and say what was written and found (one JSON object with `as_json`); `train
+    --trace` and `trace run` end so."""
     import json
 
     from megatronapp.scan.analyze.detect_output import render_report, report_to_json
@@ -93,7 +100,7 @@ def report_traced_run(trace_dir: str, as_json: bool = False) -> str:
     out = Path(trace_dir) / "timeline.json"
     with truncated_traces_as_notes(sys.stderr if as_json else None):  # --json: stdout is one object
         summary = merge_traces(trace_dir, out)
-        detection = analyze_trace_dir(trace_dir).detection
+        detection = analyze_trace_dir(trace_dir, config).detection
     if as_json:
         doc = {"timeline": str(out), "events": summary.events, "flows": summary.flows, **report_to_json(detection)}
         return json.dumps(doc, indent=2) + "\n"

@@ -120,11 +120,6 @@ LITERAL_DEFAULTS = {
     ("cli/args.py", "--model"): "a preset's name; the preset is the config",
     ("cli/args.py", "--nnodes"): "how many nodes this command launches on, not a setting of the run",
     ("scope_ui/cli.py", "host"): "the servers' shared bind address flag (prefixed for train --scope)",
-    # trace probe's measurement settings, which no config dataclass holds yet
-    ("scan/probe_run.py", "--tensor-model-parallel-size"): "the probe's own layout",
-    ("scan/probe_run.py", "--virtual-stages"): "the probe's own layout",
-    ("scan/probe_run.py", "--payload-mb"): "the probe's message size",
-    ("scan/probe_run.py", "--repeats"): "the probe's repetitions",
 }
 
 

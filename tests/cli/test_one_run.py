@@ -48,6 +48,7 @@ def _representative_argv(checkpoint: str, script: str) -> dict[tuple[str, ...], 
         ],
         ("scope", "serve"): ["scope", "serve", "--load", checkpoint, "--device", "cpu"],
         ("trace", "run"): ["trace", "run", "--inject-slowdown", "0:2", "--", script],
+        ("trace", "probe"): ["trace", "probe", "--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"],
         ("schedule", "simulate"): ["schedule", "simulate", "--inject-jitter", "1:1.5"],
         ("schedule", "show"): ["schedule", "show", "--out", "s.png"],
     }

@@ -175,3 +175,20 @@ def test_the_link_probe_measures_a_rate_limited_link_and_names_it_with_its_direc
     )
     assert links[(1, 3)] < 1.5 * rate_mbit / 8  # MB/s: the limit, allowing for the token bucket's burst
     assert links[(3, 1)] > 4 * links[(1, 3)]
+
+
+def test_a_traced_pipeline_job_names_its_rate_limited_link_with_the_probes_bandwidth(tmp_path):
+    """PP2 x DP2 engine job, each rank its own namespace, pipeline link 1 -> 3 at 200 Mbit/s: its
+    messages are small, so the trace alone barely sees it; the probe at the job's end measures it
+    at the limit, and detection names it with that bandwidth, whatever it costs the iteration now."""
+    _need_namespaces()
+    support = probe_qdiscs()
+    if not (support.htb_u32 or support.tbf):
+        pytest.skip("neither htb+u32 nor tbf qdiscs are available here")
+    job = EngineJob(1, 2, 2, iters=10)
+    result, report = _run(LabPlan(job, (SlowLink(1, 3, 200),), nodes=4, tag="plink"), tmp_path)
+    named = {s.link: s for s in report.suspects if s.cause == "slow_link"}
+    assert (1, 3) in named, (_verdicts(report), report.notes, result.applied)
+    assert named[(1, 3)].evidence["probe_mbytes_per_s"] < 1.5 * 200 / 8  # MB/s: the limit, with the burst
+    assert "MB/s" in named[(1, 3)].evidence["summary"]
+    assert not {s.rank for s in report.suspects if s.cause == "slow_compute"}

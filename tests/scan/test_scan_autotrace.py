@@ -124,7 +124,10 @@ def test_fsdp2_gathers_and_scatters_are_traced_with_module_spans(fsdp_clean):
 
 
 def test_fsdp2_slowed_rank_is_named(tmp_path):
-    report = _trace_run(tmp_path, "fsdp2_train.py", "--inject-slowdown", "0:2.0", steps=16)
+    # FSDP2 on gloo spends most of its iteration in all-gathers and reduce-scatters: doubling rank 0's
+    # forward and backward costs 5-14% of the iteration (4.7-10.6 ms of 46-87 ms on the 2-core machine),
+    # astride the default 5% impact gate; naming the rank is what this checks, so the gate is lowered
+    report = _trace_run(tmp_path, "fsdp2_train.py", "--inject-slowdown", "0:2.0", "--min-impact", "0.02", steps=16)
     assert [(s["rank"], s["cause"]) for s in report["suspects"]] == [(0, "slow_compute")]
 
 

@@ -46,7 +46,9 @@ thresholds and verdict rules in detect_config.py, the report as text or JSON in 
      sender it has become that rank (verdict_filters.py). Confidence = basis weight x (0.5 + 0.5 x effect) x consistency, effect =
      (ratio - 1) / (strong ratio - 1) capped at 1. Order: confidence, then saving.
   5. What-if (detect_path): the iteration time if the suspect were as fast as its peers,
-     from each iteration's critical path.
+     from each iteration's critical path; every link gets one, named or not (for the probe).
+  After `detect`, load_align_detect applies the link probe's verdicts (link_probe_verdicts.py)
+  and the impact gate (impact_gate.py).
 """
 
 from __future__ import annotations
@@ -451,6 +453,9 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     suspects, echoes = drop_echoes(suspects, layout.get("tp_size", 1), coords, incoming)
     notes += echoes
     suspects = [_with_what_if(s, crit, busy, spans, links) for s in suspects]
+    link_costs = tuple(
+        _with_what_if(_link_suspect(st, coords, config), crit, busy, spans, links) for st in links.values()
+    )
     negligible = [
         s
         for s in suspects
@@ -466,5 +471,14 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
     victims = _victims(instances, messages, len(iterations), t, {s.rank for s in suspects}) if suspects else ()
     notes += _coverage_notes(layout, world, events, basis, instances, messages) + _cold_notes(spans, compute, config)
     return DetectionReport(
-        tuple(suspects), iterations, t, float(np.mean(durations)), max(fixed, 0.0), world, layout, victims, tuple(notes)
+        tuple(suspects),
+        iterations,
+        t,
+        float(np.mean(durations)),
+        max(fixed, 0.0),
+        world,
+        layout,
+        victims,
+        tuple(notes),
+        link_candidates=link_costs,
     )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
 
+from megatronapp.flags import Flag
 from megatronapp.scan.analyze import detect_arrival as arrivals
 from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
@@ -117,11 +118,17 @@ class DetectConfig:
     arrival_min_lateness_ns: int = 1_000_000  # median lead of its peers' arrival over its own
     warmup_iterations: int = 1  # iterations with a smaller index are skipped (no explicit range)
     iterations: tuple[int, int] | None = None  # half-open [A, B); None: all, warm-up skipped
+    min_impact: float = 0.05  # of the iteration: a suspect whose fix saves less is listed as a candidate, not named
+    ambiguity_tolerance: float = 0.1  # two related suspects whose savings agree this closely explain the same time
+    probe_agree_ratio: float = 0.5  # a trace's slow link is confirmed by a probe measuring it below this share of
+    # its comparable links' bandwidth; below probe.SLOW_FRACTION a measured link is named whatever it costs
     compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
     link_rule: Callable[[p2p.LinkStats, DetectConfig], bool] = is_slow_link
     arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.min_impact <= 1.0:
+            raise ValueError(f"--min-impact must be a share of the iteration in [0, 1], got {self.min_impact}")
         for name in (
             "compute_min_ratio",
             "strong_compute_ratio",
@@ -140,6 +147,8 @@ class DetectConfig:
             "intermittent_max_share",
             "intermittent_min_saving",
             "arrival_min_excess_share",
+            "ambiguity_tolerance",
+            "probe_agree_ratio",
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
@@ -189,3 +198,21 @@ class DetectionReport:
     # Ranks whose iterations could not be joined to the others' (no shared collective or message):
     # a report without suspects must not read as if they had been compared (iteration_keys.py).
     unjoined_ranks: tuple[int, ...] = ()
+    # Every judged p2p link as a slow-link candidate with its what-if, named or not: what the link
+    # probe's verdicts draw on (link_probe_verdicts.py).
+    link_candidates: tuple[Suspect, ...] = ()
+    min_impact: float = 0.0  # the impact gate applied (impact_gate.py); 0: none
+    below_impact: tuple[Suspect, ...] = ()  # suspects the gate did not name, largest saving first
+    ambiguous: tuple[str, ...] = ()  # pairs of suspects that explain the same time, in words
+    links_measured: tuple[dict, ...] = ()  # the probe's links: src, dst, kind, mbytes_per_s, peer_mbytes_per_s, ratio
+
+
+# The detector's flags (`trace detect`, and the detection at the end of `train --trace` and `trace run`)
+DETECT_FLAGS = (
+    Flag(
+        "--min-impact",
+        "min_impact",
+        "name a suspect only when fixing it would save at least this share of the iteration",
+        {"metavar": "SHARE"},
+    ),
+)

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from megatronapp.scan.analyze.detect_config import DetectionReport
 from megatronapp.scan.analyze.detect_rules import to_ms
+from megatronapp.scan.analyze.impact_gate import describe_suspect, impact_share
 
 
 def report_to_json(report: DetectionReport) -> dict:
@@ -44,11 +45,33 @@ def report_to_json(report: DetectionReport) -> dict:
         "layout": dict(report.layout),
         "notes": list(report.notes),
         "unjoined_ranks": list(report.unjoined_ranks),
+        "min_impact": report.min_impact,
+        "below_impact": [
+            {"candidate": describe_suspect(s), "rank": s.rank, "share": round(impact_share(s), 4)}
+            for s in report.below_impact
+        ],
+        "ambiguous": list(report.ambiguous),
+        "links_measured": [dict(row) for row in report.links_measured],
     }
 
 
+def below_impact_text(report: DetectionReport) -> str:
+    """What the impact gate held back: the largest candidate and its share ("" when none)."""
+    if not report.below_impact:
+        return ""
+    top = report.below_impact[0]
+    more = f" ({len(report.below_impact) - 1} smaller)" if len(report.below_impact) > 1 else ""
+    return (
+        f"largest candidate below {report.min_impact:.0%}: {describe_suspect(top)}, fixing it would save "
+        f"{to_ms(top.saving_ns)} of {to_ms(top.iteration_ns)} ms per iteration ({impact_share(top):.1%}){more}"
+    )
+
+
 def nothing_found_text(report: DetectionReport) -> str:
-    """The verdict without suspects; it says which ranks could not be compared at all."""
+    """The verdict without suspects; it says which ranks could not be compared at all, and what
+    the impact gate held back."""
+    if report.below_impact:
+        return f"Nothing costing more than {report.min_impact:.0%} of the iteration found; {below_impact_text(report)}."
     if not report.unjoined_ranks:
         return "No slow rank or slow link found."
     if len(report.unjoined_ranks) == report.world_size:
@@ -86,7 +109,7 @@ def render_report(report: DetectionReport, width: int | None = None) -> str:
             table.add_row(
                 str(i),
                 str(s.rank),
-                f"{c.get('tp')},{c.get('dp')},{c.get('pp')}",
+                f"{c.get('tp')},{c.get('dp')},{c.get('pp')}" if c else "-",  # a link only the probe saw
                 cause,
                 f"{s.confidence:.2f}",
                 f"{to_ms(s.what_if_iteration_ns)} ms (-{to_ms(s.saving_ns)})",
@@ -100,6 +123,24 @@ def render_report(report: DetectionReport, width: int | None = None) -> str:
                 + ", ".join(f"rank {r} {to_ms(w)}" for r, w in report.victims),
                 markup=False,
             )
+        if report.below_impact:
+            console.print(f"Not named: {below_impact_text(report)}", markup=False)
+    for line in report.ambiguous:
+        console.print(f"ambiguous: {line}", markup=False)
+    if report.links_measured:
+        console.print(links_measured_table(report.links_measured))
     for note in report.notes:
         console.print(f"note: {note}", markup=False)
     return console.export_text()
+
+
+def links_measured_table(rows) -> Table:
+    """The link probe's measurements: MB/s per directed link beside its comparable links' median."""
+    table = Table(title="Links measured (link probe)", show_lines=False)
+    for col in ("link", "kind", "MB/s", "comparable links MB/s", "ratio"):
+        table.add_column(col, no_wrap=True)
+    for r in rows:
+        peer = "-" if r["peer_mbytes_per_s"] is None else str(r["peer_mbytes_per_s"])
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        table.add_row(f"{r['src']}->{r['dst']}", r["kind"], str(r["mbytes_per_s"]), peer, ratio)
+    return table

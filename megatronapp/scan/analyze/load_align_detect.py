@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport
+from megatronapp.scan.analyze.impact_gate import apply_impact_gate
 from megatronapp.scan.analyze.iteration_keys import align_iterations
+from megatronapp.scan.analyze.link_probe_verdicts import apply_link_probe
 from megatronapp.scan.merge.align import AlignmentReport, align_traces
+from megatronapp.scan.probe_config import ProbeResult, load_probe
 from megatronapp.scan.record.format import RankTrace, load_trace_dir
 
 
@@ -38,15 +41,20 @@ def analyze_traces(traces: list[RankTrace], config: DetectConfig = DetectConfig(
 
 
 def analyze_aligned(
-    aligned: list[RankTrace], alignment: AlignmentReport, config: DetectConfig = DetectConfig()
+    aligned: list[RankTrace],
+    alignment: AlignmentReport,
+    config: DetectConfig = DetectConfig(),
+    probe: ProbeResult | None = None,
 ) -> TraceAnalysis:
     """Detection on traces align_traces already put on one timeline, their iterations first joined
-    by the collectives and messages they share (iteration_keys.py)."""
+    by the collectives and messages they share (iteration_keys.py); then the link probe's verdicts
+    (`probe`: the run's probe.json, None without one) and the impact gate."""
     keyed, iterations = align_iterations(aligned)
     detection = detect(keyed, config=config)
     detection = dataclasses.replace(
         detection, notes=(*iterations.notes, *detection.notes), unjoined_ranks=iterations.unjoined
     )
+    detection = apply_impact_gate(apply_link_probe(detection, probe, config), config)
     return TraceAnalysis(keyed, alignment, detection)
 
 
@@ -61,8 +69,9 @@ def load_aligned_traces(
 def analyze_trace_dir(
     trace_dir: str | os.PathLike, config: DetectConfig = DetectConfig(), ranks: Sequence[int] | None = None
 ) -> TraceAnalysis:
-    """Load every rank file of `trace_dir` (or `ranks`), align and detect.
+    """Load every rank file of `trace_dir` (or `ranks`) and its probe.json, align and detect.
 
     Raises what load_trace_dir raises (FileNotFoundError, TraceFormatError) and
     DetectInputError; all are OSError or ValueError, with a message naming the file."""
-    return analyze_aligned(*load_aligned_traces(trace_dir, ranks), config)
+    probe = load_probe(trace_dir)
+    return analyze_aligned(*load_aligned_traces(trace_dir, ranks), config, probe)

@@ -175,7 +175,43 @@ def _verdict_html(data: ReportData) -> str:
     return f"<ol>{''.join(items)}</ol>" + (f"<p>Waiting on them: {victims}</p>" if victims else "") + links
 
 
+def _measured_links_html(verdict: dict) -> str:
+    """The link probe's table: MB/s per directed link, its comparable links' median and the ratio."""
+    rows = "".join(
+        f"<tr><td>{r['src']}\u2192{r['dst']}</td><td>{r['kind']}</td><td>{r['mbytes_per_s']}</td>"
+        f"<td>{'-' if r['peer_mbytes_per_s'] is None else r['peer_mbytes_per_s']}</td>"
+        f"<td>{'-' if r['ratio'] is None else format(r['ratio'], '.2f')}</td></tr>"
+        for r in verdict.get("links_measured", [])
+    )
+    if not rows:
+        return ""
+    return (
+        "<h3>Links measured (link probe)</h3><table><tr><th>link</th><th>kind</th><th>MB/s</th>"
+        f"<th>comparable links (MB/s)</th><th>ratio</th></tr>{rows}</table>"
+    )
+
+
+def _gate_html(verdict: dict) -> str:
+    """What the impact gate held back and which suspects are ambiguous."""
+    below = verdict.get("below_impact", [])
+    lines = [f"<p>Ambiguous: {html.escape(a)}.</p>" for a in verdict.get("ambiguous", [])]
+    if below and verdict["suspects"]:
+        top = below[0]
+        lines.append(
+            f"<p>Not named (below {verdict['min_impact']:.0%} of the iteration): {html.escape(top['candidate'])}, "
+            f"{top['share']:.1%}.</p>"
+        )
+    return "".join(lines)
+
+
 def _nothing_found(data: ReportData) -> str:
+    below = data.verdict.get("below_impact", [])
+    if below:
+        top = below[0]
+        return (
+            f"Nothing costing more than {data.verdict['min_impact']:.0%} of the iteration was found; the largest "
+            f"candidate: {top['candidate']}, {top['share']:.1%} of the iteration."
+        )
     unjoined = data.verdict.get("unjoined_ranks", [])
     if not unjoined:
         return "Nothing was found: no slow rank and no slow link."
@@ -226,7 +262,7 @@ table{{border-collapse:collapse;font-size:13px}}td,th{{border:1px solid #ccc;pad
 <p>Layout {describe_layout(v["layout"], len(data.ranks))}; {len(data.iterations)} iterations
 analysed; median iteration {v["what_if"]["iteration_ms"]} ms
 (all suspects fixed: {v["what_if"]["iteration_if_all_fixed_ms"]} ms).</p>
-<h2>Verdict</h2>{_verdict_html(data)}<ul>{notes}</ul>
+<h2>Verdict</h2>{_verdict_html(data)}{_gate_html(v)}{_measured_links_html(v)}<ul>{notes}</ul>
 <h2>Step time per rank</h2>{svg_step_time(data)}
 <h2>Own work and waiting, per rank and iteration</h2>{svg_work_vs_wait(data)}{more}
 <h2>Time budget</h2>{render_budget_html(data.budget) if data.budget else ""}

@@ -17,7 +17,10 @@
   5. iteration boundaries: an optimizer step (a global optimizer step post-hook) ends the
      iteration when the next forward or backward begins (so several optimizers stepping in a
      row count once), unless the program calls `megatronapp.scan.step()`, which then is the only
-     boundary. The unfinished tail after the last step is dropped at close.
+     boundary. The unfinished tail after the last step is dropped at close;
+  6. the link probe (scan/probe_job.py), untraced, when the program destroys its default process
+     group or, if it never does, at close: under `probe` "auto" only where some rank sent a
+     point-to-point message, and never after the program failed (its peers may not get there).
 
 Ranks are taken as data-parallel replicas (coords dp = rank), which is what DDP and FSDP are.
 """
@@ -25,17 +28,20 @@ Ranks are taken as data-parallel replicas (coords dp = rank), which is what DDP 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatronapp import spans as S
 from megatronapp.injection.inject import FaultInjector, fault_plan_from_env
 from megatronapp.injection.link_delay import install_link_delays
+from megatronapp.scan.probe_job import probe_program_links
 from megatronapp.scan.record.format import build_rank_meta
 from megatronapp.scan.record.instrument import install_distributed_instrumentation
 from megatronapp.scan.record.tracer import GRANULARITIES, TraceConfig, Tracer
@@ -51,6 +57,7 @@ class AutoTraceConfig:
     granularity: str = TraceConfig.granularity
     interval: int = TraceConfig.interval  # trace continuous_iterations iterations every interval (iteration 0 never)
     continuous_iterations: int = TraceConfig.continuous_iterations
+    probe: str = TraceConfig.probe  # link probe after the last iteration: off, auto (when p2p was seen), on
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -60,6 +67,7 @@ class AutoTraceConfig:
             trace_dir=self.trace_dir,
             interval=self.interval,
             continuous_iterations=self.continuous_iterations,
+            probe=self.probe,
         )  # same checks as the engine's
 
     def to_env(self) -> dict[str, str]:
@@ -68,6 +76,7 @@ class AutoTraceConfig:
             f"{ENV_PREFIX}GRANULARITY": self.granularity,
             f"{ENV_PREFIX}INTERVAL": str(self.interval),
             f"{ENV_PREFIX}CONTINUOUS": str(self.continuous_iterations),
+            f"{ENV_PREFIX}PROBE": self.probe,
         }
 
     @classmethod
@@ -79,6 +88,7 @@ class AutoTraceConfig:
                 env.get(f"{ENV_PREFIX}GRANULARITY", cls.granularity),
                 int(env.get(f"{ENV_PREFIX}INTERVAL", cls.interval)),
                 int(env.get(f"{ENV_PREFIX}CONTINUOUS", cls.continuous_iterations)),
+                env.get(f"{ENV_PREFIX}PROBE", cls.probe),
             )
         except ValueError as exc:
             raise ValueError(f"bad {ENV_PREFIX}* setting: {exc}") from None
@@ -106,7 +116,7 @@ class AutoTrace:
     """One rank's zero-code tracing session (see the module docstring)."""
 
     def __init__(self, config: AutoTraceConfig, rank: int, world: int, device: Any) -> None:
-        self.config, self.rank, self.iteration = config, rank, 0
+        self.config, self.rank, self.world, self.device, self.iteration = config, rank, world, device, 0
         self.explicit_steps, self._boundary_pending = False, False
         plan = fault_plan_from_env()
         plan.check(world)
@@ -121,7 +131,7 @@ class AutoTrace:
         )
         self.tracer = Tracer(trace, _rank_meta(rank, world, device), device)
         self._instrumentation = install_distributed_instrumentation(self.tracer)
-        self._depth, self._stack, self._backward_open = 0, [], {}
+        self._depth, self._stack, self._backward_open, self._probed = 0, [], {}, False
         self._counts = {S.FORWARD: 0, S.BACKWARD: 0}
         self._handles = [
             nn_module.register_module_forward_pre_hook(self._forward_pre),
@@ -139,6 +149,7 @@ class AutoTrace:
         self._original_backward = torch.autograd.backward
         torch.autograd.backward = self._traced_backward
         self._patch_ddp()
+        self._patch_destroy_process_group()
         self.tracer.step_begin(0)
 
     # -- iterations ------------------------------------------------------------------------
@@ -227,11 +238,41 @@ class AutoTrace:
         DistributedDataParallel.__init__ = init
         self._ddp = (DistributedDataParallel, original_init)
 
+    # -- link probe ------------------------------------------------------------------------
+    def _patch_destroy_process_group(self) -> None:
+        """Probe the links when the program destroys its default process group (most do), while
+        the group still exists; close() probes those that never destroy it."""
+        original = dist.destroy_process_group
+
+        def destroy(group: Any = None) -> None:
+            if group is None and sys.exc_info()[0] is None:  # a failing rank must not wait for its peers
+                self._probe_links()
+            original(group)
+
+        dist.destroy_process_group = destroy
+        self._original_destroy = original
+
+    def _probe_links(self) -> None:
+        """The link probe (scan/probe_job.py), once, untraced: the program's iterations are over."""
+        if self._probed or not dist.is_initialized():
+            return
+        self._probed = True
+        sent = set()
+        if self._instrumentation is not None:
+            sent = set(self._instrumentation.counters.p2p)
+            self._instrumentation.uninstall()
+            self._instrumentation = None
+        probe_program_links(self.config.trace_dir, self.config.probe, sent, self.rank, self.world, self.device)
+
     # -- teardown --------------------------------------------------------------------------
-    def close(self) -> None:
-        """Drop the unfinished last iteration, remove every hook and patch, close the trace."""
+    def close(self, probe: bool = True) -> None:
+        """Drop the unfinished last iteration, probe the links (`probe`: the program completed),
+        remove every hook and patch, close the trace."""
         self._take_pending_boundary()  # the last optimizer step completed an iteration
         self.tracer.cancel_step()
+        if probe:
+            self._probe_links()
+        dist.destroy_process_group = self._original_destroy
         for handle in self._handles:
             handle.remove()
         torch.autograd.backward = self._original_backward

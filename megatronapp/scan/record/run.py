@@ -32,11 +32,16 @@ def run_script(argv: list[str]) -> None:
     global _SESSION
     _SESSION = start_from_env()
     sys.argv = list(argv)
+    completed = False
     try:
         runpy.run_path(argv[0], run_name="__main__")
+        completed = True
+    except SystemExit as exc:
+        completed = exc.code in (None, 0)
+        raise
     finally:
         session, _SESSION = _SESSION, None
-        session.close()
+        session.close(probe=completed)  # a failed rank must not wait for its peers in the link probe
 
 
 def main() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.flags import Flag
+from megatronapp.scan.probe_config import PROBE_MODES
 
 GRANULARITIES = ("base", "full")
 
@@ -17,7 +18,9 @@ class TraceConfig:
     Windows of `continuous_iterations` consecutive iterations start at iterations
     `interval`, 2*`interval`, ... (the first one after warm-up, never iteration 0).
     `granularity` "full" also records per-layer attention/mlp spans.
-    `clock_skew_ns` is a testing knob added to every timestamp of this rank."""
+    `clock_skew_ns` is a testing knob added to every timestamp of this rank.
+    `probe`: measure every link after the last iteration (scan/probe_job.py) "on", "off", or
+    "auto", when the job has point-to-point traffic."""
 
     enabled: bool = False
     trace_dir: str = "runs/trace"
@@ -25,6 +28,7 @@ class TraceConfig:
     continuous_iterations: int = 1
     granularity: str = "base"
     clock_skew_ns: int = 0
+    probe: str = "auto"
     # Hand records to the writer thread at a window's end only when this many seconds have
     # passed since the last hand-over (or at close): every wake-up of the writer competes
     # with the training thread for the GIL, which costs a launch-bound step several percent
@@ -45,6 +49,8 @@ class TraceConfig:
             )
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.probe not in PROBE_MODES:
+            raise ValueError(f"--trace-probe must be one of {PROBE_MODES}, got {self.probe!r}")
         if self.enabled and not self.trace_dir:
             raise ValueError("tracing is enabled but trace_dir is empty: set a directory for the .mscan files")
 
@@ -65,5 +71,12 @@ TRACE_FLAGS = (
         "granularity",
         "full: also per-layer spans (train: attention and MLP; trace run: every module's forward and backward)",
         {"choices": GRANULARITIES},
+    ),
+    Flag(
+        "--trace-probe",
+        "probe",
+        "measure every link's bandwidth after the last iteration into TRACE_DIR/probe.json "
+        "(auto: when the job sends point-to-point messages)",
+        {"choices": PROBE_MODES},
     ),
 )

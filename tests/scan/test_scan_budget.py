@@ -159,7 +159,13 @@ def test_the_throttled_time_counts_where_the_run_delay_is_unknown():
 def test_cpu_time_and_delay_that_explain_a_slow_rank_equally_are_named_both():
     ranks = _by_rank(_dp_job({2: (30.0, 20.0)}, {2: (10.0, 0.0)}))
     assert ranks[2].cause == "own work and descheduled"
-    assert BudgetConfig(ambiguous_share=1.0) and pytest.raises(ValueError, BudgetConfig, slow_ratio=1.0)
+
+
+def test_budget_thresholds_a_user_cannot_mean_are_refused():
+    with pytest.raises(ValueError, match="slow_ratio must be above 1"):
+        BudgetConfig(slow_ratio=1.0)
+    with pytest.raises(ValueError, match=r"descheduled_margin must be in \[0, 1\]"):
+        BudgetConfig(descheduled_margin=1.5)
 
 
 def _pipeline_links(

@@ -1,7 +1,7 @@
-"""Layer rebalancing under a real fault: iteration time with and without `--dpp-rebalance layers`.
+"""Rebalancing under a real fault: iteration time with and without `--dpp-rebalance layers` (or `--mode`).
 
 Each cell is one `megatronapp train` job (CPU, gloo, one rank per core) run by the fault lab, so the
-fault is the machine's (a cgroup CPU quota on one pipeline rank), felt by every schedule alike.
+fault is the machine's (a cgroup CPU quota on one rank), felt by every schedule alike.
 Scenarios: balanced, and one rank at 1/`--factor` of a core from the start. Variants: the schedule
 alone and the schedule with rebalancing. Repeats are interleaved (every cell once per round). A
 cell's figure is the median iteration time over the iterations after `--skip` (rebalancing
@@ -9,6 +9,7 @@ variants: after their last move, so the figure is the partition they settled in)
 iteration of the first move.
 
     python benchmarks/rebalance_bench.py --out runs/rebalance --repeats 3
+    python benchmarks/rebalance_bench.py --pp 2 --dp 2 --mode microbatches --out runs/rebalance-dp
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def _job(a, schedule: str, rebalance: bool, metrics: Path) -> EngineJob:
     if schedule in ("interleaved", "dynamic"):
         extra += ["--num-layers-per-virtual-pipeline-stage", str(a.num_layers // (a.pp * a.vpp))]
     if rebalance:
-        extra += ["--dpp-rebalance", "layers", "--dpp-rebalance-window", str(a.window)]
-    return EngineJob(1, a.pp, 1, iters=a.iters, extra=tuple(extra))
+        extra += ["--dpp-rebalance", a.mode, "--dpp-rebalance-window", str(a.window)]
+    return EngineJob(1, a.pp, a.dp, iters=a.iters, extra=tuple(extra))
 
 
 def measure_cell(a, scenario: str, schedule: str, rebalance: bool) -> dict:
@@ -58,10 +59,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--mode", choices=("layers", "microbatches", "all"), default="layers", help="--dpp-rebalance")
     p.add_argument("--num-layers", type=int, default=16)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=8, help="the global batch (micro-batch size 1)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--skip", type=int, default=4, help="warm-up iterations left out")
     p.add_argument("--window", type=int, default=4)

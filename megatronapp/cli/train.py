@@ -220,7 +220,7 @@ def _maybe_load(job, trainer, data, rank: int) -> None:
 
 
 def _train_loop(run: TrainRun, trainer, data, rank: int, eval_streams: dict) -> list[dict]:
-    from megatronapp.dpp.rebalance_hook import RebalanceHook, build_layer_rebalancer
+    from megatronapp.dpp.rebalance_hook import build_rebalance_hook
     from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 
     job = run.job
@@ -229,8 +229,7 @@ def _train_loop(run: TrainRun, trainer, data, rank: int, eval_streams: dict) -> 
         Path(log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
     metrics_out = open(log.metrics_file, "a") if (log.metrics_file and rank == 0) else None
     online = OnlineDetector(job.layout, OnlineDetectConfig()) if (rank == 0 and job.layout.world_size > 1) else None
-    rebalancer = build_layer_rebalancer(run.dpp.rebalance, job)
-    rebalance = RebalanceHook(rebalancer, trainer) if rebalancer is not None else None
+    rebalance = build_rebalance_hook(run.dpp.rebalance, job, trainer)
     logs = build_metric_logs(job, rank, trainer.iteration + 1, asdict(job))
     history = []
     with TrainProgress(job, enabled=rank == 0, log_interval=log.log_interval) as progress:

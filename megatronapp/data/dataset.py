@@ -30,6 +30,7 @@ __all__ = [
     "build_text_dataset",
     "build_token_stream",
     "compute_epoch_permutation",
+    "compute_replica_sample_range",
     "load_text_documents",
 ]
 
@@ -186,6 +187,17 @@ def compute_num_microbatches(global_batch_size: int, micro_batch_size: int, dp_s
     return global_batch_size // (micro_batch_size * dp_size)
 
 
+def compute_replica_sample_range(replica_microbatches: tuple[int, ...], dp_rank: int, micro_batch_size: int) -> range:
+    """Positions in the global batch that DP rank `dp_rank` trains when replica r runs
+    replica_microbatches[r] microbatches: the replicas' contiguous slices in rank order, so the
+    global batch's samples are the same set under any split, and sample i keeps its position i.
+
+    Worked example, micro 1, split (3, 1): rank 0 takes positions 0..2, rank 1 position 3.
+    """
+    first = sum(replica_microbatches[:dp_rank]) * micro_batch_size
+    return range(first, first + replica_microbatches[dp_rank] * micro_batch_size)
+
+
 class DistributedBatchIterator:
     """Hands one data-parallel rank its microbatches of each global batch.
 
@@ -266,12 +278,14 @@ class DistributedBatchIterator:
             indices[in_epoch] = self._epoch_permutation(int(epoch))[positions[in_epoch] % n]
         return indices
 
-    def next_microbatches(self) -> list[torch.Tensor]:
+    def next_microbatches(self, replica_microbatches: tuple[int, ...] | None = None) -> list[torch.Tensor]:
         """This rank's num_microbatches LongTensors of shape (micro_batch_size, seq_length + 1)
-        for the next global batch; advances consumed_samples by global_batch_size."""
+        for the next global batch (replica_microbatches[dp_rank] of them under an uneven split,
+        see compute_replica_sample_range); advances consumed_samples by global_batch_size."""
         batch = self.compute_global_batch_indices(self.consumed_samples)
-        per_rank = self.global_batch_size // self.dp_size
-        mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        split = replica_microbatches or (self.num_microbatches,) * self.dp_size
+        positions = compute_replica_sample_range(split, self.dp_rank, self.micro_batch_size)
+        mine = batch[positions.start : positions.stop]
         self.consumed_samples += self.global_batch_size
         samples = torch.from_numpy(self.dataset.get_samples(mine))
         return list(samples.split(self.micro_batch_size))

@@ -9,6 +9,7 @@ from megatronapp.dpp.jitter import apply_jitter
 from megatronapp.dpp.policies import compute_depth_first_order
 from megatronapp.dpp.rebalance import RebalanceConfig
 from megatronapp.dpp.scheduler import check_cap, check_order_fits
+from megatronapp.engine.replica_split import compute_microbatch_granule
 
 
 def check_dpp_job(cfg: DppConfig, job) -> DppConfig:
@@ -18,10 +19,12 @@ def check_dpp_job(cfg: DppConfig, job) -> DppConfig:
         if cfg.max_inflight is not None:
             check_cap(cfg.max_inflight, job.layout.virtual_pp_size)
         if cfg.max_inflight is not None and cfg.traversal == "in-order":
-            pp, v = job.layout.pp_size, job.layout.virtual_pp_size
+            pp, v, counts = job.layout.pp_size, job.layout.virtual_pp_size, {job.num_microbatches}
+            if cfg.rebalance.mode in ("microbatches", "all"):  # a replica may run all but one each of the others
+                counts.add(job.layout.dp_size * job.num_microbatches - job.layout.dp_size + 1)
             for p in range(pp):
-                order = compute_depth_first_order(p, pp, v, job.num_microbatches)
-                check_order_fits(order, cfg.max_inflight, v, p)
+                for count in sorted(counts):
+                    check_order_fits(compute_depth_first_order(p, pp, v, count), cfg.max_inflight, v, p)
     return cfg
 
 
@@ -29,12 +32,30 @@ def check_rebalance_job(cfg: RebalanceConfig, job, *, fbd: bool, scope: bool) ->
     """--dpp-rebalance against the job (one-line errors)."""
     if cfg.mode == "off":
         return
-    if job.layout.pp_size < 2:
+    if cfg.mode in ("layers", "all") and job.layout.pp_size < 2:
         raise DppConfigError(f"--dpp-rebalance {cfg.mode} needs pipeline-parallel size >= 2")
+    if cfg.mode in ("microbatches", "all"):
+        _check_microbatch_rebalance(cfg.mode, job)
     if fbd:
         raise DppConfigError("--dpp-rebalance cannot be combined with --forward-backward-disaggregating")
     if scope:
-        raise DppConfigError("--dpp-rebalance cannot be combined with --scope (its hooks sit on the layers that move)")
+        raise DppConfigError(
+            "--dpp-rebalance cannot be combined with --scope (its hooks sit on layers and microbatches that move)"
+        )
+
+
+def _check_microbatch_rebalance(mode: str, job) -> None:
+    """A split needs two replicas and a microbatch to move: one granule each and one more."""
+    lay = job.layout
+    if lay.dp_size < 2:
+        raise DppConfigError(f"--dpp-rebalance {mode} needs data-parallel size >= 2")
+    granule = compute_microbatch_granule(job.train.schedule, lay.pp_size)
+    if job.num_microbatches < 2 * granule:
+        why = "" if granule == 1 else f" (the {job.train.schedule} schedule moves them in groups of {granule})"
+        raise DppConfigError(
+            f"--dpp-rebalance {mode} needs at least {2 * granule} microbatches per data-parallel replica to move "
+            f"any{why}, got {job.num_microbatches}: raise --global-batch-size"
+        )
 
 
 def build_dynamic_runtime_factory(cfg: DppConfig, job):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from megatronapp.flags import Flag
 
-REBALANCE_MODES = ("off", "layers")
+REBALANCE_MODES = ("off", "layers", "microbatches", "all")  # all: layers and microbatches
 
 
 class RebalanceConfigError(ValueError):
@@ -37,7 +37,9 @@ class RebalanceConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RebalanceConfig:
-    mode: str = "off"  # one of REBALANCE_MODES; layers: move layers between pipeline stages
+    # one of REBALANCE_MODES; layers: move layers between pipeline stages; microbatches: move
+    # microbatches between data-parallel replicas (dpp/rebalance_microbatches.py)
+    mode: str = "off"
     window: int = 8  # iterations of measurements a plan reads (and waits for after a move)
     # share of the slowest stage's time a plan must save: 10%, the shift Greyhound's fail-slow detection
     # waits for; the last stage's output layer alone keeps a clean pipeline a few percent unbalanced
@@ -207,26 +209,42 @@ class LayerRebalancer:
         return Plan(split_over_virtual_stages(planned, self.model.vpp_size), planned, predicted, current_s, reason)
 
     def _worth_it(self, plan: Plan) -> bool:
-        cost = self.config.first_move_cost_s if self.last_move_s is None else self.last_move_s
-        saving = (plan.current_s - plan.predicted_s) * self.config.amortize_iters
-        needed = self.config.min_gain
-        if plan.stage_layers == self.previous_layers:  # hysteresis: noise must not undo a move
-            needed *= self.config.reverse_gain_factor
-        return plan.gain >= needed and saving >= self.config.margin * cost
+        return compute_worth_moving(self.config, plan, self.last_move_s, plan.stage_layers == self.previous_layers)
 
     def _measured_worse(self, plan: Plan) -> bool:
-        """Whether the planned partition was measured lately and ran no faster than this one: a
-        measurement beats the linear model (a CPU quota, for one, slows a stage only while its work
-        exceeds the quota, so a stage relieved of layers looks faster per layer than it will be)."""
-        there = self.measured.get(plan.stage_layers)
-        if there is None or self._iteration - there[1] > self.config.memory_iters:
-            return False
-        return there[0] >= self.measured[self.stage_layers][0] * (1 - self.config.min_gain)
+        return compute_measured_worse(self.config, self.measured, plan.stage_layers, self.stage_layers, self._iteration)
 
     def moved(self, plan: Plan, seconds: float) -> None:
         """The move of `plan` happened and took `seconds`: measure afresh in the new partition."""
         self.previous_layers = self.stage_layers
-        self.stage_layers, self.last_move_s, self._window, self._steps = plan.stage_layers, seconds, [], []
+        self.stage_layers, self.last_move_s = plan.stage_layers, seconds
+        self.restart()
+
+    def restart(self) -> None:
+        """Measure afresh (the work moved, here or between replicas)."""
+        self._window, self._steps = [], []
+
+
+def compute_worth_moving(config: RebalanceConfig, plan, last_move_s: float | None, reverses: bool) -> bool:
+    """The hysteresis every planner applies to a plan (anything with gain, current_s, predicted_s):
+    it saves at least min_gain of the slowest part's time (reverse_gain_factor times more when it
+    undoes the last move: noise must not undo a move), and that saving over amortize_iters repays
+    the last move's measured cost (first_move_cost_s before any) margin times over."""
+    cost = config.first_move_cost_s if last_move_s is None else last_move_s
+    saving = (plan.current_s - plan.predicted_s) * config.amortize_iters
+    needed = config.min_gain * (config.reverse_gain_factor if reverses else 1.0)
+    return plan.gain >= needed and saving >= config.margin * cost
+
+
+def compute_measured_worse(config: RebalanceConfig, measured: dict, there, here, iteration: int) -> bool:
+    """Whether plan `there` was measured lately (`measured`: plan -> (median iteration seconds,
+    iteration)) and ran no faster than `here`: a measurement beats the linear model (a CPU quota,
+    for one, slows a rank only while its work exceeds the quota, so a rank relieved of work looks
+    faster per unit than it will be)."""
+    seen = measured.get(there)
+    if seen is None or iteration - seen[1] > config.memory_iters:
+        return False
+    return seen[0] >= measured[here][0] * (1 - config.min_gain)
 
 
 # `train`'s flags that set RebalanceConfig's fields (their defaults are the fields')
@@ -235,7 +253,9 @@ REBALANCE_FLAGS = (
         "--dpp-rebalance",
         "mode",
         "layers: while training, move whole layers off a pipeline stage that is persistently slower than "
-        "the others (measured compute time per layer), exactly, and back when it recovers",
+        "the others (measured compute time per layer), exactly, and back when it recovers; microbatches: "
+        "give a persistently slower data-parallel replica fewer microbatches of the same global batch "
+        "(the gradient stays the balanced one); all: both",
         {"choices": REBALANCE_MODES},
     ),
     Flag("--dpp-rebalance-window", "window", "iterations of measurements a plan reads, and waits for after a move"),

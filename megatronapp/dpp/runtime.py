@@ -96,6 +96,7 @@ class DynamicPipelineRuntime:
         grad_scale_func=None,
         separate_channels: bool | None = None,
         split_backward: bool = False,
+        loss_microbatches: int | None = None,
     ):
         lay = groups.layout
         self.model, self.groups, self.config, self.device = model, groups, config, device
@@ -113,6 +114,7 @@ class DynamicPipelineRuntime:
             injector,
             grad_scale_func,
             split_backward,
+            loss_microbatches,
         )
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         self.policy = build_policy(config.traversal, groups.pp_rank, lay.pp_size, num_chunks, num_microbatches)

@@ -29,6 +29,7 @@ from megatronapp.engine.hooks import NULL_TRACER
 from megatronapp.engine.integrity import StepHistory
 from megatronapp.engine.mixed_precision import build_grads_and_optimizer
 from megatronapp.engine.optim import compute_lr, set_lr
+from megatronapp.engine.replica_split import check_job_split, compute_first_microbatch
 from megatronapp.engine.rerun import StepValidator
 from megatronapp.engine.throughput import compute_mfu, compute_tflops_per_device, peak_flops_for
 from megatronapp.model.gpt import ChunkOptions, TPContext, apply_compile, build_model_chunks
@@ -125,6 +126,8 @@ class Trainer:
         self.attention_backend = attention_backend
         self._runtime_args = (schedule, runtime_factory, injector)
         self.tracer = tracer
+        # microbatches each DP replica runs (engine/replica_split.py); None: M each
+        self.replica_microbatches: tuple[int, ...] | None = None
         self._build_model_and_runtime()
         self.iteration = 0  # optimizer steps completed
         self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -133,8 +136,8 @@ class Trainer:
     def _build_model_and_runtime(self) -> None:
         """Chunks, FP8 states, grad buffers, optimizer, pipeline model and runtime for `self.job`'s
         layout (and layer partition): everything that depends on which layers this rank holds."""
-        job, groups, device, tracer = self.job, self.groups, self.device, self.tracer
-        schedule, runtime_factory, injector = self._runtime_args
+        job, groups, device = self.job, self.groups, self.device
+        schedule = self._runtime_args[0]
         lay, t, attention_backend = job.layout, job.train, self.attention_backend
         tp = TPContext(groups.tp, lay.tp_size, groups.tp_rank, t.sequence_parallel)
         options = ChunkOptions(recompute=t.recompute_config(), rng_tracker=self.rng_tracker)
@@ -178,25 +181,55 @@ class Trainer:
         split = t.uses_split_backward() or (schedule is not None and schedule_has_weight_tasks(schedule))
         if split:
             apply_split_backward(m for c in self.chunks for m in c.modules())
+        self._split_backward = split
+        self._build_runtime()
+        names = {p: name for c in self.chunks for name, p in c.named_parameters()}
+        self.norm_param_names = [names.get(p) for p in self.optimizer.norm_params]
+        self._evaluator = None  # built at the first evaluation (of this model): a run without one pays nothing
+
+    def _build_runtime(self) -> None:
+        """The schedule and runtime for this replica's microbatch count (see set_replica_microbatches)."""
+        job, groups, split = self.job, self.groups, self._split_backward
+        schedule, runtime_factory, injector = self._runtime_args
+        lay, count, uneven = job.layout, job.num_microbatches, {}
+        if self.replica_microbatches is not None:
+            count = self.replica_microbatches[groups.dp_rank]
+            uneven = dict(loss_microbatches=job.num_microbatches)  # the balanced count: see replica_split.py
+            self.model.first_microbatch = compute_first_microbatch(self.replica_microbatches, groups.dp_rank)
+        else:
+            self.model.first_microbatch = groups.dp_rank * count
         runtime_kw = dict(
-            device=device,
-            tracer=tracer,
+            device=self.device,
+            tracer=self.tracer,
             reducer=self.reducer,
             injector=injector,
             grad_scale_func=self.optimizer.scale_loss,
             split_backward=split,
+            **uneven,
         )
         if runtime_factory is not None:  # decisions at run time (e.g. megatronapp.dpp): no static schedule
-            self.schedule, self.runtime = None, runtime_factory(self.model, groups, **runtime_kw)
+            kw = dict(num_microbatches=count) if uneven else {}
+            self.schedule, self.runtime = None, runtime_factory(self.model, groups, **runtime_kw, **kw)
         else:
-            self.schedule = schedule or build_schedule(
-                job.train.schedule, lay.pp_size, lay.virtual_pp_size, job.num_microbatches
-            )
+            self.schedule = schedule or build_schedule(job.train.schedule, lay.pp_size, lay.virtual_pp_size, count)
             validate_schedule(self.schedule)
             self.runtime = PipelineRuntime(self.model, groups, self.schedule, **runtime_kw)
-        names = {p: name for c in self.chunks for name, p in c.named_parameters()}
-        self.norm_param_names = [names.get(p) for p in self.optimizer.norm_params]
-        self._evaluator = None  # built at the first evaluation (of this model): a run without one pays nothing
+
+    def set_replica_microbatches(self, split: tuple[int, ...] | None) -> None:
+        """Between steps: DP replica r runs split[r] microbatches of each global batch from the next
+        step on (None: the balanced M each), exactly (engine/replica_split.py). Every rank calls it
+        with the same split; nothing is exchanged. ValueError (one line) for a split that does not fit."""
+        if split is not None:
+            if self._runtime_args[0] is not None:
+                raise ValueError(
+                    "a microbatch split needs a schedule the trainer builds (a given one has a fixed count)"
+                )
+            split = check_job_split(self.job, split)
+        if hasattr(self.runtime, "close"):
+            self.runtime.close()
+        self.replica_microbatches = split
+        self._build_runtime()
+        self.set_tracer(self.tracer)
 
     def rebuild(self, job: JobConfig) -> None:
         """Rebuild every layer-dependent part for `job` (the same job in another layer partition);
@@ -257,7 +290,8 @@ class Trainer:
         lr = compute_lr(it - self.optimizer.skipped_iterations, self.job.optimizer, self.job.train.train_iters)
         set_lr(self.optimizer, lr)
         self.reducer.zero_grad()
-        microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches()]
+        split = () if self.replica_microbatches is None else (self.replica_microbatches,)
+        microbatches = [mb.to(self.device, non_blocking=True) for mb in self.data.next_microbatches(*split)]
         loss = self.runtime.run(microbatches, iteration=it)
         with self.tracer.span(spans.GRAD_REDUCE, cat=spans.CAT_COMM):
             self.reducer.finish()

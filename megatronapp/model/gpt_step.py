@@ -5,7 +5,8 @@ tokens[:, 1:]. The loss function averages the per-token losses of the last chunk
 
 Hidden-dropout masks are keyed by the global index of each sample in the step's global
 batch: DP rank d holds samples [d * M * B, (d + 1) * M * B) of it (data/dataset.py), and
-microbatch m of those starts at d * M * B + m * B. With sequence parallelism a rank's first
+microbatch m of those starts at d * M * B + m * B (under an uneven split, at the replica's first
+global microbatch, so every sample keeps its masks). With sequence parallelism a rank's first
 position is tp_rank * S / TP.
 """
 
@@ -43,6 +44,9 @@ class GPTPipelineModel:
     ):
         self.chunks, self.cfg, self.seed = chunks, cfg, seed
         self.dp_rank, self.num_microbatches = dp_rank, num_microbatches
+        # index in the global batch of this replica's first microbatch (another under an uneven
+        # data-parallel split: engine/replica_split.py)
+        self.first_microbatch = dp_rank * num_microbatches
         self.seq_shards = tp_size if sequence_parallel else 1
         self.position_offset = tp_rank * (cfg.seq_length // self.seq_shards) if sequence_parallel else 0
         self.autocast_dtype = autocast_dtype
@@ -54,7 +58,7 @@ class GPTPipelineModel:
 
     def dropout_key(self, tokens: torch.Tensor, ctx: MicrobatchContext) -> DropoutKey:
         b = tokens.shape[0]
-        first = (self.dp_rank * self.num_microbatches + ctx.microbatch) * b
+        first = (self.first_microbatch + ctx.microbatch) * b
         return DropoutKey(self.seed, ctx.iteration, first, self.position_offset)
 
     def forward_step(

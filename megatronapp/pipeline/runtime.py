@@ -87,8 +87,13 @@ class StageCompute:
         injector=None,
         grad_scale_func=None,
         split_backward: bool = False,
+        loss_microbatches: int | None = None,
     ):
         self.model, self.pp_rank, self.pp_size = model, pp_rank, pp_size
+        # each microbatch's loss is divided by this many (default: this rank's own count); under an
+        # uneven data-parallel split it is the balanced per-replica count, so the DP mean of the
+        # replicas' sums stays the global batch's mean whatever a replica runs
+        self.loss_microbatches = loss_microbatches or num_microbatches
         # split backward: backward() is B and defers the weight GEMMs here; weight_grad() is W
         self.wgrad_queue = WeightGradQueue() if split_backward else None
         self.grad_scale_func = grad_scale_func  # loss scaling (fp16, Megatron's): applied before backward
@@ -97,7 +102,7 @@ class StageCompute:
         self.compute_timer = ComputeTimer(device)
 
     def forward(self, chunk: int, mb_index: int, stage_input, microbatch, iteration: int, tracer) -> torch.Tensor:
-        """The chunk's output, or on the last virtual stage its 1/M-scaled loss. A floating
+        """The chunk's output, or on the last virtual stage its loss / loss_microbatches. A floating
         stage_input is made to require grad (its .grad is what backward sends back)."""
         vs = virtual_stage(chunk, self.pp_rank, self.pp_size)
         is_first, is_last = vs == 0, vs == self.num_vstages - 1
@@ -107,7 +112,7 @@ class StageCompute:
         with tracer.span(spans.FORWARD), self.compute_timer.measure(), self.injector.compute((spans.FORWARD, chunk)):
             out, loss_fn = self.model.forward_step(chunk, stage_input, microbatch, ctx)
             if is_last:
-                out = loss_fn(out) / self.num_microbatches
+                out = loss_fn(out) / self.loss_microbatches
         return out
 
     def backward(
@@ -157,6 +162,7 @@ class PipelineRuntime:
         injector=None,
         grad_scale_func=None,
         split_backward: bool = False,
+        loss_microbatches: int | None = None,
     ):
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
@@ -174,6 +180,7 @@ class PipelineRuntime:
             injector,
             grad_scale_func,
             split_backward,
+            loss_microbatches,
         )
         self.injector, self.compute_timer = self.stage.injector, self.stage.compute_timer
         if not split_backward and any(a.kind in _SPLIT_KINDS for a in self.actions):

@@ -429,6 +429,18 @@ def test_union_over_dp_ranks_equals_single_process_batches(dp_size, micro):
         assert parallel == reference  # same samples in the same order, rank by rank
 
 
+@pytest.mark.parametrize("split", [(3, 1), (1, 3), (2, 2)])
+def test_an_uneven_split_over_dp_ranks_keeps_the_single_process_batch(split):
+    ds = _dataset(num_samples=13)
+    single = _iterator(ds, dp_size=1, micro=2)
+    ranks = [_iterator(ds, dp_rank=r, dp_size=2, micro=2) for r in range(2)]
+    for _ in range(3):
+        reference = _sample_ids(single.next_microbatches(), ds.seq_length)
+        mine = [it.next_microbatches(split) for it in ranks]
+        assert [len(m) for m in mine] == list(split)
+        assert [i for m in mine for i in _sample_ids(m, ds.seq_length)] == reference
+
+
 def test_each_epoch_visits_every_sample_once_in_a_seeded_order():
     ds = _dataset(num_samples=16)
     it = _iterator(ds, global_batch=8)

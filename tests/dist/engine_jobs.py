@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatronapp.config import JobConfig, build_layout, model_preset
+from megatronapp.data.dataset import compute_replica_sample_range
 from megatronapp.engine.trainer import Trainer
 from megatronapp.job import build_job, validate_job
 from megatronapp.model.gpt import compile_counts
@@ -17,14 +18,14 @@ class RandomTokenBatches:
     def __init__(self, job: JobConfig, dp_rank: int, vocab: int = 257):
         self.job, self.dp_rank, self.vocab, self.step = job, dp_rank, vocab, 0
 
-    def next_microbatches(self) -> list[torch.Tensor]:
+    def next_microbatches(self, replica_microbatches: tuple[int, ...] | None = None) -> list[torch.Tensor]:
         t, m = self.job.train, self.job.model
         gen = torch.Generator().manual_seed(1000 + self.step)
         self.step += 1
         batch = torch.randint(0, self.vocab, (t.global_batch_size, m.seq_length + 1), generator=gen)
-        per_rank = t.global_batch_size // self.job.layout.dp_size
-        mine = batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        return list(mine.split(t.micro_batch_size))
+        split = replica_microbatches or (self.job.num_microbatches,) * self.job.layout.dp_size
+        positions = compute_replica_sample_range(split, self.dp_rank, t.micro_batch_size)
+        return list(batch[positions.start : positions.stop].split(t.micro_batch_size))
 
     def state_dict(self) -> dict:
         return {"step": self.step}

@@ -183,3 +183,24 @@ def test_jitter_names_a_global_rank_mapped_onto_the_simulated_pipeline():
     assert [j.rank for j in compute_pipeline_jitter(["3:1.5"], 1, 1, 4)] == [3]
     with pytest.raises(ValueError, match=r"rank 1 is not on the simulated pipeline \(global ranks 0, 4\)"):
         compute_pipeline_jitter(["1:1.5"], 2, 2, 2)
+
+
+@_NO_FAULT_HANDLER
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--pipeline-model-parallel-size", "2"], "--dpp-rebalance microbatches needs data-parallel size >= 2"),
+        (["--global-batch-size", "4"], "needs at least 2 microbatches per data-parallel replica to move any"),
+        (
+            ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "interleaved"]
+            + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+            "at least 4 microbatches per data-parallel replica to move any (the interleaved schedule moves them "
+            "in groups of 2)",
+        ),
+    ],
+)
+def test_bad_microbatch_rebalancing_fails_in_one_line_before_launch(args, message, capsys):
+    argv = ["train", "--device", "cpu", "--model", "tiny", "--nproc-per-node", "2", "--global-batch-size", "8"]
+    code = main([*argv, "--dpp-rebalance", "microbatches", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err

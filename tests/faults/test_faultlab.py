@@ -149,6 +149,41 @@ def test_a_clean_pipeline_with_rebalancing_on_never_moves_layers(tmp_path):
     assert not [r for r in rows if r.get("rebalance")]
 
 
+def _replica_rebalanced_run(tmp_path: Path, faults: tuple) -> list[dict]:
+    import json
+
+    metrics = tmp_path / "metrics.jsonl"
+    extra = ("--model", "demo", "--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "1")
+    extra += ("--log-interval", "1", "--dpp-rebalance", "microbatches", "--dpp-rebalance-window", "4")
+    plan = LabPlan(EngineJob(1, 1, 2, iters=24, extra=extra + ("--metrics-file", str(metrics))), faults, tag="rebmb")
+    _run(plan, tmp_path, timeout_s=240.0)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_microbatches_move_off_a_replica_under_a_cpu_quota_and_the_step_gets_faster(tmp_path):
+    """DP2, replica 1 at a quarter of a core: the planner gives it fewer of the global batch's 8
+    microbatches within a few windows, and the iterations after the move are faster than before."""
+    _need_cgroups()
+    rows = _replica_rebalanced_run(tmp_path, (SlowRank(1, "quota", factor=4.0),))
+    moves = [r for r in rows if r.get("rebalance")]
+    assert moves, [r["rank_compute_s"] for r in rows]
+    first = moves[0]["rebalance"]
+    assert first["moved"] == "microbatches" and first["from"] == [4, 4], first
+    assert first["to"][1] < 4 and sum(first["to"]) == 8, first  # off the throttled replica
+    assert moves[0]["iteration"] <= 20 and len(moves) <= 2, [m["rebalance"] for m in moves]
+    step = {r["iteration"]: r["step_time_s"] for r in rows}
+    slow = sorted(step[i] for i in range(moves[0]["iteration"] - 3, moves[0]["iteration"] + 1))  # the window it read
+    fast = sorted(step[i] for i in range(moves[0]["iteration"] + 2, len(rows) + 1))
+    median = lambda xs: xs[len(xs) // 2]
+    assert median(fast) < 0.85 * median(slow), (median(slow), median(fast))
+
+
+def test_clean_replicas_with_microbatch_rebalancing_on_never_move_microbatches(tmp_path):
+    _need_root()
+    rows = _replica_rebalanced_run(tmp_path, ())
+    assert not [r for r in rows if r.get("rebalance")]
+
+
 @pytest.mark.parametrize("rate_mbit", [200])
 def test_the_link_probe_measures_a_rate_limited_link_and_names_it_with_its_direction(tmp_path, rate_mbit):
     """PP2 x DP2, each rank its own namespace, pipeline link 1 -> 3 limited by tc: the probe measures

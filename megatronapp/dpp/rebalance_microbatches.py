@@ -1,0 +1,145 @@
+"""Give a persistently slow data-parallel replica fewer microbatches: the planner, pure and replayable.
+
+Every rank feeds the same numbers (each rank's compute seconds per iteration, all-reduced by the
+engine with the step's metrics) to its own `MicrobatchRebalancer`, so every rank reaches the same
+split without talking. The model of a replica's time is linear in the microbatches it runs:
+
+    time_r = speed_r x m_r
+
+`speed_r` is measured: the median over a window of iterations of the slowest rank of replica r
+(its pipeline and TP members wait for it) divided by the microbatches it ran, and, as for layers
+(dpp/rebalance.py), the slowest it was measured at within `memory_iters` iterations (a replica
+relieved of work can hide a throughput cap such as a CPU quota). A split gives each replica the
+microbatches that minimise the slowest replica (adding one granule at a time to the replica whose
+time grows least is optimal for this bottleneck objective); the interleaved schedules move them in
+groups of the pipeline size (engine/replica_split.py). A split is adopted under the layer planner's
+rules (compute_worth_moving: min_gain, amortisation, the reverse factor) and never while a split
+measured lately ran no faster (compute_measured_worse), so noise does not re-plan and a fault that
+goes away moves the microbatches back once its measurements are old. The engine applies a split
+exactly: the gradient stays the balanced run's (engine/replica_split.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from megatronapp.dpp.rebalance import RebalanceConfig, compute_measured_worse, compute_worth_moving
+
+
+@dataclass(frozen=True)
+class ReplicaModel:
+    """What the planner knows of the job's data parallelism."""
+
+    dp_size: int
+    num_microbatches: int  # per replica, balanced
+    granule: int = 1  # a replica's count moves in steps of this (engine/replica_split.py)
+
+    @property
+    def balanced(self) -> tuple[int, ...]:
+        return (self.num_microbatches,) * self.dp_size
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    replica_microbatches: tuple[int, ...]
+    predicted_s: float  # slowest replica, this split
+    current_s: float  # slowest replica, the split in force
+    reason: str
+
+    @property
+    def gain(self) -> float:
+        return 1.0 - self.predicted_s / self.current_s
+
+
+def plan_replica_microbatches(
+    model: ReplicaModel, speeds: list[float], current: tuple[int, ...] = ()
+) -> tuple[int, ...]:
+    """Microbatches per replica minimising the slowest replica under `speeds` (seconds per
+    microbatch); each replica runs at least one granule. Of the splits with that smallest
+    maximum, the one nearest `current` (ties otherwise to the lower replica)."""
+    g, total = model.granule, model.dp_size * model.num_microbatches
+    counts = [g] * model.dp_size
+    for _ in range((total - sum(counts)) // g):
+        best = min(range(model.dp_size), key=lambda r: (speeds[r] * (counts[r] + g), r))
+        counts[best] += g
+    if not current:
+        return tuple(counts)
+    bottleneck = max(compute_replica_times(speeds, counts))
+    upper = [max(g, int(bottleneck / v / g + 1e-9) * g) for v in speeds]  # the most each may run
+    nearest = [min(m, u) for m, u in zip(current, upper)]
+    while sum(nearest) < total:  # the greedy split fits under `upper`, so there is room
+        r = max((r for r in range(model.dp_size) if nearest[r] < upper[r]), key=lambda r: current[r] - nearest[r])
+        nearest[r] += g
+    return tuple(nearest)
+
+
+def compute_replica_times(speeds: list[float], split) -> list[float]:
+    return [v * m for v, m in zip(speeds, split)]
+
+
+@dataclass
+class MicrobatchRebalancer:
+    """Decides, from each iteration's per-rank compute seconds, when and how microbatches move."""
+
+    config: RebalanceConfig
+    model: ReplicaModel
+    ranks_of_replica: list[list[int]]  # global ranks of each DP replica (its TP and PP members)
+    split: tuple[int, ...] = ()  # the split in force (() : balanced)
+    last_move_s: float | None = None
+    previous_split: tuple[int, ...] | None = None  # the split before the last move
+    # split -> (median iteration seconds measured under it, iteration it was measured at)
+    measured: dict[tuple[int, ...], tuple[float, int]] = field(default_factory=dict)
+    _window: list[list[float]] = field(default_factory=list)
+    _steps: list[float] = field(default_factory=list)
+    _iteration: int = 0
+    _speeds: list[tuple[int, list[float]]] = field(default_factory=list)  # (iteration, seconds per microbatch)
+
+    def __post_init__(self) -> None:
+        self.split = self.split or self.model.balanced
+
+    def observe(self, rank_compute_s: tuple[float, ...], step_s: float) -> MicrobatchPlan | None:
+        """Add one iteration's measurements (each rank's compute seconds, the iteration's seconds);
+        a plan when the split should change now."""
+        self._iteration += 1
+        self._window = [*self._window, [max(rank_compute_s[r] for r in ranks) for ranks in self.ranks_of_replica]]
+        self._steps = [*self._steps, step_s]
+        if len(self._window) < self.config.window:
+            return None
+        self._window, self._steps = self._window[-self.config.window :], self._steps[-self.config.window :]
+        self.measured[self.split] = (statistics.median(self._steps), self._iteration)
+        plan = self.propose([statistics.median(col) for col in zip(*self._window)])
+        if plan is None or not compute_worth_moving(self.config, plan, self.last_move_s, self._reverses(plan)):
+            return None
+        measured_worse = compute_measured_worse(
+            self.config, self.measured, plan.replica_microbatches, self.split, self._iteration
+        )
+        return None if measured_worse else plan
+
+    def propose(self, replica_s: list[float]) -> MicrobatchPlan | None:
+        """The best split for measured replica times under the split in force (None: no change)."""
+        now = [t / m for t, m in zip(replica_s, self.split)]
+        self._speeds = [(i, v) for i, v in self._speeds if self._iteration - i <= self.config.memory_iters]
+        self._speeds.append((self._iteration, now))
+        speeds = [max(v[r] for _, v in self._speeds) for r in range(self.model.dp_size)]
+        planned = plan_replica_microbatches(self.model, speeds, self.split)
+        current_s = max(compute_replica_times(speeds, self.split))
+        predicted = max(compute_replica_times(speeds, planned))
+        if planned == self.split or predicted >= current_s:
+            return None
+        slow = max(range(self.model.dp_size), key=lambda r: speeds[r])
+        reason = f"replica {slow} runs {speeds[slow] / min(speeds):.2f}x the fastest replica's time per microbatch"
+        return MicrobatchPlan(planned, predicted, current_s, reason)
+
+    def _reverses(self, plan: MicrobatchPlan) -> bool:
+        return plan.replica_microbatches == self.previous_split
+
+    def moved(self, plan: MicrobatchPlan, seconds: float) -> None:
+        """The split of `plan` is in force and took `seconds` to apply: measure afresh under it."""
+        self.previous_split = self.split
+        self.split, self.last_move_s = plan.replica_microbatches, seconds
+        self.restart()
+
+    def restart(self) -> None:
+        """Measure afresh (the work moved, here or between pipeline stages)."""
+        self._window, self._steps = [], []

@@ -13,6 +13,8 @@ import os
 import sys
 
 from megatronapp.flags import add_flags, read_flags
+from megatronapp.scan.analyze.budget_output import budget_to_json, render_budget_text
+from megatronapp.scan.analyze.budget_summary import compute_budget_summary
 from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
@@ -103,11 +105,17 @@ def run_detect(args: argparse.Namespace) -> int:
             iterations=None if its is None else (its.start, its.stop), **read_flags(args, DETECT_FLAGS)
         )
         with truncated_traces_as_notes(sys.stderr if args.json else None):  # --json: stdout is one object
-            report = analyze_trace_dir(args.trace_dir, config).detection
+            analysis = analyze_trace_dir(args.trace_dir, config)
     except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
         print(f"megatronapp trace detect: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report_to_json(report), indent=2) if args.json else render_report(report), end="\n")
+    report = analysis.detection
+    budget = compute_budget_summary(analysis.traces, report.iterations_analyzed) if args.budget else None
+    if args.json:
+        doc = report_to_json(report) | ({"budget": budget_to_json(budget)} if budget else {})
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render_report(report) + (render_budget_text(budget) if budget else ""), end="\n")
     return 3 if report.suspects else 0
 
 
@@ -115,6 +123,11 @@ def _add_detect(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("detect", help="find slow ranks and slow links in a trace directory")
     parser.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument(
+        "--budget",
+        action="store_true",
+        help="also print each rank's time budget (own work, descheduled, waiting, transfer, rest) and each link's",
+    )
     parser.add_argument(
         "--iterations",
         type=parse_iteration_range,

@@ -3,7 +3,8 @@
 The page says what was found and why: the verdict with its evidence (who arrived last at which
 collectives and by how much; each link's effective bandwidth against its peers), or plainly that
 nothing was found and how large a fault the check would have named; step time per rank; own work
-against waiting per rank and iteration (stacked); the clock alignment in ms/us. Every chart has
+against waiting per rank and iteration (stacked); each rank's time budget and each link's per-byte time
+(budget_output.py); the clock alignment in ms/us. Every chart has
 axes with units and a legend. Inline SVG only: no script, no CDN, no network. The numbers come
 from report_data.compute_report_data (pure); this module only draws them.
 """
@@ -15,6 +16,7 @@ import os
 
 from megatronapp.files import write_text_atomic
 from megatronapp.scan.analyze import detect_arrival as arrivals
+from megatronapp.scan.analyze.budget_output import render_budget_html
 from megatronapp.scan.analyze.load_align_detect import TraceAnalysis
 from megatronapp.scan.analyze.report_data import ReportData, compute_report_data, describe_layout, format_duration_ns
 
@@ -263,6 +265,7 @@ analysed; median iteration {v["what_if"]["iteration_ms"]} ms
 <h2>Verdict</h2>{_verdict_html(data)}{_gate_html(v)}{_measured_links_html(v)}<ul>{notes}</ul>
 <h2>Step time per rank</h2>{svg_step_time(data)}
 <h2>Own work and waiting, per rank and iteration</h2>{svg_work_vs_wait(data)}{more}
+<h2>Time budget</h2>{render_budget_html(data.budget) if data.budget else ""}
 <h2>Timeline</h2>{open_how}
 <p>Clock alignment: median residual {format_duration_ns(a.get("median_residual_ns"))},
 {a.get("violations")} causality violations left.</p></body></html>

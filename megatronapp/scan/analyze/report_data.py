@@ -17,6 +17,7 @@ import numpy as np
 from megatronapp.scan.analyze import detect_arrival as arrivals
 from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_rules as rules
+from megatronapp.scan.analyze.budget_summary import BudgetSummary, compute_budget_summary
 from megatronapp.scan.analyze.detect_config import DetectConfig
 from megatronapp.scan.analyze.detect_output import report_to_json
 from megatronapp.scan.analyze.load_align_detect import TraceAnalysis
@@ -44,6 +45,7 @@ class ReportData:
     verdict: dict  # detect.report_to_json
     thresholds: dict  # the DetectConfig numbers the verdict used
     alignment: dict
+    budget: BudgetSummary | None = None  # budget_summary.py: each rank's time budget and each link's
 
 
 def describe_layout(layout: dict, world: int) -> str:
@@ -124,4 +126,5 @@ def compute_report_data(analysis: TraceAnalysis, config: DetectConfig = DetectCo
         report_to_json(analysis.detection),
         thresholds,
         analysis.alignment.to_dict(),
+        compute_budget_summary(analysis.traces, tuple(its)),
     )

@@ -215,8 +215,9 @@ class TrainConfig:
     # for the others)
     split_backward: bool | None = None
     # static schedules: receives posted ahead of the schedule's RECV actions and single isends
-    # (pipeline/transport.py). None: on the CPU (gloo); NCCL needs the schedule's batches
-    pipeline_recv_ahead: bool | None = None
+    # (pipeline/transport.py); gloo only (NCCL needs the schedule's batches). Off by default:
+    # MegaScan's slow-link attribution reads the batched transport's timing (BENCHMARKS.md)
+    pipeline_recv_ahead: bool = False
     sequence_parallel: bool = False  # needs TP > 1 (Megatron's --sequence-parallel)
     # RecomputeConfig's fields, flat (as the --recompute-* flags name them); it owns their
     # defaults and checks (recompute_config())

@@ -188,7 +188,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         g,
         "--pipeline-recv-ahead",
         "static schedules: post receives ahead of the schedule's and send with single isends "
-        "(default: on the CPU; NCCL needs the schedule's batches)",
+        "(CPU/gloo only; default: off)",
         action=argparse.BooleanOptionalAction,
     )
     _job_flag(

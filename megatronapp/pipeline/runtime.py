@@ -4,9 +4,9 @@ The model is reached only through the contract in pipeline/contract.py (forward_
 tensor specs), so any network pipelines, not only the GPT.
 
 The runtime makes no decisions: the schedule says what to run and in which order. How the
-step's messages travel is pipeline/transport.py: on gloo every receive is posted ahead of the
-schedule's RECV action (a bounded number in flight) and sends are non-blocking isends; on
-NCCL each maximal run of communication actions is posted as one `batch_isend_irecv`. Either way a
+step's messages travel is pipeline/transport.py: each maximal run of communication actions is
+posted as one `batch_isend_irecv`, or (recv_ahead, gloo only) every receive is posted ahead of
+the schedule's RECV action (a bounded number in flight) and sends are non-blocking isends. Either way a
 received tensor is waited for only right before the compute that consumes it, and sends are
 completed at the end of the step. Each message is a packed frame (p2p/message.py) with ids
 (0 forward / 1 backward, the virtual stage that consumes it, microbatch), checked on arrival
@@ -150,10 +150,9 @@ class PipelineRuntime:
         grad_scale_func=None,
         split_backward: bool = False,
         loss_microbatches: int | None = None,
-        recv_ahead: bool | None = None,
+        recv_ahead: bool = False,
     ):
-        """recv_ahead: receives posted ahead and single isends (pipeline/transport.py); None: on
-        the CPU (transport.resolve_recv_ahead)."""
+        """recv_ahead: receives posted ahead and single isends (pipeline/transport.py; gloo only)."""
         self.model, self.groups, self.schedule = model, groups, schedule
         self.actions = schedule.for_rank(groups.pp_rank)
         self.batch_end = dict(comm_batches(self.actions))

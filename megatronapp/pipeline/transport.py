@@ -17,13 +17,14 @@ receive is posted and how a send is issued.
   communicator would sit in front of a later send its peer waits for (dpp/channels.py explains
   the deadlock); grouping each batch's sends and receives is how NCCL pairs them.
 
-Which one runs by default (`resolve_recv_ahead`): ahead on the CPU. Measured on a 2-core
-machine, PP2 with 2 virtual stages, 2 ranks (BENCHMARKS.md, MegaDPP): ahead 1.07x and 1.08x
-[1.02, 1.27] the batched transport's speed, within 4 % of the dynamic runtime (which posts
-ahead too). Where other jobs overload the cores it can lose (0.69x in one such run): gloo's
-socket threads then move an early message while both ranks compute and take that time from
-them, where a lazy receive moves it while its receiver sits idle; --no-pipeline-recv-ahead
-picks the batches.
+Which one runs (`resolve_recv_ahead`): the batched one unless asked (--pipeline-recv-ahead).
+Measured on a 2-core machine, PP2 with 2 virtual stages, 2 ranks (BENCHMARKS.md, MegaDPP):
+ahead 1.07x and 1.08x [1.02, 1.27] the batched transport's speed, within 4 % of the dynamic
+runtime (which posts ahead too); where other jobs overload the cores it can lose (0.69x in
+one such run: gloo's socket threads then move an early message while both ranks compute and
+take that time from them, where a lazy receive moves it while its receiver sits idle). It is
+not the default yet because MegaScan's slow-link attribution reads the batched timing: on a
+traced PP2 x DP2 run with a delayed link it names the reverse link under this transport.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from megatronapp.pipeline.actions import Action, ActionKind, virtual_stage
 SEND_KINDS = (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
 
 
-def resolve_recv_ahead(setting: bool | None, device_type: str) -> bool:
-    """Whether the static runtime posts receives ahead: `setting` if given (ValueError off the
-    CPU: NCCL needs the batches); None: on the CPU."""
+def resolve_recv_ahead(setting: bool, device_type: str) -> bool:
+    """Whether the static runtime posts receives ahead: `setting`; ValueError off the CPU (NCCL
+    needs the batches)."""
     if setting and device_type != "cpu":
         raise ValueError("receives posted ahead need gloo (the CPU): NCCL needs the schedule's batches")
-    return device_type == "cpu" if setting is None else setting
+    return setting
 
 
 def compute_message_ids(a: Action, pp_rank: int, pp_size: int) -> tuple[int, int, int]:

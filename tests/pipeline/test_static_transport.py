@@ -52,9 +52,9 @@ def test_a_bad_window_or_duplicate_receives_are_refused():
         PostedReceives([1, 1], lambda key: key)
 
 
-def test_receives_go_ahead_by_default_on_the_cpu_only():
-    assert resolve_recv_ahead(None, "cpu") and not resolve_recv_ahead(False, "cpu")
-    assert not resolve_recv_ahead(None, "cuda")  # NCCL needs the batches
+def test_receives_go_ahead_when_asked_and_only_on_the_cpu():
+    assert resolve_recv_ahead(True, "cpu") and not resolve_recv_ahead(False, "cpu")
+    assert not resolve_recv_ahead(False, "cuda")
     with pytest.raises(ValueError, match="NCCL"):
         resolve_recv_ahead(True, "cuda")
 

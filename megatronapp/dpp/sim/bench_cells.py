@@ -24,8 +24,8 @@ VARIANTS = {  # name: (schedule, virtual stages?, extra flags)
     "1f1b": ("1f1b", False, []),
     "interleaved": ("interleaved", True, []),
     # the same schedule on each static transport (pipeline/transport.py; "interleaved" takes the
-    # host's default): receives posted ahead, or each run of comm actions as one batch where
-    # the schedule has it (NCCL's; on gloo: receives posted lazily)
+    # default, batched): receives posted ahead, or each run of comm actions as one batch where
+    # the schedule has it (on gloo: receives posted lazily)
     "interleaved-ahead": ("interleaved", True, ["--pipeline-recv-ahead"]),
     "interleaved-batched": ("interleaved", True, ["--no-pipeline-recv-ahead"]),
     "breadth-first": ("looped-bfs", True, []),
@@ -142,10 +142,9 @@ def schedule_peaks(grid: CellGrid, variant: str) -> list[int]:
 
 def static_comm_model(grid: CellGrid, extra: list[str]) -> str:
     """The simulator's model of a static cell's transport (pipeline/transport.py): "eager" where
-    receives are posted ahead (the CPU's default), "rendezvous" where the schedule's batches are."""
-    if "--no-pipeline-recv-ahead" in extra or grid.device != "cpu":
-        return "rendezvous"
-    return "eager"
+    receives are posted ahead (--pipeline-recv-ahead), "rendezvous" where the schedule's batches
+    are (the default)."""
+    return "eager" if "--pipeline-recv-ahead" in extra and grid.device == "cpu" else "rendezvous"
 
 
 def predicted_step_s(grid: CellGrid, scenario: str, variant: str) -> float:

@@ -4,7 +4,7 @@
     `transfer_s` after its producer ended, whatever the receiver is doing. This is a static
     order run by a runtime that posts every receive ahead (as the dynamic runtime does);
   * "rendezvous": pipeline/transport.py's BatchedTransport on gloo
-    (--no-pipeline-recv-ahead; the default there is "eager"). Each maximal run of comm actions is
+    (the default; "eager" is --pipeline-recv-ahead). Each maximal run of comm actions is
     one batch, posted when the rank reaches it; a compute that consumes a received tensor
     waits for its *whole* batch (`batch_isend_irecv` works, sends included); a gloo send
     moves data only once the receiver has posted the matching recv (gloo's tcp pair queues

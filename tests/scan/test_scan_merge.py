@@ -417,6 +417,7 @@ def test_cli_trace_merge_runs_and_reports(tmp_path, capsys):
         "whatif",
         "report",
         "check",
+        "probe",
     }
 
 

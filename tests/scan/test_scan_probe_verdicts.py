@@ -111,6 +111,15 @@ def test_a_link_the_probe_measures_at_a_tenth_is_named_with_its_bandwidth(slow_l
     assert "Links measured" in text and "confirmed: the probe measured 98 MB/s" in text
 
 
+def test_a_link_the_trace_finds_and_the_probe_measures_below_a_quarter_passes_the_gate(slow_link_traces):
+    probe = ProbeResult((_link(0, 2, 98), *HEALTHY[1:]))
+    report = analyze_aligned(*slow_link_traces, probe=probe, config=DetectConfig(min_impact=0.99)).detection
+    assert _links_named(report) == [(0, 2)] and report.below_impact == ()
+    healthy_enough = ProbeResult((_link(0, 2, 400), *HEALTHY[1:]))  # slow by half, not by three quarters
+    gated = analyze_aligned(*slow_link_traces, probe=healthy_enough, config=DetectConfig(min_impact=0.99)).detection
+    assert _links_named(gated) == [] and [s.link for s in gated.below_impact] == [(0, 2)]
+
+
 def test_without_a_probe_the_link_finding_is_unconfirmed(slow_link_traces):
     report = analyze_aligned(*slow_link_traces).detection
     assert any(n.startswith("link 0->2 is unconfirmed: no link probe") for n in report.notes)

@@ -320,6 +320,10 @@ def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], busy: list[dict], 
             else 0.0
             for p in crit
         ]
+        if not intermittent and max(s.evidence.get("last_arrival_share", {}).values(), default=0.0) >= 0.5:
+            # its peers wait for it at most of its collectives, so its own excess is on the iteration's
+            # critical path even where the extracted path runs through a peer that waited for it
+            savings = [max(v, s.evidence.get("excess_ms_per_iteration", 0.0) * 1e6) for v in savings]
         floors = [max((v for r, v in b.items() if r != s.rank), default=0) for b in busy]
     else:
         savings = [paths.estimate_link_saving(p, s.link, links[s.link].peer_median_ns) for p in crit]

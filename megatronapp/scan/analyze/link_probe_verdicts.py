@@ -114,7 +114,10 @@ def apply_link_probe(report: DetectionReport, probe: ProbeResult | None, config:
             notes.append(f"link {s.link[0]}->{s.link[1]} is unconfirmed: the probe did not measure it")
             suspects.append(s)
         elif probe_agrees(row, config):
-            suspects.append(_with_probe(s, row, f"{s.evidence['summary']}; confirmed: {_measured(row)}"))
+            confirmed = _with_probe(s, row, f"{s.evidence['summary']}; confirmed: {_measured(row)}")
+            if row["ratio"] < SLOW_FRACTION:  # measured far below its peers: named whatever it costs today
+                confirmed = dataclasses.replace(confirmed, evidence={**confirmed.evidence, "probe_named": True})
+            suspects.append(confirmed)
         else:
             notes.append(f"link {s.link[0]}->{s.link[1]} looked slow in the trace but {_measured(row)}: not named")
     named = {s.link for s in suspects if s.link}

@@ -48,6 +48,8 @@ class RebalanceConfig:
     amortize_iters: int = 100  # iterations over which the saving must repay the move
     margin: float = 2.0  # ... this many times over
     first_move_cost_s: float = 1.0  # cost assumed for the first move; later moves use the last one measured
+    # the job's first iterations (allocator, lazy initialisation, caches) measure start-up, not speed
+    warmup_iters: int = 2
     memory_iters: int = 200  # a partition's measured iteration time vetoes the model's prediction this long
     memory_budget_gb: float | None = None  # per pipeline rank: params + fp32 master + Adam state of its layers
 
@@ -177,6 +179,8 @@ class LayerRebalancer:
         """Add one iteration's measurements (each rank's compute seconds, the iteration's seconds);
         a plan when the partition should change now."""
         self._iteration += 1
+        if self._iteration <= self.config.warmup_iters:
+            return None
         self._window = [*self._window, [max(rank_compute_s[r] for r in ranks) for ranks in self.ranks_of_stage]]
         self._steps = [*self._steps, step_s]
         if len(self._window) < self.config.window:

@@ -102,6 +102,8 @@ class MicrobatchRebalancer:
         """Add one iteration's measurements (each rank's compute seconds, the iteration's seconds);
         a plan when the split should change now."""
         self._iteration += 1
+        if self._iteration <= self.config.warmup_iters:
+            return None
         self._window = [*self._window, [max(rank_compute_s[r] for r in ranks) for ranks in self.ranks_of_replica]]
         self._steps = [*self._steps, step_s]
         if len(self._window) < self.config.window:

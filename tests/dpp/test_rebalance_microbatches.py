@@ -14,7 +14,7 @@ MODEL = ReplicaModel(dp_size=2, num_microbatches=4)
 
 def _rebalancer(config=None, model=MODEL) -> MicrobatchRebalancer:
     ranks = [[r] for r in range(model.dp_size)]
-    config = config or RebalanceConfig(mode="microbatches", first_move_cost_s=0.0)
+    config = config or RebalanceConfig(mode="microbatches", warmup_iters=0, first_move_cost_s=0.0)
     return MicrobatchRebalancer(config, model, ranks)
 
 
@@ -47,7 +47,7 @@ def test_a_replica_measured_twice_as_slow_gets_fewer_microbatches_after_one_wind
 
 def test_the_slowest_rank_of_a_replica_sets_its_speed():
     layout = [[0, 2], [1, 3]]  # replica 0: ranks 0 and 2 (its two pipeline stages), replica 1: 1 and 3
-    config = RebalanceConfig(mode="microbatches", first_move_cost_s=0.0)
+    config = RebalanceConfig(mode="microbatches", warmup_iters=0, first_move_cost_s=0.0)
     rebalancer = MicrobatchRebalancer(config, MODEL, layout)
     plans = [rebalancer.observe((4.0, 4.0, 1.0, 8.0), 8.0) for _ in range(config.window)]
     assert plans[-1].replica_microbatches == (5, 3)
@@ -62,7 +62,7 @@ def test_noise_on_balanced_replicas_never_moves_microbatches():
 
 
 def test_a_fault_that_goes_away_moves_the_microbatches_back():
-    config = RebalanceConfig(mode="microbatches", first_move_cost_s=0.0, memory_iters=20)
+    config = RebalanceConfig(mode="microbatches", warmup_iters=0, first_move_cost_s=0.0, memory_iters=20)
     rebalancer = _rebalancer(config)
     plan = [rebalancer.observe(_replica_times((4, 4), (1.0, 3.0)), 12.0) for _ in range(config.window)][-1]
     assert plan.replica_microbatches == (6, 2)
@@ -76,7 +76,9 @@ def test_a_fault_that_goes_away_moves_the_microbatches_back():
 
 
 def test_a_small_saving_does_not_undo_the_last_move():
-    rebalancer = _rebalancer(RebalanceConfig(mode="microbatches", first_move_cost_s=0.0, memory_iters=4))
+    rebalancer = _rebalancer(
+        RebalanceConfig(mode="microbatches", warmup_iters=0, first_move_cost_s=0.0, memory_iters=4)
+    )
     plan = [rebalancer.observe(_replica_times((4, 4), (1.0, 1.5)), 6.0) for _ in range(rebalancer.config.window)][-1]
     assert plan.replica_microbatches == (5, 3)
     rebalancer.moved(plan, seconds=0.01)
@@ -90,7 +92,9 @@ def test_a_split_that_ran_slower_when_tried_is_not_tried_again_while_the_measure
     """A quota-like fault: replica 1 is 3x slower per microbatch while loaded, but with one
     microbatch it stays under its quota and looks fast; the model then wants microbatches back,
     the measurements say no."""
-    rebalancer = _rebalancer(RebalanceConfig(mode="microbatches", first_move_cost_s=0.0, memory_iters=100))
+    rebalancer = _rebalancer(
+        RebalanceConfig(mode="microbatches", warmup_iters=0, first_move_cost_s=0.0, memory_iters=100)
+    )
     measured = {(4, 4): ((4.0, 12.0), 12.0), (6, 2): ((6.0, 5.0), 6.0), (7, 1): ((7.0, 1.1), 7.0)}
     moves = []
     for _ in range(80):
@@ -122,7 +126,9 @@ def test_all_moves_microbatches_off_a_slow_replica_and_leaves_the_balanced_stage
 
     job = make_job(4, pp=2, global_batch=8, micro_batch=1)  # DP2 x PP2, 4 microbatches per replica
     trainer = _SplitOnlyTrainer(job)
-    hook = build_rebalance_hook(RebalanceConfig(mode="all", window=2, first_move_cost_s=0.0), job, trainer)
+    hook = build_rebalance_hook(
+        RebalanceConfig(mode="all", warmup_iters=0, window=2, first_move_cost_s=0.0), job, trainer
+    )
     replica = [job.layout.coords(r).dp for r in range(4)]
     lines = []
     for it in range(1, 13):  # replica 1's ranks (1 and 3) take 3 s a microbatch, replica 0's 1 s
@@ -133,3 +139,14 @@ def test_all_moves_microbatches_off_a_slow_replica_and_leaves_the_balanced_stage
     moved = [line for line in lines if line]
     assert trainer.replica_microbatches == (6, 2) and len(moved) == 1, moved
     assert "microbatches per data-parallel replica 4,4 -> 6,2" in moved[0]
+
+
+def test_the_first_iterations_of_a_job_are_not_measurements_of_speed():
+    """A clean job whose first two iterations ran slow on one replica (start-up) keeps its split."""
+    rebalancer = _rebalancer(RebalanceConfig(mode="microbatches", first_move_cost_s=0.0, window=2))
+    startup = [(0.8, 0.1), (0.8, 0.1)]  # replica 0 slow while it warms up
+    steady = [(0.1, 0.1)] * 8
+    plans = [rebalancer.observe(compute, max(compute)) for compute in startup + steady]
+    assert plans == [None] * 10
+    eager = _rebalancer(RebalanceConfig(mode="microbatches", warmup_iters=0, first_move_cost_s=0.0, window=2))
+    assert any(eager.observe(c, max(c)) for c in startup + steady)  # not vacuous: counted, they would move

@@ -20,7 +20,9 @@ MODEL = StageModel(num_layers=8, pp_size=2, vpp_size=1, head_layers=0.0, bytes_p
 
 def _rebalancer(config=None, model=MODEL, stage_layers=(4, 4)) -> LayerRebalancer:
     ranks = [[p] for p in range(model.pp_size)]
-    return LayerRebalancer(config or RebalanceConfig(mode="layers", first_move_cost_s=0.0), model, stage_layers, ranks)
+    return LayerRebalancer(
+        config or RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0), model, stage_layers, ranks
+    )
 
 
 def test_the_plan_minimises_the_slowest_stage():
@@ -42,12 +44,14 @@ def test_a_memory_budget_caps_what_a_stage_is_given():
     with pytest.raises(RebalanceConfigError, match="memory budget"):
         plan_rank_layers(MODEL, [1.0, 1.0], max_layers=[3, 3])
     # through the config: 5 layers of 1 MiB fit 5 MiB, not 6
-    rebalancer = _rebalancer(RebalanceConfig(mode="layers", first_move_cost_s=0.0, memory_budget_gb=5 / 1024))
+    rebalancer = _rebalancer(
+        RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0, memory_budget_gb=5 / 1024)
+    )
     assert rebalancer.propose([4.0, 12.0]).rank_layers == (5, 3)
 
 
 def test_a_persistently_slow_stage_moves_layers_after_one_window_then_back_when_it_recovers():
-    config = RebalanceConfig(mode="layers", first_move_cost_s=0.0, memory_iters=20)
+    config = RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0, memory_iters=20)
     rebalancer = _rebalancer(config)
     plans = [rebalancer.observe((4.0, 12.0), 13.0) for _ in range(rebalancer.config.window)]
     assert plans[:-1] == [None] * (rebalancer.config.window - 1)
@@ -65,7 +69,7 @@ def test_a_persistently_slow_stage_moves_layers_after_one_window_then_back_when_
 
 def test_a_small_saving_does_not_undo_the_last_move():
     # no memory of earlier windows: only the reversal bar stands in the way
-    rebalancer = _rebalancer(RebalanceConfig(mode="layers", first_move_cost_s=0.0, memory_iters=4))
+    rebalancer = _rebalancer(RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0, memory_iters=4))
     plan = [rebalancer.observe((4.0, 8.0), 1.0) for _ in range(rebalancer.config.window)][-1]
     rebalancer.moved(plan, seconds=0.1)
     assert plan.rank_layers == (5, 3)
@@ -78,7 +82,7 @@ def test_a_partition_that_ran_slower_when_tried_is_not_tried_again_while_the_mea
     """A quota-like fault: stage 1 is 4x slower per layer while loaded, but a stage holding one
     layer stays under its quota and looks fast; the model then wants layers back, the
     measurements say no."""
-    rebalancer = _rebalancer(RebalanceConfig(mode="layers", first_move_cost_s=0.0, memory_iters=100))
+    rebalancer = _rebalancer(RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0, memory_iters=100))
     window = rebalancer.config.window
     moves = []
     for _ in range(60):
@@ -101,7 +105,7 @@ def test_noise_on_a_balanced_pipeline_never_moves_layers():
 
 
 def test_a_move_must_repay_its_cost():
-    rebalancer = _rebalancer(RebalanceConfig(mode="layers", first_move_cost_s=1000.0))
+    rebalancer = _rebalancer(RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=1000.0))
     assert all(rebalancer.observe((4.0, 8.0), 1.0) is None for _ in range(50))  # saves 3 s x 100 < 2 x 1000 s
     assert rebalancer.propose([4.0, 8.0]).rank_layers == (5, 3)
 

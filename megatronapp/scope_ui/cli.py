@@ -164,10 +164,11 @@ def _serve(backend, cfg, load: str) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
-    print(f"MegaScope UI ({load}): {server.url}  (Ctrl-C stops it)", flush=True)
-    try:
+    try:  # a Ctrl-C may come as soon as the line is out, before uvicorn handles signals
+        print(f"MegaScope UI ({load}): {server.url}  (Ctrl-C stops it)", flush=True)
         server.run()
     except KeyboardInterrupt:  # uvicorn shuts down on the first Ctrl-C, then re-raises it
+        server.sock.close()
         print("MegaScope UI stopped", flush=True)
     return 0
 

@@ -60,7 +60,8 @@ def test_a_split_records_the_detector_and_draws_every_kind_and_layout_family(tmp
     for sc in doc["scenarios"]:
         if sc["kind"] in ("slow_link", "two_faults"):
             link = next(t[1] for t in sc["truth"] if t[0] == "slow_link")
-            assert sc["nodes"] == 4 and link[0] != link[1]
+            tp, pp, dp = (int(part[2:]) for part in sc["layout"].split()[1:])
+            assert sc["nodes"] == tp * pp * dp and abs(link[0] - link[1]) == tp * dp  # pipeline neighbours
     with pytest.raises(frozen.FrozenSplitError, match="already frozen"):
         frozen.freeze_split(split, tmp_path / "thresholds.json", 1, 1)
 
@@ -86,6 +87,44 @@ def test_a_split_runs_once(tmp_path, monkeypatch):
     (split / "results.jsonl").write_text("")
     with pytest.raises(frozen.FrozenSplitError, match="has run already"):
         frozen_run.run_split(split, tmp_path / "work")
+
+
+def test_a_cut_split_resumes_with_the_runs_it_has_not_recorded(tmp_path, monkeypatch):
+    split, _ = _frozen_split(tmp_path, monkeypatch)
+    scenarios = json.loads((split / "split.json").read_text())["scenarios"]
+    ran = []
+
+    def fake_run(sc, thresholds, work_dir, timeout_s):
+        ran.append(sc["index"])
+        return {
+            "index": sc["index"],
+            "kind": sc["kind"],
+            "layout": sc["layout"],
+            "truth": sc["truth"],
+            "error": "",
+            "suspects": [],
+        }
+
+    monkeypatch.setattr(frozen_run, "run_scenario", fake_run)
+    results = split / "results.jsonl"
+    append_record(results, fake_run(scenarios[0], {}, None, 0))
+    with results.open("a") as f:
+        f.write('{"index": 1, "kind"')  # a run killed while its line was written
+    ran.clear()
+    frozen_run.run_split(split, tmp_path / "work", log=lambda _: None, resume=True)
+    assert ran == [sc["index"] for sc in scenarios[1:]]
+    assert [r["index"] for r in frozen_run.load_records(results)] == [sc["index"] for sc in scenarios]
+    ran.clear()
+    frozen_run.run_split(split, tmp_path / "work", log=lambda _: None, resume=True)
+    assert ran == []  # nothing is ever run twice
+
+
+def test_slow_links_of_a_split_run_either_way_at_degraded_rates():
+    links = [sc for sc in frozen.plan_split(seed=5, runs_per_kind=40, clean_runs=0) if sc["kind"] == "slow_link"]
+    faults = [next(f for f in sc["faults"] if f["type"] == "slow_link") for sc in links]
+    assert {f["rate_mbit"] for f in faults} == set(frozen.LINK_RATES_MBIT)
+    assert any(f["src"] < f["dst"] for f in faults) and any(f["src"] > f["dst"] for f in faults)
+    assert "engine TP2 PP2 DP2" in {sc["layout"] for sc in links}
 
 
 def test_scores_per_kind_and_layout_with_intervals():

@@ -77,7 +77,8 @@ def test_ranks_sharing_no_collective_get_a_note_not_a_clean_verdict():
 def _trace_ddp_script(trace_dir: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "SLOW_RANK": "2", "LOCAL_STEPS": "3"}
     command = [sys.executable, "-m", "megatronapp.cli.main", "trace", "run", "--nproc-per-node", "4"]
-    command += ["--trace-dir", str(trace_dir), "--json", "--", "tests/scan/scripts/ddp_local_steps.py", "--steps", "12"]
+    command += ["--trace-dir", str(trace_dir), "--json", "--", "tests/scan/scripts/ddp_local_steps.py", "--steps", "16"]
+    command += ["--extra", "10"]  # about 2.6x its peers' forward: clear of four ranks sharing two cores
     return subprocess.run(command, capture_output=True, text=True, timeout=480, env=env, cwd=ROOT)
 
 

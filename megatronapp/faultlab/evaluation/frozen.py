@@ -18,12 +18,13 @@ gets a new split. The working tree must be clean when freezing (else the commit 
 what ran). Tune on design splits only; a held-out split is frozen after tuning and quoted as is.
 
 Scenarios (all real faults): none and noise (a busy loop per core) as clean runs; slow_rank (a
-cgroup quota or a competing pinned process, 2.5-6x below the rank's fair share of CPU);
+cgroup quota or a competing pinned process, 2.5-6x below the rank's fair share of CPU, on any rank);
 intermittent (the same for 300 ms of every 2 s... 1 s, on a job of 300 iterations); user_straggler (extra matmuls in one
 rank's step of the DDP or FSDP2 example under `trace run`, 0.3-2x the step: STEP_IN_MATMULS); slow_link (a PP engine job with each
-rank in its own namespace, one pipeline link rate-limited to 10-40 Mbit/s); two_faults (a slow
-rank and a slow link). Layouts: engine TP/PP/DP mixes of 4 ranks and the DDP/FSDP2 examples at
-dp 2 and 4. One run is one lab job (~15-35 s on an idle 2-core machine), run one at a time.
+rank in its own namespace, one pipeline link in either direction rate-limited to 100, 200 or 500
+Mbit/s); two_faults (a slow rank and a slow link). Layouts: engine TP/PP/DP mixes of 4 ranks and
+TP2 PP2 DP2, and the DDP/FSDP2 examples at dp 2 and 4. One run is one lab job (~15-45 s on an idle
+2-core machine), run one at a time; `run --resume` continues a split cut short (a part per sitting).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[3]  # the repository: examples/ and test
 
 KINDS = ("none", "noise", "slow_rank", "intermittent", "user_straggler", "slow_link", "two_faults")
 CLEAN_KINDS = ("none", "noise")
-ENGINE_LAYOUTS = ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1), (1, 1, 4))  # (tp, pp, dp), 4 ranks
+ENGINE_LAYOUTS = ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1), (1, 1, 4), (2, 2, 2))  # (tp, pp, dp)
+LINK_RATES_MBIT = (100, 200, 500)  # a degraded link, not a dead one: 4-40x below veth's rate with its ~32 KiB messages
 SCRIPT_LAYOUTS = (("ddp", 2), ("ddp", 4), ("fsdp2", 2), ("fsdp2", 4))
 SCRIPTS = {
     "ddp": ("examples/ddp_train.py", ("--steps", "16", "--hidden", "768", "--batch", "96")),
@@ -159,8 +161,9 @@ def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
     }
     if kind == "noise":
         sc["faults"].append({"type": "noise"})
+    world = tp * pp * dp
     if kind in ("slow_rank", "intermittent", "two_faults"):
-        rank = rng.randrange(4)
+        rank = rng.randrange(world)
         fault = {
             "type": "slow_rank",
             "rank": rank,
@@ -172,11 +175,12 @@ def draw_scenario(rng: random.Random, index: int, kind: str) -> dict:
         sc["faults"].append(fault)
         sc["truth"].append(["slow_compute", rank])
     if pp_needed:
-        src, stage = rng.randrange(4), tp * dp  # global rank = tp + dp * TP + pp * TP * DP
-        dst = src + stage if src // stage < pp - 1 else src - stage  # a pipeline neighbour
-        sc["faults"].append({"type": "slow_link", "src": src, "dst": dst, "rate_mbit": rng.choice([10, 20, 40])})
+        src, stage = rng.randrange(world), tp * dp  # global rank = tp + dp * TP + pp * TP * DP
+        forward = src // stage < pp - 1 if src // stage in (0, pp - 1) else rng.random() < 0.5
+        dst = src + stage if forward else src - stage  # a pipeline neighbour, either direction
+        sc["faults"].append({"type": "slow_link", "src": src, "dst": dst, "rate_mbit": rng.choice(LINK_RATES_MBIT)})
         sc["truth"].append(["slow_link", [src, dst]])
-        sc["nodes"] = 4
+        sc["nodes"] = world
     return sc
 
 

@@ -50,9 +50,8 @@ def build_plan(sc: dict):
 
 def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -> dict:
     from megatronapp.faultlab import run_lab
-    from megatronapp.scan.analyze.detect import detect
     from megatronapp.scan.analyze.detect_config import DetectConfig
-    from megatronapp.scan.analyze.load_align_detect import load_aligned_traces
+    from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
 
     run_dir = work_dir / f"run{sc['index']}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -70,41 +69,72 @@ def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -
     if result.returncode != 0:
         record["error"] = f"job exit {result.returncode}"
         return record
-    try:
-        aligned, _ = load_aligned_traces(run_dir / "trace")
-        report = detect(aligned, config=DetectConfig(**thresholds))
+    try:  # what `trace detect` says of the run: iterations joined, the link probe read, the impact gate
+        report = analyze_trace_dir(run_dir / "trace", DetectConfig(**thresholds)).detection
     except (OSError, ValueError) as exc:
         record["error"] = f"detect: {str(exc).splitlines()[0]}"
         return record
-    record["suspects"] = [
-        {"cause": s.cause, "rank": s.rank, "link": list(s.link) if s.link else None} for s in report.suspects
-    ]
+    record["suspects"] = [_named(s) for s in report.suspects]
+    record["below_impact"] = [_named(s) for s in report.below_impact]  # for diagnosis; never scored
+    record["links_measured"] = [dict(link) for link in report.links_measured]
     if named_causes(record["suspects"]) == _truth(record):  # a wrong verdict keeps its trace, for diagnosis
         shutil.rmtree(run_dir, ignore_errors=True)
     return record
 
 
-def run_split(split_dir: Path, work_dir: Path, timeout_s: float = 150.0, log=print) -> Path:
-    """Run every scenario of a frozen split once; refused if it ran (even partly) before, or if the
-    working tree has uncommitted changes. The detector version is checked again before each
-    run: a commit or a thresholds edit mid-split stops it (the split is then spent)."""
+def _named(suspect) -> dict:
+    return {"cause": suspect.cause, "rank": suspect.rank, "link": list(suspect.link) if suspect.link else None}
+
+
+def run_split(
+    split_dir: Path,
+    work_dir: Path,
+    timeout_s: float = 150.0,
+    log=print,
+    resume: bool = False,
+    budget_s: float = 0.0,
+) -> Path:
+    """Run every scenario of a frozen split once; refused if it ran (even partly) before, unless
+    `resume` (then the scenarios not yet recorded run, in the split's order), or if the working
+    tree has uncommitted changes. The detector version is checked again before each run: a
+    commit or a thresholds edit mid-split stops it (the split is then spent; a split run in parts
+    runs from a worktree checked out at its frozen commit). `budget_s` > 0 starts no run after
+    that many seconds, so a long split runs in parts."""
     split = load_split(split_dir)
     if frozen.detector_version(Path(split["thresholds_file"]))["dirty"]:
         raise FrozenSplitError("the working tree has uncommitted changes: what runs would not be what was frozen")
     results = Path(split_dir) / "results.jsonl"
-    if results.exists():
-        raise FrozenSplitError(f"{split_dir} has run already ({results}): a split runs once")
-    results.touch()
+    if results.exists() and not resume:
+        raise FrozenSplitError(f"{split_dir} has run already ({results}): a split runs once (--resume continues it)")
+    done = {r["index"] for r in load_records(results)} if results.exists() else set()
+    _drop_truncated_line(results)
+    start = time.monotonic()
     for sc in split["scenarios"]:
+        if sc["index"] in done:
+            continue
+        if budget_s and time.monotonic() - start > budget_s:
+            log(f"budget of {budget_s:.0f} s spent: {len(split['scenarios']) - len(done)} runs left (--resume)")
+            break
         load_split(split_dir)
         t0 = time.monotonic()
         record = run_scenario(sc, split["thresholds"], Path(work_dir), timeout_s)
         append_record(results, record)
+        done.add(sc["index"])
         log(
             f"run {sc['index']} {sc['kind']} {sc['layout']}: {record['error'] or record['suspects']} "
             f"({time.monotonic() - t0:.0f} s)"
         )
     return results
+
+
+def _drop_truncated_line(results: Path) -> None:
+    """Create `results`, or cut the part line a killed run left at its end (load_records skipped
+    it), so the next record starts on a line of its own."""
+    from megatronapp.files import write_text_atomic
+
+    text = results.read_text() if results.exists() else ""
+    if not text.endswith("\n"):
+        write_text_atomic(results, text[: text.rfind("\n") + 1])
 
 
 def _truth(record: dict) -> set:

@@ -94,7 +94,7 @@ def test_a_cut_split_resumes_with_the_runs_it_has_not_recorded(tmp_path, monkeyp
     scenarios = json.loads((split / "split.json").read_text())["scenarios"]
     ran = []
 
-    def fake_run(sc, thresholds, work_dir, timeout_s):
+    def fake_run(sc, thresholds, work_dir, timeout_s, keep_traces=False):
         ran.append(sc["index"])
         return {
             "index": sc["index"],

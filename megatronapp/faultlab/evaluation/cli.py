@@ -311,7 +311,9 @@ def cmd_frozen(args) -> int:
         # a SIGTERM must unwind through the lab's finally blocks (cgroups, namespaces, busy loops)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         work_dir = Path(args.work_dir or tempfile.mkdtemp())
-        results = frozen_run.run_split(Path(args.split), work_dir, resume=args.resume, budget_s=args.budget_s)
+        results = frozen_run.run_split(
+            Path(args.split), work_dir, resume=args.resume, budget_s=args.budget_s, keep_traces=args.keep_traces
+        )
         print(f"results: {results}")
     else:
         print(frozen_run.write_report(Path(args.split)).read_text(), end="")
@@ -337,6 +339,7 @@ def _add_frozen_parser(sub) -> None:
     fz.add_argument("--work-dir", help="run: where traces go while detected")
     fz.add_argument("--resume", action="store_true", help="run: the scenarios a cut run has not recorded")
     fz.add_argument("--budget-s", type=float, default=0.0, help="run: start no run after this many seconds")
+    fz.add_argument("--keep-traces", action="store_true", help="run: keep every run's trace (design splits)")
     fz.set_defaults(func=cmd_frozen)
 
 

@@ -48,7 +48,7 @@ def build_plan(sc: dict):
     return LabPlan(lab_job, tuple(faults), nodes=sc.get("nodes", 0), tag=f"ev{sc['index']}")
 
 
-def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -> dict:
+def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float, keep_traces: bool = False) -> dict:
     from megatronapp.faultlab import run_lab
     from megatronapp.scan.analyze.detect_config import DetectConfig
     from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
@@ -77,7 +77,7 @@ def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float) -
     record["suspects"] = [_named(s) for s in report.suspects]
     record["below_impact"] = [_named(s) for s in report.below_impact]  # for diagnosis; never scored
     record["links_measured"] = [dict(link) for link in report.links_measured]
-    if named_causes(record["suspects"]) == _truth(record):  # a wrong verdict keeps its trace, for diagnosis
+    if not keep_traces and named_causes(record["suspects"]) == _truth(record):  # a wrong one stays, for diagnosis
         shutil.rmtree(run_dir, ignore_errors=True)
     return record
 
@@ -93,13 +93,15 @@ def run_split(
     log=print,
     resume: bool = False,
     budget_s: float = 0.0,
+    keep_traces: bool = False,
 ) -> Path:
     """Run every scenario of a frozen split once; refused if it ran (even partly) before, unless
     `resume` (then the scenarios not yet recorded run, in the split's order), or if the working
     tree has uncommitted changes. The detector version is checked again before each run: a
     commit or a thresholds edit mid-split stops it (the split is then spent; a split run in parts
     runs from a worktree checked out at its frozen commit). `budget_s` > 0 starts no run after
-    that many seconds, so a long split runs in parts."""
+    that many seconds, so a long split runs in parts. `keep_traces` keeps every run's trace (a
+    design split re-judged offline while tuning), not only the wrongly judged ones."""
     split = load_split(split_dir)
     if frozen.detector_version(Path(split["thresholds_file"]))["dirty"]:
         raise FrozenSplitError("the working tree has uncommitted changes: what runs would not be what was frozen")
@@ -117,7 +119,7 @@ def run_split(
             break
         load_split(split_dir)
         t0 = time.monotonic()
-        record = run_scenario(sc, split["thresholds"], Path(work_dir), timeout_s)
+        record = run_scenario(sc, split["thresholds"], Path(work_dir), timeout_s, keep_traces)
         append_record(results, record)
         done.add(sc["index"])
         log(

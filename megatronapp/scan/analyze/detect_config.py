@@ -122,6 +122,8 @@ class DetectConfig:
     ambiguity_tolerance: float = 0.1  # two related suspects whose savings agree this closely explain the same time
     probe_agree_ratio: float = 0.5  # a trace's slow link is confirmed by a probe measuring it below this share of
     # its comparable links' bandwidth; below probe.SLOW_FRACTION a measured link is named whatever it costs
+    descheduled_min_ratio: float = 2.5  # a rank the rules missed is named by its measured run-queue delay when that
+    # is this many times its peers' (measured_ranks.py): ranks sharing cores all wait for CPU, ~1.2-2x each other
     compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
     link_rule: Callable[[p2p.LinkStats, DetectConfig], bool] = is_slow_link
     arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
@@ -136,6 +138,7 @@ class DetectConfig:
             "strong_link_ratio",
             "edge_stage_allowance",
             "intermittent_min_ratio",
+            "descheduled_min_ratio",
         ):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")

@@ -20,6 +20,7 @@ from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport
 from megatronapp.scan.analyze.impact_gate import apply_impact_gate
 from megatronapp.scan.analyze.iteration_keys import align_iterations
 from megatronapp.scan.analyze.link_probe_verdicts import apply_link_probe
+from megatronapp.scan.analyze.measured_ranks import add_measured_ranks
 from megatronapp.scan.merge.align import AlignmentReport, align_traces
 from megatronapp.scan.probe_config import ProbeResult, load_probe
 from megatronapp.scan.record.format import RankTrace, load_trace_dir
@@ -48,13 +49,15 @@ def analyze_aligned(
 ) -> TraceAnalysis:
     """Detection on traces align_traces already put on one timeline, their iterations first joined
     by the collectives and messages they share (iteration_keys.py); then the link probe's verdicts
-    (`probe`: the run's probe.json, None without one) and the impact gate."""
+    (`probe`: the run's probe.json, None without one), the slow ranks the time budget measures
+    (measured_ranks.py) and the impact gate."""
     keyed, iterations = align_iterations(aligned)
     detection = detect(keyed, config=config)
     detection = dataclasses.replace(
         detection, notes=(*iterations.notes, *detection.notes), unjoined_ranks=iterations.unjoined
     )
-    detection = apply_impact_gate(apply_link_probe(detection, probe, config), config)
+    detection = add_measured_ranks(apply_link_probe(detection, probe, config), keyed, config)
+    detection = apply_impact_gate(detection, config)
     return TraceAnalysis(keyed, alignment, detection)
 
 

@@ -23,9 +23,9 @@ measurement is old, so a fault that goes away moves the layers back after at mos
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
+from megatronapp.dpp.rebalance_window import MeasurementWindow
 from megatronapp.flags import Flag
 
 REBALANCE_MODES = ("off", "layers", "microbatches", "all")  # all: layers and microbatches
@@ -52,6 +52,10 @@ class RebalanceConfig:
     warmup_iters: int = 2
     memory_iters: int = 200  # a partition's measured iteration time vetoes the model's prediction this long
     memory_budget_gb: float | None = None  # per pipeline rank: params + fp32 master + Adam state of its layers
+
+    def measurement_window(self) -> MeasurementWindow:
+        """A fresh window of this config's sizes (dpp/rebalance_window.py)."""
+        return MeasurementWindow(self.warmup_iters, self.window, self.memory_iters)
 
     def __post_init__(self) -> None:
         if self.mode not in REBALANCE_MODES:
@@ -170,36 +174,26 @@ class LayerRebalancer:
     previous_layers: tuple[int, ...] | None = None  # the partition before the last move
     # partition -> (median iteration seconds measured in it, iteration it was measured at)
     measured: dict[tuple[int, ...], tuple[float, int]] = field(default_factory=dict)
-    _window: list[list[float]] = field(default_factory=list)
-    _steps: list[float] = field(default_factory=list)
-    _iteration: int = 0
-    _speeds: list[tuple[int, list[float]]] = field(default_factory=list)  # (iteration, seconds per layer unit)
+    measurements: MeasurementWindow | None = None  # None: the config's (RebalanceConfig.measurement_window)
+
+    def __post_init__(self) -> None:
+        self.measurements = self.measurements or self.config.measurement_window()
 
     def observe(self, rank_compute_s: tuple[float, ...], step_s: float) -> Plan | None:
         """Add one iteration's measurements (each rank's compute seconds, the iteration's seconds);
         a plan when the partition should change now."""
-        self._iteration += 1
-        if self._iteration <= self.config.warmup_iters:
+        medians = self.measurements.add(rank_compute_s, self.ranks_of_stage, step_s)
+        if medians is None:
             return None
-        self._window = [*self._window, [max(rank_compute_s[r] for r in ranks) for ranks in self.ranks_of_stage]]
-        self._steps = [*self._steps, step_s]
-        if len(self._window) < self.config.window:
-            return None
-        self._window, self._steps = self._window[-self.config.window :], self._steps[-self.config.window :]
-        self.measured[self.stage_layers] = (statistics.median(self._steps), self._iteration)
-        plan = self.propose([statistics.median(col) for col in zip(*self._window)])
+        stage_s, self.measured[self.stage_layers] = medians[0], (medians[1], self.measurements.iteration)
+        plan = self.propose(stage_s)
         return plan if plan is not None and self._worth_it(plan) and not self._measured_worse(plan) else None
 
     def propose(self, stage_s: list[float]) -> Plan | None:
         """The best partition for measured stage times under the partition in force (None: no change)."""
         current = compute_rank_layers(self.stage_layers, self.model.pp_size)
         extras = self.model.extras()
-        now = [t / (n + e) for t, n, e in zip(stage_s, current, extras)]
-        self._speeds = [(i, v) for i, v in self._speeds if self._iteration - i <= self.config.memory_iters]
-        self._speeds.append((self._iteration, now))
-        # a stage is as slow per layer as it was lately measured at its slowest: a stage relieved of
-        # layers can hide a throughput cap (a CPU quota) that comes back with the load
-        speeds = [max(v[p] for _, v in self._speeds) for p in range(self.model.pp_size)]
+        speeds = self.measurements.remember([t / (n + e) for t, n, e in zip(stage_s, current, extras)])
         cap = None
         if self.config.memory_budget_gb is not None:
             cap = [int(self.config.memory_budget_gb * 2**30 // self.model.bytes_per_layer)] * self.model.pp_size
@@ -216,7 +210,8 @@ class LayerRebalancer:
         return compute_worth_moving(self.config, plan, self.last_move_s, plan.stage_layers == self.previous_layers)
 
     def _measured_worse(self, plan: Plan) -> bool:
-        return compute_measured_worse(self.config, self.measured, plan.stage_layers, self.stage_layers, self._iteration)
+        iteration = self.measurements.iteration
+        return compute_measured_worse(self.config, self.measured, plan.stage_layers, self.stage_layers, iteration)
 
     def moved(self, plan: Plan, seconds: float) -> None:
         """The move of `plan` happened and took `seconds`: measure afresh in the new partition."""
@@ -226,7 +221,7 @@ class LayerRebalancer:
 
     def restart(self) -> None:
         """Measure afresh (the work moved, here or between replicas)."""
-        self._window, self._steps = [], []
+        self.measurements.restart()
 
 
 def compute_worth_moving(config: RebalanceConfig, plan, last_move_s: float | None, reverses: bool) -> bool:

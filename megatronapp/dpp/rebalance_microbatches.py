@@ -21,10 +21,10 @@ exactly: the gradient stays the balanced run's (engine/replica_split.py).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
 from megatronapp.dpp.rebalance import RebalanceConfig, compute_measured_worse, compute_worth_moving
+from megatronapp.dpp.rebalance_window import MeasurementWindow
 
 
 @dataclass(frozen=True)
@@ -90,40 +90,31 @@ class MicrobatchRebalancer:
     previous_split: tuple[int, ...] | None = None  # the split before the last move
     # split -> (median iteration seconds measured under it, iteration it was measured at)
     measured: dict[tuple[int, ...], tuple[float, int]] = field(default_factory=dict)
-    _window: list[list[float]] = field(default_factory=list)
-    _steps: list[float] = field(default_factory=list)
-    _iteration: int = 0
-    _speeds: list[tuple[int, list[float]]] = field(default_factory=list)  # (iteration, seconds per microbatch)
+    measurements: MeasurementWindow | None = None  # None: the config's (RebalanceConfig.measurement_window)
 
     def __post_init__(self) -> None:
         self.split = self.split or self.model.balanced
+        self.measurements = self.measurements or self.config.measurement_window()
 
     def observe(self, rank_compute_s: tuple[float, ...], step_s: float) -> MicrobatchPlan | None:
         """Add one iteration's measurements (each rank's compute seconds, the iteration's seconds);
         a plan when the split should change now."""
-        self._iteration += 1
-        if self._iteration <= self.config.warmup_iters:
+        medians = self.measurements.add(rank_compute_s, self.ranks_of_replica, step_s)
+        if medians is None:
             return None
-        self._window = [*self._window, [max(rank_compute_s[r] for r in ranks) for ranks in self.ranks_of_replica]]
-        self._steps = [*self._steps, step_s]
-        if len(self._window) < self.config.window:
-            return None
-        self._window, self._steps = self._window[-self.config.window :], self._steps[-self.config.window :]
-        self.measured[self.split] = (statistics.median(self._steps), self._iteration)
-        plan = self.propose([statistics.median(col) for col in zip(*self._window)])
+        iteration = self.measurements.iteration
+        self.measured[self.split] = (medians[1], iteration)
+        plan = self.propose(medians[0])
         if plan is None or not compute_worth_moving(self.config, plan, self.last_move_s, self._reverses(plan)):
             return None
         measured_worse = compute_measured_worse(
-            self.config, self.measured, plan.replica_microbatches, self.split, self._iteration
+            self.config, self.measured, plan.replica_microbatches, self.split, iteration
         )
         return None if measured_worse else plan
 
     def propose(self, replica_s: list[float]) -> MicrobatchPlan | None:
         """The best split for measured replica times under the split in force (None: no change)."""
-        now = [t / m for t, m in zip(replica_s, self.split)]
-        self._speeds = [(i, v) for i, v in self._speeds if self._iteration - i <= self.config.memory_iters]
-        self._speeds.append((self._iteration, now))
-        speeds = [max(v[r] for _, v in self._speeds) for r in range(self.model.dp_size)]
+        speeds = self.measurements.remember([t / m for t, m in zip(replica_s, self.split)])
         planned = plan_replica_microbatches(self.model, speeds, self.split)
         current_s = max(compute_replica_times(speeds, self.split))
         predicted = max(compute_replica_times(speeds, planned))
@@ -144,4 +135,4 @@ class MicrobatchRebalancer:
 
     def restart(self) -> None:
         """Measure afresh (the work moved, here or between pipeline stages)."""
-        self._window, self._steps = [], []
+        self.measurements.restart()

@@ -113,14 +113,17 @@ def test_a_two_node_job_merges_into_one_timeline(tmp_path, source):
     assert_perfetto_reads_flows(tmp_path / "timeline.json", summary.flows)
 
 
-def _rebalanced_run(tmp_path: Path, faults: tuple) -> list[dict]:
+def _rebalanced_run(tmp_path: Path, faults: tuple, mode: str = "layers") -> list[dict]:
+    """The metrics rows of a rebalancing engine job: PP2 of 8 demo layers moving layers, or DP2 of
+    4 layers moving microbatches of a global batch of 8."""
     import json
 
     metrics = tmp_path / "metrics.jsonl"
-    extra = ("--model", "demo", "--num-layers", "8", "--global-batch-size", "4", "--micro-batch-size", "1")
-    extra += ("--log-interval", "1", "--dpp-rebalance", "layers", "--dpp-rebalance-window", "4")
-    plan = LabPlan(EngineJob(1, 2, 1, iters=36, extra=extra + ("--metrics-file", str(metrics))), faults, tag="rebal")
-    _run(plan, tmp_path, timeout_s=240.0)
+    layers, batch, (tp, pp, dp), iters = ("8", "4", (1, 2, 1), 36) if mode == "layers" else ("4", "8", (1, 1, 2), 24)
+    extra = ("--model", "demo", "--num-layers", layers, "--global-batch-size", batch, "--micro-batch-size", "1")
+    extra += ("--log-interval", "1", "--dpp-rebalance", mode, "--dpp-rebalance-window", "4")
+    job = EngineJob(tp, pp, dp, iters=iters, extra=(*extra, "--metrics-file", str(metrics)))
+    _run(LabPlan(job, faults, tag=f"reb{mode[0]}"), tmp_path, timeout_s=240.0)
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
@@ -149,22 +152,11 @@ def test_a_clean_pipeline_with_rebalancing_on_never_moves_layers(tmp_path):
     assert not [r for r in rows if r.get("rebalance")]
 
 
-def _replica_rebalanced_run(tmp_path: Path, faults: tuple) -> list[dict]:
-    import json
-
-    metrics = tmp_path / "metrics.jsonl"
-    extra = ("--model", "demo", "--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "1")
-    extra += ("--log-interval", "1", "--dpp-rebalance", "microbatches", "--dpp-rebalance-window", "4")
-    plan = LabPlan(EngineJob(1, 1, 2, iters=24, extra=extra + ("--metrics-file", str(metrics))), faults, tag="rebmb")
-    _run(plan, tmp_path, timeout_s=240.0)
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
-
-
 def test_microbatches_move_off_a_replica_under_a_cpu_quota_and_the_step_gets_faster(tmp_path):
     """DP2, replica 1 at a quarter of a core: the planner gives it fewer of the global batch's 8
     microbatches within a few windows, and the iterations after the move are faster than before."""
     _need_cgroups()
-    rows = _replica_rebalanced_run(tmp_path, (SlowRank(1, "quota", factor=4.0),))
+    rows = _rebalanced_run(tmp_path, (SlowRank(1, "quota", factor=4.0),), "microbatches")
     moves = [r for r in rows if r.get("rebalance")]
     assert moves, [r["rank_compute_s"] for r in rows]
     first = moves[0]["rebalance"]
@@ -180,7 +172,7 @@ def test_microbatches_move_off_a_replica_under_a_cpu_quota_and_the_step_gets_fas
 
 def test_clean_replicas_with_microbatch_rebalancing_on_never_move_microbatches(tmp_path):
     _need_root()
-    rows = _replica_rebalanced_run(tmp_path, ())
+    rows = _rebalanced_run(tmp_path, (), "microbatches")
     assert not [r for r in rows if r.get("rebalance")]
 
 

@@ -47,8 +47,8 @@ thresholds and verdict rules in detect_config.py, the report as text or JSON in 
      (ratio - 1) / (strong ratio - 1) capped at 1. Order: confidence, then saving.
   5. What-if (detect_path): the iteration time if the suspect were as fast as its peers,
      from each iteration's critical path; every link gets one, named or not (for the probe).
-  After `detect`, load_align_detect applies the link probe's verdicts (link_probe_verdicts.py)
-  and the impact gate (impact_gate.py).
+  After `detect`, load_align_detect applies the link probe's verdicts (link_probe_verdicts.py),
+  the slow ranks the time budget measures (measured_ranks.py) and the impact gate (impact_gate.py).
 """
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ from megatronapp.scan.analyze.detect_config import (
     is_intermittent,
 )
 from megatronapp.scan.analyze.detect_intermittent import compare_intermittent
+from megatronapp.scan.analyze.detect_notes import cold_notes, compute_victims, coverage_notes, negligible_note
 from megatronapp.scan.analyze.detect_rules import to_ms
 from megatronapp.scan.analyze.verdict_filters import drop_echoes, root_causes_first
 from megatronapp.scan.merge.matching import index_comm_events
 
 _BASIS_WEIGHT = {"dp_replicas": 1.0, "tp_peers": 0.9, "pipeline_stages": 0.6}
 _LINK_WEIGHT = 0.9
-_VICTIM_MIN_SHARE = 0.05  # of the iteration time spent waiting, to be listed as a victim
 
 
 def _check_traces(traces: list) -> tuple[dict[int, rules.RankEvents], dict, int]:
@@ -334,34 +334,6 @@ def _with_what_if(s: Suspect, crit: list[paths.CriticalPath], busy: list[dict], 
     return Suspect(s.rank, s.coords, s.cause, s.confidence, s.evidence, s.link, t, min(what_if, t))
 
 
-def _victims(instances, messages, n_iterations: int, iteration_ns: float, exclude: set) -> tuple:
-    wait = defaultdict(float)
-    for inst in instances:
-        for r, (start, _) in inst.spans.items():
-            wait[r] += inst.last_start - start
-    for m in messages:
-        wait[m.dst] += max(0, m.send_start - m.wait_start)
-    per_it = {r: w / max(n_iterations, 1) for r, w in wait.items() if r not in exclude}
-    keep = [(r, round(w, 1)) for r, w in per_it.items() if w >= _VICTIM_MIN_SHARE * iteration_ns]
-    return tuple(sorted(keep, key=lambda x: -x[1]))
-
-
-def _coverage_notes(layout: dict, world: int, events: dict, basis: str, instances, messages) -> list[str]:
-    notes = []
-    missing = sorted(set(range(world)) - set(events))
-    if missing:
-        notes.append(f"no trace for ranks {missing}: they cannot be judged and their peers have fewer references")
-    if basis == "pipeline_stages":
-        notes.append("no DP replicas or TP peers: compute compared across pipeline stages (weak evidence)")
-    elif basis == "none":
-        notes.append("a single rank: no peers to compare compute against")
-    if layout.get("tp_size", 1) > 1 and not any(i.family == "tp" for i in instances):
-        notes.append("tp_size > 1 but no TP collectives traced: TP peers of a slow rank will look slow too")
-    if layout.get("pp_size", 1) > 1 and not messages:
-        notes.append("no matched send/recv pairs: slow links cannot be detected")
-    return notes
-
-
 def _judge_compute(
     spans: dict, peers: dict, basis: str, pp_size: int, coords: dict, slow_its: dict, config: DetectConfig
 ) -> dict[int, rules.ComputeStats]:
@@ -383,31 +355,6 @@ def _judge_compute(
             warm if warm is not None and (everything is None or config.compute_rule(warm, config)) else everything
         )
     return out
-
-
-def _cold_notes(spans: dict, compute: dict, config: DetectConfig) -> list[str]:
-    """Ranks left with too few warm spans to be judged for a constant slowdown (detect_rules:
-    cold span), e.g. a slow link's receiver."""
-    notes = []
-    for rank, rank_spans in sorted(spans.items()):
-        cold = sum(s.cold for s in rank_spans)
-        judged = compute[rank].samples if rank in compute else 0
-        if cold and judged < config.min_samples:
-            notes.append(
-                f"rank {rank}: {cold} of {len(rank_spans)} compute spans start within "
-                f"{to_ms(config.cold_recovery_ns)} ms of a wait >= {to_ms(config.cold_idle_ns)} ms, "
-                f"so its constant slowness is not judged (work after a long wait runs slower)"
-            )
-    return notes
-
-
-def _negligible_note(s: Suspect) -> str:
-    ev = s.evidence
-    return (
-        f"rank {s.rank} is {ev['slow_iteration_ratio']}x its peers in {len(ev['slow_iterations'])} of "
-        f"{ev['iterations']} iterations, but fixing it would save {to_ms(s.saving_ns)} of {to_ms(s.iteration_ns)} "
-        f"ms per iteration ({s.saving_ns / max(s.iteration_ns, 1):.2%}): not named"
-    )
 
 
 def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionReport:
@@ -466,14 +413,14 @@ def detect(traces: list, *, config: DetectConfig = DetectConfig()) -> DetectionR
         if s.evidence.get("intermittent") and s.saving_ns < config.intermittent_min_saving * s.iteration_ns
     ]
     suspects = [s for s in suspects if s not in negligible]
-    notes += [_negligible_note(s) for s in negligible]
+    notes += [negligible_note(s) for s in negligible]
     suspects = root_causes_first(suspects)
     durations = [p.duration_ns for p in crit]
     t = float(np.median(durations))
     fixed = t - sum(max(0.0, s.saving_ns) for s in suspects)
     # Pipeline bubbles make every clean run "wait": victims only mean something next to a culprit.
-    victims = _victims(instances, messages, len(iterations), t, {s.rank for s in suspects}) if suspects else ()
-    notes += _coverage_notes(layout, world, events, basis, instances, messages) + _cold_notes(spans, compute, config)
+    victims = compute_victims(instances, messages, len(iterations), t, {s.rank for s in suspects}) if suspects else ()
+    notes += coverage_notes(layout, world, events, basis, instances, messages) + cold_notes(spans, compute, config)
     return DetectionReport(
         tuple(suspects),
         iterations,

@@ -1,12 +1,18 @@
-"""Rebalancing under a real fault: iteration time with and without `--dpp-rebalance layers` (or `--mode`).
+"""Rebalancing under real faults: iteration time of each schedule with and without `--dpp-rebalance`.
 
-Each cell is one `megatronapp train` job (CPU, gloo, one rank per core) run by the fault lab, so the
-fault is the machine's (a cgroup CPU quota on one rank), felt by every schedule alike.
-Scenarios: balanced, and one rank at 1/`--factor` of a core from the start. Variants: the schedule
-alone and the schedule with rebalancing. Repeats are interleaved (every cell once per round). A
-cell's figure is the median iteration time over the iterations after `--skip` (rebalancing
-variants: after their last move, so the figure is the partition they settled in), beside the
-iteration of the first move.
+Each cell is one training job (CPU, gloo, one rank per core) run by the fault lab, so the fault
+is the machine's and every schedule feels it alike, PyTorch's included. Scenarios, all on
+`--slow-rank`: balanced; quota (a cgroup CPU quota of 1/`--factor` of the rank's fair share
+from the start); compete (round(factor - 1) busy loops pinned to the rank's core); starts (the
+quota from `--fault-at-s` after the ranks are up); stops (the quota until then). Variants:
+each of `--schedules` alone and with rebalancing (`--mode`); `torch-zb` is PyTorch's
+`ScheduleInterleavedZeroBubble` on the same chunks (benchmarks/torch_zb_cell.py, never
+rebalanced). Every round runs every cell once, in a fresh random order.
+
+A cell's figures: `median_s`, the median step after `--skip` (rebalancing variants: after their
+last move, so the figure is the partition they settled in); `tail_median_s`, the median of the
+last quarter of the steps (where a stopped fault's work has moved back); the iteration of the
+first move. The summary pairs each variant with its schedule alone in the same round.
 
     python benchmarks/rebalance_bench.py --out runs/rebalance --repeats 3
     python benchmarks/rebalance_bench.py --pp 2 --dp 2 --mode microbatches --out runs/rebalance-dp
@@ -16,43 +22,122 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
-from megatronapp.faultlab import EngineJob, LabPlan, SlowRank, run_lab
+from megatronapp.faultlab import EngineJob, LabPlan, ScriptJob, SlowRank, run_lab
+from megatronapp.faultlab.cpu import Schedule
 from megatronapp.files import write_text_atomic
 
+SCENARIOS = ("balanced", "quota", "compete", "starts", "stops")
+TORCH_ZB = "torch-zb"
+_FOREVER_MS = 10**9
+_TORCH_ZB_STEPS = re.compile(r"torch-zb: \[([^\]]*)\] ms/step")
 
-def _job(a, schedule: str, rebalance: bool, metrics: Path) -> EngineJob:
-    extra = ["--model", "demo", "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size)]
-    extra += ["--seq-length", str(a.seq_length), "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches)]
-    extra += ["--log-interval", "1", "--pipeline-schedule", schedule, "--metrics-file", str(metrics)]
-    if schedule in ("interleaved", "dynamic"):
-        extra += ["--num-layers-per-virtual-pipeline-stage", str(a.num_layers // (a.pp * a.vpp))]
-    if rebalance:
-        extra += ["--dpp-rebalance", a.mode, "--dpp-rebalance-window", str(a.window)]
-    return EngineJob(1, a.pp, a.dp, iters=a.iters, extra=tuple(extra))
+
+def faults(a, scenario: str) -> tuple:
+    """The fault lab faults of `scenario` (none for balanced)."""
+    at_ms = int(a.fault_at_s * 1000)
+    schedule = {
+        "starts": Schedule(on_ms=_FOREVER_MS, period_ms=_FOREVER_MS + 1, start_ms=at_ms),
+        "stops": Schedule(on_ms=at_ms, period_ms=_FOREVER_MS),
+    }.get(scenario)
+    if scenario == "balanced":
+        return ()
+    return (SlowRank(a.slow_rank, "compete" if scenario == "compete" else "quota", a.factor, schedule),)
+
+
+def train_flags(a, schedule: str, metrics: Path | None) -> list[str]:
+    """The cell's `megatronapp train` flags (torch-zb builds the interleaved cell's chunks)."""
+    flags = ["--model", "demo", "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size)]
+    flags += ["--seq-length", str(a.seq_length), "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches)]
+    flags += ["--log-interval", "1", "--pipeline-schedule", "interleaved" if schedule == TORCH_ZB else schedule]
+    if schedule in ("interleaved", "dynamic", TORCH_ZB):
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(a.num_layers // (a.pp * a.vpp))]
+    if metrics is not None:
+        flags += ["--metrics-file", str(metrics)]
+    return flags
+
+
+def _plan(a, scenario: str, schedule: str, rebalance: bool, metrics: Path) -> LabPlan:
+    if schedule == TORCH_ZB:
+        argv = ["train", "--pipeline-model-parallel-size", str(a.pp), "--train-iters", str(a.iters)]
+        argv += ["--device", "cpu", *train_flags(a, schedule, None)]
+        job = ScriptJob(str(Path(__file__).with_name("torch_zb_cell.py")), tuple(argv), a.pp * a.dp)
+    else:
+        extra = train_flags(a, schedule, metrics)
+        if rebalance:
+            extra += ["--dpp-rebalance", a.mode, "--dpp-rebalance-window", str(a.window)]
+        job = EngineJob(1, a.pp, a.dp, iters=a.iters, extra=tuple(extra))
+    return LabPlan(job, faults(a, scenario), tag="rebal")
+
+
+def _steps(plan: LabPlan, result, metrics: Path) -> tuple[list[float], list[dict], list[int]]:
+    """Per-step seconds, the moves and the iterations they happened at."""
+    if isinstance(plan.job, ScriptJob):
+        found = _TORCH_ZB_STEPS.findall(result.log.read_text())
+        if not found:
+            raise RuntimeError(f"torch-zb printed no step times: {result.log.read_text()[-2000:]}")
+        return [float(x) / 1e3 for x in found[-1].split(",")], [], []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    moves = [r for r in rows if r.get("rebalance")]
+    return [r["step_time_s"] for r in rows], [r["rebalance"] for r in moves], [r["iteration"] for r in moves]
+
+
+def cell_figures(steps: list[float], move_iters: list[int], skip: int) -> dict:
+    """median_s after warm-up and the last move (iterations count from 1), tail_median_s over
+    the last quarter, first_move."""
+    start = max([skip, *(m + 2 for m in move_iters)])
+    settled = steps[start:] or steps[-1:]
+    return {
+        "median_s": statistics.median(settled),
+        "tail_median_s": statistics.median(steps[-max(1, len(steps) // 4) :]),
+        "first_move": move_iters[0] if move_iters else None,
+    }
 
 
 def measure_cell(a, scenario: str, schedule: str, rebalance: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        faults = (SlowRank(a.slow_rank, "quota", factor=a.factor),) if scenario == "quota" else ()
-        plan = LabPlan(_job(a, schedule, rebalance, metrics), faults, tag="rebal")
+        plan = _plan(a, scenario, schedule, rebalance, metrics)
         result = run_lab(plan, Path(tmp) / "trace", timeout_s=a.timeout)
         if result.returncode != 0:
-            raise RuntimeError(f"{scenario}/{schedule}: exit {result.returncode}: {result.log.read_text()[-2000:]}")
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    moves = [r["iteration"] for r in rows if r.get("rebalance")]
-    start = max([a.skip, *(m + 2 for m in moves)])
-    steps = [r["step_time_s"] for r in rows if r["iteration"] > start]
-    return {
-        "median_s": statistics.median(steps),
-        "first_move": moves[0] if moves else None,
-        "moves": [r["rebalance"] for r in rows if r.get("rebalance")],
-        "steps_s": [r["step_time_s"] for r in rows],
-    }
+            raise RuntimeError(f"exit {result.returncode}: {result.log.read_text()[-2000:]}")
+        steps, moves, move_iters = _steps(plan, result, metrics)
+    skip = a.skip - 1 if schedule == TORCH_ZB else a.skip  # torch_zb_cell leaves out its first step
+    return {**cell_figures(steps, move_iters, skip), "moves": moves, "steps_s": steps, "applied": result.applied}
+
+
+def paired_summary(cells: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per cell: median of its rounds; per rebalancing cell also the speed over its schedule
+    alone, paired per round (schedule-alone median / rebalanced median)."""
+    out = {}
+    for key, rounds in cells.items():
+        ok = [c for c in rounds if "error" not in c]
+        row = {"n": len(ok), "median_s": statistics.median(c["median_s"] for c in ok) if ok else None}
+        row["tail_median_s"] = statistics.median(c["tail_median_s"] for c in ok) if ok else None
+        base = cells.get(key.removesuffix("+rebalance"))
+        if key.endswith("+rebalance") and base:
+            pairs = [
+                b["median_s"] / c["median_s"] for b, c in zip(base, rounds) if "error" not in b and "error" not in c
+            ]
+            if pairs:
+                row.update(speedup=statistics.median(pairs), speedup_range=[min(pairs), max(pairs)])
+        out[key] = row
+    return out
+
+
+def _cells(a) -> list[tuple[str, str, bool]]:
+    return [
+        (s, sch, rb)
+        for s in a.scenarios
+        for sch in a.schedules
+        for rb in ((False,) if sch == TORCH_ZB else (False, True))
+    ]
 
 
 def main(argv=None) -> int:
@@ -69,29 +154,39 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=4, help="warm-up iterations left out")
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--slow-rank", type=int, default=1)
-    p.add_argument("--factor", type=float, default=2.0, help="the quota: 1/factor of the rank's fair share")
-    p.add_argument("--schedules", nargs="+", default=["1f1b"])
-    p.add_argument("--scenarios", nargs="+", default=["balanced", "quota"])
+    p.add_argument("--factor", type=float, default=2.0, help="the fault: 1/factor of the rank's fair share")
+    p.add_argument("--fault-at-s", type=float, default=20.0, help="starts/stops: seconds after the ranks are up")
+    p.add_argument("--schedules", nargs="+", default=["1f1b"], help=f"pipeline schedules, and {TORCH_ZB}")
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=["balanced", "quota"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="the cells' order in each round")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default="runs/rebalance")
     a = p.parse_args(argv)
-    cells = [(s, sch, rb) for s in a.scenarios for sch in a.schedules for rb in (False, True)]
-    results: dict[str, list[dict]] = {}
+    if TORCH_ZB in a.schedules and a.vpp < 2:
+        p.error(f"{TORCH_ZB} runs interleaved chunks: give --vpp >= 2")
+    rng, results = random.Random(a.seed), {}
     for rep in range(a.repeats):
-        for scenario, schedule, rebalance in cells:
+        for scenario, schedule, rebalance in rng.sample(_cells(a), len(_cells(a))):
             key = f"{scenario}/{schedule}{'+rebalance' if rebalance else ''}"
-            cell = measure_cell(a, scenario, schedule, rebalance)
-            results.setdefault(key, []).append(cell)
-            print(f"round {rep}: {key}: {cell['median_s'] * 1e3:.1f} ms, first move {cell['first_move']}", flush=True)
-    summary = {k: [c["median_s"] for c in v] for k, v in results.items()}
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    write_text_atomic(Path(a.out) / "rebalance.json", json.dumps({"args": vars(a), "cells": results}, indent=1))
-    for key, values in summary.items():
-        print(
-            f"{key:40s} median {statistics.median(values) * 1e3:8.1f} ms  range {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f}"
-        )
+            try:
+                cell = measure_cell(a, scenario, schedule, rebalance)
+            except RuntimeError as e:
+                cell = {"error": str(e)}
+            results.setdefault(key, [None] * a.repeats)[rep] = cell
+            shown = cell.get("error", "")[:200] or f"{cell['median_s'] * 1e3:.1f} ms, first move {cell['first_move']}"
+            print(f"round {rep}: {key}: {shown}", flush=True)
+        _write(a, results, rep)
+    for key, row in paired_summary(results).items():
+        print(f"{key:36s} {json.dumps(row)}")
     return 0
+
+
+def _write(a, results: dict, rounds_done: int) -> None:
+    cells = {k: v[: rounds_done + 1] for k, v in results.items()}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    payload = {"args": vars(a), "argv": sys.argv[1:], "cells": cells, "summary": paired_summary(cells)}
+    write_text_atomic(Path(a.out) / "rebalance.json", json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

@@ -28,14 +28,19 @@ _BUSY_LOOP = "while True: pass"
 
 @dataclass(frozen=True)
 class Schedule:
-    """On for on_ms of every period_ms, starting on."""
+    """Off for the first start_ms, then on for on_ms of every period_ms. A fault that starts mid-run
+    is a late start with on_ms close to period_ms; one that stops is an on_ms shorter than the run
+    and a period longer than it."""
 
     on_ms: int
     period_ms: int
+    start_ms: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.on_ms < self.period_ms:
             raise ValueError(f"a schedule needs 0 < on_ms < period_ms, got {self.on_ms} of {self.period_ms} ms")
+        if self.start_ms < 0:
+            raise ValueError(f"a schedule's start_ms must be >= 0, got {self.start_ms}")
 
 
 def cgroup_flavour() -> str | None:
@@ -88,7 +93,7 @@ class CpuQuota:
 
     def __enter__(self) -> CpuQuota:
         self.path.mkdir(exist_ok=True)
-        self._limit(True)
+        self._limit(not (self.schedule and self.schedule.start_ms))
         for pid in self.pids:
             self._origin[pid] = _cgroup_of(pid, self.flavour)
             _move(pid, self.path)
@@ -115,6 +120,10 @@ class _Toggler:
             self._thread.start()
 
     def _run(self, switch, schedule: Schedule) -> None:
+        if schedule.start_ms:
+            switch(False)
+            if self._stop.wait(schedule.start_ms / 1000):
+                return
         while not self._stop.is_set():
             switch(True)
             if self._stop.wait(schedule.on_ms / 1000):

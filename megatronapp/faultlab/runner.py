@@ -139,6 +139,7 @@ def _rank_faults(plan: LabPlan, pids: dict[int, int], stack: contextlib.ExitStac
             stack.enter_context(cpu.CompetingLoad(f"{plan.tag}-{i}", targets, core, f.schedule, loops))
             what = f"{loops} busy loop(s) sharing core {core}"
         when = f", {f.schedule.on_ms} ms of every {f.schedule.period_ms} ms" if f.schedule else ""
+        when += f" from {f.schedule.start_ms} ms on" if f.schedule and f.schedule.start_ms else ""
         applied.append(f"rank {f.rank} (pid {pids[f.rank]}): {what}{when}")
     return applied
 

@@ -14,7 +14,6 @@ import sys
 
 from megatronapp.flags import add_flags, read_flags
 from megatronapp.scan.analyze.budget_output import budget_to_json, render_budget_text
-from megatronapp.scan.analyze.budget_summary import compute_budget_summary
 from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
 from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
@@ -110,7 +109,7 @@ def run_detect(args: argparse.Namespace) -> int:
         print(f"megatronapp trace detect: {exc}", file=sys.stderr)
         return 2
     report = analysis.detection
-    budget = compute_budget_summary(analysis.traces, report.iterations_analyzed) if args.budget else None
+    budget = analysis.budget if args.budget else None
     if args.json:
         doc = report_to_json(report) | ({"budget": budget_to_json(budget)} if budget else {})
         print(json.dumps(doc, indent=2))

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatronapp.scan.analyze.budget_summary import BudgetSummary, compute_budget_summary
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport
 from megatronapp.scan.analyze.impact_gate import apply_impact_gate
@@ -33,6 +34,7 @@ class TraceAnalysis:
     traces: list[RankTrace]
     alignment: AlignmentReport
     detection: DetectionReport
+    budget: BudgetSummary | None = None  # of the analysed iterations; None when there were none
 
 
 def analyze_traces(traces: list[RankTrace], config: DetectConfig = DetectConfig()) -> TraceAnalysis:
@@ -56,9 +58,11 @@ def analyze_aligned(
     detection = dataclasses.replace(
         detection, notes=(*iterations.notes, *detection.notes), unjoined_ranks=iterations.unjoined
     )
-    detection = add_measured_ranks(apply_link_probe(detection, probe, config), keyed, config)
+    its = detection.iterations_analyzed
+    budget = compute_budget_summary(keyed, its) if its else None
+    detection = add_measured_ranks(apply_link_probe(detection, probe, config), keyed, config, budget)
     detection = apply_impact_gate(detection, config)
-    return TraceAnalysis(keyed, alignment, detection)
+    return TraceAnalysis(keyed, alignment, detection, budget)
 
 
 def load_aligned_traces(

@@ -30,7 +30,7 @@ import dataclasses
 
 import numpy as np
 
-from megatronapp.scan.analyze.budget_summary import RankBudget, compute_budget_summary
+from megatronapp.scan.analyze.budget_summary import BudgetSummary, RankBudget, compute_budget_summary
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport, Suspect
 from megatronapp.scan.analyze.detect_rules import to_ms
 
@@ -86,11 +86,14 @@ def _suspect(rb: RankBudget, excess: float, saving: float, iteration_ns: float, 
                    iteration_ns, iteration_ns - saving)  # fmt: skip
 
 
-def add_measured_ranks(report: DetectionReport, traces: list, config: DetectConfig = DetectConfig()) -> DetectionReport:
-    """`report` with the slow ranks the budget measures on the critical path (module docstring)."""
+def add_measured_ranks(
+    report: DetectionReport, traces: list, config: DetectConfig = DetectConfig(), summary: BudgetSummary | None = None
+) -> DetectionReport:
+    """`report` with the slow ranks the budget measures on the critical path (module docstring);
+    `summary`: the budget of the report's iterations where the caller has it already."""
     if not report.iterations_analyzed or report.iteration_ns <= 0:
         return report
-    summary = compute_budget_summary(traces, report.iterations_analyzed)
+    summary = summary or compute_budget_summary(traces, report.iterations_analyzed)
     waiting = {rb.rank: rb.median_ns["waiting"] for rb in summary.ranks}
     by_rank = {rb.rank: rb for rb in summary.ranks}
     found, added = list(report.suspects), []

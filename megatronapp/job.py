@@ -2,7 +2,7 @@
 
 A flat field name (as the CLI's flags, tests and benchmarks use them: `lr`, `bf16`, `save`,
 `micro_batch_size`, ...) names a field of exactly one of the job's component configs
-(config.py), so `build_job` and `replace_fields` route each to its component, and each changed
+(config/), so `build_job` and `replace_fields` route each to its component, and each changed
 component checks itself again. `validate_job` checks every constraint between the components
 and the parallel layout; cli/validate.py calls it before anything is launched.
 """

@@ -1,6 +1,6 @@
 """The span vocabulary: every category, span name and comm op the engine records and MegaScan reads.
 
-Defined here, at the bottom of the import graph next to config.py, because the engine, the
+Defined here, at the bottom of the import graph next to config/, because the engine, the
 pipeline runtime and the model emit these names and must not import the scanner; MegaScan
 (megatronapp.scan) imports them from here too. A new span kind is added once, in this file,
 and both sides see it.

@@ -1,6 +1,6 @@
 """`megatronapp train` flags (Megatron-LM's names) and their translation into configs.
 
-Defaults live in one place, the config dataclasses (config.py): every flag that sets a
+Defaults live in one place, the config dataclasses (config/): every flag that sets a
 field of one of the job's component configs (train, optimizer, precision, checkpoint,
 logging, integrity) is named by that field, defaults to None here, and only the flags a user
 gave are passed on (job.build_job routes each to its component), so the dataclass default

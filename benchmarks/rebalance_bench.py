@@ -140,7 +140,7 @@ def _cells(a) -> list[tuple[str, str, bool]]:
     ]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vpp", type=int, default=1)
@@ -162,6 +162,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the cells' order in each round")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default="runs/rebalance")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if TORCH_ZB in a.schedules and a.vpp < 2:
         p.error(f"{TORCH_ZB} runs interleaved chunks: give --vpp >= 2")

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from megatronapp.scan.analyze.detect_config import DetectionReport
 from megatronapp.scan.analyze.detect_rules import to_ms
-from megatronapp.scan.analyze.impact_gate import describe_suspect, impact_share
+from megatronapp.scan.analyze.impact_gate import describe_suspect, gated_share, impact_share
 
 
 def report_to_json(report: DetectionReport) -> dict:
@@ -61,9 +61,11 @@ def below_impact_text(report: DetectionReport) -> str:
         return ""
     top = report.below_impact[0]
     more = f" ({len(report.below_impact) - 1} smaller)" if len(report.below_impact) > 1 else ""
+    hit = gated_share(top)
+    where = f"; {hit:.1%} in the iterations it slows" if hit != impact_share(top) else ""
     return (
         f"largest candidate below {report.min_impact:.0%}: {describe_suspect(top)}, fixing it would save "
-        f"{to_ms(top.saving_ns)} of {to_ms(top.iteration_ns)} ms per iteration ({impact_share(top):.1%}){more}"
+        f"{to_ms(top.saving_ns)} of {to_ms(top.iteration_ns)} ms per iteration ({impact_share(top):.1%}{where}){more}"
     )
 
 

@@ -92,6 +92,7 @@ def report_traced_run(trace_dir: str, as_json: bool = False, config: DetectConfi
     --trace` and `trace run` end so."""
     import json
 
+    from megatronapp.scan.analyze.detect_config import DetectInputError
     from megatronapp.scan.analyze.detect_output import render_report, report_to_json
     from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
     from megatronapp.scan.merge.merge import merge_traces
@@ -100,11 +101,15 @@ def report_traced_run(trace_dir: str, as_json: bool = False, config: DetectConfi
     out = Path(trace_dir) / "timeline.json"
     with truncated_traces_as_notes(sys.stderr if as_json else None):  # --json: stdout is one object
         summary = merge_traces(trace_dir, out)
-        detection = analyze_trace_dir(trace_dir, config).detection
+        try:
+            detection = analyze_trace_dir(trace_dir, config).detection
+            found = report_to_json(detection) if as_json else render_report(detection)
+        except DetectInputError as exc:  # e.g. no iteration the ranks share: the timeline still stands
+            found = {"detection_skipped": str(exc)} if as_json else f"Detection skipped: {exc}\n"
     if as_json:
-        doc = {"timeline": str(out), "events": summary.events, "flows": summary.flows, **report_to_json(detection)}
+        doc = {"timeline": str(out), "events": summary.events, "flows": summary.flows, **found}
         return json.dumps(doc, indent=2) + "\n"
     return (
         f"MegaScan: merged {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows -> {out}\n"
-        "  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing\n" + render_report(detection)
+        "  open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing\n" + found
     )

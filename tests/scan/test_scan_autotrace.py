@@ -179,3 +179,19 @@ def test_trace_run_bad_input_is_one_line_exit_2(args, message):
     res = _cli(args, timeout=60)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_a_script_without_training_iterations_gets_its_timeline_and_one_line_on_detection(tmp_path):
+    script = tmp_path / "no_steps.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.all_reduce(torch.ones(4))\n"
+        "dist.destroy_process_group()\n"
+    )
+    trace_dir = tmp_path / "trace"
+    res = _cli(["run", "--nproc-per-node", "2", "--trace-dir", str(trace_dir), "--", str(script)], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert (trace_dir / "timeline.json").is_file()
+    assert "Detection skipped:" in res.stdout and "no iteration is complete" in res.stdout

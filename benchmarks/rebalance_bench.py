@@ -170,9 +170,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if TORCH_ZB in a.schedules and a.vpp < 2:
         p.error(f"{TORCH_ZB} runs interleaved chunks: give --vpp >= 2")
-    rng, results = random.Random(a.seed), {}
+    rng, results, cells = random.Random(a.seed), {}, _cells(a)
     for rep in range(a.repeats):
-        for scenario, schedule, rebalance in rng.sample(_cells(a), len(_cells(a))):
+        for scenario, schedule, rebalance in rng.sample(cells, len(cells)):
             key = f"{scenario}/{schedule}{'+rebalance' if rebalance else ''}"
             try:
                 cell = measure_cell(a, scenario, schedule, rebalance)

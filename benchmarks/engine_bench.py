@@ -335,30 +335,71 @@ def bench_fp8_loss(args, results: dict) -> None:
     }
 
 
-def bench_family_loss(args, results: dict) -> None:
-    """Loss per step of each --loss-presets model (the engine, bf16, compiled) from the same
-    seed on the same batches of the embedded corpus: the Llama-shaped preset against GPT-NeoX's."""
+def _family_batches(job: JobConfig):
+    """The embedded corpus's batches as the engine's single-process run reads them."""
     from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset
     from megatronapp.data.tokenizer import ByteTokenizer
 
+    return DistributedBatchIterator(
+        build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
+        micro_batch_size=4,
+        global_batch_size=job.train.global_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        seed=job.train.seed,
+    )
+
+
+def _plain_twin_losses(job: JobConfig, steps: int) -> list[float]:
+    """The plain twin (fp32 params, bf16 autocast, torch AdamW with the engine's hyper-parameters
+    and learning-rate schedule, clipping) on the engine's batches: what the recipe does to a loss
+    curve without the engine's code. Its initialisation is its own (torch's defaults)."""
+    from plain_gpt import plain_train_step
+
+    from megatronapp.engine.optim import compute_lr, set_lr
+
+    torch.manual_seed(job.train.seed)
+    model = PlainGPT(job.model, DEV)
+    cfg = job.optimizer
+    params = list(model.parameters())
+    groups = [  # as the engine: no decay on biases and norms
+        {"params": [q for q in params if q.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        fused=True,
+    )
+    compiled, data, losses = torch.compile(model), _family_batches(job), []
+    for i in range(steps):
+        set_lr(opt, compute_lr(i, cfg, steps))
+        mbs = [mb.to(DEV) for mb in data.next_microbatches()]
+        losses.append(plain_train_step(compiled, opt, mbs, clip=cfg.clip_grad))
+    return losses
+
+
+def bench_family_loss(args, results: dict) -> None:
+    """Loss per step of each --loss-presets model (the engine, bf16, compiled) from the same
+    seed on the same batches of the embedded corpus: the Llama-shaped preset against GPT-NeoX's;
+    with --loss-twin, each preset's plain twin on the same batches too (key PRESET/plain)."""
     out = {}
     for preset in args.loss_presets.split(","):
         job = make_job(4, args.num_micro, preset=preset, compile=True)
         job = replace_fields(job, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps)
-        data = DistributedBatchIterator(
-            build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
-            micro_batch_size=4,
-            global_batch_size=job.train.global_batch_size,
-            dp_rank=0,
-            dp_size=1,
-            seed=job.train.seed,
-        )
-        trainer = Trainer(job, single_process_groups(), DEV, data)
+        trainer = Trainer(job, single_process_groups(), DEV, _family_batches(job))
         out[preset] = [float(trainer.train_step().loss) for _ in range(args.loss_steps)]
         print(f"  {preset}: loss {out[preset][0]:.4f} -> {out[preset][-1]:.4f}", flush=True)
         del trainer
         gc.collect()
         torch.cuda.empty_cache()
+        if args.loss_twin:
+            twin = out[f"{preset}/plain"] = _plain_twin_losses(job, args.loss_steps)
+            print(f"  {preset}/plain: loss {twin[0]:.4f} -> {twin[-1]:.4f}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
     tail = max(1, args.loss_steps // 10)
     results["family_loss"] = {
         "losses": out,
@@ -613,6 +654,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-steps", type=int, default=100, help="fp8_loss, family_loss: steps of each run")
     p.add_argument(
         "--loss-presets", default="1.3b,llama3.2-1b", help="family_loss: the presets trained, one after the other"
+    )
+    p.add_argument(
+        "--loss-twin",
+        action="store_true",
+        help="family_loss: also train each preset's plain twin (fp32 params, bf16 autocast) on the same batches",
     )
     p.add_argument(
         "--loss-variants",

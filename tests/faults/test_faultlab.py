@@ -218,4 +218,5 @@ def test_a_traced_pipeline_job_names_its_rate_limited_link_with_the_probes_bandw
     assert (1, 3) in named, (_verdicts(report), report.notes, result.applied)
     assert named[(1, 3)].evidence["probe_mbytes_per_s"] < 1.5 * 200 / 8  # MB/s: the limit, with the burst
     assert "MB/s" in named[(1, 3)].evidence["summary"]
-    assert not {s.rank for s in report.suspects if s.cause == "slow_compute"}
+    slow_compute = [(s.rank, s.evidence.get("summary")) for s in report.suspects if s.cause == "slow_compute"]
+    assert not slow_compute, (slow_compute, report.notes)

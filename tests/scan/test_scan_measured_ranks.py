@@ -10,7 +10,7 @@ from test_scan_budget import ITERATIONS, MS, _dp_job
 
 from megatronapp.scan.analyze.budget_summary import RankBudget
 from megatronapp.scan.analyze.detect import detect
-from megatronapp.scan.analyze.measured_ranks import _excess_ns, _saving_ns, add_measured_ranks
+from megatronapp.scan.analyze.measured_ranks import _excess_ns, _saving_ns, add_measured_ranks, descheduled_ratio
 
 
 def _rules_missed(traces):
@@ -72,3 +72,25 @@ def test_pipeline_stages_are_compared_by_their_descheduled_time_only():
     rb = _rank_budget(1, {"own": 30 * MS, "descheduled": 5 * MS, "rest": 1 * MS})
     assert _excess_ns(rb, "pipeline_stages") == 5 * MS  # the last stage's loss is its work, not a fault
     assert _excess_ns(rb, "dp_replicas") == 36 * MS
+
+
+def _delayed(rank: int, descheduled_ms: float, peers: tuple[int, ...]) -> RankBudget:
+    median = dict.fromkeys(("wall", "own", "throttled", "waiting", "transfer", "rest"), 0.0)
+    median["descheduled"] = descheduled_ms * MS
+    return RankBudget(rank, {}, ITERATIONS, True, median, peers, 1.5, {}, True, "descheduled")
+
+
+def test_a_peer_blocked_on_a_slow_link_is_no_baseline_for_waiting_on_the_cpu():
+    # PP2 x DP2 on shared cores, 1 -> 3 rate-limited: rank 3 sleeps in its receives, so rank 2
+    # (its only peer) reads 5x it, no more than ranks 0 and 1 wait for a core
+    ranks = {
+        0: _delayed(0, 9.0, (1,)),
+        1: _delayed(1, 11.0, (0,)),
+        2: _delayed(2, 10.0, (3,)),
+        3: _delayed(3, 2.0, (2,)),
+    }
+    assert descheduled_ratio(ranks[2], ranks) == 5.0
+    assert descheduled_ratio(ranks[2], ranks, frozenset({3})) == 1.0  # against ranks 0 and 1
+    assert descheduled_ratio(ranks[0], ranks, frozenset({3})) == 9.0 / 11.0  # its own peer still counts
+    ranks[2] = _delayed(2, 40.0, (3,))  # a competing process on rank 2: still several times the others
+    assert descheduled_ratio(ranks[2], ranks, frozenset({3})) == 4.0

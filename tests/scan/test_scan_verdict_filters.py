@@ -8,7 +8,7 @@ from scan_simulation import SimulatedJob, simulate_job_traces
 
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import Suspect
-from megatronapp.scan.analyze.verdict_filters import drop_echoes, root_causes_first
+from megatronapp.scan.analyze.verdict_filters import drop_echoes, drop_link_receiver_echoes, root_causes_first
 
 
 def _rank(rank: int, tp: int, dp: int, pp: int, confidence: float) -> Suspect:
@@ -143,3 +143,24 @@ def test_of_two_opposite_links_the_one_slower_against_its_comparable_links_is_ke
     the reverse 4.4x but 6.1 ms (its comparable links, the upstream ones, are slower)."""
     kept, notes = drop_echoes([_link(2, 1, 6.1, 0.7, ratio=4.4), _link(1, 2, 3.9, 0.6, ratio=23.2)], 1)
     assert [s.link for s in kept] == [(1, 2)] and "2->1 is slow too" in notes[0]
+
+
+def _late_arrival(rank: int, basis: str) -> Suspect:
+    return Suspect(rank, {}, "slow_compute", 0.8, {"summary": "", "basis": basis})
+
+
+def test_a_rank_late_only_by_arrival_order_at_the_end_of_a_slow_link_is_its_echo():
+    link = _link(1, 3, 5.0)
+    kept, notes = drop_link_receiver_echoes([link, _late_arrival(3, "arrival_order")])
+    assert kept == [link] and "1->3" in notes[0] and "rank 3" in notes[0]
+
+
+def test_a_late_sender_or_a_receiver_slow_by_its_own_spans_or_counters_is_kept():
+    suspects = [
+        _link(1, 3, 5.0),
+        _late_arrival(1, "arrival_order"),  # the sender: the link does not delay its input
+        _late_arrival(3, "dp_replicas"),  # its compute spans are slower than its peers'
+        _late_arrival(3, "time_budget"),  # measured descheduled
+    ]
+    assert drop_link_receiver_echoes(suspects) == (suspects, [])
+    assert drop_link_receiver_echoes([_late_arrival(3, "arrival_order")])[0] != []  # no link: kept

@@ -22,6 +22,7 @@ from megatronapp.scan.analyze.impact_gate import apply_impact_gate
 from megatronapp.scan.analyze.iteration_keys import align_iterations
 from megatronapp.scan.analyze.link_probe_verdicts import apply_link_probe
 from megatronapp.scan.analyze.measured_ranks import add_measured_ranks
+from megatronapp.scan.analyze.verdict_filters import drop_link_receiver_echoes
 from megatronapp.scan.merge.align import AlignmentReport, align_traces
 from megatronapp.scan.probe_config import ProbeResult, load_probe
 from megatronapp.scan.record.format import RankTrace, load_trace_dir
@@ -51,7 +52,8 @@ def analyze_aligned(
 ) -> TraceAnalysis:
     """Detection on traces align_traces already put on one timeline, their iterations first joined
     by the collectives and messages they share (iteration_keys.py); then the link probe's verdicts
-    (`probe`: the run's probe.json, None without one), the slow ranks the time budget measures
+    (`probe`: the run's probe.json, None without one), the late receivers of named slow links
+    dropped as their echoes (verdict_filters.py), the slow ranks the time budget measures
     (measured_ranks.py) and the impact gate."""
     keyed, iterations = align_iterations(aligned)
     detection = detect(keyed, config=config)
@@ -60,7 +62,10 @@ def analyze_aligned(
     )
     its = detection.iterations_analyzed
     budget = compute_budget_summary(keyed, its) if its else None
-    detection = add_measured_ranks(apply_link_probe(detection, probe, config), keyed, config, budget)
+    detection = apply_link_probe(detection, probe, config)
+    suspects, echoes = drop_link_receiver_echoes(list(detection.suspects))
+    detection = dataclasses.replace(detection, suspects=tuple(suspects), notes=(*detection.notes, *echoes))
+    detection = add_measured_ranks(detection, keyed, config, budget)
     detection = apply_impact_gate(detection, config)
     return TraceAnalysis(keyed, alignment, detection, budget)
 

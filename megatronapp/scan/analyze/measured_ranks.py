@@ -12,7 +12,9 @@ the impact gate):
      being descheduled: a run-queue delay at least `config.descheduled_min_ratio` times their
      peers' (median over iterations each). Ranks sharing cores all wait for CPU, and in clean
      runs of four ranks on two cores one replica's delay reads 1.2-2x its peer's; a CPU quota or
-     a competing process takes several times that. Only the descheduled part is the excess: a
+     a competing process takes several times that. A peer that receives over a named slow link
+     waits blocked, not runnable, and is left out of the baseline (a PP2 x DP2 job with 1 -> 3
+     rate-limited read rank 2's delay as several times rank 3's on a shared 2-core machine). Only the descheduled part is the excess: a
      rank slow by its own work is the rules' to find (they time its compute against its peers').
   2. Critical path: fixing a rank saves what the others spend waiting for it, so its saving is
      min(its excess, the median of the other ranks' waiting - its own waiting), medians per
@@ -45,10 +47,15 @@ def _excess_ns(rb: RankBudget, basis: str) -> float:
     return max(0.0, sum(rb.excess_ns[p] for p in _SELF_PARTS))
 
 
-def descheduled_ratio(rb: RankBudget, by_rank: dict[int, RankBudget]) -> float:
+def descheduled_ratio(rb: RankBudget, by_rank: dict[int, RankBudget], asleep: frozenset = frozenset()) -> float:
     """Step 1: the rank's median run-queue delay over the median of its peers' (0 without peers;
-    inf where only the rank was ever descheduled)."""
-    peers = [by_rank[p].median_ns["descheduled"] for p in rb.peers if p in by_rank]
+    inf where only the rank was ever descheduled). Peers in `asleep` (receivers of a named slow
+    link) spend their wait blocked, not runnable, so their delay is no baseline: the other ranks'
+    is used where they were its only peers (the machine gives every stage the same CPU)."""
+    baseline = [p for p in rb.peers if p in by_rank and p not in asleep]
+    if not baseline and rb.peers:
+        baseline = [p for p in by_rank if p != rb.rank and p not in asleep]
+    peers = [by_rank[p].median_ns["descheduled"] for p in baseline]
     mine, ref = rb.median_ns["descheduled"], float(np.median(peers)) if peers else 0.0
     if ref > 0:
         return mine / ref
@@ -96,6 +103,7 @@ def add_measured_ranks(
     summary = summary or compute_budget_summary(traces, report.iterations_analyzed)
     waiting = {rb.rank: rb.median_ns["waiting"] for rb in summary.ranks}
     by_rank = {rb.rank: rb for rb in summary.ranks}
+    asleep = frozenset(s.link[1] for s in report.suspects if s.cause == "slow_link")
     found, added = list(report.suspects), []
     for rb in summary.ranks:
         if not (rb.slow and rb.measured):
@@ -104,7 +112,7 @@ def add_measured_ranks(
         if named is not None:
             saving = _saving_ns(rb, _excess_ns(rb, summary.basis), waiting)
             found[named] = _with_measured_saving(found[named], rb, saving)
-        elif descheduled_ratio(rb, by_rank) >= config.descheduled_min_ratio:
+        elif descheduled_ratio(rb, by_rank, asleep) >= config.descheduled_min_ratio:
             excess = max(0.0, rb.excess_ns["descheduled"])
             saving = _saving_ns(rb, excess, waiting)
             if saving > 0:

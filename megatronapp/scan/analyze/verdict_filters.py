@@ -14,6 +14,11 @@
     and 3 -> 2 named). Of two opposite links both named, the one into a slow-compute suspect
     is the receiver's echo and goes (design split 4: rank 2 under a quota and 2 -> 0 limited
     named 0 -> 2); else the one slower against its comparable links (ratio) is kept.
+  * A late receiver: a rank whose input arrives over a slow link starts its work late and so
+    arrives last at its DP collectives; judged by arrival order alone (wall clock), it is the
+    link's echo (a PP2 x DP2 job with 1 -> 3 rate-limited named rank 3 "last at 88% of its DP
+    collectives"). After the link probe, such a suspect at the receiving end of a named slow
+    link goes; a rank the time budget measures descheduled is named again from its counters.
 Two independent faults on TP peers, on both directions of one link, or on every link into one
 rank are then reported as one; each dropped suspect is kept in a note.
 """
@@ -126,3 +131,20 @@ def root_causes_first(suspects: list) -> list:
         return max([s.confidence] + [x.confidence for x in suspects if x.link and s.rank in x.link])
 
     return sorted(suspects, key=lambda s: (-likelihood(s), s.cause != "slow_compute", -s.saving_ns, s.rank))
+
+
+def drop_link_receiver_echoes(suspects: list) -> tuple[list, list[str]]:
+    """Slow-compute suspects named by arrival order alone at the receiver of a named slow link
+    are that link's echo (module docstring): (suspects kept, a note for each dropped)."""
+    into = {s.link[1]: s.link for s in suspects if s.cause == "slow_link"}
+    kept, notes = [], []
+    for s in suspects:
+        link = into.get(s.rank) if s.cause == "slow_compute" else None
+        if link is not None and s.evidence.get("basis") == "arrival_order":
+            notes.append(
+                f"rank {s.rank} arrives late at its collectives, but its input comes over the slow link "
+                f"{link[0]}->{link[1]}: taken for that link's echo"
+            )
+            continue
+        kept.append(s)
+    return kept, notes

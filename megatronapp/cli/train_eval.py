@@ -20,10 +20,12 @@ import os
 from collections.abc import Callable
 
 from megatronapp.config import ConfigError
-from megatronapp.data.dataset import build_text_dataset
+from megatronapp.data.config import DEFAULT_SPLIT
+from megatronapp.data.dataset import build_text_dataset, check_text_files
 from megatronapp.data.eval_data import RestartableBatches, build_held_out_synthetic_dataset
-from megatronapp.data.sources import build_datasets, compute_split_num_samples, uses_indexed_data
+from megatronapp.data.sources import build_datasets, compute_split_num_samples, split_has_documents, uses_indexed_data
 from megatronapp.engine.evaluation import EvalBatches, EvalResult
+from megatronapp.launch.local import under_launcher
 
 EVAL_LABELS = {"valid": "validation", "test": "test"}
 
@@ -43,6 +45,13 @@ def check_evaluation(run) -> None:
     if run.fbd is not None:
         raise ConfigError("--eval-interval is not built for --forward-backward-disaggregating")
     if uses_indexed_data(run.data):  # the splits and their files are data/sources.py's checks
+        if not split_has_documents(run.data, 1):
+            where = (
+                "--valid-data-path is not given"
+                if run.data.has_per_split_paths
+                else f"--split {run.data.split or DEFAULT_SPLIT}"
+            )
+            raise ConfigError(f"--eval-interval: the validation split holds no document ({where})")
         return
     if run.data_paths and not run.valid_data_paths:
         raise ConfigError("--eval-interval with --data-path needs --valid-data-path (the training files are not split)")
@@ -50,6 +59,8 @@ def check_evaluation(run) -> None:
         for path in paths:
             if not os.path.exists(path):
                 raise ConfigError(f"{flag} {path} does not exist")
+        if paths and not under_launcher():  # the launching process reads them once for its ranks
+            check_text_files(paths, flag)
 
 
 def build_eval_streams(run, tokenizer, groups) -> dict[str, EvalBatches]:

@@ -36,7 +36,7 @@ from megatronapp.cli.metric_logs import check_metric_logs
 from megatronapp.cli.run import TrainRun
 from megatronapp.cli.train_eval import check_evaluation
 from megatronapp.config import ConfigError
-from megatronapp.data.dataset import load_text_documents
+from megatronapp.data.dataset import check_text_files
 from megatronapp.data.sources import check_data_config, check_not_indexed_file_names, uses_indexed_data
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
 from megatronapp.dpp.job_hooks import check_dpp_job, check_rebalance_job
@@ -94,20 +94,9 @@ def check_train_run(run: TrainRun) -> None:
             if not os.path.exists(path):
                 raise ConfigError(f"--data-path {path} does not exist")
         if run.data_paths and not under_launcher():  # the launching process reads them once for its ranks
-            check_data_files(run.data_paths)
+            check_text_files(run.data_paths, "--data-path")
     check_evaluation(run)
     check_metric_logs(job.logging)
-
-
-def check_data_files(paths) -> None:
-    """Every --data-path text file loads as documents (the data loader's own reading and checks:
-    empty, binary, invalid UTF-8, bad JSONL lines, unsupported types), and at least one has text."""
-    try:
-        documents = load_text_documents(paths)
-    except ValueError as exc:
-        raise ConfigError(f"--data-path {exc}") from None
-    if not documents:
-        raise ConfigError(f"--data-path {' '.join(map(str, paths))}: no non-empty documents")
 
 
 def _check_inference(run: InferenceRun) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "build_token_stream",
     "compute_epoch_permutation",
     "compute_replica_sample_range",
+    "check_text_files",
     "load_text_documents",
 ]
 
@@ -309,6 +310,19 @@ class DistributedBatchIterator:
         if consumed < 0:
             raise ValueError(f"consumed_samples must be >= 0, got {consumed}")
         self.consumed_samples = consumed
+
+
+def check_text_files(paths: Iterable[str | os.PathLike], flag: str) -> None:
+    """Every text file of `flag` loads as documents (load_text_documents' own checks: empty,
+    binary, invalid UTF-8, bad JSONL lines, unsupported types) and at least one has text;
+    ValueError naming the flag and the file otherwise."""
+    paths = list(paths)
+    try:
+        documents = load_text_documents(paths)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {exc}") from None
+    if not documents:
+        raise ValueError(f"{flag} {' '.join(map(str, paths))}: no non-empty documents")
 
 
 def build_default_dataset(

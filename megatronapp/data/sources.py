@@ -268,6 +268,12 @@ def check_data_config(config: DataConfig, vocab_size: int | None = None) -> None
                 raise ValueError(f"{prefix} ({plan.name} split): its {len(ids)} documents hold no tokens")
 
 
+def split_has_documents(config: DataConfig, index: int) -> bool:
+    """Whether split `index` (0 train, 1 valid, 2 test) of an indexed run holds any document."""
+    plan = plan_splits(config)[index]
+    return plan is not None and not _is_empty(plan, open_indexed_datasets([plan]))
+
+
 def _check_token_range(indexed: IndexedDataset, vocab_size: int) -> None:
     low, high = indexed.compute_token_range()
     if low < 0 or high >= vocab_size:

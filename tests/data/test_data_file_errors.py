@@ -1,4 +1,5 @@
-"""A --data-path file that is not a text corpus is one line naming it, exit code 2, before launch."""
+"""A --data-path, --valid-data-path or --test-data-path file that is not a text corpus is one line
+naming the flag and the file, exit code 2, before launch."""
 
 from __future__ import annotations
 
@@ -49,3 +50,26 @@ def test_a_folder_of_blank_documents_is_refused_before_launch(tmp_path, train_be
     code, err = train_before_launch(["--train-iters", "1", "--data-path", str(tmp_path)])
     assert code == 2
     assert err == [f"megatronapp: error: --data-path {tmp_path}: no non-empty documents"]
+
+
+GOOD = "the cat sat on the mat.\n" * 50
+
+
+@pytest.mark.parametrize("flag", ["--valid-data-path", "--test-data-path"])
+@pytest.mark.parametrize(
+    "write, message",
+    [(_binary, "a binary file"), (_latin1, "not valid UTF-8 at byte 5"), (_empty, "empty file")],
+    ids=["binary", "latin1", "empty"],
+)
+def test_a_broken_evaluation_file_is_one_line_before_launch(tmp_path, train_before_launch, flag, write, message):
+    train, path = tmp_path / "train.txt", tmp_path / "held_out.txt"
+    train.write_text(GOOD)
+    write(path)
+    before = path.read_bytes()
+    args = ["--nproc-per-node", "2", "--train-iters", "2", "--eval-interval", "1", "--eval-iters", "1"]
+    valid = [] if flag == "--valid-data-path" else ["--valid-data-path", str(train)]
+    code, err = train_before_launch([*args, "--data-path", str(train), *valid, flag, str(path)])
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(f"megatronapp: error: {flag} {path}"), err
+    assert message in err[0]
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path, train]

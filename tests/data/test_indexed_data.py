@@ -320,6 +320,14 @@ def _broken_inputs(tmp_path) -> dict[str, tuple[list[str], str]]:
         "empty train split": (["--data-path", good, "--split", "1,400,400"], "the train split holds none"),
         "tokenizer type": (["--data-path", good, "--tokenizer-type", "GPT2BPETokenizer"], "is not supported"),
         "both paths": (["--data-path", good, "--train-data-path", good], "exclude each other"),
+        "evaluation without a valid share": (
+            ["--data-path", good, "--split", "100,0,0", "--eval-interval", "1"],
+            "--eval-interval: the validation split holds no document (--split 100,0,0)",
+        ),
+        "evaluation without a valid path": (
+            ["--train-data-path", good, "--eval-interval", "1"],
+            "(--valid-data-path is not given)",
+        ),
     }
 
 

@@ -68,3 +68,14 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def check_writable_path(path: str | os.PathLike, flag: str) -> None:
+    """Before a command starts: `path` names a file, not a folder, and its folder exists or can be
+    made (the writers make missing folders); ValueError (one line naming `flag`) otherwise."""
+    target = Path(path).resolve()
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name")
+    existing = next(p for p in target.parents if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, so the folder cannot be made")

@@ -5,9 +5,10 @@ crash of one FBD rank (fbd/links.py) and per-rank trace clock skews exist to tes
 handling, detection, clock alignment and scheduling; no setting of a real run depends on them.
 Every --inject-* flag is defined here, once, and left out of --help (`megatronapp train --help`
 lists the user's flags only); `add_injection_arguments` puts the ones a command takes on its
-parser. The CLI builds this config only from those flags (and, for slowdowns and link delays,
-the MEGATRONAPP_INJECT_* environment that `trace run` and the fault lab set); tests and
-benchmarks build the component injections directly.
+parser. The CLI builds this config only from those flags, never from the environment; tests
+and benchmarks build the component injections directly. (`trace run` carries its own
+--inject-slowdown / --inject-link-delay into a user's script, whose command line is the
+script's, as MEGATRONAPP_INJECT_* variables that only its bootstrap reads: scan/record/autotrace.py.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megatronapp.config import ConfigError
 from megatronapp.dpp.config import JitterSpec, parse_jitter
 from megatronapp.fbd.config import FbdInjection, parse_crash_spec
 from megatronapp.flags import Flag, add_flags
-from megatronapp.injection.inject import FaultPlan, fault_plan_from_env, parse_fault_plan
+from megatronapp.injection.inject import FaultPlan, parse_fault_plan
 
 INJECTION_FLAGS = {
     "slowdown": Flag(
@@ -101,7 +102,7 @@ def build_injection_config(args: argparse.Namespace) -> InjectionConfig:
     )
     plan = parse_fault_plan(slowdown, link_delay)
     return InjectionConfig(
-        faults=fault_plan_from_env() if plan.empty else plan,
+        faults=plan,
         jitter=tuple(parse_jitter(s) for s in jitter),
         fbd=FbdInjection(crash=parse_crash_spec(args.inject_crash)),
         clock_skew_ns=tuple(parse_clock_skew(s) for s in args.inject_clock_skew or ()),

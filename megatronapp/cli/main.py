@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import sys
 from dataclasses import replace
 
@@ -33,7 +32,7 @@ from megatronapp.cli.run import TrainRun, build_train_run
 from megatronapp.cli.validate import validate
 from megatronapp.dpp.cli import add_schedule_subcommands
 from megatronapp.engine.checkpoint_files import CheckpointDamagedError
-from megatronapp.launch.local import under_launcher
+from megatronapp.launch.local import launched_world_size, under_launcher
 
 
 class DefaultsShownFormatter(argparse.HelpFormatter):
@@ -127,7 +126,7 @@ def _build_train_run(args: argparse.Namespace) -> TrainRun:
     """What `train` will launch: on torchrun's world, or --nproc-per-node local ranks."""
     from megatronapp.data.tokenizer_types import build_tokenizer
 
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
+    world = launched_world_size(args.nproc_per_node)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     return build_train_run(args, world, tokenizer.vocab_size)
 
@@ -180,12 +179,12 @@ def _train(run: TrainRun, argv: list[str]) -> int:
 
 
 def build_checked_run(argv: list[str]):
-    """The frozen run of a launching command's `argv`, checked (cli/validate.py): what `main`
-    launches, and how tests and benchmarks build the runs they start themselves. ValueError or
-    OSError (one line) for a run that breaks a rule; SystemExit for a command that launches nothing."""
+    """The frozen run of a command's `argv`, checked (cli/validate.py): what `main` runs, and how
+    tests and benchmarks build the runs they start themselves. ValueError or OSError (one line)
+    for a run that breaks a rule; SystemExit for a bare command group."""
     args = build_parser().parse_args(argv)
     if not hasattr(args, "build_run"):
-        raise SystemExit(f"megatronapp {argv[0]} launches nothing")
+        raise SystemExit(f"megatronapp {argv[0]} needs a subcommand")
     return _build_and_check(args)
 
 
@@ -199,12 +198,10 @@ def _build_and_check(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if not hasattr(args, "build_run") and not hasattr(args, "func"):  # a bare command group
+    if not hasattr(args, "build_run"):  # a bare command group
         args.bare_command_parser.print_help(sys.stderr)
         return 2
-    if not hasattr(args, "build_run"):  # commands that launch nothing (merge, detect, export, ...)
-        return args.func(args)
-    try:  # the one check of every launching command, before any process starts
+    try:  # the one check of every command, before any process starts or any file is written
         run = _build_and_check(args)
     except (ValueError, OSError) as exc:  # ConfigError and the components' errors are ValueErrors
         print(f"megatronapp: error: {exc}", file=sys.stderr)

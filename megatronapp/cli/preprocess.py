@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from megatronapp.data.config import TOKENIZER_FLAGS
 from megatronapp.data.preprocess import PreprocessConfig, preprocess_data
+from megatronapp.files import check_writable_path
 from megatronapp.flags import add_flags
 from megatronapp.launch.flags import TOKENIZER_MODEL
 
@@ -34,10 +36,10 @@ def add_preprocess_subcommand(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--workers", type=int, default=None, help=f"tokenizing processes (default: {PreprocessConfig.workers})"
     )
-    p.set_defaults(func=run_preprocess)
+    p.set_defaults(build_run=build_preprocess_run, launch=run_preprocess)
 
 
-def _config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+def build_preprocess_run(args: argparse.Namespace) -> PreprocessConfig:
     given = {
         name: getattr(args, name)
         for name in ("json_keys", "tokenizer_type", "tokenizer_model", "vocab_size", "append_eod", "workers")
@@ -48,15 +50,22 @@ def _config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     return PreprocessConfig(input=args.input, output_prefix=args.output_prefix, **given)
 
 
-def run_preprocess(args: argparse.Namespace) -> int:
+def check_preprocess_run(config: PreprocessConfig) -> None:
+    """The output's folder exists or can be made, the tokenizer file exists (the config checked
+    its input itself)."""
+    check_writable_path(config.output_prefix, "--output-prefix")
+    if config.tokenizer_model is not None and not Path(config.tokenizer_model).is_file():
+        raise ValueError(f"--tokenizer-model {config.tokenizer_model} does not exist")
+
+
+def run_preprocess(run: PreprocessConfig, argv: list[str]) -> int:
     started = time.perf_counter()
     try:
-        config = _config_from_args(args)
-        counts = preprocess_data(config, show_progress=sys.stderr.isatty())
+        counts = preprocess_data(run, show_progress=sys.stderr.isatty())
     except (ValueError, OSError) as exc:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
-    for key, prefix in config.output_prefixes().items():
+    for key, prefix in run.output_prefixes().items():
         print(f"{prefix}.bin/.idx: {counts[key]} documents (train with --data-path {prefix})")
     print(f"done in {time.perf_counter() - started:.1f} s")
     return 0

@@ -1,6 +1,6 @@
 """Every check a command's input must pass before anything is launched, in one place.
 
-Each launching command turns its flags into a frozen description of what it will run (its
+Each command turns its flags into a frozen description of what it will run (its
 `build_run`, which parses flags and reads what the checks need from disk and the host: the
 checkpoint's model fields, the tokenizer's vocabulary, the visible GPUs), then `cli.main`
 calls `validate(run)` once, before any process starts. A broken rule raises a ValueError
@@ -14,6 +14,14 @@ checkpoint or prompt file, or a flag that does not parse, is refused (in one lin
     TraceRun      megatronapp trace run
     ProbeRun      megatronapp trace probe
     ScheduleRun   megatronapp schedule simulate|show
+    MergeRun, DetectRun, WhatIfRun, ReportRun, CheckRun
+                  megatronapp trace merge|detect|whatif|report|check (scan/commands.py)
+    ExportRun, ImportRun
+                  megatronapp export hf, import hf (interop/cli.py)
+    ScopeReportRun
+                  megatronapp scope report
+    PreprocessConfig
+                  megatronapp preprocess-data
 
 A checkpoint to load has every file it lists verified (sizes and checksums) here, once per
 launch: the launching process notes in the environment what it verified (the files' sizes and
@@ -33,10 +41,12 @@ import xxhash
 from megatronapp.cli.devices import check_job_devices
 from megatronapp.cli.injection import check_injection
 from megatronapp.cli.metric_logs import check_metric_logs
+from megatronapp.cli.preprocess import check_preprocess_run
 from megatronapp.cli.run import TrainRun
 from megatronapp.cli.train_eval import check_evaluation
 from megatronapp.config import ConfigError
 from megatronapp.data.dataset import check_text_files
+from megatronapp.data.preprocess import PreprocessConfig
 from megatronapp.data.sources import check_data_config, check_not_indexed_file_names, uses_indexed_data
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
 from megatronapp.dpp.job_hooks import check_dpp_job, check_rebalance_job
@@ -44,11 +54,22 @@ from megatronapp.engine.checkpoint import compute_model_config_mismatch
 from megatronapp.engine.checkpoint_files import verify_checkpoint_files
 from megatronapp.fbd.cli import check_fbd_job
 from megatronapp.inference.cli import InferenceRun, check_inference_layout_run, check_inference_prompts
+from megatronapp.interop.cli import ExportRun, ImportRun, check_export_run, check_import_run
 from megatronapp.job import validate_job
 from megatronapp.launch.local import under_launcher
+from megatronapp.scan.commands import (
+    CheckRun,
+    DetectRun,
+    MergeRun,
+    ReportRun,
+    WhatIfRun,
+    check_analysis_run,
+    check_check_run,
+    check_merge_run,
+)
 from megatronapp.scan.probe_run import ProbeRun, check_probe_run
 from megatronapp.scan.trace_run import TraceRun, check_trace_run
-from megatronapp.scope.cli import check_capture
+from megatronapp.scope.cli import ScopeReportRun, check_capture, check_scope_report_run
 from megatronapp.scope_ui.cli import check_port
 from megatronapp.scope_ui.training import check_training_scope
 
@@ -117,11 +138,20 @@ _RULES = {
     TraceRun: check_trace_run,
     ProbeRun: check_probe_run,
     ScheduleRun: check_schedule_run,
+    MergeRun: check_merge_run,
+    DetectRun: check_analysis_run,
+    WhatIfRun: check_analysis_run,
+    ReportRun: check_analysis_run,
+    CheckRun: check_check_run,
+    ExportRun: check_export_run,
+    ImportRun: check_import_run,
+    ScopeReportRun: check_scope_report_run,
+    PreprocessConfig: check_preprocess_run,
 }
 
 
 def validate(run) -> None:
-    """Check `run` (TrainRun, InferenceRun, TraceRun or ScheduleRun) before anything is launched;
+    """Check `run` (any of the runs in the module docstring) before anything is launched or written;
     a ValueError with a one-line message names the first rule it breaks."""
     for kind, check in _RULES.items():
         if isinstance(run, kind):

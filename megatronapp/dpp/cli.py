@@ -52,7 +52,7 @@ class ScheduleRun:
     message_bytes: int = 0
     decision_us: float = 0.0
     static_comm: str | None = None  # None: rendezvous, or eager with --from-trace
-    jitter: tuple[str, ...] = ()  # --inject-jitter specs (global ranks)
+    jitter: tuple[JitterSpec, ...] = ()  # --inject-jitter, parsed (global ranks)
     from_trace: str | None = None
     as_json: bool = False  # simulate --json
     out: str = "schedule.png"  # show: the Gantt chart
@@ -168,7 +168,8 @@ def _add_schedule_command(leaf, name: str, help: str, own_flags, launch) -> None
         fields = read_flags(args, SCHEDULE_FLAGS + VIRTUAL_STAGE_FLAGS + own_flags)
         per, layers = args.num_layers_per_virtual_pipeline_stage, args.num_layers
         fields["vpp"] = compute_virtual_stages(fields["vpp"], fields["pp"], per, layers)
-        return ScheduleRun(**fields, dpp=dpp, jitter=tuple(args.inject_jitter or ()))
+        jitter = tuple(parse_jitter(spec) for spec in args.inject_jitter or ())
+        return ScheduleRun(**fields, dpp=dpp, jitter=jitter)
 
     p.set_defaults(build_run=build_run, launch=lambda run, argv: launch(run))
 
@@ -205,13 +206,15 @@ def _link(run: ScheduleRun, latency_ms: float = 0.0) -> dict:
     )
 
 
-def compute_pipeline_jitter(specs: list[str], tp_size: int, dp_size: int, pp_size: int) -> tuple[JitterSpec, ...]:
+def compute_pipeline_jitter(
+    specs: tuple[JitterSpec, ...], tp_size: int, dp_size: int, pp_size: int
+) -> tuple[JitterSpec, ...]:
     """--inject-jitter specs (global ranks of a TP x DP x PP job) as specs on the pipeline ranks of
     the simulated pipeline, the one of tp 0, dp 0; a rank elsewhere is refused in one line."""
     layout = ParallelLayout(tp_size * dp_size * pp_size, tp_size, pp_size)
     on_pipeline = [layout.rank_of(0, 0, p) for p in range(pp_size)]
     out = []
-    for spec in map(parse_jitter, specs):
+    for spec in specs:
         if spec.rank not in on_pipeline:
             raise ValueError(
                 f"--inject-jitter rank {spec.rank} is not on the simulated pipeline "
@@ -229,7 +232,7 @@ def build_setup(run: ScheduleRun) -> tuple[int, int, int, str, CostModel, object
         traced = trace_costs.load_traced_run(run.from_trace)
         pp, vpp, m = traced.pp_size, traced.num_chunks, traced.num_microbatches
         link = _link(run, trace_costs.estimate_p2p_latency_s(traced) * 1e3)
-        link["jitter"] = compute_pipeline_jitter(list(run.jitter), traced.tp_size, traced.dp_size, pp)
+        link["jitter"] = compute_pipeline_jitter(run.jitter, traced.tp_size, traced.dp_size, pp)
         link["task_overhead_s"] = trace_costs.estimate_task_overheads_s(traced, link["p2p_latency_s"])
         name = run.schedule or traced.schedule
         return pp, vpp, m, name, trace_costs.compute_trace_costs(traced, **link), traced
@@ -240,7 +243,7 @@ def build_setup(run: ScheduleRun) -> tuple[int, int, int, str, CostModel, object
         tuple((b,) * vpp for b in bwd),
         **_link(run),
         weight_grad_share=run.weight_grad_share,
-        jitter=compute_pipeline_jitter(list(run.jitter), 1, 1, pp),
+        jitter=compute_pipeline_jitter(run.jitter, 1, 1, pp),
     )
     return pp, vpp, m, run.schedule or "dynamic", cost, None
 
@@ -252,8 +255,6 @@ def check_schedule_run(run: ScheduleRun) -> None:
         raise ValueError("latency, bandwidth, message bytes and decision cost must be >= 0")
     if not 0.0 < run.weight_grad_share < 1.0:
         raise ValueError(f"--weight-grad-share must be in (0, 1), got {run.weight_grad_share}")
-    for spec in run.jitter:
-        parse_jitter(spec)
     if run.from_trace is not None:
         if not os.path.isdir(run.from_trace):
             raise ValueError(f"--from-trace {run.from_trace} is not a folder")
@@ -263,7 +264,7 @@ def check_schedule_run(run: ScheduleRun) -> None:
         raise ValueError(f"pipeline size, virtual stages and microbatches must be >= 1, got {pp}, {vpp}, {m}")
     _per_rank(run.forward_ms, pp, "--forward-ms")
     _per_rank(run.backward_ms, pp, "--backward-ms")
-    compute_pipeline_jitter(list(run.jitter), 1, 1, pp)
+    compute_pipeline_jitter(run.jitter, 1, 1, pp)
     if (run.schedule or "dynamic") == "dynamic" and run.dpp.max_inflight is not None:
         check_cap(run.dpp.max_inflight, vpp)
 

@@ -22,7 +22,7 @@ from megatronapp.files import write_text_atomic
 from megatronapp.flags import add_flags
 from megatronapp.inference.generate import SamplingConfig
 from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL
-from megatronapp.launch.local import RESULT_FILE, run_ranks_for_result, under_launcher
+from megatronapp.launch.local import RESULT_FILE, launched_world_size, run_ranks_for_result, under_launcher
 from megatronapp.parallel.layout import ParallelLayout
 
 
@@ -128,7 +128,7 @@ def build_inference_run(
         raise ConfigError(f"--load {load}: no complete checkpoint there (missing 'latest')")
     tokenizer = load_tokenizer(args.tokenizer_model)
     texts = tuple(read_prompts(args)) if with_prompts else ()
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
+    world = launched_world_size(args.nproc_per_node)
     return InferenceRun(
         load=load,
         checkpoint_folder=str(find_latest(load)),

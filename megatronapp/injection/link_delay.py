@@ -10,7 +10,7 @@ untouched, so a sender's send completes exactly as it would.
 
 Install it before any tracing instrumentation: a tracer that wraps these functions afterwards
 sees the late completion inside its recv span, just as for a real slow link. That is why this
-is a layer of its own rather than part of MegaScan's wrappers (scan/record/instrument.py): the
+is a layer of its own (distributed_patch.py) rather than part of MegaScan's wrappers (scan/record/instrument.py): the
 tracer must measure a delayed link exactly as it measures a real one, untraced runs need the
 delay too, and the recorder must not know which faults are injected.
 """
@@ -28,9 +28,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from megatronapp.distributed_patch import DistributedPatch
 from megatronapp.injection.inject import FaultPlan, LinkDelay
 
-_MODULES = (dist, c10d)
 _WRAPPED = ("irecv", "recv", "batch_isend_irecv")
 
 
@@ -92,23 +92,12 @@ class _Link:
             self._queue.get().watch()
 
 
-class LinkDelays:
+class LinkDelays(DistributedPatch):
     """The installed wrappers of one rank; `uninstall()` restores torch.distributed."""
 
     def __init__(self, plan: FaultPlan, rank: int) -> None:
+        super().__init__()
         self.links = {src: _Link(src, dst, d) for (src, dst), d in plan.link_delays.items() if dst == rank}
-        self._inside = threading.local()
-        self._originals: dict[tuple[Any, str], Callable] = {}
-
-    def _passthrough(self) -> bool:
-        return getattr(self._inside, "depth", 0) > 0
-
-    def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        self._inside.depth = getattr(self._inside, "depth", 0) + 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._inside.depth -= 1
 
     def _src(self, group: Any, src: Any, group_src: Any) -> int | None:
         if src is None and group_src is not None:
@@ -118,8 +107,8 @@ class LinkDelays:
     def wrap_irecv(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-            work = self._call(original, tensor, src, group, tag, group_src=group_src)
-            link = None if self._passthrough() else self.links.get(self._src(group, src, group_src))
+            work = self.call(original, tensor, src, group, tag, group_src=group_src)
+            link = None if self.inside() else self.links.get(self._src(group, src, group_src))
             return link.late(work) if link is not None and work is not None else work
 
         return irecv
@@ -127,8 +116,8 @@ class LinkDelays:
     def wrap_recv(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def recv(tensor, src=None, group=None, tag=0, group_src=None):
-            sender = self._call(original, tensor, src, group, tag, group_src=group_src)
-            link = None if self._passthrough() else self.links.get(sender)
+            sender = self.call(original, tensor, src, group, tag, group_src=group_src)
+            link = None if self.inside() else self.links.get(sender)
             if link is not None:  # blocking recv: the data is here now; it "arrives" later
                 time.sleep(link.draw_s())
             return sender
@@ -138,8 +127,8 @@ class LinkDelays:
     def wrap_batch(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def batch_isend_irecv(p2p_op_list):
-            works = self._call(original, p2p_op_list)
-            if self._passthrough():
+            works = self.call(original, p2p_op_list)
+            if self.inside():
                 return works
             links = [
                 self.links.get(op.peer) if getattr(op.op, "__name__", "") == "irecv" else None for op in p2p_op_list
@@ -153,17 +142,8 @@ class LinkDelays:
 
     def install(self) -> LinkDelays:
         wrappers = {"irecv": self.wrap_irecv, "recv": self.wrap_recv, "batch_isend_irecv": self.wrap_batch}
-        built = {name: wrappers[name](getattr(c10d, name)) for name in _WRAPPED}
-        for module in _MODULES:
-            for name, fn in built.items():
-                self._originals[module, name] = getattr(module, name)
-                setattr(module, name, fn)
+        self.patch({name: wrappers[name](getattr(c10d, name)) for name in _WRAPPED})
         return self
-
-    def uninstall(self) -> None:
-        for (module, name), original in self._originals.items():
-            setattr(module, name, original)
-        self._originals.clear()
 
 
 def install_link_delays(plan: FaultPlan, rank: int) -> LinkDelays | None:

@@ -3,9 +3,10 @@
     megatronapp export hf --load CKPT --out DIR [--tokenizer-model tokenizer.json] [--dtype bfloat16]
     megatronapp import hf --from DIR --save CKPT
 
-The top-level CLI calls `add_interop_subcommands(subparsers)`; every leaf parser sets `func`,
-which takes the parsed namespace and returns the exit code (2 with one line on stderr for
-anything that cannot be converted, before any file is written).
+The top-level CLI calls `add_interop_subcommands(subparsers)`; every leaf parser sets `build_run`
+(parsed flags -> ExportRun / ImportRun) and `launch`; cli/validate.py checks the run in between
+(the checkpoint's files, the folders), and anything that cannot be converted is one line on
+stderr and exit code 2, before any file is written.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from megatronapp.config import MODEL_PRESETS, ConfigError, ModelConfig
@@ -46,6 +47,43 @@ _TRAIN_SWITCHES = {
 }
 
 
+@dataclass(frozen=True)
+class ExportRun:
+    load: str
+    out: str
+    tokenizer_model: str | None = None
+    dtype: str | None = None  # None: as stored
+
+
+@dataclass(frozen=True)
+class ImportRun:
+    src: str
+    save: str
+    train_flags: frozenset[str] = frozenset()  # `train`'s options: those the printed hint may use
+    train_preset: str | None = None  # the model preset `train` starts from
+
+
+def check_export_run(run: ExportRun) -> None:
+    """The checkpoint's files whole (sizes and checksums), the tokenizer file, OUT not a file."""
+    from megatronapp.engine.checkpoint_files import verify_checkpoint_files
+    from megatronapp.engine.full_model import resolve_checkpoint_folder
+
+    verify_checkpoint_files(resolve_checkpoint_folder(run.load))
+    if run.tokenizer_model is not None and not Path(run.tokenizer_model).is_file():
+        raise FileNotFoundError(f"--tokenizer-model {run.tokenizer_model} does not exist")
+    if Path(run.out).is_file():
+        raise ValueError(f"--out {run.out} is a file; give a folder")
+
+
+def check_import_run(run: ImportRun) -> None:
+    """The Hugging Face folder holds its config; SAVE is not a file (import_hf then checks what
+    the config asks of the engine, and the weights, before it writes anything)."""
+    if not (Path(run.src) / "config.json").is_file():
+        raise FileNotFoundError(f"--from {run.src}: config.json not found")
+    if Path(run.save).is_file():
+        raise ValueError(f"--save {run.save} is a file; give a folder")
+
+
 def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", help="write a checkpoint in another framework's format")
     formats = export.add_subparsers(dest="format", required=True)
@@ -64,7 +102,7 @@ def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
     hf.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="weight dtype (default: as stored)"
     )
-    hf.set_defaults(func=run_export_hf)
+    hf.set_defaults(build_run=lambda a: ExportRun(a.load, a.out, a.tokenizer_model, a.dtype), launch=run_export_hf)
 
     imp = sub.add_parser("import", help="write an engine checkpoint from another framework's model")
     formats = imp.add_subparsers(dest="format", required=True)
@@ -73,7 +111,8 @@ def add_interop_subcommands(sub: argparse._SubParsersAction) -> None:
     hf.add_argument("--save", required=True, help="checkpoint folder to create (must not hold one)")
     train = sub.choices.get("train")  # registered first by cli/main.py; its flags make the printed hint
     known = {s for a in train._actions for s in a.option_strings} if train else set()
-    hf.set_defaults(func=run_import_hf, train_flags=known, train_preset=train.get_default("model") if train else None)
+    preset = train.get_default("model") if train else None
+    hf.set_defaults(build_run=lambda a: ImportRun(a.src, a.save, frozenset(known), preset), launch=run_import_hf)
 
 
 def _fail(exc: Exception) -> int:
@@ -81,21 +120,18 @@ def _fail(exc: Exception) -> int:
     return 2
 
 
-def run_export_hf(args: argparse.Namespace) -> int:
-    from megatronapp.engine.checkpoint_files import verify_checkpoint_files
-    from megatronapp.engine.full_model import resolve_checkpoint_folder
+def run_export_hf(run: ExportRun, argv: list[str]) -> int:
     from megatronapp.interop.hf_checkpoint import export_hf
     from megatronapp.interop.hf_gptneox import parse_dtype
 
     try:
-        verify_checkpoint_files(resolve_checkpoint_folder(args.load))
-        warnings = export_hf(args.load, args.out, tokenizer_model=args.tokenizer_model, dtype=parse_dtype(args.dtype))
+        warnings = export_hf(run.load, run.out, tokenizer_model=run.tokenizer_model, dtype=parse_dtype(run.dtype))
     except (ConfigError, ValueError, FileNotFoundError) as exc:  # InteropError is a ValueError
         return _fail(exc)
     for w in warnings:
         print(f"megatronapp: warning: {w}", file=sys.stderr)
-    architecture = json.loads((Path(args.out) / "config.json").read_text())["architectures"][0]
-    print(f"wrote {args.out}: load it with transformers.{architecture}.from_pretrained({str(args.out)!r})")
+    architecture = json.loads((Path(run.out) / "config.json").read_text())["architectures"][0]
+    print(f"wrote {run.out}: load it with transformers.{architecture}.from_pretrained({str(run.out)!r})")
     return 0
 
 
@@ -124,17 +160,15 @@ def compute_train_hint(
     return f"megatronapp train --load {save} " + " ".join(flags), unsettable
 
 
-def run_import_hf(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+def run_import_hf(run: ImportRun, argv: list[str]) -> int:
     from megatronapp.interop.hf_checkpoint import import_hf
 
     try:
-        cfg = import_hf(args.src, args.save)
+        cfg = import_hf(run.src, run.save)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return _fail(exc)
     hint, unsettable = compute_train_hint(
-        cfg, args.save, (Path(args.save) / "tokenizer.json").is_file(), args.train_flags, args.train_preset
+        cfg, run.save, (Path(run.save) / "tokenizer.json").is_file(), set(run.train_flags), run.train_preset
     )
     if unsettable:
         print(
@@ -142,5 +176,5 @@ def run_import_hf(args: argparse.Namespace) -> int:
             "`megatronapp train` flag",
             file=sys.stderr,
         )
-    print(f"wrote {args.save}/iter_0000000 ({cfg.num_parameters():,} parameters); continue training with:\n  {hint}")
+    print(f"wrote {run.save}/iter_0000000 ({cfg.num_parameters():,} parameters); continue training with:\n  {hint}")
     return 0

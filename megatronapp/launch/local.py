@@ -30,6 +30,11 @@ def under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def launched_world_size(nproc_per_node: int | None) -> int:
+    """The world a command runs on: torchrun's (inside a rank), else its --nproc-per-node (1 if unset)."""
+    return int(os.environ["WORLD_SIZE"]) if under_launcher() else (nproc_per_node or 1)
+
+
 def rank_argv(argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
     """The launching command's argv for its ranks: without `--nproc-per-node N`, plus `extra`."""
     out, skip = [], False

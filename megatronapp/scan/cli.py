@@ -1,26 +1,31 @@
-"""`megatronapp trace ...` subcommands: argument parsing and printing; the work is in the
-analysis modules (merge.py, load_align_detect.py -> align.py, detect.py).
+"""`megatronapp trace ...` subcommands: their flags, and the frozen run each builds from them
+(scan/commands.py runs merge, detect, whatif, report and check; trace_run.py and probe_run.py
+the launching ones).
 
-The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser sets
-`func`, which takes the parsed namespace and returns the process exit code.
+The top-level CLI calls `add_trace_subcommands(subparsers)`; every leaf parser sets `build_run`
+(parsed flags -> frozen run) and `launch` (run, argv -> exit code); cli/validate.py checks the
+run in between.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
 from megatronapp.flags import add_flags, read_flags
-from megatronapp.scan.analyze.budget_output import budget_to_json, render_budget_text
 from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
-from megatronapp.scan.analyze.detect_output import render_report, report_to_json
-from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
-from megatronapp.scan.merge.merge import ALIGN_SAMPLE_ITERATIONS, merge_traces, merge_traces_split
-from megatronapp.scan.notes import truncated_traces_as_notes
+from megatronapp.scan.commands import (
+    CheckRun,
+    DetectRun,
+    MergeRun,
+    ReportRun,
+    WhatIfRun,
+    run_check,
+    run_detect,
+    run_merge,
+    run_report,
+    run_whatif,
+)
 from megatronapp.scan.probe_run import add_probe_arguments
-from megatronapp.scan.record.format import TraceFormatError
 from megatronapp.scan.trace_run import add_trace_run_arguments
 
 _NO_END = 2**31 - 1
@@ -56,66 +61,17 @@ def parse_rank_list(text: str) -> list[int]:
     return sorted(ranks)
 
 
-def _report_split(summaries: list) -> int:
-    for summary in summaries:
-        print(f"wrote {summary.out}: {summary.events} events, {summary.flows} flow arrows")
-    print(f"{len(summaries)} files; open each at https://ui.perfetto.dev")
-    return 0
+def build_merge_run(args: argparse.Namespace) -> MergeRun:
+    ranks = None if args.ranks is None else tuple(args.ranks)
+    return MergeRun(args.dir, args.out, args.iterations, ranks, args.split_iterations)
 
 
-def run_merge(args: argparse.Namespace) -> int:
-    """Handler of `trace merge`: write the Chrome trace and print a summary."""
-    if args.split_iterations is not None and args.iterations is not None:
-        print("error: --split-iterations and --iterations cannot be combined", file=sys.stderr)
-        return 2
-    try:
-        with truncated_traces_as_notes():
-            if args.split_iterations is not None:
-                summaries = merge_traces_split(args.dir, args.out, args.split_iterations, ranks=args.ranks)
-            else:
-                summary = merge_traces(args.dir, args.out, iterations=args.iterations, ranks=args.ranks)
-        if args.split_iterations is not None:
-            return _report_split(summaries)
-    except (TraceFormatError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    report = summary.report
-    print(
-        f"wrote {summary.out}: {len(summary.ranks)} ranks, {summary.events} events, {summary.flows} flow arrows "
-        f"({summary.arrivals} p2p messages)"
-    )
-    print(f"merged in {summary.seconds:.2f} s ({summary.events_per_s:,.0f} events/s)")
-    print(
-        f"alignment (first {ALIGN_SAMPLE_ITERATIONS} traced iterations): {report.anchors} collective anchors, "
-        f"{report.p2p_messages} p2p messages, "
-        f"median residual {report.median_residual_ns / 1e3:.1f} us, "
-        f"{report.violations} causality violations left (of {report.violations_before})"
-    )
-    print("open it at https://ui.perfetto.dev or chrome://tracing")
-    return 0
-
-
-def run_detect(args: argparse.Namespace) -> int:
-    """Handler of `trace detect`: load, align, detect, print. Exit code 0 nobody found, 3 suspects
-    found, 2 bad input."""
+def build_detect_run(args: argparse.Namespace) -> DetectRun:
     its = args.iterations  # a range from parse_iteration_range, or None
-    try:
-        config = DetectConfig(
-            iterations=None if its is None else (its.start, its.stop), **read_flags(args, DETECT_FLAGS)
-        )
-        with truncated_traces_as_notes(sys.stderr if args.json else None):  # --json: stdout is one object
-            analysis = analyze_trace_dir(args.trace_dir, config)
-    except (OSError, ValueError) as exc:  # TraceFormatError and DetectInputError are ValueErrors
-        print(f"megatronapp trace detect: {exc}", file=sys.stderr)
-        return 2
-    report = analysis.detection
-    budget = analysis.budget if args.budget else None
-    if args.json:
-        doc = report_to_json(report) | ({"budget": budget_to_json(budget)} if budget else {})
-        print(json.dumps(doc, indent=2))
-    else:
-        print(render_report(report) + (render_budget_text(budget) if budget else ""), end="\n")
-    return 3 if report.suspects else 0
+    window = None if its is None else (its.start, its.stop)
+    return DetectRun(
+        args.trace_dir, DetectConfig(iterations=window, **read_flags(args, DETECT_FLAGS)), args.json, args.budget
+    )
 
 
 def _add_detect(sub: argparse._SubParsersAction) -> None:
@@ -135,77 +91,7 @@ def _add_detect(sub: argparse._SubParsersAction) -> None:
         help="analyse iterations A..B-1 only (also A:, :B, A); default: every complete iteration, warm-up skipped",
     )
     add_flags(parser, DETECT_FLAGS, DetectConfig)
-    parser.set_defaults(func=run_detect)
-
-
-def run_whatif(args: argparse.Namespace) -> int:
-    """Handler of `trace whatif`: the iteration time with each diagnosed fault removed."""
-    try:
-        with truncated_traces_as_notes(sys.stderr if args.json else None):
-            report = analyze_trace_dir(args.trace_dir).detection
-    except (OSError, ValueError) as exc:
-        print(f"megatronapp trace whatif: {exc}", file=sys.stderr)
-        return 2
-    doc = report_to_json(report)
-    rows = [
-        {
-            "fault": f"slow link {s['link'][0]}->{s['link'][1]}" if s["link"] else f"{s['cause']} rank {s['rank']}",
-            **s["what_if"],
-        }
-        for s in doc["suspects"]
-    ]
-    if args.json:
-        print(json.dumps({**doc["what_if"], "faults": rows}, indent=2))
-        return 0
-    print(
-        f"iteration time now: {doc['what_if']['iteration_ms']} ms (median critical path; mean "
-        f"{doc['what_if']['iteration_mean_ms']} ms)"
-    )
-    for row in rows:
-        basis = "" if row["over_iterations"] == "median" else f"; intermittent: mean of now {row['iteration_ms']} ms"
-        print(f"without {row['fault']}: {row['iteration_if_fixed_ms']} ms (-{row['saving_ms']} ms{basis})")
-    if rows:
-        print(f"without all of them: {doc['what_if']['iteration_if_all_fixed_ms']} ms")
-    else:
-        print("no fault diagnosed: nothing to remove")
-    return 0
-
-
-def run_report(args: argparse.Namespace) -> int:
-    """Handler of `trace report`: write the self-contained HTML page."""
-    from pathlib import Path
-
-    from megatronapp.scan.analyze.report import write_report
-
-    try:
-        with truncated_traces_as_notes():
-            analysis = analyze_trace_dir(args.trace_dir)
-    except (OSError, ValueError) as exc:
-        print(f"megatronapp trace report: {exc}", file=sys.stderr)
-        return 2
-    timeline = Path(args.trace_dir) / "timeline.json"
-    link = os.path.relpath(timeline, Path(args.out).resolve().parent) if timeline.is_file() else None
-    write_report(analysis, args.out, f"MegaScan report: {args.trace_dir}", link)
-    print(f"wrote {args.out}")
-    return 0
-
-
-def run_check(args: argparse.Namespace) -> int:
-    """Handler of `trace check`: exit 0 clean, 1 import errors or backward flows, 2 bad input or
-    an engine that could not run."""
-    from megatronapp.scan.perfetto.check import check_timeline, format_rows, query_timeline, render_check
-    from megatronapp.scan.perfetto.engine import EngineError
-
-    try:
-        if args.sql is not None:
-            print(format_rows(*query_timeline(args.timeline, args.sql), args.json))
-            return 0
-        report = check_timeline(args.timeline)
-    except (OSError, EngineError) as exc:
-        print(f"megatronapp trace check: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=1) if args.json else render_check(report))
-    return 0 if report["ok"] else 1
+    parser.set_defaults(build_run=build_detect_run, launch=run_detect)
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
@@ -215,18 +101,18 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     check.add_argument("timeline", help="Chrome trace JSON written by `trace merge` (.json or .json.gz)")
     check.add_argument("--json", action="store_true", help="print the report (or the query's rows) as JSON")
     check.add_argument("--sql", default=None, help="run one Perfetto SQL query instead and print its rows as TSV")
-    check.set_defaults(func=run_check)
+    check.set_defaults(build_run=lambda a: CheckRun(a.timeline, a.json, a.sql), launch=run_check)
 
 
 def _add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     whatif = sub.add_parser("whatif", help="predict the iteration time with each diagnosed fault removed")
     whatif.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
     whatif.add_argument("--json", action="store_true", help="print the estimates as one JSON object")
-    whatif.set_defaults(func=run_whatif)
+    whatif.set_defaults(build_run=lambda a: WhatIfRun(a.trace_dir, a.json), launch=run_whatif)
     report = sub.add_parser("report", help="write one self-contained HTML page about a traced run")
     report.add_argument("trace_dir", help="directory holding the rank*.mscan files of one run")
     report.add_argument("--out", required=True, help="HTML file to write")
-    report.set_defaults(func=run_report)
+    report.set_defaults(build_run=lambda a: ReportRun(a.trace_dir, a.out), launch=run_report)
 
 
 def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -249,7 +135,7 @@ def add_trace_subcommands(subparsers: argparse._SubParsersAction) -> argparse.Ar
         metavar="N",
         help="one file per N traced iterations (OUT gets .iterA-B before its extension)",
     )
-    merge.set_defaults(func=run_merge)
+    merge.set_defaults(build_run=build_merge_run, launch=run_merge)
     _add_detect(sub)
     _add_analysis_commands(sub)
     _add_check(sub)

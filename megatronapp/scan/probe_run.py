@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatronapp.flags import add_flags, read_flags
 from megatronapp.launch.flags import LAYOUT_FLAGS, NPROC_PER_NODE, VIRTUAL_STAGES
-from megatronapp.launch.local import rank_argv, run_local_ranks, under_launcher
+from megatronapp.launch.local import launched_world_size, rank_argv, run_local_ranks, under_launcher
+from megatronapp.launch.roles import backend_for, init_default_group
+from megatronapp.parallel.device import select_device
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.probe import compute_probe_pairs, find_slow_links, measure_links, render_probe
 from megatronapp.scan.probe_config import PROBE_FLAGS, ProbeConfig, save_probe
@@ -48,7 +49,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_probe_run(args: argparse.Namespace) -> ProbeRun:
     """The run of the parsed flags; ValueError (one line) for a run that cannot measure anything."""
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else (args.nproc_per_node or 1)
+    world = launched_world_size(args.nproc_per_node)
     if world < 2:
         raise ValueError("trace probe needs at least 2 ranks: give --nproc-per-node N (N >= 2) or run under torchrun")
     layout = ParallelLayout(
@@ -75,12 +76,9 @@ def launch_probe(run: ProbeRun, argv: list[str]) -> int:
 
 def run_probe_rank(run: ProbeRun) -> int:
     """One rank of the probe: join the world, measure every link, rank 0 prints and writes."""
-    rank = int(os.environ.get("RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device = select_device(None, int(os.environ.get("LOCAL_RANK", "0")))  # a GPU where there is one
+    init_default_group(backend_for(device), world, rank)
     try:
         pairs = compute_probe_pairs(run.layout)
         start = time.perf_counter()
@@ -89,7 +87,8 @@ def run_probe_rank(run: ProbeRun) -> int:
         )
         seconds = time.perf_counter() - start
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if rank == 0:
         print(render_probe(links), flush=True)
         print(f"measured {len(links)} directed links in {seconds:.2f} s")

@@ -149,15 +149,28 @@ def render_capture(run, result: dict) -> str:
     )
 
 
-def _report(args) -> int:
+@dataclass(frozen=True)
+class ScopeReportRun:
+    file: str  # capture file written by scope capture
+    out: str  # folder the pictures go to
+
+
+def check_scope_report_run(run: ScopeReportRun) -> None:
+    if not Path(run.file).is_file():
+        raise FileNotFoundError(f"{run.file}: no such capture file")
+    if Path(run.out).exists() and not Path(run.out).is_dir():
+        raise ValueError(f"--out {run.out} is a file, not a folder")
+
+
+def run_scope_report(run: ScopeReportRun, argv: list[str]) -> int:
     from megatronapp.scope.report import render_report
 
     try:
-        written = render_report(args.file, args.out)
+        written = render_report(run.file, run.out)
     except (ValueError, FileNotFoundError) as exc:
         print(f"megatronapp: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {len(written)} files to {args.out}")
+    print(f"wrote {len(written)} files to {run.out}")
     return 0
 
 
@@ -202,5 +215,5 @@ def add_scope_subcommands(sub) -> None:
     rep = cmds.add_parser("report", help="render PNG heatmaps, attention maps and PCA of a capture file")
     rep.add_argument("file", help="capture file written by scope capture")
     rep.add_argument("--out", required=True, help="output folder")
-    rep.set_defaults(func=_report)
+    rep.set_defaults(build_run=lambda a: ScopeReportRun(a.file, a.out), launch=run_scope_report)
     return cmds

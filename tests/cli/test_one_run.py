@@ -1,8 +1,9 @@
-"""One truth per run: every launching command turns its flags into one frozen run, checked once,
-and what runs it reads only that run, never the parsed flags.
+"""One truth per run: every command turns its flags into one frozen run, checked once, and what
+runs it reads only that run, never the parsed flags.
 
-Checked three ways: each launching command's `launch` takes (run, argv) and nothing else; the
-run built from a representative command line holds no argparse namespace anywhere inside it;
+Checked four ways: every command (each leaf of the parser) builds a run; its `launch` takes
+(run, argv) and nothing else; the run built from a representative command line holds no
+argparse namespace anywhere inside it;
 and no module below the command line (outside cli/, megatronapp/flags.py and the components'
 flag adapters listed below) imports argparse or names its Namespace.
 """
@@ -51,6 +52,15 @@ def _representative_argv(checkpoint: str, script: str) -> dict[tuple[str, ...], 
         ("trace", "probe"): ["trace", "probe", "--nproc-per-node", "2", "--pipeline-model-parallel-size", "2"],
         ("schedule", "simulate"): ["schedule", "simulate", "--inject-jitter", "1:1.5"],
         ("schedule", "show"): ["schedule", "show", "--out", "s.png"],
+        ("trace", "merge"): ["trace", "merge", "traces", "-o", "t.json", "--ranks", "0-1", "--iterations", "2:4"],
+        ("trace", "detect"): ["trace", "detect", "traces", "--iterations", "2:", "--json"],
+        ("trace", "whatif"): ["trace", "whatif", "traces"],
+        ("trace", "report"): ["trace", "report", "traces", "--out", "r.html"],
+        ("trace", "check"): ["trace", "check", "t.json"],
+        ("export", "hf"): ["export", "hf", "--load", checkpoint, "--out", "hf"],
+        ("import", "hf"): ["import", "hf", "--from", "hf", "--save", "ckpt"],
+        ("scope", "report"): ["scope", "report", "c.safetensors", "--out", "pictures"],
+        ("preprocess-data",): ["preprocess-data", "--input", script, "--output-prefix", "out"],
     }
 
 
@@ -58,8 +68,14 @@ def _launching_commands() -> dict[tuple[str, ...], argparse.ArgumentParser]:
     return {path: p for path, p in walk_parsers(build_parser()) if "build_run" in p._defaults}
 
 
-def test_every_launching_command_has_a_representative_command_line():
-    assert set(_launching_commands()) == set(_representative_argv("ckpt", "s.py"))
+def test_every_command_builds_a_run_and_has_a_representative_command_line():
+    leaves = {path for path, p in walk_parsers(build_parser()) if path and not _subcommands(p)}
+    assert set(_launching_commands()) == leaves
+    assert set(_representative_argv("ckpt", "s.py")) == leaves
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list:
+    return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
 
 
 @pytest.mark.parametrize("path", sorted(_representative_argv("ckpt", "s.py")), ids=" ".join)
@@ -87,7 +103,22 @@ def _namespaces_inside(value, where: str = "run"):
 def runs(tiny_checkpoint, tmp_path_factory):
     script = tmp_path_factory.mktemp("script") / "train.py"
     script.write_text("pass\n")
-    return {path: build_checked_run(argv) for path, argv in _representative_argv(tiny_checkpoint, str(script)).items()}
+    runs = {}
+    for path, argv in _representative_argv(tiny_checkpoint, str(script)).items():
+        if path in READS_FILES:  # their checks want real traces, timelines, captures, HF folders
+            args = build_parser().parse_args(argv)
+            runs[path] = args.build_run(args)
+        else:
+            runs[path] = build_checked_run(argv)
+    return runs
+
+
+READS_FILES = {
+    *(("trace", c) for c in ("merge", "detect", "whatif", "report", "check")),
+    ("export", "hf"),
+    ("import", "hf"),
+    ("scope", "report"),
+}
 
 
 def test_runs_hold_no_namespace_and_are_frozen(runs):

@@ -186,7 +186,7 @@ SCHEDULE = ScheduleRun(
     weight_grad_share=0.5,
     forward_ms="1",
     backward_ms="2,2,2,3",
-    jitter=("2:1.5",),
+    jitter=(JitterSpec(2, 1.5),),
     from_trace=None,
 )
 SCHEDULE_RULES = [
@@ -194,7 +194,7 @@ SCHEDULE_RULES = [
     ("w share", dict(weight_grad_share=1.0), "--weight-grad-share must be in (0, 1), got 1.0"),
     ("shape", dict(microbatches=0), "pipeline size, virtual stages and microbatches must be >= 1"),
     ("costs", dict(backward_ms="2,2"), "--backward-ms needs 1 or 4 non-negative values"),
-    ("jitter", dict(jitter=("4:1.5",)), "--inject-jitter rank 4 is not on the simulated pipeline"),
+    ("jitter", dict(jitter=(JitterSpec(4, 1.5),)), "--inject-jitter rank 4 is not on the simulated pipeline"),
     ("cap", dict(dpp=DppConfig(max_inflight=1)), "--dpp-max-inflight 1 is below the 2 activation sets"),
     ("trace", dict(from_trace="/nonexistent/trace"), "--from-trace /nonexistent/trace is not a folder"),
 ]
@@ -229,7 +229,7 @@ def test_every_launching_command_is_validated_by_main(argv):
     assert callable(args.build_run) and callable(args.launch) and not hasattr(args, "func")
 
 
-def test_injections_come_only_from_the_inject_flags_or_the_fault_environment(monkeypatch):
+def test_injections_come_only_from_the_inject_flags(monkeypatch):
     from megatronapp.cli.injection import build_injection_config
     from megatronapp.cli.main import build_parser
 
@@ -255,5 +255,5 @@ def test_injections_come_only_from_the_inject_flags_or_the_fault_environment(mon
     assert inj.faults.slowdowns[1].factor == 2.0 and inj.jitter == (JitterSpec(3, 1.5, 7),)
     assert inj.fbd.crash == (2, 5) and inj.fbd.random_delay_ms == 0.0
     assert inj.spec_dict == {"inject_slowdown": ["1:2"], "inject_link_delay": [], "inject_jitter": ["3:1.5:7"]}
-    monkeypatch.setenv("MEGATRONAPP_INJECT_SLOWDOWN", "0:3")  # how `trace run` and the fault lab pass faults
-    assert build_injection_config(parse(["train"])).faults.slowdowns[0].factor == 3.0
+    monkeypatch.setenv("MEGATRONAPP_INJECT_SLOWDOWN", "0:3")  # `trace run`'s carrier into a script: not train's
+    assert build_injection_config(parse(["train"])).faults.empty

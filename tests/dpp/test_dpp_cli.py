@@ -178,11 +178,12 @@ def test_jitter_names_a_global_rank_mapped_onto_the_simulated_pipeline():
     """As in `train`: with TP 2 x DP 2 x PP 2 the simulated pipeline (tp 0, dp 0) is global
     ranks 0 and 4; rank 4 is pipeline rank 1 there, rank 1 (tp 1) is not on it."""
     from megatronapp.dpp.cli import compute_pipeline_jitter
+    from megatronapp.dpp.config import JitterSpec
 
-    assert [j.rank for j in compute_pipeline_jitter(["4:1.5", "0:2"], 2, 2, 2)] == [1, 0]
-    assert [j.rank for j in compute_pipeline_jitter(["3:1.5"], 1, 1, 4)] == [3]
+    assert [j.rank for j in compute_pipeline_jitter((JitterSpec(4, 1.5), JitterSpec(0, 2.0)), 2, 2, 2)] == [1, 0]
+    assert [j.rank for j in compute_pipeline_jitter((JitterSpec(3, 1.5),), 1, 1, 4)] == [3]
     with pytest.raises(ValueError, match=r"rank 1 is not on the simulated pipeline \(global ranks 0, 4\)"):
-        compute_pipeline_jitter(["1:1.5"], 2, 2, 2)
+        compute_pipeline_jitter((JitterSpec(1, 1.5),), 2, 2, 2)
 
 
 @_NO_FAULT_HANDLER

@@ -4,16 +4,15 @@ it, and a link is judged only over messages whose ends were not descheduled."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 
 import pyarrow as pa
 import pytest
 
+from megatronapp.cli.main import main
 from megatronapp.scan.analyze.budget import compute_budget
 from megatronapp.scan.analyze.budget_summary import BudgetConfig, compute_budget_summary
-from megatronapp.scan.cli import add_trace_subcommands
 from megatronapp.scan.record.format import RankTrace, TraceWriter, build_event_batch, build_rank_meta, trace_file_name
 
 MS = 1_000_000
@@ -233,10 +232,7 @@ def test_a_link_is_compared_only_over_messages_whose_ends_were_not_descheduled()
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_trace_subcommands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["trace", *argv])
-    return args.func(args)
+    return main(["trace", *argv])
 
 
 def _write(trace_dir, traces):

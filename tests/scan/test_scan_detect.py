@@ -6,7 +6,6 @@ Traces come from tests/support/scan_simulation.py, which simulates the waiting o
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pyarrow as pa
 import pytest
 from scan_simulation import SimulatedJob, simulate_job_traces
 
+from megatronapp.cli.main import main
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.analyze import detect_links as p2p
 from megatronapp.scan.analyze import detect_path as paths
@@ -23,7 +23,6 @@ from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectInputError
 from megatronapp.scan.analyze.detect_online import OnlineDetectConfig, OnlineDetector
 from megatronapp.scan.analyze.detect_output import render_report, report_to_json
-from megatronapp.scan.cli import add_trace_subcommands
 from megatronapp.scan.merge.matching import index_comm_events
 from megatronapp.scan.record.format import TraceWriter, trace_file_name
 
@@ -288,10 +287,7 @@ def _write_trace_dir(path: Path, traces, skew_ns: dict[int, int]) -> None:
 
 
 def _cli(argv):
-    parser = argparse.ArgumentParser()
-    add_trace_subcommands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["trace", "detect", *argv])
-    return args.func(args)
+    return main(["trace", "detect", *argv])
 
 
 def test_cli_aligns_skewed_clocks_and_reports(tmp_path, capsys):

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 from timeline_checks import assert_flows_forward, assert_perfetto_reads_flows
 
+from megatronapp.cli.main import main
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.scan.cli import add_trace_subcommands, parse_iteration_range, parse_rank_list
 from megatronapp.scan.merge.align import align_traces
@@ -401,14 +402,15 @@ def test_cli_parsers():
 def test_cli_trace_merge_runs_and_reports(tmp_path, capsys):
     job = SyntheticJob(ParallelLayout(world_size=2, tp_size=2), seed=4).run(iterations=2)
     write_dir(job.traces({}), tmp_path)
-    parser = argparse.ArgumentParser(prog="megatronapp")
-    add_trace_subcommands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["trace", "merge", str(tmp_path), "-o", str(tmp_path / "t.json"), "--iterations", "2:3"])
-    assert args.func(args) == 0
+    assert main(["trace", "merge", str(tmp_path), "-o", str(tmp_path / "t.json"), "--iterations", "2:3"]) == 0
     assert "events/s" in capsys.readouterr().out
     check_chrome_trace(load_json(tmp_path / "t.json"), [0, 1])
-    args = parser.parse_args(["trace", "merge", str(tmp_path / "missing"), "-o", str(tmp_path / "x.json")])
-    assert args.func(args) == 2 and "does not exist" in capsys.readouterr().err
+    assert main(["trace", "merge", str(tmp_path / "missing"), "-o", str(tmp_path / "x.json")]) == 2
+    assert (
+        capsys.readouterr().err.strip() == f"megatronapp: error: trace directory {tmp_path / 'missing'} does not exist"
+    )
+    parser = argparse.ArgumentParser(prog="megatronapp")
+    add_trace_subcommands(parser.add_subparsers(dest="command"))
     trace_parser = parser._subparsers._group_actions[0].choices["trace"]
     assert set(trace_parser._subparsers._group_actions[0].choices) == {
         "merge",

@@ -180,14 +180,9 @@ def test_the_html_report_shows_the_links_measured_and_what_the_gate_held_back(sl
 
 
 def test_min_impact_outside_zero_to_one_is_refused_in_one_line(tmp_path, capsys):
-    import argparse
+    from megatronapp.cli.main import main
 
-    from megatronapp.scan.cli import add_trace_subcommands
-
-    parser = argparse.ArgumentParser()
-    add_trace_subcommands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["trace", "detect", str(tmp_path), "--min-impact", "2"])
-    assert args.func(args) == 2
+    assert main(["trace", "detect", str(tmp_path), "--min-impact", "2"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "megatronapp trace detect: --min-impact must be a share of the iteration in [0, 1], got 2.0"
+        "megatronapp: error: --min-impact must be a share of the iteration in [0, 1], got 2.0"
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 
@@ -10,7 +9,7 @@ import pytest
 from scan_simulation import SimulatedJob, simulate_job_traces
 from timeline_checks import assert_flows_forward
 
-from megatronapp.scan.cli import add_trace_subcommands
+from megatronapp.cli.main import main
 from megatronapp.scan.merge.merge import merge_traces_split, split_output_name
 from megatronapp.scan.record.format import TraceWriter, trace_file_name
 
@@ -27,10 +26,7 @@ def _write(trace_dir, job: SimulatedJob):
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_trace_subcommands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["trace", *argv])
-    return args.func(args)
+    return main(["trace", *argv])
 
 
 @pytest.mark.parametrize("fault", [dict(slow_rank=3, slow_factor=1.8), dict(slow_link=(0, 2), link_delay_ns=6_000_000)])

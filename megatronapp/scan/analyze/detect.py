@@ -118,6 +118,18 @@ def _confidence(weight: float, ratio: float, strong: float, consistency: float) 
     return round(float(min(1.0, weight * (0.5 + 0.5 * effect) * consistency)), 3)
 
 
+def _intermittent_fields(it) -> dict:
+    """The evidence fields of an intermittent slowdown (detect_intermittent.IntermittentStats)."""
+    return {
+        "intermittent": True,
+        "slow_iterations": list(it.slow_iterations),
+        "slow_iteration_ratio": round(it.slow_ratio, 3),
+        "other_iteration_ratio": round(it.base_ratio, 3),
+        "intermittent_p": float(f"{it.p_value:.3g}"),
+        "periodic": it.periodic,
+    }
+
+
 def _compute_evidence(st: rules.ComputeStats, config: DetectConfig) -> tuple[bool, float, str, dict]:
     """(intermittent, ratio, summary, evidence fields) of a slow-compute suspect."""
     peers = {"dp_replicas": "DP replicas", "tp_peers": "TP peers", "pipeline_stages": "other pipeline stages"}
@@ -133,14 +145,7 @@ def _compute_evidence(st: rules.ComputeStats, config: DetectConfig) -> tuple[boo
             ),
             {"intermittent": False},
         )
-    fields = {
-        "intermittent": True,
-        "slow_iterations": list(it.slow_iterations),
-        "slow_iteration_ratio": round(it.slow_ratio, 3),
-        "other_iteration_ratio": round(it.base_ratio, 3),
-        "intermittent_p": float(f"{it.p_value:.3g}"),
-        "periodic": it.periodic,
-    }
+    fields = _intermittent_fields(it)
     period = f", every {it.slow_iterations[1] - it.slow_iterations[0]}" if it.periodic else ""
     summary = (
         f"rank {st.rank} forward/backward compute is {it.slow_ratio:.2f}x its {peers[st.basis]} "
@@ -241,12 +246,7 @@ def _own_work_intermittent_suspects(samples, named: dict, coords: dict, config: 
             "basis": "arrival_order",
             "peers": [],
             "ratio": round(it.slow_ratio, 3),
-            "intermittent": True,
-            "slow_iterations": list(it.slow_iterations),
-            "slow_iteration_ratio": round(it.slow_ratio, 3),
-            "other_iteration_ratio": round(it.base_ratio, 3),
-            "intermittent_p": float(f"{it.p_value:.3g}"),
-            "periodic": it.periodic,
+            **_intermittent_fields(it),
             "iterations": it.iterations,
             "slow_iteration_excess_ms": {i: to_ms(v) for i, v in excess.items()},
         }

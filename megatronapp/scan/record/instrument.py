@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from megatronapp import spans as S
+from megatronapp.distributed_patch import MODULES as _MODULES
+from megatronapp.distributed_patch import DistributedPatch
 from megatronapp.scan.record.tracer import NOOP_SPAN
 
 # Wrapped function -> (op name in the trace, name of the argument whose bytes count).
@@ -51,7 +52,6 @@ COLLECTIVES = {
     "all_to_all": (S.ALL_TO_ALL, "input_tensor_list"),
 }
 P2P = {"send": S.SEND, "recv": S.RECV, "isend": S.SEND, "irecv": S.RECV}
-_MODULES = (dist, c10d)
 # Only the names this torch version has (the *_single ones are recent).
 _WRAPPED = tuple(n for n in (*COLLECTIVES, *P2P, "batch_isend_irecv") if hasattr(c10d, n))
 _MARK = "__megascan_original__"
@@ -143,15 +143,14 @@ def compute_group_key(group_name: str, ranks: list[int]) -> str:
     return f"{group_name}:[{','.join(str(r) for r in ranks)}]"
 
 
-class DistributedInstrumentation:
+class DistributedInstrumentation(DistributedPatch):
     """The installed wrappers of one tracer; `uninstall()` restores torch.distributed."""
 
     def __init__(self, tracer: Any) -> None:
+        super().__init__()
         self.tracer = tracer
         self.rank = int(tracer.meta["rank"])
         self.counters = _Counters()
-        self._inside = threading.local()
-        self._originals: dict[tuple[Any, str], Callable] = {}
 
     # ----- lookups -------------------------------------------------------------
     def group_key(self, group: Any) -> str:
@@ -161,16 +160,6 @@ class DistributedInstrumentation:
             key = compute_group_key(group.group_name, dist.get_process_group_ranks(group))
             self.counters.group_keys[group] = key
         return key
-
-    def _busy(self) -> bool:
-        return getattr(self._inside, "depth", 0) > 0
-
-    def _call(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
-        self._inside.depth = getattr(self._inside, "depth", 0) + 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            self._inside.depth -= 1
 
     def _end(self, spans: list, result: Any, is_async: bool) -> Any:
         """End spans now, or when the returned Work(s) are waited on."""
@@ -195,13 +184,13 @@ class DistributedInstrumentation:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             group = _arg(params, args, kwargs, "group")
-            if self._busy() or group is dist.GroupMember.NON_GROUP_MEMBER:
+            if self.inside() or group is dist.GroupMember.NON_GROUP_MEMBER:
                 return original(*args, **kwargs)
             key = self.group_key(group)
             seq = self.counters.next_collective(key)
             nbytes = _nbytes(_arg(params, args, kwargs, bytes_arg)) if self.tracer.active and bytes_arg else 0
             span = self.tracer.record_comm(op, group=key, seq=seq, bytes=nbytes)
-            result = self._call(original, *args, **kwargs)
+            result = self.call(original, *args, **kwargs)
             return self._end([span], result, bool(_arg(params, args, kwargs, "async_op", False)))
 
         return wrapper
@@ -221,7 +210,7 @@ class DistributedInstrumentation:
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self._busy():
+            if self.inside():
                 return original(*args, **kwargs)
             group = _arg(params, args, kwargs, "group")
             peer = self._global_peer(
@@ -236,7 +225,7 @@ class DistributedInstrumentation:
                 peer=peer,
                 bytes=_nbytes(_arg(params, args, kwargs, "tensor")) if active else 0,
             )
-            result = self._call(original, *args, **kwargs)
+            result = self.call(original, *args, **kwargs)
             if op == S.RECV and not is_async and peer < 0 and isinstance(result, int) and result >= 0:
                 # recv from any source: the sender is known only now.
                 self.counters.next_p2p(result, self.rank)
@@ -250,7 +239,7 @@ class DistributedInstrumentation:
     def wrap_batch(self, original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(p2p_op_list: list) -> Any:
-            if self._busy():
+            if self.inside():
                 return original(p2p_op_list)
             spans, restore = [], []
             for p2p_op in p2p_op_list:
@@ -272,7 +261,7 @@ class DistributedInstrumentation:
                 restore.append((p2p_op, p2p_op.op))
                 p2p_op.op = current
             try:
-                result = self._call(original, p2p_op_list)
+                result = self.call(original, p2p_op_list)
             finally:
                 for p2p_op, fn in restore:
                     p2p_op.op = fn
@@ -283,7 +272,7 @@ class DistributedInstrumentation:
     def _p2p_op_kind(self, fn: Callable) -> str:
         original = getattr(fn, _MARK, fn)
         for name in ("isend", "irecv"):
-            if original is self._originals.get((c10d, name), getattr(c10d, name)):
+            if original is (self.replaced(name) or getattr(c10d, name)):
                 return P2P[name]
         raise ValueError(f"P2POp op {fn!r} is neither torch.distributed.isend nor irecv")
 
@@ -302,24 +291,7 @@ class DistributedInstrumentation:
                 wrapper = self.wrap_batch(original)
             setattr(wrapper, _MARK, original)
             wrappers[name] = wrapper
-        for module in _MODULES:
-            for name, wrapper in wrappers.items():
-                if not hasattr(module, name):
-                    continue
-                self._originals[module, name] = getattr(module, name)
-                setattr(module, name, wrapper)
-
-    def uninstall(self) -> None:
-        """Restore the original functions; idempotent."""
-        for (module, name), original in self._originals.items():
-            setattr(module, name, original)
-        self._originals.clear()
-
-    def __enter__(self) -> DistributedInstrumentation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
+        self.patch(wrappers)
 
 
 def install_distributed_instrumentation(tracer: Any) -> DistributedInstrumentation | None:

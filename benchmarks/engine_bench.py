@@ -16,7 +16,9 @@ Peak memory per variant = its resident state (measured when it was built and ste
 recompute: none / selective / full (uniform, 1 layer) engines, compiled, interleaved.
 microbatch: the largest micro-batch (eager) whose step fits, with and without full recompute.
 fp8_loss: the engine in bf16 and with --fp8-format hybrid, same init and corpus batches, loss per step.
-family_loss: the engine on each of --loss-presets (GPT-NeoX 1.3b, Llama-shaped llama3.2-1b), loss per step.
+family_loss: the engine on each of --loss-presets (GPT-NeoX 1.3b, Llama-shaped llama3.2-1b), loss per step;
+with --loss-twin each preset's plain twin (fp32 params, bf16 autocast, the same AdamW settings and
+learning-rate schedule) on the same batches too, to tell a loss bump the batches cause from one the engine does.
 --preset llama3.2-1b: every bench on the Llama-shaped model, against a Llama-shaped plain twin.
 integrity variants (--variants): engine_no_checks (--no-check-for-nan-in-loss-and-grad), engine_checks
 (+ --check-for-spiky-loss --check-for-large-grads), engine_rerun (+ --rerun-mode validate_results: checks

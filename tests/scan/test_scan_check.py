@@ -73,6 +73,9 @@ def test_check_command_exits_0_clean_1_backward_2_unreadable(tmp_path):
     refused = _check(str(broken))
     assert refused.returncode == 2 and "incomplete" in refused.stderr and "Traceback" not in refused.stderr
     missing = _check(str(tmp_path / "absent.json"))
-    assert missing.returncode == 2 and missing.stderr.startswith("megatronapp trace check: cannot read")
+    assert (
+        missing.returncode == 2
+        and missing.stderr == f"megatronapp: error: {tmp_path / 'absent.json'}: no such timeline file\n"
+    )
     rows = _check(str(clean), "--sql", "select name from slice order by ts")
     assert rows.returncode == 0 and rows.stdout.split() == ["name", "send", "recv"]

@@ -49,11 +49,6 @@ def component_of(name: str) -> str:
     raise TypeError(f"no job config has a field {name!r}")
 
 
-def field_default(name: str):
-    """The default of the component field `name` (the one place it is written)."""
-    return FIELD_COMPONENTS[component_of(name)].__dataclass_fields__[name].default
-
-
 def replace_fields(job: JobConfig, **fields) -> JobConfig:
     """`job` with the named fields changed, each in the component config that owns it; each
     changed component checks itself again."""

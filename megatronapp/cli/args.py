@@ -1,11 +1,11 @@
 """`megatronapp train` flags (Megatron-LM's names) and their translation into configs.
 
-Defaults live in one place, the config dataclasses (config/): every flag that sets a
-field of one of the job's component configs (train, optimizer, precision, checkpoint,
-logging, integrity) is named by that field, defaults to None here, and only the flags a user
-gave are passed on (job.build_job routes each to its component), so the dataclass default
-applies otherwise. `--help` shows those defaults, read from the
-dataclasses.
+Defaults live in one place, the config dataclasses (config/), and so do the flags that set a
+field of one of the job's component configs (train, optimizer, precision, checkpoint, logging,
+integrity, eval): each is declared as a `Flag` beside its config, named by that field. The
+parser is built here from those declarations: they default to None, so only the flags a user
+gave are passed on (job.build_job routes each to its component) and the dataclass default
+applies otherwise. `--help` shows those defaults, read from the dataclasses.
 """
 
 from __future__ import annotations
@@ -14,16 +14,30 @@ import argparse
 
 from megatronapp.cli.architecture_args import add_architecture_arguments, compute_query_groups_override
 from megatronapp.config import (
-    ATTENTION_BACKENDS,
+    CHECKPOINT_FLAGS,
+    EVAL_FLAGS,
+    INTEGRITY_FLAGS,
+    LOGGING_FLAGS,
+    MIXED_PRECISION_FLAGS,
     MODEL_PRESETS,
-    RECOMPUTE_GRANULARITIES,
-    RECOMPUTE_METHODS,
-    RERUN_MODES,
+    OPTIMIZER_PARALLELISM_FLAGS,
+    OPTIMIZER_SCHEDULE_FLAGS,
+    OPTIMIZER_STATE_FLAGS,
+    PRECISION_PARALLELISM_FLAGS,
     SCHEDULES,
-    STATE_DTYPE_CHOICES,
+    TRAIN_BATCH_FLAGS,
+    TRAIN_PARALLELISM_FLAGS,
+    TRAIN_STEP_FLAGS,
+    CheckpointConfig,
     ConfigError,
+    EvalConfig,
+    IntegrityConfig,
     JobConfig,
+    LoggingConfig,
     ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    TrainConfig,
     build_layout,
     model_preset,
 )
@@ -33,10 +47,9 @@ from megatronapp.dpp.rebalance import REBALANCE_FLAGS, RebalanceConfig
 from megatronapp.fbd.cli import build_role_layout
 from megatronapp.fbd.config import FBD_FLAGS, FBD_SWITCH, FbdConfig
 from megatronapp.flags import add_flags, read_flags
-from megatronapp.job import FIELD_COMPONENTS, build_job, field_default
+from megatronapp.job import FIELD_COMPONENTS, build_job
 from megatronapp.launch.flags import DEVICE, LAYOUT_FLAGS, NPROC_PER_NODE, TOKENIZER_MODEL, VIRTUAL_STAGES
 from megatronapp.launch.local import RESULT_FILE
-from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatronapp.parallel.layout import ParallelLayout
 from megatronapp.parallel.partition import PartitionError, compute_stage_layers
 from megatronapp.scan.analyze.detect_config import DETECT_FLAGS, DetectConfig
@@ -62,58 +75,11 @@ _MODEL_FLAGS = (
 )
 
 
-def _job_flag(g, flag: str, help: str = "", **kw) -> None:
-    """A flag for the field of one of the job's component configs that its dest names: default
-    None here, so the dataclass default applies unless the flag is given."""
-    dest = flag.lstrip("-").replace("-", "_")
-    if kw.get("action") not in ("store_true", "store_false", argparse.BooleanOptionalAction):
-        help = f"{help} (default: {field_default(dest)})".strip()
-    g.add_argument(flag, dest=dest, default=None, help=help, **kw)
-
-
-def _add_integrity_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("step checks, reruns, determinism (Megatron's; engine/integrity.py, engine/rerun.py)")
-    _job_flag(
-        g,
-        "--check-for-nan-in-loss-and-grad",
-        "a non-finite loss or grad norm skips the update; the rank and parameter are named (default)",
-        action=argparse.BooleanOptionalAction,
-    )
-    _job_flag(
-        g, "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps", action="store_true"
-    )
-    _job_flag(
-        g,
-        "--check-for-large-grads",
-        "flag a grad norm above median + factor x MAD of recent steps",
-        action="store_true",
-    )
-    _job_flag(g, "--spiky-loss-factor", "band width in scaled MADs", type=float)
-    _job_flag(g, "--large-grads-factor", "band width in scaled MADs", type=float)
-    _job_flag(g, "--check-window", "recent accepted steps in the band", type=int)
-    _job_flag(g, "--check-min-history", "steps before the band is used", type=int)
-    _job_flag(
-        g,
-        "--rerun-mode",
-        "validate_results: check each step before its update (on the device), re-execute a flagged "
-        "step from the same weights at the log interval and classify it transient or reproducible; "
-        "report_stats: execute every --rerun-stats-interval-th step twice and report the differences",
-        choices=RERUN_MODES,
-    )
-    _job_flag(g, "--rerun-stats-interval", "report_stats: every N-th step", type=int)
-    _job_flag(
-        g, "--skip-spiky-batches", "validate_results: a reproducibly flagged step is not applied", action="store_true"
-    )
-    _job_flag(
-        g,
-        "--deterministic",
-        "bit-identical reruns: deterministic kernels and attention, fixed "
-        "NCCL algorithm (Megatron's --deterministic-mode)",
-        action="store_true",
-    )
-    g.add_argument(
-        "--deterministic-mode", dest="deterministic", action="store_true", default=None, help=argparse.SUPPRESS
-    )
+def _add_job_flags(container, *flag_sets) -> None:
+    """Add each (flags, config class) of `flag_sets` to `container` as flags for fields of the
+    job's component configs: default None, so the dataclass default applies unless given."""
+    for flags, config_cls in flag_sets:
+        add_flags(container, flags, config_cls, default_in_help_only=True)
 
 
 def _given_job_fields(args: argparse.Namespace) -> dict:
@@ -165,49 +131,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="default: interleaved with virtual stages, else 1f1b",
     )
-    _job_flag(
+    _add_job_flags(
         g,
-        "--sequence-parallel",
-        "shard LayerNorm/dropout/residual regions along the sequence (needs TP > 1)",
-        action="store_true",
-    )
-    _job_flag(
-        g,
-        "--overlap-grad-reduce",
-        "overlap the DP reduction with backward (default)",
-        action=argparse.BooleanOptionalAction,
-    )
-    _job_flag(
-        g,
-        "--split-backward",
-        "run each backward as I (input gradient, sent upstream) and W "
-        "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
-        action=argparse.BooleanOptionalAction,
-    )
-    _job_flag(
-        g,
-        "--pipeline-recv-ahead",
-        "static schedules: post receives ahead of the schedule's and send with single isends "
-        "(CPU/gloo only; default: off)",
-        action=argparse.BooleanOptionalAction,
-    )
-    _job_flag(
-        g,
-        "--gradient-accumulation-fusion",
-        "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 main grads (default)",
-        action=argparse.BooleanOptionalAction,
-    )
-    _job_flag(
-        g,
-        "--fused-master-adamw",
-        "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the model weights in the same kernel (default)",
-        action=argparse.BooleanOptionalAction,
-    )
-    _job_flag(
-        g,
-        "--overlap-param-update",
-        "CUDA: the fused master AdamW runs layer by layer on a side stream beside the next forward",
-        action="store_true",
+        (TRAIN_PARALLELISM_FLAGS, TrainConfig),
+        (PRECISION_PARALLELISM_FLAGS, PrecisionConfig),
+        (OPTIMIZER_PARALLELISM_FLAGS, OptimizerConfig),
     )
 
     g = p.add_argument_group("model")
@@ -236,97 +164,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     add_architecture_arguments(g)
 
     g = p.add_argument_group("training")
-    for flag, kind in (
-        ("--micro-batch-size", int),
-        ("--global-batch-size", int),
-        ("--train-iters", int),
-        ("--lr", float),
-        ("--min-lr", float),
-        ("--lr-warmup-iters", int),
-        ("--lr-decay-iters", int),
-        ("--weight-decay", float),
-        ("--adam-beta1", float),
-        ("--adam-beta2", float),
-        ("--adam-eps", float),
-        ("--clip-grad", float),
-        ("--seed", int),
-    ):
-        _job_flag(g, flag, type=kind)
-    _job_flag(g, "--compile", "torch.compile each block's local math", action="store_true")
-    _job_flag(g, "--recompute-granularity", "activation recompute", choices=RECOMPUTE_GRANULARITIES[1:])
-    _job_flag(g, "--recompute-method", "for full recompute", choices=RECOMPUTE_METHODS)
-    _job_flag(g, "--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int)
-    _job_flag(
-        g, "--attention-backend", "preferred SDPA kernel (others remain as fallbacks)", choices=ATTENTION_BACKENDS
+    _add_job_flags(
+        g,
+        (TRAIN_BATCH_FLAGS, TrainConfig),
+        (OPTIMIZER_SCHEDULE_FLAGS, OptimizerConfig),
+        (TRAIN_STEP_FLAGS, TrainConfig),
     )
 
     g = p.add_argument_group("mixed precision and optimizer (Megatron's; engine/mixed_precision.py)")
-    _job_flag(g, "--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true")
-    _job_flag(g, "--fp16", "as --bf16 in fp16, with loss scaling", action="store_true")
-    _job_flag(g, "--loss-scale", "static scale; default dynamic", type=float)
-    _job_flag(g, "--initial-loss-scale", type=float)
-    _job_flag(g, "--min-loss-scale", type=float)
-    _job_flag(g, "--loss-scale-window", type=int)
-    _job_flag(g, "--hysteresis", type=int)
-    _job_flag(
-        g,
-        "--fp8-format",
-        "FP8 GEMMs in the transformer layers (with --bf16/--fp16): e4m3 everywhere, or hybrid (E5M2 gradients)",
-        choices=FP8_FORMATS,
-    )
-    _job_flag(
-        g,
-        "--fp8-recipe",
-        "scaling recipe: tensorwise (current scaling) or delayed (scales from earlier "
-        "steps' amaxes); power-of-two scales",
-        choices=FP8_RECIPES,
-    )
-    _job_flag(g, "--fp8-amax-history-len", "delayed recipe: steps of amax history", type=int)
-    _job_flag(
-        g, "--fp8-amax-compute-algo", "delayed recipe: the scale's amax from the history", choices=AMAX_COMPUTE_ALGOS
-    )
-    _job_flag(g, "--fp8-margin", "delayed recipe: powers of two of headroom under the format's max", type=int)
-    _job_flag(
-        g,
-        "--first-last-layers-bf16",
-        "with --fp8-format: keep the first and last layers' GEMMs in bf16",
-        action="store_true",
-    )
-    _job_flag(g, "--num-layers-at-start-in-bf16", "with --first-last-layers-bf16", type=int)
-    _job_flag(g, "--num-layers-at-end-in-bf16", "with --first-last-layers-bf16", type=int)
-    _job_flag(
-        g,
-        "--use-distributed-optimizer",
-        "shard fp32 master weights and Adam state over DP (ZeRO-1)",
-        action="store_true",
-    )
-    _job_flag(
-        g,
-        "--overlap-param-gather",
-        "distributed optimizer: all-gather updated params during the next forward",
-        action="store_true",
-    )
-    _job_flag(
-        g,
-        "--use-precision-aware-optimizer",
-        "store masters and Adam moments at the dtypes below, update them in fp32 (Megatron-Core's)",
-        action="store_true",
-    )
-    for name, choices in STATE_DTYPE_CHOICES.items():
-        _job_flag(g, "--" + name.replace("_", "-"), "with --use-precision-aware-optimizer", choices=choices)
-    _job_flag(
-        g,
-        "--store-param-remainders",
-        "precision-aware, --bf16, fp32 masters: keep each master as its bf16 weight + a 16-bit remainder (default)",
-        action="store_true",
-    )
-    g.add_argument(
-        "--no-store-param-remainders",
-        dest="store_param_remainders",
-        action="store_false",
-        default=None,
-        help="keep whole fp32 master weights instead of the bf16 weight + remainder",
-    )
+    _add_job_flags(g, (MIXED_PRECISION_FLAGS, PrecisionConfig), (OPTIMIZER_STATE_FLAGS, OptimizerConfig))
 
     g = p.add_argument_group("data")
     g.add_argument(
@@ -341,29 +187,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     add_data_arguments(g)
 
     g = p.add_argument_group("validation and test (Megatron's; engine/evaluation.py)")
-    _job_flag(
-        g,
-        "--eval-interval",
-        "validation loss every N steps and at the end, test loss at the end; no evaluation without it",
-        type=int,
-    )
-    _job_flag(g, "--eval-iters", "global batches per evaluation, from the start of each stream", type=int)
+    _add_job_flags(g, (EVAL_FLAGS, EvalConfig))
 
     g = p.add_argument_group("checkpoints and logging")
-    _job_flag(g, "--save")
-    _job_flag(g, "--load", "resume from the latest checkpoint there; empty or missing: start fresh")
-    _job_flag(g, "--save-interval", type=int)
-    _job_flag(g, "--log-interval", "metrics reach the host every N steps", type=int)
-    _job_flag(g, "--metrics-file", "JSON lines, one object per iteration")
-    _job_flag(g, "--tensorboard-dir", "TensorBoard event files (pip install 'megatronapp[tensorboard]')")
-    _job_flag(g, "--wandb-project", "Weights & Biases project, logged offline (pip install 'megatronapp[wandb]')")
-    _job_flag(g, "--wandb-exp-name", "the W&B run's name")
-    _job_flag(g, "--wandb-save-dir", "where W&B writes; when not given: SAVE/wandb with --save, else ./wandb")
+    _add_job_flags(g, (CHECKPOINT_FLAGS, CheckpointConfig), (LOGGING_FLAGS, LoggingConfig))
 
     g = p.add_argument_group("MegaScan tracing")
     add_flags(g, (TRACE_SWITCH, *TRACE_FLAGS), TraceConfig)
     add_flags(g, DETECT_FLAGS, DetectConfig)
-    _add_integrity_arguments(p)
+    g = p.add_argument_group("step checks, reruns, determinism (Megatron's; engine/integrity.py, engine/rerun.py)")
+    _add_job_flags(g, (INTEGRITY_FLAGS, IntegrityConfig))
     add_flags(p.add_argument_group("forward-backward disaggregation (MegaFBD)"), (FBD_SWITCH, *FBD_FLAGS), FbdConfig)
     g = p.add_argument_group("MegaDPP dynamic pipeline scheduling (--pipeline-schedule dynamic)")
     add_flags(g, DPP_FLAGS, DppConfig)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.config.errors import ConfigError
+from megatronapp.flags import BOOLEAN_OPTIONAL, Flag, field_flag
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
 
@@ -50,3 +51,42 @@ class IntegrityConfig:
     @property
     def band_checks(self) -> bool:
         return self.check_for_spiky_loss or self.check_for_large_grads
+
+
+# `megatronapp train` flags for IntegrityConfig's fields (Megatron's names)
+INTEGRITY_FLAGS = (
+    field_flag(
+        "--check-for-nan-in-loss-and-grad",
+        "a non-finite loss or grad norm skips the update; the rank and parameter are named (default)",
+        action=BOOLEAN_OPTIONAL,
+    ),
+    field_flag(
+        "--check-for-spiky-loss", "flag a loss above median + factor x MAD of recent steps", action="store_true"
+    ),
+    field_flag(
+        "--check-for-large-grads", "flag a grad norm above median + factor x MAD of recent steps", action="store_true"
+    ),
+    field_flag("--spiky-loss-factor", "band width in scaled MADs", type=float),
+    field_flag("--large-grads-factor", "band width in scaled MADs", type=float),
+    field_flag("--check-window", "recent accepted steps in the band", type=int),
+    field_flag("--check-min-history", "steps before the band is used", type=int),
+    field_flag(
+        "--rerun-mode",
+        "validate_results: check each step before its update (on the device), re-execute a flagged "
+        "step from the same weights at the log interval and classify it transient or reproducible; "
+        "report_stats: execute every --rerun-stats-interval-th step twice and report the differences",
+        choices=RERUN_MODES,
+    ),
+    field_flag("--rerun-stats-interval", "report_stats: every N-th step", type=int),
+    field_flag(
+        "--skip-spiky-batches", "validate_results: a reproducibly flagged step is not applied", action="store_true"
+    ),
+    field_flag(
+        "--deterministic",
+        "bit-identical reruns: deterministic kernels and attention, fixed "
+        "NCCL algorithm (Megatron's --deterministic-mode)",
+        action="store_true",
+    ),
+    # Megatron-LM's own spelling of --deterministic, accepted but not listed in --help
+    Flag("--deterministic-mode", "deterministic", kwargs={"action": "store_true"}, hidden=True),
+)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.config.errors import ConfigError
+from megatronapp.flags import BOOLEAN_OPTIONAL, Flag, field_flag
 
 # Megatron-Core's choices for the precision-aware optimizer's state (OptimizerConfig)
 STATE_DTYPE_CHOICES = {
@@ -77,3 +78,63 @@ class OptimizerConfig:
         """Whether every master and moment is stored in fp32 (the plain optimizer's state)."""
         names = ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
         return all(getattr(self, n) == "fp32" for n in names)
+
+
+# `megatronapp train` flags for OptimizerConfig's fields (Megatron's names), one tuple per --help
+# group they appear in (cli/args.py); OPTIMIZER_FLAGS is all of them
+OPTIMIZER_PARALLELISM_FLAGS = (
+    field_flag(
+        "--fused-master-adamw",
+        "bf16/fp16 on CUDA: AdamW on the fp32 master weights writes the model weights in the same kernel (default)",
+        action=BOOLEAN_OPTIONAL,
+    ),
+    field_flag(
+        "--overlap-param-update",
+        "CUDA: the fused master AdamW runs layer by layer on a side stream beside the next forward",
+        action="store_true",
+    ),
+)
+# AdamW, its learning-rate schedule and clipping
+OPTIMIZER_SCHEDULE_FLAGS = (
+    field_flag("--lr", type=float),
+    field_flag("--min-lr", type=float),
+    field_flag("--lr-warmup-iters", type=int),
+    field_flag("--lr-decay-iters", type=int),
+    field_flag("--weight-decay", type=float),
+    field_flag("--adam-beta1", type=float),
+    field_flag("--adam-beta2", type=float),
+    field_flag("--adam-eps", type=float),
+    field_flag("--clip-grad", type=float),
+)
+# where the optimizer's state lives and at which precisions
+OPTIMIZER_STATE_FLAGS = (
+    field_flag(
+        "--use-distributed-optimizer", "shard fp32 master weights and Adam state over DP (ZeRO-1)", action="store_true"
+    ),
+    field_flag(
+        "--overlap-param-gather",
+        "distributed optimizer: all-gather updated params during the next forward",
+        action="store_true",
+    ),
+    field_flag(
+        "--use-precision-aware-optimizer",
+        "store masters and Adam moments at the dtypes below, update them in fp32 (Megatron-Core's)",
+        action="store_true",
+    ),
+    *(
+        field_flag("--" + name.replace("_", "-"), "with --use-precision-aware-optimizer", choices=choices)
+        for name, choices in STATE_DTYPE_CHOICES.items()
+    ),
+    field_flag(
+        "--store-param-remainders",
+        "precision-aware, --bf16, fp32 masters: keep each master as its bf16 weight + a 16-bit remainder (default)",
+        action="store_true",
+    ),
+    Flag(
+        "--no-store-param-remainders",
+        "store_param_remainders",
+        "keep whole fp32 master weights instead of the bf16 weight + remainder",
+        {"action": "store_false"},
+    ),
+)
+OPTIMIZER_FLAGS = (*OPTIMIZER_PARALLELISM_FLAGS, *OPTIMIZER_SCHEDULE_FLAGS, *OPTIMIZER_STATE_FLAGS)

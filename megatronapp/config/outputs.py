@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.config.errors import ConfigError
+from megatronapp.flags import field_flag
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,27 @@ class EvalConfig:
     @property
     def enabled(self) -> bool:
         return self.eval_interval is not None
+
+
+# `megatronapp train` flags for the fields of the configs above (Megatron's names)
+CHECKPOINT_FLAGS = (
+    field_flag("--save"),
+    field_flag("--load", "resume from the latest checkpoint there; empty or missing: start fresh"),
+    field_flag("--save-interval", type=int),
+)
+LOGGING_FLAGS = (
+    field_flag("--log-interval", "metrics reach the host every N steps", type=int),
+    field_flag("--metrics-file", "JSON lines, one object per iteration"),
+    field_flag("--tensorboard-dir", "TensorBoard event files (pip install 'megatronapp[tensorboard]')"),
+    field_flag("--wandb-project", "Weights & Biases project, logged offline (pip install 'megatronapp[wandb]')"),
+    field_flag("--wandb-exp-name", "the W&B run's name"),
+    field_flag("--wandb-save-dir", "where W&B writes; when not given: SAVE/wandb with --save, else ./wandb"),
+)
+EVAL_FLAGS = (
+    field_flag(
+        "--eval-interval",
+        "validation loss every N steps and at the end, test loss at the end; no evaluation without it",
+        type=int,
+    ),
+    field_flag("--eval-iters", "global batches per evaluation, from the start of each stream", type=int),
+)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.config.errors import ConfigError
+from megatronapp.flags import BOOLEAN_OPTIONAL, field_flag
 from megatronapp.parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 
 
@@ -87,3 +88,48 @@ class PrecisionConfig:
                 f"need fp8_amax_history_len >= 1 and fp8_margin >= 0, got "
                 f"{self.fp8_amax_history_len} and {self.fp8_margin}"
             )
+
+
+# `megatronapp train` flags for PrecisionConfig's fields (Megatron's names), one tuple per --help
+# group they appear in (cli/args.py); PRECISION_FLAGS is all of them
+PRECISION_PARALLELISM_FLAGS = (
+    field_flag(
+        "--gradient-accumulation-fusion",
+        "bf16/fp16: weight-gradient GEMMs accumulate into the fp32 main grads (default)",
+        action=BOOLEAN_OPTIONAL,
+    ),
+)
+# half precision with its loss scaling, and FP8
+MIXED_PRECISION_FLAGS = (
+    field_flag("--bf16", "bf16 params/activations, fp32 main grads and master weights", action="store_true"),
+    field_flag("--fp16", "as --bf16 in fp16, with loss scaling", action="store_true"),
+    field_flag("--loss-scale", "static scale; default dynamic", type=float),
+    field_flag("--initial-loss-scale", type=float),
+    field_flag("--min-loss-scale", type=float),
+    field_flag("--loss-scale-window", type=int),
+    field_flag("--hysteresis", type=int),
+    field_flag(
+        "--fp8-format",
+        "FP8 GEMMs in the transformer layers (with --bf16/--fp16): e4m3 everywhere, or hybrid (E5M2 gradients)",
+        choices=FP8_FORMATS,
+    ),
+    field_flag(
+        "--fp8-recipe",
+        "scaling recipe: tensorwise (current scaling) or delayed (scales from earlier "
+        "steps' amaxes); power-of-two scales",
+        choices=FP8_RECIPES,
+    ),
+    field_flag("--fp8-amax-history-len", "delayed recipe: steps of amax history", type=int),
+    field_flag(
+        "--fp8-amax-compute-algo", "delayed recipe: the scale's amax from the history", choices=AMAX_COMPUTE_ALGOS
+    ),
+    field_flag("--fp8-margin", "delayed recipe: powers of two of headroom under the format's max", type=int),
+    field_flag(
+        "--first-last-layers-bf16",
+        "with --fp8-format: keep the first and last layers' GEMMs in bf16",
+        action="store_true",
+    ),
+    field_flag("--num-layers-at-start-in-bf16", "with --first-last-layers-bf16", type=int),
+    field_flag("--num-layers-at-end-in-bf16", "with --first-last-layers-bf16", type=int),
+)
+PRECISION_FLAGS = (*PRECISION_PARALLELISM_FLAGS, *MIXED_PRECISION_FLAGS)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronapp.config.errors import ConfigError
-from megatronapp.config.model import RecomputeConfig
+from megatronapp.config.model import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RecomputeConfig
+from megatronapp.flags import BOOLEAN_OPTIONAL, field_flag
 
 # looped-bfs is the static breadth-first schedule (PyTorch's ScheduleLoopedBFS); "breadth-first" is
 # one of MegaDPP's run-time traversals (--dpp-traversal), which picks tasks in the same order
@@ -82,3 +83,42 @@ class TrainConfig:
 
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+
+
+# `megatronapp train` flags for TrainConfig's fields (Megatron's names), one tuple per --help
+# group they appear in (cli/args.py); TRAIN_FLAGS is all of them
+TRAIN_PARALLELISM_FLAGS = (
+    field_flag(
+        "--sequence-parallel",
+        "shard LayerNorm/dropout/residual regions along the sequence (needs TP > 1)",
+        action="store_true",
+    ),
+    field_flag("--overlap-grad-reduce", "overlap the DP reduction with backward (default)", action=BOOLEAN_OPTIONAL),
+    field_flag(
+        "--split-backward",
+        "run each backward as I (input gradient, sent upstream) and W "
+        "(weight-gradient GEMMs, later); default: on for zb-h1, interleaved-zb and dynamic (W filling)",
+        action=BOOLEAN_OPTIONAL,
+    ),
+    field_flag(
+        "--pipeline-recv-ahead",
+        "static schedules: post receives ahead of the schedule's and send with single isends "
+        "(CPU/gloo only; default: off)",
+        action=BOOLEAN_OPTIONAL,
+    ),
+)
+TRAIN_BATCH_FLAGS = (
+    field_flag("--micro-batch-size", type=int),
+    field_flag("--global-batch-size", type=int),
+    field_flag("--train-iters", type=int),
+)
+# the seed and how each step computes
+TRAIN_STEP_FLAGS = (
+    field_flag("--seed", type=int),
+    field_flag("--compile", "torch.compile each block's local math", action="store_true"),
+    field_flag("--recompute-granularity", "activation recompute", choices=RECOMPUTE_GRANULARITIES[1:]),
+    field_flag("--recompute-method", "for full recompute", choices=RECOMPUTE_METHODS),
+    field_flag("--recompute-num-layers", "layers per group (uniform) or per chunk (block)", type=int),
+    field_flag("--attention-backend", "preferred SDPA kernel (others remain as fallbacks)", choices=ATTENTION_BACKENDS),
+)
+TRAIN_FLAGS = (*TRAIN_PARALLELISM_FLAGS, *TRAIN_BATCH_FLAGS, *TRAIN_STEP_FLAGS)

@@ -135,8 +135,9 @@ def test_injected_slow_link_is_named(tmp_path):
     assert top["cause"] == "slow_link"
     assert tuple(top["link"]) == (0, 2)
     # Rank 2 sees every message from rank 0 at least 40 ms after it was sent. (That rank 0's
-    # send itself is not held up is checked in test_faults.py: here a send span ends only when
-    # the runtime waits on its whole batch, which also holds the recv of the delayed gradient.)
+    # send itself is not held up is checked in tests/injection/test_injection.py: here a send span
+    # ends only when the runtime waits on its whole batch, which also holds the recv of the
+    # delayed gradient.)
     index = index_comm_events(align_traces(load_trace_dir(tmp_path))[0])
     late_ms = [(recv.end - send.start) / 1e6 for (src, dst, _), send, recv in index.messages() if (src, dst) == (0, 2)]
     assert late_ms and min(late_ms) >= 0.9 * 40, late_ms

@@ -24,7 +24,7 @@ def budget_to_json(summary: BudgetSummary) -> dict:
     """JSON-ready dict: iterations, basis, ranks (parts in ms), links."""
     ranks = [
         {
-            **{k: v for k, v in asdict(r).items() if k not in ("median_ns", "excess_ns")},
+            **{k: v for k, v in asdict(r).items() if k not in ("median_ns", "excess_ns", "per_iteration_ns")},
             "median_ms": {p: to_ms(v) for p, v in r.median_ns.items()},
             "excess_ms": {p: to_ms(v) for p, v in r.excess_ns.items()},
         }

@@ -30,7 +30,7 @@ Per directed p2p link:
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from megatronapp.scan.analyze import detect_rules as rules
 from megatronapp.scan.analyze.budget import Budget, IterationBudget, compute_budget
 
 PARTS = ("wall", "own", "descheduled", "throttled", "waiting", "transfer", "rest")
+SERIES_PARTS = ("wall", "descheduled", "waiting")
 CAUSES = {"own": "own work", "descheduled": "descheduled", "rest": "outside the spans"}
 
 
@@ -73,6 +74,8 @@ class RankBudget:
     excess_ns: dict[str, float]  # part -> median over iterations of (mine - the peers' median)
     slow: bool
     cause: str | None  # CAUSES values, " and "-joined when ambiguous; None when not slow
+    # part (SERIES_PARTS) -> iteration -> ns: what per-iteration judgments read (measured_intermittent.py)
+    per_iteration_ns: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ def summarize_rank(rank: int, rows: dict, peer_rows: list[dict], coords: dict, p
     slow = ratio is not None and ratio >= config.slow_ratio and self_excess >= config.slow_min_share * peer_wall
     measured = all(r.measured for r in rows.values())
     cause = _cause(excess, config) if slow else None
-    return RankBudget(rank, coords, len(rows), measured, median, peers, ratio, excess, slow, cause)
+    series = {p: {it: _part(r, p) for it, r in rows.items()} for p in SERIES_PARTS}
+    return RankBudget(rank, coords, len(rows), measured, median, peers, ratio, excess, slow, cause, series)
 
 
 def _clean_messages(budget: Budget, config: BudgetConfig) -> dict[tuple, list[p2p.P2PMessage]]:

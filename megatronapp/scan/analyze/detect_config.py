@@ -124,6 +124,8 @@ class DetectConfig:
     # its comparable links' bandwidth; below probe.SLOW_FRACTION a measured link is named whatever it costs
     descheduled_min_ratio: float = 2.5  # a rank the rules missed is named by its measured run-queue delay when that
     # is this many times its peers' (measured_ranks.py): ranks sharing cores all wait for CPU, ~1.2-2x each other
+    burst_min_ns: int = 2_000_000  # an iteration's run-queue delay this far above its peers' is a burst ...
+    burst_min_share: float = 0.1  # ... and this share of their iteration (measured_intermittent.py)
     compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
     link_rule: Callable[[p2p.LinkStats, DetectConfig], bool] = is_slow_link
     arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
@@ -152,6 +154,7 @@ class DetectConfig:
             "arrival_min_excess_share",
             "ambiguity_tolerance",
             "probe_agree_ratio",
+            "burst_min_share",
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a fraction in [0, 1], got {getattr(self, name)}")
@@ -163,8 +166,11 @@ class DetectConfig:
             or self.link_min_excess_ns < 0
             or self.cold_idle_ns < 0
             or self.cold_recovery_ns < 0
+            or self.burst_min_ns < 0
         ):
-            raise ValueError("min_samples must be >= 1; warmup_iterations, link_min_excess_ns and cold_* >= 0")
+            raise ValueError(
+                "min_samples must be >= 1; warmup_iterations, link_min_excess_ns, cold_* and burst_min_ns >= 0"
+            )
         if self.iterations is not None and self.iterations[1] <= self.iterations[0]:
             raise ValueError(f"iteration range {self.iterations[0]}:{self.iterations[1]} is empty; give A:B with B > A")
 

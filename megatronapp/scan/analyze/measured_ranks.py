@@ -24,6 +24,9 @@ the impact gate):
      like any other suspect's.
   4. A rank the rules named that the budget measures slow (by any part) keeps the rules'
      evidence, with the measured cause beside it, and the larger of the two savings.
+  5. A rank still not named whose run-queue delay stands far above its peers' in a few
+     iterations, more often than theirs does (measured_intermittent.py), is named intermittent,
+     with those iterations; the impact gate judges its saving on them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np
 from megatronapp.scan.analyze.budget_summary import BudgetSummary, RankBudget, compute_budget_summary
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport, Suspect
 from megatronapp.scan.analyze.detect_rules import to_ms
+from megatronapp.scan.analyze.measured_intermittent import Bursts, is_intermittent_burst, judge_bursts
 
 _SELF_PARTS = ("own", "descheduled", "rest")
 
@@ -47,15 +51,21 @@ def _excess_ns(rb: RankBudget, basis: str) -> float:
     return max(0.0, sum(rb.excess_ns[p] for p in _SELF_PARTS))
 
 
+def baseline_peers(rb: RankBudget, by_rank: dict[int, RankBudget], asleep: frozenset = frozenset()) -> list[int]:
+    """The ranks whose CPU waiting `rb`'s is compared with: its peers but those in `asleep`, or
+    where those were all its peers, every other rank not in `asleep` (descheduled_ratio)."""
+    baseline = [p for p in rb.peers if p in by_rank and p not in asleep]
+    if not baseline and rb.peers:
+        baseline = [p for p in by_rank if p != rb.rank and p not in asleep]
+    return baseline
+
+
 def descheduled_ratio(rb: RankBudget, by_rank: dict[int, RankBudget], asleep: frozenset = frozenset()) -> float:
     """Step 1: the rank's median run-queue delay over the median of its peers' (0 without peers;
     inf where only the rank was ever descheduled). Peers in `asleep` (receivers of a named slow
     link) spend their wait blocked, not runnable, so their delay is no baseline: the other ranks'
     is used where they were its only peers (the machine gives every stage the same CPU)."""
-    baseline = [p for p in rb.peers if p in by_rank and p not in asleep]
-    if not baseline and rb.peers:
-        baseline = [p for p in by_rank if p != rb.rank and p not in asleep]
-    peers = [by_rank[p].median_ns["descheduled"] for p in baseline]
+    peers = [by_rank[p].median_ns["descheduled"] for p in baseline_peers(rb, by_rank, asleep)]
     mine, ref = rb.median_ns["descheduled"], float(np.median(peers)) if peers else 0.0
     if ref > 0:
         return mine / ref
@@ -117,7 +127,54 @@ def add_measured_ranks(
             saving = _saving_ns(rb, excess, waiting)
             if saving > 0:
                 added.append(_suspect(rb, excess, saving, report.iteration_ns, summary.basis))
+    named = {s.rank for s in found if s.cause == "slow_compute"} | {s.rank for s in added}
+    added += _intermittent_suspects(summary, by_rank, named, asleep, report.iteration_ns, config)
     return dataclasses.replace(report, suspects=_merge(tuple(found), added))
+
+
+def _intermittent_suspects(
+    summary: BudgetSummary, by_rank: dict, named: set, asleep: frozenset, iteration_ns: float, config: DetectConfig
+) -> list[Suspect]:
+    """Step 5: ranks not named yet that the run-queue delay of a few iterations gives away."""
+    judged = [rb for rb in summary.ranks if rb.measured and rb.rank not in named]
+    out = []
+    for rb in judged:
+        peers = [by_rank[p] for p in baseline_peers(rb, by_rank, asleep)]
+        b = judge_bursts(rb, peers, by_rank, len(judged), config.burst_min_ns, config.burst_min_share)
+        if (
+            b is not None
+            and b.saving_ns > 0
+            and is_intermittent_burst(
+                b, config.intermittent_min_iterations, config.intermittent_max_share, config.intermittent_alpha
+            )
+        ):
+            out.append(_burst_suspect(rb, b, iteration_ns))
+    return out
+
+
+def _burst_suspect(rb: RankBudget, b: Bursts, iteration_ns: float) -> Suspect:
+    its = list(b.burst_iterations)
+    mean_excess = float(np.mean(list(b.excess_ns.values())))
+    summary = (
+        f"rank {rb.rank} waited for a CPU {to_ms(mean_excess)} ms longer than its peers [{', '.join(map(str, rb.peers))}] "
+        f"in iterations {its} ({len(its)} of {b.iterations}; measured run-queue delay): intermittent, "
+        f"p = {b.p_value:.2g} for a clean run (peers burst at {b.clean_rate:.1%}); "
+        f"the other ranks wait {to_ms(b.saving_ns)} ms per iteration for it on average"
+    )
+    evidence = {
+        "summary": summary,
+        "basis": "time_budget",
+        "measured_cause": "descheduled",
+        "intermittent": True,
+        "slow_iterations": its,
+        "iterations": b.iterations,
+        "intermittent_p": float(f"{b.p_value:.3g}"),
+        "slow_iteration_excess_ms": {i: to_ms(v) for i, v in b.excess_ns.items()},
+        "excess_ms_per_iteration": to_ms(b.saving_ns),
+    }
+    confidence = min(1.0, 0.5 + b.saving_ns * b.iterations / max(len(its), 1) / max(iteration_ns, 1.0))
+    return Suspect(rb.rank, rb.coords, "slow_compute", round(confidence, 3), evidence, None,
+                   iteration_ns, iteration_ns - b.saving_ns)  # fmt: skip
 
 
 def _with_measured_saving(s: Suspect, rb: RankBudget, saving: float) -> Suspect:

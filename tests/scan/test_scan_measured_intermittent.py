@@ -1,0 +1,83 @@
+"""Intermittently descheduled ranks from per-iteration run-queue delay (measured_intermittent.py):
+a rank that waits for a CPU far longer than its peers in a few iterations, more often than they
+do, is named with those iterations; the same waits spread over every rank name nobody."""
+
+from __future__ import annotations
+
+import random
+
+from megatronapp.scan.analyze.budget_summary import RankBudget
+from megatronapp.scan.analyze.measured_intermittent import (
+    compute_clean_rate,
+    find_bursts,
+    is_intermittent_burst,
+    judge_bursts,
+)
+
+MS = 1_000_000
+N = 200  # iterations: a traced lab run has 100-300
+
+
+def _rank(rank: int, delays: dict[int, float], waiting: dict[int, float] | None = None) -> RankBudget:
+    """A rank of a 4-replica job, 40 ms iterations, `delays` (iteration -> ms) of run-queue delay."""
+    series = {
+        "wall": dict.fromkeys(range(N), 40.0 * MS),
+        "descheduled": {i: delays.get(i, 1.0) * MS for i in range(N)},
+        "waiting": {i: (waiting or {}).get(i, 5.0) * MS for i in range(N)},
+    }
+    peers = tuple(p for p in range(4) if p != rank)
+    median = dict.fromkeys(("wall", "own", "descheduled", "throttled", "waiting", "transfer", "rest"), 0.0)
+    return RankBudget(rank, {}, N, True, median, peers, 1.0, {}, False, None, series)
+
+
+def _noise(seed: int) -> dict[int, float]:
+    """A shared machine: every rank now and then waits 6-15 ms for a core (3 % of iterations)."""
+    rng = random.Random(seed)
+    return {i: rng.uniform(6.0, 15.0) for i in range(N) if rng.random() < 0.03}
+
+
+def _job(burst_rank: int | None, burst_every: int = 12) -> dict[int, RankBudget]:
+    ranks = {}
+    for r in range(4):
+        delays = _noise(r)
+        waiting = {}
+        if r == burst_rank:  # a competing process 25 ms in every 12th iteration; the others wait for it
+            delays |= dict.fromkeys(range(3, N, burst_every), 26.0)
+        elif burst_rank is not None:
+            waiting = dict.fromkeys(range(3, N, burst_every), 30.0)
+        ranks[r] = _rank(r, delays, waiting)
+    return ranks
+
+
+def _judge(ranks: dict[int, RankBudget], r: int):
+    peers = [ranks[p] for p in ranks[r].peers]
+    return judge_bursts(ranks[r], peers, ranks, len(ranks), 2 * MS, 0.1)
+
+
+def test_a_rank_descheduled_in_every_twelfth_iteration_is_named_with_those_iterations():
+    ranks = _job(2)
+    b = _judge(ranks, 2)
+    assert set(range(3, N, 12)) <= set(b.burst_iterations)
+    assert is_intermittent_burst(b, 2, 0.5, 0.005), b
+    assert 1.5 * MS < b.saving_ns < 2.5 * MS  # 25 ms in 17 of 200 iterations, all of it waited for
+    for r in (0, 1, 3):
+        assert not is_intermittent_burst(_judge(ranks, r), 2, 0.5, 0.005)
+
+
+def test_waits_for_a_core_spread_over_every_rank_name_nobody():
+    ranks = _job(None)
+    assert not any(is_intermittent_burst(_judge(ranks, r), 2, 0.5, 0.005) for r in ranks)
+    assert 0.02 < compute_clean_rate([ranks[p] for p in (0, 1, 3)], 2 * MS, 0.1) < 0.06
+
+
+def test_a_burst_must_stand_above_the_peers_by_the_floor_and_the_share():
+    peers = [_rank(p, {}) for p in (0, 1, 3)]
+    small = _rank(2, {5: 2.5, 6: 3.5, 7: 5.5})  # 1.5, 2.5 and 4.5 ms over the peers' 1 ms; share 10 % = 4 ms
+    assert find_bursts(small, peers, 2 * MS, 0.1) == {7: 4.5 * MS}
+
+
+def test_a_rank_descheduled_in_most_iterations_is_left_to_the_median_rule():
+    ranks = _job(None)
+    ranks[2] = _rank(2, dict.fromkeys(range(0, N, 2), 26.0) | dict.fromkeys(range(1, N, 3), 26.0))
+    b = _judge(ranks, 2)
+    assert len(b.burst_iterations) > 0.5 * N and not is_intermittent_burst(b, 2, 0.5, 0.005)

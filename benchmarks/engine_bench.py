@@ -303,23 +303,12 @@ def bench_throughput(args, results: dict) -> None:
 def bench_fp8_loss(args, results: dict) -> None:
     """What FP8 does to training: the engine in bf16 and in bf16 + FP8 (hybrid, E4M3 / E5M2)
     from the same initialisation on the same batches of the embedded corpus, loss per step."""
-    from megatronapp.data.dataset import DistributedBatchIterator, build_default_dataset
-    from megatronapp.data.tokenizer import ByteTokenizer
-
     out = {}
     for name in ["bf16"] + [v for v in args.loss_variants.split(",") if v != "bf16"]:
         kw = LOSS_VARIANTS[name]
         job = make_job(4, args.num_micro, compile=True, **kw)
         job = replace_fields(job, lr=3e-4, lr_warmup_iters=10, train_iters=args.loss_steps)
-        data = DistributedBatchIterator(
-            build_default_dataset(ByteTokenizer(), job.model.seq_length, job.train.seed),
-            micro_batch_size=4,
-            global_batch_size=job.train.global_batch_size,
-            dp_rank=0,
-            dp_size=1,
-            seed=job.train.seed,
-        )
-        trainer = Trainer(job, single_process_groups(), DEV, data)
+        trainer = Trainer(job, single_process_groups(), DEV, _family_batches(job))
         out[name] = [float(trainer.train_step().loss) for _ in range(args.loss_steps)]
         print(f"  {name}: loss {out[name][0]:.4f} -> {out[name][-1]:.4f}", flush=True)
         del trainer

@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--bucket-mb", type=float, default=0.1, help="DDP gradient bucket size (MiB)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -33,7 +34,7 @@ def main() -> None:
     model = nn.Sequential(
         nn.Linear(64, args.hidden), nn.GELU(), nn.Linear(args.hidden, args.hidden), nn.GELU(), nn.Linear(args.hidden, 1)
     ).to(device)
-    ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=0.1)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=args.bucket_mb)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1 + rank)
     extra = int(os.environ.get("STRAGGLER_WORK", "0")) if os.environ.get("STRAGGLER_RANK") == str(rank) else 0

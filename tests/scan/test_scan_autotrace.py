@@ -35,6 +35,11 @@ def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 # forward is ~0.4 ms, mostly hook overhead, and a loaded 2-core CI machine once gave one rank a steady
 # +0.25 ms (1.47x, 6 of 7 iterations): a false alarm no detector can tell from a slow rank.
 WORK = ("--hidden", "1024", "--batch", "128")
+# The clean DDP run reduces its gradients in one bucket, after the backward. With the script's small
+# buckets, gloo's threads reduce the first bucket while the backward still runs: on two cores that is
+# more runnable threads than cores, and whichever replica loses the race computes 1.2-1.6x longer than
+# the other (1 run in 3 named here, a 1.6x one in CI). One bucket: 0 of 6 named, replicas within 1.2x.
+CLEAN_DDP = (*WORK, "--bucket-mb", "100")
 
 
 def _trace_run(trace_dir: Path, script: str, *extra: str, steps: int = STEPS, script_args: tuple = ()) -> dict:
@@ -65,7 +70,7 @@ def _comm_by_rank(trace_dir: Path) -> dict[int, list[dict]]:
 @pytest.fixture(scope="module")
 def ddp_clean(tmp_path_factory):
     d = tmp_path_factory.mktemp("ddp")
-    return d, _trace_run(d, "ddp_train.py", script_args=WORK)
+    return d, _trace_run(d, "ddp_train.py", script_args=CLEAN_DDP)
 
 
 def test_ddp_buckets_are_traced_on_every_rank_and_nobody_is_named(ddp_clean):

@@ -126,6 +126,11 @@ class DetectConfig:
     # is this many times its peers' (measured_ranks.py): ranks sharing cores all wait for CPU, ~1.2-2x each other
     burst_min_ns: int = 2_000_000  # an iteration's run-queue delay this far above its peers' is a burst ...
     burst_min_share: float = 0.1  # ... and this share of their iteration (measured_intermittent.py)
+    burst_min_lead: float = 2.0  # a rank's bursts are a fault when they cost the job this many times any other
+    # rank's: on the 2-core machine's lab runs faults gave 2.1-48x, clean and noisy runs of 300 iterations 1.1x
+    # (2.5x once, at 0.5% of the iteration: intermittent_min_saving drops it)
+    burst_min_iterations: int = 10  # bursts a lead rests on: in runs of 19 iterations a clean rank's 6-9
+    # bursts, a few stalls of 10-18 ms, led the others' by 1.5-2.2x; faults of 300 ms every 1-2 s burst in 45+
     compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
     link_rule: Callable[[p2p.LinkStats, DetectConfig], bool] = is_slow_link
     arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work
@@ -141,6 +146,7 @@ class DetectConfig:
             "edge_stage_allowance",
             "intermittent_min_ratio",
             "descheduled_min_ratio",
+            "burst_min_lead",
         ):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be >= 1.0 (a ratio to the peers' median), got {getattr(self, name)}")
@@ -167,9 +173,11 @@ class DetectConfig:
             or self.cold_idle_ns < 0
             or self.cold_recovery_ns < 0
             or self.burst_min_ns < 0
+            or self.burst_min_iterations < 1
         ):
             raise ValueError(
-                "min_samples must be >= 1; warmup_iterations, link_min_excess_ns, cold_* and burst_min_ns >= 0"
+                "min_samples and burst_min_iterations must be >= 1; "
+                "warmup_iterations, link_min_excess_ns, cold_* and burst_min_ns >= 0"
             )
         if self.iterations is not None and self.iterations[1] <= self.iterations[0]:
             raise ValueError(f"iteration range {self.iterations[0]}:{self.iterations[1]} is empty; give A:B with B > A")

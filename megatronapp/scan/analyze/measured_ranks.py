@@ -24,9 +24,9 @@ the impact gate):
      like any other suspect's.
   4. A rank the rules named that the budget measures slow (by any part) keeps the rules'
      evidence, with the measured cause beside it, and the larger of the two savings.
-  5. A rank still not named whose run-queue delay stands far above its peers' in a few
-     iterations, more often than theirs does (measured_intermittent.py), is named intermittent,
-     with those iterations; the impact gate judges its saving on them.
+  5. A rank still not named whose run-queue delay bursts far above the other ranks' in some
+     iterations, at a cost to the job well above any other rank's bursts (measured_intermittent.py),
+     is named with those iterations; the impact gate judges its saving on them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np
 from megatronapp.scan.analyze.budget_summary import BudgetSummary, RankBudget, compute_budget_summary
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport, Suspect
 from megatronapp.scan.analyze.detect_rules import to_ms
-from megatronapp.scan.analyze.measured_intermittent import Bursts, is_intermittent_burst, judge_bursts
+from megatronapp.scan.analyze.measured_intermittent import Bursts, is_burst_slow, is_intermittent_burst, judge_bursts
 
 _SELF_PARTS = ("own", "descheduled", "rest")
 
@@ -136,45 +136,47 @@ def _intermittent_suspects(
     summary: BudgetSummary, by_rank: dict, named: set, asleep: frozenset, iteration_ns: float, config: DetectConfig
 ) -> list[Suspect]:
     """Step 5: ranks not named yet that the run-queue delay of a few iterations gives away."""
-    judged = [rb for rb in summary.ranks if rb.measured and rb.rank not in named]
-    out = []
-    for rb in judged:
-        peers = [by_rank[p] for p in baseline_peers(rb, by_rank, asleep)]
-        b = judge_bursts(rb, peers, by_rank, len(judged), config.burst_min_ns, config.burst_min_share)
-        if (
-            b is not None
-            and b.saving_ns > 0
-            and is_intermittent_burst(
-                b, config.intermittent_min_iterations, config.intermittent_max_share, config.intermittent_alpha
-            )
-        ):
-            out.append(_burst_suspect(rb, b, iteration_ns))
-    return out
+    ranks = [rb for rb in summary.ranks if rb.measured and rb.rank not in asleep]
+    bursts = judge_bursts(ranks, by_rank, config.burst_min_ns, config.burst_min_share, frozenset(named))
+    return [
+        _burst_suspect(by_rank[r], b, iteration_ns, is_intermittent_burst(b, config.intermittent_max_share))
+        for r, b in bursts.items()
+        if r not in named
+        and is_burst_slow(b, config.burst_min_iterations, config.burst_min_lead)
+        and b.saving_ns >= config.intermittent_min_saving * iteration_ns  # as the span rules' (detect.py)
+    ]
 
 
-def _burst_suspect(rb: RankBudget, b: Bursts, iteration_ns: float) -> Suspect:
+def _burst_suspect(rb: RankBudget, b: Bursts, iteration_ns: float, intermittent: bool) -> Suspect:
     its = list(b.burst_iterations)
     mean_excess = float(np.mean(list(b.excess_ns.values())))
     summary = (
-        f"rank {rb.rank} waited for a CPU {to_ms(mean_excess)} ms longer than its peers [{', '.join(map(str, rb.peers))}] "
-        f"in iterations {its} ({len(its)} of {b.iterations}; measured run-queue delay): intermittent, "
-        f"p = {b.p_value:.2g} for a clean run (peers burst at {b.clean_rate:.1%}); "
-        f"the other ranks wait {to_ms(b.saving_ns)} ms per iteration for it on average"
+        f"rank {rb.rank} waited for a CPU {to_ms(mean_excess)} ms longer than the other ranks "
+        f"in iterations {its} ({len(its)} of {b.iterations}; measured run-queue delay)"
+        f"{': intermittent' if intermittent else ''}; "
+        f"the other ranks wait {to_ms(b.saving_ns)} ms per iteration for it on average, "
+        f"{_lead_text(b.lead)} what any other rank's waits for a CPU cost them"
     )
     evidence = {
         "summary": summary,
         "basis": "time_budget",
         "measured_cause": "descheduled",
-        "intermittent": True,
+        "intermittent": intermittent,
         "slow_iterations": its,
         "iterations": b.iterations,
-        "intermittent_p": float(f"{b.p_value:.3g}"),
+        "lead": None if b.lead == float("inf") else round(b.lead, 2),
         "slow_iteration_excess_ms": {i: to_ms(v) for i, v in b.excess_ns.items()},
         "excess_ms_per_iteration": to_ms(b.saving_ns),
     }
     confidence = min(1.0, 0.5 + b.saving_ns * b.iterations / max(len(its), 1) / max(iteration_ns, 1.0))
     return Suspect(rb.rank, rb.coords, "slow_compute", round(confidence, 3), evidence, None,
                    iteration_ns, iteration_ns - b.saving_ns)  # fmt: skip
+
+
+def _lead_text(lead: float) -> str:
+    return (
+        "while no other rank's waits cost them anything; that is more than" if lead == float("inf") else f"{lead:.1f}x"
+    )
 
 
 def _with_measured_saving(s: Suspect, rb: RankBudget, saving: float) -> Suspect:

@@ -8,7 +8,12 @@ from scan_simulation import SimulatedJob, simulate_job_traces
 
 from megatronapp.scan.analyze.detect import detect
 from megatronapp.scan.analyze.detect_config import Suspect
-from megatronapp.scan.analyze.verdict_filters import drop_echoes, drop_link_receiver_echoes, root_causes_first
+from megatronapp.scan.analyze.verdict_filters import (
+    drop_echoes,
+    drop_link_receiver_echoes,
+    drop_measured_tp_echoes,
+    root_causes_first,
+)
 
 
 def _rank(rank: int, tp: int, dp: int, pp: int, confidence: float) -> Suspect:
@@ -164,3 +169,17 @@ def test_a_late_sender_or_a_receiver_slow_by_its_own_spans_or_counters_is_kept()
     ]
     assert drop_link_receiver_echoes(suspects) == (suspects, [])
     assert drop_link_receiver_echoes([_late_arrival(3, "arrival_order")])[0] != []  # no link: kept
+
+
+def test_a_tp_peer_not_measured_slow_beside_one_that_is_goes_as_its_victim():
+    # TP2 x PP2 x DP2: rank 0 measured descheduled, its TP peer 1 late at its DP collectives
+    culprit, victim, other = _rank(0, 0, 0, 0, 0.9), _rank(1, 1, 0, 0, 0.95), _rank(5, 1, 1, 0, 0.8)
+    kept, notes = drop_measured_tp_echoes([victim, culprit, other], {0})
+    assert kept == [culprit, other] and "rank 1" in notes[0] and "rank 0" in notes[0]
+
+
+def test_tp_peers_both_or_neither_measured_slow_both_stay():
+    a, b = _rank(0, 0, 0, 0, 0.9), _rank(1, 1, 0, 0, 0.95)
+    assert drop_measured_tp_echoes([a, b], {0, 1}) == ([a, b], [])
+    assert drop_measured_tp_echoes([a, b], set()) == ([a, b], [])
+    assert drop_measured_tp_echoes([a, _rank(2, 0, 1, 0, 0.9)], {0}) == ([a, _rank(2, 0, 1, 0, 0.9)], [])  # DP peers

@@ -22,7 +22,7 @@ from megatronapp.scan.analyze.impact_gate import apply_impact_gate
 from megatronapp.scan.analyze.iteration_keys import align_iterations
 from megatronapp.scan.analyze.link_probe_verdicts import apply_link_probe
 from megatronapp.scan.analyze.measured_ranks import add_measured_ranks
-from megatronapp.scan.analyze.verdict_filters import drop_link_receiver_echoes
+from megatronapp.scan.analyze.verdict_filters import drop_link_receiver_echoes, drop_measured_tp_echoes
 from megatronapp.scan.merge.align import AlignmentReport, align_traces
 from megatronapp.scan.probe_config import ProbeResult, load_probe
 from megatronapp.scan.record.format import RankTrace, load_trace_dir
@@ -54,7 +54,8 @@ def analyze_aligned(
     by the collectives and messages they share (iteration_keys.py); then the link probe's verdicts
     (`probe`: the run's probe.json, None without one), the late receivers of named slow links
     dropped as their echoes (verdict_filters.py), the slow ranks the time budget measures
-    (measured_ranks.py) and the impact gate."""
+    (measured_ranks.py), TP peers of a measured slow rank that are not measured slow dropped as
+    its victims (verdict_filters.py) and the impact gate."""
     keyed, iterations = align_iterations(aligned)
     detection = detect(keyed, config=config)
     detection = dataclasses.replace(
@@ -66,6 +67,9 @@ def analyze_aligned(
     suspects, echoes = drop_link_receiver_echoes(list(detection.suspects))
     detection = dataclasses.replace(detection, suspects=tuple(suspects), notes=(*detection.notes, *echoes))
     detection = add_measured_ranks(detection, keyed, config, budget)
+    measured_slow = {rb.rank for rb in budget.ranks if rb.slow and rb.measured} if budget else set()
+    suspects, partners = drop_measured_tp_echoes(list(detection.suspects), measured_slow)
+    detection = dataclasses.replace(detection, suspects=tuple(suspects), notes=(*detection.notes, *partners))
     detection = apply_impact_gate(detection, config)
     return TraceAnalysis(keyed, alignment, detection, budget)
 

@@ -19,6 +19,12 @@
     link's echo (a PP2 x DP2 job with 1 -> 3 rate-limited named rank 3 "last at 88% of its DP
     collectives"). After the link probe, such a suspect at the receiving end of a named slow
     link goes; a rank the time budget measures descheduled is named again from its counters.
+  * A TP partner, measured: a rank whose TP peer is descheduled waits in every layer's
+    all-reduce, and arrives late at its own DP collectives (design split 13: a competing process
+    on rank 0 of TP2 x PP2 x DP2 named rank 0 from the time budget and its TP peer 1 by arrival
+    order). After the measured slow ranks are added, of slow-compute suspects in one TP group,
+    those the time budget measures slow (their own CPU time or their run-queue delay) are kept
+    and the others go; where the budget measures all or none of them slow, all stay.
 Two independent faults on TP peers, on both directions of one link, or on every link into one
 rank are then reported as one; each dropped suspect is kept in a note.
 """
@@ -148,3 +154,27 @@ def drop_link_receiver_echoes(suspects: list) -> tuple[list, list[str]]:
             continue
         kept.append(s)
     return kept, notes
+
+
+def drop_measured_tp_echoes(suspects: list, measured_slow: set[int]) -> tuple[list, list[str]]:
+    """Of slow-compute suspects sharing a TP group, those the time budget does not measure slow
+    (`measured_slow`: ranks it does) when it measures another of them slow (module docstring):
+    (suspects kept, a note for each dropped)."""
+    groups = defaultdict(list)
+    for s in suspects:
+        if s.cause == "slow_compute":
+            groups[_tp_group(s.coords)].append(s)
+    dropped = {}
+    for members in groups.values():
+        slow = [s for s in members if s.rank in measured_slow]
+        if slow and len(slow) < len(members):
+            for s in members:
+                if s.rank not in measured_slow:
+                    dropped[id(s)] = slow[0].rank
+    notes = [
+        f"rank {s.rank} is late too, but its TP peer rank {dropped[id(s)]} is measured slow and it is not "
+        f"(CPU time and run-queue delay like its peers'): taken for its victim"
+        for s in suspects
+        if id(s) in dropped
+    ]
+    return [s for s in suspects if id(s) not in dropped], notes

@@ -197,3 +197,26 @@ def test_a_split_can_hold_fewer_runs_of_one_fault_kind(tmp_path, monkeypatch):
     kinds = [s["kind"] for s in json.loads((tmp_path / "s" / "split.json").read_text())["scenarios"]]
     assert kinds.count("two_faults") == 1 and kinds.count("slow_link") == 3 and kinds.count("none") == 2
     assert scan_eval.main([*argv[:2], str(tmp_path / "t"), *argv[3:-1], "clean=2"]) == 2  # not a fault kind
+
+
+def test_only_a_split_that_kept_every_trace_is_judged_again_and_its_verdicts_are_todays(tmp_path, monkeypatch):
+    import types
+
+    import megatronapp.scan.analyze.load_align_detect as lad
+
+    split, _ = _frozen_split(tmp_path, monkeypatch)
+    scenarios = json.loads((split / "split.json").read_text())["scenarios"][:3]
+    for sc in scenarios:
+        append_record(split / "results.jsonl", {**sc, "error": "", "suspects": []})
+    work = tmp_path / "work"
+    for sc in scenarios[:2]:
+        (work / f"run{sc['index']}" / "trace").mkdir(parents=True)
+    with pytest.raises(frozen.FrozenSplitError, match="kept no trace"):
+        frozen_run.rejudge_split(split, work)  # a held-out split deletes the traces it judged right
+    (work / f"run{scenarios[2]['index']}" / "trace").mkdir(parents=True)
+    named = types.SimpleNamespace(rank=1, cause="slow_compute", link=None)
+    detection = types.SimpleNamespace(suspects=(named,), below_impact=())
+    monkeypatch.setattr(lad, "analyze_trace_dir", lambda path: types.SimpleNamespace(detection=detection))
+    records = frozen_run.rejudge_split(split, work)
+    assert [r["suspects"] for r in records] == [[{"cause": "slow_compute", "rank": 1, "link": None}]] * 3
+    assert json.loads((split / "results.jsonl").read_text().splitlines()[0])["suspects"] == []  # the split untouched

@@ -315,16 +315,36 @@ def cmd_frozen(args) -> int:
             Path(args.split), work_dir, resume=args.resume, budget_s=args.budget_s, keep_traces=args.keep_traces
         )
         print(f"results: {results}")
+    elif args.action == "rejudge":
+        _rejudge_frozen(Path(args.split), Path(args.work_dir), Path(args.out))
     else:
         print(frozen_run.write_report(Path(args.split)).read_text(), end="")
     return 0
 
 
+def _rejudge_frozen(split: Path, work_dir: Path, out: Path) -> None:
+    """A design split's kept traces judged by today's detector: OUT/results.jsonl and OUT/scores.md."""
+    import megatronapp.faultlab.evaluation.frozen_run as frozen_run
+    from megatronapp.faultlab.evaluation.frozen import code_version
+
+    records = frozen_run.rejudge_split(split, work_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_text_atomic(out / "results.jsonl", "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+    ok = [r for r in records if not r["error"]]
+    code = code_version()
+    header = (
+        f"Design split {split.name} re-judged from its kept traces by the detector at commit {code['commit'][:12]}"
+        f"{' with uncommitted changes' if code['dirty'] else ''} (defaults); {len(ok)} runs."
+    )
+    _write_text_atomic(out / "scores.md", frozen_run.render_scores(frozen_run.score_records(records), header) + "\n")
+    print((out / "scores.md").read_text(), end="")
+
+
 def _add_frozen_parser(sub) -> None:
     fz = sub.add_parser("frozen", help="frozen splits of real lab faults: thresholds, freeze, run (once), score")
-    fz.add_argument("action", choices=("thresholds", "freeze", "run", "score"))
-    fz.add_argument("split", nargs="?", help="the split's directory (freeze, run, score)")
-    fz.add_argument("--out", help="thresholds: the file to write")
+    fz.add_argument("action", choices=("thresholds", "freeze", "run", "score", "rejudge"))
+    fz.add_argument("split", nargs="?", help="the split's directory (freeze, run, score, rejudge)")
+    fz.add_argument("--out", help="thresholds: the file to write; rejudge: the directory of the new verdicts")
     fz.add_argument("--thresholds", help="freeze: the thresholds file of the detector under test")
     fz.add_argument("--runs-per-kind", type=int, default=30)
     fz.add_argument("--clean-runs", type=int, default=50, help="half of them under background noise")
@@ -336,7 +356,7 @@ def _add_frozen_parser(sub) -> None:
         metavar="KIND=N",
         help="freeze: N runs of this fault kind instead of --runs-per-kind (repeatable)",
     )
-    fz.add_argument("--work-dir", help="run: where traces go while detected")
+    fz.add_argument("--work-dir", help="run: where traces go while detected; rejudge: where they were kept")
     fz.add_argument("--resume", action="store_true", help="run: the scenarios a cut run has not recorded")
     fz.add_argument("--budget-s", type=float, default=0.0, help="run: start no run after this many seconds")
     fz.add_argument("--keep-traces", action="store_true", help="run: keep every run's trace (design splits)")

@@ -89,18 +89,19 @@ def load_thresholds(path: Path) -> dict:
     return values
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def code_version() -> dict:
+    """{commit, dirty}: the detector's code as checked out."""
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def detector_version(thresholds_path: Path) -> dict:
     """{commit, thresholds_sha256, dirty}: what decides every verdict of a split."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
     load_thresholds(thresholds_path)
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "thresholds_sha256": hashlib.sha256(Path(thresholds_path).read_bytes()).hexdigest(),
-    }
+    return {**code_version(), "thresholds_sha256": hashlib.sha256(Path(thresholds_path).read_bytes()).hexdigest()}
 
 
 def _same_detector(recorded: dict, current: dict) -> str | None:

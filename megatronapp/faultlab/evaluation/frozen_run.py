@@ -84,6 +84,33 @@ def run_scenario(sc: dict, thresholds: dict, work_dir: Path, timeout_s: float, k
     return record
 
 
+def rejudge_split(split_dir: Path, work_dir: Path) -> list[dict]:
+    """The runs of a design split judged again, from the traces `run --keep-traces` kept, by the
+    detector as it is now (its defaults): what a detector change does to runs already made. Refused
+    unless every run that recorded no error kept its trace: a held-out split keeps only the traces
+    it judged wrong, and is never re-scored."""
+    from megatronapp.scan.analyze.load_align_detect import analyze_trace_dir
+
+    records = load_records(Path(split_dir) / "results.jsonl")
+    missing = [r["index"] for r in records if not r["error"] and not (work_dir / f"run{r['index']}" / "trace").is_dir()]
+    if missing:
+        raise FrozenSplitError(
+            f"{len(missing)} runs of {split_dir} kept no trace under {work_dir} (run {missing[0]}): "
+            "only a design split run with --keep-traces can be judged again"
+        )
+    out = []
+    for r in records:
+        if not r["error"]:
+            report = analyze_trace_dir(work_dir / f"run{r['index']}" / "trace").detection
+            r = {
+                **r,
+                "suspects": [_named(s) for s in report.suspects],
+                "below_impact": [_named(s) for s in report.below_impact],
+            }
+        out.append(r)
+    return out
+
+
 def _named(suspect) -> dict:
     return {"cause": suspect.cause, "rank": suspect.rank, "link": list(suspect.link) if suspect.link else None}
 
@@ -185,14 +212,16 @@ def score_split(split_dir: Path) -> dict:
     }
 
 
-def render_scores(scores: dict) -> str:
-    """Markdown: one table per axis (fault kind, layout), n and 95% Wilson intervals."""
-    d = scores["detector"]
-    lines = [
-        f"Detector: commit {d['commit'][:12]}, thresholds sha256 {d['thresholds_sha256'][:16]}; "
-        f"{scores['runs']} of {scores['scenarios']} runs ({scores['failed_runs']} failed, not scored).",
-        "",
-    ]
+def render_scores(scores: dict, header: str | None = None) -> str:
+    """Markdown: one table per axis (fault kind, layout), n and 95% Wilson intervals; `header`
+    replaces the frozen detector's line (a re-judged design split)."""
+    d = scores.get("detector")
+    if header is None:
+        header = (
+            f"Detector: commit {d['commit'][:12]}, thresholds sha256 {d['thresholds_sha256'][:16]}; "
+            f"{scores['runs']} of {scores['scenarios']} runs ({scores['failed_runs']} failed, not scored)."
+        )
+    lines = [header, ""]
     for axis in ("kind", "layout"):
         lines += [f"| {axis} | recall | top-1 | precision | false alarms (clean) |", "|---|---|---|---|---|"]
         for key, s in scores[axis].items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from megatronapp.scan.analyze.budget_summary import RankBudget
+from megatronapp.scan.analyze.detect_config import DetectConfig
 from megatronapp.scan.analyze.measured_intermittent import (
     find_bursts,
     is_burst_slow,
@@ -16,6 +17,7 @@ from megatronapp.scan.analyze.measured_intermittent import (
 
 MS = 1_000_000
 N = 200  # iterations: a traced lab run has 100-300
+CONFIG = DetectConfig()
 
 
 def _rank(rank: int, delays: dict[int, float], waiting: dict[int, float] | None = None) -> RankBudget:
@@ -54,7 +56,11 @@ def _judge(ranks: dict[int, RankBudget], explained: frozenset = frozenset()):
 
 
 def _named(ranks: dict[int, RankBudget], explained: frozenset = frozenset()) -> list[int]:
-    return [r for r, b in _judge(ranks, explained).items() if r not in explained and is_burst_slow(b, 10, 2.0)]
+    return [
+        r
+        for r, b in _judge(ranks, explained).items()
+        if r not in explained and is_burst_slow(b, CONFIG.burst_min_iterations, CONFIG.burst_min_lead)
+    ]
 
 
 def test_a_rank_descheduled_in_every_twelfth_iteration_is_named_with_those_iterations():
@@ -69,7 +75,7 @@ def test_a_rank_descheduled_in_every_twelfth_iteration_is_named_with_those_itera
 def test_waits_for_a_core_spread_over_every_rank_name_nobody():
     ranks = _job(None)
     assert _named(ranks) == []
-    assert all(b.lead < 2.0 for b in _judge(ranks).values())
+    assert all(b.lead < CONFIG.burst_min_lead for b in _judge(ranks).values())
 
 
 def test_a_burst_must_stand_above_the_peers_by_the_floor_and_the_share():
@@ -82,7 +88,8 @@ def test_a_few_long_stalls_are_not_enough_to_name_a_rank():
     ranks = {r: _rank(r, _noise(r), {40: 30.0, 90: 30.0, 150: 30.0}) for r in (0, 1, 3)}  # waiting for rank 2
     ranks[2] = _rank(2, {40: 30.0, 90: 30.0, 150: 30.0})
     b = _judge(ranks)[2]
-    assert b.lead > 2.0 and len(b.burst_iterations) < 10 and _named(ranks) == []
+    assert b.lead > CONFIG.burst_min_lead and len(b.burst_iterations) < CONFIG.burst_min_iterations
+    assert _named(ranks) == []
 
 
 def test_a_rank_descheduled_in_most_iterations_is_named_but_not_intermittent():
@@ -102,6 +109,6 @@ def test_a_rank_already_named_does_not_hide_a_second_one():
         delays = _noise(r) | (dict.fromkeys(first, 40.0) if r == 0 else dict.fromkeys(second, 26.0) if r == 2 else {})
         waiting = (dict.fromkeys(first, 45.0) if r != 0 else {}) | (dict.fromkeys(second, 30.0) if r != 2 else {})
         ranks[r] = _rank(r, delays, waiting)
-    assert _named(ranks) == [0]  # rank 0's bursts cost the job 3x rank 2's
+    assert _named(ranks) == [0]  # rank 0's bursts cost the job several times rank 2's
     assert 2 not in _named(ranks)
     assert _named(ranks, frozenset({0})) == [2]

@@ -17,9 +17,10 @@ too noisy a baseline.
      times the largest of the other ranks', each counted the same way. Ranks sharing cores all
      wait for CPU, and on an oversubscribed host every rank bursts in 10-50% of its iterations;
      what a fault adds is a rank whose bursts cost the job far more than anybody else's. On the
-     2-core machine's lab runs a competing process or a CPU quota in 300 ms bursts gave its rank
-     2.2-10x the next rank's cost, clean and noisy runs at most 1.6x (at 0.5-1.5 ms, below any
-     impact gate). Frequency alone does not separate them: a rank a quota holds back bursts
+     2-core machine's design runs the faults this rule alone found (a competing process or a
+     CPU quota in 300 ms bursts) led the next rank by 4.6-27x; clean and noisy runs by at most
+     1.6x (2.5x once, at 0.5 % of the iteration), the pipeline neighbour of a stage slowed in
+     bursts by 2.2x. Frequency alone does not separate them: a rank a quota holds back bursts
      less often than its busy peers, but for longer.
   4. Intermittent when the bursts are in at most `intermittent_max_share` of the iterations; in
      more, the rank is slow in most iterations yet below the median rule's bar (a competing

@@ -154,8 +154,7 @@ def _burst_suspect(rb: RankBudget, b: Bursts, iteration_ns: float, intermittent:
         f"rank {rb.rank} waited for a CPU {to_ms(mean_excess)} ms longer than the other ranks "
         f"in iterations {its} ({len(its)} of {b.iterations}; measured run-queue delay)"
         f"{': intermittent' if intermittent else ''}; "
-        f"the other ranks wait {to_ms(b.saving_ns)} ms per iteration for it on average, "
-        f"{_lead_text(b.lead)} what any other rank's waits for a CPU cost them"
+        f"the other ranks wait {to_ms(b.saving_ns)} ms per iteration for it on average, {_lead_text(b.lead)}"
     )
     evidence = {
         "summary": summary,

@@ -56,6 +56,26 @@ def test_a_rank_the_rules_named_keeps_their_evidence_and_the_larger_saving():
     assert s.saving_ns > 10 * MS
 
 
+def test_a_replica_the_rules_time_slow_is_dropped_when_the_budget_measures_only_a_busy_machine():
+    # every replica waits 10 ms for a core, rank 2 waits 18 ms (1.8x) and its forward takes 8 ms longer
+    delays = dict.fromkeys(range(4), (10.0, 0.0)) | {2: (18.0, 0.0)}
+    traces = _dp_job(dict.fromkeys(range(4), (20.0, 10.0)) | {2: (28.0, 10.0)}, delay=delays)
+    found = detect(traces)
+    assert [(s.rank, s.evidence["basis"]) for s in found.suspects] == [(2, "dp_replicas")]
+    report = add_measured_ranks(found, traces)
+    assert report.suspects == ()
+    assert any(n.startswith("rank 2 computes slower") and "1.8x" in n for n in report.notes)
+    # the same wall time from its own work (18 ms of CPU) is the rank's: kept
+    traces = _dp_job(
+        dict.fromkeys(range(4), (20.0, 10.0)) | {2: (28.0, 18.0)}, delay=dict.fromkeys(range(4), (10.0, 0.0))
+    )
+    assert [s.rank for s in add_measured_ranks(detect(traces), traces).suspects] == [2]
+    # 3x its peers' run-queue delay: a quota or a competing process, kept
+    delays[2] = (30.0, 0.0)
+    traces = _dp_job(dict.fromkeys(range(4), (20.0, 10.0)) | {2: (40.0, 10.0)}, delay=delays)
+    assert [s.rank for s in add_measured_ranks(detect(traces), traces).suspects] == [2]
+
+
 def _rank_budget(rank: int, excess: dict[str, float]) -> RankBudget:
     median = dict.fromkeys(("wall", "own", "descheduled", "throttled", "waiting", "transfer", "rest"), 0.0)
     return RankBudget(rank, {}, ITERATIONS, True, median, (0,), 1.5, excess, True, "own work")

@@ -23,7 +23,12 @@ the impact gate):
      and cause as its evidence (basis "time_budget"); the impact gate then judges its saving
      like any other suspect's.
   4. A rank the rules named that the budget measures slow (by any part) keeps the rules'
-     evidence, with the measured cause beside it, and the larger of the two savings.
+     evidence, with the measured cause beside it, and the larger of the two savings; but one
+     they named for a constant compute ratio against its replicas or TP peers whose whole
+     measured excess is run-queue delay below `descheduled_min_ratio` times its peers' is
+     dropped, with a note: its CPU time is its peers', and a busy machine deschedules some rank
+     that much (design split 14: background noise on a 2-core machine put 2.1x its peers' delay
+     on one DP4 replica, 1.44x compute in 89 % of iterations).
   5. A rank still not named whose run-queue delay bursts far above the other ranks' in some
      iterations, at a cost to the job well above any other rank's bursts (measured_intermittent.py),
      is named with those iterations; the impact gate judges its saving on them.
@@ -35,7 +40,7 @@ import dataclasses
 
 import numpy as np
 
-from megatronapp.scan.analyze.budget_summary import BudgetSummary, RankBudget, compute_budget_summary
+from megatronapp.scan.analyze.budget_summary import CAUSES, BudgetSummary, RankBudget, compute_budget_summary
 from megatronapp.scan.analyze.detect_config import DetectConfig, DetectionReport, Suspect
 from megatronapp.scan.analyze.detect_rules import to_ms
 from megatronapp.scan.analyze.measured_intermittent import Bursts, is_burst_slow, is_intermittent_burst, judge_bursts
@@ -114,12 +119,15 @@ def add_measured_ranks(
     waiting = {rb.rank: rb.median_ns["waiting"] for rb in summary.ranks}
     by_rank = {rb.rank: rb for rb in summary.ranks}
     asleep = frozenset(s.link[1] for s in report.suspects if s.cause == "slow_link")
-    found, added = list(report.suspects), []
+    found, added, notes = list(report.suspects), [], []
     for rb in summary.ranks:
         if not (rb.slow and rb.measured):
             continue
         named = next((i for i, s in enumerate(found) if s.cause == "slow_compute" and s.rank == rb.rank), None)
-        if named is not None:
+        if named is not None and _descheduled_by_chance(found[named], rb, by_rank, asleep, config):
+            notes.append(_chance_note(rb, descheduled_ratio(rb, by_rank, asleep), config))
+            del found[named]
+        elif named is not None:
             saving = _saving_ns(rb, _excess_ns(rb, summary.basis), waiting)
             found[named] = _with_measured_saving(found[named], rb, saving)
         elif descheduled_ratio(rb, by_rank, asleep) >= config.descheduled_min_ratio:
@@ -129,7 +137,27 @@ def add_measured_ranks(
                 added.append(_suspect(rb, excess, saving, report.iteration_ns, summary.basis))
     named = {s.rank for s in found if s.cause == "slow_compute"} | {s.rank for s in added}
     added += _intermittent_suspects(summary, by_rank, named, asleep, report.iteration_ns, config)
-    return dataclasses.replace(report, suspects=_merge(tuple(found), added))
+    return dataclasses.replace(report, suspects=_merge(tuple(found), added), notes=(*report.notes, *notes))
+
+
+def _descheduled_by_chance(s: Suspect, rb: RankBudget, by_rank: dict, asleep: frozenset, config: DetectConfig) -> bool:
+    """Step 4's exception: the rules timed the rank's compute slow in most iterations against peers
+    doing identical work, and the budget finds nothing behind it but a run-queue delay in the
+    range ranks sharing busy cores show (step 1)."""
+    constant_ratio = s.evidence.get("basis") in ("dp_replicas", "tp_peers") and not s.evidence.get("intermittent")
+    return (
+        constant_ratio
+        and rb.cause == CAUSES["descheduled"]
+        and descheduled_ratio(rb, by_rank, asleep) < config.descheduled_min_ratio
+    )
+
+
+def _chance_note(rb: RankBudget, ratio: float, config: DetectConfig) -> str:
+    return (
+        f"rank {rb.rank} computes slower than its peers, but the time budget measures its CPU time as "
+        f"theirs and its run-queue delay at {ratio:.1f}x theirs (below {config.descheduled_min_ratio:g}x: "
+        f"what ranks sharing busy cores show): not named"
+    )
 
 
 def _intermittent_suspects(

@@ -45,7 +45,7 @@ from megatronapp.cli.preprocess import check_preprocess_run
 from megatronapp.cli.run import TrainRun
 from megatronapp.cli.train_eval import check_evaluation
 from megatronapp.config import ConfigError
-from megatronapp.data.dataset import check_text_files
+from megatronapp.data.dataset import check_text_files, check_token_id_files
 from megatronapp.data.preprocess import PreprocessConfig
 from megatronapp.data.sources import check_data_config, check_not_indexed_file_names, uses_indexed_data
 from megatronapp.dpp.cli import ScheduleRun, check_schedule_run
@@ -116,8 +116,23 @@ def check_train_run(run: TrainRun) -> None:
                 raise ConfigError(f"--data-path {path} does not exist")
         if run.data_paths and not under_launcher():  # the launching process reads them once for its ranks
             check_text_files(run.data_paths, "--data-path")
+        _check_null_tokenizer_text(run)
     check_evaluation(run)
     check_metric_logs(job.logging)
+
+
+def _check_null_tokenizer_text(run: TrainRun) -> None:
+    """NullTokenizer reads ids written as text: the embedded corpus is prose, and text files must
+    hold ids the vocabulary has."""
+    if run.data.tokenizer_type != "NullTokenizer" or run.data.vocab_size is None:
+        return
+    if not run.data_paths:
+        raise ConfigError(
+            "--tokenizer-type NullTokenizer reads token ids written as text, and the embedded corpus is prose: "
+            "give --data-path files of ids, or an indexed dataset"
+        )
+    if not under_launcher():
+        check_token_id_files(run.data_paths, "--data-path", run.data.vocab_size)
 
 
 def _check_inference(run: InferenceRun) -> None:

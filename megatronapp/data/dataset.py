@@ -32,6 +32,7 @@ __all__ = [
     "compute_epoch_permutation",
     "compute_replica_sample_range",
     "check_text_files",
+    "check_token_id_files",
     "load_text_documents",
 ]
 
@@ -323,6 +324,23 @@ def check_text_files(paths: Iterable[str | os.PathLike], flag: str) -> None:
         raise ValueError(f"{flag} {exc}") from None
     if not documents:
         raise ValueError(f"{flag} {' '.join(map(str, paths))}: no non-empty documents")
+
+
+def check_token_id_files(paths: Iterable[str | os.PathLike], flag: str, vocab_size: int) -> None:
+    """NullTokenizer's text files: every document whitespace-separated integer ids in
+    0..vocab_size-1; ValueError naming the flag, the file and the first token that is not.
+    Checked before launch: the ranks would fail mid-build, or index the embedding out of range."""
+    for file in _expand_paths([Path(p) for p in paths]):
+        for document in load_text_documents(file):
+            for token in document.split():
+                if not token.lstrip("-").isdigit():
+                    raise ValueError(
+                        f"{flag} {file}: NullTokenizer reads whitespace-separated integer ids, found {token[:40]!r}"
+                    )
+                if not 0 <= int(token) < vocab_size:
+                    raise ValueError(
+                        f"{flag} {file}: token id {token} is outside --vocab-size {vocab_size} (ids 0..{vocab_size - 1})"
+                    )
 
 
 def build_default_dataset(

@@ -388,3 +388,31 @@ def test_tp2_pp2_trains_the_same_batches_as_one_process(cluster, tmp_path):
     ref = {k: v[0] for k, v in reference["grads"].items()}
     for key, g in assemble_full_grads(reports).items():
         torch.testing.assert_close(g, ref[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "the embedded corpus is prose"),
+        ("1 2 3\n4 hello 5\n", "NullTokenizer reads whitespace-separated integer ids, found 'hello'"),
+        ("1 2 3 700\n", "token id 700 is outside --vocab-size 500 (ids 0..499)"),
+    ],
+)
+def test_null_tokenizer_text_that_is_not_ids_in_its_vocabulary_is_refused_before_launch(
+    train_before_launch, tmp_path, content, message
+):
+    args = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--train-iters", "1"]
+    if content is not None:
+        (tmp_path / "ids.txt").write_text(content)
+        args += ["--data-path", str(tmp_path / "ids.txt")]
+    code, err = train_before_launch(args)
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_null_tokenizer_text_of_ids_trains(tmp_path):
+    from megatronapp.cli.main import main
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i % 500) for i in range(4000)))
+    args = ["train", "--device", "cpu", "--model", "tiny", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
+    assert main([*args, "--data-path", str(ids), "--train-iters", "2", "--seq-length", "32"]) == 0

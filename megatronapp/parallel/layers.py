@@ -57,27 +57,31 @@ def mark_split(param: nn.Parameter, dim: int | None) -> nn.Parameter:
 
 class _ParallelLinear(nn.Module):
     """Shared state of the TP linears: the weight's shard along `split_dim` (0: output rows,
-    1: input columns) and the flags the forward reads."""
+    1: input columns), the bias `_make_bias` gives, and the flags the forward reads."""
+
+    split_dim: int
 
     def __init__(
         self,
         name: str,
         in_features: int,
         out_features: int,
-        split_dim: int,
         *,
         tp_group,
         tp_size: int,
         tp_rank: int,
         std: float,
         seed: int,
-        device,
-        sequence_parallel: bool,
+        bias: bool = True,
+        device="cpu",
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         full = init_full_normal(f"{name}.weight", (out_features, in_features), std, seed)
-        self.weight = mark_split(nn.Parameter(_shard(full, split_dim, tp_size, tp_rank, device)), split_dim)
+        dim = self.split_dim
+        self.weight = mark_split(nn.Parameter(_shard(full, dim, tp_size, tp_rank, device)), dim)
+        self.bias = self._make_bias(out_features, tp_size, device) if bias else None
         self.wgrad_fusion = False  # set by parallel.wgrad_fusion.enable_grad_accumulation_fusion
         self.split_backward = False  # set by parallel.wgrad_defer.apply_split_backward
         self.fp8_spec: FP8Spec | None = None  # set by parallel.fp8.enable_fp8
@@ -105,35 +109,10 @@ class ColumnParallelLinear(_ParallelLinear):
     """y = x A^T with A split along its output dim; input replicated (or a sequence shard
     gathered here), output sharded."""
 
-    def __init__(
-        self,
-        name: str,
-        in_features: int,
-        out_features: int,
-        *,
-        tp_group,
-        tp_size: int,
-        tp_rank: int,
-        std: float,
-        seed: int,
-        bias: bool = True,
-        device="cpu",
-        sequence_parallel: bool = False,
-    ):
-        super().__init__(
-            name,
-            in_features,
-            out_features,
-            0,
-            tp_group=tp_group,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            std=std,
-            seed=seed,
-            device=device,
-            sequence_parallel=sequence_parallel,
-        )
-        self.bias = mark_split(nn.Parameter(torch.zeros(out_features // tp_size, device=device)), 0) if bias else None
+    split_dim = 0
+
+    def _make_bias(self, out_features: int, tp_size: int, device) -> nn.Parameter:
+        return mark_split(nn.Parameter(torch.zeros(out_features // tp_size, device=device)), 0)
 
     def fp8_spec_for(self, grad_dtype: torch.dtype) -> FP8Spec:
         # input whole (copied or gathered); weight rows and output-gradient columns sharded
@@ -147,38 +126,13 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """y = x A^T with A split along its input dim; input sharded, output summed over TP."""
 
-    def __init__(
-        self,
-        name: str,
-        in_features: int,
-        out_features: int,
-        *,
-        tp_group,
-        tp_size: int,
-        tp_rank: int,
-        std: float,
-        seed: int,
-        bias: bool = True,
-        device="cpu",
-        sequence_parallel: bool = False,
-    ):
-        super().__init__(
-            name,
-            in_features,
-            out_features,
-            1,
-            tp_group=tp_group,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            std=std,
-            seed=seed,
-            device=device,
-            sequence_parallel=sequence_parallel,
-        )
-        # The bias is replicated and added after the reduction, once.
-        self.bias = mark_split(nn.Parameter(torch.zeros(out_features, device=device)), None) if bias else None
-        if self.bias is not None:
-            self.bias.sequence_parallel = sequence_parallel
+    split_dim = 1
+
+    def _make_bias(self, out_features: int, tp_size: int, device) -> nn.Parameter:
+        # replicated and added after the reduction, once
+        bias = mark_split(nn.Parameter(torch.zeros(out_features, device=device)), None)
+        bias.sequence_parallel = self.sequence_parallel
+        return bias
 
     def fp8_spec_for(self, grad_dtype: torch.dtype) -> FP8Spec:
         # input and weight columns sharded; the output gradient whole (after g's identity

@@ -131,8 +131,8 @@ class DetectConfig:
     # runs of 300 iterations by 1.1x (2.5x once, at 0.5% of the iteration: intermittent_min_saving drops it), and
     # the pipeline neighbour of a stage slowed in bursts by 2.2x
     burst_min_iterations: int = 20  # bursts a lead rests on: in runs of 19 iterations a clean rank's 6-9
-    # bursts, a few stalls of 10-18 ms, led the others' by 1.5-2.2x, and under background noise one DP4 replica
-    # burst in 15 and led by 3.4x (design split 14); faults of 300 ms every 1-2 s burst in 45+ (123-181 of 299)
+    # bursts, a few stalls of 10-18 ms, led the others' by 1.5-2.2x, and under background noise a replica the
+    # scheduler kept beside a busy loop burst in 15 and led by 3.4x; faults of 300 ms every 1-2 s burst in 45+
     compute_rule: Callable[[rules.ComputeStats, DetectConfig], bool] = is_slow_compute
     link_rule: Callable[[p2p.LinkStats, DetectConfig], bool] = is_slow_link
     arrival_rule: Callable[[arrivals.ArrivalStats, DetectConfig], bool] = is_late_by_own_work

@@ -27,8 +27,8 @@ the impact gate):
      they named for a constant compute ratio against its replicas or TP peers whose whole
      measured excess is run-queue delay below `descheduled_min_ratio` times its peers' is
      dropped, with a note: its CPU time is its peers', and a busy machine deschedules some rank
-     that much (design split 14: background noise on a 2-core machine put 2.1x its peers' delay
-     on one DP4 replica, 1.44x compute in 89 % of iterations).
+     that much (background noise on shared cores can hold one replica at ~2x its peers' delay
+     for a whole short run, its compute then reading ~1.4x theirs).
   5. A rank still not named whose run-queue delay bursts far above the other ranks' in some
      iterations, at a cost to the job well above any other rank's bursts (measured_intermittent.py),
      is named with those iterations; the impact gate judges its saving on them.

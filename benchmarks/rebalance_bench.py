@@ -12,9 +12,15 @@ rebalanced). Every round runs every cell once, in a fresh random order.
 A cell's figures: `median_s`, the median step after `--skip` (rebalancing variants: after their
 last move, so the figure is the partition they settled in); `tail_median_s`, the median of the
 last quarter of the steps (where a stopped fault's work has moved back); the iteration of the
-first move. The summary pairs each variant with its schedule alone in the same round.
+first move. The summary pairs each variant with its schedule alone in the same round, and only
+when both ran in the same invocation, so one machine's pace is never paired with another's.
+
+Every cell is written to `OUT/rebalance.json` as it ends; `--resume` continues that file where it
+stopped (a device call cut short by its time limit loses at most the cell in flight), refusing
+one whose measurement flags differ.
 
     python benchmarks/rebalance_bench.py --out runs/rebalance --repeats 3
+    python benchmarks/rebalance_bench.py --out runs/rebalance --repeats 8 --resume
     python benchmarks/rebalance_bench.py --pp 2 --dp 2 --mode microbatches --out runs/rebalance-dp
 """
 
@@ -22,11 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
+import socket
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from megatronapp.faultlab import EngineJob, LabPlan, ScriptJob, SlowRank, run_lab
@@ -37,6 +46,8 @@ SCENARIOS = ("balanced", "quota", "compete", "starts", "stops")
 TORCH_ZB = "torch-zb"
 _FOREVER_MS = 10**9
 _TORCH_ZB_STEPS = re.compile(r"torch-zb: \[([^\]]*)\] ms/step")
+# Flags that do not change what a cell measures: a resumed file may differ in these.
+_NOT_MEASURED = frozenset({"repeats", "resume", "out", "timeout"})
 
 
 def faults(a, scenario: str) -> tuple:
@@ -112,23 +123,46 @@ def measure_cell(a, scenario: str, schedule: str, rebalance: bool) -> dict:
     return {**cell_figures(steps, move_iters, skip), "moves": moves, "steps_s": steps, "applied": result.applied}
 
 
-def paired_summary(cells: dict[str, list[dict]]) -> dict[str, dict]:
+def _ran(cell: dict | None) -> bool:
+    return cell is not None and "error" not in cell
+
+
+def paired_summary(cells: dict[str, list[dict | None]]) -> dict[str, dict]:
     """Per cell: median of its rounds; per rebalancing cell also the speed over its schedule
-    alone, paired per round (schedule-alone median / rebalanced median)."""
+    alone, paired per round (schedule-alone median / rebalanced median) where both ran in the same
+    invocation (`call`). A round not yet run is None."""
     out = {}
     for key, rounds in cells.items():
-        ok = [c for c in rounds if "error" not in c]
+        ok = [c for c in rounds if _ran(c)]
         row = {"n": len(ok), "median_s": statistics.median(c["median_s"] for c in ok) if ok else None}
         row["tail_median_s"] = statistics.median(c["tail_median_s"] for c in ok) if ok else None
         base = cells.get(key.removesuffix("+rebalance"))
         if key.endswith("+rebalance") and base:
             pairs = [
-                b["median_s"] / c["median_s"] for b, c in zip(base, rounds) if "error" not in b and "error" not in c
+                b["median_s"] / c["median_s"]
+                for b, c in zip(base, rounds)
+                if _ran(b) and _ran(c) and b.get("call") == c.get("call")
             ]
             if pairs:
-                row.update(speedup=statistics.median(pairs), speedup_range=[min(pairs), max(pairs)])
+                row.update(n_pairs=len(pairs), speedup=statistics.median(pairs), speedup_range=[min(pairs), max(pairs)])
         out[key] = row
     return out
+
+
+def round_order(cells: list, seed: int, rep: int) -> list:
+    """The cells of round `rep` in their order: fixed by (seed, round), so a resumed run orders
+    its rounds as an uninterrupted one would."""
+    return random.Random(f"{seed}/{rep}").sample(cells, len(cells))
+
+
+def resumed_cells(a, payload: dict) -> dict[str, list[dict | None]]:
+    """The rounds of an earlier run of the same measurement, padded to `a.repeats`; ValueError
+    naming the first flag that differs."""
+    now = {k: v for k, v in vars(a).items() if k not in _NOT_MEASURED}
+    for k, v in now.items():
+        if payload["args"].get(k) != v:
+            raise ValueError(f"--{k.replace('_', '-')} {v} differs from the file's {payload['args'].get(k)}")
+    return {k: (v + [None] * a.repeats)[: max(a.repeats, len(v))] for k, v in payload["cells"].items()}
 
 
 def _cells(a) -> list[tuple[str, str, bool]]:
@@ -162,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the cells' order in each round")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default="runs/rebalance")
+    p.add_argument("--resume", action="store_true", help="continue OUT/rebalance.json: run the cells it lacks")
     return p
 
 
@@ -170,27 +205,36 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if TORCH_ZB in a.schedules and a.vpp < 2:
         p.error(f"{TORCH_ZB} runs interleaved chunks: give --vpp >= 2")
-    rng, results, cells = random.Random(a.seed), {}, _cells(a)
+    results, cells = {}, _cells(a)
+    out = Path(a.out) / "rebalance.json"
+    if a.resume and out.exists():
+        try:
+            results = resumed_cells(a, json.loads(out.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            p.error(f"--resume {out}: {e}")
+    call = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
     for rep in range(a.repeats):
-        for scenario, schedule, rebalance in rng.sample(cells, len(cells)):
+        for scenario, schedule, rebalance in round_order(cells, a.seed, rep):
             key = f"{scenario}/{schedule}{'+rebalance' if rebalance else ''}"
+            rounds = results.setdefault(key, [None] * a.repeats)
+            if rounds[rep] is not None:
+                continue
             try:
                 cell = measure_cell(a, scenario, schedule, rebalance)
             except RuntimeError as e:
                 cell = {"error": str(e)}
-            results.setdefault(key, [None] * a.repeats)[rep] = cell
+            rounds[rep] = {**cell, "call": call}
             shown = cell.get("error", "")[:200] or f"{cell['median_s'] * 1e3:.1f} ms, first move {cell['first_move']}"
             print(f"round {rep}: {key}: {shown}", flush=True)
-        _write(a, results, rep)
+            _write(a, results)
     for key, row in paired_summary(results).items():
         print(f"{key:36s} {json.dumps(row)}")
     return 0
 
 
-def _write(a, results: dict, rounds_done: int) -> None:
-    cells = {k: v[: rounds_done + 1] for k, v in results.items()}
+def _write(a, results: dict) -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    payload = {"args": vars(a), "argv": sys.argv[1:], "cells": cells, "summary": paired_summary(cells)}
+    payload = {"args": vars(a), "argv": sys.argv[1:], "cells": results, "summary": paired_summary(results)}
     write_text_atomic(Path(a.out) / "rebalance.json", json.dumps(payload, indent=1))
 
 

@@ -50,3 +50,34 @@ def test_each_scenario_slows_the_chosen_rank_when_it_says(scenario, method, star
     else:
         assert fault.schedule.start_ms == start_ms and (on_ms is None or fault.schedule.on_ms == on_ms)
     assert R.faults(a, "balanced") == ()
+
+
+def test_cells_of_different_invocations_or_rounds_not_run_are_not_paired():
+    cells = {
+        "quota/1f1b": [{"median_s": 2.0, "tail_median_s": 2.0, "call": "a"}, {"median_s": 3.0, "tail_median_s": 3.0, "call": "a"}, None],
+        "quota/1f1b+rebalance": [{"median_s": 1.0, "tail_median_s": 1.0, "call": "a"}, {"median_s": 1.0, "tail_median_s": 1.0, "call": "b"}, None],
+    }  # fmt: skip
+    row = R.paired_summary(cells)["quota/1f1b+rebalance"]
+    assert row["n"] == 2 and row["n_pairs"] == 1 and row["speedup"] == 2.0
+
+
+def _args(**over):
+    base = dict(pp=4, dp=1, seed=0, repeats=2, resume=True, out="o", timeout=60.0, scenarios=["quota"])
+    return SimpleNamespace(**(base | over))
+
+
+def test_a_resumed_file_keeps_its_rounds_and_refuses_other_measurement_flags():
+    earlier = {
+        "args": vars(_args(repeats=1, resume=False, timeout=120.0)),
+        "cells": {"quota/1f1b": [{"median_s": 1.0}]},
+    }
+    assert R.resumed_cells(_args(repeats=3), earlier) == {"quota/1f1b": [{"median_s": 1.0}, None, None]}
+    with pytest.raises(ValueError, match="--pp 2 differs from the file's 4"):
+        R.resumed_cells(_args(pp=2), earlier)
+
+
+def test_a_rounds_order_depends_on_the_seed_and_round_only():
+    cells = list(range(8))
+    assert R.round_order(cells, 1, 3) == R.round_order(cells, 1, 3)
+    assert sorted(R.round_order(cells, 1, 3)) == cells
+    assert len({tuple(R.round_order(cells, 1, r)) for r in range(6)}) > 1

@@ -21,6 +21,7 @@ exactly: the gradient stays the balanced run's (engine/replica_split.py).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from megatronapp.dpp.rebalance import RebalanceConfig, compute_measured_worse, compute_worth_moving
@@ -60,9 +61,14 @@ def plan_replica_microbatches(
     maximum, the one nearest `current` (ties otherwise to the lower replica)."""
     g, total = model.granule, model.dp_size * model.num_microbatches
     counts = [g] * model.dp_size
+    # the greedy fill through a heap of (time with one more granule, replica): a plan is made every
+    # step once the window is full, and a scan of every replica per granule is quadratic
+    grow = [(speeds[r] * (counts[r] + g), r) for r in range(model.dp_size)]
+    heapq.heapify(grow)
     for _ in range((total - sum(counts)) // g):
-        best = min(range(model.dp_size), key=lambda r: (speeds[r] * (counts[r] + g), r))
+        _, best = heapq.heappop(grow)
         counts[best] += g
+        heapq.heappush(grow, (speeds[best] * (counts[best] + g), best))
     if not current:
         return tuple(counts)
     bottleneck = max(compute_replica_times(speeds, counts))

@@ -81,3 +81,11 @@ def test_a_rounds_order_depends_on_the_seed_and_round_only():
     assert R.round_order(cells, 1, 3) == R.round_order(cells, 1, 3)
     assert sorted(R.round_order(cells, 1, 3)) == cells
     assert len({tuple(R.round_order(cells, 1, r)) for r in range(6)}) > 1
+
+
+def test_the_overhead_benchmark_makes_no_plan_on_balanced_measurements():
+    import rebalance_overhead as O
+
+    for pp, dp, tp, layers in O.SHAPES[:2]:
+        us, plans = O.time_observe(pp, dp, tp, layers, steps=100, seed=1)
+        assert plans == 0 and us > 0

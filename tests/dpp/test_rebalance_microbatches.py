@@ -150,3 +150,20 @@ def test_the_first_iterations_of_a_job_are_not_measurements_of_speed():
     assert plans == [None] * 10
     eager = _rebalancer(RebalanceConfig(mode="microbatches", warmup_iters=0, first_move_cost_s=0.0, window=2))
     assert any(eager.observe(c, max(c)) for c in startup + steady)  # not vacuous: counted, they would move
+
+
+def _greedy_by_scan(model: ReplicaModel, speeds: list[float]) -> tuple[int, ...]:
+    """The greedy fill written the plain way: every granule to the replica whose time grows least."""
+    g, counts = model.granule, [model.granule] * model.dp_size
+    for _ in range((model.dp_size * model.num_microbatches - sum(counts)) // g):
+        best = min(range(model.dp_size), key=lambda r: (speeds[r] * (counts[r] + g), r))
+        counts[best] += g
+    return tuple(counts)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_fill_is_the_plain_greedy_fill_ties_included(seed):
+    rng = random.Random(seed)
+    model = ReplicaModel(rng.randint(2, 12), rng.randint(1, 40), rng.choice((1, 2, 4)))
+    speeds = [rng.choice((1.0, 1.0, 1.5, rng.uniform(0.5, 3.0))) for _ in range(model.dp_size)]  # ties on purpose
+    assert plan_replica_microbatches(model, speeds) == _greedy_by_scan(model, speeds)

@@ -162,7 +162,7 @@ def resumed_cells(a, payload: dict) -> dict[str, list[dict | None]]:
     for k, v in now.items():
         if payload["args"].get(k) != v:
             raise ValueError(f"--{k.replace('_', '-')} {v} differs from the file's {payload['args'].get(k)}")
-    return {k: (v + [None] * a.repeats)[: max(a.repeats, len(v))] for k, v in payload["cells"].items()}
+    return {k: v + [None] * (a.repeats - len(v)) for k, v in payload["cells"].items()}
 
 
 def _cells(a) -> list[tuple[str, str, bool]]:
@@ -226,16 +226,16 @@ def main(argv=None) -> int:
             rounds[rep] = {**cell, "call": call}
             shown = cell.get("error", "")[:200] or f"{cell['median_s'] * 1e3:.1f} ms, first move {cell['first_move']}"
             print(f"round {rep}: {key}: {shown}", flush=True)
-            _write(a, results)
+            _write(a, out, results)
     for key, row in paired_summary(results).items():
         print(f"{key:36s} {json.dumps(row)}")
     return 0
 
 
-def _write(a, results: dict) -> None:
-    Path(a.out).mkdir(parents=True, exist_ok=True)
+def _write(a, out: Path, results: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"args": vars(a), "argv": sys.argv[1:], "cells": results, "summary": paired_summary(results)}
-    write_text_atomic(Path(a.out) / "rebalance.json", json.dumps(payload, indent=1))
+    write_text_atomic(out, json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

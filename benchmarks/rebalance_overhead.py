@@ -17,23 +17,20 @@ import statistics
 import time
 
 from megatronapp.dpp.rebalance import LayerRebalancer, RebalanceConfig, StageModel
+from megatronapp.dpp.rebalance_hook import compute_ranks_of_replica, compute_ranks_of_stage
 from megatronapp.dpp.rebalance_microbatches import MicrobatchRebalancer, ReplicaModel
+from megatronapp.parallel.layout import ParallelLayout
 
 SHAPES = ((4, 1, 1, 16), (8, 8, 1, 64), (16, 32, 8, 128))  # (pp, dp, tp, layers)
 
 
 def planners(pp: int, dp: int, tp: int, layers: int, config: RebalanceConfig) -> list:
-    """The planners a PP x DP x TP job with rebalancing "all" builds (rank order as the layout's)."""
-
-    def rank(t, d, p):
-        return (p * dp + d) * tp + t
-
-    stages = [[rank(t, d, p) for d in range(dp) for t in range(tp)] for p in range(pp)]
-    replicas = [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
+    """The planners a PP x DP x TP job with rebalancing "all" builds, over the job's rank order."""
+    lay = ParallelLayout(pp * dp * tp, tp_size=tp, pp_size=pp)
     model = StageModel(layers, pp, 1, head_layers=0.5, bytes_per_layer=2**20)
-    out = [LayerRebalancer(config, model, (layers // pp,) * pp, stages)]
+    out = [LayerRebalancer(config, model, (layers // pp,) * pp, compute_ranks_of_stage(lay))]
     if dp > 1:
-        out.append(MicrobatchRebalancer(config, ReplicaModel(dp, 8 * dp, 1), replicas))
+        out.append(MicrobatchRebalancer(config, ReplicaModel(dp, 8 * dp, 1), compute_ranks_of_replica(lay)))
     return out
 
 

@@ -24,10 +24,7 @@ def build_layer_rebalancer(config: RebalanceConfig, job) -> LayerRebalancer | No
     if config.mode not in ("layers", "all") or lay.pp_size < 2:
         return None
     stage_layers = lay.stage_layers or compute_stage_layers(job.model.num_layers, lay.pp_size, lay.virtual_pp_size)
-    ranks_of_stage = [
-        [lay.rank_of(t, d, p) for d in range(lay.dp_size) for t in range(lay.tp_size)] for p in range(lay.pp_size)
-    ]
-    return LayerRebalancer(config, StageModel.of(job), stage_layers, ranks_of_stage)
+    return LayerRebalancer(config, StageModel.of(job), stage_layers, compute_ranks_of_stage(lay))
 
 
 def build_microbatch_rebalancer(config: RebalanceConfig, job) -> MicrobatchRebalancer | None:
@@ -35,10 +32,17 @@ def build_microbatch_rebalancer(config: RebalanceConfig, job) -> MicrobatchRebal
     if config.mode not in ("microbatches", "all") or lay.dp_size < 2:
         return None
     model = ReplicaModel(lay.dp_size, job.num_microbatches, compute_microbatch_granule(job.train.schedule, lay.pp_size))
-    ranks_of_replica = [
-        [lay.rank_of(t, d, p) for p in range(lay.pp_size) for t in range(lay.tp_size)] for d in range(lay.dp_size)
-    ]
-    return MicrobatchRebalancer(config, model, ranks_of_replica)
+    return MicrobatchRebalancer(config, model, compute_ranks_of_replica(lay))
+
+
+def compute_ranks_of_stage(lay) -> list[list[int]]:
+    """Global ranks of each pipeline rank (its TP and DP members): a stage runs at its slowest."""
+    return [[lay.rank_of(t, d, p) for d in range(lay.dp_size) for t in range(lay.tp_size)] for p in range(lay.pp_size)]
+
+
+def compute_ranks_of_replica(lay) -> list[list[int]]:
+    """Global ranks of each DP replica (its TP and PP members): a replica runs at its slowest."""
+    return [[lay.rank_of(t, d, p) for p in range(lay.pp_size) for t in range(lay.tp_size)] for d in range(lay.dp_size)]
 
 
 def build_rebalance_hook(config: RebalanceConfig, job, trainer) -> RebalanceHook | None:

@@ -48,12 +48,16 @@ def time_observe(pp: int, dp: int, tp: int, layers: int, steps: int, seed: int) 
     return statistics.median(times), plans
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--step-ms", type=float, default=600.0, help="the step time the cost is a share of")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     for pp, dp, tp, layers in SHAPES:
         us, plans = time_observe(pp, dp, tp, layers, a.steps, a.seed)
         share = us / (a.step_ms * 1e3)

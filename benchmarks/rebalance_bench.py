@@ -17,7 +17,9 @@ when both ran in the same invocation, so one machine's pace is never paired with
 
 Every cell is written to `OUT/rebalance.json` as it ends; `--resume` continues that file where it
 stopped (a device call cut short by its time limit loses at most the cell in flight), refusing
-one whose measurement flags differ.
+one whose measurement flags differ. Several runs can share a machine, each under `taskset` on its
+own cores with its own `--tag`: a lab's faults keep to the cores it was started on, and each cell
+records how many it had.
 
     python benchmarks/rebalance_bench.py --out runs/rebalance --repeats 3
     python benchmarks/rebalance_bench.py --out runs/rebalance --repeats 8 --resume
@@ -39,7 +41,7 @@ import time
 from pathlib import Path
 
 from megatronapp.faultlab import EngineJob, LabPlan, ScriptJob, SlowRank, run_lab
-from megatronapp.faultlab.cpu import Schedule
+from megatronapp.faultlab.cpu import Schedule, lab_cores
 from megatronapp.files import write_text_atomic
 
 SCENARIOS = ("balanced", "quota", "compete", "starts", "stops")
@@ -47,7 +49,7 @@ TORCH_ZB = "torch-zb"
 _FOREVER_MS = 10**9
 _TORCH_ZB_STEPS = re.compile(r"torch-zb: \[([^\]]*)\] ms/step")
 # Flags that do not change what a cell measures: a resumed file may differ in these.
-_NOT_MEASURED = frozenset({"repeats", "resume", "out", "timeout"})
+_NOT_MEASURED = frozenset({"repeats", "resume", "out", "timeout", "tag"})
 
 
 def faults(a, scenario: str) -> tuple:
@@ -84,7 +86,7 @@ def _plan(a, scenario: str, schedule: str, rebalance: bool, metrics: Path) -> La
         if rebalance:
             extra += ["--dpp-rebalance", a.mode, "--dpp-rebalance-window", str(a.window)]
         job = EngineJob(1, a.pp, a.dp, iters=a.iters, extra=tuple(extra))
-    return LabPlan(job, faults(a, scenario), tag="rebal")
+    return LabPlan(job, faults(a, scenario), tag=a.tag)
 
 
 def _steps(plan: LabPlan, result, metrics: Path) -> tuple[list[float], list[dict], list[int]]:
@@ -197,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default="runs/rebalance")
     p.add_argument("--resume", action="store_true", help="continue OUT/rebalance.json: run the cells it lacks")
+    p.add_argument("--tag", default="rebal", help="the lab's namespaces and cgroups: one per bench run side by side")
     return p
 
 
@@ -223,7 +226,7 @@ def main(argv=None) -> int:
                 cell = measure_cell(a, scenario, schedule, rebalance)
             except RuntimeError as e:
                 cell = {"error": str(e)}
-            rounds[rep] = {**cell, "call": call}
+            rounds[rep] = {**cell, "call": call, "cores": len(lab_cores())}
             shown = cell.get("error", "")[:200] or f"{cell['median_s'] * 1e3:.1f} ms, first move {cell['first_move']}"
             print(f"round {rep}: {key}: {shown}", flush=True)
             _write(a, out, results)

@@ -150,6 +150,14 @@ def remove_cgroup(path: Path) -> None:
         pass
 
 
+def lab_cores() -> list[int]:
+    """The cores the lab may use: its own affinity (a lab started under `taskset` keeps to those
+    cores, so several labs can share a machine without pinning onto each other's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def start_busy_loop(core: int | None = None) -> subprocess.Popen:
     """A Python process spinning forever, pinned to `core` when given."""
     pin = ["taskset", "-c", str(core)] if core is not None else []
@@ -220,7 +228,7 @@ class BackgroundNoise:
     """One busy loop per core, unpinned: a loaded machine that slows every rank alike."""
 
     def __init__(self, per_core: int = 1) -> None:
-        self.count = per_core * (os.cpu_count() or 1)
+        self.count = per_core * len(lab_cores())
         self._procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> BackgroundNoise:

@@ -126,15 +126,15 @@ def _launch(plan: LabPlan, trace_dir: Path, lab_net: net.LabNetwork | None, log)
 
 
 def _rank_faults(plan: LabPlan, pids: dict[int, int], stack: contextlib.ExitStack) -> list[str]:
-    applied = []
+    applied, cores = [], cpu.lab_cores()
     for i, f in enumerate(x for x in plan.faults if isinstance(x, SlowRank)):
         targets = [pids[f.rank]]
         if f.method == "quota":
-            share = f.quota_share(plan.job.nproc, os.cpu_count() or 1)
+            share = f.quota_share(plan.job.nproc, len(cores))
             stack.enter_context(cpu.CpuQuota(f"{plan.tag}-{i}", targets, share, f.schedule))
             what = f"cgroup CPU quota {share:.0%} of a core ({f.factor}x below a fair share)"
         else:
-            core = f.rank % (os.cpu_count() or 1)
+            core = cores[f.rank % len(cores)]
             loops = max(1, round(f.factor - 1))  # the rank gets ~1 / factor of its core
             stack.enter_context(cpu.CompetingLoad(f"{plan.tag}-{i}", targets, core, f.schedule, loops))
             what = f"{loops} busy loop(s) sharing core {core}"

@@ -1,11 +1,14 @@
-"""A fault's schedule: when a fault lab fault is switched on and off (no processes involved)."""
+"""A fault's schedule (no processes involved) and the cores a lab keeps its faults to."""
 
+import multiprocessing
+import os
 import threading
 import time
 
 import pytest
 
-from megatronapp.faultlab.cpu import Schedule, _Toggler
+from megatronapp.faultlab import SlowRank
+from megatronapp.faultlab.cpu import Schedule, _Toggler, lab_cores
 
 
 def _switches(schedule: Schedule, seconds: float) -> list[tuple[float, bool]]:
@@ -39,3 +42,21 @@ def test_a_fault_that_stops_is_on_from_the_start_then_off_for_the_rest_of_the_ru
 def test_a_negative_start_is_refused():
     with pytest.raises(ValueError, match="start_ms"):
         Schedule(on_ms=1, period_ms=2, start_ms=-1)
+
+
+def _cores_of_a_lab_pinned_to(core: int, queue) -> None:
+    os.sched_setaffinity(0, {core})
+    queue.put(lab_cores())
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_a_lab_started_on_some_cores_keeps_its_faults_on_those_cores():
+    core = max(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_cores_of_a_lab_pinned_to, args=(core, queue))
+    proc.start()
+    cores = queue.get(timeout=60)
+    proc.join(timeout=60)
+    assert cores == [core]
+    assert SlowRank(1, "quota", 2.0).quota_share(4, len(cores)) == pytest.approx(0.125)

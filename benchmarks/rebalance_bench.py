@@ -12,7 +12,8 @@ rebalanced). Every round runs every cell once, in a fresh random order.
 A cell's figures: `median_s`, the median step after `--skip` (rebalancing variants: after their
 last move, so the figure is the partition they settled in); `tail_median_s`, the median of the
 last quarter of the steps (where a stopped fault's work has moved back); the iteration of the
-first move. The summary pairs each variant with its schedule alone in the same round, and only
+first move; `slowed_at`, the iteration from which its steps ran slower (where a fault that starts
+mid-run began to cost, so a re-plan's delay is `first_move - slowed_at`). The summary pairs each variant with its schedule alone in the same round, and only
 when both ran in the same invocation, so one machine's pace is never paired with another's.
 
 Every cell is written to `OUT/rebalance.json` as it ends; `--resume` continues that file where it
@@ -110,7 +111,20 @@ def cell_figures(steps: list[float], move_iters: list[int], skip: int) -> dict:
         "median_s": statistics.median(settled),
         "tail_median_s": statistics.median(steps[-max(1, len(steps) // 4) :]),
         "first_move": move_iters[0] if move_iters else None,
+        "slowed_at": first_slowed_iteration(steps, skip),
     }
+
+
+def first_slowed_iteration(steps: list[float], skip: int, factor: float = 1.25, run: int = 4) -> int | None:
+    """The iteration (from 1) from which the step time rose: the first step that, and the median of
+    the `run` steps it starts, exceed `factor` x the median of the steps before it (those after
+    `skip`, at least `run`). A fault that starts mid-run shows here, in the run's own steps,
+    whatever the job's start-up took."""
+    for i in range(skip + run, len(steps) - run + 1):
+        before = factor * statistics.median(steps[skip:i])
+        if steps[i] > before and statistics.median(steps[i : i + run]) > before:
+            return i + 1
+    return None
 
 
 def measure_cell(a, scenario: str, schedule: str, rebalance: bool) -> dict:

@@ -22,6 +22,14 @@ def test_a_cells_median_leaves_out_the_warm_up_and_the_steps_before_its_last_mov
     assert moved["tail_median_s"] == 1.0  # the last quarter: steps 6 and 7
 
 
+def test_the_iteration_a_late_fault_began_to_cost_is_found_in_the_steps_and_noise_is_not():
+    late = [6.0, 1.0, 1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 2.0, 1.9, 2.1, 2.0, 2.0, 2.0]
+    assert R.first_slowed_iteration(late, skip=1) == 9  # the ninth step is the first slow one
+    noisy = [6.0, 1.0, 1.2, 0.9, 1.1, 1.3, 0.8, 1.0, 1.2, 0.9, 1.1, 1.0]
+    assert R.first_slowed_iteration(noisy, skip=1) is None
+    assert R.cell_figures(late, [11], skip=1)["slowed_at"] == 9
+
+
 def test_a_rebalanced_cell_is_paired_with_its_schedule_alone_round_by_round():
     cells = {
         "quota/1f1b": [{"median_s": 2.0, "tail_median_s": 2.0}, {"median_s": 3.0, "tail_median_s": 3.0}],

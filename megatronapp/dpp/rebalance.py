@@ -19,6 +19,9 @@ iterations is judged by its measured iteration time, not by the model, and a sta
 was measured at over that time (a stage relieved of layers can hide a throughput cap such as a CPU
 quota): a move the model favours but that ran slower when tried is not tried again until that
 measurement is old, so a fault that goes away moves the layers back after at most that long.
+Once no stage is remembered slower per layer than the fastest by `min_gain` (the fault that moved
+the work is over), the layers go back to the job's own partition without clearing the hysteresis:
+within the model's error the partitions tie, and the job's own is the one a clean run uses.
 """
 
 from __future__ import annotations
@@ -176,8 +179,11 @@ class LayerRebalancer:
     measured: dict[tuple[int, ...], tuple[float, int]] = field(default_factory=dict)
     measurements: MeasurementWindow | None = None  # None: the config's (RebalanceConfig.measurement_window)
 
+    home_layers: tuple[int, ...] = ()  # the job's own partition (() : the one in force at the start)
+
     def __post_init__(self) -> None:
         self.measurements = self.measurements or self.config.measurement_window()
+        self.home_layers = self.home_layers or self.stage_layers
 
     def observe(self, rank_compute_s: tuple[float, ...], step_s: float) -> Plan | None:
         """Add one iteration's measurements (each rank's compute seconds, the iteration's seconds);
@@ -186,14 +192,39 @@ class LayerRebalancer:
         if medians is None:
             return None
         stage_s, self.measured[self.stage_layers] = medians[0], (medians[1], self.measurements.iteration)
-        plan = self.propose(stage_s)
+        speeds = self._remember(stage_s)
+        if self._home_due(speeds):
+            return self._plan_of(
+                self.home_layers, speeds, "no stage is slower per layer any more: back to the job's own split"
+            )
+        plan = self._propose(speeds)
         return plan if plan is not None and self._worth_it(plan) and not self._measured_worse(plan) else None
 
     def propose(self, stage_s: list[float]) -> Plan | None:
         """The best partition for measured stage times under the partition in force (None: no change)."""
+        return self._propose(self._remember(stage_s))
+
+    def _remember(self, stage_s: list[float]) -> list[float]:
+        """Each stage's speed (seconds per layer unit): now, and the slowest measured lately."""
+        current = compute_rank_layers(self.stage_layers, self.model.pp_size)
+        return self.measurements.remember([t / (n + e) for t, n, e in zip(stage_s, current, self.model.extras())])
+
+    def _home_due(self, speeds: list[float]) -> bool:
+        if not compute_home_due(self.config, speeds, self.stage_layers, self.home_layers):
+            return False
+        iteration = self.measurements.iteration
+        return not compute_measured_worse(self.config, self.measured, self.home_layers, self.stage_layers, iteration)
+
+    def _plan_of(self, stage_layers: tuple[int, ...], speeds: list[float], reason: str) -> Plan:
+        """The plan that moves to `stage_layers` (per virtual stage), with its predicted times."""
+        pp, extras = self.model.pp_size, self.model.extras()
+        ranks, current = compute_rank_layers(stage_layers, pp), compute_rank_layers(self.stage_layers, pp)
+        predicted = max(compute_stage_times(speeds, ranks, extras))
+        return Plan(stage_layers, ranks, predicted, max(compute_stage_times(speeds, current, extras)), reason)
+
+    def _propose(self, speeds: list[float]) -> Plan | None:
         current = compute_rank_layers(self.stage_layers, self.model.pp_size)
         extras = self.model.extras()
-        speeds = self.measurements.remember([t / (n + e) for t, n, e in zip(stage_s, current, extras)])
         cap = None
         if self.config.memory_budget_gb is not None:
             cap = [int(self.config.memory_budget_gb * 2**30 // self.model.bytes_per_layer)] * self.model.pp_size
@@ -201,7 +232,7 @@ class LayerRebalancer:
         if planned == current:
             return None
         predicted = max(compute_stage_times(speeds, planned, extras))
-        slow = max(range(len(stage_s)), key=lambda p: speeds[p])
+        slow = max(range(len(speeds)), key=lambda p: speeds[p])
         reason = f"stage {slow} runs {speeds[slow] / min(speeds):.2f}x the fastest stage's time per layer"
         current_s = max(compute_stage_times(speeds, current, extras))
         return Plan(split_over_virtual_stages(planned, self.model.vpp_size), planned, predicted, current_s, reason)
@@ -244,6 +275,12 @@ def compute_measured_worse(config: RebalanceConfig, measured: dict, there, here,
     if seen is None or iteration - seen[1] > config.memory_iters:
         return False
     return seen[0] >= measured[here][0] * (1 - config.min_gain)
+
+
+def compute_home_due(config: RebalanceConfig, speeds: list[float], here, home) -> bool:
+    """Whether the work goes back to the job's own split `home`: it is elsewhere, and no part's
+    remembered speed (seconds per unit) is `min_gain` or more above the fastest part's."""
+    return here != home and max(speeds) < (1 + config.min_gain) * min(speeds)
 
 
 # `train`'s flags that set RebalanceConfig's fields (their defaults are the fields')

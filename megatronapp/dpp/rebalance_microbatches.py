@@ -15,8 +15,9 @@ time grows least is optimal for this bottleneck objective); the interleaved sche
 groups of the pipeline size (engine/replica_split.py). A split is adopted under the layer planner's
 rules (compute_worth_moving: min_gain, amortisation, the reverse factor) and never while a split
 measured lately ran no faster (compute_measured_worse), so noise does not re-plan and a fault that
-goes away moves the microbatches back once its measurements are old. The engine applies a split
-exactly: the gradient stays the balanced run's (engine/replica_split.py).
+goes away moves the microbatches back once its measurements are old: as soon as no replica is
+remembered slower per microbatch than the fastest by `min_gain`, the balanced split comes back
+without clearing the hysteresis (compute_home_due). The engine applies a split exactly: the gradient stays the balanced run's (engine/replica_split.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from megatronapp.dpp.rebalance import RebalanceConfig, compute_measured_worse, compute_worth_moving
+from megatronapp.dpp.rebalance import RebalanceConfig, compute_home_due, compute_measured_worse, compute_worth_moving
 from megatronapp.dpp.rebalance_window import MeasurementWindow
 
 
@@ -110,7 +111,15 @@ class MicrobatchRebalancer:
             return None
         iteration = self.measurements.iteration
         self.measured[self.split] = (medians[1], iteration)
-        plan = self.propose(medians[0])
+        speeds = self._remember(medians[0])
+        home = self.model.balanced
+        if compute_home_due(self.config, speeds, self.split, home) and not compute_measured_worse(
+            self.config, self.measured, home, self.split, iteration
+        ):
+            current_s = max(compute_replica_times(speeds, self.split))
+            reason = "no replica is slower per microbatch any more: back to the balanced split"
+            return MicrobatchPlan(home, max(compute_replica_times(speeds, home)), current_s, reason)
+        plan = self._propose(speeds)
         if plan is None or not compute_worth_moving(self.config, plan, self.last_move_s, self._reverses(plan)):
             return None
         measured_worse = compute_measured_worse(
@@ -120,7 +129,13 @@ class MicrobatchRebalancer:
 
     def propose(self, replica_s: list[float]) -> MicrobatchPlan | None:
         """The best split for measured replica times under the split in force (None: no change)."""
-        speeds = self.measurements.remember([t / m for t, m in zip(replica_s, self.split)])
+        return self._propose(self._remember(replica_s))
+
+    def _remember(self, replica_s: list[float]) -> list[float]:
+        """Each replica's speed (seconds per microbatch): now, and the slowest measured lately."""
+        return self.measurements.remember([t / m for t, m in zip(replica_s, self.split)])
+
+    def _propose(self, speeds: list[float]) -> MicrobatchPlan | None:
         planned = plan_replica_microbatches(self.model, speeds, self.split)
         current_s = max(compute_replica_times(speeds, self.split))
         predicted = max(compute_replica_times(speeds, planned))

@@ -73,9 +73,40 @@ def test_a_small_saving_does_not_undo_the_last_move():
     plan = [rebalancer.observe((4.0, 8.0), 1.0) for _ in range(rebalancer.config.window)][-1]
     rebalancer.moved(plan, seconds=0.1)
     assert plan.rank_layers == (5, 3)
-    # back to 4,4 would save 16% of 5.0 s: enough for a first move, not for undoing one
-    assert all(rebalancer.observe((5.0, 3.15), 1.0) is None for _ in range(3 * rebalancer.config.window))
-    assert rebalancer.propose([5.0, 3.15]).rank_layers == (4, 4)
+    # stage 1 still 1.12x slower per layer: back to 4,4 would save 10% of 5.0 s (4 x 1.12 = 4.48 s),
+    # enough for a first move, not for undoing one
+    assert all(rebalancer.observe((5.0, 3.36), 1.0) is None for _ in range(3 * rebalancer.config.window))
+    assert rebalancer.propose([5.0, 3.36]).rank_layers == (4, 4)
+
+
+def test_once_no_stage_is_slower_the_layers_go_home_even_where_the_model_sees_no_gain():
+    """A head-heavy last stage: with equal speeds the model ties 5,3 and 4,4 (5 vs 3 + 2 and 4 vs
+    4 + 2 is worse), yet the job's own 4,4 comes back once the fault is over, and only then."""
+    model = StageModel(num_layers=8, pp_size=2, vpp_size=1, head_layers=1.0, bytes_per_layer=1)
+    config = RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0, memory_iters=12)
+    rebalancer = _rebalancer(config, model)
+    plan = [rebalancer.observe((4.0, 15.0), 16.0) for _ in range(config.window)][-1]  # stage 1: 3 s per layer unit
+    rebalancer.moved(plan, seconds=0.1)
+    assert plan.rank_layers[1] < 4
+    moves = []
+    for i in range(3 * config.memory_iters):  # the fault is over: 1 s per layer unit on both stages
+        n0, n1 = rebalancer.stage_layers
+        later = rebalancer.observe((float(n0), n1 + 1.0), 6.0)
+        if later is not None:
+            rebalancer.moved(later, seconds=0.1)
+            moves.append((i, later))
+    assert [p.stage_layers for _, p in moves] == [(4, 4)], moves
+    assert "no stage is slower" in moves[0][1].reason
+    assert moves[0][0] + config.window >= config.memory_iters  # not before the fault's speed is forgotten
+
+
+def test_a_stage_still_a_little_slower_keeps_the_layers_away_from_home():
+    config = RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0, memory_iters=4)
+    rebalancer = _rebalancer(config)
+    rebalancer.moved([rebalancer.observe((4.0, 8.0), 9.0) for _ in range(config.window)][-1], seconds=0.1)
+    n0, n1 = rebalancer.stage_layers
+    assert (n0, n1) == (5, 3)  # stage 1 at 1.15x per layer: 4,4 would save 8%, and home is not due
+    assert all(rebalancer.observe((1.0 * n0, 1.15 * n1), 6.0) is None for _ in range(10 * config.window))
 
 
 def test_a_partition_that_ran_slower_when_tried_is_not_tried_again_while_the_measurement_is_fresh():

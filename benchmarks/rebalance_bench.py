@@ -12,7 +12,7 @@ rebalanced). Every round runs every cell once, in a fresh random order.
 A cell's figures: `median_s`, the median step after `--skip` (rebalancing variants: after their
 last move, so the figure is the partition they settled in); `tail_median_s`, the median of the
 last quarter of the steps (where a stopped fault's work has moved back); the iteration of the
-first move; `slowed_at`, the iteration from which its steps ran slower (where a fault that starts
+first move and of every move (`move_iters`); `slowed_at`, the iteration from which its steps ran slower (where a fault that starts
 mid-run began to cost, so a re-plan's delay is `first_move - slowed_at`). The summary pairs each variant with its schedule alone in the same round, and only
 when both ran in the same invocation, so one machine's pace is never paired with another's.
 
@@ -136,7 +136,8 @@ def measure_cell(a, scenario: str, schedule: str, rebalance: bool) -> dict:
             raise RuntimeError(f"exit {result.returncode}: {result.log.read_text()[-2000:]}")
         steps, moves, move_iters = _steps(plan, result, metrics)
     skip = a.skip - 1 if schedule == TORCH_ZB else a.skip  # torch_zb_cell leaves out its first step
-    return {**cell_figures(steps, move_iters, skip), "moves": moves, "steps_s": steps, "applied": result.applied}
+    figures = cell_figures(steps, move_iters, skip)
+    return {**figures, "moves": moves, "move_iters": move_iters, "steps_s": steps, "applied": result.applied}
 
 
 def _ran(cell: dict | None) -> bool:

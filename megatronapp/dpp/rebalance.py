@@ -20,8 +20,9 @@ was measured at over that time (a stage relieved of layers can hide a throughput
 quota): a move the model favours but that ran slower when tried is not tried again until that
 measurement is old, so a fault that goes away moves the layers back after at most that long.
 Once no stage is remembered slower per layer than the fastest by `min_gain` (the fault that moved
-the work is over), the layers go back to the job's own partition without clearing the hysteresis:
-within the model's error the partitions tie, and the job's own is the one a clean run uses.
+the work is over), the layers go back to the job's own partition, gain or not: within the model's
+error the partitions tie, and the job's own is the one a clean run uses. Leaving it again is a first
+move, so a fault the relieved stage had hidden moves the layers off once more.
 """
 
 from __future__ import annotations
@@ -245,8 +246,10 @@ class LayerRebalancer:
         return compute_measured_worse(self.config, self.measured, plan.stage_layers, self.stage_layers, iteration)
 
     def moved(self, plan: Plan, seconds: float) -> None:
-        """The move of `plan` happened and took `seconds`: measure afresh in the new partition."""
-        self.previous_layers = self.stage_layers
+        """The move of `plan` happened and took `seconds`: measure afresh in the new partition. A move
+        home clears the bar for undoing a move: leaving home again, when a fault hidden by the
+        relieved stage shows once more, is a first move."""
+        self.previous_layers = None if plan.stage_layers == self.home_layers else self.stage_layers
         self.stage_layers, self.last_move_s = plan.stage_layers, seconds
         self.restart()
 

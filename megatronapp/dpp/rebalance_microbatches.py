@@ -16,8 +16,9 @@ groups of the pipeline size (engine/replica_split.py). A split is adopted under 
 rules (compute_worth_moving: min_gain, amortisation, the reverse factor) and never while a split
 measured lately ran no faster (compute_measured_worse), so noise does not re-plan and a fault that
 goes away moves the microbatches back once its measurements are old: as soon as no replica is
-remembered slower per microbatch than the fastest by `min_gain`, the balanced split comes back
-without clearing the hysteresis (compute_home_due). The engine applies a split exactly: the gradient stays the balanced run's (engine/replica_split.py).
+remembered slower per microbatch than the fastest by `min_gain`, the balanced split comes back,
+gain or not (compute_home_due). The engine applies a split exactly: the gradient stays the
+balanced run's (engine/replica_split.py).
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ class MicrobatchRebalancer:
         return plan.replica_microbatches == self.previous_split
 
     def moved(self, plan: MicrobatchPlan, seconds: float) -> None:
-        """The split of `plan` is in force and took `seconds` to apply: measure afresh under it."""
-        self.previous_split = self.split
+        """The split of `plan` is in force and took `seconds` to apply: measure afresh under it (a
+        move to the balanced split clears the bar for undoing a move, as for layers)."""
+        self.previous_split = None if plan.replica_microbatches == self.model.balanced else self.split
         self.split, self.last_move_s = plan.replica_microbatches, seconds
         self.restart()
 

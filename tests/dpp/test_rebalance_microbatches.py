@@ -93,6 +93,22 @@ def test_a_small_saving_does_not_undo_the_last_move():
     assert homes and homes[0].replica_microbatches == (4, 4) and "no replica is slower" in homes[0].reason
 
 
+def test_a_fault_the_relieved_replica_hid_moves_microbatches_off_again_after_the_balanced_split_came_back():
+    """Replica 1 is 1.5x slower per microbatch with 4, as fast as replica 0 with 3: moving one off
+    saves 17% (a first move's bar, not an undoing's), so it must happen again after the probe home."""
+    config = RebalanceConfig(mode="microbatches", warmup_iters=0, first_move_cost_s=0.0, memory_iters=8)
+    rebalancer = _rebalancer(config)
+    measured = {(4, 4): ((4.0, 6.0), 6.5), (5, 3): ((5.0, 3.0), 5.5)}
+    moves = []
+    for _ in range(60):
+        compute, step = measured[rebalancer.split]
+        plan = rebalancer.observe(compute, step)
+        if plan is not None:
+            rebalancer.moved(plan, seconds=0.01)
+            moves.append(plan.replica_microbatches)
+    assert moves[:3] == [(5, 3), (4, 4), (5, 3)], moves
+
+
 def test_a_split_that_ran_slower_when_tried_is_not_tried_again_while_the_measurement_is_fresh():
     """A quota-like fault: replica 1 is 3x slower per microbatch while loaded, but with one
     microbatch it stays under its quota and looks fast; the model then wants microbatches back,

@@ -100,6 +100,23 @@ def test_once_no_stage_is_slower_the_layers_go_home_even_where_the_model_sees_no
     assert moves[0][0] + config.window >= config.memory_iters  # not before the fault's speed is forgotten
 
 
+def test_a_fault_the_relieved_stage_hid_moves_the_layers_off_again_after_they_went_home():
+    """Quota-like: stage 1 is 1.5x slower per layer when it holds 4 layers, as fast as stage 0 with
+    3. Moving off saves 17% (a first move's bar, not an undoing's); after going home the layers
+    must leave again, not stay home under the fault."""
+    config = RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0, memory_iters=8)
+    rebalancer = _rebalancer(config)
+    measured = {(4, 4): ((4.0, 6.0), 6.5), (5, 3): ((5.0, 3.0), 5.5)}
+    moves = []
+    for _ in range(60):
+        compute, step = measured[rebalancer.stage_layers]
+        plan = rebalancer.observe(compute, step)
+        if plan is not None:
+            rebalancer.moved(plan, seconds=0.1)
+            moves.append(plan.stage_layers)
+    assert moves[:3] == [(5, 3), (4, 4), (5, 3)], moves
+
+
 def test_a_stage_still_a_little_slower_keeps_the_layers_away_from_home():
     config = RebalanceConfig(mode="layers", warmup_iters=0, first_move_cost_s=0.0, memory_iters=4)
     rebalancer = _rebalancer(config)

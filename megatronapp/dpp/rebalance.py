@@ -194,7 +194,8 @@ class LayerRebalancer:
             return None
         stage_s, self.measured[self.stage_layers] = medians[0], (medians[1], self.measurements.iteration)
         speeds = self._remember(stage_s)
-        if self._home_due(speeds):
+        iteration = self.measurements.iteration
+        if compute_home_due(self.config, speeds, self.measured, self.stage_layers, self.home_layers, iteration):
             return self._plan_of(
                 self.home_layers, speeds, "no stage is slower per layer any more: back to the job's own split"
             )
@@ -209,12 +210,6 @@ class LayerRebalancer:
         """Each stage's speed (seconds per layer unit): now, and the slowest measured lately."""
         current = compute_rank_layers(self.stage_layers, self.model.pp_size)
         return self.measurements.remember([t / (n + e) for t, n, e in zip(stage_s, current, self.model.extras())])
-
-    def _home_due(self, speeds: list[float]) -> bool:
-        if not compute_home_due(self.config, speeds, self.stage_layers, self.home_layers):
-            return False
-        iteration = self.measurements.iteration
-        return not compute_measured_worse(self.config, self.measured, self.home_layers, self.stage_layers, iteration)
 
     def _plan_of(self, stage_layers: tuple[int, ...], speeds: list[float], reason: str) -> Plan:
         """The plan that moves to `stage_layers` (per virtual stage), with its predicted times."""
@@ -280,10 +275,13 @@ def compute_measured_worse(config: RebalanceConfig, measured: dict, there, here,
     return seen[0] >= measured[here][0] * (1 - config.min_gain)
 
 
-def compute_home_due(config: RebalanceConfig, speeds: list[float], here, home) -> bool:
-    """Whether the work goes back to the job's own split `home`: it is elsewhere, and no part's
-    remembered speed (seconds per unit) is `min_gain` or more above the fastest part's."""
-    return here != home and max(speeds) < (1 + config.min_gain) * min(speeds)
+def compute_home_due(config: RebalanceConfig, speeds: list[float], measured: dict, here, home, iteration: int) -> bool:
+    """Whether the work goes back to the job's own split `home`: it is elsewhere, no part's
+    remembered speed (seconds per unit) is `min_gain` or more above the fastest part's, and home
+    was not measured lately to run slower (compute_measured_worse)."""
+    if here == home or max(speeds) >= (1 + config.min_gain) * min(speeds):
+        return False
+    return not compute_measured_worse(config, measured, home, here, iteration)
 
 
 # `train`'s flags that set RebalanceConfig's fields (their defaults are the fields')

@@ -114,9 +114,7 @@ class MicrobatchRebalancer:
         self.measured[self.split] = (medians[1], iteration)
         speeds = self._remember(medians[0])
         home = self.model.balanced
-        if compute_home_due(self.config, speeds, self.split, home) and not compute_measured_worse(
-            self.config, self.measured, home, self.split, iteration
-        ):
+        if compute_home_due(self.config, speeds, self.measured, self.split, home, iteration):
             current_s = max(compute_replica_times(speeds, self.split))
             reason = "no replica is slower per microbatch any more: back to the balanced split"
             return MicrobatchPlan(home, max(compute_replica_times(speeds, home)), current_s, reason)

@@ -4,7 +4,9 @@ Each cell is one training job (CPU, gloo, one rank per core) run by the fault la
 is the machine's and every schedule feels it alike, PyTorch's included. Scenarios, all on
 `--slow-rank`: balanced; quota (a cgroup CPU quota of 1/`--factor` of the rank's fair share
 from the start); compete (round(factor - 1) busy loops pinned to the rank's core); starts (the
-quota from `--fault-at-s` after the ranks are up); stops (the quota until then). Variants:
+quota from `--fault-at-s` after the ranks are up); stops (the quota until then); link (`tc`
+limits the pipeline link `--slow-link` to `--link-mbit`, each rank in its own network namespace:
+a fault a planner that reads compute times should not move layers for). Variants:
 each of `--schedules` alone and with rebalancing (`--mode`); `torch-zb` is PyTorch's
 `ScheduleInterleavedZeroBubble` on the same chunks (benchmarks/torch_zb_cell.py, never
 rebalanced). Every round runs every cell once, in a fresh random order.
@@ -41,11 +43,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatronapp.faultlab import EngineJob, LabPlan, ScriptJob, SlowRank, run_lab
+from megatronapp.faultlab import EngineJob, LabPlan, ScriptJob, SlowLink, SlowRank, run_lab
 from megatronapp.faultlab.cpu import Schedule, lab_cores
 from megatronapp.files import write_text_atomic
 
-SCENARIOS = ("balanced", "quota", "compete", "starts", "stops")
+SCENARIOS = ("balanced", "quota", "compete", "starts", "stops", "link")
 TORCH_ZB = "torch-zb"
 _FOREVER_MS = 10**9
 _TORCH_ZB_STEPS = re.compile(r"torch-zb: \[([^\]]*)\] ms/step")
@@ -62,6 +64,9 @@ def faults(a, scenario: str) -> tuple:
     }.get(scenario)
     if scenario == "balanced":
         return ()
+    if scenario == "link":
+        src, dst = parse_link(a.slow_link)
+        return (SlowLink(src, dst, a.link_mbit),)
     return (SlowRank(a.slow_rank, "compete" if scenario == "compete" else "quota", a.factor, schedule),)
 
 
@@ -87,7 +92,9 @@ def _plan(a, scenario: str, schedule: str, rebalance: bool, metrics: Path) -> La
         if rebalance:
             extra += ["--dpp-rebalance", a.mode, "--dpp-rebalance-window", str(a.window)]
         job = EngineJob(1, a.pp, a.dp, iters=a.iters, extra=tuple(extra))
-    return LabPlan(job, faults(a, scenario), tag=a.tag)
+    fs = faults(a, scenario)
+    nodes = job.nproc if any(isinstance(f, SlowLink) for f in fs) else 0  # tc needs a namespace per rank
+    return LabPlan(job, fs, nodes=nodes, tag=a.tag)
 
 
 def _steps(plan: LabPlan, result, metrics: Path) -> tuple[list[float], list[dict], list[int]]:
@@ -174,11 +181,13 @@ def round_order(cells: list, seed: int, rep: int) -> list:
 
 def resumed_cells(a, payload: dict) -> dict[str, list[dict | None]]:
     """The rounds of an earlier run of the same measurement, padded to `a.repeats`; ValueError
-    naming the first flag that differs."""
+    naming the first flag that differs (a flag the file predates counts at its default)."""
     now = {k: v for k, v in vars(a).items() if k not in _NOT_MEASURED}
+    defaults = vars(build_parser().parse_args([]))
     for k, v in now.items():
-        if payload["args"].get(k) != v:
-            raise ValueError(f"--{k.replace('_', '-')} {v} differs from the file's {payload['args'].get(k)}")
+        was = payload["args"].get(k, defaults[k])
+        if was != v:
+            raise ValueError(f"--{k.replace('_', '-')} {v} differs from the file's {was}")
     return {k: v + [None] * (a.repeats - len(v)) for k, v in payload["cells"].items()}
 
 
@@ -189,6 +198,15 @@ def _cells(a) -> list[tuple[str, str, bool]]:
         for sch in a.schedules
         for rb in ((False,) if sch == TORCH_ZB else (False, True))
     ]
+
+
+def parse_link(text: str) -> tuple[int, int]:
+    """`--slow-link` SRC:DST as two ranks; ValueError otherwise."""
+    try:
+        src, dst = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--slow-link: expected SRC:DST ranks, got {text!r}") from None
+    return src, dst
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,7 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--factor", type=float, default=2.0, help="the fault: 1/factor of the rank's fair share")
-    p.add_argument("--fault-at-s", type=float, default=20.0, help="starts/stops: seconds after the ranks are up")
+    p.add_argument("--slow-link", default="0:1", help="link: SRC:DST ranks")
+    p.add_argument("--link-mbit", type=float, default=40.0, help="link: the limit in Mbit/s")
+    p.add_argument(
+        "--fault-at-s",
+        type=float,
+        default=20.0,
+        help="starts/stops: seconds after the ranks are up (start-up counts: on a busy host the first step came ~20 s later)",
+    )
     p.add_argument("--schedules", nargs="+", default=["1f1b"], help=f"pipeline schedules, and {TORCH_ZB}")
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=["balanced", "quota"])
     p.add_argument("--repeats", type=int, default=3)
@@ -223,6 +248,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if TORCH_ZB in a.schedules and a.vpp < 2:
         p.error(f"{TORCH_ZB} runs interleaved chunks: give --vpp >= 2")
+    try:
+        link = parse_link(a.slow_link)
+        if a.link_mbit <= 0:
+            raise ValueError(f"--link-mbit must be > 0, got {a.link_mbit}")
+        if "link" in a.scenarios:
+            LabPlan(EngineJob(1, a.pp, a.dp), (SlowLink(*link, a.link_mbit),), nodes=a.pp * a.dp)
+    except ValueError as e:
+        p.error(str(e))
     results, cells = {}, _cells(a)
     out = Path(a.out) / "rebalance.json"
     if a.resume and out.exists():

@@ -60,6 +60,31 @@ def test_each_scenario_slows_the_chosen_rank_when_it_says(scenario, method, star
     assert R.faults(a, "balanced") == ()
 
 
+def test_the_link_scenario_limits_the_chosen_link_with_a_namespace_per_rank():
+    a = R.build_parser().parse_args(
+        ["--pp", "2", "--dp", "2", "--scenarios", "link", "--slow-link", "1:3", "--link-mbit", "25"]
+    )
+    assert R.faults(a, "link") == (R.SlowLink(1, 3, 25.0),)
+    plan = R._plan(a, "link", "1f1b", True, Path("m.jsonl"))
+    assert plan.nodes == 4 and plan.faults == (R.SlowLink(1, 3, 25.0),)
+    assert R._plan(a, "quota", "1f1b", True, Path("m.jsonl")).nodes == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--slow-link", "0-1"], "expected SRC:DST"),
+        (["--slow-link", "0:4"], "names rank 4"),
+        (["--link-mbit", "0"], "--link-mbit must be > 0"),
+    ],
+)
+def test_a_bad_link_is_refused_in_one_line_before_any_cell_runs(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        R.main(["--pp", "2", "--scenarios", "link", "--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err and not (tmp_path / "rebalance.json").exists()
+
+
 def test_cells_of_different_invocations_or_rounds_not_run_are_not_paired():
     cells = {
         "quota/1f1b": [{"median_s": 2.0, "tail_median_s": 2.0, "call": "a"}, {"median_s": 3.0, "tail_median_s": 3.0, "call": "a"}, None],
@@ -82,6 +107,13 @@ def test_a_resumed_file_keeps_its_rounds_and_refuses_other_measurement_flags():
     assert R.resumed_cells(_args(repeats=3), earlier) == {"quota/1f1b": [{"median_s": 1.0}, None, None]}
     with pytest.raises(ValueError, match="--pp 2 differs from the file's 4"):
         R.resumed_cells(_args(pp=2), earlier)
+
+
+def test_a_file_older_than_a_flag_resumes_when_the_flag_is_at_its_default():
+    earlier = {"args": vars(_args(repeats=1)), "cells": {"quota/1f1b": [{"median_s": 1.0}]}}
+    assert R.resumed_cells(_args(link_mbit=40.0), earlier) == {"quota/1f1b": [{"median_s": 1.0}, None]}
+    with pytest.raises(ValueError, match="--link-mbit 10.0 differs from the file's 40.0"):
+        R.resumed_cells(_args(link_mbit=10.0), earlier)
 
 
 def test_a_rounds_order_depends_on_the_seed_and_round_only():

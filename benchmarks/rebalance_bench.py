@@ -50,6 +50,7 @@ from megatronapp.files import write_text_atomic
 SCENARIOS = ("balanced", "quota", "compete", "starts", "stops", "link")
 TORCH_ZB = "torch-zb"
 _FOREVER_MS = 10**9
+_VIRTUAL = ("interleaved", "looped-bfs", "interleaved-zb", "dynamic", TORCH_ZB)  # schedules of virtual stages
 _TORCH_ZB_STEPS = re.compile(r"torch-zb: \[([^\]]*)\] ms/step")
 # Flags that do not change what a cell measures: a resumed file may differ in these.
 _NOT_MEASURED = frozenset({"repeats", "resume", "out", "timeout", "tag"})
@@ -75,7 +76,7 @@ def train_flags(a, schedule: str, metrics: Path | None) -> list[str]:
     flags = ["--model", "demo", "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size)]
     flags += ["--seq-length", str(a.seq_length), "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches)]
     flags += ["--log-interval", "1", "--pipeline-schedule", "interleaved" if schedule == TORCH_ZB else schedule]
-    if schedule in ("interleaved", "dynamic", TORCH_ZB):
+    if schedule in _VIRTUAL:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(a.num_layers // (a.pp * a.vpp))]
     if metrics is not None:
         flags += ["--metrics-file", str(metrics)]

@@ -70,6 +70,14 @@ def test_the_link_scenario_limits_the_chosen_link_with_a_namespace_per_rank():
     assert R._plan(a, "quota", "1f1b", True, Path("m.jsonl")).nodes == 0
 
 
+@pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", False), ("interleaved-zb", True), ("torch-zb", True)])
+def test_a_schedule_of_virtual_stages_gets_their_layer_count(schedule, virtual):
+    a = R.build_parser().parse_args(["--pp", "2", "--vpp", "2", "--num-layers", "8"])
+    flags = R.train_flags(a, schedule, None)
+    assert ("--num-layers-per-virtual-pipeline-stage" in flags) == virtual
+    assert not virtual or flags[flags.index("--num-layers-per-virtual-pipeline-stage") + 1] == "2"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
